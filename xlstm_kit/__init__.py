@@ -1,0 +1,2 @@
+"""xlstm_kit: xLSTM (sLSTM, mLSTM) and DPLR/KDA recurrences for PyTorch."""
+__version__ = "0.1.0"
