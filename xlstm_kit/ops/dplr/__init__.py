@@ -1,0 +1,68 @@
+"""DPLR family (gated generalized delta rule) and its KDA special case.
+
+The public functions validate their inputs, ask `choose_backend` which implementation runs, and
+call it. Only the PyTorch path exists so far (naive.py: the reference loop and the single step;
+chunkwise.py: the WY algorithm with a hand-written backward; kda.py: the KDA substitution); a
+Triton kernel plugs in at the `choose_backend` branches.
+"""
+from __future__ import annotations
+
+from ..backend import choose_backend
+from . import chunkwise as _chunkwise
+from . import kda as _kda
+from . import naive as _naive
+
+
+def dplr_recurrent(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_final_state=False,
+                   backend=None):
+    """DPLR recurrence, step by step: S_t = S_{t-1} Diag(α_t)(I − b_t a_tᵀ) + v_t k_tᵀ,
+    α_t = exp(gk_t), o_t = S_t (scale·q_t). The gate-free form S_t = S_{t-1}(Diag(α_t) − d_t a_tᵀ)
+    + v_t k_tᵀ is b_t = d_t / α_t.
+
+    q, k, a, b, gk: [B, T, H, K]; v: [B, T, H, V]; initial_state: [B, H, K, V] (= Sᵀ) or None.
+    Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
+    """
+    _naive.check_dplr_inputs(q, k, v, a, b, gk, initial_state)
+    choose_backend("dplr_recurrent", backend, q.device)
+    return _naive.dplr_recurrent(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
+                                 output_final_state=output_final_state)
+
+
+def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_final_state=False,
+                   chunk_size=64, backend=None):
+    """DPLR, chunkwise WY algorithm (same maths as `dplr_recurrent`, same shapes), with a
+    hand-written backward. S_t = S_{t-1} Diag(α_t)(I − b_t a_tᵀ) + v_t k_tᵀ, α_t = exp(gk_t),
+    o_t = S_t (scale·q_t); the gate-free form S_t = S_{t-1}(Diag(α_t) − d_t a_tᵀ) + v_t k_tᵀ is
+    b_t = d_t / α_t.
+
+    q, k, a, b, gk: [B, T, H, K]; v: [B, T, H, V]; initial_state: [B, H, K, V] (= Sᵀ) or None;
+    chunk_size: any integer in [1, 1024], T need not be a multiple.
+    Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
+    """
+    _naive.check_dplr_inputs(q, k, v, a, b, gk, initial_state)
+    choose_backend("dplr_chunkwise", backend, q.device)
+    return _chunkwise.dplr_chunkwise(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
+                                     output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def dplr_step(q, k, v, a, b, gk, state, *, scale=None):
+    """One DPLR step. q, k, a, b, gk: [B, H, K]; v: [B, H, V]; state: [B, H, K, V] or None (zeros).
+    Returns (o [B, H, V] in q's dtype, state [B, H, K, V] float32/float64)."""
+    return _naive.dplr_step(q, k, v, a, b, gk, state, scale=scale)
+
+
+def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                  chunk_size=64, backend=None):
+    """KDA: DPLR with a = k, b = β k, v ← β v, i.e. S_t = S_{t-1} Diag(α_t)(I − β_t k_t k_tᵀ)
+    + β_t v_t k_tᵀ with α_t = exp(g_t).
+
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None.
+    Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
+    """
+    _kda.check_kda_inputs(q, k, v, g, beta)
+    choose_backend("kda_chunkwise", backend, q.device)
+    return _kda.kda_chunkwise(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                              output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+__all__ = ["dplr_recurrent", "dplr_chunkwise", "dplr_step", "kda_chunkwise"]
