@@ -1,0 +1,91 @@
+"""sLSTM ops: validated public entry points and the one place that picks the backend.
+
+    slstm_recurrent(x_gates [B,T,4,H,D], r [4,H,D,D], b [4,H,D], *, initial_state, ...)
+        -> (h [B,T,H,D], (h, c, n, m) each [B,H,D] or None)
+    slstm_step(x_gates [B,4,H,D], r, b, state) -> (h [B,H,D], (h, c, n, m))
+
+Gate order is (i, f, z, o) everywhere; r holds one D x D block per gate and head (the
+block-diagonal recurrent matrix), applied as h_{t-1} @ r[g, h]. The maths is DESIGN.md §1.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Tuple
+
+import torch
+
+from .._checks import check_same_device, check_tensor
+from ..backend import choose_backend
+from .naive import State, slstm_recurrent_naive, slstm_step_naive
+from .recurrent import slstm_recurrent_torch
+
+__all__ = ["slstm_recurrent", "slstm_step", "slstm_recurrent_naive", "slstm_step_naive"]
+
+FORGET_GATES = ("sigmoid", "exp")
+STATE_NAMES = ("h", "c", "n", "m")
+
+
+def _check_common(x_gates, r, b, state, state_name: str, forget_gate) -> None:
+    if forget_gate not in FORGET_GATES:
+        raise ValueError(f"forget_gate must be 'sigmoid' or 'exp', got {forget_gate!r}")
+    batch, heads, dim = x_gates.shape[0], x_gates.shape[-2], x_gates.shape[-1]
+    check_tensor("r", r, (4, heads, dim, dim), "4,H,D,D")
+    check_tensor("b", b, (4, heads, dim), "4,H,D")
+    tensors = {"x_gates": x_gates, "r": r, "b": b}
+    if state is not None:
+        if not isinstance(state, (tuple, list)) or len(state) != 4:
+            raise ValueError(f"{state_name} must be a tuple (h, c, n, m) of four [B,H,D] tensors, "
+                             f"expected each of shape [{batch}, {heads}, {dim}]")
+        for name, s in zip(STATE_NAMES, state):
+            check_tensor(f"{state_name}.{name}", s, (batch, heads, dim), "B,H,D")
+            tensors[f"{state_name}.{name}"] = s
+    check_same_device(**tensors)
+
+
+def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
+                    initial_state: Optional[State] = None, output_final_state: bool = False,
+                    forget_gate: str = "sigmoid", recurrent_grad_clip: Optional[float] = None,
+                    backend: Optional[str] = None) -> Tuple[torch.Tensor, Optional[State]]:
+    """sLSTM over a sequence (stabilized exponential gating, per-head memory mixing).
+
+    Args:
+        x_gates: [B, T, 4, H, D] input parts of the gate pre-activations, gates (i, f, z, o).
+        r: [4, H, D, D] recurrent weights; gate g of head h adds h_{t-1}[h] @ r[g, h].
+        b: [4, H, D] gate biases.
+        initial_state: (h, c, n, m), each [B, H, D]; None means zeros.
+        output_final_state: also return the final (h, c, n, m).
+        forget_gate: "sigmoid" (log f = logsigmoid(f̃)) or "exp" (log f = f̃).
+        recurrent_grad_clip: None (exact gradient) or a positive float c: the gradient reaching
+            h_{t-1} through r (δh^R, paper eq. 49) is clamped to [−c, c] in the backward pass
+            (the paper uses 10). The forward is unchanged.
+        backend: None (fastest available), "torch" or "triton".
+
+    Returns:
+        h [B, T, H, D] in x_gates' dtype; the final state (each [B, H, D], float32, or float64
+        for float64 inputs) or None.
+    """
+    check_tensor("x_gates", x_gates, (None, None, 4, None, None), "B,T,4,H,D")
+    if x_gates.shape[1] == 0:
+        raise ValueError("x_gates [B,T,4,H,D] must have at least one time step (T >= 1)")
+    _check_common(x_gates, r, b, initial_state, "initial_state", forget_gate)
+    if recurrent_grad_clip is not None and (
+            isinstance(recurrent_grad_clip, bool) or not isinstance(recurrent_grad_clip, numbers.Real)
+            or not recurrent_grad_clip > 0):
+        raise ValueError(f"recurrent_grad_clip must be None or a positive number, got {recurrent_grad_clip!r}")
+    chosen = choose_backend("slstm_recurrent", backend, x_gates.device)
+    if chosen == "torch":
+        return slstm_recurrent_torch(x_gates, r, b, initial_state=initial_state,
+                                     output_final_state=output_final_state, forget_gate=forget_gate,
+                                     recurrent_grad_clip=recurrent_grad_clip)
+    # A Triton kernel registers "slstm_recurrent" in backend.TRITON_OPS and is dispatched here.
+    raise NotImplementedError(f"backend {chosen!r} is not wired for slstm_recurrent")
+
+
+def slstm_step(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor,
+               state: Optional[State] = None, *, forget_gate: str = "sigmoid"
+               ) -> Tuple[torch.Tensor, State]:
+    """One sLSTM step (generation): x_gates [B, 4, H, D], r [4, H, D, D], b [4, H, D],
+    state (h, c, n, m) each [B, H, D] or None (zeros) -> (h [B, H, D], new state)."""
+    check_tensor("x_gates", x_gates, (None, 4, None, None), "B,4,H,D")
+    _check_common(x_gates, r, b, state, "state", forget_gate)
+    return slstm_step_naive(x_gates, r, b, state, forget_gate=forget_gate)
