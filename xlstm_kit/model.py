@@ -1,0 +1,409 @@
+"""xLSTM language model: its configuration and the model itself, top to bottom.
+
+    tokens [B, T] -> embedding -> n_blocks residual blocks (mLSTM or sLSTM, as `slstm_at` says)
+                  -> LayerNorm -> LM head -> logits [B, T, vocab_size]
+
+Training runs every block in parallel over time (chunkwise mLSTM, sLSTM time loop); generation
+runs the same weights one token at a time on a state whose size does not grow with the text.
+The architecture and initialisation are those of the official `xlstm` package (2.0.6);
+`xlstm_kit.compat` converts models both ways.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from .nn.common import round_up, small_init_
+from .nn.mlstm import MLSTMBlock, MLSTMState
+from .nn.slstm import SLSTMBlock, SLSTMState
+
+BlockState = Union[MLSTMState, SLSTMState]
+ModelState = list  # one BlockState per block, in block order
+
+_RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+# =============================================================================================
+# Configuration
+# =============================================================================================
+@dataclass
+class XLSTMConfig:
+    """Everything that defines an xLSTM language model (saved as config.json in checkpoints).
+
+    Presets: `XLSTMConfig.from_name("tiny" | "125M" | "350M" | "760M" | "1.3B", **overrides)`.
+    """
+
+    vocab_size: int = 256
+    """Number of token ids; inputs must lie in [0, vocab_size). 256 = raw bytes."""
+
+    d_model: int = 128
+    """Width of the residual stream (the paper's embedding dimension)."""
+
+    n_blocks: int = 4
+    """Number of residual blocks, mLSTM and sLSTM together."""
+
+    n_heads: int = 4
+    """mLSTM heads. Must divide d_model and the mLSTM inner width (see mlstm_proj_factor)."""
+
+    slstm_at: Union[list, str] = field(default_factory=list)
+    """Which blocks are sLSTM blocks: 0-based positions such as [1], or a ratio "a:b" meaning a
+    mLSTM blocks per b sLSTM blocks, spread evenly with the sLSTM blocks last in each group
+    ("7:1" = xLSTM[7:1]; "1:0" all mLSTM; "0:1" all sLSTM). Default: no sLSTM block."""
+
+    slstm_heads: Union[int, None] = None
+    """sLSTM heads (None: same as n_heads). Must divide d_model."""
+
+    mlstm_proj_factor: float = 2.0
+    """mLSTM up-projection: inner width = mlstm_proj_factor * d_model rounded up to a multiple of
+    round_proj_to."""
+
+    ffn_proj_factor: float = 1.3
+    """Hidden width factor of the gated feed-forward in sLSTM blocks (the paper's 4/3; the
+    official code uses 1.3), rounded up to a multiple of round_proj_to."""
+
+    round_proj_to: int = 64
+    """Up-projected widths are rounded up to a multiple of this (hardware-friendly sizes)."""
+
+    conv_kernel_size: int = 4
+    """Kernel size of the causal depthwise convolutions in both block types."""
+
+    qkv_block_size: int = 4
+    """Block size of the block-diagonal q/k/v projections of the mLSTM."""
+
+    bias: bool = False
+    """Biases in the up/down projections, q/k/v maps and feed-forward (gates always have them)."""
+
+    dropout: float = 0.0
+    """Dropout on the output of every mLSTM, sLSTM and feed-forward layer (training only)."""
+
+    tie_embeddings: bool = False
+    """Share the token embedding matrix with the LM head."""
+
+    context_length: int = 256
+    """Training sequence length. The model itself accepts any length; this is the default for
+    training and the official model's causal-mask size in compat conversions."""
+
+    chunk_size: int = 64
+    """Chunk length of the chunkwise-parallel mLSTM (a speed knob; results do not depend on it)."""
+
+    backend: Union[str, None] = None
+    """Force the ops' backend, "torch" or "triton"; None lets each op pick for the device."""
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_blocks", "n_heads", "round_proj_to",
+                     "conv_kernel_size", "qkv_block_size", "context_length", "chunk_size"):
+            _check_positive_int(name, getattr(self, name))
+        if self.slstm_heads is not None:
+            _check_positive_int("slstm_heads", self.slstm_heads)
+        for name in ("mlstm_proj_factor", "ffn_proj_factor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
+        for name in ("bias", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.chunk_size > 1024:
+            raise ValueError(f"chunk_size must be at most 1024, got {self.chunk_size}; 64 is a good default")
+        if self.backend not in (None, "torch", "triton"):
+            raise ValueError(f"backend must be None, 'torch' or 'triton', got {self.backend!r}")
+        if isinstance(self.slstm_at, (list, tuple)):
+            # a list keeps the config equal to itself after a JSON round trip
+            self.slstm_at = list(self.slstm_at)
+        positions = self.slstm_positions  # validates slstm_at
+
+        if len(positions) < self.n_blocks:  # there is an mLSTM block
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                    f"choose n_heads dividing {self.d_model}"
+                )
+            inner = self.mlstm_inner_dim
+            for name, div in (("n_heads", self.n_heads), ("qkv_block_size", self.qkv_block_size)):
+                if inner % div:
+                    raise ValueError(
+                        f"mLSTM inner width {inner} (mlstm_proj_factor * d_model rounded up to a "
+                        f"multiple of {self.round_proj_to}) is not divisible by {name}={div}; "
+                        f"choose {name} dividing {inner}"
+                    )
+        if positions and self.d_model % self.slstm_num_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by slstm_heads={self.slstm_num_heads}; "
+                f"choose sLSTM heads dividing {self.d_model}"
+            )
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def slstm_positions(self) -> tuple[int, ...]:
+        """Sorted 0-based indices of the sLSTM blocks."""
+        spec = self.slstm_at
+        if isinstance(spec, str):
+            match = _RATIO.match(spec)
+            if not match or int(match[1]) + int(match[2]) == 0:
+                raise ValueError(
+                    f"slstm_at={spec!r} is not a ratio 'a:b' (a mLSTM per b sLSTM blocks, e.g. '7:1'); "
+                    f"or give a list of block positions"
+                )
+            a, b = int(match[1]), int(match[2])
+            # block t is sLSTM when the running count of sLSTM blocks, b/(a+b) per block, steps up
+            return tuple(t for t in range(self.n_blocks) if ((t + 1) * b) // (a + b) > (t * b) // (a + b))
+        if not isinstance(spec, (list, tuple)):
+            raise ValueError(f"slstm_at must be a list of block positions or a ratio string like '7:1', got {spec!r}")
+        for p in spec:
+            if isinstance(p, bool) or not isinstance(p, int):
+                raise ValueError(f"slstm_at positions must be integers, got {p!r}")
+            if not 0 <= p < self.n_blocks:
+                raise ValueError(
+                    f"slstm_at position {p} is out of range for n_blocks={self.n_blocks}; "
+                    f"use positions 0..{self.n_blocks - 1}"
+                )
+        if len(set(spec)) != len(spec):
+            raise ValueError(f"slstm_at lists a position twice: {list(spec)}")
+        return tuple(sorted(spec))
+
+    @property
+    def block_types(self) -> tuple[str, ...]:
+        """"m" or "s" per block."""
+        s = set(self.slstm_positions)
+        return tuple("s" if t in s else "m" for t in range(self.n_blocks))
+
+    @property
+    def slstm_num_heads(self) -> int:
+        return self.n_heads if self.slstm_heads is None else self.slstm_heads
+
+    @property
+    def mlstm_inner_dim(self) -> int:
+        return round_up(self.mlstm_proj_factor * self.d_model, self.round_proj_to)
+
+    @property
+    def ffn_dim(self) -> int:
+        return round_up(self.ffn_proj_factor * self.d_model, self.round_proj_to)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "XLSTMConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"an XLSTMConfig needs a JSON object, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown XLSTMConfig fields {unknown}; known fields: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "XLSTMConfig":
+        """A preset by name, with fields overridden by keyword.
+
+        "tiny": byte-level, d_model 128, 4 blocks (one sLSTM), trains on a laptop CPU in minutes.
+        "125M", "350M", "760M", "1.3B": the paper's xLSTM[7:1] language models (GPT-2 vocabulary
+        50257, context 2048, 4 heads; 24 blocks at d_model 768, 48 blocks at 1024 / 1536 / 2048 —
+        163.7M / 409.3M / 840.4M / 1420.4M parameters in the paper's count with [7:1]).
+        Pass slstm_at="1:0" for the paper's xLSTM[1:0] variants.
+        """
+        key = str(name).strip().lower()
+        if key not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[key], **overrides})
+
+
+def _check_positive_int(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+_PAPER = dict(vocab_size=50257, n_heads=4, slstm_at="7:1", context_length=2048)
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=256, d_model=128, n_blocks=4, n_heads=4, slstm_at=[1], context_length=256),
+    "125m": dict(_PAPER, d_model=768, n_blocks=24),
+    "350m": dict(_PAPER, d_model=1024, n_blocks=48),
+    "760m": dict(_PAPER, d_model=1536, n_blocks=48),
+    "1.3b": dict(_PAPER, d_model=2048, n_blocks=48),
+}
+
+
+# =============================================================================================
+# Model
+# =============================================================================================
+class XLSTMLanguageModel(nn.Module):
+    """xLSTM language model.
+
+    model(tokens [B, T]) -> logits [B, T, vocab_size]
+    model(tokens, state=s, return_state=True) -> (logits, state): feed a long text in pieces
+    model.step(token [B], state) -> (logits [B, vocab_size], state): one token
+    model.generate(prompt, max_new_tokens, temperature, top_k, top_p, eos_token_id)
+    The state is a list with one MLSTMState / SLSTMState per block (`init_state(batch)`).
+    """
+
+    def __init__(self, config: XLSTMConfig):
+        super().__init__()
+        if not isinstance(config, XLSTMConfig):
+            raise ValueError(f"config must be an XLSTMConfig, got {type(config).__name__}")
+        self.config = cfg = config
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(self._make_block(t, kind) for t, kind in enumerate(cfg.block_types))
+        self.norm = nn.LayerNorm(cfg.d_model, eps=1e-5, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embedding.weight
+        self.reset_parameters()
+
+    def _make_block(self, index: int, kind: str) -> nn.Module:
+        cfg = self.config
+        if kind == "m":
+            return MLSTMBlock(
+                cfg.d_model, cfg.mlstm_inner_dim, cfg.n_heads,
+                conv_kernel_size=cfg.conv_kernel_size, qkv_block_size=cfg.qkv_block_size,
+                n_blocks=cfg.n_blocks, bias=cfg.bias, dropout=cfg.dropout,
+                chunk_size=cfg.chunk_size, backend=cfg.backend,
+            )
+        return SLSTMBlock(
+            cfg.d_model, cfg.slstm_num_heads, cfg.ffn_dim,
+            conv_kernel_size=cfg.conv_kernel_size, block_index=index, n_blocks=cfg.n_blocks,
+            bias=cfg.bias, dropout=cfg.dropout, backend=cfg.backend,
+        )
+
+    def reset_parameters(self) -> None:
+        """The official initialisation (blocks re-initialise themselves; see nn/)."""
+        for block in self.blocks:
+            block.reset_parameters()
+        self.norm.reset_parameters()
+        small_init_(self.embedding.weight, self.config.d_model)
+        if not self.config.tie_embeddings:
+            small_init_(self.lm_head.weight, self.config.d_model)
+
+    # ------------------------------------------------------------------ state
+    def init_state(self, batch: int, device=None) -> ModelState:
+        """The zero state for `batch` sequences: one state per block, float32 (float64 models: float64)."""
+        _check_positive_int("batch", batch)
+        return [block.init_state(batch, device=device) for block in self.blocks]
+
+    def _check_state(self, state, batch: int) -> None:
+        if not isinstance(state, (list, tuple)) or len(state) != len(self.blocks):
+            raise ValueError(
+                f"state must be a list of {len(self.blocks)} block states from this model's "
+                f"init_state() or forward(..., return_state=True), got {type(state).__name__}"
+                + (f" of length {len(state)}" if isinstance(state, (list, tuple)) else "")
+            )
+        for t, (block, s) in enumerate(zip(self.blocks, state)):
+            ref = block.init_state(1, device="meta")
+            if type(s) is not type(ref):
+                raise ValueError(
+                    f"state[{t}] is a {type(s).__name__} but block {t} is an "
+                    f"{'sLSTM' if isinstance(ref, SLSTMState) else 'mLSTM'} block; "
+                    f"the state comes from a model with another config"
+                )
+            for name, x, r in zip(ref._fields, s, ref):
+                if not isinstance(x, torch.Tensor) or x.shape[1:] != r.shape[1:]:
+                    got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise ValueError(
+                        f"state[{t}].{name} has shape {got}, expected [{batch}, "
+                        f"{', '.join(map(str, r.shape[1:]))}]; the state comes from a model with another config"
+                    )
+                if x.shape[0] != batch:
+                    raise ValueError(
+                        f"state[{t}].{name} is for batch size {x.shape[0]} but the tokens have batch "
+                        f"size {batch}; use model.init_state({batch}) or the state of a {batch}-sequence call"
+                    )
+
+    def _check_tokens(self, tokens, dims: int, what: str) -> None:
+        if not isinstance(tokens, torch.Tensor):
+            raise ValueError(f"{what} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ValueError(f"{what} must hold integer token ids, got dtype {tokens.dtype}")
+        if tokens.dim() != dims:
+            want = "[B, T]" if dims == 2 else "[B]"
+            raise ValueError(f"{what} must have shape {want}, got {list(tokens.shape)}")
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+            lo, hi = int(tokens.min()), int(tokens.max())
+            raise ValueError(
+                f"{what} contain ids in [{lo}, {hi}] but vocab_size is {self.config.vocab_size}; "
+                f"ids must lie in [0, {self.config.vocab_size - 1}]"
+            )
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens: torch.Tensor, state: ModelState | None = None, return_state: bool = False):
+        """tokens [B, T] (T >= 1) -> logits [B, T, vocab] (float in the parameters' dtype),
+        or (logits, state) with return_state=True. `state` continues from an earlier call."""
+        self._check_tokens(tokens, 2, "tokens")
+        B, T = tokens.shape
+        if T < 1 or B < 1:
+            raise ValueError(f"tokens must have shape [B, T] with B, T >= 1, got {list(tokens.shape)}")
+        if state is not None:
+            self._check_state(state, B)
+        x = self.embedding(tokens)
+        new_state = []
+        for t, block in enumerate(self.blocks):
+            s = None if state is None else state[t]
+            if return_state:
+                x, s = block(x, s, return_state=True)
+                new_state.append(s)
+            else:
+                x = block(x, s)
+        logits = self.lm_head(self.norm(x))
+        return (logits, new_state) if return_state else logits
+
+    def step(self, tokens: torch.Tensor, state: ModelState | None = None):
+        """One token per sequence: tokens [B] -> (logits [B, vocab], new state)."""
+        self._check_tokens(tokens, 1, "tokens")
+        B = tokens.shape[0]
+        state = self.init_state(B) if state is None else state
+        self._check_state(state, B)
+        x = self.embedding(tokens)
+        new_state = []
+        for block, s in zip(self.blocks, state):
+            x, s = block.step(x, s)
+            new_state.append(s)
+        return self.lm_head(self.norm(x)), new_state
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue `prompt` ([T] or [B, T] token ids) by up to `max_new_tokens` tokens.
+
+        The prompt is read in parallel (chunkwise), then tokens are produced one at a time from
+        the recurrent state, so memory does not grow with the number of generated tokens.
+        temperature 0 picks the most likely token. Returns prompt + continuation with the
+        prompt's rank; with `eos_token_id`, a sequence that produced it is padded with it, and
+        generation stops early once every sequence has. See `xlstm_kit.generate`.
+        """
+        from .generate import generate
+
+        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, eos_token_id=eos_token_id, generator=generator)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, directory: str | Path) -> Path:
+        """Write `directory`/config.json + model.safetensors (atomically; see xlstm_kit.checkpoint)."""
+        from .checkpoint import save_model
+
+        return save_model(self, directory)
+
+    @classmethod
+    def load(cls, directory: str | Path, device: str | torch.device | None = None) -> "XLSTMLanguageModel":
+        """Read a model written by `save` (FileNotFoundError if missing, ValueError if corrupt)."""
+        from .checkpoint import load_model
+
+        return load_model(directory, device=device)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,22 @@
+"""Layers and residual blocks of xLSTM.
+
+Every layer and block has forward(x [B, T, d], state=None, return_state=False), step(x [B, d],
+state) for one token and init_state(batch). None of them picks a backend: the ops do, unless a
+backend is passed down from the model config.
+"""
+from .common import CausalConv1d, GatedFeedForward, HeadwiseLinear, MultiHeadNorm
+from .mlstm import MLSTMBlock, MLSTMLayer, MLSTMState
+from .slstm import SLSTMBlock, SLSTMLayer, SLSTMState
+
+__all__ = [
+    "CausalConv1d",
+    "GatedFeedForward",
+    "HeadwiseLinear",
+    "MultiHeadNorm",
+    "MLSTMBlock",
+    "MLSTMLayer",
+    "MLSTMState",
+    "SLSTMBlock",
+    "SLSTMLayer",
+    "SLSTMState",
+]

@@ -1,0 +1,169 @@
+"""mLSTM layer and residual block (pre up-projection; paper section 2.4, figure 10 right).
+
+x -> up-projection into (x_m, z) -> causal conv1d + SiLU on x_m -> q, k (from the conv output)
+and v (from x_m) through head-wise 4x4 block-diagonal maps -> input/forget gates, linear in
+concat(q, k, v) -> mLSTM memory -> head-wise norm -> + learnable skip * conv output
+-> * SiLU(z) -> down-projection. The block adds LayerNorm in front and the residual around it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
+
+from .common import CausalConv1d, HeadwiseLinear, MultiHeadNorm, small_init_, state_dtype, wang_init_
+
+
+class MLSTMState(NamedTuple):
+    """Recurrent state of one mLSTM layer; its size does not depend on the sequence length."""
+
+    conv: torch.Tensor  # [B, K-1, inner]  last inputs of the causal convolution
+    C: torch.Tensor  # [B, H, Dh, Dh]    matrix memory
+    n: torch.Tensor  # [B, H, Dh]        normaliser
+    m: torch.Tensor  # [B, H]            stabiliser
+
+
+class MLSTMLayer(nn.Module):
+    """The mLSTM layer of the pre up-projection block (without its LayerNorm and residual).
+
+    forward(x [B, T, d_model], state=None, return_state=False) -> y [B, T, d_model]
+        (or (y, new_state) with return_state=True); step(x [B, d_model], state) -> (y, new_state).
+    The mLSTM runs on `inner_dim` = up-projected width split into `n_heads` heads.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        inner_dim: int,
+        n_heads: int,
+        *,
+        conv_kernel_size: int = 4,
+        qkv_block_size: int = 4,
+        n_blocks: int = 1,
+        bias: bool = False,
+        dropout: float = 0.0,
+        chunk_size: int = 64,
+        backend: str | None = None,
+    ):
+        super().__init__()
+        self.d_model, self.inner_dim, self.n_heads = d_model, inner_dim, n_heads
+        self.head_dim = inner_dim // n_heads
+        self.n_blocks, self.chunk_size, self.backend = n_blocks, chunk_size, backend
+
+        self.up_proj = nn.Linear(d_model, 2 * inner_dim, bias=bias)
+        self.conv = CausalConv1d(inner_dim, conv_kernel_size)
+        n_qkv_heads = inner_dim // qkv_block_size
+        self.q_proj = HeadwiseLinear(inner_dim, n_qkv_heads, bias=bias)
+        self.k_proj = HeadwiseLinear(inner_dim, n_qkv_heads, bias=bias)
+        self.v_proj = HeadwiseLinear(inner_dim, n_qkv_heads, bias=bias)
+        self.igate = nn.Linear(3 * inner_dim, n_heads)
+        self.fgate = nn.Linear(3 * inner_dim, n_heads)
+        self.out_norm = MultiHeadNorm(n_heads, self.head_dim)
+        self.skip = nn.Parameter(torch.ones(inner_dim))
+        self.down_proj = nn.Linear(inner_dim, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        d = self.d_model
+        small_init_(self.up_proj.weight, d)
+        wang_init_(self.down_proj.weight, d, self.n_blocks)
+        # q/k/v use the model width (not their own 4-wide blocks) for small init, like the
+        # official package.
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            small_init_(proj.weight, d)
+        for lin in (self.up_proj, self.down_proj, self.q_proj, self.k_proj, self.v_proj):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+        self.conv.reset_parameters()
+        # Gates start input-independent: forget gates open (sigmoid(3..6) ~ 0.95..0.998, a
+        # spread of memory time scales across heads), input gates near exp(0) = 1.
+        nn.init.zeros_(self.fgate.weight)
+        with torch.no_grad():
+            self.fgate.bias.copy_(torch.linspace(3.0, 6.0, self.n_heads))
+        nn.init.zeros_(self.igate.weight)
+        nn.init.normal_(self.igate.bias, mean=0.0, std=0.1)
+        self.out_norm.reset_parameters()
+        nn.init.ones_(self.skip)
+
+    def init_state(self, batch: int, device=None, dtype=None) -> MLSTMState:
+        """Zero state for `batch` sequences (float32, or float64 for a float64 layer)."""
+        device = self.up_proj.weight.device if device is None else device
+        dtype = state_dtype(self.up_proj.weight.dtype) if dtype is None else dtype
+        H, D = self.n_heads, self.head_dim
+        return MLSTMState(
+            conv=self.conv.init_state(batch, device, dtype),
+            C=torch.zeros(batch, H, D, D, device=device, dtype=dtype),
+            n=torch.zeros(batch, H, D, device=device, dtype=dtype),
+            m=torch.zeros(batch, H, device=device, dtype=dtype),
+        )
+
+    def _qkv_gates(self, x_m: torch.Tensor, x_conv: torch.Tensor):
+        q, k, v = self.q_proj(x_conv), self.k_proj(x_conv), self.v_proj(x_m)
+        qkv = torch.cat([q, k, v], dim=-1)
+        return q, k, v, self.igate(qkv), self.fgate(qkv)
+
+    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
+        B, T, _ = x.shape
+        H, D = self.n_heads, self.head_dim
+        x_m, z = self.up_proj(x).chunk(2, dim=-1)  # [B, T, inner] each
+        x_conv, conv_state = self.conv(x_m, None if state is None else state.conv)
+        x_conv = F.silu(x_conv)
+        q, k, v, i, f = self._qkv_gates(x_m, x_conv)
+        h, cell_state = mlstm_chunkwise(
+            q.view(B, T, H, D), k.view(B, T, H, D), v.view(B, T, H, D), i, f,
+            initial_state=None if state is None else (state.C, state.n, state.m),
+            output_final_state=return_state,
+            chunk_size=self.chunk_size,
+            backend=self.backend,
+        )  # h [B, T, H, D]
+        h = self.out_norm(h).reshape(B, T, -1)
+        y = self.dropout(self.down_proj((h + self.skip * x_conv) * F.silu(z)))
+        if not return_state:
+            return y
+        return y, MLSTMState(conv_state, *cell_state)
+
+    def step(self, x: torch.Tensor, state: MLSTMState):
+        """One token: x [B, d_model] -> (y [B, d_model], new_state)."""
+        B = x.shape[0]
+        H, D = self.n_heads, self.head_dim
+        x_m, z = self.up_proj(x).chunk(2, dim=-1)  # [B, inner] each
+        x_conv, conv_state = self.conv.step(x_m, state.conv)
+        x_conv = F.silu(x_conv)
+        q, k, v, i, f = self._qkv_gates(x_m, x_conv)
+        h, cell_state = mlstm_step(
+            q.view(B, H, D), k.view(B, H, D), v.view(B, H, D), i, f, (state.C, state.n, state.m)
+        )  # h [B, H, D]
+        h = self.out_norm(h).reshape(B, -1)
+        y = self.dropout(self.down_proj((h + self.skip * x_conv) * F.silu(z)))
+        return y, MLSTMState(conv_state, *cell_state)
+
+
+class MLSTMBlock(nn.Module):
+    """Residual mLSTM block: x + mLSTMLayer(LayerNorm(x)). Same interface as MLSTMLayer."""
+
+    def __init__(self, d_model: int, inner_dim: int, n_heads: int, **layer_kwargs):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model, eps=1e-5, bias=False)
+        self.layer = MLSTMLayer(d_model, inner_dim, n_heads, **layer_kwargs)
+
+    def reset_parameters(self) -> None:
+        self.norm.reset_parameters()
+        self.layer.reset_parameters()
+
+    def init_state(self, batch: int, device=None, dtype=None) -> MLSTMState:
+        return self.layer.init_state(batch, device, dtype)
+
+    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
+        if not return_state:
+            return x + self.layer(self.norm(x), state)
+        y, state = self.layer(self.norm(x), state, return_state=True)
+        return x + y, state
+
+    def step(self, x: torch.Tensor, state: MLSTMState):
+        y, state = self.layer.step(self.norm(x), state)
+        return x + y, state

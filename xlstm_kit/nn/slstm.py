@@ -1,0 +1,177 @@
+"""sLSTM layer and residual block (post up-projection; paper section 2.4, figure 10 left).
+
+x -> causal conv1d + SiLU feeding the input and forget gates (z and o see x directly) ->
+head-wise block-diagonal gate projections -> sLSTM with head-wise recurrent weights ->
+head-wise norm. The block: x + sLSTMLayer(LayerNorm(x)), then x + GatedFFN(LayerNorm(x)).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xlstm_kit.ops.slstm import slstm_recurrent, slstm_step
+
+from .common import CausalConv1d, GatedFeedForward, MultiHeadNorm, small_init_, state_dtype
+
+
+class SLSTMState(NamedTuple):
+    """Recurrent state of one sLSTM layer; its size does not depend on the sequence length."""
+
+    conv: torch.Tensor  # [B, K-1, d_model]  last inputs of the causal convolution
+    h: torch.Tensor  # [B, H, D]  hidden state (fed back through the recurrent weights)
+    c: torch.Tensor  # [B, H, D]  cell state
+    n: torch.Tensor  # [B, H, D]  normaliser
+    m: torch.Tensor  # [B, H, D]  stabiliser
+
+
+def powerlaw_forget_bias(head_dim: int, block_index: int, n_blocks: int) -> torch.Tensor:
+    """Forget-gate bias of the official "powerlaw_blockdependent" init, [head_dim].
+
+    Per head the biases run from 5 down to -7 along a power curve whose exponent grows with the
+    depth of the block (0.3 in the first block, 1.6 in the last), so deeper sLSTM blocks start
+    with more long-memory units.
+    """
+    depth = block_index / (n_blocks - 1) if n_blocks > 1 else 0.0
+    # linspace(0, 1, D) == arange(D) / (D - 1), and stays finite for D = 1
+    return 5.0 - 12.0 * torch.linspace(0.0, 1.0, head_dim) ** (0.3 + 1.3 * depth)
+
+
+class SLSTMLayer(nn.Module):
+    """The sLSTM layer (without its LayerNorm, residual and feed-forward).
+
+    forward(x [B, T, d_model], state=None, return_state=False) -> y [B, T, d_model]
+        (or (y, new_state)); step(x [B, d_model], state) -> (y, new_state).
+    Parameters: gate_weight [4, H, D, D] head-wise input maps (gate order i, f, z, o; each head
+    maps its D input features by W [D_out, D_in]), recurrent [4, H, D, D] (D_in x D_out, used as
+    h_{t-1} R), bias [4, H, D].
+    """
+
+    GATES = ("i", "f", "z", "o")
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        conv_kernel_size: int = 4,
+        block_index: int = 0,
+        n_blocks: int = 1,
+        dropout: float = 0.0,
+        backend: str | None = None,
+    ):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
+        self.block_index, self.n_blocks, self.backend = block_index, n_blocks, backend
+        H, D = n_heads, self.head_dim
+        self.conv = CausalConv1d(d_model, conv_kernel_size)
+        self.gate_weight = nn.Parameter(torch.empty(4, H, D, D))
+        self.recurrent = nn.Parameter(torch.empty(4, H, D, D))
+        self.bias = nn.Parameter(torch.empty(4, H, D))
+        self.out_norm = MultiHeadNorm(H, D)
+        self.dropout = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.conv.reset_parameters()
+        small_init_(self.gate_weight, self.d_model)
+        nn.init.zeros_(self.recurrent)
+        with torch.no_grad():
+            self.bias.zero_()
+            self.bias[1] = powerlaw_forget_bias(self.head_dim, self.block_index, self.n_blocks)
+        self.out_norm.reset_parameters()
+
+    def init_state(self, batch: int, device=None, dtype=None) -> SLSTMState:
+        """Zero state for `batch` sequences (float32, or float64 for a float64 layer)."""
+        device = self.bias.device if device is None else device
+        dtype = state_dtype(self.bias.dtype) if dtype is None else dtype
+        zeros = lambda: torch.zeros(batch, self.n_heads, self.head_dim, device=device, dtype=dtype)  # noqa: E731
+        return SLSTMState(self.conv.init_state(batch, device, dtype), zeros(), zeros(), zeros(), zeros())
+
+    def _gates(self, x: torch.Tensor, x_conv: torch.Tensor) -> torch.Tensor:
+        """x, x_conv [N, d_model] -> gate pre-activations without bias and recurrence [N, 4, H, D]."""
+        H, D = self.n_heads, self.head_dim
+        w = self.gate_weight.to(x.dtype)
+        # i and f read the convolved input, z and o the input itself; one batched matmul per pair
+        src = torch.stack([x_conv.reshape(-1, H, D), x.reshape(-1, H, D)], dim=0)  # [2, N, H, D]
+        w_pairs = w.view(2, 2, H, D, D)  # [(if|zo), gate, H, D_out, D_in]
+        g = torch.einsum("pnhi,pghoi->npgho", src, w_pairs)  # [N, 2, 2, H, D]
+        return g.reshape(-1, 4, H, D)
+
+    def forward(self, x: torch.Tensor, state: SLSTMState | None = None, return_state: bool = False):
+        B, T, _ = x.shape
+        x_conv, conv_state = self.conv(x, None if state is None else state.conv)
+        x_conv = F.silu(x_conv)
+        gates = self._gates(x, x_conv).view(B, T, 4, self.n_heads, self.head_dim)
+        h, cell_state = slstm_recurrent(
+            gates, self.recurrent, self.bias,
+            initial_state=None if state is None else (state.h, state.c, state.n, state.m),
+            output_final_state=return_state,
+            backend=self.backend,
+        )  # h [B, T, H, D]
+        y = self.dropout(self.out_norm(h).reshape(B, T, -1))
+        if not return_state:
+            return y
+        return y, SLSTMState(conv_state, *cell_state)
+
+    def step(self, x: torch.Tensor, state: SLSTMState):
+        """One token: x [B, d_model] -> (y [B, d_model], new_state)."""
+        B = x.shape[0]
+        x_conv, conv_state = self.conv.step(x, state.conv)
+        x_conv = F.silu(x_conv)
+        gates = self._gates(x, x_conv)  # [B, 4, H, D]
+        h, cell_state = slstm_step(gates, self.recurrent, self.bias, (state.h, state.c, state.n, state.m))
+        y = self.dropout(self.out_norm(h).reshape(B, -1))
+        return y, SLSTMState(conv_state, *cell_state)
+
+
+class SLSTMBlock(nn.Module):
+    """Residual sLSTM block: x + sLSTMLayer(LN(x)), then x + GatedFeedForward(LN(x)).
+
+    Same interface as SLSTMLayer; `ffn_dim` is the feed-forward hidden width.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        ffn_dim: int,
+        *,
+        conv_kernel_size: int = 4,
+        block_index: int = 0,
+        n_blocks: int = 1,
+        bias: bool = False,
+        dropout: float = 0.0,
+        backend: str | None = None,
+    ):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model, eps=1e-5, bias=False)
+        self.layer = SLSTMLayer(
+            d_model, n_heads, conv_kernel_size=conv_kernel_size, block_index=block_index,
+            n_blocks=n_blocks, dropout=dropout, backend=backend,
+        )
+        self.ffn_norm = nn.LayerNorm(d_model, eps=1e-5, bias=False)
+        self.ffn = GatedFeedForward(d_model, ffn_dim, n_blocks=n_blocks, bias=bias, dropout=dropout)
+
+    def reset_parameters(self) -> None:
+        for module in (self.norm, self.layer, self.ffn_norm, self.ffn):
+            module.reset_parameters()
+
+    def init_state(self, batch: int, device=None, dtype=None) -> SLSTMState:
+        return self.layer.init_state(batch, device, dtype)
+
+    def forward(self, x: torch.Tensor, state: SLSTMState | None = None, return_state: bool = False):
+        out = self.layer(self.norm(x), state, return_state=return_state)
+        y, state = out if return_state else (out, None)
+        x = x + y
+        x = x + self.ffn(self.ffn_norm(x))
+        return (x, state) if return_state else x
+
+    def step(self, x: torch.Tensor, state: SLSTMState):
+        y, state = self.layer.step(self.norm(x), state)
+        x = x + y
+        return x + self.ffn(self.ffn_norm(x)), state
