@@ -1,0 +1,174 @@
+"""mLSTM operators: public entry points, input checks and the one backend choice.
+
+Maths (DESIGN.md §1): with log f_t = logsigmoid(f̃_t), stabilizer m_t = max(log f_t + m_{t-1}, ĩ_t),
+C_t = f'_t C_{t-1} + i'_t k_t v_tᵀ, n_t = f'_t n_{t-1} + i'_t k_t and
+h_t = C_tᵀ q̂_t / (max(|n_tᵀ q̂_t|, exp(-m_t)) + eps), q̂_t = q_t / √K.
+
+Shapes: q, k [B, T, H, K]; v [B, T, H, V]; i, f [B, T, H] (gate pre-activations);
+state (C [B, H, K, V], n [B, H, K], m [B, H]). Every op computes in float32 (float64 stays
+float64), keeps states in that precision and returns h in the dtype of q.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_chunk_size, check_same_device, check_tensor, compute_dtype
+from ..backend import choose_backend
+from .chunkwise import mlstm_chunkwise_torch
+from .naive import mlstm_recurrent_naive, mlstm_step_naive
+from .parallel import mlstm_parallel_torch
+
+__all__ = ["mlstm_recurrent", "mlstm_chunkwise", "mlstm_parallel", "mlstm_step"]
+
+State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _sequence_dims(q, k, v, i, f) -> tuple[int, int, int, int, int]:
+    """Validate sequence inputs; return (B, T, H, K, V)."""
+    check_tensor("q", q, (None, None, None, None), "B,T,H,K")
+    B, T, H, K = q.shape
+    check_tensor("k", k, (B, T, H, K), "B,T,H,K")
+    check_tensor("v", v, (B, T, H, None), "B,T,H,V")
+    V = v.shape[-1]
+    check_tensor("i", i, (B, T, H), "B,T,H")
+    check_tensor("f", f, (B, T, H), "B,T,H")
+    check_same_device(q=q, k=k, v=v, i=i, f=f)
+    if min(B, T, H, K, V) < 1:
+        raise ValueError(f"q [B,T,H,K] and v [B,T,H,V] need every size >= 1, got {tuple(q.shape)} and {tuple(v.shape)}")
+    return B, T, H, K, V
+
+
+def _check_state(state, B: int, H: int, K: int, V: int, device, name: str) -> None:
+    if not isinstance(state, (tuple, list)) or len(state) != 3:
+        raise ValueError(f"{name} must be a tuple (C [B,H,K,V], n [B,H,K], m [B,H]), got {type(state).__name__}")
+    C, n, m = state
+    check_tensor(f"{name} C", C, (B, H, K, V), "B,H,K,V")
+    check_tensor(f"{name} n", n, (B, H, K), "B,H,K")
+    check_tensor(f"{name} m", m, (B, H), "B,H")
+    check_same_device(q=torch.empty(0, device=device), C=C, n=n, m=m)
+
+
+def _common_dtype(*ts: torch.Tensor) -> torch.dtype:
+    # One float64 input makes the whole op a float64 reference computation.
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else compute_dtype(ts[0].dtype)
+
+
+def _check_eps(eps) -> float:
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    return float(eps)
+
+
+def mlstm_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    i: torch.Tensor,
+    f: torch.Tensor,
+    *,
+    initial_state: State | None = None,
+    output_final_state: bool = False,
+    eps: float = 1e-6,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, State | None]:
+    """Step-by-step mLSTM (the reference; autograd differentiates the loop).
+
+    q, k [B,T,H,K]; v [B,T,H,V]; i, f [B,T,H] → h [B,T,H,V], state (C [B,H,K,V], n [B,H,K], m [B,H])
+    or None unless `output_final_state`.
+    """
+    B, T, H, K, V = _sequence_dims(q, k, v, i, f)
+    eps = _check_eps(eps)
+    if initial_state is not None:
+        _check_state(initial_state, B, H, K, V, q.device, "initial_state")
+    choose_backend("mlstm_recurrent", backend, q.device)
+    cd = _common_dtype(q, k, v, i, f)
+    state = None if initial_state is None else tuple(s.to(cd) for s in initial_state)
+    h, final = mlstm_recurrent_naive(q.to(cd), k.to(cd), v.to(cd), i.to(cd), f.to(cd), state, eps)
+    return h.to(q.dtype), (final if output_final_state else None)
+
+
+def mlstm_chunkwise(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    i: torch.Tensor,
+    f: torch.Tensor,
+    *,
+    initial_state: State | None = None,
+    output_final_state: bool = False,
+    eps: float = 1e-6,
+    chunk_size: int = 64,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, State | None]:
+    """Chunkwise-parallel mLSTM with a hand-written backward; any T (the last chunk may be partial).
+
+    q, k [B,T,H,K]; v [B,T,H,V]; i, f [B,T,H] → h [B,T,H,V], state (C [B,H,K,V], n [B,H,K], m [B,H])
+    or None unless `output_final_state`. The final m equals the recurrent stabilizer exactly.
+    Gradients reach q, k, v, i, f and the initial state, and flow back from the final state.
+    """
+    B, T, H, K, V = _sequence_dims(q, k, v, i, f)
+    eps = _check_eps(eps)
+    check_chunk_size(chunk_size)
+    if initial_state is not None:
+        _check_state(initial_state, B, H, K, V, q.device, "initial_state")
+    choose_backend("mlstm_chunkwise", backend, q.device)
+    cd = _common_dtype(q, k, v, i, f)
+    state = (None, None, None) if initial_state is None else tuple(s.to(cd) for s in initial_state)
+    h, C, n, m = mlstm_chunkwise_torch(q, k, v, i, f, *state, eps=eps, chunk_size=chunk_size, dtype=cd)
+    return h.to(q.dtype), ((C, n, m) if output_final_state else None)
+
+
+def mlstm_parallel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    i: torch.Tensor,
+    f: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, None]:
+    """Quadratic (parallel) mLSTM, seed eqs. 71–86, with the backward of eqs. 87–105 written by hand.
+
+    q, k [B,T,H,K]; v [B,T,H,V]; i, f [B,T,H] → (h [B,T,H,V], None). Starts from the zero state;
+    O(T²) memory, meant for short sequences and as a check of the chunkwise form.
+    """
+    _sequence_dims(q, k, v, i, f)
+    eps = _check_eps(eps)
+    cd = _common_dtype(q, k, v, i, f)
+    h = mlstm_parallel_torch(q.to(cd), k.to(cd), v.to(cd), i.to(cd), f.to(cd), eps)
+    return h.to(q.dtype), None
+
+
+def mlstm_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    i: torch.Tensor,
+    f: torch.Tensor,
+    state: State | None,
+    *,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, State]:
+    """One recurrent step (generation).
+
+    q, k [B,H,K]; v [B,H,V]; i, f [B,H]; state (C [B,H,K,V], n [B,H,K], m [B,H]) or None for zeros
+    → (h [B,H,V], new state).
+    """
+    check_tensor("q", q, (None, None, None), "B,H,K")
+    B, H, K = q.shape
+    check_tensor("k", k, (B, H, K), "B,H,K")
+    check_tensor("v", v, (B, H, None), "B,H,V")
+    V = v.shape[-1]
+    check_tensor("i", i, (B, H), "B,H")
+    check_tensor("f", f, (B, H), "B,H")
+    check_same_device(q=q, k=k, v=v, i=i, f=f)
+    eps = _check_eps(eps)
+    if state is not None:
+        _check_state(state, B, H, K, V, q.device, "state")
+    cd = _common_dtype(q, k, v, i, f)
+    if state is None:
+        z = q.new_zeros((), dtype=cd)
+        state = (z.expand(B, H, K, V), z.expand(B, H, K), z.expand(B, H))
+    C, n, m = (s.to(cd) for s in state)
+    h, new_state = mlstm_step_naive(q.to(cd), k.to(cd), v.to(cd), i.to(cd), f.to(cd), C, n, m, eps)
+    return h.to(q.dtype), new_state

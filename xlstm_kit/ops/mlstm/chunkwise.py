@@ -1,0 +1,278 @@
+"""Chunkwise-parallel mLSTM in PyTorch with a hand-written backward.
+
+The sequence is cut into NC chunks of L steps (the last one padded with steps that leave the
+state untouched: log f = 0, ĩ = −∞, q = k = v = 0). Every tensor is laid out chunk-major,
+[NC, N = B·H, L, dim], so each chunk's slice is contiguous and every per-chunk product is one
+batched matmul over all chunks at once; only the state recurrence between chunks is a loop.
+
+Per chunk with entering state (C_c, n_c, m_c) and in-chunk cumulative log forget b_r:
+    u_s    = ĩ_s − b_s                       (log weight of step s, up to the factor e^{b_r})
+    mrow_r = max(m_c, max_{s≤r} u_s)          so m_r = b_r + mrow_r is the recurrent m_t exactly
+    D'_rs  = exp(u_s − mrow_r) (s ≤ r),  β_r = exp(m_c − mrow_r),  floor_r = exp(−m_r)
+    h_r    = (Σ_s D'_rs S_rs v_s + β_r C_cᵀq̂_r) / (max(|Σ_s D'_rs S_rs + β_r n_cᵀq̂_r|, floor_r) + eps)
+and the chunk's end state, with mx_c = max(m_c, max_s u_s):
+    m_{c+1} = g_c + mx_c,  C_{c+1} = exp(m_c − mx_c) C_c + Σ_s exp(u_s − mx_c) k_s v_sᵀ   (g_c = b_L).
+All exponents are ≤ 0, so gate pre-activations of any size cannot overflow.
+
+Backward. The states are recomputed from the saved initial state (one batched matmul and the
+same short loop), not stored. Gradients are taken with every stabilizer held fixed (the "main
+path"); in unstabilized form the inputs enter only as q̂_t e^{B_t}, k_s e^{ĩ_s − B_s} (B the
+global cumulative log forget) and the final state e^{B_T}(…), so the gate gradients need no
+T×T or L×L reductions:
+    δĩ_s = k_s·δk_s,   δB_t = q̂_t·δq̂_t − k_t·δk_t (+ <δC_T, C_T> + <δn_T, n_T> at t = T),
+    δlog f_k = Σ_{t≥k} δB_t,   δm_0 = <δC_0, C_0> + <δn_0, n_0>.
+Then the stabilizers' own influence is added: h_t depends on m_t through eps only
+(∂h_t/∂m_t = −eps h_t/den_t) and the final state through C_T = e^{−m_T} C*_T; each δm is routed
+to the term that realises the max (an ĩ_s, or the carried m_c, which passes it back a chunk).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _to_chunks(x: torch.Tensor, NC: int, L: int, dtype: torch.dtype, fill: float = 0.0,
+               scale: float | None = None, extra: int = 0) -> torch.Tensor:
+    """[B, T, H, *] → [NC, B·H, L, *] contiguous in `dtype`; steps past T hold `fill`.
+
+    `extra` > 0 widens the last axis by that many columns, left for the caller to fill.
+    """
+    B, T, H = x.shape[:3]
+    rest = tuple(x.shape[3:])
+    wide = rest[:-1] + (rest[-1] + extra,) if extra else rest
+    out = torch.empty((NC, B, H, L) + wide, dtype=dtype, device=x.device)
+    body = out[..., : rest[-1]] if extra else out
+    perm = (1, 0, 3, 2) + tuple(range(4, 4 + len(rest)))   # [B, n, L, H, *] ↔ [n, B, H, L, *]
+    nf, r = divmod(T, L)
+
+    def put(dst, src):
+        src = src.permute(perm)
+        if scale is not None and x.dtype == dtype:
+            torch.mul(src, scale, out=dst)                 # scale fused into the layout copy
+        else:
+            dst.copy_(src)
+            if scale is not None:
+                dst.mul_(scale)
+
+    if nf:
+        put(body[:nf], x[:, : nf * L].reshape((B, nf, L, H) + rest))
+    if r:
+        put(body[nf:, :, :, :r], x[:, nf * L:].reshape((B, 1, r, H) + rest))
+        body[nf:, :, :, r:].fill_(fill)
+    return out.view((NC, B * H, L) + wide)
+
+
+def _from_chunks(xc: torch.Tensor, B: int, T: int, H: int, dtype: torch.dtype) -> torch.Tensor:
+    """[NC, B·H, L, *] → [B, T, H, *] in `dtype` (padding dropped)."""
+    NC, _, L = xc.shape[:3]
+    rest = tuple(xc.shape[3:])
+    x5 = xc.view((NC, B, H, L) + rest)
+    perm = (1, 0, 3, 2) + tuple(range(4, 4 + len(rest)))
+    out = torch.empty((B, T, H) + rest, dtype=dtype, device=xc.device)
+    nf, r = divmod(T, L)
+    if nf:
+        out[:, : nf * L].view((B, nf, L, H) + rest).copy_(x5[:nf].permute(perm))
+    if r:
+        out[:, nf * L:].view((B, 1, r, H) + rest).copy_(x5[nf:, :, :, :r].permute(perm))
+    return out
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[NC, N, a, b] → [NC·N, a, b] (a view) for the 3-d in-place matmuls."""
+    return x.reshape((-1,) + x.shape[2:])
+
+
+def _gates(ic: torch.Tensor, fc: torch.Tensor, m0: torch.Tensor):
+    """ic, fc [NC, N, L]; m0 [N] → b, u, running max of u [NC, N, L], m at chunk starts [NC+1, N], mx [NC, N]."""
+    b = F.logsigmoid(fc).cumsum(-1)                       # in-chunk cumulative log forget
+    u = ic - b
+    cm = u.cummax(-1)[0]
+    amax = cm[..., -1]
+    g = b[..., -1]
+    NC = ic.shape[0]
+    m_states = ic.new_empty((NC + 1,) + m0.shape)
+    m_states[0] = m0
+    # The stabilizer recursion is sequential but scalar per (batch, head): NC tiny ops.
+    for c in range(NC):
+        torch.add(g[c], torch.maximum(m_states[c], amax[c]), out=m_states[c + 1])
+    mx = torch.maximum(m_states[:-1], amax)
+    return b, u, cm, m_states, mx
+
+
+def _states(kc, va, u, m_states, mx, Ca0):
+    """Chunk-start states [C | n] as [NC+1, N, K, V+1]; also α [NC, N], w [NC, N, L], k ⊙ w.
+
+    n rides along as the last column of C because v carries a column of ones, so one matmul
+    and one loop update both.
+    """
+    alpha = torch.exp(m_states[:-1] - mx)                 # decay of the carried state over a chunk
+    w = torch.exp(u - mx[..., None])                      # weight of step s in the chunk-end state
+    kw = kc * w[..., None]
+    dC = kw.transpose(-1, -2) @ va                        # [NC, N, K, V+1], all chunks in one matmul
+    NC = kc.shape[0]
+    C_all = kc.new_empty((NC + 1,) + dC.shape[1:])
+    C_all[0] = Ca0
+    for c in range(NC):
+        torch.addcmul(dC[c], C_all[c], alpha[c][:, None, None], out=C_all[c + 1])
+    return C_all, alpha, w, kw
+
+
+def _decay_matrix(u, mrow):
+    """D'_rs = exp(u_s − mrow_r) for s ≤ r, else 0: [NC, N, L, L]."""
+    L = u.shape[-1]
+    log_d = u[..., None, :] - mrow[..., :, None]
+    causal = torch.ones(L, L, dtype=torch.bool, device=u.device).tril()
+    return log_d.masked_fill_(~causal, float("-inf")).exp_()
+
+
+class _MLSTMChunkwise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, i, f, C0, n0, m0, eps, chunk_size, cd):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        N = B * H
+        L = min(chunk_size, T)
+        NC = math.ceil(T / L)
+        qc = _to_chunks(q, NC, L, cd, scale=K ** -0.5)    # q̂ [NC, N, L, K]
+        kc = _to_chunks(k, NC, L, cd)
+        va = _to_chunks(v, NC, L, cd, extra=1)            # [v | 1]: [NC, N, L, V+1]
+        va[..., V] = 1.0
+        ic = _to_chunks(i, NC, L, cd, fill=float("-inf"))  # padding: no input ...
+        fc = _to_chunks(f, NC, L, cd, fill=float("inf"))    # ... and no forgetting
+        has_state = C0 is not None
+        Ca0 = kc.new_zeros(N, K, V + 1)
+        if has_state:
+            Ca0[..., :V] = C0.reshape(N, K, V)
+            Ca0[..., V] = n0.reshape(N, K)
+            m0 = m0.reshape(N)
+        else:
+            m0 = kc.new_zeros(N)
+
+        b, u, cm, m_states, mx = _gates(ic, fc, m0)
+        C_all, alpha, w, _ = _states(kc, va, u, m_states, mx, Ca0)
+
+        m_prev = m_states[:-1, :, None]                   # [NC, N, 1]
+        mrow = torch.maximum(m_prev, cm)                  # m_r − b_r
+        beta = torch.exp(m_prev - mrow)                   # weight of the carried state in row r
+        floor = torch.exp(-(b + mrow))                    # exp(−m_r)
+        D = _decay_matrix(u, mrow)
+        P = qc @ kc.transpose(-1, -2)                     # S = q̂kᵀ per chunk, [NC, N, L, L]
+        P.mul_(D)                                         # P = S ⊙ D'
+        # [numerator | z] = β ⊙ (q̂ [C_c | n_c]) + P [v | 1]
+        num = (qc * beta[..., None]) @ C_all[:-1]
+        _flat(num).baddbmm_(_flat(P), _flat(va))
+        z = num[..., V]
+        den = torch.maximum(z.abs(), floor) + eps
+        h = num[..., :V] / den[..., None]
+        zsign = torch.sign(z) * (z.abs() > floor)         # ∂den/∂z (0 where the floor is active)
+
+        Ca_T = C_all[NC].clone()
+        # P and D' are O(T·L) like the inputs and cost a matmul and four passes to rebuild;
+        # the chunk states (O(T·K·V/L)) are rebuilt instead.
+        ctx.save_for_backward(qc, kc, va, u, cm, m_states, beta, alpha, w, den, zsign, h,
+                              torch.sigmoid(-fc), Ca0, Ca_T, P, D)
+        ctx.meta = (B, T, H, K, V, eps, has_state, q.dtype, k.dtype, v.dtype, i.dtype, f.dtype)
+        return (_from_chunks(h, B, T, H, cd), Ca_T[..., :V].reshape(B, H, K, V),
+                Ca_T[..., V].reshape(B, H, K), m_states[NC].reshape(B, H))
+
+    @staticmethod
+    def backward(ctx, dh, dC_T, dn_T, dm_T):
+        (qc, kc, va, u, cm, m_states, beta, alpha, w, den, zsign, h, sig_negf, Ca0, Ca_T,
+         P, D) = ctx.saved_tensors
+        B, T, H, K, V, eps, has_state, q_dt, k_dt, v_dt, i_dt, f_dt = ctx.meta
+        NC, N, L = u.shape
+        cd = qc.dtype
+
+        # Recompute the chunk-start states instead of keeping them from the forward pass.
+        mx = torch.maximum(m_states[:-1], cm[..., -1])
+        C_all, _, _, kw = _states(kc, va, u, m_states, mx, Ca0)
+
+        # [δnumerator | δz] with δnum = δh/den, δden = −<δh, h>/den, δz = δden ∂den/∂z.
+        dna = _to_chunks(dh, NC, L, cd, extra=1)
+        dnum = dna[..., :V].div_(den[..., None])
+        dden = -(dnum * h).sum(-1)
+        dna[..., V] = dden * zsign
+
+        # Intra-chunk part: δS = (δnum vᵀ + δz 1ᵀ) ⊙ D' in one matmul thanks to [v | 1].
+        dS = (dna @ va.transpose(-1, -2)).mul_(D)
+        dv = P.transpose(-1, -2) @ dnum
+        dq = dS @ kc
+        dk = dS.transpose(-1, -2) @ qc
+        del dS
+
+        # Carried state → rows: row r reads β_r q̂_rᵀ[C_c | n_c].
+        dnb = dna * beta[..., None]
+        _flat(dq).baddbmm_(_flat(dnb), _flat(C_all[:-1].transpose(-1, -2)))
+        dC_loc = qc.transpose(-1, -2) @ dnb                # [NC, N, K, V+1]
+
+        # State gradients backwards through the chunks: δC_c = α_c δC_{c+1} + (rows of chunk c).
+        dC_all = torch.empty_like(C_all)
+        dC_all[NC, :, :, :V] = dC_T.reshape(N, K, V)
+        dC_all[NC, :, :, V] = dn_T.reshape(N, K)
+        for c in range(NC - 1, -1, -1):
+            torch.addcmul(dC_loc[c], dC_all[c + 1], alpha[c][:, None, None], out=dC_all[c])
+
+        # Steps → chunk-end state: [C | n]_{c+1} ∋ w_s k_s [v_s | 1]ᵀ.
+        G = dC_all[1:]
+        _flat(dk).baddbmm_(_flat(va * w[..., None]), _flat(G.transpose(-1, -2)))
+        _flat(dv).baddbmm_(_flat(kw), _flat(G[..., :V]))
+
+        # Gate gradients, main path (module docstring).
+        di = (kc * dk).sum(-1)
+        dB = (qc * dq).sum(-1) - di
+        final_inner = (dC_all[NC] * Ca_T).sum((-1, -2))
+        dm0 = (dC_all[0] * Ca0).sum((-1, -2))
+
+        # Stabilizer path: δm_t = eps·δden_t for every row, plus the final state's m_T.
+        own = eps * dden
+        own[NC - 1, :, L - 1] += dm_T.reshape(N).to(cd) - final_inner   # total ∂/∂m_T
+        dB[NC - 1, :, L - 1] += final_inner
+        dB += own                                          # m_r = b_r + mrow_r
+        carry = m_states[:-1, :, None] >= cm               # row max realised by the carried m_c
+        arg = u.cummax(-1)[1]
+        total = own.clone()
+        fwd = torch.zeros_like(dm0)
+        for c in range(NC - 1, -1, -1):
+            # m_c is the m of the last row of chunk c−1: its δm joins that row's.
+            total[c, :, L - 1] += fwd
+            fwd = (total[c] * carry[c]).sum(-1)
+        dm0 += fwd
+        routed = torch.where(carry, 0.0, total)            # to ĩ_s − b_s at the arg-max s
+        di.scatter_add_(-1, arg, routed)
+        dB.scatter_add_(-1, arg, -routed)
+
+        # δlog f_k = Σ_{t ≥ k} δB_t over the whole sequence; summed in float64 because the
+        # terms can cancel.
+        dB64 = dB.double()
+        within = dB64.flip(-1).cumsum(-1).flip(-1)
+        chunk_tot = within[..., 0]
+        later = chunk_tot.flip(0).cumsum(0).flip(0) - chunk_tot
+        df = (within + later[..., None]).to(cd) * sig_negf
+
+        dq = dq.mul_(K ** -0.5)
+        grads = (
+            _from_chunks(dq, B, T, H, q_dt),
+            _from_chunks(dk, B, T, H, k_dt),
+            _from_chunks(dv, B, T, H, v_dt),
+            _from_chunks(di, B, T, H, i_dt),
+            _from_chunks(df, B, T, H, f_dt),
+        )
+        if has_state:
+            dCa0 = dC_all[0]
+            state_grads = (dCa0[..., :V].reshape(B, H, K, V), dCa0[..., V].reshape(B, H, K),
+                           dm0.view(B, H))
+        else:
+            state_grads = (None, None, None)
+        return grads + state_grads + (None, None, None)
+
+
+def mlstm_chunkwise_torch(q, k, v, i, f, C0=None, n0=None, m0=None, *, eps: float = 1e-6,
+                          chunk_size: int = 64, dtype: torch.dtype = torch.float32):
+    """q, k [B,T,H,K]; v [B,T,H,V]; i, f [B,T,H]; optional C0 [B,H,K,V], n0 [B,H,K], m0 [B,H]
+    (all three or none, already in `dtype`) → h [B,T,H,V] in `dtype`, C_T, n_T, m_T in `dtype`.
+
+    Inputs may be in any float dtype: they are cast to `dtype` inside the chunk layout copy.
+    """
+    return _MLSTMChunkwise.apply(q, k, v, i, f, C0, n0, m0, eps, chunk_size, dtype)
