@@ -10,6 +10,10 @@ paper's stabilized equations (DESIGN.md §1, paper eqs. 8–17):
     n_t  = f'_t n_{t-1} + i'_t
     h_t  = σ(õ_t) ⊙ c_t / n_t
 
+The default initial state is all zeros, m_0 = 0 included, so m_1 = max(log f_1, ĩ_1). (The
+official xlstm cell instead sets m_1 = ĩ_1 when n_0 = 0; c, n and m then differ by a common
+rescaling, while h = σ(õ) c/n — the only thing a layer sees — is identical.)
+
 Shapes: x_gates [B, T, 4, H, D] (step: [B, 4, H, D]), r [4, H, D, D], b [4, H, D], every
 state tensor (h, c, n, m) [B, H, D]. Arithmetic runs in float32 (float64 stays float64); the
 returned h has the dtype of x_gates and the state is kept in the compute dtype.

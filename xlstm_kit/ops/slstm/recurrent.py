@@ -37,6 +37,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from .naive import State, _compute_dtype
 
@@ -100,6 +101,7 @@ class SLSTMRecurrentFunction(torch.autograd.Function):
                 _state_out(ms[steps]))
 
     @staticmethod
+    @once_differentiable  # the backward is not itself differentiable: fail loudly on double grad
     def backward(ctx, dh_out, dh_T, dc_T, dn_T, dm_T):
         pre_all, hs, cs, ns, ms, rr = ctx.saved_tensors
         batch, steps, heads, dim = ctx.dims
