@@ -23,12 +23,16 @@ one matmul; a diagonal block uses the exact pairwise decays e^{G_r − G_i} ([S,
 masked before the exp so the upper triangle is e^{−inf} = 0). No factor ever exceeds 1, for any
 gk ≤ 0 and any chunk size; the cost over the seed's plain matmuls is the L·S·K pairwise tensor.
 
+Precision. G = cumsum(gk) is taken in float64 and only differences (G_r − G_i, G_L − G_r, all
+small and accurate) are cast to the compute dtype before the exp: in float32 a chunk's G reaches
+−320 at gk = −5, and differences of such numbers would cost 2e-5 relative on every decay.
+
 Backward (seed section 三, with the two typos of the notes fixed: δB = δB← ⊙ Γ and
 δW = −δC h_{[t−1]}ᵀ, i.e. the state *entering* the chunk). Everything chunk-local is recomputed
 from the saved inputs; only the states between chunks are carried sequentially. The gate gradient
-uses the seed's homogeneity identity: every appearance of G_r comes with q_r or b_r as e^{+G_r} and
-with k_r or a_r as e^{−G_r}, so δG = q⊙δq + b⊙δb − k⊙δk − a⊙δa, plus diag(h'ᵀ δh') on the last row
-of the chunk (the Diag(γ_L) factor of h'); δgk is the reverse cumulative sum of δG in the chunk.
+is the seed's δlogΓ = q⊙δq + b⊙δb − k⊙δk − a⊙δa + diag(h'ᵀδh') (last row), reverse-cumsummed,
+regrouped so that no O(1) terms cancel (see the comment in `backward`): under strong decay the
+true δgk is O(γ) and the plain identity would leave float32 noise of O(1e-7) in it.
 """
 from __future__ import annotations
 
@@ -40,10 +44,11 @@ from torch.autograd.function import once_differentiable
 
 from .naive import check_chunk, check_dplr_inputs, check_scale, common_compute_dtype
 
-# Largest sub-chunk of the pair matrices. Diagonal blocks cost S·L·K per chunk (the exact
-# pairwise decays); smaller S means more, thinner matmuls. Tests lower it to reach the
-# off-diagonal path at tiny sizes.
-SUB_CHUNK = 16
+# Largest sub-chunk of the pair matrices. The diagonal blocks cost ~S·L·K elementwise work per
+# chunk (exact pairwise decays), the off-diagonal blocks ~L²·K/S (rescaling before each matmul):
+# S = 8 balances the two at L = 64 and measured fastest on CPU (S = 16 was 2.5× slower). Tests
+# lower it to reach the off-diagonal path at tiny sizes.
+SUB_CHUNK = 8
 
 
 def _sub_chunk_size(L: int) -> int:
@@ -61,26 +66,36 @@ class _PairDecay:
     (rows r: q and b) and a right operand Y [..., L, n, K] (columns i: k and a).
     """
 
-    def __init__(self, G: torch.Tensor, s: int):
+    def __init__(self, G: torch.Tensor, s: int, dtype: torch.dtype):
+        # G is float64 (see _intra_chunk); differences are taken there and only the small, accurate
+        # differences are cast to the compute dtype before the exp.
         L = G.shape[-2]
         self.L, self.s, self.nb = L, s, L // s
         Gs = G.unflatten(-2, (self.nb, s))                       # [..., nb, S, K]
         diff = Gs.unsqueeze(-2) - Gs.unsqueeze(-3)               # [..., nb, S(r), S(i), K]
         keep = torch.ones(s, s, dtype=torch.bool, device=G.device).tril().unsqueeze(-1)
         # masked before the exp: above the diagonal G_r − G_i > 0 could overflow
-        self.diag = diff.masked_fill(~keep, float("-inf")).exp()
+        self.diag = diff.to(dtype).masked_fill(~keep, float("-inf")).exp()
         self.lo, self.hi = [], []
         for j in range(self.nb - 1):
             e = (j + 1) * s
-            ref = G[..., e - 1 : e, :]                              # last step of column block j
-            self.lo.append(torch.exp(ref - G[..., e - s : e, :]))   # [..., S, K]      ≤ 1
-            self.hi.append(torch.exp(G[..., e:, :] - ref))          # [..., L − e, K]  ≤ 1
+            ref = G[..., e - 1 : e, :]                                       # last step of column block j
+            self.lo.append((ref - G[..., e - s : e, :]).to(dtype).exp())     # [..., S, K]      ≤ 1
+            self.hi.append((G[..., e:, :] - ref).to(dtype).exp())            # [..., L − e, K]  ≤ 1
 
     def _diag_blocks(self, A: torch.Tensor) -> torch.Tensor:
         """Writable view of the diagonal S×S blocks of A [..., L, m, L, n]: [..., S, m, S, n, nb]."""
         *batch, L, m, _, n = A.shape
         A6 = A.view(*batch, self.nb, self.s, m, self.nb, self.s, n)
         return torch.diagonal(A6, dim1=-6, dim2=-3)
+
+    def _decayed_right(self, Y: torch.Tensor) -> torch.Tensor:
+        """D[r,i] ⊙ Y_i for the diagonal blocks, [..., nb, S(r), S(i), n, K]; kept for the same Y
+        because gram and left (backward) both need it."""
+        if getattr(self, "_dy_of", None) is not Y:
+            self._dy = self.diag.unsqueeze(-2) * Y.unflatten(-3, (self.nb, self.s)).unsqueeze(-4)
+            self._dy_of = Y
+        return self._dy
 
     def gram(self, X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
         """A[..., r, m, i, n] = Σ_k X[r,m,k] Y[i,n,k] e^{G_r[k] − G_i[k]} for i ≤ r, else 0."""
@@ -89,7 +104,7 @@ class _PairDecay:
         s, nb = self.s, self.nb
         A = X.new_zeros(*batch, L, m, L, n)
         Xs = X.unflatten(-3, (nb, s))                                  # [..., nb, S, m, K]
-        DY = self.diag.unsqueeze(-2) * Y.unflatten(-3, (nb, s)).unsqueeze(-4)  # [..., nb, S(r), S(i), n, K]
+        DY = self._decayed_right(Y)                                    # [..., nb, S(r), S(i), n, K]
         blk = Xs @ DY.flatten(-3, -2).mT                               # [..., nb, S(r), m, S(i)·n]
         self._diag_blocks(A).copy_(blk.unflatten(-1, (s, n)).movedim(-5, -1))
         for j in range(nb - 1):
@@ -105,7 +120,7 @@ class _PairDecay:
         *batch, L, m, _, n = dA.shape
         s, nb = self.s, self.nb
         dblk = self._diag_blocks(dA).movedim(-1, -5)                  # [..., nb, S(r), m, S(i), n]
-        DY = self.diag.unsqueeze(-2) * Y.unflatten(-3, (nb, s)).unsqueeze(-4)  # [..., nb, S(r), S(i), n, K]
+        DY = self._decayed_right(Y)                                    # [..., nb, S(r), S(i), n, K]
         dX = (dblk.flatten(-2, -1) @ DY.flatten(-3, -2)).flatten(-4, -3)      # [..., L, m, K]
         for j in range(nb - 1):
             e = (j + 1) * s
@@ -142,11 +157,15 @@ def _intra_chunk(q, k, v, a, b, gk, s):
     q, k, a, b, gk: [B,H,N,L,K] (q already scaled); v: [B,H,N,L,V].
     """
     L, K = q.shape[-2:]
-    G = gk.cumsum(-2)                                  # log Γ, inclusive
-    eG = G.exp()                                       # γ_r            ≤ 1
-    dec = (G[..., -1:, :] - G).exp()                   # γ_L / γ_r      ≤ 1
+    cd = q.dtype
+    # log Γ in float64 even for float32 inputs: G reaches −320 in a chunk of 64 steps at gk = −5,
+    # and a float32 difference G_r − G_i of two such numbers would carry an absolute error ~2e-5,
+    # i.e. a 2e-5 relative error on every decay (the recurrence itself is exact to ~1e-7 per step).
+    G = gk.to(torch.float64).cumsum(-2)                # [B,H,N,L,K], inclusive
+    eG = G.exp().to(cd)                                # γ_r            ≤ 1
+    dec = (G[..., -1:, :] - G).exp().to(cd)            # γ_L / γ_r      ≤ 1
     eGl = eG[..., -1, :]                               # γ_L            [B,H,N,K]
-    pd = _PairDecay(G, s)
+    pd = _PairDecay(G, s, cd)
     X = torch.stack((q, b), -2)                        # [B,H,N,L,2,K]  rows: q, b
     Y = torch.stack((k, a), -2)                        # [B,H,N,L,2,K]  columns: k, a
     A = pd.gram(X, Y)                                  # [B,H,N,L,2,L,2]
@@ -157,7 +176,7 @@ def _intra_chunk(q, k, v, a, b, gk, s):
     Bg = b * eG                                                           # B←
     rhs = torch.cat((Bg, -(A_bk @ v)), -1)                                # [B,H,N,L,K+V]
     W, Cm = torch.linalg.solve_triangular(F, rhs, upper=False, unitriangular=True).split([K, v.shape[-1]], -1)
-    return dict(G=G, eG=eG, dec=dec, eGl=eGl, pd=pd, X=X, Y=Y, A_qk=A_qk, A_qa=A_qa, A_bk=A_bk,
+    return dict(eG=eG, dec=dec, eGl=eGl, pd=pd, X=X, Y=Y, A_qk=A_qk, A_qa=A_qa, A_bk=A_bk,
                 F=F, W=W, Cm=Cm, Qg=q * eG, Kd=k * dec, Ad=a * dec)
 
 
@@ -219,7 +238,6 @@ class _DPLRChunkwise(torch.autograd.Function):
             dh = eGl[:, :, n].unsqueeze(-1) * dh + QdO[:, :, n] - W[:, :, n].mT @ dV2[n]
         dh0 = dh
         dH, dV2 = torch.stack(dH, 2), torch.stack(dV2, 2)
-        h_next = torch.cat((hs[:, :, 1:], hT.unsqueeze(2)), 2)   # state leaving each chunk
 
         # Parallel part, all chunks at once.
         dv = c["Kd"] @ dH + c["A_qk"].mT @ do           # δV1
@@ -235,20 +253,37 @@ class _DPLRChunkwise(torch.autograd.Function):
         dA_bk = -(GC @ v.mT) * strict                   # C = −E (A_bk V)
         dv = dv - c["A_bk"].mT @ GC
         dA_ba = -(GW @ W.mT + GC @ Cm.mT) * strict      # δF = −Eᵀ δE Eᵀ, masked to M₋₁
+        # The diagonal (i = r) of A_qk and A_qa carries no decay: its terms go straight into δq, δk,
+        # δa and are kept out of the gate gradient, where they would only cancel (see below).
         dA_qk = (do @ v.mT) * incl
         dA_qa = (do @ V2.mT) * incl
-        dA = torch.stack((torch.stack((dA_qk, dA_qa), -1), torch.stack((dA_bk, dA_ba), -1)), -3)
-        dX = c["pd"].left(dA, c["Y"])                   # δ(q, b) through the pair matrices
-        dY = c["pd"].right(dA, c["X"])                  # δ(k, a) through the pair matrices
+        dqk_d = torch.diagonal(dA_qk, dim1=-2, dim2=-1).unsqueeze(-1)    # [B,H,N,L,1]
+        dqa_d = torch.diagonal(dA_qa, dim1=-2, dim2=-1).unsqueeze(-1)
+        dA = torch.stack((torch.stack((dA_qk * strict, dA_qa * strict), -1),
+                          torch.stack((dA_bk, dA_ba), -1)), -3)          # [B,H,N,L,2,L,2]
+        dX = c["pd"].left(dA, c["Y"])                   # δ(q, b) through the pair matrices, i < r
+        dY = c["pd"].right(dA, c["X"])                  # δ(k, a) through the pair matrices, i < r
 
         eG, dec = c["eG"], c["dec"]
-        dq = dQg * eG + dX[..., 0, :]
+        dq = dQg * eG + dX[..., 0, :] + dqk_d * k + dqa_d * a
         db = dBg * eG + dX[..., 1, :]                   # δB = δB← ⊙ Γ (+ pair terms)
-        dk = dKd * dec + dY[..., 0, :]
-        da = dAd * dec + dY[..., 1, :]
-        dG = q * dq + b * db - k * dk - a * da
-        dG[..., -1, :] += (h_next * dH).sum(-1)         # diag(h'ᵀ δh'): the γ_L factor of h'
-        dgk = dG.flip(-2).cumsum(-2).flip(-2)
+        dk = dKd * dec + dY[..., 0, :] + dqk_d * q
+        da = dAd * dec + dY[..., 1, :] + dqa_d * q
+
+        # Gate gradient. The seed's identity δlogΓ = q⊙δq + b⊙δb − k⊙δk − a⊙δa (+ diag(h'ᵀδh') on the
+        # last row), followed by a reverse cumulative sum, is exact but cancels O(1) terms down to
+        # the O(γ) true value under strong decay. The same sum grouped by which gk_j each factor
+        # contains loses nothing:
+        #   q_r e^{G_r}, b_r e^{G_r}      contain gk_j for j ≤ r      → reverse cumulative sum
+        #   k_r e^{G_L−G_r}, a_r e^{…}     contain gk_j for j > r      → exclusive cumulative sum
+        #   Diag(γ_L) h                   contains every gk_j          → added to all rows
+        #   pair i < r, e^{G_r−G_i}       contains gk_j for i < j ≤ r  → +at r, −at i, reverse sum
+        up = q * dX[..., 0, :] + b * dX[..., 1, :] - k * dY[..., 0, :] - a * dY[..., 1, :]
+        up = up + c["Qg"] * dQg + (b * eG) * dBg
+        down = c["Kd"] * dKd + c["Ad"] * dAd
+        down = nnf.pad(down[..., :-1, :], (0, 0, 1, 0))                 # shift: rows r < j only
+        dgk = up.flip(-2).cumsum(-2).flip(-2) + down.cumsum(-2)
+        dgk = dgk + (eGl * (hs * dH).sum(-1)).unsqueeze(-2)
         return dq, dk, dv, da, db, dgk, (dh0 if h0 is not None else None), None
 
 
