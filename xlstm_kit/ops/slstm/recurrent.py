@@ -124,14 +124,22 @@ class SLSTMRecurrentFunction(torch.autograd.Function):
         rho = f_gate * ns[:-1] / n_new       # f'_t n_{t-1} / n_t ∈ [0, 1]
         kappa = i_gate / n_new               # i'_t / n_t ∈ [0, 1]
         phi = f_gate * cs[:-1] / n_new       # f'_t c_{t-1} / n_t (= ρ_t h̃_{t-1}, finite when n_{t-1}=0)
-        h_tilde = cs[1:] / n_new
+        h_tilde = cs[1:] / n_new             # c_t / n_t = φ_t + κ_t z_t
         z = torch.tanh(z_pre)
         o = torch.sigmoid(o_pre)
         o_h = o * h_tilde
         do_coef = o_h * (1 - o)              # ∂h/∂õ
         dz_coef = kappa * (1 - z * z)        # Ĉ -> δz̃
+        # (Ĉ, N̂) are carried stacked, [2,H,B,D], so the recursion is two ops per step:
+        # (Ĉ, N̂)_t = ρ_{t+1} (Ĉ, N̂)_{t+1} + (o_t, −o_t h̃_t) δh_t, with ρ_{T+1} := 1.
+        cn_coef = torch.stack((o, -o_h), dim=1)                       # [T,2,H,B,D]
+        rho_next = torch.cat((rho[1:], torch.ones_like(rho[:1])))     # [T,H,B,D]
         # torch.maximum splits the gradient evenly on ties; do the same to match autograd.
         w_a = (a > i_pre).to(dtype) + 0.5 * (a == i_pre).to(dtype)
+        # δc_0 = f'_1 δc_1 = (f'_1 / n_1) Ĉ_1; no division by n_0, which is 0 by default.
+        f_over_n = f_gate[0] / n_new[0]
+        # Free what the loop does not read: the coefficients above are ~10 x [T,H,B,D].
+        del log_f, a, f_gate, i_gate, kappa, z, o, o_h
 
         # External gradient of h per step, [T,H,B,D]; the final state's h is the last output.
         # A fresh buffer: the incoming gradient tensors must not be modified in place.
@@ -143,35 +151,37 @@ class SLSTMRecurrentFunction(torch.autograd.Function):
         if dh_T is not None:
             dh_ext[-1] += _state_in(dh_T, dtype)
 
-        zeros = torch.zeros(heads, batch, dim, dtype=dtype, device=hs.device)
-        c_hat = _state_in(dc_T, dtype) * ns[-1] if dc_T is not None else zeros  # n_T δc_T
-        n_hat = _state_in(dn_T, dtype) * ns[-1] if dn_T is not None else zeros  # n_T δn_T
-        dm = _state_in(dm_T, dtype) if dm_T is not None else zeros
-        dh_rec = zeros
+        cn_hat = torch.zeros(2, heads, batch, dim, dtype=dtype, device=hs.device)
+        if dc_T is not None:
+            cn_hat[0] = _state_in(dc_T, dtype) * ns[-1]  # n_T δc_T
+        if dn_T is not None:
+            cn_hat[1] = _state_in(dn_T, dtype) * ns[-1]  # n_T δn_T
+        dm = (_state_in(dm_T, dtype) if dm_T is not None
+              else torch.zeros(heads, batch, dim, dtype=dtype, device=hs.device))
+        dh_rec = torch.zeros(heads, batch, dim, dtype=dtype, device=hs.device)
         rr_t = rr.transpose(1, 2)  # [H, 4D, D]
         dpre_all = torch.empty_like(pre_all)
 
         for t in range(steps - 1, -1, -1):
             dh = dh_ext[t] + (dh_rec.clamp(-clip, clip) if clip is not None else dh_rec)  # (41)
-            if t < steps - 1:
-                c_hat = rho[t + 1] * c_hat      # (42), scaled by n_t
-                n_hat = rho[t + 1] * n_hat      # (43), scaled by n_t
-            c_hat = c_hat + o[t] * dh
-            n_hat = n_hat - o_h[t] * dh
+            cn_hat = torch.addcmul(cn_hat * rho_next[t], cn_coef[t], dh)              # (42), (43)
+            c_hat, n_hat = cn_hat[0], cn_hat[1]
             di, df, dz, do = dpre_all[t].split(dim, dim=-1)
             torch.mul(dh, do_coef[t], out=do)                        # (47)
             torch.mul(c_hat, dz_coef[t], out=dz)                     # (46)
-            p = c_hat * phi[t] + n_hat * rho[t]                      # f' δf'  (44)
-            q = (c_hat * z[t] + n_hat) * kappa[t]                    # i' δi'  (45)
+            p = torch.addcmul(c_hat * phi[t], n_hat, rho[t])         # f' δf'  (44)
+            # i' δi' (45) is u − p, where u = Ĉ h̃ + N̂ since ρ + κ = 1 and φ + κ z = h̃.
+            u = torch.addcmul(n_hat, c_hat, h_tilde[t])
             # Adjoint of m_t: its own (from m_{t+1}) minus what f' and i' take, routed by the max.
-            da = p + (dm - p - q) * w_a[t]                           # δ(log f_t + m_{t-1})
-            torch.sub(dm, da, out=di)                                # δĩ = p + q + δm_tot - δa
+            da = torch.addcmul(p, dm - u, w_a[t])                    # δ(log f_t + m_{t-1})
+            torch.sub(dm, da, out=di)                                # δĩ = (u − p) + (δm − u)(1 − w_a)
             if dlogf_df is not None:
                 torch.mul(da, dlogf_df[t], out=df)
             else:
                 df.copy_(da)
             dm = da                                                  # δm_{t-1}
             dh_rec = torch.bmm(dpre_all[t], rr_t)                    # (49): [H,B,4D] @ [H,4D,D]
+        c_hat, n_hat = cn_hat[0], cn_hat[1]
 
         (x_dt, r_dt, b_dt, h0_dt, c0_dt, n0_dt, m0_dt) = ctx.dtypes
         grads = [None] * 9
@@ -186,8 +196,6 @@ class SLSTMRecurrentFunction(torch.autograd.Function):
             grads[2] = dpre_all.sum(dim=(0, 2)).view(heads, 4, dim).transpose(0, 1).to(b_dt)
         if ctx.needs_input_grad[3]:
             grads[3] = _state_out(dh_rec.clamp(-clip, clip) if clip is not None else dh_rec).to(h0_dt)
-        # δc_0 = f'_1 δc_1 = (f'_1 / n_1) Ĉ_1; no division by n_0, which is 0 by default.
-        f_over_n = f_gate[0] / n_new[0]
         if ctx.needs_input_grad[4]:
             grads[4] = _state_out(f_over_n * c_hat).to(c0_dt)
         if ctx.needs_input_grad[5]:
