@@ -16,7 +16,7 @@ import importlib.util
 import math
 import os
 import re
-import tempfile
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Protocol
@@ -57,9 +57,10 @@ def _atomic_write(path: Path, write) -> None:
     identical).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # A unique name opened with "x" (not mkstemp): the file gets the usual umask permissions.
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

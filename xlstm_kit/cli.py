@@ -1,0 +1,567 @@
+"""The ``xlstm-kit`` command line (also ``python -m xlstm_kit``): a thin layer over
+``xlstm_kit.data``, ``xlstm_kit.train`` and the model.
+
+    xlstm-kit train    [--preset tiny] [--data builtin:shakespeare|PATH] [--tokenizer byte|gpt2]
+                       [--steps N] [--out DIR] [--resume] ...
+    xlstm-kit generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
+    xlstm-kit eval     DIR [--data SPEC]
+    xlstm-kit demo     [--minutes 3]
+
+Bad input (unknown preset or tokenizer, missing data, empty corpus, incompatible checkpoint,
+invalid numbers) prints one line to stderr and exits with status 2. Set XLSTM_KIT_DEBUG=1 to get
+the full traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+PROG = "xlstm-kit"
+DEFAULT_DATA = "builtin:shakespeare"
+DEFAULT_PRESET = "tiny"
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+# Per-preset training defaults. The CPU preset trains small batches of short sequences so that a
+# run of a few minutes on 2 cores shows the loss fall; the paper sizes use the paper's context.
+_TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
+    "tiny": dict(batch_size=16, seq_len=128, lr=3e-3, min_lr=3e-4, warmup_steps=30),
+}
+_LARGE_DEFAULTS = dict(batch_size=32, seq_len=2048, lr=1e-3, min_lr=1e-4, warmup_steps=500)
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (argparse's default prints the usage block first)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {_one_line(message)}\n")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" only for options whose default is a real value."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _one_line(message: Any) -> str:
+    return " ".join(str(message).split())
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {v}")
+    return v
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = _nonneg_float(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return v
+
+
+# --------------------------------------------------------------------------------------------
+# Parser
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = _Parser(
+        prog=PROG,
+        description="Train, evaluate and sample xLSTM language models (CPU or GPU; "
+        "several GPUs with torchrun).",
+        epilog="Examples:\n"
+        "  xlstm-kit demo\n"
+        "  xlstm-kit train --steps 300 --out runs/tiny\n"
+        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --max-new-tokens 200\n"
+        "  xlstm-kit eval runs/tiny\n"
+        "  torchrun --nproc_per_node=8 -m xlstm_kit train --preset 125M --tokenizer gpt2 --data corpus/\n"
+        "Run 'xlstm-kit COMMAND --help' for the options of a command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    # ---------------------------------------------------------------- train
+    t = sub.add_parser(
+        "train",
+        help="train a language model (resumable; DDP under torchrun)",
+        description="Train an xLSTM language model. Writes checkpoints, metrics.jsonl and "
+        "loss.png to --out. Ctrl-C (or SIGTERM) stops after the current step and saves a "
+        "checkpoint; --resume continues exactly where it stopped. Under "
+        "'torchrun --nproc_per_node=N -m xlstm_kit train ...' the global batch is shared "
+        "out over N processes (NCCL on GPUs, gloo on CPU).",
+        formatter_class=_Formatter,
+    )
+    t.add_argument("--preset", default=None, metavar="NAME",
+                   help=f"model size: tiny (CPU), 125M, 350M, 760M or 1.3B (default: {DEFAULT_PRESET})")
+    t.add_argument("--data", default=None, metavar="SPEC",
+                   help=f"'builtin:shakespeare', a text file or a folder of text files (default: {DEFAULT_DATA})")
+    t.add_argument("--tokenizer", default=None, metavar="NAME", help="byte (vocabulary 256) or gpt2 (BPE) (default: byte)")
+    t.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+                   help="optimizer steps in total (on --resume: the new total) (default: 1000)")
+    t.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/PRESET)")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start afresh even if --out already holds a checkpoint (deletes its checkpoints)")
+    g = t.add_argument_group("optimisation (defaults depend on the preset; on --resume they come from the checkpoint)")
+    g.add_argument("--batch-size", type=_positive_int, default=None, help="sequences per step, all processes together")
+    g.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sequence")
+    g.add_argument("--grad-accum", type=_positive_int, default=None, help="micro-steps per optimizer step")
+    g.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate")
+    g.add_argument("--min-lr", type=_nonneg_float, default=None, help="final learning rate of the cosine decay")
+    g.add_argument("--warmup-steps", type=_nonneg_int, default=None, help="linear warmup steps")
+    g.add_argument("--weight-decay", type=_nonneg_float, default=None, help="AdamW weight decay (matrices only)")
+    g.add_argument("--grad-clip", type=_nonneg_float, default=None, help="gradient norm clip (0: off)")
+    g.add_argument("--seed", type=_nonneg_int, default=None, help="seed of initialisation and data order")
+    g.add_argument("--precision", choices=["auto", "bf16", "fp32"], default=None,
+                   help="auto = bf16 autocast on CUDA, float32 on CPU")
+    o = t.add_argument_group("evaluation, checkpoints, output")
+    o.add_argument("--eval-interval", type=_nonneg_int, default=None, help="validate every N steps (0: at the end only)")
+    o.add_argument("--eval-batches", type=_nonneg_int, default=None, help="validation batches per validation (0: all)")
+    o.add_argument("--checkpoint-interval", type=_nonneg_int, default=None, help="checkpoint every N steps (0: at the end only)")
+    o.add_argument("--val-fraction", type=_positive_float, default=0.1, help="share of the corpus held out for validation")
+    o.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar (validation lines are still printed)")
+    t.set_defaults(func=cmd_train)
+
+    # ---------------------------------------------------------------- generate
+    gen = sub.add_parser(
+        "generate",
+        help="continue a prompt with a trained model",
+        description="Print the prompt and its continuation, sampled token by token from the "
+        "recurrent state (memory does not grow with the length).",
+        formatter_class=_Formatter,
+    )
+    gen.add_argument("checkpoint", metavar="DIR", help="a training output folder (--out of train) or a checkpoint folder")
+    gen.add_argument("--prompt", default=None, metavar="TEXT", help="text to continue (default: a newline)")
+    gen.add_argument("--max-new-tokens", type=_nonneg_int, default=200, help="tokens to generate")
+    gen.add_argument("--temperature", type=_nonneg_float, default=0.8, help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-k", type=_positive_int, default=None, help="sample among the K most likely tokens")
+    gen.add_argument("--top-p", type=_positive_float, default=None, help="nucleus sampling threshold in (0, 1]")
+    gen.add_argument("--seed", type=_nonneg_int, default=None, help="sampling seed (default: random)")
+    gen.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    gen.set_defaults(func=cmd_generate)
+
+    # ---------------------------------------------------------------- eval
+    ev = sub.add_parser(
+        "eval",
+        help="validation loss, bits per byte and perplexity of a trained model",
+        description="Evaluate a checkpoint on the validation split of a corpus (by default the "
+        "one it was trained on, split the same way).",
+        formatter_class=_Formatter,
+    )
+    ev.add_argument("checkpoint", metavar="DIR", help="a training output folder or a checkpoint folder")
+    ev.add_argument("--data", default=None, metavar="SPEC", help="corpus to evaluate on (default: the training corpus)")
+    ev.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per window (default: training's)")
+    ev.add_argument("--batch-size", type=_positive_int, default=16, help="windows per batch")
+    ev.add_argument("--eval-batches", type=_nonneg_int, default=50, help="batches to evaluate (0: the whole split)")
+    ev.add_argument("--val-fraction", type=_positive_float, default=None,
+                    help="held-out share of --data (default: training's)")
+    ev.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    ev.set_defaults(func=cmd_eval)
+
+    # ---------------------------------------------------------------- demo
+    de = sub.add_parser(
+        "demo",
+        help="train the tiny preset on Shakespeare for a few minutes, then generate",
+        description="The one-command tour (what 'make demo' runs): validation loss before, "
+        "training with a progress bar, validation loss after, a generated sample.",
+        formatter_class=_Formatter,
+    )
+    de.add_argument("--minutes", type=_positive_float, default=3.0, help="training time budget")
+    de.add_argument("--out", default="runs/demo", metavar="DIR", help="output folder (overwritten)")
+    de.add_argument("--prompt", default="ROMEO:", metavar="TEXT", help="prompt of the sample")
+    de.add_argument("--max-new-tokens", type=_nonneg_int, default=300, help="length of the sample")
+    de.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    de.set_defaults(func=cmd_demo)
+
+    for p in (t, gen, ev, de):
+        for action in p._actions:
+            if action.metavar is None and action.type in (_positive_int, _nonneg_int):
+                action.metavar = "N"
+            elif action.metavar is None and action.type in (_positive_float, _nonneg_float):
+                action.metavar = "X"
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers shared by the commands
+# --------------------------------------------------------------------------------------------
+
+
+def _pick_device(name: str | None):
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for, but no CUDA GPU is available")
+    return device
+
+
+def _train_defaults(preset: str) -> dict[str, Any]:
+    return dict(_TRAIN_DEFAULTS.get(preset.lower(), _LARGE_DEFAULTS))
+
+
+def _load_model(path: str, device):
+    from .model import XLSTMLanguageModel
+    from .train import read_train_meta, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(path)
+    meta = read_train_meta(ckpt)
+    model = XLSTMLanguageModel.load(ckpt, device=device)
+    model.eval()
+    return ckpt, meta, model
+
+
+def _tokenizer_for(meta: dict[str, Any], model):
+    from .data import get_tokenizer
+
+    name = meta.get("tokenizer")
+    if name is None:  # a bare model checkpoint: a byte vocabulary is the only safe guess
+        if model.config.vocab_size != 256:
+            raise UsageError("the checkpoint does not record its tokenizer and is not byte-level")
+        name = "byte"
+    tok = get_tokenizer(name)
+    if tok.vocab_size > model.config.vocab_size:
+        raise UsageError(
+            f"tokenizer {name} has {tok.vocab_size} tokens but the model only {model.config.vocab_size}"
+        )
+    return tok
+
+
+class _Progress:
+    """Turns training events into a tqdm bar and printed validation lines."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, stream) -> None:
+        from tqdm.auto import tqdm
+
+        self.stream = stream
+        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                        disable=not enabled, file=stream, smoothing=0.1)
+        self.tok_s = None
+        self.first_eval = None
+        self.last_eval = None
+
+    def write(self, line: str) -> None:
+        if self.bar.disable:
+            print(line, file=self.stream, flush=True)
+        else:
+            self.bar.write(line, file=self.stream)
+
+    def __call__(self, event) -> None:
+        from .train import EvalEvent, StepEvent
+
+        if isinstance(event, StepEvent):
+            self.tok_s = event.tokens_per_s if self.tok_s is None else 0.9 * self.tok_s + 0.1 * event.tokens_per_s
+            self.bar.set_postfix_str(f"loss {event.loss:.3f}  lr {event.lr:.2e}  {self.tok_s:,.0f} tok/s", refresh=False)
+            self.bar.update(event.step - self.bar.n)
+        elif isinstance(event, EvalEvent):
+            m = event.metrics
+            self.first_eval = self.first_eval or (event.step, m)
+            self.last_eval = (event.step, m)
+            self.write(f"step {event.step:>6}  val loss {m.loss:.4f}  bpb {m.bits_per_byte:.4f}  ppl {m.perplexity:.2f}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _clear_run(out: Path) -> None:
+    import shutil
+
+    from .train import CHECKPOINTS_DIR, LATEST_FILE, METRICS_FILE, PLOT_FILE
+
+    shutil.rmtree(out / CHECKPOINTS_DIR, ignore_errors=True)
+    for name in (LATEST_FILE, METRICS_FILE, PLOT_FILE):
+        (out / name).unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+
+    from .data import TOKENIZERS, load_data
+    from .model import PRESETS, XLSTMConfig, XLSTMLanguageModel
+    from .train import (TrainConfig, init_distributed, load_training_state, read_train_meta,
+                        resolve_checkpoint, train)
+
+    dist = init_distributed()
+    out = Path(args.out or f"runs/{(args.preset or DEFAULT_PRESET).lower()}")
+    overrides = {
+        k: getattr(args, k)
+        for k in ("steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr", "warmup_steps",
+                  "weight_decay", "grad_clip", "seed", "precision", "eval_interval", "eval_batches",
+                  "checkpoint_interval")
+        if getattr(args, k) is not None
+    }
+    if args.resume and args.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other")
+
+    if args.resume:
+        ckpt = resolve_checkpoint(out)
+        meta = read_train_meta(ckpt)
+        if not meta:
+            raise UsageError(f"{ckpt} is a model checkpoint without training state; cannot --resume")
+        for key, value in (("preset", args.preset), ("data", args.data), ("tokenizer", args.tokenizer)):
+            if value is not None and str(value).lower() != str(meta.get(key)).lower():
+                raise UsageError(f"--{key} {value} differs from the checkpoint's ({meta.get(key)}); "
+                                 f"leave it out when resuming")
+        saved = load_training_state(ckpt)["train_config"]
+        for key in ("batch_size", "seq_len", "seed", "grad_accum"):
+            if key in overrides and overrides[key] != saved[key]:
+                raise UsageError(f"--{key.replace('_', '-')} cannot change on --resume "
+                                 f"(the checkpoint used {saved[key]})")
+        config = TrainConfig.from_dict({**saved, **overrides})
+        preset, data_spec, tok_name = meta.get("preset"), meta["data"], meta["tokenizer"]
+        val_fraction = meta.get("val_fraction", args.val_fraction)
+        model = XLSTMLanguageModel.load(ckpt)
+        start = int(meta["step"])
+    else:
+        preset = (args.preset or DEFAULT_PRESET)
+        if preset.lower() not in PRESETS:
+            raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        tok_name = args.tokenizer or "byte"
+        if tok_name not in TOKENIZERS:
+            raise UsageError(f"unknown tokenizer {tok_name!r}; choose one of {', '.join(TOKENIZERS)}")
+        data_spec = args.data or DEFAULT_DATA
+        val_fraction = args.val_fraction
+        if (out / "latest").exists() and not args.overwrite:
+            raise UsageError(f"{out} already holds a training run; add --resume to continue it "
+                             f"or --overwrite to start afresh")
+        defaults = {"steps": 1000, **_train_defaults(preset)}
+        config = TrainConfig(**{**defaults, **overrides})
+        start = 0
+    if not 0 < val_fraction < 1:
+        raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
+    data = load_data(data_spec, tok_name, val_fraction=val_fraction)
+    if not args.resume:
+        torch.manual_seed(config.seed)
+        model = XLSTMLanguageModel(XLSTMConfig.from_name(preset, vocab_size=data.vocab_size))
+        if args.overwrite and dist.is_main:
+            _clear_run(out)
+    if config.steps <= start:
+        raise UsageError(f"the checkpoint is already at step {start}; pass --steps larger than that to train on")
+    device = _pick_device(args.device) if args.device or not dist.enabled else None
+
+    meta_out = {"preset": preset, "data": data_spec, "tokenizer": tok_name, "val_fraction": val_fraction}
+    progress = None
+    if dist.is_main:
+        n_params = sum(p.numel() for p in model.parameters())
+        where = f"{dist.world_size} processes" if dist.enabled else str(device)
+        print(
+            f"{'resuming' if args.resume else 'training'} {preset} ({n_params / 1e6:.2f}M parameters) on "
+            f"{data_spec} ({len(data.train):,} training tokens, tokenizer {tok_name}) for "
+            f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on {where} -> {out}",
+            file=sys.stderr, flush=True,
+        )
+        progress = _Progress(config.steps, start, not args.no_progress, sys.stderr)
+    try:
+        result = train(model, data, config, out, resume=args.resume, callback=progress,
+                       device=device, dist=dist, meta=meta_out)
+    finally:
+        if progress is not None:
+            progress.close()
+        if dist.enabled:
+            import torch.distributed as torch_dist
+
+            torch_dist.destroy_process_group()
+    if dist.is_main:
+        if result.interrupted:
+            where = result.checkpoint or "the last periodic checkpoint"
+            print(f"interrupted at step {result.step}; saved {where}. Continue with: "
+                  f"xlstm-kit train --out {out} --resume", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        print(f"done: step {result.step}; checkpoint {result.checkpoint}; loss curve {result.plot}",
+              file=sys.stderr)
+    return 0
+
+
+def _generate_text(model, tok, prompt: str, max_new_tokens: int, temperature: float,
+                   top_k: int | None, top_p: float | None, seed: int | None, device) -> str:
+    import torch
+
+    ids = tok.encode(prompt) or ([tok.eos_token_id] if tok.eos_token_id is not None else tok.encode("\n"))
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(
+        torch.tensor(ids, dtype=torch.long, device=device), max_new_tokens, temperature=temperature,
+        top_k=top_k, top_p=top_p, eos_token_id=tok.eos_token_id, generator=generator,
+    )
+    new = out[len(ids):].tolist()
+    if tok.eos_token_id is not None and tok.eos_token_id in new:
+        new = new[: new.index(tok.eos_token_id)]
+    return prompt + tok.decode(new)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.top_p is not None and args.top_p > 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    device = _pick_device(args.device)
+    _, meta, model = _load_model(args.checkpoint, device)
+    tok = _tokenizer_for(meta, model)
+    prompt = "\n" if args.prompt is None else args.prompt
+    text = _generate_text(model, tok, prompt, args.max_new_tokens, args.temperature,
+                          args.top_k, args.top_p, args.seed, device)
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .data import load_data
+    from .train import evaluate
+
+    device = _pick_device(args.device)
+    ckpt, meta, model = _load_model(args.checkpoint, device)
+    tok = _tokenizer_for(meta, model)
+    spec = args.data or meta.get("data") or DEFAULT_DATA
+    val_fraction = args.val_fraction or meta.get("val_fraction", 0.1)
+    if not 0 < val_fraction < 1:
+        raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
+    seq_len = args.seq_len or meta.get("train_config", {}).get("seq_len") or model.config.context_length
+    data = load_data(spec, tok.name, val_fraction=val_fraction)
+    m = evaluate(model, data.val, seq_len=seq_len, batch_size=args.batch_size,
+                 max_batches=args.eval_batches or None, token_bytes=tok.token_byte_lengths(), device=device)
+    print(f"{ckpt}: val loss {m.loss:.4f}  bits/byte {m.bits_per_byte:.4f}  perplexity {m.perplexity:.2f}  "
+          f"({m.tokens:,} tokens of {spec}, tokenizer {tok.name})")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import copy
+
+    import torch
+
+    from .data import load_data
+    from .model import XLSTMConfig, XLSTMLanguageModel
+    from .train import TrainConfig, lm_loss, make_optimizer, train
+
+    device = _pick_device(args.device)
+    out = Path(args.out)
+    budget = args.minutes * 60
+    defaults = _train_defaults("tiny")
+    print(f"xlstm_kit demo: the 'tiny' xLSTM (one sLSTM block, three mLSTM blocks) learns Shakespeare "
+          f"on {device} for about {args.minutes:g} minutes.", flush=True)
+    data = load_data(DEFAULT_DATA, "byte")
+    torch.manual_seed(0)
+    model = XLSTMLanguageModel(XLSTMConfig.from_name("tiny", vocab_size=data.vocab_size)).to(device)
+
+    # Calibrate the number of steps to the time budget on a throwaway copy of the model.
+    probe = copy.deepcopy(model)
+    opt = make_optimizer(probe, TrainConfig(steps=1))
+    x = torch.randint(0, data.vocab_size, (defaults["batch_size"], defaults["seq_len"] + 1), device=device)
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        lm_loss(probe(x[:, :-1]), x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    per_step = min(times[1:])
+    # ~8% of the budget goes to validation (4 evaluations of 4 batches) and checkpoints.
+    steps = max(20, int(0.92 * budget / per_step))
+    del probe, opt
+    config = TrainConfig(steps=steps, eval_interval=max(1, steps // 3), eval_batches=4,
+                         checkpoint_interval=0, **defaults)
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {steps} steps of "
+          f"{config.batch_size}x{config.seq_len} bytes ({per_step:.2f} s/step measured); output in {out}/",
+          flush=True)
+    _clear_run(out)
+    progress = _Progress(steps, 0, True, sys.stderr)
+    try:
+        result = train(model, data, config, out, device=device, callback=progress,
+                       meta={"preset": "tiny", "data": DEFAULT_DATA, "tokenizer": "byte", "val_fraction": 0.1})
+    finally:
+        progress.close()
+    (s0, before), (s1, after) = progress.first_eval, progress.last_eval
+    print(f"validation loss: {before.loss:.3f} before training -> {after.loss:.3f} after {s1} steps "
+          f"({before.bits_per_byte:.2f} -> {after.bits_per_byte:.2f} bits per byte)")
+    if result.interrupted:
+        print(f"interrupted; checkpoint in {result.checkpoint}")
+        return EXIT_INTERRUPTED
+    model.eval()
+    from .data import get_tokenizer
+
+    sample = _generate_text(model, get_tokenizer("byte"), args.prompt, args.max_new_tokens, 0.8, 40, None, 0, device)
+    print("\n---- sample (temperature 0.8, top-k 40) ----")
+    print(sample.rstrip())
+    print("--------------------------------------------")
+    print(f"loss curve: {result.plot}\nmore text:  xlstm-kit generate {out} --prompt 'JULIET:'\n"
+          f"train on:   xlstm-kit train --out {out} --resume --steps {steps * 2}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if os.environ.get("XLSTM_KIT_DEBUG") == "1":
+        return args.func(args)
+    from .data import DataError
+    from .train import CheckpointError
+
+    try:
+        return args.func(args)
+    except (UsageError, DataError, CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
