@@ -134,9 +134,10 @@ class _PairDecay:
         *batch, L, m, _, n = dA.shape
         s, nb = self.s, self.nb
         dblk = self._diag_blocks(dA).movedim(-1, -5)                  # [..., nb, S(r), m, S(i), n]
-        DX = self.diag.unsqueeze(-2) * X.unflatten(-3, (nb, s)).unsqueeze(-3)  # [..., nb, S(r), S(i), m, K]
+        # built directly in (i, r) order so the product needs no transposed copy
+        DX = self.diag.transpose(-3, -2).unsqueeze(-2) * X.unflatten(-3, (nb, s)).unsqueeze(-4)
+        DX = DX.flatten(-3, -2)                                        # [..., nb, S(i), S(r)·m, K]
         g = dblk.permute(*range(len(batch) + 1), -2, -1, -4, -3).flatten(-2, -1)  # [..., nb, S(i), n, S(r)·m]
-        DX = DX.transpose(-4, -3).flatten(-3, -2)                      # [..., nb, S(i), S(r)·m, K]
         dY = (g @ DX).flatten(-4, -3)                                  # [..., L, n, K]
         for j in range(nb - 1):
             e = (j + 1) * s
