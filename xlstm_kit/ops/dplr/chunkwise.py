@@ -17,7 +17,7 @@ E is never formed: F is unit lower triangular, so W and Cm come from one forward
 Numerics. The seed's Q← = Q⊙Γ, K→ = K⊘Γ factorisation overflows: with gk = −5 per step and
 L = 64, 1/Γ reaches e^320. Every quantity above, however, only needs decays exp(G_r − G_i) with
 i ≤ r (≤ 1), exp(G_r) (≤ 1) or exp(G_L − G_i) (≤ 1). So the pair matrices are built from
-sub-chunks of S ≤ 16 steps: a block of rows R strictly below a block of columns J uses the last
+sub-chunks of S ≤ SUB_CHUNK (8) steps: a block of rows R strictly below a block of columns J uses the last
 step of J as the reference point, (X_R ⊙ e^{G_R − ref}) (Y_J ⊙ e^{ref − G_J})ᵀ, both factors ≤ 1,
 one matmul; a diagonal block uses the exact pairwise decays e^{G_r − G_i} ([S, S, K] per block,
 masked before the exp so the upper triangle is e^{−inf} = 0). No factor ever exceeds 1, for any
@@ -62,7 +62,7 @@ def _sub_chunk_size(L: int) -> int:
 class _PairDecay:
     """Decays exp(G_r − G_i), i ≤ r, of one chunk, split into sub-chunks of S steps.
 
-    G: [..., L, K] cumulative log gates. The pair products have a left operand X [..., L, m, K]
+    G: [..., L, K] cumulative log gates (float64). The pair products have a left operand X [..., L, m, K]
     (rows r: q and b) and a right operand Y [..., L, n, K] (columns i: k and a).
     """
 
