@@ -378,6 +378,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError(f"{out} already holds a training run; add --resume to continue it "
                              f"or --overwrite to start afresh")
         defaults = {"steps": 1000, **_train_defaults(preset)}
+        steps = overrides.get("steps", defaults["steps"])
+        # A short run still needs its cosine decay: warm up for at most a fifth of it.
+        defaults["warmup_steps"] = min(defaults["warmup_steps"], steps // 5)
         config = TrainConfig(**{**defaults, **overrides})
         start = 0
     if not 0 < val_fraction < 1:

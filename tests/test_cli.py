@@ -1,0 +1,181 @@
+"""The xlstm-kit command line: end to end through real processes (train, then generate), the
+other commands in-process, and one-line errors with exit status 2 for bad input."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xlstm_kit import cli
+from xlstm_kit.train import TRAIN_META_FILE, resolve_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+# Tiny sizes: the "tiny" preset on a few short sequences, so a run takes seconds.
+FAST = ["--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    d = tmp_path / "cache"
+    monkeypatch.setenv("XLSTM_KIT_CACHE", str(d))
+    return d
+
+
+def run_cli(*args, cache_dir):
+    env = {**os.environ, "XLSTM_KIT_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    env.pop("XLSTM_KIT_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "xlstm_kit", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One short training run through the real command line, shared by the tests below."""
+    base = tmp_path_factory.mktemp("cli")
+    out = base / "run"
+    proc = run_cli("train", "--steps", "3", "--out", str(out), *FAST, cache_dir=base / "cache")
+    assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+def test_train_then_generate_prints_text(trained, tmp_path):
+    out, proc = trained
+    assert "val loss" in proc.stderr and "done: step 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert resolve_checkpoint(out).name == "step-00000003"
+    meta = json.loads((resolve_checkpoint(out) / TRAIN_META_FILE).read_text())
+    assert meta["preset"] == "tiny" and meta["tokenizer"] == "byte" and meta["data"] == "builtin:shakespeare"
+    gen = run_cli("generate", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "40", "--seed", "0",
+                  cache_dir=tmp_path)
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("ROMEO:")
+    assert len(gen.stdout.rstrip("\n").encode()) >= len("ROMEO:") + 30  # ~40 new bytes (a few may merge)
+
+
+def test_generate_is_seeded_and_eval_prints_metrics(trained, capsys):
+    out, _ = trained
+    texts = []
+    for _ in range(2):
+        assert cli.main(["generate", str(out), "--prompt", "JULIET:", "--max-new-tokens", "20",
+                         "--seed", "3", "--top-k", "5"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith("JULIET:")
+    greedy = cli.main(["generate", str(out), "--prompt", "JULIET:", "--max-new-tokens", "20", "--temperature", "0"])
+    assert greedy == 0 and capsys.readouterr().out.startswith("JULIET:")
+    assert cli.main(["eval", str(out), "--eval-batches", "1", "--batch-size", "2"]) == 0
+    line = capsys.readouterr().out
+    assert "val loss" in line and "bits/byte" in line and "perplexity" in line
+
+
+def test_resume_continues_and_refuses_clobbering(trained, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(trained[0], out)
+    # Without --resume an existing run is not overwritten.
+    assert cli.main(["train", "--steps", "5", "--out", str(out), *FAST]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert cli.main(["train", "--steps", "5", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert resolve_checkpoint(out).name == "step-00000005"
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]
+    capsys.readouterr()
+    assert cli.main(["train", "--out", str(out), "--resume", "--seq-len", "64"]) == 2
+    assert "cannot change" in capsys.readouterr().err
+
+
+def _assert_one_line_error(capsys, code, *needles):
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and "error" in lines[0]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def _main_code(argv):
+    try:
+        return cli.main(argv)
+    except SystemExit as e:  # argparse errors exit through SystemExit
+        return e.code
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["train", "--preset", "gigantic"], "unknown preset"),
+        (["train", "--tokenizer", "sentencepiece"], "unknown tokenizer"),
+        (["train", "--data", "/nonexistent/corpus.txt"], "does not exist"),
+        (["train", "--steps", "0"], "positive integer"),
+        (["train", "--steps", "ten"], "positive integer"),
+        (["train", "--lr", "-1"], "--lr"),
+        (["generate"], "required"),
+        (["generate", "/nonexistent/run", "--prompt", "x"], "does not exist"),
+        (["eval", "/nonexistent/run"], "does not exist"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_one_line_exit_2(argv, needle, cache, tmp_path, capsys):
+    argv = [a.replace("/nonexistent", str(tmp_path / "nonexistent")) for a in argv]
+    if argv[0] == "train":
+        argv += ["--out", str(tmp_path / "out")]
+    _assert_one_line_error(capsys, _main_code(argv), needle)
+    assert not (tmp_path / "out" / "latest").exists()
+
+
+def test_empty_corpus_and_empty_folder(cache, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n\n")
+    _assert_one_line_error(capsys, cli.main(["train", "--data", str(empty), "--out", str(tmp_path / "o")]), "empty")
+    (tmp_path / "nothing").mkdir()
+    _assert_one_line_error(capsys, cli.main(["train", "--data", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]),
+                           "no text files")
+
+
+def test_resume_without_checkpoint(cache, tmp_path, capsys):
+    _assert_one_line_error(capsys, cli.main(["train", "--resume", "--out", str(tmp_path / "fresh")]), "does not exist")
+
+
+def test_checkpoint_from_another_version(trained, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(trained[0], out)
+    ckpt = resolve_checkpoint(out)
+    meta = json.loads((ckpt / TRAIN_META_FILE).read_text())
+    meta["format"] = 99
+    (ckpt / TRAIN_META_FILE).write_text(json.dumps(meta))
+    for argv in (["generate", str(out)], ["eval", str(out)], ["train", "--out", str(out), "--resume", "--steps", "9"]):
+        _assert_one_line_error(capsys, cli.main(argv), "format 99")
+    # A model config with fields this version does not know (a newer model format).
+    shutil.rmtree(out)
+    shutil.copytree(trained[0], out)
+    cfg_file = resolve_checkpoint(out) / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["rotary_embedding"] = True
+    cfg_file.write_text(json.dumps(cfg))
+    _assert_one_line_error(capsys, cli.main(["generate", str(out)]), "rotary_embedding")
+
+
+def test_bad_input_in_a_real_process(tmp_path):
+    proc = run_cli("train", "--preset", "gigantic", "--out", str(tmp_path / "o"), cache_dir=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "unknown preset" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_help_lists_commands_and_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("train", "generate", "eval", "demo", "torchrun"):
+        assert word in text
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = capsys.readouterr().out
+    for opt in ("--preset", "--data", "--tokenizer", "--steps", "--out", "--resume", "--grad-accum"):
+        assert opt in text
