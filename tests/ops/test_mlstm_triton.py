@@ -1,0 +1,190 @@
+"""Triton mLSTM kernels (chunkwise forward/backward and the decode step) against a float64
+recurrent reference.
+
+On CPU these run under TRITON_INTERPRET=1 (how CI runs them: `make test` sets it) with tiny
+float32 shapes; the tests marked `gpu` run the issue's correctness list on CUDA.
+"""
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import rel_err
+
+triton = pytest.importorskip("triton")
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not HAS_CUDA and not INTERPRET:
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from xlstm_kit.ops.mlstm.triton_chunkwise import mlstm_chunkwise_triton  # noqa: E402
+from xlstm_kit.ops.mlstm.triton_step import mlstm_step_triton  # noqa: E402
+
+DEV = "cpu" if INTERPRET else "cuda"
+
+
+# ------------------------------------------------------------------ float64 reference (paper eqs)
+
+def ref_step(q, k, v, i, f, C, n, m, eps):
+    lf = F.logsigmoid(f)
+    m_new = torch.maximum(lf + m, i)
+    ia = torch.exp(i - m_new)
+    fa = torch.exp(lf + m - m_new)
+    C = fa[..., None, None] * C + ia[..., None, None] * k[..., :, None] * v[..., None, :]
+    n = fa[..., None] * n + ia[..., None] * k
+    qh = q / math.sqrt(q.shape[-1])
+    num = torch.einsum("bhk,bhkv->bhv", qh, C)
+    den = torch.maximum((n * qh).sum(-1).abs(), torch.exp(-m_new)) + eps
+    return num / den[..., None], (C, n, m_new)
+
+
+def ref_recurrent(q, k, v, i, f, state, eps=1e-6):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if state is None:
+        C, n, m = q.new_zeros(B, H, K, V), q.new_zeros(B, H, K), q.new_zeros(B, H)
+    else:
+        C, n, m = state
+    hs = []
+    for t in range(T):
+        h, (C, n, m) = ref_step(q[:, t], k[:, t], v[:, t], i[:, t], f[:, t], C, n, m, eps)
+        hs.append(h)
+    return torch.stack(hs, 1), (C, n, m)
+
+
+# ------------------------------------------------------------------ helpers
+
+def make_inputs(B, T, H, K, V, dtype=torch.float32, gates="normal", state=True, device=DEV):
+    q = torch.randn(B, T, H, K, dtype=torch.float64)
+    k = torch.randn(B, T, H, K, dtype=torch.float64)
+    v = torch.randn(B, T, H, V, dtype=torch.float64)
+    if gates == "normal":
+        i = torch.randn(B, T, H, dtype=torch.float64)
+        f = torch.randn(B, T, H, dtype=torch.float64) + 2.0
+    else:  # extreme: large input gates, forget gates from almost-closed to almost-open
+        i = torch.randn(B, T, H, dtype=torch.float64) * 8.0
+        f = torch.randn(B, T, H, dtype=torch.float64) * 10.0
+    xs = [x.to(dtype) for x in (q, k, v, i, f)]
+    st = None
+    if state:
+        st = (torch.randn(B, H, K, V, dtype=torch.float64) * 0.5,
+              torch.randn(B, H, K, dtype=torch.float64) * 0.5,
+              torch.randn(B, H, dtype=torch.float64))
+        st = tuple(s.float() for s in st)
+    dev = [x.to(device).requires_grad_(True) for x in xs]
+    dst = None if st is None else tuple(s.to(device).requires_grad_(True) for s in st)
+    ref = [x.detach().double().requires_grad_(True) for x in xs]
+    rst = None if st is None else tuple(s.detach().double().requires_grad_(True) for s in st)
+    return dev, dst, ref, rst
+
+
+def run_and_grad(fn, xs, st, ups):
+    h, (C, n, m) = fn(xs, st)
+    dh, dC, dn, dm = ups
+    loss = (h.double() * dh).sum() + (C.double() * dC).sum() + (n.double() * dn).sum() + (m.double() * dm).sum()
+    ins = list(xs) + ([] if st is None else list(st))
+    grads = torch.autograd.grad(loss, ins)
+    return (h, C, n, m), grads
+
+
+def check_against_reference(B, T, H, K, V, dtype=torch.float32, gates="normal", state=True,
+                            tol=1e-4, gtol=None, **kw):
+    xs, st, rxs, rst = make_inputs(B, T, H, K, V, dtype, gates, state)
+    ups = (torch.randn(B, T, H, V, dtype=torch.float64), torch.randn(B, H, K, V, dtype=torch.float64),
+           torch.randn(B, H, K, dtype=torch.float64), torch.randn(B, H, dtype=torch.float64))
+    outs, grads = run_and_grad(
+        lambda a, s: mlstm_chunkwise_triton(*a, initial_state=s, output_final_state=True, **kw),
+        xs, st, tuple(u.to(DEV) for u in ups))
+    routs, rgrads = run_and_grad(lambda a, s: ref_recurrent(*a, s), rxs, rst, ups)
+    names = ["h", "C", "n", "m"]
+    for name, a, b in zip(names, outs, routs):
+        assert rel_err(a.cpu(), b) < tol, (name, rel_err(a.cpu(), b))
+    gnames = ["dq", "dk", "dv", "di", "df", "dC0", "dn0", "dm0"]
+    for name, a, b in zip(gnames, grads, rgrads):
+        assert rel_err(a.cpu(), b) < (gtol or tol), (name, rel_err(a.cpu(), b))
+
+
+# ------------------------------------------------------------------ CPU (interpreter) tests
+
+@pytest.mark.parametrize("T,chunk", [(1, 16), (37, 16), (64, 32)])
+def test_chunkwise_matches_recurrent_float32(T, chunk):
+    """Forward, final state and every gradient (initial state included) vs float64 loop; K ≠ V,
+    T not a multiple of the chunk (masked tail) and a single step."""
+    check_against_reference(1, T, 2, 16, 32, chunk_size=chunk)
+
+
+def test_chunkwise_extreme_gates_no_initial_state():
+    """Gates that swing the stabilizer hard (δm routing through the max chain, e^{-m} floor)."""
+    check_against_reference(1, 50, 1, 16, 16, gates="extreme", state=False, chunk_size=16)
+
+
+def test_chunkwise_several_k_tiles_and_odd_dims():
+    """K and V not multiples of the tiles, K split over tiles (separate δv kernel), different
+    forward and backward chunk lengths."""
+    cfg = dict(L_fwd=32, L_bwd=16, st_BK=16, st_BV=16, out_BK=16, out_BV=16, ds_BK=16, ds_BV=16,
+               dqk_BK=16, dqk_BV=16, dv_BK=16, dv_BV=16)
+    check_against_reference(2, 45, 1, 40, 24, config=cfg)
+
+
+def test_chunkwise_float16_close_to_reference():
+    """16-bit operands: error near fp16 rounding (gradients in float16 too)."""
+    check_against_reference(1, 40, 1, 16, 16, dtype=torch.float16, tol=5e-3, gtol=1e-2, chunk_size=16)
+
+
+def test_chunkwise_rejects_bad_chunk_size():
+    xs, st, _, _ = make_inputs(1, 8, 1, 16, 16)
+    with pytest.raises(ValueError, match="chunk_size"):
+        mlstm_chunkwise_triton(*xs, chunk_size=48)
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_step_matches_reference(with_state):
+    B, H, K, V = 2, 3, 24, 40
+    q, k = torch.randn(B, H, K), torch.randn(B, H, K)
+    v = torch.randn(B, H, V)
+    i, f = torch.randn(B, H) * 3, torch.randn(B, H) * 3
+    st = (torch.randn(B, H, K, V), torch.randn(B, H, K), torch.randn(B, H)) if with_state else None
+    h, (C, n, m) = mlstm_step_triton(q.to(DEV), k.to(DEV), v.to(DEV), i.to(DEV), f.to(DEV),
+                                     None if st is None else tuple(s.to(DEV) for s in st), block_v=16)
+    z = (torch.zeros(B, H, K, V), torch.zeros(B, H, K), torch.zeros(B, H)) if st is None else st
+    rh, (rC, rn, rm) = ref_step(*(x.double() for x in (q, k, v, i, f)), *(s.double() for s in z), 1e-6)
+    for a, b in ((h, rh), (C, rC), (n, rn), (m, rm)):
+        assert rel_err(a.cpu(), b) < 1e-5
+
+
+def test_step_continues_chunkwise():
+    """Prefill with the chunkwise kernel, then decode steps: same as one long recurrence."""
+    xs, st, rxs, rst = make_inputs(1, 21, 2, 16, 16)
+    xs = [x.detach() for x in xs]
+    _, state = mlstm_chunkwise_triton(*(x[:, :17] for x in xs), initial_state=tuple(s.detach() for s in st),
+                                      output_final_state=True, chunk_size=16)
+    hs = []
+    for t in range(17, 21):
+        h, state = mlstm_step_triton(*(x[:, t] for x in xs), state)
+        hs.append(h)
+    rh, (rC, _, _) = ref_recurrent(*(x.detach() for x in rxs), tuple(s.detach() for s in rst))
+    assert rel_err(torch.stack(hs, 1).cpu(), rh[:, 17:]) < 1e-5
+    assert rel_err(state[0].cpu(), rC) < 1e-5
+
+
+# ------------------------------------------------------------------ GPU (H200) correctness list
+
+gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA (run with -m gpu on the GPU machine)")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T", [1, 100, 2048])
+@pytest.mark.parametrize("gates", ["normal", "extreme"])
+def test_gpu_float32_against_reference(T, gates):
+    check_against_reference(1, T, 2, 64, 128, gates=gates, tol=1e-4, gtol=5e-4)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (256, 512), (512, 256)])
+def test_gpu_head_dims(K, V):
+    check_against_reference(1, 300, 1, K, V, tol=1e-4, gtol=5e-4)

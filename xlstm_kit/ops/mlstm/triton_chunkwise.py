@@ -1,0 +1,753 @@
+"""Chunkwise mLSTM in Triton: forward and hand-written backward kernels.
+
+Maths (DESIGN.md §1). Per head, the sequence is cut into NC chunks of L steps (the last chunk is
+padded with steps that leave the state alone: log f = 0, ĩ = NEG, q = k = v = 0). With β the
+in-chunk cumulative log forget gate and (C_c, n_c, m_c) the state entering chunk c, row t of
+the chunk has the recurrent stabilizer exactly
+
+    m_t = max(β_t + m_c, u_t),     u_t = β_t + max_{s≤t}(ĩ_s − β_s),
+
+so h_t = (e^{a_t} C_cᵀq̂_t + Σ_{s≤t} P_ts v_s) / (max(|n̄_t|, e^{−m_t}) + eps) with
+a_t = β_t + m_c − m_t, P_ts = (q̂_t·k_s) e^{D_ts}, D_ts = β_t − β_s + ĩ_s − m_t and
+n̄_t = e^{a_t} n_cᵀq̂_t + Σ_s P_ts.  The chunk's end state is
+C_{c+1} = e^{b_c} C_c + Σ_s e^{w_s} k_s v_sᵀ with w_s = β_L − β_s + ĩ_s − m_{c+1},
+b_c = β_L + m_c − m_{c+1}, m_{c+1} = max(β_L + m_c, u_L). Every exponent is ≤ 0.
+
+Kernels (two phases each way, all accumulation and states in float32):
+  forward   _fwd_states  sequential over chunks per (b·h, K-tile, V-tile): chunk-start states
+            _fwd_out     parallel over (chunk, V-tile, b·h): h, and per-row n̄ and m for backward
+  backward  _fwd_states  again (states are recomputed, not kept from the forward)
+            _bwd_dstates reverse-sequential: δC, δn at every chunk end
+            _bwd_dqk     parallel over (chunk, K-tile, b·h): δq, δk (and δv when K fits one tile)
+                         and the log-gate gradients of the chunk
+            _bwd_dv      parallel over (chunk, V-tile, b·h): δv when K needs several tiles
+The backward holds every stabilizer fixed (the inputs then enter only through q̂ e^{β},
+k e^{ĩ−β}, so the gate gradients are row and column sums of dP ⊙ P plus chunk terms) and
+adds the stabilizers' own influence in PyTorch afterwards: h_t depends on m_t through eps
+only (∂h_t/∂m_t = −eps h_t / d_t), the final state through C_T = e^{−m_T} C*_T, and each δm is
+routed along the max chain to the ĩ_s or log f_t that realises it. These O(B·T·H) pieces and
+the gate cumsums run in PyTorch.
+
+Dtypes: q, k, v in float16, bfloat16 or float32; h and the gradients are returned in that
+dtype. Matrix products take 16-bit operands with float32 accumulation (float32 inputs use
+3-pass TF32, close to full float32). The chunk states travel between kernels in bfloat16 for
+bfloat16 inputs (they are bfloat16 operands of the products anyway) and in float32 otherwise;
+the returned final state and the gradient of the initial state are always float32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..backend import TRITON_OPS
+
+# Finite "minus infinity" for the input gate of padded steps: exp() of it is 0 and, unlike
+# -inf, it never meets another infinity in a subtraction (no NaN).
+NEG = -1e30
+
+TRITON_OPS.add("mlstm_chunkwise")
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot_l(a, b, MODE: tl.constexpr, PREC: tl.constexpr):
+    """a (float32, weighted or a state) @ b (input dtype). MODE 0: a rounded to b's dtype;
+    1: a split into two parts of b's dtype (hi + lo, ~16 more bits for one more product);
+    2: float32 operands at PREC."""
+    if MODE == 0:
+        return tl.dot(a.to(b.dtype), b, input_precision=PREC)
+    elif MODE == 1:
+        hi = a.to(b.dtype)
+        lo = (a - hi.to(tl.float32)).to(b.dtype)
+        return tl.dot(lo, b, acc=tl.dot(hi, b, input_precision=PREC), input_precision=PREC)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _dot_r(a, b, MODE: tl.constexpr, PREC: tl.constexpr):
+    """a (input dtype) @ b (float32 or stored state); modes as in _dot_l."""
+    if MODE == 0:
+        return tl.dot(a, b.to(a.dtype), input_precision=PREC)
+    elif MODE == 1:
+        hi = b.to(a.dtype)
+        lo = (b.to(tl.float32) - hi.to(tl.float32)).to(a.dtype)
+        return tl.dot(a, lo, acc=tl.dot(a, hi, input_precision=PREC), input_precision=PREC)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _fwd_states(
+    k_ptr, v_ptr, beta_ptr, ig_ptr, u_ptr,
+    c0_ptr, n0_ptr, m0_ptr,
+    cs_ptr, ns_ptr, ms_ptr, cf_ptr, nf_ptr,
+    T, H, NC,
+    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, UPD_MODE: tl.constexpr, PREC: tl.constexpr,
+):
+    """States entering every chunk. Program (K-tile, V-tile, b·h) holds C[BK, BV] in float32
+    registers and walks the chunks in order; cs[b·h, c] = C_c (cs dtype), ns, ms likewise."""
+    pid_k = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    offs_l = tl.arange(0, L)
+    mk = offs_k < K
+    mv = offs_v < V
+    mkv = mk[:, None] & mv[None, :]
+    g_base = bh64 * NC * L
+    k_base = k_ptr + b.to(tl.int64) * T * H * K + h * K
+    v_base = v_ptr + b.to(tl.int64) * T * H * V + h * V
+    kv_off = offs_k[:, None] * V + offs_v[None, :]
+    if HAS_INIT:
+        C = tl.load(c0_ptr + bh64 * K * V + kv_off, mask=mkv, other=0.0).to(tl.float32)
+        n = tl.load(n0_ptr + bh64 * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    else:
+        C = tl.zeros([BK, BV], dtype=tl.float32)
+        n = tl.zeros([BK], dtype=tl.float32)
+    m = tl.load(m0_ptr + bh).to(tl.float32)
+    first_v = pid_v == 0
+    for c in range(NC):
+        tl.store(cs_ptr + (bh64 * NC + c) * K * V + kv_off, C.to(cs_ptr.dtype.element_ty), mask=mkv)
+        tl.store(ns_ptr + (bh64 * NC + c) * K + offs_k, n, mask=mk & first_v)
+        tl.store(ms_ptr + bh64 * (NC + 1) + c, m, mask=first_v & (pid_k == 0))
+        rows = c * L + offs_l
+        rmask = rows < T
+        beta = tl.load(beta_ptr + g_base + rows)
+        ig = tl.load(ig_ptr + g_base + rows)
+        beta_last = tl.load(beta_ptr + g_base + c * L + L - 1)
+        u_last = tl.load(u_ptr + g_base + c * L + L - 1)
+        m_next = tl.maximum(beta_last + m, u_last)
+        decay = tl.exp(beta_last + m - m_next)
+        wgt = tl.exp(beta_last - beta + ig - m_next)                         # [L], ≤ 1
+        kt = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :],
+                     mask=rmask[:, None] & mk[None, :], other=0.0)           # [L, BK]
+        vt = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :],
+                     mask=rmask[:, None] & mv[None, :], other=0.0)           # [L, BV]
+        kw = kt.to(tl.float32) * wgt[:, None]
+        C = C * decay + _dot_l(tl.trans(kw), vt, UPD_MODE, PREC)
+        n = n * decay + tl.sum(kw, axis=0)
+        m = m_next
+    tl.store(ms_ptr + bh64 * (NC + 1) + NC, m, mask=first_v & (pid_k == 0))
+    if STORE_FINAL:
+        tl.store(cf_ptr + bh64 * K * V + kv_off, C, mask=mkv)
+        tl.store(nf_ptr + bh64 * K + offs_k, n, mask=mk & first_v)
+
+
+@triton.jit
+def _fwd_out(
+    q_ptr, k_ptr, v_ptr, beta_ptr, ig_ptr, u_ptr, cs_ptr, ns_ptr, ms_ptr,
+    h_ptr, nbar_ptr, mrow_ptr,
+    T, H, NC, scale, eps,
+    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    STATE_MODE: tl.constexpr, PREC: tl.constexpr,
+):
+    """Outputs of one chunk for one V-tile: intra-chunk quadratic part + inter-chunk q̂ᵀC_c."""
+    c = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    NKT: tl.constexpr = (K + BK - 1) // BK
+    offs_l = tl.arange(0, L)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mv = offs_v < V
+    rows = c * L + offs_l
+    rmask = rows < T
+    g_base = bh64 * NC * L
+    q_base = q_ptr + b.to(tl.int64) * T * H * K + h * K
+    k_base = k_ptr + b.to(tl.int64) * T * H * K + h * K
+    v_base = v_ptr + b.to(tl.int64) * T * H * V + h * V
+    beta = tl.load(beta_ptr + g_base + rows)
+    ig = tl.load(ig_ptr + g_base + rows)
+    u = tl.load(u_ptr + g_base + rows)
+    m_prev = tl.load(ms_ptr + bh64 * (NC + 1) + c)
+    m_row = tl.maximum(beta + m_prev, u)
+
+    S = tl.zeros([L, L], dtype=tl.float32)
+    inter = tl.zeros([L, BV], dtype=tl.float32)
+    qn = tl.zeros([L], dtype=tl.float32)
+    for kt in range(NKT):
+        offs_k = kt * BK + tl.arange(0, BK)
+        mk = offs_k < K
+        lk = rmask[:, None] & mk[None, :]
+        qt = tl.load(q_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
+        kk = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
+        S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
+        Ct = tl.load(cs_ptr + (bh64 * NC + c) * K * V + offs_k[:, None] * V + offs_v[None, :],
+                     mask=mk[:, None] & mv[None, :], other=0.0)              # [BK, BV]
+        inter += _dot_r(qt, Ct, STATE_MODE, PREC)
+        nt = tl.load(ns_ptr + (bh64 * NC + c) * K + offs_k, mask=mk, other=0.0)
+        qn += tl.sum(qt.to(tl.float32) * nt[None, :], axis=1)
+
+    causal = offs_l[:, None] >= offs_l[None, :]
+    D = beta[:, None] - beta[None, :] + ig[None, :] - m_row[:, None]
+    P = S * scale * tl.exp(tl.where(causal, D, NEG))                        # [L, L]
+    ea = tl.exp(beta + m_prev - m_row)
+    nbar = ea * qn * scale + tl.sum(P, axis=1)
+    vt = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :],
+                 mask=rmask[:, None] & mv[None, :], other=0.0)
+    num = (ea * scale)[:, None] * inter + tl.dot(P.to(vt.dtype), vt, input_precision=PREC)
+    den = tl.maximum(tl.abs(nbar), tl.exp(-m_row)) + eps
+    out = num / den[:, None]
+    tl.store(h_ptr + b.to(tl.int64) * T * H * V + h * V + rows[:, None] * (H * V) + offs_v[None, :],
+             out.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & mv[None, :])
+    first_v = (offs_l < L) & (pid_v == 0)
+    tl.store(nbar_ptr + g_base + rows, nbar, mask=first_v)
+    tl.store(mrow_ptr + g_base + rows, m_row, mask=first_v)
+
+
+@triton.jit
+def _bwd_dstates(
+    q_ptr, dh_ptr, beta_ptr, u_ptr, rd_ptr, g_ptr, ms_ptr,
+    dcf_ptr, dnf_ptr,
+    dcs_ptr, dns_ptr, dc0_ptr, dn0_ptr,
+    T, H, NC, scale,
+    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DFINAL: tl.constexpr, UPD_MODE: tl.constexpr, PREC: tl.constexpr,
+):
+    """Reverse pass over chunks: dcs[b·h, c] = δC at the end of chunk c (= start of c+1), dns
+    likewise; δC_0, δn_0 (the initial state's gradients, stabilizers fixed) in float32."""
+    pid_k = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    offs_l = tl.arange(0, L)
+    mk = offs_k < K
+    mv = offs_v < V
+    mkv = mk[:, None] & mv[None, :]
+    kv_off = offs_k[:, None] * V + offs_v[None, :]
+    g_base = bh64 * NC * L
+    q_base = q_ptr + b.to(tl.int64) * T * H * K + h * K
+    dh_base = dh_ptr + b.to(tl.int64) * T * H * V + h * V
+    first_v = pid_v == 0
+    if HAS_DFINAL:
+        dC = tl.load(dcf_ptr + bh64 * K * V + kv_off, mask=mkv, other=0.0).to(tl.float32)
+        dn = tl.load(dnf_ptr + bh64 * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    else:
+        dC = tl.zeros([BK, BV], dtype=tl.float32)
+        dn = tl.zeros([BK], dtype=tl.float32)
+    for cc in range(NC):
+        c = NC - 1 - cc
+        tl.store(dcs_ptr + (bh64 * NC + c) * K * V + kv_off, dC.to(dcs_ptr.dtype.element_ty), mask=mkv)
+        tl.store(dns_ptr + (bh64 * NC + c) * K + offs_k, dn, mask=mk & first_v)
+        rows = c * L + offs_l
+        rmask = rows < T
+        beta = tl.load(beta_ptr + g_base + rows)
+        u = tl.load(u_ptr + g_base + rows)
+        rd = tl.load(rd_ptr + g_base + rows)
+        gg = tl.load(g_ptr + g_base + rows)
+        beta_last = tl.load(beta_ptr + g_base + c * L + L - 1)
+        m_prev = tl.load(ms_ptr + bh64 * (NC + 1) + c)
+        m_next = tl.load(ms_ptr + bh64 * (NC + 1) + c + 1)
+        m_row = tl.maximum(beta + m_prev, u)
+        sea = scale * tl.exp(beta + m_prev - m_row)
+        decay = tl.exp(beta_last + m_prev - m_next)
+        qt = tl.load(q_base + rows[:, None] * (H * K) + offs_k[None, :],
+                     mask=rmask[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        dht = tl.load(dh_base + rows[:, None] * (H * V) + offs_v[None, :],
+                      mask=rmask[:, None] & mv[None, :], other=0.0)
+        qs = qt * (sea * rd)[:, None]                                        # q̂ e^{a} / d
+        dC = dC * decay + _dot_l(tl.trans(qs), dht, UPD_MODE, PREC)
+        dn = dn * decay + tl.sum(qt * (sea * gg)[:, None], axis=0)
+    tl.store(dc0_ptr + bh64 * K * V + kv_off, dC, mask=mkv)
+    tl.store(dn0_ptr + bh64 * K + offs_k, dn, mask=mk & first_v)
+
+
+@triton.jit
+def _chunk_gates(beta_ptr, ig_ptr, u_ptr, ms_ptr, g_base, ms_base, c, rows, offs_l, L: tl.constexpr):
+    """Per-row / per-chunk log factors of chunk c (see the module docstring)."""
+    beta = tl.load(beta_ptr + g_base + rows)
+    ig = tl.load(ig_ptr + g_base + rows)
+    u = tl.load(u_ptr + g_base + rows)
+    beta_last = tl.load(beta_ptr + g_base + c * L + L - 1)
+    m_prev = tl.load(ms_ptr + ms_base + c)
+    m_next = tl.load(ms_ptr + ms_base + c + 1)
+    m_row = tl.maximum(beta + m_prev, u)
+    causal = offs_l[:, None] >= offs_l[None, :]
+    E = tl.exp(tl.where(causal, beta[:, None] - beta[None, :] + ig[None, :] - m_row[:, None], NEG))
+    ea = tl.exp(beta + m_prev - m_row)                                      # e^{a_t}
+    ew = tl.exp(beta_last - beta + ig - m_next)                             # e^{w_s}
+    eb = tl.exp(beta_last + m_prev - m_next)                                # e^{b}
+    return E, ea, ew, eb
+
+
+@triton.jit
+def _qk_full(q_base, k_base, rows, rmask, HK, L: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+             PREC: tl.constexpr):
+    """S = q kᵀ over all of K, [L, L] float32."""
+    S = tl.zeros([L, L], dtype=tl.float32)
+    for kt in range((K + BK - 1) // BK):
+        offs_k = kt * BK + tl.arange(0, BK)
+        lk = rmask[:, None] & (offs_k < K)[None, :]
+        qt = tl.load(q_base + rows[:, None] * HK + offs_k[None, :], mask=lk, other=0.0)
+        kk = tl.load(k_base + rows[:, None] * HK + offs_k[None, :], mask=lk, other=0.0)
+        S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
+    return S
+
+
+@triton.jit
+def _bwd_dqk(
+    q_ptr, k_ptr, v_ptr, dh_ptr, beta_ptr, ig_ptr, u_ptr, rd_ptr, g_ptr, ms_ptr,
+    cs_ptr, ns_ptr, dcs_ptr, dns_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dlf_ptr, di_ptr,
+    T, H, NC, BHNCL, scale,
+    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    FUSE_DV: tl.constexpr, STATE_MODE: tl.constexpr, PREC: tl.constexpr,
+):
+    """δq, δk of one chunk and K-tile (and δv when the tile covers all of K), and this tile's
+    share of the chunk's fixed-stabilizer log-gate gradients: dlf[kt] = δlog f, di[kt] = δĩ."""
+    c = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    NVT: tl.constexpr = (V + BV - 1) // BV
+    offs_l = tl.arange(0, L)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    mk = offs_k < K
+    rows = c * L + offs_l
+    rmask = rows < T
+    g_base = bh64 * NC * L
+    st = bh64 * NC + c
+    q_base = q_ptr + b.to(tl.int64) * T * H * K + h * K
+    k_base = k_ptr + b.to(tl.int64) * T * H * K + h * K
+    v_base = v_ptr + b.to(tl.int64) * T * H * V + h * V
+    dh_base = dh_ptr + b.to(tl.int64) * T * H * V + h * V
+    E, ea, ew, eb = _chunk_gates(beta_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
+    rd = tl.load(rd_ptr + g_base + rows)
+    gg = tl.load(g_ptr + g_base + rows)
+
+    lk = rmask[:, None] & mk[None, :]
+    qt = tl.load(q_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
+    kk = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
+    if FUSE_DV:
+        S = tl.dot(qt, tl.trans(kk), input_precision=PREC)
+    else:
+        S = _qk_full(q_base, k_base, rows, rmask, H * K, L, K, BK, PREC)
+    P = S * scale * E                                                       # [L, L]
+
+    dP = tl.zeros([L, L], dtype=tl.float32)
+    acc_q = tl.zeros([L, BK], dtype=tl.float32)       # δh C_cᵀ      (inter-chunk part of δq)
+    acc_k = tl.zeros([L, BK], dtype=tl.float32)       # v δC_{c+1}ᵀ  (state part of δk)
+    zb = tl.zeros([BK], dtype=tl.float32)             # rows of <δC_{c+1}, C_c>
+    for j in range(NVT):
+        offs_v = j * BV + tl.arange(0, BV)
+        mv = offs_v < V
+        lv = rmask[:, None] & mv[None, :]
+        vt = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :], mask=lv, other=0.0)
+        dht = tl.load(dh_base + rows[:, None] * (H * V) + offs_v[None, :], mask=lv, other=0.0)
+        kv_off = st * K * V + offs_k[:, None] * V + offs_v[None, :]
+        mkv = mk[:, None] & mv[None, :]
+        Cp = tl.load(cs_ptr + kv_off, mask=mkv, other=0.0)                  # [BK, BV]
+        dCn = tl.load(dcs_ptr + kv_off, mask=mkv, other=0.0)                # [BK, BV]
+        dP += tl.dot(dht, tl.trans(vt), input_precision=PREC)
+        acc_q += _dot_r(dht, tl.trans(Cp), STATE_MODE, PREC)
+        acc_k += _dot_r(vt, tl.trans(dCn), STATE_MODE, PREC)
+        zb += tl.sum(dCn.to(tl.float32) * Cp.to(tl.float32), axis=1)
+        if FUSE_DV:
+            dv = tl.dot(tl.trans((P * rd[:, None]).to(dht.dtype)), dht, input_precision=PREC)
+            dv += ew[:, None] * _dot_r(kk, dCn, STATE_MODE, PREC)
+            tl.store(dv_ptr + b.to(tl.int64) * T * H * V + h * V + rows[:, None] * (H * V) + offs_v[None, :],
+                     dv.to(dv_ptr.dtype.element_ty), mask=lv)
+
+    n_prev = tl.load(ns_ptr + st * K + offs_k, mask=mk, other=0.0)
+    dn_next = tl.load(dns_ptr + st * K + offs_k, mask=mk, other=0.0)
+    dP = dP * rd[:, None] + gg[:, None]                                     # δP w.r.t. P
+    dS = dP * E                                                             # δ w.r.t. q̂·k
+    sea = scale * ea
+    dq_inter = (sea * rd)[:, None] * acc_q + (sea * gg)[:, None] * n_prev[None, :]
+    dq = scale * tl.dot(dS.to(kk.dtype), kk, input_precision=PREC) + dq_inter
+    dk_state = ew[:, None] * (acc_k + dn_next[None, :])
+    dk = scale * tl.dot(tl.trans(dS).to(qt.dtype), qt, input_precision=PREC) + dk_state
+    out_off = b.to(tl.int64) * T * H * K + h * K + rows[:, None] * (H * K) + offs_k[None, :]
+    tl.store(dq_ptr + out_off, dq.to(dq_ptr.dtype.element_ty), mask=lk)
+    tl.store(dk_ptr + out_off, dk.to(dk_ptr.dtype.element_ty), mask=lk)
+
+    # Log-gate gradients with the stabilizers fixed. Query side of row t: Σ_s dP⊙P + q̂_t·δq̂_t
+    # (inter); key side of row s: Σ_t dP⊙P + k_s·δk_s (state); the chunk's last β also gets
+    # <δC_{c+1}, C_{c+1}> + <δn_{c+1}, n_{c+1}> = e^b(<δC_{c+1}, C_c> + <δn_{c+1}, n_c>) + Σ_s k_s·δk_s(state).
+    # Products with q and k here are per K-tile shares; the dP⊙P sums go to tile 0 only.
+    first = (pid_k == 0).to(tl.float32)
+    dPP = dP * P
+    row_q = tl.sum(dPP, axis=1) * first + tl.sum(qt.to(tl.float32) * dq_inter, axis=1)
+    col_k = tl.sum(dPP, axis=0) * first
+    dw = tl.sum(kk.to(tl.float32) * dk_state, axis=1)
+    dbeta = row_q - col_k - dw
+    z = eb * (tl.sum(zb, axis=0) + tl.sum(dn_next * n_prev, axis=0)) + tl.sum(dw, axis=0)
+    dlf = tl.sum(dbeta, axis=0) - tl.cumsum(dbeta, axis=0) + dbeta + z      # Σ_{t≥r} δβ_t + z
+    part = pid_k.to(tl.int64) * BHNCL + g_base + rows
+    tl.store(dlf_ptr + part, dlf)
+    tl.store(di_ptr + part, col_k + dw)
+
+
+@triton.jit
+def _bwd_dv(
+    q_ptr, k_ptr, dh_ptr, beta_ptr, ig_ptr, u_ptr, rd_ptr, ms_ptr, dcs_ptr, dv_ptr,
+    T, H, NC, scale,
+    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    STATE_MODE: tl.constexpr, PREC: tl.constexpr,
+):
+    """δv of one chunk and V-tile: Pᵀ(δh/d) + e^{w} k δC_{c+1}, summing over K-tiles."""
+    c = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    NKT: tl.constexpr = (K + BK - 1) // BK
+    offs_l = tl.arange(0, L)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mv = offs_v < V
+    rows = c * L + offs_l
+    rmask = rows < T
+    g_base = bh64 * NC * L
+    st = bh64 * NC + c
+    q_base = q_ptr + b.to(tl.int64) * T * H * K + h * K
+    k_base = k_ptr + b.to(tl.int64) * T * H * K + h * K
+    E, ea, ew, eb = _chunk_gates(beta_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
+    rd = tl.load(rd_ptr + g_base + rows)
+    S = tl.zeros([L, L], dtype=tl.float32)
+    acc = tl.zeros([L, BV], dtype=tl.float32)
+    for kt in range(NKT):
+        offs_k = kt * BK + tl.arange(0, BK)
+        mk = offs_k < K
+        lk = rmask[:, None] & mk[None, :]
+        qt = tl.load(q_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
+        kk = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
+        S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
+        dCn = tl.load(dcs_ptr + st * K * V + offs_k[:, None] * V + offs_v[None, :],
+                      mask=mk[:, None] & mv[None, :], other=0.0)
+        acc += _dot_r(kk, dCn, STATE_MODE, PREC)
+    P = S * scale * E
+    lv = rmask[:, None] & mv[None, :]
+    off = b.to(tl.int64) * T * H * V + h * V + rows[:, None] * (H * V) + offs_v[None, :]
+    dht = tl.load(dh_ptr + off, mask=lv, other=0.0)
+    dv = tl.dot(tl.trans((P * rd[:, None]).to(dht.dtype)), dht, input_precision=PREC) + ew[:, None] * acc
+    tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=lv)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
+    """Tile sizes, warps and product precision per kernel (chosen on the H200; see
+    benchmarks/NOTES-mlstm.md).
+
+    L_fwd / L_bwd: chunk sizes of the forward and the backward (they need not agree: the
+    saved per-row n̄ and m do not depend on the chunking). For bfloat16 inputs:
+    bf16_states stores the chunk states in bfloat16 (half the state traffic, one more
+    rounding); upd_split splits the float32 operand of the state-update products into two
+    bfloat16 parts; state_split does the same for float32 states in the output products."""
+    Kp, Vp = _pow2(K), _pow2(V)
+    return dict(
+        L_fwd=64, L_bwd=64, bf16_states=False, upd_split=True, state_split=True,
+        st_BK=min(64, Kp), st_BV=min(64, Vp), st_warps=4, st_stages=2,
+        out_BK=min(128, Kp), out_BV=min(128, Vp), out_warps=8, out_stages=2,
+        ds_BK=min(64, Kp), ds_BV=min(64, Vp), ds_warps=4, ds_stages=2,
+        dqk_BK=min(128, Kp), dqk_BV=min(64, Vp), dqk_warps=8, dqk_stages=1,
+        dv_BK=min(64, Kp), dv_BV=min(128, Vp), dv_warps=8, dv_stages=2,
+    )
+
+
+def _numerics(dtype: torch.dtype, cfg: dict):
+    """(state storage dtype, UPD_MODE, STATE_MODE, PREC) for the kernels' _dot_l/_dot_r.
+
+    float32 inputs: float32 products in 3-pass TF32 (close to full float32). float16: float32
+    states and float32 operands in TF32 for every product that meets a state (float16 parts
+    could overflow there). bfloat16: as configured (bfloat16 has float32's range)."""
+    if dtype == torch.float32:
+        return torch.float32, 2, 2, "tf32x3"
+    if dtype == torch.float16:
+        return torch.float32, 2, 2, "tf32"
+    if cfg["bf16_states"]:
+        return torch.bfloat16, int(cfg["upd_split"]), 0, "tf32"
+    return torch.float32, int(cfg["upd_split"]), int(cfg["state_split"]), "tf32"
+
+
+def _gates_padded(i: torch.Tensor, f: torch.Tensor, L: int):
+    """i, f [B,T,H] → β, ĩ, u each [B,H,NC·L] float32 (padded steps: log f = 0, ĩ = NEG)."""
+    B, T, H = i.shape
+    NC = triton.cdiv(T, L)
+    pad = NC * L - T
+    lf = F.logsigmoid(f.float()).permute(0, 2, 1)
+    ig = i.float().permute(0, 2, 1)
+    if pad:
+        lf = F.pad(lf, (0, pad), value=0.0)
+        ig = F.pad(ig, (0, pad), value=NEG)
+    beta = lf.reshape(B, H, NC, L).cumsum(-1)
+    ig = ig.reshape(B, H, NC, L)
+    u = beta + torch.cummax(ig - beta, dim=-1).values
+    return beta.reshape(B, H, NC * L).contiguous(), ig.reshape(B, H, NC * L).contiguous(), \
+        u.reshape(B, H, NC * L).contiguous(), NC
+
+
+def _states(k, v, beta, ig, u, NC, C0, n0, m0, L, cfg, store_final):
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    sd, upd, _, prec = _numerics(k.dtype, cfg)
+    dev = k.device
+    cs = torch.empty(B, H, NC, K, V, device=dev, dtype=sd)
+    ns = torch.empty(B, H, NC, K, device=dev, dtype=torch.float32)
+    ms = torch.empty(B, H, NC + 1, device=dev, dtype=torch.float32)
+    if store_final:
+        cf = torch.empty(B, H, K, V, device=dev, dtype=torch.float32)
+        nf = torch.empty(B, H, K, device=dev, dtype=torch.float32)
+    else:
+        cf = nf = ms
+    has_init = C0 is not None
+    grid = (triton.cdiv(K, cfg["st_BK"]), triton.cdiv(V, cfg["st_BV"]), B * H)
+    _fwd_states[grid](
+        k, v, beta, ig, u,
+        C0 if has_init else ms, n0 if has_init else ms, m0,
+        cs, ns, ms, cf, nf,
+        T, H, NC,
+        K=K, V=V, L=L, BK=cfg["st_BK"], BV=cfg["st_BV"],
+        HAS_INIT=has_init, STORE_FINAL=store_final, UPD_MODE=upd, PREC=prec,
+        num_warps=cfg["st_warps"], num_stages=cfg["st_stages"],
+    )
+    return cs, ns, ms, (cf, nf, ms[:, :, NC]) if store_final else None
+
+
+def _init_m(m0, B, H, dev):
+    return torch.zeros(B, H, device=dev, dtype=torch.float32) if m0 is None else m0.float().contiguous()
+
+
+def mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg):
+    """Forward launcher. q, k [B,T,H,K], v [B,T,H,V] (one dtype, contiguous); i, f [B,T,H];
+    C0 [B,H,K,V], n0 [B,H,K] float32 or None; m0 [B,H] or None.
+    Returns h [B,T,H,V], (C, n, m) final float32, n̄ and m per row [B,H,T] float32."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    L = cfg["L_fwd"]
+    beta, ig, u, NC = _gates_padded(i, f, L)
+    m0 = _init_m(m0, B, H, q.device)
+    cs, ns, ms, final = _states(k, v, beta, ig, u, NC, C0, n0, m0, L, cfg, True)
+    h = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
+    nbar = torch.empty(B, H, NC * L, device=q.device, dtype=torch.float32)
+    mrow = torch.empty_like(nbar)
+    grid = (NC, triton.cdiv(V, cfg["out_BV"]), B * H)
+    _fwd_out[grid](
+        q, k, v, beta, ig, u, cs, ns, ms, h, nbar, mrow,
+        T, H, NC, K ** -0.5, eps,
+        K=K, V=V, L=L, BK=cfg["out_BK"], BV=cfg["out_BV"],
+        STATE_MODE=_numerics(q.dtype, cfg)[2], PREC=_numerics(q.dtype, cfg)[3],
+        num_warps=cfg["out_warps"], num_stages=cfg["out_stages"],
+    )
+    return h, final, nbar[:, :, :T], mrow[:, :, :T]
+
+
+def _pad_rows(x: torch.Tensor, NCL: int) -> torch.Tensor:
+    return F.pad(x, (0, NCL - x.shape[-1])).contiguous()
+
+
+def _stabilizer_chain(e: torch.Tensor, A: torch.Tensor):
+    """Route δm along m_t = max(log f_t + m_{t-1}, ĩ_t) backwards.
+
+    e [B,H,T]: explicit δm_t; A [B,H,T]: True where log f_t + m_{t-1} realised the max.
+    G_t = e_t + A_{t+1} G_{t+1}; returns (δlog f, δĩ) [B,H,T] and δm_0 [B,H]."""
+    T = e.shape[-1]
+    e64 = e.double()
+    R = torch.flip(torch.cumsum(torch.flip(e64, (-1,)), -1), (-1,))
+    R = F.pad(R, (0, 1))                                       # R_T = 0
+    # The chain from t continues while A_{s+1} holds; it ends at the first s ≥ t with ¬A_{s+1}.
+    brk = torch.ones_like(A)
+    brk[..., :-1] = ~A[..., 1:]
+    pos = torch.arange(T, device=e.device).expand_as(e)
+    end = torch.where(brk, pos, torch.full_like(pos, T))
+    end = torch.flip(torch.cummin(torch.flip(end, (-1,)), -1).values, (-1,))
+    G = R[..., :-1] - torch.gather(R, -1, end + 1)
+    Af = A.to(G.dtype)
+    return (Af * G).float(), ((1 - Af) * G).float(), (Af[..., 0] * G[..., 0]).float()
+
+
+def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, dmf, Cf, nf, eps, cfg):
+    """Backward launcher: gradients of q, k, v (input dtype), i, f, and C0, n0, m0 (float32)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    L = cfg["L_bwd"]
+    beta, ig, u, NC = _gates_padded(i, f, L)
+    NCL = NC * L
+    m0f = _init_m(m0, B, H, dev)
+    cs, ns, ms, _ = _states(k, v, beta, ig, u, NC, C0, n0, m0f, L, cfg, False)
+
+    # Per-row factors of δh: δ(num) = δh / d and δn̄ = g (the |n̄| branch of the max only).
+    den = torch.maximum(nbar.abs(), torch.exp(-mrow)) + eps                  # [B,H,T]
+    r = (dh.float() * h.float()).sum(-1).permute(0, 2, 1) / den              # δh·h / d
+    rd = 1.0 / den
+    g = torch.where(nbar.abs() > torch.exp(-mrow), -r * torch.sign(nbar), torch.zeros_like(r))
+    rd_p, g_p = _pad_rows(rd, NCL), _pad_rows(g, NCL)
+
+    sd, upd, smode, prec = _numerics(q.dtype, cfg)
+    dcs = torch.empty(B, H, NC, K, V, device=dev, dtype=sd)
+    dns = torch.empty(B, H, NC, K, device=dev, dtype=torch.float32)
+    dC0 = torch.empty(B, H, K, V, device=dev, dtype=torch.float32)
+    dn0 = torch.empty(B, H, K, device=dev, dtype=torch.float32)
+    has_df = dCf is not None or dnf is not None
+    if has_df:
+        dCf = torch.zeros(B, H, K, V, device=dev) if dCf is None else dCf.float().contiguous()
+        dnf = torch.zeros(B, H, K, device=dev) if dnf is None else dnf.float().contiguous()
+    grid = (triton.cdiv(K, cfg["ds_BK"]), triton.cdiv(V, cfg["ds_BV"]), B * H)
+    _bwd_dstates[grid](
+        q, dh, beta, u, rd_p, g_p, ms,
+        dCf if has_df else ms, dnf if has_df else ms,
+        dcs, dns, dC0, dn0,
+        T, H, NC, K ** -0.5,
+        K=K, V=V, L=L, BK=cfg["ds_BK"], BV=cfg["ds_BV"], HAS_DFINAL=has_df, UPD_MODE=upd, PREC=prec,
+        num_warps=cfg["ds_warps"], num_stages=cfg["ds_stages"],
+    )
+
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    nkt = triton.cdiv(K, cfg["dqk_BK"])
+    fuse = nkt == 1
+    dlf = torch.empty(nkt, B, H, NCL, device=dev, dtype=torch.float32)
+    di = torch.empty_like(dlf)
+    _bwd_dqk[(NC, nkt, B * H)](
+        q, k, v, dh, beta, ig, u, rd_p, g_p, ms, cs, ns, dcs, dns,
+        dq, dk, dv, dlf, di,
+        T, H, NC, B * H * NCL, K ** -0.5,
+        K=K, V=V, L=L, BK=cfg["dqk_BK"], BV=cfg["dqk_BV"], FUSE_DV=fuse, STATE_MODE=smode, PREC=prec,
+        num_warps=cfg["dqk_warps"], num_stages=cfg["dqk_stages"],
+    )
+    if not fuse:
+        _bwd_dv[(NC, triton.cdiv(V, cfg["dv_BV"]), B * H)](
+            q, k, dh, beta, ig, u, rd_p, ms, dcs, dv,
+            T, H, NC, K ** -0.5,
+            K=K, V=V, L=L, BK=cfg["dv_BK"], BV=cfg["dv_BV"], STATE_MODE=smode, PREC=prec,
+            num_warps=cfg["dv_warps"], num_stages=cfg["dv_stages"],
+        )
+    dlf = dlf.sum(0)[:, :, :T] if nkt > 1 else dlf[0, :, :, :T]
+    di = di.sum(0)[:, :, :T] if nkt > 1 else di[0, :, :, :T]
+
+    # The stabilizers' own influence: eps terms of h, the final state C_T = e^{-m_T} C*_T, m_T.
+    e = -eps * r
+    last = torch.zeros(B, H, device=dev, dtype=torch.float32)
+    if dmf is not None:
+        last = last + dmf.float()
+    if dCf is not None:
+        last = last - (dCf * Cf).sum((-2, -1))
+    if dnf is not None:
+        last = last - (dnf * nf).sum(-1)
+    e[..., -1] += last
+    # Step t took the carried branch unless ĩ_t − β_t tops m_c and every earlier ĩ_s − β_s of
+    # its chunk (decided on the very values the kernels used, so rounding cannot flip it).
+    x = (ig - beta).reshape(B, H, NC, L)
+    before = F.pad(torch.cummax(x, dim=-1).values[..., :-1], (1, 0), value=-math.inf)
+    A = ~(x >= torch.maximum(before, ms[:, :, :NC, None]))
+    A = A.reshape(B, H, NCL)[:, :, :T]
+    lf_chain, i_chain, dm0 = _stabilizer_chain(e, A)
+    dlf = dlf + lf_chain
+    di = di + i_chain
+    if C0 is not None:
+        dm0 = dm0 + (dC0 * C0).sum((-2, -1)) + (dn0 * n0).sum(-1)
+    df = (dlf * torch.sigmoid(-f.float().permute(0, 2, 1))).permute(0, 2, 1)
+    return dq, dk, dv, di.permute(0, 2, 1), df, dC0, dn0, dm0
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------
+
+
+class MLSTMChunkwiseTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, i, f, C0, n0, m0, eps, cfg):
+        h, (Cf, nf, mf), nbar, mrow = mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg)
+        ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, Cf, nf)
+        ctx.eps = eps
+        ctx.cfg = cfg
+        return h, Cf, nf, mf
+
+    @staticmethod
+    def backward(ctx, dh, dCf, dnf, dmf):
+        q, k, v, i, f, C0, n0, m0, h, nbar, mrow, Cf, nf = ctx.saved_tensors
+        if dh is None:
+            dh = torch.zeros_like(h)
+        dq, dk, dv, di, df, dC0, dn0, dm0 = mlstm_chunkwise_bwd(
+            q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh.contiguous(), dCf, dnf, dmf, Cf, nf,
+            ctx.eps, ctx.cfg)
+        return (dq, dk, dv, di.to(i.dtype), df.to(f.dtype),
+                None if C0 is None else dC0.to(C0.dtype),
+                None if n0 is None else dn0.to(n0.dtype),
+                None if m0 is None else dm0.to(m0.dtype),
+                None, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# public function
+# ----------------------------------------------------------------------------------------------
+
+
+def mlstm_chunkwise_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    i: torch.Tensor,
+    f: torch.Tensor,
+    *,
+    initial_state=None,
+    output_final_state: bool = False,
+    eps: float = 1e-6,
+    chunk_size: int | None = None,
+    config: dict | None = None,
+):
+    """Chunkwise mLSTM on the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    q, k [B,T,H,K]; v [B,T,H,V]; i, f [B,T,H] gate pre-activations; initial_state
+    (C [B,H,K,V], n [B,H,K], m [B,H]) or None for zeros → (h [B,T,H,V] in q's dtype,
+    (C, n, m) float32 or None). q, k, v are computed in q's dtype (float16, bfloat16 or
+    float32). `chunk_size` (a power of two, 16..128) overrides the tuned chunk length of both
+    passes; the result does not depend on it beyond rounding. Inputs are assumed validated by
+    the caller (xlstm_kit.ops.mlstm).
+    """
+    dt = q.dtype
+    if dt not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the Triton mLSTM kernels take float16, bfloat16 or float32 q, got {dt}")
+    K, V = q.shape[-1], v.shape[-1]
+    cfg = dict(default_config(K, V, dt))
+    if chunk_size is not None:
+        if chunk_size not in (16, 32, 64, 128):
+            raise ValueError(f"chunk_size for the Triton backend must be 16, 32, 64 or 128, got {chunk_size}")
+        cfg["L_fwd"] = cfg["L_bwd"] = chunk_size
+    if config:
+        cfg.update(config)
+    q = q.contiguous()
+    k = k.to(dt).contiguous()
+    v = v.to(dt).contiguous()
+    if initial_state is None:
+        C0 = n0 = m0 = None
+    else:
+        C0, n0, m0 = initial_state
+        C0 = C0.float().contiguous()
+        n0 = n0.float().contiguous()
+        m0 = m0.float().contiguous()
+    h, C, n, m = MLSTMChunkwiseTriton.apply(q, k, v, i.contiguous(), f.contiguous(), C0, n0, m0, float(eps), cfg)
+    return h, ((C, n, m) if output_final_state else None)

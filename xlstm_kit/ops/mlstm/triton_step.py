@@ -1,0 +1,96 @@
+"""One mLSTM recurrent step in Triton (generation / decode).
+
+    m' = max(log f + m, ĩ),  C' = e^{log f + m − m'} C + e^{ĩ − m'} k vᵀ,  n' likewise,
+    h = C'ᵀq̂ / (max(|n'ᵀq̂|, e^{−m'}) + eps)
+
+One launch per step; the state is read once and written once (the step is memory-bound:
+4·K·V bytes each way per head), with the log-sigmoid and the stabilizer inside the kernel so
+that batch-1 decoding pays a single launch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import TRITON_OPS
+
+TRITON_OPS.add("mlstm_step")
+
+
+@triton.jit
+def _step_kernel(
+    q_ptr, k_ptr, v_ptr, i_ptr, f_ptr, c_ptr, n_ptr, m_ptr,
+    h_ptr, co_ptr, no_ptr, mo_ptr,
+    scale, eps,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr,
+):
+    """Program (b·h, V-tile): updates C[:, tile] in float32 and writes h[tile]; every program
+    recomputes n' (K values, needed for the denominator); tile 0 stores n' and m'."""
+    bh = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    bh64 = bh.to(tl.int64)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mv = offs_v < V
+    ig = tl.load(i_ptr + bh).to(tl.float32)
+    fg = tl.load(f_ptr + bh).to(tl.float32)
+    log_f = tl.minimum(fg, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(fg)))        # logsigmoid, no overflow
+    if HAS_STATE:
+        m = tl.load(m_ptr + bh).to(tl.float32)
+    else:
+        m = 0.0
+    m_new = tl.maximum(log_f + m, ig)
+    fa = tl.exp(log_f + m - m_new)
+    ia = tl.exp(ig - m_new)
+    vt = tl.load(v_ptr + bh64 * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+    num = tl.zeros([BV], dtype=tl.float32)
+    qn = tl.zeros([BK], dtype=tl.float32)
+    first = pid_v == 0
+    for kt in range((K + BK - 1) // BK):
+        offs_k = kt * BK + tl.arange(0, BK)
+        mk = offs_k < K
+        qt = tl.load(q_ptr + bh64 * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+        kk = tl.load(k_ptr + bh64 * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+        kv_off = bh64 * K * V + offs_k[:, None] * V + offs_v[None, :]
+        mkv = mk[:, None] & mv[None, :]
+        if HAS_STATE:
+            n = tl.load(n_ptr + bh64 * K + offs_k, mask=mk, other=0.0)
+            C = tl.load(c_ptr + kv_off, mask=mkv, other=0.0)
+            n = fa * n + ia * kk
+            C = fa * C + ia * kk[:, None] * vt[None, :]
+        else:
+            n = ia * kk
+            C = ia * kk[:, None] * vt[None, :]
+        tl.store(no_ptr + bh64 * K + offs_k, n, mask=mk & first)
+        tl.store(co_ptr + kv_off, C, mask=mkv)
+        qn += qt * n
+        num += tl.sum(qt[:, None] * C, axis=0)
+    den = tl.maximum(tl.abs(tl.sum(qn, axis=0) * scale), tl.exp(-m_new)) + eps
+    tl.store(h_ptr + bh64 * V + offs_v, (num * scale / den).to(h_ptr.dtype.element_ty), mask=mv)
+    tl.store(mo_ptr + bh, m_new, mask=first)
+
+
+def mlstm_step_triton(q, k, v, i, f, state, *, eps: float = 1e-6, block_v: int | None = None):
+    """One decode step. q, k [B,H,K]; v [B,H,V]; i, f [B,H]; state (C [B,H,K,V], n [B,H,K],
+    m [B,H]) or None for zeros → (h [B,H,V] in q's dtype, new float32 state). Inputs are assumed
+    validated by the caller (xlstm_kit.ops.mlstm); the old state is left untouched."""
+    B, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    C_new = torch.empty(B, H, K, V, device=dev, dtype=torch.float32)
+    n_new = torch.empty(B, H, K, device=dev, dtype=torch.float32)
+    m_new = torch.empty(B, H, device=dev, dtype=torch.float32)
+    h = torch.empty(B, H, V, device=dev, dtype=q.dtype)
+    has_state = state is not None
+    if has_state:
+        C, n, m = (s.float().contiguous() for s in state)
+    else:
+        C = n = m = m_new
+    BV = block_v or min(64, triton.next_power_of_2(V))
+    BK = min(triton.next_power_of_2(K), max(16, 8192 // BV))
+    _step_kernel[(B * H, triton.cdiv(V, BV))](
+        q.contiguous(), k.contiguous(), v.contiguous(), i.contiguous(), f.contiguous(), C, n, m,
+        h, C_new, n_new, m_new, K ** -0.5, float(eps),
+        K=K, V=V, BK=BK, BV=BV, HAS_STATE=has_state, num_warps=4,
+    )
+    return h, (C_new, n_new, m_new)
