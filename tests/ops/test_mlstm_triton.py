@@ -27,32 +27,18 @@ DEV = "cpu" if INTERPRET else "cuda"
 
 
 # ------------------------------------------------------------------ float64 reference (paper eqs)
+# The recurrent loop of xlstm_kit.ops.mlstm.naive (autograd through every step, stabilizer
+# included) is the independent reference.
+
+from xlstm_kit.ops.mlstm.naive import mlstm_recurrent_naive, mlstm_step_naive  # noqa: E402
+
 
 def ref_step(q, k, v, i, f, C, n, m, eps):
-    lf = F.logsigmoid(f)
-    m_new = torch.maximum(lf + m, i)
-    ia = torch.exp(i - m_new)
-    fa = torch.exp(lf + m - m_new)
-    C = fa[..., None, None] * C + ia[..., None, None] * k[..., :, None] * v[..., None, :]
-    n = fa[..., None] * n + ia[..., None] * k
-    qh = q / math.sqrt(q.shape[-1])
-    num = torch.einsum("bhk,bhkv->bhv", qh, C)
-    den = torch.maximum((n * qh).sum(-1).abs(), torch.exp(-m_new)) + eps
-    return num / den[..., None], (C, n, m_new)
+    return mlstm_step_naive(q, k, v, i, f, C, n, m, eps)
 
 
 def ref_recurrent(q, k, v, i, f, state, eps=1e-6):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if state is None:
-        C, n, m = q.new_zeros(B, H, K, V), q.new_zeros(B, H, K), q.new_zeros(B, H)
-    else:
-        C, n, m = state
-    hs = []
-    for t in range(T):
-        h, (C, n, m) = ref_step(q[:, t], k[:, t], v[:, t], i[:, t], f[:, t], C, n, m, eps)
-        hs.append(h)
-    return torch.stack(hs, 1), (C, n, m)
+    return mlstm_recurrent_naive(q, k, v, i, f, state, eps)
 
 
 # ------------------------------------------------------------------ helpers
@@ -132,6 +118,21 @@ def test_chunkwise_several_k_tiles_and_odd_dims():
 def test_chunkwise_float16_close_to_reference():
     """16-bit operands: error near fp16 rounding (gradients in float16 too)."""
     check_against_reference(1, 40, 1, 16, 16, dtype=torch.float16, tol=5e-3, gtol=1e-2, chunk_size=16)
+
+
+def test_public_api_routes_to_kernels():
+    """backend="triton" through xlstm_kit.ops reaches these kernels (same numbers as a direct
+    call) and float64 is refused there with a clear message."""
+    from xlstm_kit.ops import mlstm_chunkwise, mlstm_step
+    xs, st, _, _ = make_inputs(1, 20, 1, 16, 16)
+    xs = [x.detach() for x in xs]
+    h, s1 = mlstm_chunkwise(*xs, backend="triton", output_final_state=True)
+    h2, s2 = mlstm_chunkwise_triton(*xs, output_final_state=True)
+    assert torch.equal(h, h2) and torch.equal(s1[0], s2[0])
+    with pytest.raises(ValueError, match="float64"):
+        mlstm_chunkwise(*(x.double() for x in xs), backend="triton")
+    hs, _ = mlstm_step(*(x[:, 0] for x in xs), None)
+    assert rel_err(hs, h[:, 0]) < 1e-5
 
 
 def test_chunkwise_rejects_bad_chunk_size():
