@@ -15,9 +15,13 @@ from typing import Optional, Tuple
 import torch
 
 from .._checks import check_same_device, check_tensor
-from ..backend import choose_backend
+from ..backend import choose_backend, triton_available
 from .naive import State, slstm_recurrent_naive, slstm_step_naive
 from .recurrent import slstm_recurrent_torch
+
+if triton_available():
+    # Importing the kernel module registers "slstm_recurrent"/"slstm_step" in backend.TRITON_OPS.
+    from .triton_kernel import slstm_recurrent_triton, slstm_step_triton
 
 __all__ = ["slstm_recurrent", "slstm_step", "slstm_recurrent_naive", "slstm_step_naive"]
 
@@ -77,8 +81,9 @@ def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
         return slstm_recurrent_torch(x_gates, r, b, initial_state=initial_state,
                                      output_final_state=output_final_state, forget_gate=forget_gate,
                                      recurrent_grad_clip=recurrent_grad_clip)
-    # A Triton kernel registers "slstm_recurrent" in backend.TRITON_OPS and is dispatched here.
-    raise NotImplementedError(f"backend {chosen!r} is not wired for slstm_recurrent")
+    return slstm_recurrent_triton(x_gates, r, b, initial_state=initial_state,
+                                  output_final_state=output_final_state, forget_gate=forget_gate,
+                                  recurrent_grad_clip=recurrent_grad_clip)
 
 
 def slstm_step(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor,
@@ -88,4 +93,6 @@ def slstm_step(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor,
     state (h, c, n, m) each [B, H, D] or None (zeros) -> (h [B, H, D], new state)."""
     check_tensor("x_gates", x_gates, (None, 4, None, None), "B,4,H,D")
     _check_common(x_gates, r, b, state, "state", forget_gate)
+    if choose_backend("slstm_step", None, x_gates.device) == "triton":
+        return slstm_step_triton(x_gates, r, b, state, forget_gate=forget_gate)
     return slstm_step_naive(x_gates, r, b, state, forget_gate=forget_gate)
