@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.helpers import rel_err
-from xlstm_kit.ops.backend import TRITON_OPS, BackendUnavailableError
+from xlstm_kit.ops.backend import BackendUnavailableError
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_parallel, mlstm_recurrent, mlstm_step
 from xlstm_kit.ops.mlstm.naive import mlstm_recurrent_naive
 
@@ -283,13 +283,18 @@ def test_shape_error_message_names_expected_shape():
         mlstm_chunkwise(q, k[:, :4], v, i, f)
 
 
-@pytest.mark.skipif("mlstm_chunkwise" in TRITON_OPS, reason="a Triton kernel exists now")
-def test_triton_backend_unavailable_yet():
+def test_triton_backend_unavailable_without_kernel(monkeypatch):
+    # the torch ops must refuse a forced backend that has no kernel for them
+    import xlstm_kit.ops.backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "TRITON_OPS", set())
     args = [x.detach() for x in make_inputs(T=3)]
     with pytest.raises(BackendUnavailableError):
         mlstm_chunkwise(*args, backend="triton")
     with pytest.raises(BackendUnavailableError):
         mlstm_recurrent(*args, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        mlstm_chunkwise(*args, backend="cuda")
     h, _ = mlstm_chunkwise(*args, backend="torch")
     assert torch.isfinite(h).all()
 

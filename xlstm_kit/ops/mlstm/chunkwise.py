@@ -84,6 +84,11 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape((-1,) + x.shape[2:])
 
 
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ_d a[..., d] b[..., d] without materialising a ⊙ b."""
+    return torch.linalg.vecdot(a, b)
+
+
 def _gates(ic: torch.Tensor, fc: torch.Tensor, m0: torch.Tensor):
     """ic, fc [NC, N, L]; m0 [N] → b, u, running max of u [NC, N, L], m at chunk starts [NC+1, N], mx [NC, N]."""
     b = F.logsigmoid(fc).cumsum(-1)                       # in-chunk cumulative log forget
@@ -101,30 +106,32 @@ def _gates(ic: torch.Tensor, fc: torch.Tensor, m0: torch.Tensor):
     return b, u, cm, m_states, mx
 
 
-def _states(kc, va, u, m_states, mx, Ca0):
-    """Chunk-start states [C | n] as [NC+1, N, K, V+1]; also α [NC, N], w [NC, N, L], k ⊙ w.
-
-    n rides along as the last column of C because v carries a column of ones, so one matmul
-    and one loop update both.
-    """
+def _states(kc, vc, u, m_states, mx, C0, n0):
+    """Chunk-start states C [NC+1, N, K, V], n [NC+1, N, K]; also α [NC, N], w [NC, N, L], k ⊙ w."""
     alpha = torch.exp(m_states[:-1] - mx)                 # decay of the carried state over a chunk
     w = torch.exp(u - mx[..., None])                      # weight of step s in the chunk-end state
     kw = kc * w[..., None]
-    dC = kw.transpose(-1, -2) @ va                        # [NC, N, K, V+1], all chunks in one matmul
-    NC = kc.shape[0]
-    C_all = kc.new_empty((NC + 1,) + dC.shape[1:])
-    C_all[0] = Ca0
+    NC, N, L, K = kc.shape
+    C_all = kc.new_empty(NC + 1, N, K, vc.shape[-1])
+    C_all[0] = C0
+    torch.matmul(kw.transpose(-1, -2), vc, out=C_all[1:])  # every chunk's own contribution at once
+    n_all = torch.cat([n0[None], kw.sum(-2)])
     for c in range(NC):
-        torch.addcmul(dC[c], C_all[c], alpha[c][:, None, None], out=C_all[c + 1])
-    return C_all, alpha, w, kw
+        C_all[c + 1].addcmul_(C_all[c], alpha[c][:, None, None])
+        n_all[c + 1].addcmul_(n_all[c], alpha[c][:, None])
+    return C_all, n_all, alpha, w, kw
 
 
 def _decay_matrix(u, mrow):
-    """D'_rs = exp(u_s − mrow_r) for s ≤ r, else 0: [NC, N, L, L]."""
-    L = u.shape[-1]
-    log_d = u[..., None, :] - mrow[..., :, None]
-    causal = torch.ones(L, L, dtype=torch.bool, device=u.device).tril()
-    return log_d.masked_fill_(~causal, float("-inf")).exp_()
+    """D'_rs = exp(u_s − mrow_r) for s ≤ r, else 0: [NC, N, L, L].
+
+    The exponent is clamped into [−80, 0] (−700 in float64) before exp: it is ≤ 0 wherever it
+    is used, a weight below e^−80 next to the row's weight 1 is invisible in float32, and
+    exp runs several times slower on arguments that underflow or are −∞.
+    """
+    lo = -700.0 if u.dtype == torch.float64 else -80.0
+    d = (u[..., None, :] - mrow[..., :, None]).clamp_(lo, 0.0).exp_()
+    return d.tril_()
 
 
 class _MLSTMChunkwise(torch.autograd.Function):
@@ -137,21 +144,17 @@ class _MLSTMChunkwise(torch.autograd.Function):
         NC = math.ceil(T / L)
         qc = _to_chunks(q, NC, L, cd, scale=K ** -0.5)    # q̂ [NC, N, L, K]
         kc = _to_chunks(k, NC, L, cd)
-        va = _to_chunks(v, NC, L, cd, extra=1)            # [v | 1]: [NC, N, L, V+1]
-        va[..., V] = 1.0
+        vc = _to_chunks(v, NC, L, cd)
         ic = _to_chunks(i, NC, L, cd, fill=float("-inf"))  # padding: no input ...
         fc = _to_chunks(f, NC, L, cd, fill=float("inf"))    # ... and no forgetting
         has_state = C0 is not None
-        Ca0 = kc.new_zeros(N, K, V + 1)
         if has_state:
-            Ca0[..., :V] = C0.reshape(N, K, V)
-            Ca0[..., V] = n0.reshape(N, K)
-            m0 = m0.reshape(N)
+            C0, n0, m0 = C0.reshape(N, K, V), n0.reshape(N, K), m0.reshape(N)
         else:
-            m0 = kc.new_zeros(N)
+            C0, n0, m0 = kc.new_zeros(N, K, V), kc.new_zeros(N, K), kc.new_zeros(N)
 
         b, u, cm, m_states, mx = _gates(ic, fc, m0)
-        C_all, alpha, w, _ = _states(kc, va, u, m_states, mx, Ca0)
+        C_all, n_all, alpha, w, _ = _states(kc, vc, u, m_states, mx, C0, n0)
 
         m_prev = m_states[:-1, :, None]                   # [NC, N, 1]
         mrow = torch.maximum(m_prev, cm)                  # m_r − b_r
@@ -160,26 +163,26 @@ class _MLSTMChunkwise(torch.autograd.Function):
         D = _decay_matrix(u, mrow)
         P = qc @ kc.transpose(-1, -2)                     # S = q̂kᵀ per chunk, [NC, N, L, L]
         P.mul_(D)                                         # P = S ⊙ D'
-        # [numerator | z] = β ⊙ (q̂ [C_c | n_c]) + P [v | 1]
-        num = (qc * beta[..., None]) @ C_all[:-1]
-        _flat(num).baddbmm_(_flat(P), _flat(va))
-        z = num[..., V]
+        qb = qc * beta[..., None]
+        num = qb @ C_all[:-1]                             # carried state, then the chunk itself
+        _flat(num).baddbmm_(_flat(P), _flat(vc))
+        z = P.sum(-1) + _rowdot(qb, n_all[:-1, :, None, :])
         den = torch.maximum(z.abs(), floor) + eps
-        h = num[..., :V] / den[..., None]
+        h = num.div_(den[..., None])
         zsign = torch.sign(z) * (z.abs() > floor)         # ∂den/∂z (0 where the floor is active)
 
-        Ca_T = C_all[NC].clone()
-        # P and D' are O(T·L) like the inputs and cost a matmul and four passes to rebuild;
+        C_T, n_T = C_all[NC].clone(), n_all[NC].clone()
+        # P and D' are O(T·L) like the inputs and cost a matmul and five passes to rebuild;
         # the chunk states (O(T·K·V/L)) are rebuilt instead.
-        ctx.save_for_backward(qc, kc, va, u, cm, m_states, beta, alpha, w, den, zsign, h,
-                              torch.sigmoid(-fc), Ca0, Ca_T, P, D)
+        ctx.save_for_backward(qc, kc, vc, u, cm, m_states, beta, alpha, w, den, zsign, h,
+                              torch.sigmoid(-fc), C0, n0, C_T, n_T, P, D)
         ctx.meta = (B, T, H, K, V, eps, has_state, q.dtype, k.dtype, v.dtype, i.dtype, f.dtype)
-        return (_from_chunks(h, B, T, H, cd), Ca_T[..., :V].reshape(B, H, K, V),
-                Ca_T[..., V].reshape(B, H, K), m_states[NC].reshape(B, H))
+        return (_from_chunks(h, B, T, H, cd), C_T.view(B, H, K, V), n_T.view(B, H, K),
+                m_states[NC].reshape(B, H))
 
     @staticmethod
     def backward(ctx, dh, dC_T, dn_T, dm_T):
-        (qc, kc, va, u, cm, m_states, beta, alpha, w, den, zsign, h, sig_negf, Ca0, Ca_T,
+        (qc, kc, vc, u, cm, m_states, beta, alpha, w, den, zsign, h, sig_negf, C0, n0, C_T, n_T,
          P, D) = ctx.saved_tensors
         B, T, H, K, V, eps, has_state, q_dt, k_dt, v_dt, i_dt, f_dt = ctx.meta
         NC, N, L = u.shape
@@ -187,43 +190,47 @@ class _MLSTMChunkwise(torch.autograd.Function):
 
         # Recompute the chunk-start states instead of keeping them from the forward pass.
         mx = torch.maximum(m_states[:-1], cm[..., -1])
-        C_all, _, _, kw = _states(kc, va, u, m_states, mx, Ca0)
+        C_all, n_all, _, _, kw = _states(kc, vc, u, m_states, mx, C0, n0)
 
-        # [δnumerator | δz] with δnum = δh/den, δden = −<δh, h>/den, δz = δden ∂den/∂z.
-        dna = _to_chunks(dh, NC, L, cd, extra=1)
-        dnum = dna[..., :V].div_(den[..., None])
-        dden = -(dnum * h).sum(-1)
-        dna[..., V] = dden * zsign
+        # δnum = δh/den, δden = −<δh, h>/den, δz = δden ∂den/∂z.
+        dnum = _to_chunks(dh, NC, L, cd).div_(den[..., None])
+        dden = -_rowdot(dnum, h)
+        dz = dden * zsign
 
-        # Intra-chunk part: δS = (δnum vᵀ + δz 1ᵀ) ⊙ D' in one matmul thanks to [v | 1].
-        dS = (dna @ va.transpose(-1, -2)).mul_(D)
+        # Intra-chunk part: δS = (δnum vᵀ + δz 1ᵀ) ⊙ D'.
+        dS = dnum @ vc.transpose(-1, -2)
+        dS.add_(dz[..., None]).mul_(D)
         dv = P.transpose(-1, -2) @ dnum
         dq = dS @ kc
         dk = dS.transpose(-1, -2) @ qc
         del dS
 
-        # Carried state → rows: row r reads β_r q̂_rᵀ[C_c | n_c].
-        dnb = dna * beta[..., None]
+        # Carried state → rows: row r reads β_r q̂_rᵀ C_c and β_r q̂_rᵀ n_c.
+        dnb = dnum.mul_(beta[..., None])                  # δnum is not needed any more
+        dzb = (dz * beta)[..., None]
         _flat(dq).baddbmm_(_flat(dnb), _flat(C_all[:-1].transpose(-1, -2)))
-        dC_loc = qc.transpose(-1, -2) @ dnb                # [NC, N, K, V+1]
+        _flat(dq).baddbmm_(_flat(dzb), _flat(n_all[:-1, :, None, :]))
+        dC_all = torch.empty_like(C_all)
+        torch.matmul(qc.transpose(-1, -2), dnb, out=dC_all[:-1])
+        dn_all = torch.cat([(qc.transpose(-1, -2) @ dzb)[..., 0], dn_T.reshape(1, N, K).to(cd)])
 
         # State gradients backwards through the chunks: δC_c = α_c δC_{c+1} + (rows of chunk c).
-        dC_all = torch.empty_like(C_all)
-        dC_all[NC, :, :, :V] = dC_T.reshape(N, K, V)
-        dC_all[NC, :, :, V] = dn_T.reshape(N, K)
+        dC_all[NC] = dC_T.reshape(N, K, V)
         for c in range(NC - 1, -1, -1):
-            torch.addcmul(dC_loc[c], dC_all[c + 1], alpha[c][:, None, None], out=dC_all[c])
+            dC_all[c].addcmul_(dC_all[c + 1], alpha[c][:, None, None])
+            dn_all[c].addcmul_(dn_all[c + 1], alpha[c][:, None])
 
-        # Steps → chunk-end state: [C | n]_{c+1} ∋ w_s k_s [v_s | 1]ᵀ.
-        G = dC_all[1:]
-        _flat(dk).baddbmm_(_flat(va * w[..., None]), _flat(G.transpose(-1, -2)))
-        _flat(dv).baddbmm_(_flat(kw), _flat(G[..., :V]))
+        # Steps → chunk-end state: C_{c+1} ∋ w_s k_s v_sᵀ, n_{c+1} ∋ w_s k_s.
+        G, gn = dC_all[1:], dn_all[1:]
+        _flat(dk).baddbmm_(_flat(vc * w[..., None]), _flat(G.transpose(-1, -2)))
+        _flat(dk).baddbmm_(_flat(w[..., None]), _flat(gn[:, :, None, :]))
+        _flat(dv).baddbmm_(_flat(kw), _flat(G))
 
         # Gate gradients, main path (module docstring).
-        di = (kc * dk).sum(-1)
-        dB = (qc * dq).sum(-1) - di
-        final_inner = (dC_all[NC] * Ca_T).sum((-1, -2))
-        dm0 = (dC_all[0] * Ca0).sum((-1, -2))
+        di = _rowdot(kc, dk)
+        dB = _rowdot(qc, dq) - di
+        final_inner = (dC_all[NC] * C_T).sum((-1, -2)) + (dn_all[NC] * n_T).sum(-1)
+        dm0 = (dC_all[0] * C0).sum((-1, -2)) + (dn_all[0] * n0).sum(-1)
 
         # Stabilizer path: δm_t = eps·δden_t for every row, plus the final state's m_T.
         own = eps * dden
@@ -260,9 +267,7 @@ class _MLSTMChunkwise(torch.autograd.Function):
             _from_chunks(df, B, T, H, f_dt),
         )
         if has_state:
-            dCa0 = dC_all[0]
-            state_grads = (dCa0[..., :V].reshape(B, H, K, V), dCa0[..., V].reshape(B, H, K),
-                           dm0.view(B, H))
+            state_grads = (dC_all[0].view(B, H, K, V), dn_all[0].view(B, H, K), dm0.view(B, H))
         else:
             state_grads = (None, None, None)
         return grads + state_grads + (None, None, None)
