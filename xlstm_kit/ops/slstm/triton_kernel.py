@@ -487,13 +487,21 @@ class KernelConfig(NamedTuple):
     prefetch: bool = True
 
 
-def default_config(dim: int) -> KernelConfig:
+def default_config(dim: int, mm: int = 1) -> KernelConfig:
+    """Launch choices by head size and matmul mode (see `_mm`), from the register and shared
+    memory reports of the sm_90 builds: all four R_g stay in shared memory up to D = 128 for
+    bf16 weights (128 KiB), up to D = 64 when they are split in two (float32/float16 weights);
+    D = 256 takes the K-chunked path."""
     bd = _block_d(dim)
-    if bd <= 64:
+    if mm == 0:  # float64 (or the interpreter): no tensor cores, keep tiles small
+        return KernelConfig(num_warps=4, r_resident=bd <= 32, k_chunk=None if bd <= 32 else 32)
+    if bd <= 32:
+        return KernelConfig(num_warps=4, r_resident=True)
+    if bd <= 64 or (bd <= 128 and mm == 1):
         return KernelConfig(num_warps=8, r_resident=True)
     if bd <= 128:
-        return KernelConfig(num_warps=16, r_resident=True)
-    return KernelConfig(num_warps=8, r_resident=False, k_chunk=64)
+        return KernelConfig(num_warps=8, r_resident=False, k_chunk=64)
+    return KernelConfig(num_warps=16, r_resident=False, k_chunk=64)
 
 
 def _k_chunk(config: KernelConfig, bd: int) -> int:
@@ -592,6 +600,8 @@ class SLSTMTritonFunction(torch.autograd.Function):
                 config: KernelConfig):
         sdt = torch.float64 if torch.float64 in (x_gates.dtype, r.dtype, b.dtype) else torch.float32
         r_hi, r_lo, mm = _prepare_r(r, sdt)
+        if config is None:
+            config = default_config(x_gates.shape[-1], mm)
         has_init = h0 is not None
         init = tuple(s.to(sdt).contiguous() for s in (h0, c0, n0, m0)) if has_init else None
         x = x_gates.contiguous()
@@ -649,8 +659,6 @@ def slstm_recurrent_triton(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tens
     when output_final_state, the final (h, c, n, m), each [B, H, D] in float32 (float64 for
     float64 inputs). `config` overrides the launch choices (benchmarks).
     """
-    if config is None:
-        config = default_config(x_gates.shape[-1])
     h0, c0, n0, m0 = initial_state if initial_state is not None else (None,) * 4
     clip = None if recurrent_grad_clip is None else float(recurrent_grad_clip)
     h, h_T, c_T, n_T, m_T = SLSTMTritonFunction.apply(x_gates, r, b, h0, c0, n0, m0,
