@@ -56,6 +56,46 @@ class MultiHeadNorm(nn.Module):
 
 
 # ----------------------------------------------------------------------------- causal conv
+class _DepthwiseCausalConvFn(torch.autograd.Function):
+    """y[:, t] = b + sum_j w[:, j] * xp[:, t + j] for xp [B, T+K-1, C] (the input with its K-1
+    predecessors in front), w [C, K], b [C].
+
+    Why by hand: K shifted multiply-adds on the contiguous [B, T, C] layout avoid conv1d's
+    transposes to [B, C, T] and its slow depthwise backward; autograd of the same sum would
+    allocate and zero-fill a full-size gradient per tap.
+    """
+
+    @staticmethod
+    def forward(ctx, xp: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        K = w.shape[1]
+        T = xp.shape[1] - (K - 1)
+        taps = w.t().contiguous()  # [K, C]: a strided column would make every broadcast ~5x slower
+        y = torch.addcmul(b, xp[:, 0:T], taps[0])
+        for j in range(1, K):
+            y.addcmul_(xp[:, j : j + T], taps[j])
+        ctx.save_for_backward(xp, taps)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        xp, taps = ctx.saved_tensors
+        K = taps.shape[0]
+        T = dy.shape[1]
+        dy = dy.contiguous()
+        dxp = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dxp = torch.empty_like(xp)
+            torch.mul(dy, taps[K - 1], out=dxp[:, K - 1 :])
+            dxp[:, : K - 1].zero_()
+            for j in range(K - 1):
+                dxp[:, j : j + T].addcmul_(dy, taps[j])
+        if ctx.needs_input_grad[1]:
+            dw = torch.stack([(dy * xp[:, j : j + T]).sum(dim=(0, 1)) for j in range(K)], dim=1)
+        if ctx.needs_input_grad[2]:
+            db = dy.sum(dim=(0, 1))
+        return dxp, dw, db
+
+
 class CausalConv1d(nn.Module):
     """Depthwise causal convolution over time with bias, carrying its last inputs as state.
 
@@ -87,18 +127,12 @@ class CausalConv1d(nn.Module):
         return torch.zeros(batch, self.kernel_size - 1, self.channels, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None):
-        B, T, C = x.shape
-        K = self.kernel_size
+        T, K = x.shape[1], self.kernel_size
         if state is None:
             xp = F.pad(x, (0, 0, K - 1, 0))  # [B, T+K-1, C]
         else:
             xp = torch.cat([state.to(x.dtype), x], dim=1)
-        # K shifted multiply-adds on the contiguous [B, T, C] layout: cheaper on CPU than
-        # transposing to [B, C, T] for conv1d and back (and its slow depthwise backward).
-        w = self.weight.to(x.dtype)
-        y = torch.addcmul(self.bias.to(x.dtype), xp[:, 0:T], w[:, 0])
-        for j in range(1, K):
-            y = torch.addcmul(y, xp[:, j : j + T], w[:, j])
+        y = _DepthwiseCausalConvFn.apply(xp, self.weight.to(x.dtype), self.bias.to(x.dtype))
         return y, xp[:, T:].to(state_dtype(x.dtype))  # the last K-1 inputs
 
     def step(self, x: torch.Tensor, state: torch.Tensor):
@@ -108,6 +142,68 @@ class CausalConv1d(nn.Module):
 
 
 # ----------------------------------------------------------------------------- head-wise linear
+def _pack_factor(n_heads: int, head_dim: int, target: int = 16) -> int:
+    """How many heads to pack into one dense diagonal block: the largest divisor G of n_heads
+    with G * head_dim <= target (at least 1)."""
+    best = 1
+    for g in range(1, n_heads + 1):
+        if n_heads % g == 0 and g * head_dim <= target:
+            best = g
+    return best
+
+
+def _packed_blocks(w: torch.Tensor, g: int) -> torch.Tensor:
+    """[H, d, d] head blocks -> [H/g, g*d, g*d] dense blocks holding g heads on their diagonal."""
+    H, d, _ = w.shape
+    eye = torch.eye(g, dtype=w.dtype, device=w.device)
+    blocks = w.view(H // g, g, 1, d, d) * eye.view(1, g, g, 1, 1)  # [n, a, b, o, i], zero unless a == b
+    return blocks.permute(0, 1, 3, 2, 4).reshape(H // g, g * d, g * d)
+
+
+def _packed_bmm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """y[:, block p] = x[:, block p] @ blocks[p]ᵀ for x [N, C] and blocks [P, c, c] (C = P c).
+
+    The strided views let BLAS read and write the [N, C] layout directly: no transposed copies.
+    """
+    N, C = x.shape
+    P, c, _ = blocks.shape
+    y = torch.empty_like(x)
+    torch.bmm(x.view(N, P, c).transpose(0, 1), blocks.transpose(1, 2), out=y.view(N, P, c).transpose(0, 1))
+    return y
+
+
+class _HeadwiseLinearFn(torch.autograd.Function):
+    """Block-diagonal linear map with a hand-written backward.
+
+    Why: autograd of einsum over hundreds of 4x4 heads moves the data many times; packing g
+    heads into one (g d)-wide dense block turns forward, input gradient and weight gradient into
+    one batched matmul each, at a few times the (tiny) FLOP count of the exact product.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, g: int) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.g = g
+        return _packed_bmm(x, _packed_blocks(w, g))
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        g = ctx.g
+        H, d, _ = w.shape
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _packed_bmm(dy, _packed_blocks(w, g).transpose(1, 2))
+        if ctx.needs_input_grad[1]:
+            N, C = x.shape
+            P, c = H // g, g * d
+            full = torch.bmm(dy.view(N, P, c).permute(1, 2, 0), x.view(N, P, c).transpose(0, 1))  # [P, c, c]
+            # keep the diagonal d x d blocks: [P, a, o, b, i] at a == b -> [P, o, i, a] -> [H, o, i]
+            dw = full.view(P, g, d, g, d).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(H, d, d)
+        return dx, dw, None
+
+
 class HeadwiseLinear(nn.Module):
     """Block-diagonal linear map: the C input features are split into H heads of C/H features
     and each head has its own (C/H x C/H) matrix.
@@ -121,6 +217,7 @@ class HeadwiseLinear(nn.Module):
             raise ValueError(f"features={features} must be divisible by n_heads={n_heads}")
         self.features, self.n_heads = features, n_heads
         d = features // n_heads
+        self.pack = _pack_factor(n_heads, d)
         self.weight = nn.Parameter(torch.empty(n_heads, d, d))
         self.bias = nn.Parameter(torch.zeros(features)) if bias else None
         self.reset_parameters()
@@ -132,18 +229,8 @@ class HeadwiseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        d = self.features // self.n_heads
-        xh = x.reshape(-1, self.n_heads, d)  # [N, H, d]
-        if d <= 8:
-            # Tiny blocks (the mLSTM's 4x4 q/k/v maps, hundreds of heads): a few broadcast
-            # multiply-adds beat a batched matmul of 4x4 matrices by far on CPU.
-            w = self.weight.transpose(1, 2)  # [H, d_in, d_out]
-            y = xh[:, :, 0:1] * w[:, 0]
-            for j in range(1, d):
-                y = torch.addcmul(y, xh[:, :, j : j + 1], w[:, j])
-        else:
-            y = torch.einsum("nhi,hoi->nho", xh, self.weight)
-        y = y.reshape(shape)
+        y = _HeadwiseLinearFn.apply(x.reshape(-1, self.features).contiguous(), self.weight.to(x.dtype), self.pack)
+        y = y.view(shape)
         return y if self.bias is None else y + self.bias
 
 

@@ -104,8 +104,11 @@ class MLSTMLayer(nn.Module):
 
     def _qkv_gates(self, x_m: torch.Tensor, x_conv: torch.Tensor):
         q, k, v = self.q_proj(x_conv), self.k_proj(x_conv), self.v_proj(x_m)
-        qkv = torch.cat([q, k, v], dim=-1)
-        return q, k, v, self.igate(qkv), self.fgate(qkv)
+        # both gates in one matmul over concat(q, k, v): one pass over the 3x-wide input
+        w = torch.cat([self.igate.weight, self.fgate.weight]).to(x_m.dtype)
+        b = torch.cat([self.igate.bias, self.fgate.bias]).to(x_m.dtype)
+        i, f = F.linear(torch.cat([q, k, v], dim=-1), w, b).chunk(2, dim=-1)
+        return q, k, v, i, f
 
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
         B, T, _ = x.shape
