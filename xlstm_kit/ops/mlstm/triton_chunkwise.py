@@ -48,6 +48,7 @@ from ..backend import TRITON_OPS
 # Finite "minus infinity" for the input gate of padded steps: exp() of it is 0 and, unlike
 # -inf, it never meets another infinity in a subtraction (no NaN).
 NEG = -1e30
+_NEG = tl.constexpr(NEG)  # the same, visible inside kernels
 
 TRITON_OPS.add("mlstm_chunkwise")
 
@@ -196,7 +197,7 @@ def _fwd_out(
 
     causal = offs_l[:, None] >= offs_l[None, :]
     D = beta[:, None] - beta[None, :] + ig[None, :] - m_row[:, None]
-    P = S * scale * tl.exp(tl.where(causal, D, NEG))                        # [L, L]
+    P = S * scale * tl.exp(tl.where(causal, D, _NEG))                        # [L, L]
     ea = tl.exp(beta + m_prev - m_row)
     nbar = ea * qn * scale + tl.sum(P, axis=1)
     vt = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :],
@@ -283,7 +284,7 @@ def _chunk_gates(beta_ptr, ig_ptr, u_ptr, ms_ptr, g_base, ms_base, c, rows, offs
     m_next = tl.load(ms_ptr + ms_base + c + 1)
     m_row = tl.maximum(beta + m_prev, u)
     causal = offs_l[:, None] >= offs_l[None, :]
-    E = tl.exp(tl.where(causal, beta[:, None] - beta[None, :] + ig[None, :] - m_row[:, None], NEG))
+    E = tl.exp(tl.where(causal, beta[:, None] - beta[None, :] + ig[None, :] - m_row[:, None], _NEG))
     ea = tl.exp(beta + m_prev - m_row)                                      # e^{a_t}
     ew = tl.exp(beta_last - beta + ig - m_next)                             # e^{w_s}
     eb = tl.exp(beta_last + m_prev - m_next)                                # e^{b}
@@ -333,7 +334,6 @@ def _bwd_dqk(
     k_base = k_ptr + b.to(tl.int64) * T * H * K + h * K
     v_base = v_ptr + b.to(tl.int64) * T * H * V + h * V
     dh_base = dh_ptr + b.to(tl.int64) * T * H * V + h * V
-    E, ea, ew, eb = _chunk_gates(beta_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
     rd = tl.load(rd_ptr + g_base + rows)
     gg = tl.load(g_ptr + g_base + rows)
 
@@ -341,10 +341,10 @@ def _bwd_dqk(
     qt = tl.load(q_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
     kk = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
     if FUSE_DV:
-        S = tl.dot(qt, tl.trans(kk), input_precision=PREC)
-    else:
-        S = _qk_full(q_base, k_base, rows, rmask, H * K, L, K, BK, PREC)
-    P = S * scale * E                                                       # [L, L]
+        # Only the 16-bit (P/d)ᵀ operand stays live through the V loop; S, E and P are
+        # recomputed after it (one more L×L×K product beats spilling float32 L×L tiles).
+        E, ea, ew, eb = _chunk_gates(beta_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
+        Prd = (tl.dot(qt, tl.trans(kk), input_precision=PREC) * scale * E * rd[:, None]).to(kk.dtype)
 
     dP = tl.zeros([L, L], dtype=tl.float32)
     acc_q = tl.zeros([L, BK], dtype=tl.float32)       # δh C_cᵀ      (inter-chunk part of δq)
@@ -365,11 +365,17 @@ def _bwd_dqk(
         acc_k += _dot_r(vt, tl.trans(dCn), STATE_MODE, PREC)
         zb += tl.sum(dCn.to(tl.float32) * Cp.to(tl.float32), axis=1)
         if FUSE_DV:
-            dv = tl.dot(tl.trans((P * rd[:, None]).to(dht.dtype)), dht, input_precision=PREC)
+            dv = tl.dot(tl.trans(Prd), dht, input_precision=PREC)
             dv += ew[:, None] * _dot_r(kk, dCn, STATE_MODE, PREC)
             tl.store(dv_ptr + b.to(tl.int64) * T * H * V + h * V + rows[:, None] * (H * V) + offs_v[None, :],
                      dv.to(dv_ptr.dtype.element_ty), mask=lv)
 
+    E, ea, ew, eb = _chunk_gates(beta_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
+    if FUSE_DV:
+        S = tl.dot(qt, tl.trans(kk), input_precision=PREC)
+    else:
+        S = _qk_full(q_base, k_base, rows, rmask, H * K, L, K, BK, PREC)
+    P = S * scale * E                                                       # [L, L]
     n_prev = tl.load(ns_ptr + st * K + offs_k, mask=mk, other=0.0)
     dn_next = tl.load(dns_ptr + st * K + offs_k, mask=mk, other=0.0)
     dP = dP * rd[:, None] + gg[:, None]                                     # δP w.r.t. P
@@ -467,10 +473,12 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
     Kp, Vp = _pow2(K), _pow2(V)
     return dict(
         L_fwd=64, L_bwd=64, bf16_states=False, upd_split=True, state_split=True,
+        # Tiles picked so that ptxas reports no register spills for sm_90 (the fused
+        # δq/δk/δv variant, dqk_BK ≥ K, spills kilobytes per thread and is left off).
         st_BK=min(64, Kp), st_BV=min(64, Vp), st_warps=4, st_stages=2,
-        out_BK=min(128, Kp), out_BV=min(128, Vp), out_warps=8, out_stages=2,
-        ds_BK=min(64, Kp), ds_BV=min(64, Vp), ds_warps=4, ds_stages=2,
-        dqk_BK=min(128, Kp), dqk_BV=min(64, Vp), dqk_warps=8, dqk_stages=1,
+        out_BK=min(128 if K <= 128 else 64, Kp), out_BV=min(64, Vp), out_warps=8, out_stages=2,
+        ds_BK=min(64, Kp), ds_BV=min(64, Vp), ds_warps=8, ds_stages=2,
+        dqk_BK=min(32, Kp), dqk_BV=min(64, Vp), dqk_warps=8, dqk_stages=1,
         dv_BK=min(64, Kp), dv_BV=min(128, Vp), dv_warps=8, dv_stages=2,
     )
 
