@@ -238,3 +238,15 @@ def test_foreign_checkpoint_format_refused(data, tmp_path):
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(T.CheckpointError, match="format 999"):
         T.train(small_model(), data, small_config(steps=4), out, resume=True, device="cpu")
+
+
+def test_time_limit_stops_with_checkpoint_and_validation(data, tmp_path):
+    res = T.train(small_model(), data, small_config(steps=50, eval_interval=0, checkpoint_interval=0),
+                  tmp_path / "run", time_limit_s=0.0, device="cpu")
+    assert res.time_limited and not res.interrupted and res.step == 1
+    assert [s for s, _ in res.evals] == [0, 1]
+    assert T.resolve_checkpoint(tmp_path / "run").name == "step-00000001"
+    # The run can go on from there.
+    more = T.train(small_model(), data, small_config(steps=50, eval_interval=0, checkpoint_interval=0),
+                   tmp_path / "run", time_limit_s=0.0, resume=True, device="cpu")
+    assert more.step == 2 and more.time_limited

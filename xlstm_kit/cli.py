@@ -480,66 +480,77 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    import copy
+    import dataclasses
 
     import torch
 
-    from .data import load_data
+    from .data import get_tokenizer, load_data
     from .model import XLSTMConfig, XLSTMLanguageModel
-    from .train import TrainConfig, lm_loss, make_optimizer, train
+    from .train import StepEvent, TrainConfig, train
 
     device = _pick_device(args.device)
     out = Path(args.out)
     budget = args.minutes * 60
-    defaults = _train_defaults("tiny")
-    print(f"xlstm_kit demo: the 'tiny' xLSTM (one sLSTM block, three mLSTM blocks) learns Shakespeare "
+    t_start = time.perf_counter()
+    print(f"xlstm_kit demo: the 'tiny' xLSTM (three mLSTM blocks, one sLSTM block) learns Shakespeare "
           f"on {device} for about {args.minutes:g} minutes.", flush=True)
     data = load_data(DEFAULT_DATA, "byte")
     torch.manual_seed(0)
-    model = XLSTMLanguageModel(XLSTMConfig.from_name("tiny", vocab_size=data.vocab_size)).to(device)
-
-    # Calibrate the number of steps to the time budget on a throwaway copy of the model.
-    probe = copy.deepcopy(model)
-    opt = make_optimizer(probe, TrainConfig(steps=1))
-    x = torch.randint(0, data.vocab_size, (defaults["batch_size"], defaults["seq_len"] + 1), device=device)
-    times = []
-    for _ in range(4):
-        t0 = time.perf_counter()
-        lm_loss(probe(x[:, :-1]), x[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    per_step = min(times[1:])
-    # ~8% of the budget goes to validation (4 evaluations of 4 batches) and checkpoints.
-    steps = max(20, int(0.92 * budget / per_step))
-    del probe, opt
-    config = TrainConfig(steps=steps, eval_interval=max(1, steps // 3), eval_batches=4,
-                         checkpoint_interval=0, **defaults)
-    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {steps} steps of "
-          f"{config.batch_size}x{config.seq_len} bytes ({per_step:.2f} s/step measured); output in {out}/",
-          flush=True)
+    model = XLSTMLanguageModel(XLSTMConfig.from_name("tiny", vocab_size=data.vocab_size))
+    meta = {"preset": "tiny", "data": DEFAULT_DATA, "tokenizer": "byte", "val_fraction": 0.1}
+    defaults = _train_defaults("tiny")
+    warmup = defaults["warmup_steps"]
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, batches of "
+          f"{defaults['batch_size']}x{defaults['seq_len']} bytes; output in {out}/", flush=True)
     _clear_run(out)
-    progress = _Progress(steps, 0, True, sys.stderr)
+
+    # Two phases: the warmup steps measure this machine's speed, then the run resumes with as
+    # many steps as fit the budget. The learning rate during warmup does not depend on the total,
+    # so this is exactly one run of the final length.
+    progress = _Progress(warmup, 0, True, sys.stderr)
+    step_times: list[float] = []
+
+    def on_event(event) -> None:
+        if isinstance(event, StepEvent):
+            step_times.append(defaults["batch_size"] * defaults["seq_len"] / event.tokens_per_s)
+        progress(event)
+
     try:
-        result = train(model, data, config, out, device=device, callback=progress,
-                       meta={"preset": "tiny", "data": DEFAULT_DATA, "tokenizer": "byte", "val_fraction": 0.1})
+        config = TrainConfig(steps=warmup, eval_interval=0, eval_batches=4, checkpoint_interval=0, **defaults)
+        result = train(model, data, config, out, device=device, callback=on_event, meta=meta,
+                       time_limit_s=1.1 * budget)
+        if not (result.interrupted or result.time_limited):
+            per_step = sorted(step_times[2:])[len(step_times[2:]) // 2]  # median; skip one-time costs
+            left = budget - (time.perf_counter() - t_start)
+            # ~8% of what is left goes to validation (4 batches, 3 times) and the checkpoint.
+            steps = warmup + max(0, int(0.92 * left / per_step))
+            progress.bar.total = steps
+            progress.bar.refresh()
+            config = dataclasses.replace(config, steps=steps, eval_interval=max(1, -(-steps // 3)))
+            if steps > warmup:
+                # The time limit keeps the budget if the machine gets slower than measured
+                # (other processes on the cores).
+                result = train(model, data, config, out, resume=True, device=device, callback=on_event,
+                               meta=meta, time_limit_s=max(1.0, 1.1 * budget - (time.perf_counter() - t_start)))
     finally:
         progress.close()
-    (s0, before), (s1, after) = progress.first_eval, progress.last_eval
+    (_, before), (s1, after) = progress.first_eval, progress.last_eval
+    if result.time_limited:
+        print(f"time budget spent after {result.step} of {config.steps} steps (the machine got slower than measured)")
     print(f"validation loss: {before.loss:.3f} before training -> {after.loss:.3f} after {s1} steps "
           f"({before.bits_per_byte:.2f} -> {after.bits_per_byte:.2f} bits per byte)")
     if result.interrupted:
         print(f"interrupted; checkpoint in {result.checkpoint}")
         return EXIT_INTERRUPTED
     model.eval()
-    from .data import get_tokenizer
-
     sample = _generate_text(model, get_tokenizer("byte"), args.prompt, args.max_new_tokens, 0.8, 40, None, 0, device)
     print("\n---- sample (temperature 0.8, top-k 40) ----")
     print(sample.rstrip())
     print("--------------------------------------------")
-    print(f"loss curve: {result.plot}\nmore text:  xlstm-kit generate {out} --prompt 'JULIET:'\n"
-          f"train on:   xlstm-kit train --out {out} --resume --steps {steps * 2}")
+    exe = Path(sys.executable).parent / PROG
+    exe = os.path.relpath(exe) if exe.is_file() else PROG
+    print(f"loss curve: {result.plot}\nmore text:  {exe} generate {out} --prompt 'JULIET:'\n"
+          f"train on:   {exe} train --out {out} --resume --steps {2 * config.steps}")
     return 0
 
 

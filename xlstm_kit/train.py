@@ -175,6 +175,7 @@ TrainEvent = Union[StepEvent, EvalEvent, CheckpointEvent]
 class TrainResult:
     step: int  # optimizer steps completed
     interrupted: bool
+    time_limited: bool = False  # stopped by `time_limit_s` before config.steps
     losses: list[tuple[int, float]] = field(default_factory=list)  # this process's run only
     evals: list[tuple[int, EvalMetrics]] = field(default_factory=list)
     checkpoint: Path | None = None
@@ -627,6 +628,7 @@ def train(
     dist: DistInfo | None = None,
     meta: dict[str, Any] | None = None,
     handle_signals: bool = True,
+    time_limit_s: float | None = None,
 ) -> TrainResult:
     """Train ``model`` (tokens [B, T] -> logits [B, T, V]) on ``data``.
 
@@ -639,6 +641,8 @@ def train(
       DistributedDataParallel and each rank trains on its slice of every global batch.
     meta: JSON-serialisable facts stored with each checkpoint (tokenizer, data spec, preset).
     handle_signals: stop cleanly on SIGINT/SIGTERM, saving a resumable checkpoint.
+    time_limit_s: wall-clock budget of this call; when spent, the run validates, saves a
+      checkpoint and returns early with ``time_limited`` set (the schedule is not shortened).
 
     Returns a :class:`TrainResult`; ``interrupted`` is True when a signal or KeyboardInterrupt
     stopped the run (after saving a checkpoint of the last completed step when ``out_dir``).
@@ -726,6 +730,7 @@ def train(
             torch_dist.barrier()
 
     tokens_per_step = config.batch_size * config.seq_len
+    deadline = time.monotonic() + time_limit_s if time_limit_s is not None else None
     committing = False
     with _StopRequest(handle_signals) as stop:
         try:
@@ -763,25 +768,36 @@ def train(
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 committing = False
-                # One small all-reduce carries the loss for logging and any rank's stop request,
-                # so that every rank stops after the same step.
-                flags = torch.stack([loss_sum.float(), torch.tensor(float(stop.requested), device=device)])
+                # One small all-reduce carries the loss for logging and any rank's stop request
+                # or spent time budget, so that every rank stops after the same step.
+                late = deadline is not None and time.monotonic() >= deadline
+                flags = torch.stack([loss_sum.float(), torch.tensor(float(stop.requested), device=device),
+                                     torch.tensor(float(late), device=device)])
                 if dist.enabled:
                     torch_dist.all_reduce(flags)
                     flags[0] /= dist.world_size
-                step_loss, stop_now = float(flags[0]), bool(flags[1] > 0)
+                step_loss, stop_now, out_of_time = float(flags[0]), bool(flags[1] > 0), bool(flags[2] > 0)
                 dt = time.perf_counter() - t0
                 result.losses.append((step, step_loss))
                 log({"step": step, "loss": step_loss, "lr": lr})
                 emit(StepEvent(step, config.steps, step_loss, lr, grad_norm, tokens_per_step / max(dt, 1e-9)))
                 if (config.eval_interval and step % config.eval_interval == 0) or step == config.steps:
                     run_eval()
+                elif out_of_time and not stop_now:
+                    run_eval()
                 if stop_now:
                     result.interrupted = True
                     checkpoint()
                     break
-                if (config.checkpoint_interval and step % config.checkpoint_interval == 0) or step == config.steps:
+                if (
+                    (config.checkpoint_interval and step % config.checkpoint_interval == 0)
+                    or step == config.steps
+                    or out_of_time
+                ):
                     checkpoint()
+                if out_of_time and step < config.steps:
+                    result.time_limited = True
+                    break
         except KeyboardInterrupt:
             # A KeyboardInterrupt outside optimizer.step leaves weights and optimizer state at
             # the last completed step (partial gradients are discarded): save that and stop.
