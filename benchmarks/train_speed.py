@@ -1,10 +1,11 @@
-"""Training throughput and model FLOP utilisation (MFU) of a preset on one GPU, through the
+"""Training throughput and model FLOP utilisation (MFU) of a preset on one GPU (or the CPU), through the
 same `xlstm_kit.train.train` function the command line uses (AdamW fused, bf16 autocast,
 gradient clipping; one loss sync per step, as in a real run).
 
-    python3 benchmarks/train_gpu.py                       # 125M preset, batch 16 x 2048, bf16
-    python3 benchmarks/train_gpu.py --batch-size 32 --seq-len 1024 --steps 30
-    python3 benchmarks/train_gpu.py --device cpu --preset tiny --batch-size 4 --seq-len 64 --steps 4   # smoke test
+    python3 benchmarks/train_speed.py                      # 125M preset, batch 16 x 2048, bf16 autocast
+    python3 benchmarks/train_speed.py --batch-size 32 --seq-len 1024 --steps 30
+    python3 benchmarks/train_speed.py --device cpu --preset tiny --vocab-size 256 --batch-size 16 \
+        --seq-len 128 --steps 25 --threads 2            # the CPU figure (the demo's settings)
 
 Tokens are random ids of the GPT-2 vocabulary size (throughput does not depend on the text, and
 the GPU machine needs no tokenizer package then). Tokens/s is measured over the steps after
@@ -85,8 +86,11 @@ def main() -> None:
     ap.add_argument("--backend", default=None, choices=[None, "torch", "triton"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--peak-tflops", type=float, default=989.4)
-    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "train_gpu.jsonl"))
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "train_speed.jsonl"))
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -117,13 +121,14 @@ def main() -> None:
     row = dict(
         preset=args.preset, params_M=round(n_params / 1e6, 1), batch=args.batch_size, seq_len=args.seq_len,
         grad_accum=args.grad_accum, precision=args.precision, device=torch.cuda.get_device_name(device)
-        if device.type == "cuda" else "cpu", torch=torch.__version__, backend=args.backend or "auto",
+        if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads", torch=torch.__version__, backend=args.backend or "auto",
         timed_steps=len(tok_s), tokens_per_s=round(tokens_per_s), median_tokens_per_s=round(statistics.median(tok_s)),
         step_ms=round(1000 * args.batch_size * args.seq_len / tokens_per_s, 1),
         gflop_per_token_dense=round(dense / 1e9, 3), gflop_per_token_mixing=round(mixing / 1e9, 3),
         mfu=round(tokens_per_s * (dense + mixing) / peak, 4), mfu_6n=round(tokens_per_s * dense / peak, 4),
         peak_tflops=args.peak_tflops, final_loss=round(events[-1].loss, 4), wall_s=round(wall, 1),
         peak_mem_GiB=round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if device.type == "cuda" else None,
+        load_avg_1min=round(os.getloadavg()[0], 2),
     )
     assert math.isfinite(events[-1].loss), "training diverged (non-finite loss)"
     print("| preset | params | batch x seq | precision | tokens/s | step ms | MFU | MFU (6N) | peak mem |")
