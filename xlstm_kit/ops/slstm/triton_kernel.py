@@ -9,11 +9,13 @@ Maths: DESIGN.md §1 and the stabilized backward of `recurrent.py` (paper eqs. 4
 adjoints of c and n carried scaled by n_t, and the stabilizer's adjoint routed through the max the
 way torch.maximum does), so the gradients equal autograd of `naive.slstm_recurrent_naive`.
 
-Work split: one program per (tile of BT batch rows, head). The time loop runs inside the program,
-so a step costs no launch; the recurrent matmul of a step is h_{t-1} [BT, D] @ R_g [D, D] for the
-four gates g. For D <= 64 the four R_g stay in registers for the whole loop (R_RESIDENT); larger
-heads reload R_g every step (it stays in L2). Programs never wait for each other: the recurrence
-only mixes units inside one head, and batch rows are independent.
+Work split: one program per (tile of BT = 16 batch entries, head); the time loop runs inside the
+program, so a step costs no launch, and programs never wait for each other (the recurrence only
+mixes units inside one head). Tiles are [D, BT] (units x batch): the step's recurrent matmul is
+g̃_gᵀ = R_gᵀ [D, D] @ h_{t-1}ᵀ [D, BT] per gate, so the weights are the large A operand (wgmma
+on Hopper for D >= 64) and, loaded once before the loop, stay in shared memory for all steps
+(up to D = 128 in bf16). Larger heads loop over K chunks, h_{t-1} going through an L1-resident
+scratch and R through L2.
 
 Precision: states and gate arithmetic in float32 (float64 for float64 inputs). The matmul keeps
 float32 accuracy on the tensor cores by splitting the float32 operand into a bf16 head and a bf16
@@ -38,7 +40,7 @@ from .naive import State
 
 TRITON_OPS.update({"slstm_recurrent", "slstm_step"})
 
-BLOCK_B = 16  # batch rows per program: the smallest M of a tensor-core MMA
+BLOCK_B = 16  # batch entries per program: the N side of the step's matmul (any MMA takes 16)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -488,17 +490,22 @@ class KernelConfig(NamedTuple):
 
 
 def default_config(dim: int, mm: int = 1) -> KernelConfig:
-    """Launch choices by head size and matmul mode (see `_mm`), from the register and shared
-    memory reports of the sm_90 builds: all four R_g stay in shared memory up to D = 128 for
-    bf16 weights (128 KiB), up to D = 64 when they are split in two (float32/float16 weights);
-    D = 256 takes the K-chunked path."""
+    """Launch choices by head size and matmul mode (see `_mm`).
+
+    All four R_g stay in shared memory up to D = 128 for bf16 weights (128 KiB), up to D = 64
+    when they are split in two (float32/float16 weights); larger heads take the K-chunked path.
+    bf16 D = 64 and D = 128 are the fastest variants measured on the H200 (2026-11-30,
+    benchmarks/results/2026-11-30-h200-slstm.md); the rest follow the sm_90 register reports.
+    """
     bd = _block_d(dim)
     if mm == 0:  # float64 (or the interpreter): no tensor cores, keep tiles small
         return KernelConfig(num_warps=4, r_resident=bd <= 32, k_chunk=None if bd <= 32 else 32)
-    if bd <= 32:
+    if bd <= 32 or (bd <= 64 and mm == 1):
         return KernelConfig(num_warps=4, r_resident=True)
-    if bd <= 64 or (bd <= 128 and mm == 1):
+    if bd <= 64:
         return KernelConfig(num_warps=8, r_resident=True)
+    if bd <= 128 and mm == 1:
+        return KernelConfig(num_warps=8, r_resident=True, prefetch=False)
     if bd <= 128:
         return KernelConfig(num_warps=8, r_resident=False, k_chunk=64)
     return KernelConfig(num_warps=16, r_resident=False, k_chunk=64)
@@ -597,7 +604,7 @@ def _bwd(r_hi, r_lo, mm, saved, init, dh_out, d_final, exp_forget, clip, config)
 class SLSTMTritonFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_gates, r, b, h0, c0, n0, m0, forget_gate: str, clip: Optional[float],
-                config: KernelConfig):
+                config: Optional[KernelConfig], grad_enabled: bool):
         sdt = torch.float64 if torch.float64 in (x_gates.dtype, r.dtype, b.dtype) else torch.float32
         r_hi, r_lo, mm = _prepare_r(r, sdt)
         if config is None:
@@ -606,7 +613,7 @@ class SLSTMTritonFunction(torch.autograd.Function):
         init = tuple(s.to(sdt).contiguous() for s in (h0, c0, n0, m0)) if has_init else None
         x = x_gates.contiguous()
         exp_forget = forget_gate == "exp"
-        save = any(ctx.needs_input_grad[:7])
+        save = grad_enabled and any(ctx.needs_input_grad[:7])  # inference keeps nothing
         h, final, saved = _fwd(x, r_hi, r_lo, mm, b, init, exp_forget, save, config)
         if save:
             ctx.save_for_backward(r_hi, r_lo, *saved, *(init if has_init else ()))
@@ -626,7 +633,7 @@ class SLSTMTritonFunction(torch.autograd.Function):
             d_final = None
         dg, d_init = _bwd(r_hi, r_lo, mm, (hs, g, cs, ns, ms), init, dh_out, d_final,
                           exp_forget, clip, config)
-        grads = [None] * 10
+        grads = [None] * 11
         if ctx.needs_input_grad[0]:
             grads[0] = dg.to(x_dt)
         if ctx.needs_input_grad[1]:
@@ -662,7 +669,8 @@ def slstm_recurrent_triton(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tens
     h0, c0, n0, m0 = initial_state if initial_state is not None else (None,) * 4
     clip = None if recurrent_grad_clip is None else float(recurrent_grad_clip)
     h, h_T, c_T, n_T, m_T = SLSTMTritonFunction.apply(x_gates, r, b, h0, c0, n0, m0,
-                                                      forget_gate, clip, config)
+                                                      forget_gate, clip, config,
+                                                      torch.is_grad_enabled())
     return h, ((h_T, c_T, n_T, m_T) if output_final_state else None)
 
 
