@@ -37,14 +37,15 @@ def make_models(slstm_at: list[int]):
     return official, from_official_xlstm(official)
 
 
-def train_step(model, opt, batch: torch.Tensor) -> float:
-    t0 = time.perf_counter()
+def train_step(model, opt, batch: torch.Tensor) -> tuple[float, float]:
+    """One training step; returns (wall seconds, process CPU seconds)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     logits = model(batch[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def measure(slstm_at: list[int], steps: int) -> dict:
@@ -59,7 +60,10 @@ def measure(slstm_at: list[int], steps: int) -> dict:
         for model, opt, times in runs.values():
             times.append(train_step(model, opt, batch))
     tok = BATCH * SEQ
-    res = {name: tok / statistics.median(times) for name, (_, _, times) in runs.items()}
+    res = {name: tok / statistics.median(w for w, _ in times) for name, (_, _, times) in runs.items()}
+    # tokens per CPU-second: less sensitive to other processes than wall time (one thread only:
+    # with more, OpenMP threads spinning at barriers count as CPU time)
+    res.update({name + "_cpu": tok / statistics.median(c for _, c in times) for name, (_, _, times) in runs.items()})
     res["params"] = sum(p.numel() for p in ours.parameters())
     return res
 
@@ -80,19 +84,27 @@ def profile(slstm_at: list[int]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model and variant")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of our step")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cpu_col = torch.get_num_threads() == 1
 
     print(f"CPU training step (forward, backward, AdamW), batch {BATCH} x {SEQ} bytes, d_model 256, 4 blocks")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs "
           f"({platform.processor() or platform.machine()}), load average before: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
-    print("| model | params | official tok/s | xlstm_kit tok/s | speed-up |")
-    print("|---|---:|---:|---:|---:|")
+    extra = " official tok/CPU-s | xlstm_kit tok/CPU-s | speed-up (CPU time) |" if cpu_col else ""
+    print("| model | params | official tok/s | xlstm_kit tok/s | speed-up |" + extra)
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if cpu_col else ""))
     for label, slstm_at in VARIANTS.items():
         r = measure(slstm_at, args.steps)
-        print(f"| {label} | {r['params'] / 1e6:.2f}M | {r['official']:,.0f} | {r['ours']:,.0f} | "
-              f"{r['ours'] / r['official']:.2f}x |", flush=True)
+        row = (f"| {label} | {r['params'] / 1e6:.2f}M | {r['official']:,.0f} | {r['ours']:,.0f} | "
+               f"{r['ours'] / r['official']:.2f}x |")
+        if cpu_col:
+            row += f" {r['official_cpu']:,.0f} | {r['ours_cpu']:,.0f} | {r['ours_cpu'] / r['official_cpu']:.2f}x |"
+        print(row, flush=True)
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.profile:
         for label, slstm_at in VARIANTS.items():

@@ -227,6 +227,14 @@ class HeadwiseLinear(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
+    def fold_into(self, w: torch.Tensor) -> torch.Tensor:
+        """w [R, C] -> w @ blockdiag(weight) [R, C]: a linear map applied after this one, folded
+        onto this one's input (its bias is not included)."""
+        R = w.shape[0]
+        d = self.features // self.n_heads
+        folded = torch.einsum("rho,hoi->rhi", w.reshape(R, self.n_heads, d), self.weight.to(w.dtype))
+        return folded.reshape(R, self.features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = _HeadwiseLinearFn.apply(x.reshape(-1, self.features).contiguous(), self.weight.to(x.dtype), self.pack)

@@ -103,11 +103,23 @@ class MLSTMLayer(nn.Module):
         )
 
     def _qkv_gates(self, x_m: torch.Tensor, x_conv: torch.Tensor):
+        """q, k, v [..., inner] and the gate pre-activations i, f [..., n_heads]."""
         q, k, v = self.q_proj(x_conv), self.k_proj(x_conv), self.v_proj(x_m)
-        # both gates in one matmul over concat(q, k, v): one pass over the 3x-wide input
-        w = torch.cat([self.igate.weight, self.fgate.weight]).to(x_m.dtype)
-        b = torch.cat([self.igate.bias, self.fgate.bias]).to(x_m.dtype)
-        i, f = F.linear(torch.cat([q, k, v], dim=-1), w, b).chunk(2, dim=-1)
+        # The gates are linear in concat(q, k, v), and q, k, v are block-diagonal maps of x_conv
+        # and x_m: folding those maps into the (2H x 3 inner) gate matrix reads two inner-wide
+        # inputs instead of writing and reading a 3x-wide concatenation.
+        dtype = x_m.dtype
+        w = torch.cat([self.igate.weight, self.fgate.weight]).to(dtype)  # [2H, 3 inner]
+        b = torch.cat([self.igate.bias, self.fgate.bias]).to(dtype)
+        wq, wk, wv = w.split(self.inner_dim, dim=1)
+        w_conv = self.q_proj.fold_into(wq) + self.k_proj.fold_into(wk)  # [2H, inner]
+        w_m = self.v_proj.fold_into(wv)
+        for proj, wg in ((self.q_proj, wq), (self.k_proj, wk), (self.v_proj, wv)):
+            if proj.bias is not None:
+                b = b + wg @ proj.bias.to(dtype)
+        gates = torch.addmm(b, x_conv.reshape(-1, self.inner_dim), w_conv.t())
+        gates = torch.addmm(gates, x_m.reshape(-1, self.inner_dim), w_m.t())
+        i, f = gates.view(*x_m.shape[:-1], 2 * self.n_heads).chunk(2, dim=-1)
         return q, k, v, i, f
 
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
