@@ -54,7 +54,7 @@ def test_train_then_generate_prints_text(trained, tmp_path):
     assert len(gen.stdout.rstrip("\n").encode()) >= len("ROMEO:") + 30  # ~40 new bytes (a few may merge)
 
 
-def test_generate_is_seeded_and_eval_prints_metrics(trained, capsys):
+def test_generate_is_seeded_and_eval_prints_metrics(trained, cache, capsys):
     out, _ = trained
     texts = []
     for _ in range(2):
@@ -69,7 +69,7 @@ def test_generate_is_seeded_and_eval_prints_metrics(trained, capsys):
     assert "val loss" in line and "bits/byte" in line and "perplexity" in line
 
 
-def test_resume_continues_and_refuses_clobbering(trained, tmp_path, capsys):
+def test_resume_continues_and_refuses_clobbering(trained, cache, tmp_path, capsys):
     import shutil
 
     out = tmp_path / "run"
@@ -139,7 +139,7 @@ def test_resume_without_checkpoint(cache, tmp_path, capsys):
     _assert_one_line_error(capsys, cli.main(["train", "--resume", "--out", str(tmp_path / "fresh")]), "does not exist")
 
 
-def test_checkpoint_from_another_version(trained, tmp_path, capsys):
+def test_checkpoint_from_another_version(trained, cache, tmp_path, capsys):
     import shutil
 
     out = tmp_path / "run"
@@ -179,3 +179,34 @@ def test_help_lists_commands_and_options(capsys):
     text = capsys.readouterr().out
     for opt in ("--preset", "--data", "--tokenizer", "--steps", "--out", "--resume", "--grad-accum"):
         assert opt in text
+
+
+def test_ctrl_c_saves_a_resumable_checkpoint(cache, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = {**os.environ, "XLSTM_KIT_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "xlstm_kit", "train", "--steps", "100000", "--out", str(out),
+                             "--checkpoint-interval", "0", "--eval-interval", "0", *FAST],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = out / "metrics.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.is_file() and '"loss"' in metrics.read_text():
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted at step" in err and "--resume" in err and "Traceback" not in err
+    ckpt = resolve_checkpoint(out)
+    step = json.loads((ckpt / TRAIN_META_FILE).read_text())["step"]
+    assert step >= 1
+    assert cli.main(["train", "--out", str(out), "--resume", "--steps", str(step + 1), "--no-progress"]) == 0
+    assert resolve_checkpoint(out).name == f"step-{step + 1:08d}"

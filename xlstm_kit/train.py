@@ -558,9 +558,9 @@ def plot_loss_curve(rows: Iterable[dict[str, Any]], path: Path) -> Path:
     if train:
         s, l = map(np.asarray, zip(*train))
         ax.plot(s, l, color="tab:blue", alpha=0.25, lw=0.8)
-        # Exponential moving average over about 5% of the run, so short and long runs both
-        # get a curve that follows the loss without lagging behind it.
-        beta = min(0.98, 1.0 - 1.0 / max(1.0, len(l) / 20))
+        # Exponential moving average over about 2% of the run, so short and long runs both
+        # get a curve that follows the loss without lagging far behind it.
+        beta = min(0.98, 1.0 - 1.0 / max(1.0, len(l) / 50))
         smooth, acc = np.empty_like(l), l[0]
         for j, v in enumerate(l):
             acc = beta * acc + (1 - beta) * v if j else v
