@@ -81,7 +81,8 @@ class XLSTMConfig:
     """Biases in the up/down projections, q/k/v maps and feed-forward (gates always have them)."""
 
     dropout: float = 0.0
-    """Dropout on the output of every mLSTM, sLSTM and feed-forward layer (training only)."""
+    """Dropout inside every mLSTM, sLSTM and feed-forward layer, where the official package puts it
+    (training only)."""
 
     tie_embeddings: bool = False
     """Share the token embedding matrix with the LM head."""

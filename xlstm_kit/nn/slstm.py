@@ -113,7 +113,7 @@ class SLSTMLayer(nn.Module):
             output_final_state=return_state,
             backend=self.backend,
         )  # h [B, T, H, D]
-        y = self.dropout(self.out_norm(h).reshape(B, T, -1))
+        y = self.out_norm(self.dropout(h)).reshape(B, T, -1)  # dropout before the norm, as upstream
         if not return_state:
             return y
         return y, SLSTMState(conv_state, *cell_state)
@@ -125,7 +125,7 @@ class SLSTMLayer(nn.Module):
         x_conv = F.silu(x_conv)
         gates = self._gates(x, x_conv)  # [B, 4, H, D]
         h, cell_state = slstm_step(gates, self.recurrent, self.bias, (state.h, state.c, state.n, state.m))
-        y = self.dropout(self.out_norm(h).reshape(B, -1))
+        y = self.out_norm(self.dropout(h)).reshape(B, -1)
         return y, SLSTMState(conv_state, *cell_state)
 
 
