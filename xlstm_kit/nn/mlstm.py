@@ -102,6 +102,13 @@ class MLSTMLayer(nn.Module):
             m=torch.zeros(batch, H, device=device, dtype=dtype),
         )
 
+    def _up(self, x: torch.Tensor):
+        """Up-projection into (x_m, z). Two matmuls on the halves of the weight give contiguous
+        outputs (the halves of one wide output would be strided views that later ops copy)."""
+        w_m, w_z = self.up_proj.weight.chunk(2, dim=0)
+        b_m, b_z = (None, None) if self.up_proj.bias is None else self.up_proj.bias.chunk(2)
+        return F.linear(x, w_m, b_m), F.linear(x, w_z, b_z)
+
     def _qkv_gates(self, x_m: torch.Tensor, x_conv: torch.Tensor):
         """q, k, v [..., inner] and the gate pre-activations i, f [..., n_heads]."""
         q, k, v = self.q_proj(x_conv), self.k_proj(x_conv), self.v_proj(x_m)
@@ -125,7 +132,7 @@ class MLSTMLayer(nn.Module):
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
-        x_m, z = self.up_proj(x).chunk(2, dim=-1)  # [B, T, inner] each
+        x_m, z = self._up(x)  # [B, T, inner] each
         x_conv, conv_state = self.conv(x_m, None if state is None else state.conv)
         x_conv = F.silu(x_conv)
         q, k, v, i, f = self._qkv_gates(x_m, x_conv)
@@ -146,7 +153,7 @@ class MLSTMLayer(nn.Module):
         """One token: x [B, d_model] -> (y [B, d_model], new_state)."""
         B = x.shape[0]
         H, D = self.n_heads, self.head_dim
-        x_m, z = self.up_proj(x).chunk(2, dim=-1)  # [B, inner] each
+        x_m, z = self._up(x)  # [B, inner] each
         x_conv, conv_state = self.conv.step(x_m, state.conv)
         x_conv = F.silu(x_conv)
         q, k, v, i, f = self._qkv_gates(x_m, x_conv)
