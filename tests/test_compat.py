@@ -45,6 +45,8 @@ CASES = {
     "mixed": dict(slstm_at=[1]),
     "mixed, biases, tied, other head counts": dict(slstm_at=[0, 2], num_blocks=4, mlstm_heads=4,
                                                    slstm_heads=8, bias=True, tie=True, embedding_dim=64),
+    "odd widths (d_model 72, 16 mLSTM heads of 12)": dict(slstm_at=[1], embedding_dim=72, mlstm_heads=16,
+                                                         slstm_heads=4),
 }
 
 

@@ -38,7 +38,7 @@ def small_model(dtype=torch.float32, noise=0.2, **kw):
 # ------------------------------------------------------------------------------ config
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(d_model=30, n_heads=4), "d_model=30 is not divisible by n_heads=4"),
-    (dict(d_model=32, n_heads=3, slstm_at=[]), "not divisible by n_heads=3"),
+    (dict(d_model=32, n_heads=3, slstm_at=[]), "inner width 64 (mlstm_proj_factor * d_model rounded up"),
     (dict(slstm_heads=3, slstm_at=[0]), "slstm_heads=3"),
     (dict(n_blocks=4, slstm_at=[4]), "position 4 is out of range for n_blocks=4"),
     (dict(slstm_at=[-1]), "out of range"),
@@ -82,6 +82,9 @@ def test_presets_match_the_paper():
     tiny = XLSTMConfig.from_name("tiny")
     assert (tiny.vocab_size, tiny.d_model, tiny.n_blocks) == (256, 128, 4)
     assert XLSTMConfig.from_name("TINY", d_model=64).d_model == 64
+    assert XLSTMConfig.from_name("xlstm-125m") == XLSTMConfig.from_name("125M")
+    # mLSTM heads split the inner width, not d_model: the official package accepts this
+    assert XLSTMConfig(d_model=72, n_heads=16, slstm_at=[]).mlstm_inner_dim == 192
     # parameter counts of the paper's xLSTM[7:1] models (163.7M, 409.3M, 840.4M, 1420.4M)
     paper = {"125M": 163.7e6, "350M": 409.3e6, "760M": 840.4e6, "1.3B": 1420.4e6}
     for name, count in paper.items():

@@ -50,7 +50,8 @@ class XLSTMConfig:
     """Number of residual blocks, mLSTM and sLSTM together."""
 
     n_heads: int = 4
-    """mLSTM heads. Must divide d_model and the mLSTM inner width (see mlstm_proj_factor)."""
+    """mLSTM heads; they split the mLSTM inner width (see mlstm_proj_factor), which they must
+    divide. Also the sLSTM heads unless slstm_heads is set."""
 
     slstm_at: Union[list, str] = field(default_factory=list)
     """Which blocks are sLSTM blocks: 0-based positions such as [1], or a ratio "a:b" meaning a
@@ -122,12 +123,7 @@ class XLSTMConfig:
             self.slstm_at = list(self.slstm_at)
         positions = self.slstm_positions  # validates slstm_at
 
-        if len(positions) < self.n_blocks:  # there is an mLSTM block
-            if self.d_model % self.n_heads:
-                raise ValueError(
-                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                    f"choose n_heads dividing {self.d_model}"
-                )
+        if len(positions) < self.n_blocks:  # there is an mLSTM block: its heads split the inner width
             inner = self.mlstm_inner_dim
             for name, div in (("n_heads", self.n_heads), ("qkv_block_size", self.qkv_block_size)):
                 if inner % div:
@@ -136,10 +132,12 @@ class XLSTMConfig:
                         f"multiple of {self.round_proj_to}) is not divisible by {name}={div}; "
                         f"choose {name} dividing {inner}"
                     )
-        if positions and self.d_model % self.slstm_num_heads:
+        if positions and self.d_model % self.slstm_num_heads:  # sLSTM heads split d_model
+            name = "n_heads" if self.slstm_heads is None else "slstm_heads"
             raise ValueError(
-                f"d_model={self.d_model} is not divisible by slstm_heads={self.slstm_num_heads}; "
-                f"choose sLSTM heads dividing {self.d_model}"
+                f"d_model={self.d_model} is not divisible by {name}={self.slstm_num_heads} (the sLSTM "
+                f"heads split d_model); choose a d_model that is a multiple of {self.slstm_num_heads}"
+                + (" or set slstm_heads" if self.slstm_heads is None else "")
             )
 
     # ------------------------------------------------------------------ derived sizes
@@ -214,6 +212,8 @@ class XLSTMConfig:
         Pass slstm_at="1:0" for the paper's xLSTM[1:0] variants.
         """
         key = str(name).strip().lower()
+        for prefix in ("xlstm-", "xlstm_"):
+            key = key[len(prefix):] if key.startswith(prefix) else key
         if key not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(**{**PRESETS[key], **overrides})
