@@ -133,8 +133,11 @@ def check_part(variants):
                                                         output_final_state=True, config=cfg), xs, st, ups)
             e = [rel(a, b) for a, b in zip(o, ref)]
             ratio = [x / max(r, 1e-12) for x, r in zip(e, e16)]
-            ok = all(x <= 2 * r + 1e-5 for x, r in zip(e, e16))
-            ok_out = all(x <= 2 * r + 1e-5 for x, r in list(zip(e, e16))[4:9] + [(e[0], e16[0])])
+            # A tensor of a few elements (T=1: di, df have B·H values) has an RMS rounding error
+            # that is luck; there the bound is also allowed one unit of bf16 rounding (2^-8).
+            floor = [2.0 ** -8 if t.numel() < 64 else 0.0 for t in o]
+            ok = all(x <= max(2 * r, fl) + 1e-5 for x, r, fl in zip(e, e16, floor))
+            ok_out = all(x <= max(2 * r, fl) + 1e-5 for j, (x, r, fl) in enumerate(zip(e, e16, floor)) if j in (0, 4, 5, 6, 7, 8))
             allok &= ok_out
             md(f"  - ours bf16 [{vname}] {'PASS' if ok else ('PASS(outputs) ' if ok_out else 'FAIL')}: "
                + " ".join(f"{x:.1e}" for x in e) + " | ratio " + " ".join(f"{x:.2f}" for x in ratio))
@@ -399,9 +402,9 @@ def decode_part():
 
 
 DEFAULT_VARIANTS = {
-    "acc": {},
-    "bf16st": {"bf16_states": True},
-    "bf16st_nosplit": {"bf16_states": True, "upd_split": False},
+    "default": {},                                   # bf16 states, split state updates, dqk 64x32
+    "f32states": {"bf16_states": False},
+    "nosplit": {"upd_split": False},
 }
 
 if __name__ == "__main__":

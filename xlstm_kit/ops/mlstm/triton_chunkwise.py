@@ -88,7 +88,7 @@ def _dot_r(a, b, MODE: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def _fwd_states(
-    k_ptr, v_ptr, beta_ptr, ig_ptr, u_ptr,
+    k_ptr, v_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr,
     c0_ptr, n0_ptr, m0_ptr,
     cs_ptr, ns_ptr, ms_ptr, cf_ptr, nf_ptr,
     T, H, NC,
@@ -128,12 +128,14 @@ def _fwd_states(
         rows = c * L + offs_l
         rmask = rows < T
         beta = tl.load(beta_ptr + g_base + rows)
+        blo = tl.load(blo_ptr + g_base + rows)
         ig = tl.load(ig_ptr + g_base + rows)
         beta_last = tl.load(beta_ptr + g_base + c * L + L - 1)
+        blo_last = tl.load(blo_ptr + g_base + c * L + L - 1)
         u_last = tl.load(u_ptr + g_base + c * L + L - 1)
         m_next = tl.maximum(beta_last + m, u_last)
         decay = tl.exp(beta_last + m - m_next)
-        wgt = tl.exp(beta_last - beta + ig - m_next)                         # [L], ≤ 1
+        wgt = tl.exp((beta_last - beta) + (blo_last - blo) + ig - m_next)    # [L], ≤ 1
         kt = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :],
                      mask=rmask[:, None] & mk[None, :], other=0.0)           # [L, BK]
         vt = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :],
@@ -150,7 +152,7 @@ def _fwd_states(
 
 @triton.jit
 def _fwd_out(
-    q_ptr, k_ptr, v_ptr, beta_ptr, ig_ptr, u_ptr, cs_ptr, ns_ptr, ms_ptr,
+    q_ptr, k_ptr, v_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, cs_ptr, ns_ptr, ms_ptr,
     h_ptr, nbar_ptr, mrow_ptr,
     T, H, NC, scale, eps,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -174,6 +176,7 @@ def _fwd_out(
     k_base = k_ptr + b.to(tl.int64) * T * H * K + h * K
     v_base = v_ptr + b.to(tl.int64) * T * H * V + h * V
     beta = tl.load(beta_ptr + g_base + rows)
+    blo = tl.load(blo_ptr + g_base + rows)
     ig = tl.load(ig_ptr + g_base + rows)
     u = tl.load(u_ptr + g_base + rows)
     m_prev = tl.load(ms_ptr + bh64 * (NC + 1) + c)
@@ -196,7 +199,7 @@ def _fwd_out(
         qn += tl.sum(qt.to(tl.float32) * nt[None, :], axis=1)
 
     causal = offs_l[:, None] >= offs_l[None, :]
-    D = beta[:, None] - beta[None, :] + ig[None, :] - m_row[:, None]
+    D = (beta[:, None] - beta[None, :]) + (blo[:, None] - blo[None, :]) + ig[None, :] - m_row[:, None]
     P = S * scale * tl.exp(tl.where(causal, D, _NEG))                        # [L, L]
     ea = tl.exp(beta + m_prev - m_row)
     nbar = ea * qn * scale + tl.sum(P, axis=1)
@@ -274,9 +277,11 @@ def _bwd_dstates(
 
 
 @triton.jit
-def _chunk_gates(beta_ptr, ig_ptr, u_ptr, ms_ptr, g_base, ms_base, c, rows, offs_l, L: tl.constexpr):
+def _chunk_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, ms_ptr, g_base, ms_base, c, rows, offs_l, L: tl.constexpr):
     """Per-row / per-chunk log factors of chunk c (see the module docstring)."""
     beta = tl.load(beta_ptr + g_base + rows)
+    blo = tl.load(blo_ptr + g_base + rows)
+    blo_last = tl.load(blo_ptr + g_base + c * L + L - 1)
     ig = tl.load(ig_ptr + g_base + rows)
     u = tl.load(u_ptr + g_base + rows)
     beta_last = tl.load(beta_ptr + g_base + c * L + L - 1)
@@ -284,9 +289,10 @@ def _chunk_gates(beta_ptr, ig_ptr, u_ptr, ms_ptr, g_base, ms_base, c, rows, offs
     m_next = tl.load(ms_ptr + ms_base + c + 1)
     m_row = tl.maximum(beta + m_prev, u)
     causal = offs_l[:, None] >= offs_l[None, :]
-    E = tl.exp(tl.where(causal, beta[:, None] - beta[None, :] + ig[None, :] - m_row[:, None], _NEG))
+    D = (beta[:, None] - beta[None, :]) + (blo[:, None] - blo[None, :]) + ig[None, :] - m_row[:, None]
+    E = tl.exp(tl.where(causal, D, _NEG))
     ea = tl.exp(beta + m_prev - m_row)                                      # e^{a_t}
-    ew = tl.exp(beta_last - beta + ig - m_next)                             # e^{w_s}
+    ew = tl.exp((beta_last - beta) + (blo_last - blo) + ig - m_next)        # e^{w_s}
     eb = tl.exp(beta_last + m_prev - m_next)                                # e^{b}
     return E, ea, ew, eb
 
@@ -307,7 +313,7 @@ def _qk_full(q_base, k_base, rows, rmask, HK, L: tl.constexpr, K: tl.constexpr, 
 
 @triton.jit
 def _bwd_dqk(
-    q_ptr, k_ptr, v_ptr, dh_ptr, beta_ptr, ig_ptr, u_ptr, rd_ptr, g_ptr, ms_ptr,
+    q_ptr, k_ptr, v_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, g_ptr, ms_ptr,
     cs_ptr, ns_ptr, dcs_ptr, dns_ptr,
     dq_ptr, dk_ptr, dv_ptr, dlf_ptr, di_ptr,
     T, H, NC, BHNCL, scale,
@@ -343,7 +349,7 @@ def _bwd_dqk(
     if FUSE_DV:
         # Only the 16-bit (P/d)ᵀ operand stays live through the V loop; S, E and P are
         # recomputed after it (one more L×L×K product beats spilling float32 L×L tiles).
-        E, ea, ew, eb = _chunk_gates(beta_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
+        E, ea, ew, eb = _chunk_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
         Prd = (tl.dot(qt, tl.trans(kk), input_precision=PREC) * scale * E * rd[:, None]).to(kk.dtype)
 
     dP = tl.zeros([L, L], dtype=tl.float32)
@@ -370,7 +376,7 @@ def _bwd_dqk(
             tl.store(dv_ptr + b.to(tl.int64) * T * H * V + h * V + rows[:, None] * (H * V) + offs_v[None, :],
                      dv.to(dv_ptr.dtype.element_ty), mask=lv)
 
-    E, ea, ew, eb = _chunk_gates(beta_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
+    E, ea, ew, eb = _chunk_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
     if FUSE_DV:
         S = tl.dot(qt, tl.trans(kk), input_precision=PREC)
     else:
@@ -408,7 +414,7 @@ def _bwd_dqk(
 
 @triton.jit
 def _bwd_dv(
-    q_ptr, k_ptr, dh_ptr, beta_ptr, ig_ptr, u_ptr, rd_ptr, ms_ptr, dcs_ptr, dv_ptr,
+    q_ptr, k_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, ms_ptr, dcs_ptr, dv_ptr,
     T, H, NC, scale,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STATE_MODE: tl.constexpr, PREC: tl.constexpr,
@@ -430,7 +436,7 @@ def _bwd_dv(
     st = bh64 * NC + c
     q_base = q_ptr + b.to(tl.int64) * T * H * K + h * K
     k_base = k_ptr + b.to(tl.int64) * T * H * K + h * K
-    E, ea, ew, eb = _chunk_gates(beta_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
+    E, ea, ew, eb = _chunk_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
     rd = tl.load(rd_ptr + g_base + rows)
     S = tl.zeros([L, L], dtype=tl.float32)
     acc = tl.zeros([L, BV], dtype=tl.float32)
@@ -469,16 +475,18 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
     saved per-row n̄ and m do not depend on the chunking). For bfloat16 inputs:
     bf16_states stores the chunk states in bfloat16 (half the state traffic, one more
     rounding); upd_split splits the float32 operand of the state-update products into two
-    bfloat16 parts; state_split does the same for float32 states in the output products."""
+    bfloat16 parts; state_split does the same for float32 states in the output products;
+    fuse_dv computes δv inside the δq/δk kernel when one K-tile covers K."""
     Kp, Vp = _pow2(K), _pow2(V)
     return dict(
-        L_fwd=64, L_bwd=64, bf16_states=False, upd_split=True, state_split=True,
+        L_fwd=64, L_bwd=64, bf16_states=True, upd_split=True, state_split=True, fuse_dv=False,
         # Tiles picked so that ptxas reports no register spills for sm_90 (the fused
-        # δq/δk/δv variant, dqk_BK ≥ K, spills kilobytes per thread and is left off).
+        # δq/δk/δv variant, dqk_BK ≥ K, spills kilobytes per thread and is left off); among
+        # the spill-free ones, dqk_BK=64/dqk_BV=32 timed fastest on the H200 (NOTES-mlstm.md).
         st_BK=min(64, Kp), st_BV=min(64, Vp), st_warps=4, st_stages=2,
         out_BK=min(128 if K <= 128 else 64, Kp), out_BV=min(64, Vp), out_warps=8, out_stages=2,
         ds_BK=min(64, Kp), ds_BV=min(64, Vp), ds_warps=8, ds_stages=2,
-        dqk_BK=min(32, Kp), dqk_BV=min(64, Vp), dqk_warps=8, dqk_stages=1,
+        dqk_BK=min(64, Kp), dqk_BV=min(32, Vp), dqk_warps=8, dqk_stages=1,
         dv_BK=min(64, Kp), dv_BV=min(128, Vp), dv_warps=8, dv_stages=2,
     )
 
@@ -499,23 +507,32 @@ def _numerics(dtype: torch.dtype, cfg: dict):
 
 
 def _gates_padded(i: torch.Tensor, f: torch.Tensor, L: int):
-    """i, f [B,T,H] → β, ĩ, u each [B,H,NC·L] float32 (padded steps: log f = 0, ĩ = NEG)."""
+    """i, f [B,T,H] → β (as hi + lo float32 parts), ĩ, u each [B,H,NC·L], and ĩ − β in float64.
+
+    Padded steps: log f = 0, ĩ = NEG. The in-chunk cumsum runs in float64 and β travels as two
+    float32 parts because the kernels need β_t − β_s accurately: with closed forget gates |β|
+    reaches hundreds within a chunk, and one float32 β would put an absolute error of
+    ulp(|β|) (~1e-5) on every log weight (seen as a 100× larger error than the recurrent
+    float32 loop on rows whose denominator nearly cancels)."""
     B, T, H = i.shape
     NC = triton.cdiv(T, L)
     pad = NC * L - T
-    lf = F.logsigmoid(f.float()).permute(0, 2, 1)
-    ig = i.float().permute(0, 2, 1)
+    lf = F.logsigmoid(f.double()).permute(0, 2, 1)
+    ig = i.double().permute(0, 2, 1)
     if pad:
         lf = F.pad(lf, (0, pad), value=0.0)
         ig = F.pad(ig, (0, pad), value=NEG)
     beta = lf.reshape(B, H, NC, L).cumsum(-1)
     ig = ig.reshape(B, H, NC, L)
-    u = beta + torch.cummax(ig - beta, dim=-1).values
-    return beta.reshape(B, H, NC * L).contiguous(), ig.reshape(B, H, NC * L).contiguous(), \
-        u.reshape(B, H, NC * L).contiguous(), NC
+    x = ig - beta
+    u = beta + torch.cummax(x, dim=-1).values
+    hi = beta.float()
+    lo = (beta - hi.double()).float()
+    flat = lambda t: t.reshape(B, H, NC * L).contiguous()
+    return flat(hi), flat(lo), flat(ig.float()), flat(u.float()), NC, x
 
 
-def _states(k, v, beta, ig, u, NC, C0, n0, m0, L, cfg, store_final):
+def _states(k, v, beta, blo, ig, u, NC, C0, n0, m0, L, cfg, store_final):
     B, T, H, K = k.shape
     V = v.shape[-1]
     sd, upd, _, prec = _numerics(k.dtype, cfg)
@@ -531,7 +548,7 @@ def _states(k, v, beta, ig, u, NC, C0, n0, m0, L, cfg, store_final):
     has_init = C0 is not None
     grid = (triton.cdiv(K, cfg["st_BK"]), triton.cdiv(V, cfg["st_BV"]), B * H)
     _fwd_states[grid](
-        k, v, beta, ig, u,
+        k, v, beta, blo, ig, u,
         C0 if has_init else ms, n0 if has_init else ms, m0,
         cs, ns, ms, cf, nf,
         T, H, NC,
@@ -553,15 +570,15 @@ def mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg):
     B, T, H, K = q.shape
     V = v.shape[-1]
     L = cfg["L_fwd"]
-    beta, ig, u, NC = _gates_padded(i, f, L)
+    beta, blo, ig, u, NC, _ = _gates_padded(i, f, L)
     m0 = _init_m(m0, B, H, q.device)
-    cs, ns, ms, final = _states(k, v, beta, ig, u, NC, C0, n0, m0, L, cfg, True)
+    cs, ns, ms, final = _states(k, v, beta, blo, ig, u, NC, C0, n0, m0, L, cfg, True)
     h = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
     nbar = torch.empty(B, H, NC * L, device=q.device, dtype=torch.float32)
     mrow = torch.empty_like(nbar)
     grid = (NC, triton.cdiv(V, cfg["out_BV"]), B * H)
     _fwd_out[grid](
-        q, k, v, beta, ig, u, cs, ns, ms, h, nbar, mrow,
+        q, k, v, beta, blo, ig, u, cs, ns, ms, h, nbar, mrow,
         T, H, NC, K ** -0.5, eps,
         K=K, V=V, L=L, BK=cfg["out_BK"], BV=cfg["out_BV"],
         STATE_MODE=_numerics(q.dtype, cfg)[2], PREC=_numerics(q.dtype, cfg)[3],
@@ -600,10 +617,10 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, 
     V = v.shape[-1]
     dev = q.device
     L = cfg["L_bwd"]
-    beta, ig, u, NC = _gates_padded(i, f, L)
+    beta, blo, ig, u, NC, x = _gates_padded(i, f, L)
     NCL = NC * L
     m0f = _init_m(m0, B, H, dev)
-    cs, ns, ms, _ = _states(k, v, beta, ig, u, NC, C0, n0, m0f, L, cfg, False)
+    cs, ns, ms, _ = _states(k, v, beta, blo, ig, u, NC, C0, n0, m0f, L, cfg, False)
 
     # Per-row factors of δh: δ(num) = δh / d and δn̄ = g (the |n̄| branch of the max only).
     den = torch.maximum(nbar.abs(), torch.exp(-mrow)) + eps                  # [B,H,T]
@@ -635,11 +652,11 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, 
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     nkt = triton.cdiv(K, cfg["dqk_BK"])
-    fuse = nkt == 1
+    fuse = nkt == 1 and cfg["fuse_dv"]
     dlf = torch.empty(nkt, B, H, NCL, device=dev, dtype=torch.float32)
     di = torch.empty_like(dlf)
     _bwd_dqk[(NC, nkt, B * H)](
-        q, k, v, dh, beta, ig, u, rd_p, g_p, ms, cs, ns, dcs, dns,
+        q, k, v, dh, beta, blo, ig, u, rd_p, g_p, ms, cs, ns, dcs, dns,
         dq, dk, dv, dlf, di,
         T, H, NC, B * H * NCL, K ** -0.5,
         K=K, V=V, L=L, BK=cfg["dqk_BK"], BV=cfg["dqk_BV"], FUSE_DV=fuse, STATE_MODE=smode, PREC=prec,
@@ -647,7 +664,7 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, 
     )
     if not fuse:
         _bwd_dv[(NC, triton.cdiv(V, cfg["dv_BV"]), B * H)](
-            q, k, dh, beta, ig, u, rd_p, ms, dcs, dv,
+            q, k, dh, beta, blo, ig, u, rd_p, ms, dcs, dv,
             T, H, NC, K ** -0.5,
             K=K, V=V, L=L, BK=cfg["dv_BK"], BV=cfg["dv_BV"], STATE_MODE=smode, PREC=prec,
             num_warps=cfg["dv_warps"], num_stages=cfg["dv_stages"],
@@ -667,7 +684,6 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, 
     e[..., -1] += last
     # Step t took the carried branch unless ĩ_t − β_t tops m_c and every earlier ĩ_s − β_s of
     # its chunk (decided on the very values the kernels used, so rounding cannot flip it).
-    x = (ig - beta).reshape(B, H, NC, L)
     before = F.pad(torch.cummax(x, dim=-1).values[..., :-1], (1, 0), value=-math.inf)
     A = ~(x >= torch.maximum(before, ms[:, :, :NC, None]))
     A = A.reshape(B, H, NCL)[:, :, :T]
