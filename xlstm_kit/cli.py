@@ -246,6 +246,14 @@ def _pick_device(name: str | None):
     return device
 
 
+def _normalise_data_spec(spec: str) -> str:
+    """Paths become absolute: the spec is recorded in checkpoints, and --resume or eval may run
+    from another folder."""
+    if spec.startswith("builtin:") or not Path(spec).expanduser().exists():
+        return spec
+    return str(Path(spec).expanduser().resolve())
+
+
 def _train_defaults(preset: str) -> dict[str, Any]:
     return dict(_TRAIN_DEFAULTS.get(preset.lower(), _LARGE_DEFAULTS))
 
@@ -357,7 +365,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         meta = read_train_meta(ckpt)
         if not meta:
             raise UsageError(f"{ckpt} is a model checkpoint without training state; cannot --resume")
-        for key, value in (("preset", args.preset), ("data", args.data), ("tokenizer", args.tokenizer)):
+        data_arg = _normalise_data_spec(args.data) if args.data is not None else None
+        for key, value in (("preset", args.preset), ("data", data_arg), ("tokenizer", args.tokenizer)):
             if value is not None and str(value).lower() != str(meta.get(key)).lower():
                 raise UsageError(f"--{key} {value} differs from the checkpoint's ({meta.get(key)}); "
                                  f"leave it out when resuming")
@@ -378,7 +387,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         tok_name = args.tokenizer or "byte"
         if tok_name not in TOKENIZERS:
             raise UsageError(f"unknown tokenizer {tok_name!r}; choose one of {', '.join(TOKENIZERS)}")
-        data_spec = args.data or DEFAULT_DATA
+        data_spec = _normalise_data_spec(args.data or DEFAULT_DATA)
         val_fraction = args.val_fraction
         if (out / "latest").exists() and not args.overwrite:
             raise UsageError(f"{out} already holds a training run; add --resume to continue it "
