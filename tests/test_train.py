@@ -250,3 +250,18 @@ def test_time_limit_stops_with_checkpoint_and_validation(data, tmp_path):
     more = T.train(small_model(), data, small_config(steps=50, eval_interval=0, checkpoint_interval=0),
                    tmp_path / "run", time_limit_s=0.0, resume=True, device="cpu")
     assert more.step == 2 and more.time_limited
+
+
+def test_bf16_autocast_training_runs(data):
+    # precision="bf16" is what GPUs use by default ("auto"); on CPU it runs the same autocast
+    # through the torch backends of every op, which must accept the bf16 activations autocast
+    # hands them.
+    fp32, bf16 = small_model(), small_model()
+    a = T.train(fp32, data, small_config(steps=3, eval_interval=0, eval_at_start=False), device="cpu")
+    b = T.train(bf16, data, small_config(steps=3, eval_interval=0, eval_at_start=False, precision="bf16"),
+                device="cpu")
+    assert all(math.isfinite(l) for _, l in b.losses)
+    assert all(p.dtype == torch.float32 for p in bf16.parameters())  # weights stay float32
+    for (_, la), (_, lb) in zip(a.losses, b.losses):
+        assert lb == pytest.approx(la, rel=0.05)
+    assert b.evals[-1][1].loss == pytest.approx(a.evals[-1][1].loss, rel=0.05)
