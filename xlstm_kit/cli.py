@@ -337,8 +337,6 @@ def _clear_run(out: Path) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import torch
 
     from .data import TOKENIZERS, load_data
