@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--max-new-tokens", type=_nonneg_int, default=300, help="length of the sample")
     de.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
     de.add_argument("--threads", type=_positive_int, default=None,
-                    help="CPU threads (default: torch's choice; 1 is faster on a busy machine)")
+                    help="CPU threads (default: torch's choice, or 1 when other processes already load the cores)")
     de.set_defaults(func=cmd_demo)
 
     for p in (t, gen, ev, de):
@@ -501,9 +501,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .model import XLSTMConfig, XLSTMLanguageModel
     from .train import StepEvent, TrainConfig, train
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = _pick_device(args.device)
+    threads = args.threads
+    if threads is None and device.type == "cpu" and os.getloadavg()[0] >= max(1.0, (os.cpu_count() or 1) / 2):
+        # Other processes keep the cores busy: with several threads every one of the model's many
+        # small operators waits at a barrier for a descheduled thread, and training gets several
+        # times slower than on one thread (benchmarks/results/2026-11-30-cpu-train.md).
+        threads = 1
+    if threads:
+        torch.set_num_threads(threads)
     out = Path(args.out)
     budget = args.minutes * 60
     t_start = time.perf_counter()
@@ -516,7 +522,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     defaults = _train_defaults("tiny")
     warmup = defaults["warmup_steps"]
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, batches of "
-          f"{defaults['batch_size']}x{defaults['seq_len']} bytes; output in {out}/", flush=True)
+          f"{defaults['batch_size']}x{defaults['seq_len']} bytes, {torch.get_num_threads()} CPU thread(s); "
+          f"output in {out}/", flush=True)
     _clear_run(out)
 
     # Two phases: the warmup steps measure this machine's speed, then the run resumes with as
