@@ -132,6 +132,8 @@ def test_step_equals_forward():
     assert rel_err(torch.stack(outs, 1), ref) < 1e-10
     first, _ = model.step(tokens[:, 0])  # state=None: the zero state
     assert rel_err(first, ref[:, 0]) < 1e-10
+    # any integer dtype works for token ids
+    assert torch.equal(model(tokens.to(torch.uint8)), ref) and torch.equal(model(tokens.int()), ref)
 
 
 def test_greedy_generation_is_argmax_of_teacher_forced_logits():

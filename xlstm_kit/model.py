@@ -343,7 +343,7 @@ class XLSTMLanguageModel(nn.Module):
             raise ValueError(f"tokens must have shape [B, T] with B, T >= 1, got {list(tokens.shape)}")
         if state is not None:
             self._check_state(state, B)
-        x = self.embedding(tokens)
+        x = self.embedding(tokens if tokens.dtype in (torch.int32, torch.int64) else tokens.long())
         new_state = []
         for t, block in enumerate(self.blocks):
             s = None if state is None else state[t]
@@ -361,7 +361,7 @@ class XLSTMLanguageModel(nn.Module):
         B = tokens.shape[0]
         state = self.init_state(B) if state is None else state
         self._check_state(state, B)
-        x = self.embedding(tokens)
+        x = self.embedding(tokens if tokens.dtype in (torch.int32, torch.int64) else tokens.long())
         new_state = []
         for block, s in zip(self.blocks, state):
             x, s = block.step(x, s)
