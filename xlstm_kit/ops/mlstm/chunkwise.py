@@ -89,8 +89,8 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Σ_d a[..., d] b[..., d] without materialising a ⊙ b."""
-    return torch.linalg.vecdot(a, b)
+    """Σ_d a[..., d] b[..., d] as a batched matmul, so that a ⊙ b is never materialised."""
+    return (a[..., None, :] @ b[..., :, None])[..., 0, 0]
 
 
 def _gates(ic: torch.Tensor, fc: torch.Tensor, m0: torch.Tensor):
@@ -110,11 +110,12 @@ def _gates(ic: torch.Tensor, fc: torch.Tensor, m0: torch.Tensor):
     return b, u, cm, m_states, mx
 
 
-def _states(kc, vc, u, m_states, mx, C0, n0):
+def _states(kc, vc, u, m_states, mx, C0, n0, kw=None):
     """Chunk-start states C [NC+1, N, K, V], n [NC+1, N, K]; also α [NC, N], w [NC, N, L], k ⊙ w."""
     alpha = torch.exp(m_states[:-1] - mx)                 # decay of the carried state over a chunk
     w = torch.exp(u - mx[..., None])                      # weight of step s in the chunk-end state
-    kw = kc * w[..., None]
+    if kw is None:
+        kw = kc * w[..., None]
     NC, N, L, K = kc.shape
     C_all = kc.new_empty(NC + 1, N, K, vc.shape[-1])
     C_all[0] = C0
@@ -158,7 +159,7 @@ class _MLSTMChunkwise(torch.autograd.Function):
             C0, n0, m0 = kc.new_zeros(N, K, V), kc.new_zeros(N, K), kc.new_zeros(N)
 
         b, u, cm, m_states, mx = _gates(ic, fc, m0)
-        C_all, n_all, alpha, w, _ = _states(kc, vc, u, m_states, mx, C0, n0)
+        C_all, n_all, alpha, w, kw = _states(kc, vc, u, m_states, mx, C0, n0)
 
         m_prev = m_states[:-1, :, None]                   # [NC, N, 1]
         mrow = torch.maximum(m_prev, cm)                  # m_r − b_r
@@ -170,16 +171,16 @@ class _MLSTMChunkwise(torch.autograd.Function):
         qb = qc * beta[..., None]
         num = qb @ C_all[:-1]                             # carried state, then the chunk itself
         _flat(num).baddbmm_(_flat(P), _flat(vc))
-        z = P.sum(-1) + _rowdot(qb, n_all[:-1, :, None, :])
+        z = P.sum(-1) + (qb @ n_all[:-1, :, :, None])[..., 0]
         den = torch.maximum(z.abs(), floor) + eps
         h = num.div_(den[..., None])
         zsign = torch.sign(z) * (z.abs() > floor)         # ∂den/∂z (0 where the floor is active)
 
         C_T, n_T = C_all[NC].clone(), n_all[NC].clone()
-        # P and D' are O(T·L) like the inputs and cost a matmul and five passes to rebuild;
-        # the chunk states (O(T·K·V/L)) are rebuilt instead.
+        # P, D' and k ⊙ w are O(T·L) or O(T·K) like the inputs and cost a matmul and several
+        # passes to rebuild; the chunk states (O(T·K·V/L)) are rebuilt instead.
         ctx.save_for_backward(qc, kc, vc, u, cm, m_states, beta, alpha, w, den, zsign, h,
-                              torch.sigmoid(-fc), C0, n0, C_T, n_T, P, D)
+                              torch.sigmoid(-fc), C0, n0, C_T, n_T, P, D, kw)
         ctx.meta = (B, T, H, K, V, eps, has_state, q.dtype, k.dtype, v.dtype, i.dtype, f.dtype)
         return (_from_chunks(h, B, T, H, cd), C_T.view(B, H, K, V), n_T.view(B, H, K),
                 m_states[NC].reshape(B, H))
@@ -187,14 +188,14 @@ class _MLSTMChunkwise(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, dC_T, dn_T, dm_T):
         (qc, kc, vc, u, cm, m_states, beta, alpha, w, den, zsign, h, sig_negf, C0, n0, C_T, n_T,
-         P, D) = ctx.saved_tensors
+         P, D, kw) = ctx.saved_tensors
         B, T, H, K, V, eps, has_state, q_dt, k_dt, v_dt, i_dt, f_dt = ctx.meta
         NC, N, L = u.shape
         cd = qc.dtype
 
         # Recompute the chunk-start states instead of keeping them from the forward pass.
         mx = torch.maximum(m_states[:-1], cm[..., -1])
-        C_all, n_all, _, _, kw = _states(kc, vc, u, m_states, mx, C0, n0)
+        C_all, n_all, _, _, _ = _states(kc, vc, u, m_states, mx, C0, n0, kw)
 
         # δnum = δh/den, δden = −<δh, h>/den, δz = δden ∂den/∂z.
         dnum = _to_chunks(dh, NC, L, cd).div_(den[..., None])
