@@ -3,7 +3,8 @@ timing, peak memory and compile time against the peers, all in one process/call.
 
 On the GPU machine (repository root, peer wheels installed into /tmp/site, see benchmarks/NOTES-mlstm.md):
     PYTHONPATH=.:/tmp/site OUT=$OUT python3 benchmarks/gpu_mlstm.py check time peers decode
-Parts: check (correctness list of issue 5), time (our variants at the four shapes; variants as
+Parts: check (correctness list of issue 5), summary (one table of every variant and peer,
+meant to come last), time (our variants at the four shapes; variants as
 JSON in $VARIANTS, name -> config overrides), profile (kernel times of the first variant),
 peers (.peers/peers_gpu.py jobs: limits, limit_chunk, SDPA; peak memory recorded alongside),
 decode (mlstm_step kernel, the official step kernel and the 125M model's tokens/s).
@@ -403,9 +404,45 @@ def decode_part():
 
 DEFAULT_VARIANTS = {
     "default": {},                                   # bf16 states, split state updates, dqk 64x32
-    "f32states": {"bf16_states": False},
-    "nosplit": {"upd_split": False},
+    # fused backward kernel (δq, δk, δv in one program per chunk; K ≤ fb_maxK, else old path)
+    "fused32": {"bwd_fused": True, "L_bwd": 32, "fb_BV": 32},             # spill-free on sm_90
+    "fused64": {"bwd_fused": True, "fb_BV": 16},                          # ~660 B/thread spill
+    "fused64_keep": {"bwd_fused": True, "fb_BV": 16, "keep_states": True},
+    "fused32_all32": {"bwd_fused": True, "L_fwd": 32, "L_bwd": 32, "fb_BV": 32, "keep_states": True},
+    "keep": {"keep_states": True},                   # old backward, forward's states reused
 }
+
+
+def summary_part():
+    """One table: fwd+bwd ms of every variant at every shape against limit_chunk and SDPA."""
+    rows = [json.loads(x) for x in open(os.path.join(OUT, "mlstm.jsonl"))] if os.path.exists(os.path.join(OUT, "mlstm.jsonl")) else []
+    peers = [json.loads(x) for x in open(os.path.join(OUT, "anchors.jsonl"))] if os.path.exists(os.path.join(OUT, "anchors.jsonl")) else []
+
+    def peer(name, shape):
+        for p in peers:
+            if p.get("name") == name and [p.get(k) for k in "B T H K V".split()] == list(shape):
+                return p.get("fwbw_ms")
+        return None
+
+    times = {}
+    for r in rows:
+        if r.get("part") == "time" and "fwbw_ms" in r:
+            times[(r["variant"], tuple(r["shape"]))] = (r["fwd_ms"], r["fwbw_ms"], r.get("peak_mib"))
+    variants = list(dict.fromkeys(v for v, _ in times))
+    md("## Summary: fwd+bwd ms (fwd ms) [× limit_chunk]")
+    md("")
+    md("| variant | " + " | ".join(",".join(map(str, s)) for s in SHAPES) + " |")
+    md("|---|" + "---|" * len(SHAPES))
+    for name in ("mlstm_triton_limit_chunk", "sdpa_causal"):
+        md(f"| {name} | " + " | ".join(f"{peer(name, s):.3f}" if peer(name, s) else "-" for s in SHAPES) + " |")
+    for v in variants:
+        cells = []
+        for s in SHAPES:
+            t = times.get((v, tuple(s)))
+            lc = peer("mlstm_triton_limit_chunk", s)
+            cells.append("-" if t is None else f"{t[1]:.3f} ({t[0]:.3f})" + (f" [{t[1] / lc:.2f}×]" if lc else ""))
+        md(f"| {v} | " + " | ".join(cells) + " |")
+    md("")
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["peer-job"]:
@@ -434,6 +471,8 @@ if __name__ == "__main__":
                 peers_part()
             elif part == "decode":
                 decode_part()
+            elif part == "summary":
+                summary_part()
         except Exception as e:
             import traceback
 

@@ -130,6 +130,29 @@ def test_chunkwise_several_k_tiles_and_odd_dims():
     check_against_reference(2, 45, 1, 40, 24, config=cfg)
 
 
+@pytest.mark.parametrize("T,L,keep", [(37, 16, False), (64, 32, True)])
+def test_fused_backward_matches_recurrent(T, L, keep, monkeypatch):
+    """The fused backward kernel (δq, δk, δv and the gate terms of a chunk in one program):
+    output, final state and every gradient, initial state included, vs the float64 loop; K ≠ V
+    with V over several tiles, a masked tail, and (keep) the forward's states reused. The
+    kernel is counted so that a silent fall-back to the old path cannot pass."""
+    import xlstm_kit.ops.mlstm.triton_chunkwise as tc
+
+    calls = []
+    orig = tc._bwd_fused
+    monkeypatch.setattr(tc, "_bwd_fused", type("Counted", (), {
+        "__getitem__": lambda self, grid: (calls.append(grid), orig[grid])[1]})())
+    cfg = dict(bwd_fused=True, fb_BV=16, keep_states=keep)
+    check_against_reference(1, T, 2, 16, 40, chunk_size=L, config=cfg)
+    assert calls and calls[0] == (triton.cdiv(T, L), 2)
+
+
+def test_fused_backward_extreme_gates():
+    """Stabilizer routing with the fused kernel (closed/open forget gates, large input gates)."""
+    check_against_reference(1, 50, 1, 16, 16, gates="extreme", state=False, chunk_size=16,
+                            config=dict(bwd_fused=True))
+
+
 def test_chunkwise_float16_close_to_reference():
     """16-bit operands: error near fp16 rounding (gradients in float16 too)."""
     check_against_reference(1, 40, 1, 16, 16, dtype=torch.float16, tol=5e-3, gtol=1e-2, chunk_size=16)

@@ -458,6 +458,122 @@ def _bwd_dv(
     tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=lv)
 
 
+@triton.jit
+def _bwd_fused(
+    q_ptr, k_ptr, v_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, g_ptr, ms_ptr,
+    cs_ptr, ns_ptr, dcs_ptr, dns_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dlf_ptr, di_ptr,
+    T, H, NC, scale,
+    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    STATE_MODE: tl.constexpr, PREC: tl.constexpr,
+):
+    """δq, δk, δv and the chunk's fixed-stabilizer log-gate gradients in one program per
+    (chunk, b·h); BK covers all of K, so every product is formed once (q kᵀ and δh vᵀ once,
+    not once per K-tile, and no separate δv kernel recomputing q kᵀ).
+
+    Two passes over V keep the live set small enough for the register file (one pass holding
+    δP, P and both [L, K] state accumulators spills ~1.3 KB per thread at L=64, K=V=128):
+    pass 1 builds δP and writes δv; pass 2 builds δh C_cᵀ and v δC_{c+1}ᵀ with only the
+    16-bit δS live. v and δh are read twice (the second time mostly from L2)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    NVT: tl.constexpr = (V + BV - 1) // BV
+    offs_l = tl.arange(0, L)
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < K
+    rows = c * L + offs_l
+    rmask = rows < T
+    g_base = bh64 * NC * L
+    st = bh64 * NC + c
+    # Scalar 64-bit bases plus 32-bit in-chunk offsets: a 64-bit pointer per element of the
+    # [L, K] tiles, held across the V loops, alone cost 64 registers per thread.
+    row0 = b.to(tl.int64) * T + c * L
+    qb = q_ptr + row0 * H * K + h * K
+    kb = k_ptr + row0 * H * K + h * K
+    vb = v_ptr + row0 * H * V + h * V
+    dhb = dh_ptr + row0 * H * V + h * V
+    dvb = dv_ptr + row0 * H * V + h * V
+    csb = cs_ptr + st * K * V
+    dcsb = dcs_ptr + st * K * V
+    rd = tl.load(rd_ptr + g_base + rows)
+    gg = tl.load(g_ptr + g_base + rows)
+    lk = rmask[:, None] & mk[None, :]
+    qk_off = offs_l[:, None] * (H * K) + offs_k[None, :]
+    qt = tl.load(qb + qk_off, mask=lk, other=0.0)
+    kk = tl.load(kb + qk_off, mask=lk, other=0.0)
+    E, ea, ew, eb = _chunk_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
+    Prd = (tl.dot(qt, tl.trans(kk), input_precision=PREC) * (scale * E) * rd[:, None]).to(kk.dtype)  # P/d
+
+    # pass 1: δP = δh vᵀ and δv = (P/d)ᵀ δh + e^{w} k δC_{c+1}
+    dP = tl.zeros([L, L], dtype=tl.float32)
+    for j in range(NVT):
+        offs_v = j * BV + tl.arange(0, BV)
+        mv = offs_v < V
+        lv = rmask[:, None] & mv[None, :]
+        v_off = offs_l[:, None] * (H * V) + offs_v[None, :]
+        vt = tl.load(vb + v_off, mask=lv, other=0.0)
+        dht = tl.load(dhb + v_off, mask=lv, other=0.0)
+        dCn = tl.load(dcsb + offs_k[:, None] * V + offs_v[None, :],
+                      mask=mk[:, None] & mv[None, :], other=0.0)            # [BK, BV]
+        dP += tl.dot(dht, tl.trans(vt), input_precision=PREC)
+        dv = tl.dot(tl.trans(Prd), dht, input_precision=PREC)
+        dv += ew[:, None] * _dot_r(kk, dCn, STATE_MODE, PREC)
+        tl.store(dvb + v_off, dv.to(dv_ptr.dtype.element_ty), mask=lv)
+
+    # E, q and k are recomputed / re-read (L2) rather than held through the V loops.
+    E, ea, ew, eb = _chunk_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + 1), c, rows, offs_l, L)
+    qt = tl.load(qb + qk_off, mask=lk, other=0.0)
+    kk = tl.load(kb + qk_off, mask=lk, other=0.0)
+    P = tl.dot(qt, tl.trans(kk), input_precision=PREC) * scale * E         # [L, L]
+    dP = dP * rd[:, None] + gg[:, None]                                     # δP w.r.t. P
+    dPP = dP * P
+    row_q = tl.sum(dPP, axis=1)
+    col_k = tl.sum(dPP, axis=0)
+    dS = (dP * E).to(kk.dtype)                                              # δ w.r.t. q̂·k
+
+    # pass 2: the state terms δh C_cᵀ, v δC_{c+1}ᵀ and <δC_{c+1}, C_c>
+    acc_q = tl.zeros([L, BK], dtype=tl.float32)
+    acc_k = tl.zeros([L, BK], dtype=tl.float32)
+    zb = tl.zeros([BK], dtype=tl.float32)
+    for j in range(NVT):
+        offs_v = j * BV + tl.arange(0, BV)
+        mv = offs_v < V
+        lv = rmask[:, None] & mv[None, :]
+        v_off = offs_l[:, None] * (H * V) + offs_v[None, :]
+        vt = tl.load(vb + v_off, mask=lv, other=0.0)
+        dht = tl.load(dhb + v_off, mask=lv, other=0.0)
+        kv_off = offs_k[:, None] * V + offs_v[None, :]
+        mkv = mk[:, None] & mv[None, :]
+        Cp = tl.load(csb + kv_off, mask=mkv, other=0.0)
+        dCn = tl.load(dcsb + kv_off, mask=mkv, other=0.0)
+        acc_q += _dot_r(dht, tl.trans(Cp), STATE_MODE, PREC)
+        acc_k += _dot_r(vt, tl.trans(dCn), STATE_MODE, PREC)
+        zb += tl.sum(dCn.to(tl.float32) * Cp.to(tl.float32), axis=1)
+
+    n_prev = tl.load(ns_ptr + st * K + offs_k, mask=mk, other=0.0)
+    dn_next = tl.load(dns_ptr + st * K + offs_k, mask=mk, other=0.0)
+    qt = tl.load(qb + qk_off, mask=lk, other=0.0)
+    kk = tl.load(kb + qk_off, mask=lk, other=0.0)
+    sea = scale * ea
+    dq_inter = (sea * rd)[:, None] * acc_q + (sea * gg)[:, None] * n_prev[None, :]
+    row_q += tl.sum(qt.to(tl.float32) * dq_inter, axis=1)
+    dq = scale * tl.dot(dS, kk, input_precision=PREC) + dq_inter
+    tl.store(dq_ptr + (row0 * H * K + h * K) + qk_off, dq.to(dq_ptr.dtype.element_ty), mask=lk)
+    dk_state = ew[:, None] * (acc_k + dn_next[None, :])
+    dw = tl.sum(kk.to(tl.float32) * dk_state, axis=1)
+    dk = scale * tl.dot(tl.trans(dS), qt, input_precision=PREC) + dk_state
+    tl.store(dk_ptr + (row0 * H * K + h * K) + qk_off, dk.to(dk_ptr.dtype.element_ty), mask=lk)
+
+    # log-gate gradients as in _bwd_dqk (one K-tile holding all of K)
+    dbeta = row_q - col_k - dw
+    z = eb * (tl.sum(zb, axis=0) + tl.sum(dn_next * n_prev, axis=0)) + tl.sum(dw, axis=0)
+    dlf = tl.sum(dbeta, axis=0) - tl.cumsum(dbeta, axis=0) + dbeta + z
+    tl.store(dlf_ptr + g_base + rows, dlf)
+    tl.store(di_ptr + g_base + rows, col_k + dw)
+
 # ----------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------
@@ -488,6 +604,12 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
         ds_BK=min(64, Kp), ds_BV=min(64, Vp), ds_warps=8, ds_stages=2,
         dqk_BK=min(64, Kp), dqk_BV=min(32, Vp), dqk_warps=8, dqk_stages=1,
         dv_BK=min(64, Kp), dv_BV=min(128, Vp), dv_warps=8, dv_stages=2,
+        # Fused backward (_bwd_fused: δq, δk, δv in one program per chunk, all of K in one
+        # tile), used when bwd_fused and pow2(K) ≤ fb_maxK; otherwise _bwd_dqk + _bwd_dv.
+        bwd_fused=False, fb_maxK=128, fb_BV=32, fb_warps=8, fb_stages=2,
+        # keep_states: the forward's chunk states are saved for the backward (when L_fwd ==
+        # L_bwd) instead of recomputed: one sequential kernel less, B·H·NC·K·V more memory.
+        keep_states=False,
     )
 
 
@@ -566,7 +688,8 @@ def _init_m(m0, B, H, dev):
 def mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg):
     """Forward launcher. q, k [B,T,H,K], v [B,T,H,V] (one dtype, contiguous); i, f [B,T,H];
     C0 [B,H,K,V], n0 [B,H,K] float32 or None; m0 [B,H] or None.
-    Returns h [B,T,H,V], (C, n, m) final float32, n̄ and m per row [B,H,T] float32."""
+    Returns h [B,T,H,V], (C, n, m) final float32, n̄ and m per row [B,H,T] float32, and the
+    chunk-start states (cs, ns, ms) when cfg keeps them for the backward, else None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     L = cfg["L_fwd"]
@@ -584,7 +707,8 @@ def mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg):
         STATE_MODE=_numerics(q.dtype, cfg)[2], PREC=_numerics(q.dtype, cfg)[3],
         num_warps=cfg["out_warps"], num_stages=cfg["out_stages"],
     )
-    return h, final, nbar[:, :, :T], mrow[:, :, :T]
+    kept = (cs, ns, ms) if cfg["keep_states"] and cfg["L_bwd"] == L else None
+    return h, final, nbar[:, :, :T], mrow[:, :, :T], kept
 
 
 def _pad_rows(x: torch.Tensor, NCL: int) -> torch.Tensor:
@@ -611,8 +735,10 @@ def _stabilizer_chain(e: torch.Tensor, A: torch.Tensor):
     return (Af * G).float(), ((1 - Af) * G).float(), (Af[..., 0] * G[..., 0]).float()
 
 
-def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, dmf, Cf, nf, eps, cfg):
-    """Backward launcher: gradients of q, k, v (input dtype), i, f, and C0, n0, m0 (float32)."""
+def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, dmf, Cf, nf, eps, cfg,
+                        kept=None):
+    """Backward launcher: gradients of q, k, v (input dtype), i, f, and C0, n0, m0 (float32).
+    kept: the forward's (cs, ns, ms) at chunk L_bwd, or None to recompute them."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -620,7 +746,10 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, 
     beta, blo, ig, u, NC, x = _gates_padded(i, f, L)
     NCL = NC * L
     m0f = _init_m(m0, B, H, dev)
-    cs, ns, ms, _ = _states(k, v, beta, blo, ig, u, NC, C0, n0, m0f, L, cfg, False)
+    if kept is None:
+        cs, ns, ms, _ = _states(k, v, beta, blo, ig, u, NC, C0, n0, m0f, L, cfg, False)
+    else:
+        cs, ns, ms = kept
 
     # Per-row factors of δh: δ(num) = δh / d and δn̄ = g (the |n̄| branch of the max only).
     den = torch.maximum(nbar.abs(), torch.exp(-mrow)) + eps                  # [B,H,T]
@@ -651,6 +780,18 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, 
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
+    if cfg["bwd_fused"] and _pow2(K) <= cfg["fb_maxK"]:
+        dlf = torch.empty(B, H, NCL, device=dev, dtype=torch.float32)
+        di = torch.empty_like(dlf)
+        _bwd_fused[(NC, B * H)](
+            q, k, v, dh, beta, blo, ig, u, rd_p, g_p, ms, cs, ns, dcs, dns,
+            dq, dk, dv, dlf, di,
+            T, H, NC, K ** -0.5,
+            K=K, V=V, L=L, BK=_pow2(K), BV=min(cfg["fb_BV"], _pow2(V)),
+            STATE_MODE=smode, PREC=prec, num_warps=cfg["fb_warps"], num_stages=cfg["fb_stages"],
+        )
+        return _bwd_tail(q, f, C0, n0, ms, x, r, eps, dlf[:, :, :T], di[:, :, :T],
+                         dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, NCL)
     nkt = triton.cdiv(K, cfg["dqk_BK"])
     fuse = nkt == 1 and cfg["fuse_dv"]
     dlf = torch.empty(nkt, B, H, NCL, device=dev, dtype=torch.float32)
@@ -671,7 +812,14 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, 
         )
     dlf = dlf.sum(0)[:, :, :T] if nkt > 1 else dlf[0, :, :, :T]
     di = di.sum(0)[:, :, :T] if nkt > 1 else di[0, :, :, :T]
+    return _bwd_tail(q, f, C0, n0, ms, x, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, NCL)
 
+
+def _bwd_tail(q, f, C0, n0, ms, x, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, NCL):
+    """Adds the stabilizers' influence to the fixed-stabilizer gate gradients dlf, di [B,H,T]
+    and returns the gradients in the autograd order."""
+    B, T, H, _ = q.shape
+    dev = q.device
     # The stabilizers' own influence: eps terms of h, the final state C_T = e^{-m_T} C*_T, m_T.
     e = -eps * r
     last = torch.zeros(B, H, device=dev, dtype=torch.float32)
@@ -704,20 +852,20 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, 
 class MLSTMChunkwiseTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, i, f, C0, n0, m0, eps, cfg):
-        h, (Cf, nf, mf), nbar, mrow = mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg)
-        ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, Cf, nf)
+        h, (Cf, nf, mf), nbar, mrow, kept = mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg)
+        ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, Cf, nf, *(kept or ()))
         ctx.eps = eps
         ctx.cfg = cfg
         return h, Cf, nf, mf
 
     @staticmethod
     def backward(ctx, dh, dCf, dnf, dmf):
-        q, k, v, i, f, C0, n0, m0, h, nbar, mrow, Cf, nf = ctx.saved_tensors
+        q, k, v, i, f, C0, n0, m0, h, nbar, mrow, Cf, nf, *kept = ctx.saved_tensors
         if dh is None:
             dh = torch.zeros_like(h)
         dq, dk, dv, di, df, dC0, dn0, dm0 = mlstm_chunkwise_bwd(
             q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh.contiguous(), dCf, dnf, dmf, Cf, nf,
-            ctx.eps, ctx.cfg)
+            ctx.eps, ctx.cfg, tuple(kept) or None)
         return (dq, dk, dv, di.to(i.dtype), df.to(f.dtype),
                 None if C0 is None else dC0.to(C0.dtype),
                 None if n0 is None else dn0.to(n0.dtype),
