@@ -1,0 +1,481 @@
+"""The paper's synthetic experiments as typed functions: build a model by name, train it on a
+formal-language task or on MQAR within a step and time budget, evaluate, write results.
+
+    build_model("xlstm[0:1]", vocab_size)          # 2 blocks, same width for every model
+    run_formal("parity", "xlstm[0:1]", RunConfig(), out_dir)  -> result dict (+ JSON file)
+    run_mqar("xlstm[1:1]", RunConfig(), out_dir)               -> result dict (+ JSON file)
+    run_sweep(tasks, models, RunConfig(), out_dir, jobs=4)     -> results + table.md + heatmap.png
+
+Model names: "xlstm[0:1]" (sLSTM blocks only), "xlstm[1:0]" (mLSTM only), "xlstm[1:1]" (one of
+each: mLSTM first), "transformer" (Llama-style), "lstm" (nn.LSTM in the sLSTM block frame).
+The DPLR block (issue 7) is not wired in yet.
+
+Training: AdamW with the library's weight-decay groups and warmup + cosine schedule
+(`xlstm_kit.train`), cross entropy on the scored tokens only. With a time limit, the run first
+times a few steps and then shortens its schedule to what fits, so the cosine decay still ends.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model import XLSTMConfig, XLSTMLanguageModel
+from ..train import TrainConfig, lr_at, param_groups
+from .baselines import LSTMLM, TransformerLM
+from .formal import (TASKS, FormalTask, TaskBatch, get_task, make_batch, sample_train_batch,
+                     scaled_accuracy, sequence_accuracy)
+from .mqar import VOCAB_SIZE, check_mqar_shape, mqar_batch
+
+MODEL_NAMES = ("xlstm[0:1]", "xlstm[1:0]", "xlstm[1:1]", "transformer", "lstm")
+_XLSTM = re.compile(r"^xlstm\[(\d+):(\d+)\]$")
+RESULTS_TABLE = "table.md"
+RESULTS_PLOT = "heatmap.png"
+RESULTS_ALL = "results.json"
+
+
+def check_model_name(name: str) -> str:
+    """The canonical model name (lower case, no spaces); ValueError listing the known names."""
+    key = str(name).strip().lower().replace(" ", "")
+    if key not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    return key
+
+
+def build_model(name: str, vocab_size: int, *, d_model: int = 128, n_heads: int = 4,
+                n_blocks: int = 2, backend: str | None = None) -> nn.Module:
+    """A model called `name` (see MODEL_NAMES): tokens [B, T] -> logits [B, T, vocab_size]."""
+    key = check_model_name(name)
+    match = _XLSTM.match(key)
+    if match:
+        cfg = XLSTMConfig(vocab_size=vocab_size, d_model=d_model, n_blocks=n_blocks, n_heads=n_heads,
+                          slstm_at=f"{match[1]}:{match[2]}", backend=backend)
+        return XLSTMLanguageModel(cfg)
+    if key == "transformer":
+        return TransformerLM(vocab_size, d_model=d_model, n_blocks=n_blocks, n_heads=n_heads)
+    return LSTMLM(vocab_size, d_model=d_model, n_blocks=n_blocks)
+
+
+def model_slug(name: str) -> str:
+    """File-name form of a model name: "xlstm[1:0]" -> "xlstm-1-0"."""
+    return re.sub(r"[^a-z0-9]+", "-", check_model_name(name)).strip("-")
+
+
+# =============================================================================================
+# Configuration
+# =============================================================================================
+@dataclass
+class RunConfig:
+    """Settings of one synthetic-task run (saved in its results file)."""
+
+    steps: int = 20000
+    """Most optimizer steps; a time limit may shorten the run (the schedule then fits the steps run)."""
+    time_limit_s: float | None = None
+    """Wall-clock budget for training plus evaluation (None: run all `steps`)."""
+    batch_size: int = 128
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 200
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    d_model: int = 128
+    n_heads: int = 4
+    n_blocks: int = 2
+    seed: int = 0
+    device: str = "cpu"
+    precision: str = "fp32"
+    """"fp32" or "bf16" (autocast, CUDA only)."""
+    train_lengths: tuple[int, int] = (3, 40)
+    """Formal tasks: inclusive range of training input lengths."""
+    test_lengths: tuple[int, ...] = tuple(range(41, 257))
+    """Formal tasks: input lengths evaluated (the scaled accuracy averages over them)."""
+    eval_samples: int = 8
+    """Formal tasks: test sequences per test length. MQAR: test sequences = 64 x this."""
+    eval_batch_size: int = 256
+    mqar_seq_len: int = 256
+    mqar_pairs: int = 64
+    mqar_vocab: int = VOCAB_SIZE
+    log_every: int = 25
+    """Record the training loss every this many steps."""
+
+    def __post_init__(self) -> None:
+        self.train_lengths = tuple(int(v) for v in self.train_lengths)
+        self.test_lengths = tuple(int(v) for v in self.test_lengths)
+        for name in ("steps", "batch_size", "d_model", "n_heads", "n_blocks", "eval_samples",
+                     "eval_batch_size", "log_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"RunConfig.{name} must be a positive integer, got {v!r}")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise ValueError(f"RunConfig.time_limit_s must be positive or None, got {self.time_limit_s}")
+        if not (0 < self.lr and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"RunConfig.precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        lo, hi = self.train_lengths if len(self.train_lengths) == 2 else (0, -1)
+        if not 2 <= lo <= hi:
+            raise ValueError(f"RunConfig.train_lengths must be (lo, hi) with 2 <= lo <= hi, got {self.train_lengths}")
+        if not self.test_lengths or min(self.test_lengths) < 2:
+            raise ValueError(f"RunConfig.test_lengths must be lengths >= 2, got {self.test_lengths}")
+        check_mqar_shape(self.mqar_seq_len, self.mqar_pairs, self.mqar_vocab)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["train_lengths"], d["test_lengths"] = list(self.train_lengths), list(self.test_lengths)
+        return d
+
+
+def quick_config(**overrides) -> RunConfig:
+    """A CPU smoke-test configuration: tiny widths, few steps, few short test lengths."""
+    base = dict(steps=30, batch_size=8, lr=3e-3, min_lr=3e-4, warmup_steps=3, d_model=32, n_heads=4,
+                train_lengths=(3, 8), test_lengths=(9, 12), eval_samples=2, eval_batch_size=8,
+                mqar_seq_len=64, mqar_pairs=4, mqar_vocab=256, log_every=1)
+    return RunConfig(**{**base, **overrides})
+
+
+# =============================================================================================
+# Training and evaluation
+# =============================================================================================
+def _autocast(device: torch.device, precision: str):
+    if precision == "bf16" and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast(device.type, enabled=False)
+
+
+def masked_loss(logits: torch.Tensor, batch: TaskBatch) -> torch.Tensor:
+    """Mean cross entropy over the scored positions (logits [B, T, V], float32 inside)."""
+    return F.cross_entropy(logits[batch.mask].float(), batch.targets[batch.mask])
+
+
+@dataclass
+class TrainLog:
+    steps_done: int = 0
+    planned_steps: int = 0
+    seconds: float = 0.0
+    losses: list = field(default_factory=list)  # (step, loss)
+
+
+def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], TaskBatch], cfg: RunConfig,
+                  time_budget_s: float | None = None) -> TrainLog:
+    """Train `model` (already on cfg.device) on batches from `sample(rng)`.
+
+    With `time_budget_s`, steps 5..20 are timed and the schedule is cut to the steps that fit
+    (the first steps carry one-time costs such as kernel compilation).
+    """
+    device = torch.device(cfg.device)
+    rng = np.random.default_rng(cfg.seed)
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
+                            fused=True if device.type == "cuda" else None)
+    sched = TrainConfig(steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr,
+                        warmup_steps=min(cfg.warmup_steps, cfg.steps // 5))
+    log = TrainLog(planned_steps=cfg.steps)
+    model.train()
+    t0 = time.perf_counter()
+    t_mark = None
+    step = 0
+    while step < sched.steps:
+        lr = lr_at(step, sched)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = sample(rng).to(device)
+        with _autocast(device, cfg.precision):
+            logits = model(batch.inputs)
+        loss = masked_loss(logits, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        if step % cfg.log_every == 0 or step == 1:
+            log.losses.append((step, float(loss.detach())))
+        if time_budget_s is not None:
+            if step == 5:
+                t_mark = time.perf_counter()
+            elif step == 20:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                per_step = (time.perf_counter() - t_mark) / 15
+                left = time_budget_s - (time.perf_counter() - t0)
+                fit = step + max(0, int(left / per_step))
+                if fit < sched.steps:
+                    sched = dataclasses.replace(sched, steps=fit, warmup_steps=min(sched.warmup_steps, fit // 5))
+            if time.perf_counter() - t0 > time_budget_s:  # slower than measured: stop here
+                break
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    log.steps_done, log.planned_steps = step, sched.steps
+    log.seconds = time.perf_counter() - t0
+    if not log.losses or log.losses[-1][0] != step:
+        log.losses.append((step, float(loss.detach())))
+    return log
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@torch.no_grad()
+def evaluate_formal(model: nn.Module, task: FormalTask, lengths: Sequence[int], samples: int, *,
+                    batch_size: int = 256, seed: int = 0, device="cpu", precision: str = "fp32") -> dict[str, Any]:
+    """Accuracy of `model` on `samples` fresh sequences per input length.
+
+    Returns {"accuracy", "scaled_accuracy"} (means over lengths of the per-length means) and
+    "per_length": {length: scaled accuracy}. Batches hold sequences of similar length, padded to
+    a multiple of 64 tokens so that few distinct shapes reach the kernels.
+    """
+    device = torch.device(device)
+    rng = np.random.default_rng(seed)
+    was_training = model.training
+    model.eval()
+    todo = sorted(int(n) for n in lengths for _ in range(samples))
+    sums: dict[int, list[float]] = {}
+    for i in range(0, len(todo), batch_size):
+        chunk = todo[i : i + batch_size]
+        pad = _round_up(task.max_seq_len(chunk[-1]), 64)
+        batch = make_batch(task, rng, chunk, pad_to=pad).to(device)
+        with _autocast(device, precision):
+            logits = model(batch.inputs)
+        acc = sequence_accuracy(logits, batch.targets, batch.mask).cpu().tolist()
+        for n, a in zip(chunk, acc):
+            sums.setdefault(n, []).append(a)
+    model.train(was_training)
+    per_length = {n: float(np.mean(v)) for n, v in sorted(sums.items())}
+    accuracy = float(np.mean(list(per_length.values())))
+    return {
+        "accuracy": accuracy,
+        "scaled_accuracy": scaled_accuracy(accuracy, task.chance),
+        "per_length": {n: scaled_accuracy(a, task.chance) for n, a in per_length.items()},
+    }
+
+
+@torch.no_grad()
+def evaluate_mqar(model: nn.Module, seq_len: int, num_pairs: int, n_sequences: int, *, vocab_size: int = VOCAB_SIZE,
+                  batch_size: int = 256, seed: int = 0, device="cpu", precision: str = "fp32") -> float:
+    """Fraction of MQAR queries answered correctly over `n_sequences` fresh sequences."""
+    device = torch.device(device)
+    rng = np.random.default_rng(seed)
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    for i in range(0, n_sequences, batch_size):
+        batch = mqar_batch(rng, min(batch_size, n_sequences - i), seq_len, num_pairs, vocab_size).to(device)
+        with _autocast(device, precision):
+            logits = model(batch.inputs)
+        hit = (logits.argmax(-1) == batch.targets) & batch.mask
+        correct += int(hit.sum())
+        total += int(batch.mask.sum())
+    model.train(was_training)
+    return correct / total
+
+
+def _run_header(kind: str, task: str, model_name: str, model: nn.Module, cfg: RunConfig) -> dict[str, Any]:
+    return {
+        "kind": kind, "task": task, "model": model_name, "config": cfg.to_dict(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "device": torch.cuda.get_device_name(0) if torch.device(cfg.device).type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+
+
+def _finish(result: dict[str, Any], log: TrainLog, t_start: float, out_dir: str | Path | None) -> dict[str, Any]:
+    result.update(steps_done=log.steps_done, planned_steps=log.planned_steps, train_seconds=round(log.seconds, 2),
+                  total_seconds=round(time.perf_counter() - t_start, 2), losses=log.losses,
+                  loss_first=log.losses[0][1], loss_last=log.losses[-1][1])
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{result['kind']}__{result['task']}__{model_slug(result['model'])}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, path)
+        result["path"] = str(path)
+    return result
+
+
+def _budget(cfg: RunConfig, share: float) -> float | None:
+    # the rest of the time limit is kept for evaluation
+    return None if cfg.time_limit_s is None else share * cfg.time_limit_s
+
+
+def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Train `model_name` on formal task `task_name`, evaluate on the test and training lengths,
+    and write `out_dir`/formal__TASK__MODEL.json (when out_dir is given). Returns the results."""
+    t_start = time.perf_counter()
+    task = get_task(task_name)
+    model_name = check_model_name(model_name)
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_name, task.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads,
+                        n_blocks=cfg.n_blocks).to(cfg.device)
+    result = _run_header("formal", task.name, model_name, model, cfg)
+    log = train_on_task(model, lambda rng: sample_train_batch(task, rng, cfg.batch_size, cfg.train_lengths),
+                        cfg, _budget(cfg, 0.85))
+    kw = dict(batch_size=cfg.eval_batch_size, device=cfg.device, precision=cfg.precision)
+    test = evaluate_formal(model, task, cfg.test_lengths, cfg.eval_samples, seed=cfg.seed + 1, **kw)
+    lo, hi = cfg.train_lengths
+    in_dist = evaluate_formal(model, task, range(lo, hi + 1), max(1, cfg.eval_samples // 2), seed=cfg.seed + 2, **kw)
+    result.update(chance=task.chance, accuracy=test["accuracy"], scaled_accuracy=test["scaled_accuracy"],
+                  per_length=test["per_length"], train_lengths_scaled_accuracy=in_dist["scaled_accuracy"])
+    return _finish(result, log, t_start, out_dir)
+
+
+def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Train `model_name` on MQAR at cfg.mqar_seq_len and evaluate with cfg.mqar_pairs pairs;
+    writes `out_dir`/mqar__T{len}-N{pairs}__MODEL.json. Training batches draw the number of pairs
+    from 4, 8, ... up to mqar_pairs (the easier ones teach the lookup faster; Zoology trains on a
+    mix of sizes as well)."""
+    t_start = time.perf_counter()
+    model_name = check_model_name(model_name)
+    T, N, V = cfg.mqar_seq_len, cfg.mqar_pairs, cfg.mqar_vocab
+    pair_choices = [n for n in (4, 8, 16, 32, 64, 128) if n < N] + [N]
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_name, V, d_model=cfg.d_model, n_heads=cfg.n_heads, n_blocks=cfg.n_blocks).to(cfg.device)
+    result = _run_header("mqar", f"T{T}-N{N}", model_name, model, cfg)
+
+    def sample(rng: np.random.Generator) -> TaskBatch:
+        return mqar_batch(rng, cfg.batch_size, T, int(rng.choice(pair_choices)), V)
+
+    log = train_on_task(model, sample, cfg, _budget(cfg, 0.9))
+    acc = evaluate_mqar(model, T, N, 64 * cfg.eval_samples, vocab_size=V, batch_size=cfg.eval_batch_size,
+                        seed=cfg.seed + 1, device=cfg.device, precision=cfg.precision)
+    result.update(accuracy=acc, chance=1.0 / (V - V // 2), scaled_accuracy=acc, train_pairs=pair_choices)
+    return _finish(result, log, t_start, out_dir)
+
+
+# =============================================================================================
+# Sweep
+# =============================================================================================
+def _run_one(job: tuple[str, str, str, dict[str, Any], str, int]) -> dict[str, Any]:
+    kind, task, model, cfg_dict, out_dir, threads = job
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = RunConfig(**cfg_dict)
+    try:
+        if kind == "mqar":
+            return run_mqar(model, cfg, out_dir)
+        return run_formal(task, model, cfg, out_dir)
+    except Exception as e:  # one failed run must not lose the others; the table shows the error
+        return {"kind": kind, "task": task, "model": model, "error": f"{type(e).__name__}: {e}"}
+
+
+def run_sweep(tasks: Sequence[str], models: Sequence[str], cfg: RunConfig, out_dir: str | Path, *,
+              mqar: bool = True, mqar_cfg: RunConfig | None = None, jobs: int = 1,
+              command: str | None = None) -> list[dict[str, Any]]:
+    """Every (task, model) run, plus MQAR for every model when `mqar`; then the report
+    (see write_report). `jobs` > 1 runs that many in parallel processes (small models leave a
+    GPU mostly idle, so several runs share it well). Returns the per-run results."""
+    tasks = [get_task(t).name for t in tasks]
+    models = [check_model_name(m) for m in models]
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+    out_dir = Path(out_dir)
+    runs_dir = out_dir / "runs"
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
+    work = [("formal", t, m, cfg.to_dict(), str(runs_dir), threads) for t in tasks for m in models]
+    if mqar:
+        mc = mqar_cfg or cfg
+        work += [("mqar", f"T{mc.mqar_seq_len}-N{mc.mqar_pairs}", m, mc.to_dict(), str(runs_dir), threads) for m in models]
+    if jobs == 1:
+        results = [_run_one(w) for w in work]
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn: CUDA cannot be used in forked children
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+            results = list(pool.map(_run_one, work))
+    write_report(results, out_dir, command=command)
+    return results
+
+
+def load_results(runs_dir: str | Path) -> list[dict[str, Any]]:
+    """Every results file under `runs_dir` (as written by run_formal / run_mqar)."""
+    return [json.loads(p.read_text()) for p in sorted(Path(runs_dir).glob("*.json"))]
+
+
+def write_report(results: Sequence[dict[str, Any]], out_dir: str | Path, *, command: str | None = None) -> dict[str, Path]:
+    """Write `out_dir`/results.json (summaries), table.md (scaled accuracy, models x tasks, plus
+    steps and seconds per run) and heatmap.png (Figure-4 style). Returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keep = ("kind", "task", "model", "scaled_accuracy", "accuracy", "train_lengths_scaled_accuracy",
+            "steps_done", "planned_steps", "train_seconds", "total_seconds", "parameters", "loss_first",
+            "loss_last", "device", "error")
+    summary = [{k: r[k] for k in keep if k in r} for r in results]
+    (out_dir / RESULTS_ALL).write_text(json.dumps(summary, indent=1))
+
+    models = [m for m in MODEL_NAMES if any(r["model"] == m for r in summary)]
+    columns = []  # (kind, task) in first-seen order, formal tasks in the TASKS order
+    for kind, names in (("formal", list(TASKS)), ("mqar", sorted({r["task"] for r in summary if r["kind"] == "mqar"}))):
+        columns += [(kind, t) for t in names if any(r["kind"] == kind and r["task"] == t for r in summary)]
+    cell = {(r["kind"], r["task"], r["model"]): r for r in summary}
+
+    def label(col):
+        return col[1] if col[0] == "formal" else f"MQAR {col[1]}"
+
+    def fmt(r, key="scaled_accuracy"):
+        if r is None:
+            return "—"
+        return "error" if "error" in r else f"{r[key]:.2f}"
+
+    lines = []
+    if command:
+        lines += ["Produced by:", "", "```", command, "```", ""]
+    lines += ["Scaled accuracy on test lengths (formal tasks: 0 = chance, 1 = perfect; MQAR: plain accuracy)", ""]
+    lines += ["| model | " + " | ".join(label(c) for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for m in models:
+        lines.append(f"| {m} | " + " | ".join(fmt(cell.get((*c, m))) for c in columns) + " |")
+    lines += ["", "Scaled accuracy on the training lengths (formal) — did the model learn the task at all", ""]
+    formal_cols = [c for c in columns if c[0] == "formal"]
+    lines += ["| model | " + " | ".join(label(c) for c in formal_cols) + " |", "|---" * (len(formal_cols) + 1) + "|"]
+    for m in models:
+        lines.append(f"| {m} | " + " | ".join(fmt(cell.get((*c, m)), "train_lengths_scaled_accuracy") for c in formal_cols) + " |")
+    lines += ["", "Runs", "", "| kind | task | model | params | steps | train s | loss first → last | note |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in summary:
+        if "error" in r:
+            lines.append(f"| {r['kind']} | {r['task']} | {r['model']} | | | | | {r['error'][:120]} |")
+        else:
+            lines.append(f"| {r['kind']} | {r['task']} | {r['model']} | {r['parameters']:,} | {r['steps_done']} | "
+                         f"{r['train_seconds']:.0f} | {r['loss_first']:.3f} → {r['loss_last']:.3f} | {r.get('device', '')} |")
+    table = out_dir / RESULTS_TABLE
+    table.write_text("\n".join(lines) + "\n")
+
+    plot = out_dir / RESULTS_PLOT
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = np.full((len(models), len(columns)), np.nan)
+    for i, m in enumerate(models):
+        for j, c in enumerate(columns):
+            r = cell.get((*c, m))
+            if r is not None and "error" not in r:
+                grid[i, j] = r["scaled_accuracy"]
+    fig, ax = plt.subplots(figsize=(1.1 * len(columns) + 2.5, 0.55 * len(models) + 1.8))
+    ax.imshow(np.clip(grid, 0, 1), cmap="Blues", vmin=0, vmax=1, aspect="auto")
+    for i in range(len(models)):
+        for j in range(len(columns)):
+            v = grid[i, j]
+            txt = "—" if math.isnan(v) else f"{v:.2f}"
+            ax.text(j, i, txt, ha="center", va="center", fontsize=8,
+                    color="white" if not math.isnan(v) and v > 0.6 else "black")
+    ax.set_xticks(range(len(columns)), [label(c).replace("_", "\n") for c in columns], fontsize=8)
+    ax.set_yticks(range(len(models)), models, fontsize=9)
+    ax.set_title("Scaled accuracy on test lengths (0 = chance, 1 = perfect)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(plot, dpi=120)
+    plt.close(fig)
+    return {"results": out_dir / RESULTS_ALL, "table": table, "plot": plot}
