@@ -70,8 +70,21 @@ def test_parallel_matches_recurrent_outputs_and_gradients(T):
         assert rel_err(g, g_ref) < 1e-9, name
 
 
+@pytest.fixture(params=["factored", "exact"])
+def chunk_path(request, monkeypatch):
+    """Run a test through each of the chunkwise op's two intra-chunk paths; ordinary gates take
+    the factored one, so the exact one is forced here and must give the same numbers."""
+    from xlstm_kit.ops.mlstm import chunkwise as cw
+
+    taken = []
+    decide = cw._can_factor if request.param == "factored" else (lambda lift: False)
+    monkeypatch.setattr(cw, "_can_factor", lambda lift: taken.append(decide(lift)) or taken[-1])
+    yield request.param
+    assert taken and all(t == (request.param == "factored") for t in taken)
+
+
 @pytest.mark.parametrize("T,chunk", [(1, 16), (63, 16), (100, 16), (100, 32), (63, 64), (100, 256)])
-def test_chunkwise_matches_recurrent_all_gradients(T, chunk):
+def test_chunkwise_matches_recurrent_all_gradients(T, chunk, chunk_path):
     args = make_inputs(T=T, gate_scale=3.0)
     state = make_state()
     ref_out = mlstm_recurrent(*args, initial_state=state, output_final_state=True)
@@ -151,7 +164,7 @@ def test_gradcheck_parallel():
 
 
 @pytest.mark.parametrize("T,chunk", [(7, 3), (4, 16)])
-def test_gradcheck_chunkwise_with_state(T, chunk):
+def test_gradcheck_chunkwise_with_state(T, chunk, chunk_path):
     args = make_inputs(B=1, T=T, H=2, K=3, V=2, gate_scale=2.0)
     state = make_state(B=1, H=2, K=3, V=2)
 
@@ -213,6 +226,23 @@ def test_extreme_gates_recurrent_gradients_finite():
     h, s = mlstm_recurrent(*args[:3], i, f, output_final_state=True)
     g = grads([h, *s], args[:3] + [i, f], [torch.ones_like(h)] + [torch.ones_like(x) for x in s])
     assert torch.isfinite(h).all() and all(torch.isfinite(x).all() for x in g)
+
+
+def test_steep_gates_take_exact_path_and_agree(monkeypatch):
+    # a forget gate slamming shut inside a chunk lifts ĩ − Σlog f by ~50 per step: far beyond
+    # what the factored product may hold in float32, so the exact path must run (and agree)
+    from xlstm_kit.ops.mlstm import chunkwise as cw
+
+    taken = []
+    decide = cw._can_factor
+    monkeypatch.setattr(cw, "_can_factor", lambda lift: taken.append(decide(lift)) or taken[-1])
+    args = [x.detach() for x in make_inputs(T=32)]
+    args[4] = torch.full_like(args[4], -50.0)
+    args[3] = torch.linspace(-50, 50, 32, dtype=F64)[None, :, None].expand(2, 32, 2).contiguous()
+    h_ref, s_ref = mlstm_recurrent(*args, output_final_state=True)
+    h, s = mlstm_chunkwise(*[x.float() for x in args], output_final_state=True, chunk_size=16)
+    assert taken == [False]
+    assert rel_err(h, h_ref) < 1e-5 and rel_err(s[0], s_ref[0]) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -35,51 +35,67 @@ import torch.nn.functional as F
 
 
 def _to_chunks(x: torch.Tensor, NC: int, L: int, dtype: torch.dtype, fill: float = 0.0,
-               scale: float | None = None) -> torch.Tensor:
-    """[B, T, H, *] → [NC, B·H, L, *] contiguous in `dtype`; steps past T hold `fill`."""
+               scale: float | torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T, H, *] → [NC, B·H, L, *] contiguous in `dtype`; steps past T hold `fill`.
+
+    `scale` (a number, or per row [NC, B·H, L]) multiplies inside the same pass.
+    """
     B, T, H = x.shape[:3]
     rest = tuple(x.shape[3:])
     out = torch.empty((NC, B, H, L) + rest, dtype=dtype, device=x.device)
     perm = (1, 0, 3, 2) + tuple(range(4, 4 + len(rest)))   # [B, n, L, H, *] ↔ [n, B, H, L, *]
+    if isinstance(scale, torch.Tensor):
+        scale = scale.view(NC, B, H, L, *([1] * len(rest)))
     nf, r = divmod(T, L)
 
-    def put(dst, src):
+    def put(dst, src, sc):
         src = src.permute(perm)
-        if scale is not None and x.dtype == dtype:
-            torch.mul(src, scale, out=dst)                 # scale fused into the layout copy
+        if sc is not None and x.dtype == dtype:
+            torch.mul(src, sc, out=dst)
         else:
             dst.copy_(src)
-            if scale is not None:
-                dst.mul_(scale)
+            if sc is not None:
+                dst.mul_(sc)
+
+    def part(sc, sl):
+        return sc[sl] if isinstance(sc, torch.Tensor) else sc
 
     if nf:
-        put(out[:nf], x[:, : nf * L].reshape((B, nf, L, H) + rest))
+        put(out[:nf], x[:, : nf * L].reshape((B, nf, L, H) + rest), part(scale, (slice(0, nf),)))
     if r:
-        put(out[nf:, :, :, :r], x[:, nf * L:].reshape((B, 1, r, H) + rest))
+        sl = (slice(nf, None), slice(None), slice(None), slice(0, r))
+        put(out[nf:, :, :, :r], x[:, nf * L:].reshape((B, 1, r, H) + rest), part(scale, sl))
         out[nf:, :, :, r:].fill_(fill)
     return out.view((NC, B * H, L) + rest)
 
 
 def _from_chunks(xc: torch.Tensor, B: int, T: int, H: int, dtype: torch.dtype,
-                 scale: float | None = None) -> torch.Tensor:
-    """[NC, B·H, L, *] → [B, T, H, *] in `dtype` (padding dropped), optionally times `scale`."""
+                 scale: float | torch.Tensor | None = None) -> torch.Tensor:
+    """[NC, B·H, L, *] → [B, T, H, *] in `dtype` (padding dropped), optionally times `scale`
+    (a number, or per row [NC, B·H, L]) in the same pass."""
     NC, _, L = xc.shape[:3]
     rest = tuple(xc.shape[3:])
     x5 = xc.view((NC, B, H, L) + rest)
+    if isinstance(scale, torch.Tensor):
+        scale = scale.view(NC, B, H, L, *([1] * len(rest))).permute(1, 0, 3, 2, *range(4, 4 + len(rest)))
     perm = (1, 0, 3, 2) + tuple(range(4, 4 + len(rest)))
     out = torch.empty((B, T, H) + rest, dtype=dtype, device=xc.device)
     nf, r = divmod(T, L)
 
-    def put(dst, src):
-        if scale is not None and dst.dtype == src.dtype:
-            torch.mul(src, scale, out=dst)
+    def put(dst, src, sc):
+        if sc is not None and dst.dtype == src.dtype:
+            torch.mul(src, sc, out=dst)
         else:
-            dst.copy_(src if scale is None else src * scale)
+            dst.copy_(src if sc is None else src * sc)
+
+    def part(sc, sl):
+        return sc[sl] if isinstance(sc, torch.Tensor) else sc
 
     if nf:
-        put(out[:, : nf * L].view((B, nf, L, H) + rest), x5[:nf].permute(perm))
+        put(out[:, : nf * L].view((B, nf, L, H) + rest), x5[:nf].permute(perm), part(scale, (slice(None), slice(0, nf))))
     if r:
-        put(out[:, nf * L:].view((B, 1, r, H) + rest), x5[nf:, :, :, :r].permute(perm))
+        sl = (slice(None), slice(nf, None), slice(0, r))
+        put(out[:, nf * L:].view((B, 1, r, H) + rest), x5[nf:, :, :, :r].permute(perm), part(scale, sl))
     return out
 
 
@@ -91,6 +107,24 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Σ_d a[..., d] b[..., d] as a batched matmul, so that a ⊙ b is never materialised."""
     return (a[..., None, :] @ b[..., :, None])[..., 0, 0]
+
+
+def _exp_floor(dtype: torch.dtype) -> float:
+    """Exponents below this are clamped before exp: such weights sit next to a weight of 1 in
+    every sum they enter, and exp runs several times slower on arguments that underflow."""
+    return -700.0 if dtype == torch.float64 else -80.0
+
+
+def _can_factor(lift: torch.Tensor) -> bool:
+    """Whether D'_rs = exp(u_s − mx_c) · exp(mx_c − mrow_r) may be computed as that product.
+
+    The column factor is ≤ 1; the row factor exp(lift) must stay far from overflow, and then
+    the clamped column factor errs by less than e^−20 relative (e^−100 in float64). Ordinary
+    gates lift by a few units per chunk; only steep in-chunk rises of ĩ − Σlog f (e.g. strongly
+    closing forget gates) fail this and take the exact path.
+    """
+    limit = 600.0 if lift.dtype == torch.float64 else 60.0
+    return bool(lift.max() <= limit)
 
 
 def _gates(ic: torch.Tensor, fc: torch.Tensor, m0: torch.Tensor):
@@ -110,33 +144,66 @@ def _gates(ic: torch.Tensor, fc: torch.Tensor, m0: torch.Tensor):
     return b, u, cm, m_states, mx
 
 
-def _states(kc, vc, u, m_states, mx, C0, n0, kw=None):
-    """Chunk-start states C [NC+1, N, K, V], n [NC+1, N, K]; also α [NC, N], w [NC, N, L], k ⊙ w."""
-    alpha = torch.exp(m_states[:-1] - mx)                 # decay of the carried state over a chunk
-    w = torch.exp(u - mx[..., None])                      # weight of step s in the chunk-end state
-    if kw is None:
-        kw = kc * w[..., None]
-    NC, N, L, K = kc.shape
-    C_all = kc.new_empty(NC + 1, N, K, vc.shape[-1])
-    C_all[0] = C0
-    torch.matmul(kw.transpose(-1, -2), vc, out=C_all[1:])  # every chunk's own contribution at once
-    n_all = torch.cat([n0[None], kw.sum(-2)])
+def _chunk_states(kw, vc, alpha, C0, n0, decayed: bool):
+    """The states entering each chunk, S [NC, N, K, V] and s [NC, N, K], and the final C_T, n_T.
+
+    kw = k ⊙ w [NC, N, L, K]; C_{c+1} = α_c C_c + kwᵀ v. With `decayed`, S_c = α_c C_c (what the
+    rows of the factored path read), else S_c = C_c.
+    """
+    NC = kw.shape[0]
+    dC = kw.transpose(-1, -2) @ vc                        # every chunk's own part in one matmul
+    dn = kw.sum(-2)
+    S = torch.empty_like(dC)
+    s = torch.empty_like(dn)
+    C, n = C0, n0
     for c in range(NC):
-        C_all[c + 1].addcmul_(C_all[c], alpha[c][:, None, None])
-        n_all[c + 1].addcmul_(n_all[c], alpha[c][:, None])
-    return C_all, n_all, alpha, w, kw
+        a = alpha[c]
+        if decayed:
+            torch.mul(C, a[:, None, None], out=S[c])
+            torch.mul(n, a[:, None], out=s[c])
+            C, n = dC[c].add_(S[c]), dn[c].add_(s[c])
+        else:
+            S[c] = C
+            s[c] = n
+            C, n = dC[c].addcmul_(C, a[:, None, None]), dn[c].addcmul_(n, a[:, None])
+    return S, s, C, n
 
 
 def _decay_matrix(u, mrow):
-    """D'_rs = exp(u_s − mrow_r) for s ≤ r, else 0: [NC, N, L, L].
-
-    The exponent is clamped into [−80, 0] (−700 in float64) before exp: it is ≤ 0 wherever it
-    is used, a weight below e^−80 next to the row's weight 1 is invisible in float32, and
-    exp runs several times slower on arguments that underflow or are −∞.
-    """
-    lo = -700.0 if u.dtype == torch.float64 else -80.0
-    d = (u[..., None, :] - mrow[..., :, None]).clamp_(lo, 0.0).exp_()
+    """D'_rs = exp(u_s − mrow_r) for s ≤ r, else 0: [NC, N, L, L] (exact path)."""
+    d = (u[..., None, :] - mrow[..., :, None]).clamp_(_exp_floor(u.dtype), 0.0).exp_()
     return d.tril_()
+
+
+def _gate_grads(di, dB, dden, dm_T, final_inner, dm0, m_states, cm, u, sig_negf, eps):
+    """Finish δĩ, δf̃ and δm_0 from the main-path di = k·δk, dB = q·δq − k·δk (module docstring)
+    by adding the stabilizers' own influence. All per-row tensors are [NC, N, L]."""
+    NC, N, L = u.shape
+    # δm_t = eps·δden_t for every row, plus the final state's m_T.
+    own = eps * dden
+    own[NC - 1, :, L - 1] += dm_T - final_inner          # total ∂/∂m_T
+    dB[NC - 1, :, L - 1] += final_inner
+    dB += own                                              # m_r = b_r + mrow_r
+    carry = m_states[:-1, :, None] >= cm                   # row max realised by the carried m_c
+    arg = u.cummax(-1)[1]
+    total = own.clone()
+    fwd = torch.zeros_like(dm0)
+    for c in range(NC - 1, -1, -1):
+        # m_c is the m of the last row of chunk c−1: its δm joins that row's.
+        total[c, :, L - 1] += fwd
+        fwd = (total[c] * carry[c]).sum(-1)
+    dm0 = dm0 + fwd
+    routed = torch.where(carry, 0.0, total)                # to ĩ_s − b_s at the arg-max s
+    di.scatter_add_(-1, arg, routed)
+    dB.scatter_add_(-1, arg, -routed)
+    # δlog f_k = Σ_{t ≥ k} δB_t over the whole sequence; summed in float64 because the terms
+    # can cancel.
+    dB64 = dB.double()
+    within = dB64.flip(-1).cumsum(-1).flip(-1)
+    chunk_tot = within[..., 0]
+    later = chunk_tot.flip(0).cumsum(0).flip(0) - chunk_tot
+    df = (within + later[..., None]).to(u.dtype) * sig_negf
+    return di, df, dm0
 
 
 class _MLSTMChunkwise(torch.autograd.Function):
@@ -147,125 +214,136 @@ class _MLSTMChunkwise(torch.autograd.Function):
         N = B * H
         L = min(chunk_size, T)
         NC = math.ceil(T / L)
-        qc = _to_chunks(q, NC, L, cd, scale=K ** -0.5)    # q̂ [NC, N, L, K]
-        kc = _to_chunks(k, NC, L, cd)
-        vc = _to_chunks(v, NC, L, cd)
+        scale = K ** -0.5
         ic = _to_chunks(i, NC, L, cd, fill=float("-inf"))  # padding: no input ...
         fc = _to_chunks(f, NC, L, cd, fill=float("inf"))    # ... and no forgetting
         has_state = C0 is not None
         if has_state:
             C0, n0, m0 = C0.reshape(N, K, V), n0.reshape(N, K), m0.reshape(N)
         else:
-            C0, n0, m0 = kc.new_zeros(N, K, V), kc.new_zeros(N, K), kc.new_zeros(N)
+            C0, n0, m0 = ic.new_zeros(N, K, V), ic.new_zeros(N, K), ic.new_zeros(N)
 
         b, u, cm, m_states, mx = _gates(ic, fc, m0)
-        C_all, n_all, alpha, w, kw = _states(kc, vc, u, m_states, mx, C0, n0)
-
+        lo = _exp_floor(cd)
         m_prev = m_states[:-1, :, None]                   # [NC, N, 1]
         mrow = torch.maximum(m_prev, cm)                  # m_r − b_r
-        beta = torch.exp(m_prev - mrow)                   # weight of the carried state in row r
         floor = torch.exp(-(b + mrow))                    # exp(−m_r)
-        D = _decay_matrix(u, mrow)
-        P = qc @ kc.transpose(-1, -2)                     # S = q̂kᵀ per chunk, [NC, N, L, L]
-        P.mul_(D)                                         # P = S ⊙ D'
-        qb = qc * beta[..., None]
-        num = qb @ C_all[:-1]                             # carried state, then the chunk itself
+        alpha = torch.exp((m_states[:-1] - mx).clamp_min(lo))     # carried state's decay per chunk
+        w = torch.exp((u - mx[..., None]).clamp_min(lo))          # step s's weight in the end state
+        lift = mx[..., None] - mrow                       # ≥ 0
+        factored = _can_factor(lift)
+        vc = _to_chunks(v, NC, L, cd)
+        if factored:
+            # D'_rs = w_s e_r with e_r = exp(lift_r): fold e (and 1/√K) into q and w into k
+            # inside the layout copies; then P = tril(q̃ k̃ᵀ) and row r reads q̃_rᵀ(α_c C_c).
+            e = torch.exp(lift)
+            qc = _to_chunks(q, NC, L, cd, scale=e * scale)     # q̃
+            kc = _to_chunks(k, NC, L, cd, scale=w)             # k̃ = k ⊙ w
+            S_st, s_st, C_T, n_T = _chunk_states(kc, vc, alpha, C0, n0, decayed=True)
+            P = (qc @ kc.transpose(-1, -2)).tril_()
+            qs = qc
+            aux = e
+        else:
+            qc = _to_chunks(q, NC, L, cd, scale=scale)         # q̂
+            kc = _to_chunks(k, NC, L, cd)
+            S_st, s_st, C_T, n_T = _chunk_states(kc * w[..., None], vc, alpha, C0, n0, decayed=False)
+            beta = torch.exp((m_prev - mrow).clamp_min(lo))    # carried state's weight in row r
+            aux = _decay_matrix(u, mrow)
+            P = qc @ kc.transpose(-1, -2)
+            P.mul_(aux)                                        # P = (q̂kᵀ) ⊙ D'
+            qs = qc * beta[..., None]
+        num = qs @ S_st                                   # carried state, then the chunk itself
         _flat(num).baddbmm_(_flat(P), _flat(vc))
-        z = P.sum(-1) + (qb @ n_all[:-1, :, :, None])[..., 0]
+        z = P.sum(-1) + (qs @ s_st[..., None])[..., 0]
         den = torch.maximum(z.abs(), floor) + eps
         h = num.div_(den[..., None])
         zsign = torch.sign(z) * (z.abs() > floor)         # ∂den/∂z (0 where the floor is active)
 
-        C_T, n_T = C_all[NC].clone(), n_all[NC].clone()
-        # P, D' and k ⊙ w are O(T·L) or O(T·K) like the inputs and cost a matmul and several
-        # passes to rebuild; the chunk states (O(T·K·V/L)) are rebuilt instead.
-        ctx.save_for_backward(qc, kc, vc, u, cm, m_states, beta, alpha, w, den, zsign, h,
-                              torch.sigmoid(-fc), C0, n0, C_T, n_T, P, D, kw)
-        ctx.meta = (B, T, H, K, V, eps, has_state, q.dtype, k.dtype, v.dtype, i.dtype, f.dtype)
+        C_T, n_T = C_T.clone(), n_T.clone()
+        # P (and D' or e) are O(T·L) like the inputs and cost a matmul and several passes to
+        # rebuild; the chunk states (O(T·K·V/L)) are rebuilt instead.
+        ctx.save_for_backward(qc, kc, vc, u, cm, m_states, mrow, alpha, w, den, zsign, h,
+                              torch.sigmoid(-fc), C0, n0, C_T, n_T, P, aux)
+        ctx.meta = (B, T, H, K, V, eps, has_state, factored, q.dtype, k.dtype, v.dtype, i.dtype, f.dtype)
         return (_from_chunks(h, B, T, H, cd), C_T.view(B, H, K, V), n_T.view(B, H, K),
                 m_states[NC].reshape(B, H))
 
     @staticmethod
     def backward(ctx, dh, dC_T, dn_T, dm_T):
-        (qc, kc, vc, u, cm, m_states, beta, alpha, w, den, zsign, h, sig_negf, C0, n0, C_T, n_T,
-         P, D, kw) = ctx.saved_tensors
-        B, T, H, K, V, eps, has_state, q_dt, k_dt, v_dt, i_dt, f_dt = ctx.meta
+        (qc, kc, vc, u, cm, m_states, mrow, alpha, w, den, zsign, h, sig_negf, C0, n0, C_T, n_T,
+         P, aux) = ctx.saved_tensors
+        B, T, H, K, V, eps, has_state, factored, q_dt, k_dt, v_dt, i_dt, f_dt = ctx.meta
         NC, N, L = u.shape
         cd = qc.dtype
-
-        # Recompute the chunk-start states instead of keeping them from the forward pass.
-        mx = torch.maximum(m_states[:-1], cm[..., -1])
-        C_all, n_all, _, _, _ = _states(kc, vc, u, m_states, mx, C0, n0, kw)
+        scale = K ** -0.5
 
         # δnum = δh/den, δden = −<δh, h>/den, δz = δden ∂den/∂z.
         dnum = _to_chunks(dh, NC, L, cd).div_(den[..., None])
         dden = -_rowdot(dnum, h)
         dz = dden * zsign
 
-        # Intra-chunk part: δS = (δnum vᵀ + δz 1ᵀ) ⊙ D'.
+        # Intra-chunk part: δP = δnum vᵀ + δz 1ᵀ; through P = tril(q̃k̃ᵀ) or (q̂kᵀ) ⊙ D'.
         dS = dnum @ vc.transpose(-1, -2)
-        dS.add_(dz[..., None]).mul_(D)
+        dS.add_(dz[..., None])
+        if factored:
+            dS.tril_()
+        else:
+            dS.mul_(aux)
         dv = P.transpose(-1, -2) @ dnum
         dq = dS @ kc
         dk = dS.transpose(-1, -2) @ qc
         del dS
 
-        # Carried state → rows: row r reads β_r q̂_rᵀ C_c and β_r q̂_rᵀ n_c.
-        dnb = dnum.mul_(beta[..., None])                  # δnum is not needed any more
-        dzb = (dz * beta)[..., None]
-        _flat(dq).baddbmm_(_flat(dnb), _flat(C_all[:-1].transpose(-1, -2)))
-        _flat(dq).baddbmm_(_flat(dzb), _flat(n_all[:-1, :, None, :]))
-        dC_all = torch.empty_like(C_all)
-        torch.matmul(qc.transpose(-1, -2), dnb, out=dC_all[:-1])
-        dn_all = torch.cat([(qc.transpose(-1, -2) @ dzb)[..., 0], dn_T.reshape(1, N, K).to(cd)])
+        # The chunk states, recomputed rather than kept from the forward pass.
+        if factored:
+            S_st, s_st, _, _ = _chunk_states(kc, vc, alpha, C0, n0, decayed=True)
+            dr, dzr = dnum, dz[..., None]                 # rows read q̃ᵀ S_c
+        else:
+            kw = kc * w[..., None]
+            S_st, s_st, _, _ = _chunk_states(kw, vc, alpha, C0, n0, decayed=False)
+            beta = torch.exp((m_states[:-1, :, None] - mrow).clamp_min(_exp_floor(cd)))
+            dr, dzr = dnum.mul_(beta[..., None]), (dz * beta)[..., None]   # rows read β q̂ᵀ C_c
+        _flat(dq).baddbmm_(_flat(dr), _flat(S_st.transpose(-1, -2)))
+        _flat(dq).baddbmm_(_flat(dzr), _flat(s_st[:, :, None, :]))
+        dC_all = torch.empty((NC + 1,) + C0.shape, dtype=cd, device=u.device)
+        torch.matmul(qc.transpose(-1, -2), dr, out=dC_all[:-1])
+        dn_all = torch.cat([(qc.transpose(-1, -2) @ dzr)[..., 0], dn_T.reshape(1, N, K).to(cd)])
 
-        # State gradients backwards through the chunks: δC_c = α_c δC_{c+1} + (rows of chunk c).
+        # State gradients backwards through the chunks. Exact path: δC_c = α_c δC_{c+1} + (rows
+        # of chunk c); factored path, where rows read α_c C_c: δC_c = α_c (δC_{c+1} + rows).
         dC_all[NC] = dC_T.reshape(N, K, V)
         for c in range(NC - 1, -1, -1):
-            dC_all[c].addcmul_(dC_all[c + 1], alpha[c][:, None, None])
-            dn_all[c].addcmul_(dn_all[c + 1], alpha[c][:, None])
+            a = alpha[c]
+            if factored:
+                dC_all[c].add_(dC_all[c + 1]).mul_(a[:, None, None])
+                dn_all[c].add_(dn_all[c + 1]).mul_(a[:, None])
+            else:
+                dC_all[c].addcmul_(dC_all[c + 1], a[:, None, None])
+                dn_all[c].addcmul_(dn_all[c + 1], a[:, None])
 
-        # Steps → chunk-end state: C_{c+1} ∋ w_s k_s v_sᵀ, n_{c+1} ∋ w_s k_s.
+        # Steps → chunk-end state: C_{c+1} ∋ w_s k_s v_sᵀ, n_{c+1} ∋ w_s k_s (k̃ = k ⊙ w when factored).
         G, gn = dC_all[1:], dn_all[1:]
-        _flat(dk).baddbmm_(_flat(vc * w[..., None]), _flat(G.transpose(-1, -2)))
-        _flat(dk).baddbmm_(_flat(w[..., None]), _flat(gn[:, :, None, :]))
-        _flat(dv).baddbmm_(_flat(kw), _flat(G))
+        if factored:
+            _flat(dk).baddbmm_(_flat(vc), _flat(G.transpose(-1, -2)))
+            dk.add_(gn[:, :, None, :])
+            _flat(dv).baddbmm_(_flat(kc), _flat(G))
+        else:
+            _flat(dk).baddbmm_(_flat(vc * w[..., None]), _flat(G.transpose(-1, -2)))
+            _flat(dk).baddbmm_(_flat(w[..., None]), _flat(gn[:, :, None, :]))
+            _flat(dv).baddbmm_(_flat(kw), _flat(G))
 
-        # Gate gradients, main path (module docstring).
+        # Gate gradients: k·δk and q·δq are scale-free, so the q̃, k̃ forms give them directly.
         di = _rowdot(kc, dk)
         dB = _rowdot(qc, dq) - di
         final_inner = (dC_all[NC] * C_T).sum((-1, -2)) + (dn_all[NC] * n_T).sum(-1)
         dm0 = (dC_all[0] * C0).sum((-1, -2)) + (dn_all[0] * n0).sum(-1)
+        di, df, dm0 = _gate_grads(di, dB, dden, dm_T.reshape(N).to(cd), final_inner, dm0,
+                                  m_states, cm, u, sig_negf, eps)
 
-        # Stabilizer path: δm_t = eps·δden_t for every row, plus the final state's m_T.
-        own = eps * dden
-        own[NC - 1, :, L - 1] += dm_T.reshape(N).to(cd) - final_inner   # total ∂/∂m_T
-        dB[NC - 1, :, L - 1] += final_inner
-        dB += own                                          # m_r = b_r + mrow_r
-        carry = m_states[:-1, :, None] >= cm               # row max realised by the carried m_c
-        arg = u.cummax(-1)[1]
-        total = own.clone()
-        fwd = torch.zeros_like(dm0)
-        for c in range(NC - 1, -1, -1):
-            # m_c is the m of the last row of chunk c−1: its δm joins that row's.
-            total[c, :, L - 1] += fwd
-            fwd = (total[c] * carry[c]).sum(-1)
-        dm0 += fwd
-        routed = torch.where(carry, 0.0, total)            # to ĩ_s − b_s at the arg-max s
-        di.scatter_add_(-1, arg, routed)
-        dB.scatter_add_(-1, arg, -routed)
-
-        # δlog f_k = Σ_{t ≥ k} δB_t over the whole sequence; summed in float64 because the
-        # terms can cancel.
-        dB64 = dB.double()
-        within = dB64.flip(-1).cumsum(-1).flip(-1)
-        chunk_tot = within[..., 0]
-        later = chunk_tot.flip(0).cumsum(0).flip(0) - chunk_tot
-        df = (within + later[..., None]).to(cd) * sig_negf
-
+        q_scale = aux * scale if factored else scale      # δq = δq̃ e/√K or δq̂/√K
         grads = (
-            _from_chunks(dq, B, T, H, q_dt, scale=K ** -0.5),     # δq = δq̂ / √K
-            _from_chunks(dk, B, T, H, k_dt),
+            _from_chunks(dq, B, T, H, q_dt, scale=q_scale),
+            _from_chunks(dk, B, T, H, k_dt, scale=w if factored else None),
             _from_chunks(dv, B, T, H, v_dt),
             _from_chunks(di, B, T, H, i_dt),
             _from_chunks(df, B, T, H, f_dt),
