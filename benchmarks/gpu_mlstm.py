@@ -406,10 +406,12 @@ DEFAULT_VARIANTS = {
     "default": {},                                   # bf16 states, split state updates, dqk 64x32
     # fused backward kernel (δq, δk, δv in one program per chunk; K ≤ fb_maxK, else old path)
     "fused32": {"bwd_fused": True, "L_bwd": 32, "fb_BV": 32},             # spill-free on sm_90
-    "fused64": {"bwd_fused": True, "fb_BV": 16},                          # ~660 B/thread spill
-    "fused64_keep": {"bwd_fused": True, "fb_BV": 16, "keep_states": True},
-    "fused32_all32": {"bwd_fused": True, "L_fwd": 32, "L_bwd": 32, "fb_BV": 32, "keep_states": True},
-    "keep": {"keep_states": True},                   # old backward, forward's states reused
+    "fused64": {"bwd_fused": True, "fb_BV": 32},                          # ~800 B/thread spill
+    # + forward's states and gates kept, per-row δh factors in Triton (glue)
+    "fused64_all": {"bwd_fused": True, "fb_BV": 32, "keep_states": True, "rows_kernel": True},
+    "fused32_all": {"bwd_fused": True, "L_fwd": 32, "L_bwd": 32, "fb_BV": 32, "keep_states": True,
+                    "rows_kernel": True},
+    "old_all": {"keep_states": True, "rows_kernel": True},   # old backward + the glue changes
 }
 
 

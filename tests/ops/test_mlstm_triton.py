@@ -124,9 +124,10 @@ def test_chunkwise_closed_forget_gates_keep_float32_accuracy():
 
 def test_chunkwise_several_k_tiles_and_odd_dims():
     """K and V not multiples of the tiles, K split over tiles (separate δv kernel), different
-    forward and backward chunk lengths."""
+    forward and backward chunk lengths (the row-factor kernel reads n̄, m saved at the forward's
+    padding)."""
     cfg = dict(L_fwd=32, L_bwd=16, st_BK=16, st_BV=16, out_BK=16, out_BV=16, ds_BK=16, ds_BV=16,
-               dqk_BK=16, dqk_BV=16, dv_BK=16, dv_BV=16)
+               dqk_BK=16, dqk_BV=16, dv_BK=16, dv_BV=16, rows_kernel=True)
     check_against_reference(2, 45, 1, 40, 24, config=cfg)
 
 
@@ -134,7 +135,8 @@ def test_chunkwise_several_k_tiles_and_odd_dims():
 def test_fused_backward_matches_recurrent(T, L, keep, monkeypatch):
     """The fused backward kernel (δq, δk, δv and the gate terms of a chunk in one program):
     output, final state and every gradient, initial state included, vs the float64 loop; K ≠ V
-    with V over several tiles, a masked tail, and (keep) the forward's states reused. The
+    with V over several tiles, a masked tail, and (keep) the forward's states and gates reused
+    and the per-row δh factors from their Triton kernel. The
     kernel is counted so that a silent fall-back to the old path cannot pass."""
     import xlstm_kit.ops.mlstm.triton_chunkwise as tc
 
@@ -142,7 +144,7 @@ def test_fused_backward_matches_recurrent(T, L, keep, monkeypatch):
     orig = tc._bwd_fused
     monkeypatch.setattr(tc, "_bwd_fused", type("Counted", (), {
         "__getitem__": lambda self, grid: (calls.append(grid), orig[grid])[1]})())
-    cfg = dict(bwd_fused=True, fb_BV=16, keep_states=keep)
+    cfg = dict(bwd_fused=True, fb_BV=16, keep_states=keep, rows_kernel=keep)
     check_against_reference(1, T, 2, 16, 40, chunk_size=L, config=cfg)
     assert calls and calls[0] == (triton.cdiv(T, L), 2)
 
@@ -150,7 +152,7 @@ def test_fused_backward_matches_recurrent(T, L, keep, monkeypatch):
 def test_fused_backward_extreme_gates():
     """Stabilizer routing with the fused kernel (closed/open forget gates, large input gates)."""
     check_against_reference(1, 50, 1, 16, 16, gates="extreme", state=False, chunk_size=16,
-                            config=dict(bwd_fused=True))
+                            config=dict(bwd_fused=True, rows_kernel=True))
 
 
 def test_chunkwise_float16_close_to_reference():

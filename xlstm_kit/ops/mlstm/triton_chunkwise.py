@@ -459,6 +459,45 @@ def _bwd_dv(
 
 
 @triton.jit
+def _bwd_rows(
+    dh_ptr, h_ptr, nbar_ptr, mrow_ptr, r_ptr, rd_ptr, g_ptr,
+    T, H, NCL, srow, eps,
+    V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+):
+    """Per-row factors of δh for rows [BT·pid, +BT) of one b·h, written padded to NCL rows
+    (zeros past T): r = δh·h / d, rd = 1/d, g = δn̄ = −r·sign(n̄) on the |n̄| branch of the max.
+    Reads δh and h in their own dtype (no float32 copies of [B,T,H,V] tensors)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    t = pid * BT + tl.arange(0, BT)
+    tm = t < T
+    base = (b.to(tl.int64) * T * H + h) * V
+    acc = tl.zeros([BT], dtype=tl.float32)
+    for j in range((V + BV - 1) // BV):
+        offs_v = j * BV + tl.arange(0, BV)
+        off = base + t[:, None].to(tl.int64) * (H * V) + offs_v[None, :]
+        msk = tm[:, None] & (offs_v < V)[None, :]
+        a = tl.load(dh_ptr + off, mask=msk, other=0.0).to(tl.float32)
+        y = tl.load(h_ptr + off, mask=msk, other=0.0).to(tl.float32)
+        acc += tl.sum(a * y, axis=1)
+    nb = tl.load(nbar_ptr + bh64 * srow + t, mask=tm, other=0.0)
+    mr = tl.load(mrow_ptr + bh64 * srow + t, mask=tm, other=0.0)
+    floor = tl.exp(-mr)
+    den = tl.maximum(tl.abs(nb), floor) + eps
+    r = acc / den
+    sgn = tl.where(nb > 0, 1.0, tl.where(nb < 0, -1.0, 0.0))
+    g = tl.where(tl.abs(nb) > floor, -r * sgn, 0.0)
+    out = bh64 * NCL + t
+    pm = t < NCL
+    tl.store(r_ptr + out, tl.where(tm, r, 0.0), mask=pm)
+    tl.store(rd_ptr + out, tl.where(tm, 1.0 / den, 0.0), mask=pm)
+    tl.store(g_ptr + out, tl.where(tm, g, 0.0), mask=pm)
+
+
+@triton.jit
 def _bwd_fused(
     q_ptr, k_ptr, v_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, g_ptr, ms_ptr,
     cs_ptr, ns_ptr, dcs_ptr, dns_ptr,
@@ -610,6 +649,9 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
         # keep_states: the forward's chunk states are saved for the backward (when L_fwd ==
         # L_bwd) instead of recomputed: one sequential kernel less, B·H·NC·K·V more memory.
         keep_states=False,
+        # rows_kernel: the per-row factors of δh (δh·h/d, 1/d, δn̄) in one Triton kernel
+        # reading δh and h in their dtype, instead of PyTorch ops over float32 copies.
+        rows_kernel=False,
     )
 
 
@@ -689,11 +731,12 @@ def mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg):
     """Forward launcher. q, k [B,T,H,K], v [B,T,H,V] (one dtype, contiguous); i, f [B,T,H];
     C0 [B,H,K,V], n0 [B,H,K] float32 or None; m0 [B,H] or None.
     Returns h [B,T,H,V], (C, n, m) final float32, n̄ and m per row [B,H,T] float32, and the
-    chunk-start states (cs, ns, ms) when cfg keeps them for the backward, else None."""
+    chunk-start states and gate tensors (cs, ns, ms, β, β_lo, ĩ, u, ĩ − β) when cfg keeps them
+    for the backward, else None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     L = cfg["L_fwd"]
-    beta, blo, ig, u, NC, _ = _gates_padded(i, f, L)
+    beta, blo, ig, u, NC, x = _gates_padded(i, f, L)
     m0 = _init_m(m0, B, H, q.device)
     cs, ns, ms, final = _states(k, v, beta, blo, ig, u, NC, C0, n0, m0, L, cfg, True)
     h = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
@@ -707,7 +750,7 @@ def mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg):
         STATE_MODE=_numerics(q.dtype, cfg)[2], PREC=_numerics(q.dtype, cfg)[3],
         num_warps=cfg["out_warps"], num_stages=cfg["out_stages"],
     )
-    kept = (cs, ns, ms) if cfg["keep_states"] and cfg["L_bwd"] == L else None
+    kept = (cs, ns, ms, beta, blo, ig, u, x) if cfg["keep_states"] and cfg["L_bwd"] == L else None
     return h, final, nbar[:, :, :T], mrow[:, :, :T], kept
 
 
@@ -738,25 +781,37 @@ def _stabilizer_chain(e: torch.Tensor, A: torch.Tensor):
 def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, dmf, Cf, nf, eps, cfg,
                         kept=None):
     """Backward launcher: gradients of q, k, v (input dtype), i, f, and C0, n0, m0 (float32).
-    kept: the forward's (cs, ns, ms) at chunk L_bwd, or None to recompute them."""
+    kept: the forward's states and gates (see mlstm_chunkwise_fwd) at chunk L_bwd, or None to
+    recompute them."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
     L = cfg["L_bwd"]
-    beta, blo, ig, u, NC, x = _gates_padded(i, f, L)
-    NCL = NC * L
-    m0f = _init_m(m0, B, H, dev)
     if kept is None:
+        beta, blo, ig, u, NC, x = _gates_padded(i, f, L)
+        m0f = _init_m(m0, B, H, dev)
         cs, ns, ms, _ = _states(k, v, beta, blo, ig, u, NC, C0, n0, m0f, L, cfg, False)
     else:
-        cs, ns, ms = kept
+        cs, ns, ms, beta, blo, ig, u, x = kept
+        NC = triton.cdiv(T, L)
+    NCL = NC * L
 
     # Per-row factors of δh: δ(num) = δh / d and δn̄ = g (the |n̄| branch of the max only).
-    den = torch.maximum(nbar.abs(), torch.exp(-mrow)) + eps                  # [B,H,T]
-    r = (dh.float() * h.float()).sum(-1).permute(0, 2, 1) / den              # δh·h / d
-    rd = 1.0 / den
-    g = torch.where(nbar.abs() > torch.exp(-mrow), -r * torch.sign(nbar), torch.zeros_like(r))
-    rd_p, g_p = _pad_rows(rd, NCL), _pad_rows(g, NCL)
+    if cfg["rows_kernel"]:
+        r_p = torch.empty(B, H, NCL, device=dev, dtype=torch.float32)
+        rd_p, g_p = torch.empty_like(r_p), torch.empty_like(r_p)
+        BT = 32
+        _bwd_rows[(triton.cdiv(NCL, BT), B * H)](
+            dh, h, nbar, mrow, r_p, rd_p, g_p, T, H, NCL, nbar.stride(1), eps,
+            V=V, BT=BT, BV=min(128, _pow2(V)), num_warps=4,
+        )
+        r = r_p[:, :, :T]
+    else:
+        den = torch.maximum(nbar.abs(), torch.exp(-mrow)) + eps              # [B,H,T]
+        r = (dh.float() * h.float()).sum(-1).permute(0, 2, 1) / den          # δh·h / d
+        rd = 1.0 / den
+        g = torch.where(nbar.abs() > torch.exp(-mrow), -r * torch.sign(nbar), torch.zeros_like(r))
+        rd_p, g_p = _pad_rows(rd, NCL), _pad_rows(g, NCL)
 
     sd, upd, smode, prec = _numerics(q.dtype, cfg)
     dcs = torch.empty(B, H, NC, K, V, device=dev, dtype=sd)
