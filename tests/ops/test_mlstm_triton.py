@@ -131,11 +131,11 @@ def test_chunkwise_several_k_tiles_and_odd_dims():
     check_against_reference(2, 45, 1, 40, 24, config=cfg)
 
 
-@pytest.mark.parametrize("T,L,keep", [(37, 16, False), (64, 32, True)])
-def test_fused_backward_matches_recurrent(T, L, keep, monkeypatch):
+@pytest.mark.parametrize("T,L,K,keep", [(37, 16, 40, False), (64, 32, 16, True)])
+def test_fused_backward_matches_recurrent(T, L, K, keep, monkeypatch):
     """The fused backward kernel (δq, δk, δv and the gate terms of a chunk in one program):
     output, final state and every gradient, initial state included, vs the float64 loop; K ≠ V
-    with V over several tiles, a masked tail, and (keep) the forward's states and gates reused
+    with V over several tiles, K not a power of two (masked), a masked tail, and (keep) the forward's states and gates reused
     and the per-row δh factors from their Triton kernel. The
     kernel is counted so that a silent fall-back to the old path cannot pass."""
     import xlstm_kit.ops.mlstm.triton_chunkwise as tc
@@ -145,7 +145,7 @@ def test_fused_backward_matches_recurrent(T, L, keep, monkeypatch):
     monkeypatch.setattr(tc, "_bwd_fused", type("Counted", (), {
         "__getitem__": lambda self, grid: (calls.append(grid), orig[grid])[1]})())
     cfg = dict(bwd_fused=True, fb_BV=16, keep_states=keep, rows_kernel=keep)
-    check_against_reference(1, T, 2, 16, 40, chunk_size=L, config=cfg)
+    check_against_reference(1, T, 2, K, 40, chunk_size=L, config=cfg)
     assert calls and calls[0] == (triton.cdiv(T, L), 2)
 
 

@@ -645,7 +645,9 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
         dv_BK=min(64, Kp), dv_BV=min(128, Vp), dv_warps=8, dv_stages=2,
         # Fused backward (_bwd_fused: δq, δk, δv in one program per chunk, all of K in one
         # tile), used when bwd_fused and pow2(K) ≤ fb_maxK; otherwise _bwd_dqk + _bwd_dv.
-        bwd_fused=False, fb_maxK=128, fb_BV=32, fb_warps=8, fb_stages=2,
+        # ptxas (sm_90, 8 warps): no spills at L_bwd=32 with K=128/fb_BV=32 and K=256/V=512 at
+        # L_bwd=16; 92 B at K=256, L_bwd=32, fb_BV=16; ~800 B at L_bwd=64, K=V=128.
+        bwd_fused=False, fb_maxK=128, fb_BV=32 if Kp <= 128 else 16, fb_warps=8, fb_stages=2,
         # keep_states: the forward's chunk states are saved for the backward (when L_fwd ==
         # L_bwd) instead of recomputed: one sequential kernel less, B·H·NC·K·V more memory.
         keep_states=False,
