@@ -404,16 +404,27 @@ def decode_part():
     md("")
 
 
-DEFAULT_VARIANTS = {
-    "default": {},                                   # bf16 states, split state updates, dqk 64x32
+DEFAULT_VARIANTS = {  # most important first: the time part skips the tail when out of budget
     # fused backward kernel (δq, δk, δv in one program per chunk; K ≤ fb_maxK, else old path);
     # _all: + the forward's states and gates kept for the backward, per-row δh factors in Triton
+    "fused64_all": {"bwd_fused": True, "keep_states": True, "rows_kernel": True},   # ~800 B spill
     "fused32_all": {"bwd_fused": True, "fb_maxK": 256, "L_fwd": 32, "L_bwd": 32, "keep_states": True,
                     "rows_kernel": True},            # spill-free at K=128; 92 B at K=256
-    "fused64_all": {"bwd_fused": True, "keep_states": True, "rows_kernel": True},   # ~800 B spill
-    "fused32": {"bwd_fused": True, "L_bwd": 32, "rows_kernel": True},   # forward at 64, bwd at 32
+    "default": {},                                   # bf16 states, split state updates, dqk 64x32
     "old_all": {"keep_states": True, "rows_kernel": True},   # old backward + the glue changes
+    "fused32": {"bwd_fused": True, "L_bwd": 32, "rows_kernel": True},   # forward at 64, bwd at 32
+    "fused64w16_all": {"bwd_fused": True, "fb_warps": 16, "keep_states": True, "rows_kernel": True},
 }
+
+
+def pick_variants(env: str | None, fallback: dict) -> dict:
+    """$VARIANTS / $CHECK_VARIANTS: a JSON object (name -> config overrides) or a comma list of
+    names from DEFAULT_VARIANTS."""
+    if not env:
+        return fallback
+    if env.lstrip().startswith("{"):
+        return json.loads(env)
+    return {n: DEFAULT_VARIANTS[n] for n in env.split(",")}
 
 
 def summary_part():
@@ -454,8 +465,8 @@ if __name__ == "__main__":
     import triton
 
     parts = sys.argv[1:] or ["check", "time", "peers", "decode"]
-    variants = json.loads(os.environ["VARIANTS"]) if os.environ.get("VARIANTS") else DEFAULT_VARIANTS
-    check_variants = json.loads(os.environ["CHECK_VARIANTS"]) if os.environ.get("CHECK_VARIANTS") else variants
+    variants = pick_variants(os.environ.get("VARIANTS"), DEFAULT_VARIANTS)
+    check_variants = pick_variants(os.environ.get("CHECK_VARIANTS"), variants)
     gpu = "CPU (dry run)" if DRY else torch.cuda.get_device_name()
     md(f"# mLSTM kernels on {gpu} — torch {torch.__version__}, triton {triton.__version__}, "
        f"{time.strftime('%Y-%m-%d')}")
