@@ -43,6 +43,7 @@ _XLSTM = re.compile(r"^xlstm\[(\d+):(\d+)\]$")
 RESULTS_TABLE = "table.md"
 RESULTS_PLOT = "heatmap.png"
 RESULTS_ALL = "results.json"
+COMMAND_FILE = "command.txt"
 
 
 def check_model_name(name: str) -> str:
@@ -96,6 +97,8 @@ class RunConfig:
     device: str = "cpu"
     precision: str = "fp32"
     """"fp32" or "bf16" (autocast, CUDA only)."""
+    backend: str | None = None
+    """xLSTM ops backend: None (the fastest for the device), "torch" or "triton"."""
     train_lengths: tuple[int, int] = (3, 40)
     """Formal tasks: inclusive range of training input lengths."""
     test_lengths: tuple[int, ...] = tuple(range(41, 257))
@@ -121,6 +124,8 @@ class RunConfig:
             raise ValueError(f"RunConfig.time_limit_s must be positive or None, got {self.time_limit_s}")
         if not (0 < self.lr and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.backend not in (None, "torch", "triton"):
+            raise ValueError(f"RunConfig.backend must be None, 'torch' or 'triton', got {self.backend!r}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"RunConfig.precision must be 'fp32' or 'bf16', got {self.precision!r}")
         lo, hi = self.train_lengths if len(self.train_lengths) == 2 else (0, -1)
@@ -170,7 +175,7 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
                   time_budget_s: float | None = None) -> TrainLog:
     """Train `model` (already on cfg.device) on batches from `sample(rng)`.
 
-    With `time_budget_s`, steps 5..20 are timed and the schedule is cut to the steps that fit
+    With `time_budget_s`, steps 5..20 (and 5..200) are timed and the schedule is cut to the steps that fit
     (the first steps carry one-time costs such as kernel compilation).
     """
     device = torch.device(cfg.device)
@@ -202,15 +207,17 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
             log.losses.append((step, float(loss.detach())))
         if time_budget_s is not None:
             if step == 5:
-                t_mark = time.perf_counter()
-            elif step == 20:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                per_step = (time.perf_counter() - t_mark) / 15
+                t_mark = time.perf_counter()
+            elif step in (20, 200):  # re-measured at 200: parallel runs sharing a GPU change speed
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                per_step = (time.perf_counter() - t_mark) / (step - 5)
                 left = time_budget_s - (time.perf_counter() - t0)
                 fit = step + max(0, int(left / per_step))
-                if fit < sched.steps:
-                    sched = dataclasses.replace(sched, steps=fit, warmup_steps=min(sched.warmup_steps, fit // 5))
+                fit = min(cfg.steps, fit)
+                sched = dataclasses.replace(sched, steps=fit, warmup_steps=min(cfg.warmup_steps, fit // 5))
             if time.perf_counter() - t0 > time_budget_s:  # slower than measured: stop here
                 break
     if device.type == "cuda":
@@ -317,7 +324,7 @@ def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | P
     model_name = check_model_name(model_name)
     torch.manual_seed(cfg.seed)
     model = build_model(model_name, task.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads,
-                        n_blocks=cfg.n_blocks).to(cfg.device)
+                        n_blocks=cfg.n_blocks, backend=cfg.backend).to(cfg.device)
     result = _run_header("formal", task.name, model_name, model, cfg)
     log = train_on_task(model, lambda rng: sample_train_batch(task, rng, cfg.batch_size, cfg.train_lengths),
                         cfg, _budget(cfg, 0.85))
@@ -340,7 +347,8 @@ def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None)
     T, N, V = cfg.mqar_seq_len, cfg.mqar_pairs, cfg.mqar_vocab
     pair_choices = [n for n in (4, 8, 16, 32, 64, 128) if n < N] + [N]
     torch.manual_seed(cfg.seed)
-    model = build_model(model_name, V, d_model=cfg.d_model, n_heads=cfg.n_heads, n_blocks=cfg.n_blocks).to(cfg.device)
+    model = build_model(model_name, V, d_model=cfg.d_model, n_heads=cfg.n_heads, n_blocks=cfg.n_blocks,
+                        backend=cfg.backend).to(cfg.device)
     result = _run_header("mqar", f"T{T}-N{N}", model_name, model, cfg)
 
     def sample(rng: np.random.Generator) -> TaskBatch:
@@ -381,11 +389,15 @@ def run_sweep(tasks: Sequence[str], models: Sequence[str], cfg: RunConfig, out_d
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     out_dir = Path(out_dir)
     runs_dir = out_dir / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    if command:  # kept for a report rebuilt later from the run files
+        (out_dir / COMMAND_FILE).write_text(command + "\n")
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
-    work = [("formal", t, m, cfg.to_dict(), str(runs_dir), threads) for t in tasks for m in models]
-    if mqar:
+    work = []
+    if mqar:  # first: the longest runs, so that the parallel workers end together
         mc = mqar_cfg or cfg
         work += [("mqar", f"T{mc.mqar_seq_len}-N{mc.mqar_pairs}", m, mc.to_dict(), str(runs_dir), threads) for m in models]
+    work += [("formal", t, m, cfg.to_dict(), str(runs_dir), threads) for t in tasks for m in models]
     if jobs == 1:
         results = [_run_one(w) for w in work]
     else:
@@ -406,9 +418,12 @@ def load_results(runs_dir: str | Path) -> list[dict[str, Any]]:
 
 def write_report(results: Sequence[dict[str, Any]], out_dir: str | Path, *, command: str | None = None) -> dict[str, Path]:
     """Write `out_dir`/results.json (summaries), table.md (scaled accuracy, models x tasks, plus
-    steps and seconds per run) and heatmap.png (Figure-4 style). Returns the paths."""
+    steps and seconds per run) and heatmap.png (Figure-4 style). Returns the paths. Without
+    `command`, the sweep's command saved in `out_dir`/command.txt heads the table."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if command is None and (out_dir / COMMAND_FILE).exists():
+        command = (out_dir / COMMAND_FILE).read_text().strip()
     keep = ("kind", "task", "model", "scaled_accuracy", "accuracy", "train_lengths_scaled_accuracy",
             "steps_done", "planned_steps", "train_seconds", "total_seconds", "parameters", "loss_first",
             "loss_last", "device", "error")

@@ -1,0 +1,75 @@
+"""Experiment runner: model names, a quick end-to-end run, the sweep report and the CLI."""
+import json
+
+import pytest
+import torch
+
+from xlstm_kit.cli import main
+from xlstm_kit.tasks.experiment import (MODEL_NAMES, build_model, check_model_name, quick_config,
+                                        run_formal, run_mqar, run_sweep)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_every_model_builds_and_gives_logits(name):
+    model = build_model(name, 11, d_model=32, n_heads=4)
+    tokens = torch.randint(0, 11, (2, 13))
+    logits = model(tokens)
+    assert logits.shape == (2, 13, 11) and torch.isfinite(logits).all()
+    # causal: changing the last token leaves earlier outputs alone
+    t2 = tokens.clone()
+    t2[:, -1] = (t2[:, -1] + 1) % 11
+    assert torch.allclose(model(t2)[:, :-1], logits[:, :-1], atol=1e-5)
+    assert not torch.allclose(model(t2)[:, -1], logits[:, -1])
+
+
+def test_model_families_are_what_the_names_say():
+    kinds = lambda m: "".join(type(b).__name__[0] for b in m.blocks)  # noqa: E731
+    assert kinds(build_model("xlstm[0:1]", 8, d_model=32)) == "SS"
+    assert kinds(build_model("xlstm[1:0]", 8, d_model=32)) == "MM"
+    assert kinds(build_model(" XLSTM[1:1] ", 8, d_model=32)) == "MS"
+    with pytest.raises(ValueError, match="unknown model"):
+        check_model_name("xlstm[2:1]")
+
+
+def test_quick_formal_run_trains_and_writes_results(tmp_path):
+    r = run_formal("parity", "xlstm[1:1]", quick_config(steps=40), tmp_path)
+    data = json.loads((tmp_path / "formal__parity__xlstm-1-1.json").read_text())
+    assert data["steps_done"] == 40 and data["task"] == "parity" and data["model"] == "xlstm[1:1]"
+    assert set(map(int, data["per_length"])) == {9, 12}
+    assert -1.0 <= data["scaled_accuracy"] <= 1.0
+    # from ~ln(vocab) to ~ln(2): the model at least learns which tokens answer
+    assert r["loss_last"] < 0.8 * r["loss_first"]
+
+
+def test_quick_mqar_run_writes_results(tmp_path):
+    r = run_mqar("transformer", quick_config(steps=5), tmp_path)
+    assert (tmp_path / "mqar__T64-N4__transformer.json").exists()
+    assert 0.0 <= r["accuracy"] <= 1.0 and r["steps_done"] == 5
+
+
+def test_time_limit_shortens_the_run(tmp_path):
+    r = run_formal("majority", "transformer", quick_config(steps=100000, time_limit_s=3.0), None)
+    assert 1 <= r["steps_done"] < 100000 and r["total_seconds"] < 10
+
+
+def test_sweep_writes_table_and_heatmap(tmp_path):
+    results = run_sweep(["parity", "majority"], ["lstm", "transformer"], quick_config(steps=3), tmp_path, mqar=False)
+    assert len(results) == 4 and not any("error" in r for r in results)
+    table = (tmp_path / "table.md").read_text()
+    assert "| lstm |" in table and "| transformer |" in table and "majority" in table
+    assert (tmp_path / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(json.loads((tmp_path / "results.json").read_text())) == 4
+
+
+def test_cli_experiment(tmp_path, capsys):
+    out = str(tmp_path)
+    assert main(["experiment", "formal", "--task", "even_pairs", "--model", "lstm", "--quick", "--steps", "3",
+                 "--device", "cpu", "--out", out]) == 0
+    assert "scaled accuracy" in capsys.readouterr().out
+    assert (tmp_path / "runs" / "formal__even_pairs__lstm.json").exists()
+    assert main(["experiment", "sweep", "--report-only", "--out", out]) == 0
+    assert "even_pairs" in (tmp_path / "table.md").read_text()
+    assert main(["experiment", "formal", "--task", "nope", "--model", "lstm", "--quick"]) == 2
+    assert main(["experiment", "mqar", "--model", "gpt", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown formal task 'nope'" in err and "unknown model 'gpt'" in err and len(err.strip().splitlines()) == 2
