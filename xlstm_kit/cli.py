@@ -619,6 +619,7 @@ def _add_experiment_parser(sub) -> None:
         p.add_argument("--pairs", type=_positive_int, default=None, metavar="N", help="MQAR key-value pairs")
         p.add_argument("--seed", type=_nonneg_int, default=None, metavar="N")
         p.add_argument("--precision", choices=["fp32", "bf16"], default=None)
+        p.add_argument("--backend", choices=["torch", "triton"], default=None, help="xLSTM ops backend (default: by device)")
         p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
         p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="CPU threads")
         p.add_argument("--out", default="results/experiments", metavar="DIR", help="output folder")
@@ -642,13 +643,13 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     out = Path(args.out)
     command = " ".join([PROG] + [shlex.quote(a) for a in sys.argv[1:]])
     if args.experiment == "sweep" and args.report_only:
-        paths = ex.write_report(ex.load_results(out / "runs"), out, command=command)
+        paths = ex.write_report(ex.load_results(out / "runs"), out)  # keeps the sweep's command
         print(f"report: {paths['table']} and {paths['plot']}")
         return 0
     device = _pick_device(args.device)
     fields = {"steps": args.steps, "time_limit_s": args.time_limit, "batch_size": args.batch_size, "lr": args.lr,
               "d_model": args.d_model, "mqar_seq_len": args.seq_len, "mqar_pairs": args.pairs, "seed": args.seed,
-              "precision": args.precision}
+              "precision": args.precision, "backend": args.backend}
     fields = {k: v for k, v in fields.items() if v is not None}
     if "lr" in fields:
         fields["min_lr"] = fields["lr"] / 10
