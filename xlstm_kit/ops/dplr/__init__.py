@@ -12,6 +12,19 @@ from . import chunkwise as _chunkwise
 from . import kda as _kda
 from . import naive as _naive
 
+try:  # the Triton kernels register "dplr_chunkwise" and "kda_chunkwise" in backend.TRITON_OPS
+    from . import triton_chunkwise as _triton
+except ImportError:  # no triton installed: the PyTorch path serves every call
+    _triton = None
+
+
+def _pick(op, backend, device, K, V, chunk_size, dtype):
+    """choose_backend, except that backend=None keeps cases the kernels don't take (float64,
+    K/V not a power of two in [16, 256], chunk_size not 16/32/64) on the PyTorch path."""
+    if backend is None and (_triton is None or not _triton.supports(K, V, chunk_size, dtype)):
+        backend = "torch"
+    return choose_backend(op, backend, device)
+
 
 def dplr_recurrent(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_final_state=False,
                    backend=None):
@@ -40,7 +53,10 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
     _naive.check_dplr_inputs(q, k, v, a, b, gk, initial_state)
-    choose_backend("dplr_chunkwise", backend, q.device)
+    dt = _naive.common_compute_dtype(q, k, v, a, b, gk)
+    if _pick("dplr_chunkwise", backend, q.device, q.shape[-1], v.shape[-1], chunk_size, dt) == "triton":
+        return _triton.dplr_chunkwise_triton(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
+                                             output_final_state=output_final_state, chunk_size=chunk_size)
     return _chunkwise.dplr_chunkwise(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
                                      output_final_state=output_final_state, chunk_size=chunk_size)
 
@@ -60,7 +76,10 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
     _kda.check_kda_inputs(q, k, v, g, beta)
-    choose_backend("kda_chunkwise", backend, q.device)
+    dt = _naive.common_compute_dtype(q, k, v, g, beta)
+    if _pick("kda_chunkwise", backend, q.device, q.shape[-1], v.shape[-1], chunk_size, dt) == "triton":
+        return _triton.kda_chunkwise_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                            output_final_state=output_final_state, chunk_size=chunk_size)
     return _kda.kda_chunkwise(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                               output_final_state=output_final_state, chunk_size=chunk_size)
 

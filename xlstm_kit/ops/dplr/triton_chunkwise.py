@@ -1,0 +1,607 @@
+"""Chunkwise DPLR in Triton: the WY algorithm of the seed (section 二), forward kernels.
+
+Same maths and notation as chunkwise.py (the tested PyTorch version): per chunk of L steps, with
+G the inclusive cumulative sum of gk over the chunk (log Γ of the seed) and the state stored
+transposed (h = Sᵀ ∈ R^{K×V}),
+
+    pair matrices   A_xy[r, i] = Σ_k x_r[k] y_i[k] e^{G_r[k] − G_i[k]},  i ≤ r (i < r for x = b)
+    WY              F = I + A_ba,  E = F⁻¹,  W = E B←,  Cm = −E (A_bk V)
+    state passing   V2 = Cm − W h,  h' = Diag(γ_L) h + (K ⊙ e^{G_L−G})ᵀ V + (A ⊙ e^{G_L−G})ᵀ V2
+    output          O = (Q ⊙ e^G) h + A_qk V + A_qa V2
+
+Kernels (all accumulation, scratch and states in float32):
+  _fwd_pairs   parallel over (chunk, column sub-chunk, b·h): the four pair matrices, one [L, S]
+               column block each, written to scratch [BH, N, L, L]
+  _fwd_wy      parallel over (chunk, b·h): E by forward substitution on chip (row by row, all L
+               rows in registers), then W = E B← and Cm = −E (A_bk V)
+  _fwd_state   sequential over chunks, parallel over (V-tile, b·h): V2, the output and the state
+
+Numerics (log-gates down to −5 per step). The seed's factorisation Q← = Q⊙Γ, K→ = K⊘Γ would
+need 1/Γ up to e^{320} in a chunk of 64 steps at gk = −5. The pair matrices are therefore built
+per column sub-chunk J of S = 16 steps with a reference point inside the chunk:
+  rows below J:  (X ⊙ e^{G_r − G_end(J)}) (Y_J ⊙ e^{G_end(J) − G_J})ᵀ   — both factors ≤ 1, any gk;
+  rows inside J: (X ⊙ e^{G_r − G_start(J)}) (Y_J ⊙ e^{G_start(J) − G_J})ᵀ — the right factor is
+                 at most e^{−Σ gk over the 16 steps of J} ≤ e^{80} at gk ≥ −5, below the float32
+                 limit e^{88.7}; the upper triangle of the block (which may reach e^{80}·|xy|) is
+                 masked to 0 afterwards with `where`, so it never enters a sum.
+All other decays (e^{G_r}, e^{G_L − G_r}, e^{G_L}) are ≤ 1. G is cumulated in float64 (the
+wrapper's cumsum) and only differences are cast to float32 before the exp: a float32 G reaches
+−320 at gk = −5 and differences of such numbers would cost 2e-5 relative on every decay.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as nnf
+import triton
+import triton.language as tl
+
+from ..backend import TRITON_OPS
+from .kda import check_kda_inputs
+from .naive import check_chunk, check_dplr_inputs, check_scale
+
+SUB = 16  # column sub-chunk of the pair matrices (see the module docstring for why 16)
+
+# warps per kernel (chosen with ptxas register/spill reports at K = V = 128 on sm_90)
+_NUM_WARPS = {"_fwd_pairs": 4, "_fwd_wy": 4, "_fwd_state": 8, "_bwd_state": 8, "_bwd_dv": 4,
+              "_bwd_dk": 4}
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
+               K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
+               PREC: tl.constexpr):
+    """One [L, S] column block (sub-chunk j) of A_qk, A_qa, A_bk, A_ba of one chunk.
+    q, k, a, b: [BH, Tp, K] (input dtype); G: [BH, Tp, K] float64; A*: [BH, NC, L, L] float32."""
+    NB: tl.constexpr = L // S
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    n = pid // NB
+    j0 = (pid % NB) * S
+    t0 = n * L
+    rows = tl.arange(0, L)
+    cols = tl.arange(0, S)
+    below = rows >= j0 + S
+    inblk = (rows >= j0) & (rows < j0 + S)
+    acc_qk = tl.zeros([L, S], dtype=tl.float32)
+    acc_qa = tl.zeros([L, S], dtype=tl.float32)
+    acc_bk = tl.zeros([L, S], dtype=tl.float32)
+    acc_ba = tl.zeros([L, S], dtype=tl.float32)
+    base = bh * Tp * K
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        px = base + (t0 + rows)[:, None] * K + kk[None, :]            # [L, BK]
+        py = base + (t0 + j0 + cols)[:, None] * K + kk[None, :]       # [S, BK]
+        Gx = tl.load(G + px)
+        Gy = tl.load(G + py)
+        g_end = tl.load(G + base + (t0 + j0 + S - 1) * K + kk)        # [BK]
+        g_start = tl.load(G + base + (t0 + j0 - 1) * K + kk, mask=(kk < K) & (j0 > 0), other=0.0)
+        fx_off = tl.exp(tl.where(below[:, None], Gx - g_end[None, :], float("-inf")).to(tl.float32))
+        fx_in = tl.exp(tl.where(inblk[:, None], Gx - g_start[None, :], float("-inf")).to(tl.float32))
+        fy_off = tl.exp((g_end[None, :] - Gy).to(tl.float32))
+        fy_in = tl.exp((g_start[None, :] - Gy).to(tl.float32))
+        xq = tl.load(q + px).to(tl.float32) * scale
+        xb = tl.load(b + px).to(tl.float32)
+        yk = tl.load(k + py).to(tl.float32)
+        ya = tl.load(a + py).to(tl.float32)
+        yk_off = tl.trans(yk * fy_off)
+        yk_in = tl.trans(yk * fy_in)
+        ya_off = tl.trans(ya * fy_off)
+        ya_in = tl.trans(ya * fy_in)
+        xq_off = xq * fx_off
+        xq_in = xq * fx_in
+        xb_off = xb * fx_off
+        xb_in = xb * fx_in
+        acc_qk += tl.dot(xq_off, yk_off, input_precision=PREC) + tl.dot(xq_in, yk_in, input_precision=PREC)
+        acc_qa += tl.dot(xq_off, ya_off, input_precision=PREC) + tl.dot(xq_in, ya_in, input_precision=PREC)
+        acc_bk += tl.dot(xb_off, yk_off, input_precision=PREC) + tl.dot(xb_in, yk_in, input_precision=PREC)
+        acc_ba += tl.dot(xb_off, ya_off, input_precision=PREC) + tl.dot(xb_in, ya_in, input_precision=PREC)
+    ci = j0 + cols
+    incl = ci[None, :] <= rows[:, None]
+    strict = ci[None, :] < rows[:, None]
+    pa = ((bh * NC + n) * L + rows)[:, None] * L + ci[None, :]
+    tl.store(Aqk + pa, tl.where(incl, acc_qk, 0.0))
+    tl.store(Aqa + pa, tl.where(incl, acc_qa, 0.0))
+    tl.store(Abk + pa, tl.where(strict, acc_bk, 0.0))
+    tl.store(Aba + pa, tl.where(strict, acc_ba, 0.0))
+
+
+@triton.jit
+def _fwd_wy(b, v, G, Abk, Aba, E, W, Cm, Tp, NC,
+            K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
+            BV: tl.constexpr, PREC: tl.constexpr):
+    """E = (I + A_ba)⁻¹, W = E B←, Cm = −E (A_bk V) for one chunk.
+    b: [BH, Tp, K]; v: [BH, Tp, V]; G float64; Abk, Aba, E: [BH, NC, L, L]; W: [BH, Tp, K];
+    Cm: [BH, Tp, V] (float32)."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    t0 = n * L
+    rows = tl.arange(0, L)
+    pa = ((bh * NC + n) * L + rows)[:, None] * L + rows[None, :]
+    Nm = tl.load(Aba + pa)                                   # strictly lower part of F
+    # Forward substitution for D = E − I, row by row: D_i = −N_i − Σ_{j<i} N_ij D_j. Rows j ≥ i of
+    # D are still 0 when row i is formed, and N_ij = 0 for j ≥ i, so a full-width sum is exact.
+    D = tl.zeros([L, L], dtype=tl.float32)
+    for i in range(1, L):
+        sel = rows[:, None] == i
+        r = -tl.sum(tl.where(sel, Nm, 0.0), axis=0)           # −N_i   [L] (over columns)
+        r = r + tl.sum(r[:, None] * D, axis=0)                  # −N_i − Σ_j N_ij D_j
+        D = tl.where(sel, r[None, :], D)
+    Em = D + tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    tl.store(E + pa, Em)
+    base_k = bh * Tp * K
+    g_ptr = G + base_k + (t0 + rows)[:, None] * K
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        eG = tl.exp(tl.load(g_ptr + kk[None, :]).to(tl.float32))
+        Bg = tl.load(b + base_k + (t0 + rows)[:, None] * K + kk[None, :]).to(tl.float32) * eG
+        tl.store(W + base_k + (t0 + rows)[:, None] * K + kk[None, :], tl.dot(Em, Bg, input_precision=PREC))
+    Ab = tl.load(Abk + pa)
+    base_v = bh * Tp * V
+    for v0 in range(0, V, BV):
+        vv = v0 + tl.arange(0, BV)
+        pv = base_v + (t0 + rows)[:, None] * V + vv[None, :]
+        vt = tl.load(v + pv).to(tl.float32)
+        P = tl.dot(Ab, vt, input_precision=PREC)
+        tl.store(Cm + pv, -tl.dot(Em, P, input_precision=PREC))
+
+
+@triton.jit
+def _fwd_state(q, k, v, a, G, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, scale, Tp, NC,
+               K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
+               HAS_H0: tl.constexpr, PREC: tl.constexpr):
+    """Sequential over the chunks of one (b·h, V-tile): V2, O and the state h [K, BV].
+    Hs: [BH, NC, K, V] states entering each chunk; V2, O: [BH, Tp, V]; h0, hT: [BH, K, V]."""
+    vt_id = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, L)
+    kr = tl.arange(0, K)
+    vv = vt_id * BV + tl.arange(0, BV)
+    ph = kr[:, None] * V + vv[None, :]                       # [K, BV] within one state
+    if HAS_H0:
+        h = tl.load(h0 + bh * K * V + ph).to(tl.float32)
+    else:
+        h = tl.zeros([K, BV], dtype=tl.float32)
+    base_k = bh * Tp * K
+    base_v = bh * Tp * V
+    for n in range(0, NC):
+        t0 = n * L
+        tl.store(Hs + (bh * NC + n) * K * V + ph, h)
+        pk = base_k + (t0 + rows)[:, None] * K + kr[None, :]
+        pv = base_v + (t0 + rows)[:, None] * V + vv[None, :]
+        pa = ((bh * NC + n) * L + rows)[:, None] * L + rows[None, :]
+        Gc = tl.load(G + pk)
+        g_last = tl.load(G + base_k + (t0 + L - 1) * K + kr)
+        eG = tl.exp(Gc.to(tl.float32))
+        dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
+        eGl = tl.exp(g_last.to(tl.float32))
+        Qg = tl.load(q + pk).to(tl.float32) * (eG * scale)
+        Kd = tl.load(k + pk).to(tl.float32) * dec
+        Ad = tl.load(a + pk).to(tl.float32) * dec
+        Wc = tl.load(W + pk)
+        vt = tl.load(v + pv).to(tl.float32)
+        v2 = tl.load(Cm + pv) - tl.dot(Wc, h, input_precision=PREC)
+        tl.store(V2 + pv, v2)
+        o = tl.dot(Qg, h, input_precision=PREC)
+        o += tl.dot(tl.load(Aqk + pa), vt, input_precision=PREC)
+        o += tl.dot(tl.load(Aqa + pa), v2, input_precision=PREC)
+        tl.store(O + pv, o)
+        h = eGl[:, None] * h + tl.dot(tl.trans(Kd), vt, input_precision=PREC)
+        h += tl.dot(tl.trans(Ad), v2, input_precision=PREC)
+    tl.store(hT + bh * K * V + ph, h)
+
+
+@triton.jit
+def _bwd_state(q, a, G, Aqa, W, dO, dhT, dH, dV2, dh0, scale, Tp, NC,
+               K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
+               HAS_DHT: tl.constexpr, PREC: tl.constexpr):
+    """Reverse-sequential over the chunks of one (b·h, V-tile), seed §三:
+        δV2 = (A ⊙ e^{G_L−G}) δh' + A_qaᵀ δO,   δh = Diag(γ_L) δh' + Q←ᵀ δO − Wᵀ δV2.
+    dH: [BH, NC, K, V] δ of the state leaving each chunk; dV2: [BH, Tp, V]; dhT, dh0: [BH, K, V]."""
+    vt_id = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, L)
+    kr = tl.arange(0, K)
+    vv = vt_id * BV + tl.arange(0, BV)
+    ph = kr[:, None] * V + vv[None, :]
+    if HAS_DHT:
+        dh = tl.load(dhT + bh * K * V + ph).to(tl.float32)
+    else:
+        dh = tl.zeros([K, BV], dtype=tl.float32)
+    base_k = bh * Tp * K
+    base_v = bh * Tp * V
+    for i in range(0, NC):
+        n = NC - 1 - i
+        t0 = n * L
+        tl.store(dH + (bh * NC + n) * K * V + ph, dh)
+        pk = base_k + (t0 + rows)[:, None] * K + kr[None, :]
+        pv = base_v + (t0 + rows)[:, None] * V + vv[None, :]
+        pa = ((bh * NC + n) * L + rows)[:, None] * L + rows[None, :]
+        Gc = tl.load(G + pk)
+        g_last = tl.load(G + base_k + (t0 + L - 1) * K + kr)
+        Qg = tl.load(q + pk).to(tl.float32) * (tl.exp(Gc.to(tl.float32)) * scale)
+        Ad = tl.load(a + pk).to(tl.float32) * tl.exp((g_last[None, :] - Gc).to(tl.float32))
+        eGl = tl.exp(g_last.to(tl.float32))
+        do = tl.load(dO + pv)
+        dv2 = tl.dot(Ad, dh, input_precision=PREC)
+        dv2 += tl.dot(tl.trans(tl.load(Aqa + pa)), do, input_precision=PREC)
+        tl.store(dV2 + pv, dv2)
+        dh = eGl[:, None] * dh + tl.dot(tl.trans(Qg), do, input_precision=PREC)
+        dh -= tl.dot(tl.trans(tl.load(W + pk)), dv2, input_precision=PREC)
+    tl.store(dh0 + bh * K * V + ph, dh)
+
+
+@triton.jit
+def _bwd_dv(k, v, G, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv, dqk_d, dqa_d,
+            Tp, NC, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
+            BV: tl.constexpr, PREC: tl.constexpr):
+    """Backward, V side of one chunk: δv, GC = Eᵀ δC, and the gradients of the four pair matrices
+    (strictly lower parts to dA* [BH, NC, L, L]; the diagonals of δA_qk, δA_qa to dqk_d, dqa_d
+    [BH, Tp]). With δW = −δC hᵀ (h entering the chunk), Eᵀ δW = −GC hᵀ and W h = Cm − V2, so
+    δF = −(Eᵀ δW Wᵀ + GC Cmᵀ) collapses to δA_ba = −GC V2ᵀ: no K-sized product is needed here."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    t0 = n * L
+    rows = tl.arange(0, L)
+    base_k = bh * Tp * K
+    base_v = bh * Tp * V
+    pa = ((bh * NC + n) * L + rows)[:, None] * L + rows[None, :]
+    Aqk_ = tl.load(Aqk + pa)
+    Abk_ = tl.load(Abk + pa)
+    Em = tl.load(E + pa)
+    g_last_ptr = G + base_k + (t0 + L - 1) * K
+    dA_qk = tl.zeros([L, L], dtype=tl.float32)
+    dA_qa = tl.zeros([L, L], dtype=tl.float32)
+    dA_bk = tl.zeros([L, L], dtype=tl.float32)
+    dA_ba = tl.zeros([L, L], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        vv = v0 + tl.arange(0, BV)
+        pv = base_v + (t0 + rows)[:, None] * V + vv[None, :]
+        do = tl.load(dO + pv)
+        vt = tl.load(v + pv).to(tl.float32)
+        v2 = tl.load(V2 + pv)
+        GC = tl.dot(tl.trans(Em), tl.load(dV2 + pv), input_precision=PREC)   # Eᵀ δC
+        tl.store(GCb + pv, GC)
+        dvt = tl.dot(tl.trans(Aqk_), do, input_precision=PREC)
+        dvt -= tl.dot(tl.trans(Abk_), GC, input_precision=PREC)
+        for k0 in range(0, K, BK):                                # + (K ⊙ e^{G_L−G}) δh'
+            kk = k0 + tl.arange(0, BK)
+            pk = base_k + (t0 + rows)[:, None] * K + kk[None, :]
+            dec = tl.exp((tl.load(g_last_ptr + kk)[None, :] - tl.load(G + pk)).to(tl.float32))
+            Kd = tl.load(k + pk).to(tl.float32) * dec
+            dh = tl.load(dH + (bh * NC + n) * K * V + kk[:, None] * V + vv[None, :])
+            dvt += tl.dot(Kd, dh, input_precision=PREC)
+        tl.store(dv + pv, dvt)
+        dA_qk += tl.dot(do, tl.trans(vt), input_precision=PREC)
+        dA_qa += tl.dot(do, tl.trans(v2), input_precision=PREC)
+        dA_bk -= tl.dot(GC, tl.trans(vt), input_precision=PREC)
+        dA_ba -= tl.dot(GC, tl.trans(v2), input_precision=PREC)
+    eye = rows[:, None] == rows[None, :]
+    strict = rows[None, :] < rows[:, None]
+    # the diagonal (i = r) of A_qk, A_qa has no decay: it goes straight into δq, δk, δa and stays
+    # out of the gate gradient (where it would only cancel)
+    tl.store(dqk_d + bh * Tp + t0 + rows, tl.sum(tl.where(eye, dA_qk, 0.0), axis=1))
+    tl.store(dqa_d + bh * Tp + t0 + rows, tl.sum(tl.where(eye, dA_qa, 0.0), axis=1))
+    tl.store(dAqk + pa, tl.where(strict, dA_qk, 0.0))
+    tl.store(dAqa + pa, tl.where(strict, dA_qa, 0.0))
+    tl.store(dAbk + pa, tl.where(strict, dA_bk, 0.0))
+    tl.store(dAba + pa, tl.where(strict, dA_ba, 0.0))
+
+
+@triton.jit
+def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d, dqa_d,
+            dq, dk, da, db, dg, scale, Tp, NC,
+            K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
+            BV: tl.constexpr, PREC: tl.constexpr):
+    """Backward, K side of one (chunk, K-tile): δq, δk, δa, δb and δgk for BK channels (every
+    term is channel-wise in K once the pair-matrix gradients are known). Seed §三 with the
+    notes' typos fixed; same formulas and gate-gradient grouping as chunkwise.py."""
+    NB: tl.constexpr = L // S
+    n = tl.program_id(0)
+    kt = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    t0 = n * L
+    rows = tl.arange(0, L)
+    kr = kt * BK + tl.arange(0, BK)
+    base_k = bh * Tp * K
+    base_v = bh * Tp * V
+    pk = base_k + (t0 + rows)[:, None] * K + kr[None, :]
+    pa = ((bh * NC + n) * L + rows)[:, None] * L + rows[None, :]
+    Gc = tl.load(G + pk)                                         # [L, BK] float64
+    g_last = tl.load(G + base_k + (t0 + L - 1) * K + kr)
+    eG = tl.exp(Gc.to(tl.float32))
+    dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
+    eGl = tl.exp(g_last.to(tl.float32))
+    dKd = tl.zeros([L, BK], dtype=tl.float32)
+    dAd = tl.zeros([L, BK], dtype=tl.float32)
+    dQg = tl.zeros([L, BK], dtype=tl.float32)
+    GW = tl.zeros([L, BK], dtype=tl.float32)                     # Eᵀ δW = −GC hᵀ = δB←
+    hdh = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        vv = v0 + tl.arange(0, BV)
+        pv = base_v + (t0 + rows)[:, None] * V + vv[None, :]
+        ph = (bh * NC + n) * K * V + kr[:, None] * V + vv[None, :]
+        hs = tl.load(Hs + ph)
+        dh = tl.load(dH + ph)
+        dKd += tl.dot(tl.load(v + pv).to(tl.float32), tl.trans(dh), input_precision=PREC)
+        dAd += tl.dot(tl.load(V2 + pv), tl.trans(dh), input_precision=PREC)
+        dQg += tl.dot(tl.load(dO + pv), tl.trans(hs), input_precision=PREC)
+        GW -= tl.dot(tl.load(GCb + pv), tl.trans(hs), input_precision=PREC)
+        hdh += tl.sum(hs * dh, axis=1)
+    qs = tl.load(q + pk).to(tl.float32) * scale
+    kx = tl.load(k + pk).to(tl.float32)
+    ax = tl.load(a + pk).to(tl.float32)
+    bx = tl.load(b + pk).to(tl.float32)
+    dXq = tl.zeros([L, BK], dtype=tl.float32)
+    dXb = tl.zeros([L, BK], dtype=tl.float32)
+    dYk = tl.zeros([L, BK], dtype=tl.float32)
+    dYa = tl.zeros([L, BK], dtype=tl.float32)
+    # Pair matrices, column sub-chunk by sub-chunk with the forward's reference points (module
+    # docstring): rows below J use G_end(J), rows inside J use G_start(J). Loading δA masked to
+    # the rows of each part keeps the e^{80}-sized right factors away from rows they don't cancel.
+    for jb in range(0, NB):
+        j0 = jb * S
+        g_end = tl.load(G + base_k + (t0 + j0 + S - 1) * K + kr)
+        g_start = tl.load(G + base_k + (t0 + j0 - 1) * K + kr, mask=(kr < K) & (j0 > 0), other=0.0)
+        below = rows >= j0 + S
+        inblk = (rows >= j0) & (rows < j0 + S)
+        fx_off = tl.exp(tl.where(below[:, None], Gc - g_end[None, :], float("-inf")).to(tl.float32))
+        fx_in = tl.exp(tl.where(inblk[:, None], Gc - g_start[None, :], float("-inf")).to(tl.float32))
+        fy_off = tl.exp(tl.where(inblk[:, None], g_end[None, :] - Gc, float("-inf")).to(tl.float32))
+        fy_in = tl.exp(tl.where(inblk[:, None], g_start[None, :] - Gc, float("-inf")).to(tl.float32))
+        m_off = below[:, None] & inblk[None, :]
+        m_in = inblk[:, None] & inblk[None, :]
+        yk_off = kx * fy_off
+        yk_in = kx * fy_in
+        ya_off = ax * fy_off
+        ya_in = ax * fy_in
+        xq_off = qs * fx_off
+        xq_in = qs * fx_in
+        xb_off = bx * fx_off
+        xb_in = bx * fx_in
+        d_off = tl.load(dAqk + pa, mask=m_off, other=0.0)
+        d_in = tl.load(dAqk + pa, mask=m_in, other=0.0)
+        dXq += fx_off * tl.dot(d_off, yk_off, input_precision=PREC) + fx_in * tl.dot(d_in, yk_in, input_precision=PREC)
+        dYk += (fy_off * tl.dot(tl.trans(d_off), xq_off, input_precision=PREC)
+                + fy_in * tl.dot(tl.trans(d_in), xq_in, input_precision=PREC))
+        d_off = tl.load(dAqa + pa, mask=m_off, other=0.0)
+        d_in = tl.load(dAqa + pa, mask=m_in, other=0.0)
+        dXq += fx_off * tl.dot(d_off, ya_off, input_precision=PREC) + fx_in * tl.dot(d_in, ya_in, input_precision=PREC)
+        dYa += (fy_off * tl.dot(tl.trans(d_off), xq_off, input_precision=PREC)
+                + fy_in * tl.dot(tl.trans(d_in), xq_in, input_precision=PREC))
+        d_off = tl.load(dAbk + pa, mask=m_off, other=0.0)
+        d_in = tl.load(dAbk + pa, mask=m_in, other=0.0)
+        dXb += fx_off * tl.dot(d_off, yk_off, input_precision=PREC) + fx_in * tl.dot(d_in, yk_in, input_precision=PREC)
+        dYk += (fy_off * tl.dot(tl.trans(d_off), xb_off, input_precision=PREC)
+                + fy_in * tl.dot(tl.trans(d_in), xb_in, input_precision=PREC))
+        d_off = tl.load(dAba + pa, mask=m_off, other=0.0)
+        d_in = tl.load(dAba + pa, mask=m_in, other=0.0)
+        dXb += fx_off * tl.dot(d_off, ya_off, input_precision=PREC) + fx_in * tl.dot(d_in, ya_in, input_precision=PREC)
+        dYa += (fy_off * tl.dot(tl.trans(d_off), xb_off, input_precision=PREC)
+                + fy_in * tl.dot(tl.trans(d_in), xb_in, input_precision=PREC))
+    dqk = tl.load(dqk_d + bh * Tp + t0 + rows)
+    dqa = tl.load(dqa_d + bh * Tp + t0 + rows)
+    tl.store(dq + pk, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale)
+    tl.store(db + pk, GW * eG + dXb)                              # δB = δB← ⊙ Γ (+ pair terms)
+    tl.store(dk + pk, dKd * dec + dYk + dqk[:, None] * qs)
+    tl.store(da + pk, dAd * dec + dYa + dqa[:, None] * qs)
+    # Gate gradient, grouped by which gk_j each factor contains (chunkwise.py explains why):
+    # e^{G_r} factors → reverse cumsum; e^{G_L − G_r} → exclusive forward cumsum; pairs e^{G_r − G_i}
+    # → +at r, −at i, reverse cumsum; Diag(γ_L) h → every row.
+    up = qs * dXq + bx * dXb - kx * dYk - ax * dYa + (qs * eG) * dQg + (bx * eG) * GW
+    down = kx * dec * dKd + ax * dec * dAd
+    dgk = tl.cumsum(up, axis=0, reverse=True) + (tl.cumsum(down, axis=0) - down)
+    dgk += (eGl * hdh)[None, :]
+    tl.store(dg + pk, dgk)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _prec(dtype: torch.dtype) -> str:
+    # float32 operands at ~float32 accuracy (3-pass TF32); the interpreter only knows "ieee"
+    return "ieee" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "tf32x3"
+
+
+def _fwd(qc, kc, vc, ac, bc, G, h0, scale, L):
+    """qc, kc, ac, bc: [BH, Tp, K]; vc: [BH, Tp, V]; G: [BH, Tp, K] float64; h0: [BH, K, V] or None.
+    Returns dict of O [BH, Tp, V], hT [BH, K, V] and what the backward needs."""
+    BH, Tp, K = qc.shape
+    V = vc.shape[-1]
+    NC = Tp // L
+    dev = qc.device
+    f32 = torch.float32
+    prec = _prec(qc.dtype)
+    Aqk, Aqa, Abk, Aba, E = (torch.empty(BH, NC, L, L, device=dev, dtype=f32) for _ in range(5))
+    W = torch.empty(BH, Tp, K, device=dev, dtype=f32)
+    Cm, V2, O = (torch.empty(BH, Tp, V, device=dev, dtype=f32) for _ in range(3))
+    Hs = torch.empty(BH, NC, K, V, device=dev, dtype=f32)
+    hT = torch.empty(BH, K, V, device=dev, dtype=f32)
+    BK = min(K, 64)
+    BV = min(V, 64)
+    _fwd_pairs[(NC * (L // SUB), BH)](qc, kc, ac, bc, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
+                                      K=K, L=L, S=SUB, BK=BK, PREC=prec,
+                                      num_warps=_NUM_WARPS["_fwd_pairs"])
+    _fwd_wy[(NC, BH)](bc, vc, G, Abk, Aba, E, W, Cm, Tp, NC, K=K, V=V, L=L, BK=BK, BV=BV, PREC=prec,
+                      num_warps=_NUM_WARPS["_fwd_wy"])
+    BVs = min(V, 32)
+    _fwd_state[(V // BVs, BH)](qc, kc, vc, ac, G, Aqk, Aqa, W, Cm,
+                               h0 if h0 is not None else hT, Hs, V2, O, hT, scale, Tp, NC,
+                               K=K, V=V, L=L, BV=BVs, HAS_H0=h0 is not None, PREC=prec,
+                               num_warps=_NUM_WARPS["_fwd_state"])
+    return dict(O=O, hT=hT, Aqk=Aqk, Aqa=Aqa, Abk=Abk, E=E, W=W, Cm=Cm, V2=V2, Hs=Hs)
+
+
+def _bwd(qc, kc, vc, ac, bc, G, r, dO, dhT, scale, L):
+    """Backward launcher: dO [BH, Tp, V] float32, dhT [BH, K, V] or None; r from _fwd.
+    Returns dq, dk, dv, da, db, dgk (chunk layout, float32) and dh0 [BH, K, V]."""
+    BH, Tp, K = qc.shape
+    V = vc.shape[-1]
+    NC = Tp // L
+    dev = qc.device
+    f32 = torch.float32
+    prec = _prec(qc.dtype)
+    dH = torch.empty(BH, NC, K, V, device=dev, dtype=f32)
+    dV2 = torch.empty(BH, Tp, V, device=dev, dtype=f32)
+    dh0 = torch.empty(BH, K, V, device=dev, dtype=f32)
+    BVs = min(V, 32)
+    _bwd_state[(V // BVs, BH)](qc, ac, G, r["Aqa"], r["W"], dO, dhT if dhT is not None else dh0,
+                               dH, dV2, dh0, scale, Tp, NC, K=K, V=V, L=L, BV=BVs,
+                               HAS_DHT=dhT is not None, PREC=prec,
+                               num_warps=_NUM_WARPS["_bwd_state"])
+    GC = torch.empty(BH, Tp, V, device=dev, dtype=f32)
+    dA = [torch.empty(BH, NC, L, L, device=dev, dtype=f32) for _ in range(4)]
+    dqk_d, dqa_d = (torch.empty(BH, Tp, device=dev, dtype=f32) for _ in range(2))
+    dv = torch.empty(BH, Tp, V, device=dev, dtype=f32)
+    BK, BV = min(K, 64), min(V, 32)
+    _bwd_dv[(NC, BH)](kc, vc, G, r["Aqk"], r["Abk"], r["E"], r["V2"], dO, dH, dV2, GC, *dA, dv,
+                      dqk_d, dqa_d, Tp, NC, K=K, V=V, L=L, BK=BK, BV=BV, PREC=prec,
+                      num_warps=_NUM_WARPS["_bwd_dv"])
+    dq, dk, da, db, dg = (torch.empty(BH, Tp, K, device=dev, dtype=f32) for _ in range(5))
+    BK = min(K, 32)
+    _bwd_dk[(NC, K // BK, BH)](qc, kc, vc, ac, bc, G, r["V2"], r["Hs"], dO, dH, GC, *dA, dqk_d, dqa_d,
+                               dq, dk, da, db, dg, scale, Tp, NC, K=K, V=V, L=L, S=SUB, BK=BK,
+                               BV=BV, PREC=prec, num_warps=_NUM_WARPS["_bwd_dk"])
+    return dq, dk, dv, da, db, dg, dh0
+
+
+def _chunk_layout(x: torch.Tensor, Tp: int) -> torch.Tensor:
+    """[B, T, H, D] → contiguous [B·H, Tp, D], zero-padded at the end of time."""
+    B, T, H, D = x.shape
+    x = x.transpose(1, 2)
+    if Tp != T:
+        x = nnf.pad(x, (0, 0, 0, Tp - T))
+    return x.reshape(B * H, Tp, D).contiguous()
+
+
+def _seq_layout(x: torch.Tensor, B: int, H: int, T: int, dtype) -> torch.Tensor:
+    """[B·H, Tp, D] → [B, T, H, D] in `dtype` (inverse of _chunk_layout)."""
+    _, Tp, D = x.shape
+    return x.view(B, H, Tp, D)[:, :, :T].transpose(1, 2).to(dtype)
+
+
+def _log_gamma(gk: torch.Tensor, Tp: int, L: int) -> torch.Tensor:
+    """In-chunk inclusive cumsum of gk in float64: [B, T, H, K] → [B·H, Tp, K]; padded steps have
+    gk = 0 (identity transitions)."""
+    g = _chunk_layout(gk.to(torch.float64), Tp)
+    BH, _, K = g.shape
+    return g.view(BH, Tp // L, L, K).cumsum(2).view(BH, Tp, K)
+
+
+def supports(K: int, V: int, chunk_size: int, dtype: torch.dtype) -> bool:
+    """Whether these kernels take the case (backend=None falls back to PyTorch otherwise)."""
+    dims = all(16 <= d <= 256 and d & (d - 1) == 0 for d in (K, V))
+    return dims and chunk_size in (16, 32, 64) and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_triton_shapes(K: int, V: int, chunk_size: int) -> int:
+    for name, d in (("K", K), ("V", V)):
+        if d < 16 or d > 256 or d & (d - 1):
+            raise ValueError(f"the Triton DPLR kernels need {name} a power of two in [16, 256], got {d}")
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"the Triton DPLR kernels need chunk_size in (16, 32, 64), got {chunk_size}")
+    return chunk_size
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------
+
+
+class _DPLRTriton(torch.autograd.Function):
+    """q, k, v, a, b, gk: [B, T, H, ·] (any float dtype); h0: [B, H, K, V] or None.
+    Returns (o [B, T, H, V] in q's dtype, h_T [B, H, K, V] float32)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, b, gk, h0, scale, L):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        Tp = math.ceil(T / L) * L
+        qc, kc, vc, ac, bc = (_chunk_layout(x, Tp) for x in (q, k, v, a, b))
+        G = _log_gamma(gk, Tp, L)
+        h0c = None if h0 is None else h0.to(torch.float32).reshape(B * H, K, V).contiguous()
+        r = _fwd(qc, kc, vc, ac, bc, G, h0c, scale, L)
+        o = _seq_layout(r.pop("O"), B, H, T, q.dtype)
+        hT = r.pop("hT").view(B, H, K, V)
+        # scratch kept for the backward (pair matrices, E, W, Cm, V2, chunk states): the backward
+        # re-runs none of the forward kernels
+        ctx.save_for_backward(qc, kc, vc, ac, bc, G, *(r[n] for n in _SAVED))
+        ctx.meta = (B, T, H, scale, L, [x.dtype for x in (q, k, v, a, b, gk)],
+                    None if h0 is None else h0.dtype)
+        ctx.set_materialize_grads(False)
+        return o, hT
+
+    @staticmethod
+    def backward(ctx, do, dhT):
+        qc, kc, vc, ac, bc, G, *saved = ctx.saved_tensors
+        B, T, H, scale, L, dts, h0_dtype = ctx.meta
+        r = dict(zip(_SAVED, saved))
+        Tp = qc.shape[1]
+        K, V = qc.shape[-1], vc.shape[-1]
+        dOc = (torch.zeros(B * H, Tp, V, device=qc.device, dtype=torch.float32) if do is None
+               else _chunk_layout(do.to(torch.float32), Tp))
+        dhTc = None if dhT is None else dhT.to(torch.float32).reshape(B * H, K, V).contiguous()
+        dq, dk, dv, da, db, dg, dh0 = _bwd(qc, kc, vc, ac, bc, G, r, dOc, dhTc, scale, L)
+        grads = [_seq_layout(g, B, H, T, dt) for g, dt in zip((dq, dk, dv, da, db, dg), dts)]
+        dh0 = None if h0_dtype is None else dh0.view(B, H, K, V).to(h0_dtype)
+        return (*grads, dh0, None, None)
+
+
+_SAVED = ("Aqk", "Aqa", "Abk", "E", "W", "V2", "Hs")
+
+
+def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
+                          output_final_state=False, chunk_size=64):
+    """DPLR chunkwise with the Triton kernels above (forward and hand-written backward).
+
+    S_t = S_{t-1} Diag(α_t)(I − b_t a_tᵀ) + v_t k_tᵀ, α_t = exp(gk_t), o_t = S_t (scale·q_t).
+
+    Args:
+        q, k, a, b, gk: [B, T, H, K]; gk ≤ 0, safe down to −5 per step (module docstring).
+        v: [B, T, H, V]. K, V powers of two in [16, 256]; any T.
+        scale: query scale, default 1/√K.
+        initial_state: [B, H, K, V] (= Sᵀ of the seed) or None for zeros.
+        chunk_size: 16, 32 or 64.
+    Returns:
+        (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32 or None).
+    """
+    B, T, H, K, V = check_dplr_inputs(q, k, v, a, b, gk, initial_state)
+    check_chunk(chunk_size)
+    L = _check_triton_shapes(K, V, chunk_size)
+    scale = float(check_scale(scale, K))
+    for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("gk", gk)):
+        if x.dtype == torch.float64:
+            # the kernels compute in float32: a float64 caller wants float64 accuracy
+            raise ValueError(f"{name} is float64: the Triton DPLR kernels compute in float32; "
+                             "use backend='torch' for float64")
+    o, hT = _DPLRTriton.apply(q, k, v, a, b, gk, initial_state, scale, L)
+    return o, (hT if output_final_state else None)
+
+
+def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                         chunk_size=64):
+    """KDA through the DPLR kernels: a = k, b = β k, v ← β v (seed "与KDA的关系"); gradients reach
+    k, v, g and β through autograd of the substitution.
+
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None.
+    Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32 or None).
+    """
+    check_kda_inputs(q, k, v, g, beta)
+    # products formed in float32 so 16-bit inputs are rounded only once (as kda.py)
+    kf, beta_ = k.float(), beta.float().unsqueeze(-1)
+    o, hT = dplr_chunkwise_triton(q, kf, v.float() * beta_, kf, kf * beta_, g, scale=scale,
+                                  initial_state=initial_state, output_final_state=output_final_state,
+                                  chunk_size=chunk_size)
+    return o, hT
+
+
+TRITON_OPS.update(("dplr_chunkwise", "kda_chunkwise"))
