@@ -236,14 +236,16 @@ def make_batch(task: FormalTask, rng: np.random.Generator, lengths: Sequence[int
             raise ValueError(f"pad_to={pad_to} is shorter than the longest sequence ({T} tokens)")
         T = pad_to
     B = len(rows)
-    inputs = torch.full((B, T), PAD, dtype=torch.long)
-    targets = torch.full((B, T), PAD, dtype=torch.long)
-    mask = torch.zeros(B, T, dtype=torch.bool)
+    # numpy rows then one tensor each: per-row torch.tensor calls cost more than a GPU step
+    inputs = np.full((B, T), PAD, dtype=np.int64)
+    targets = np.full((B, T), PAD, dtype=np.int64)
+    mask = np.zeros((B, T), dtype=bool)
     for b, (i, t, m) in enumerate(rows):
-        inputs[b, : len(i)] = torch.tensor(i)
-        targets[b, : len(t)] = torch.tensor(t)
-        mask[b, : len(m)] = torch.tensor(m)
-    return TaskBatch(inputs, targets, mask, torch.as_tensor(list(lengths), dtype=torch.long))
+        inputs[b, : len(i)] = i
+        targets[b, : len(t)] = t
+        mask[b, : len(m)] = m
+    return TaskBatch(torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(mask),
+                     torch.as_tensor(np.asarray(lengths, dtype=np.int64)))
 
 
 def sample_train_batch(task: FormalTask, rng: np.random.Generator, batch_size: int,
