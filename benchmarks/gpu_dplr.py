@@ -1,0 +1,260 @@
+"""One device call for the Triton DPLR/KDA kernels (issue 7): correctness, cold compile, timing
+against fla's chunk_dplr_delta_rule / chunk_kda measured in the same call.
+
+On the GPU machine (repository root, `.whl` and `.peers` carried):
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site OUT=$OUT python3 benchmarks/gpu_dplr.py
+CPU smoke test (interpreter, tiny shapes, no peers):
+    DRY=1 TRITON_INTERPRET=1 OUT=/tmp/x PYTHONPATH=. .venv/bin/python benchmarks/gpu_dplr.py
+
+Order (the whole call must stay under ~6 minutes): fla is started first in a child process
+(it spends most of its time compiling on the CPU), our cold compile and correctness checks run
+meanwhile, then we wait for fla (at most PEER_WAIT_S) and time our kernels on an idle GPU.
+Results: $OUT/dplr_results.json, $OUT/anchors.jsonl (fla), and a table on stdout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+DRY = os.environ.get("DRY", "0") == "1"
+OUT = os.environ.get("OUT", ".")
+os.makedirs(OUT, exist_ok=True)
+# our kernels compile into a fresh cache so the first call measures a cold compile
+if "TRITON_CACHE_DIR" not in os.environ:
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="dplr_triton_cache_")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from xlstm_kit.ops.dplr import chunkwise as torch_chunkwise  # noqa: E402
+from xlstm_kit.ops.dplr import kda as torch_kda  # noqa: E402
+from xlstm_kit.ops.dplr.naive import dplr_recurrent  # noqa: E402
+from xlstm_kit.ops.dplr.triton_chunkwise import dplr_chunkwise_triton, kda_chunkwise_triton  # noqa: E402
+
+DEV = "cpu" if DRY else "cuda"
+SHAPES = [(1, 64, 2, 16, 16)] if DRY else [(8, 2048, 16, 128, 128), (2, 8192, 16, 128, 128)]
+CHECK_T = [1, 20] if DRY else [1, 100, 2048]
+CHECK_KV = [(16, 16)] if DRY else [(128, 128), (64, 64), (256, 256), (64, 128)]
+PEER_WAIT_S = float(os.environ.get("PEER_WAIT_S", "290"))
+results: dict = {"env": {}, "compile": {}, "check": [], "time": [], "peers": []}
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def save():
+    with open(os.path.join(OUT, "dplr_results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def inputs(B, T, H, K, V, dtype, gmin=-5.0, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)
+    q = r(B, T, H, K)
+    k = r(B, T, H, K) / K ** 0.5
+    a = F.normalize(r(B, T, H, K), dim=-1)
+    b = -a * torch.rand(B, T, H, 1, generator=g)
+    v = r(B, T, H, V)
+    gk = torch.rand(B, T, H, K, generator=g) * gmin
+    s0 = r(B, H, K, V)
+    xs = [x.to(DEV, dtype) for x in (q, k, v, a, b, gk)]
+    return xs, s0.to(DEV), r(B, T, H, V).to(DEV), r(B, H, K, V).to(DEV)
+
+
+def fwd_bwd(fn, xs, s0, do, dsT, **kw):
+    ys = [x.detach().clone().requires_grad_() for x in xs]
+    y0 = s0.detach().clone().requires_grad_()
+    o, sT = fn(*ys, initial_state=y0, output_final_state=True, **kw)
+    loss = (o.float() * do).sum() + (sT.float() * dsT).sum()
+    return [o, sT] + list(torch.autograd.grad(loss, ys + [y0]))
+
+
+NAMES = ["o", "state", "dq", "dk", "dv", "da", "db", "dgk", "dh0"]
+
+
+# ----------------------------------------------------------------------------------------- fla
+def start_peers():
+    peers = os.path.join(".peers", "peers_gpu.py")
+    if DRY or not os.path.exists(peers):
+        return None
+    jobs = [["fla_dplr", list(s)] for s in SHAPES] + [["fla_kda", list(s)] for s in SHAPES]
+    env = dict(os.environ, OUT=OUT, BUDGET_S=str(int(PEER_WAIT_S)), JOB_S="250")
+    env.pop("TRITON_CACHE_DIR")  # fla keeps its own (default) cache
+    return subprocess.Popen([sys.executable, peers, "jobs", json.dumps(jobs)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(OUT, "peers.log"), "w"))
+
+
+# ------------------------------------------------------------------------------------- compile
+def cold_compile():
+    """First fwd+bwd call of a new configuration (fresh cache): compile + one run."""
+    B, T, H, K, V = (1, 64, 1, 16, 16) if DRY else (1, 256, 2, 128, 128)
+    for dt in ([torch.float32] if DRY else [torch.bfloat16, torch.float32]):
+        xs, s0, do, dsT = inputs(B, T, H, K, V, dt)
+        sync()
+        t = time.time()
+        fwd_bwd(dplr_chunkwise_triton, xs, s0, do, dsT)
+        sync()
+        cold = time.time() - t
+        t = time.time()
+        fwd_bwd(dplr_chunkwise_triton, xs, s0, do, dsT)
+        sync()
+        results["compile"][str(dt)] = {"cold_s": cold, "warm_s": time.time() - t, "K": K, "V": V}
+        log(f"cold compile fwd+bwd {dt}: {cold:.1f} s (warm call {time.time() - t:.3f} s)")
+
+
+# ----------------------------------------------------------------------------------- correctness
+def check():
+    for (K, V) in CHECK_KV:
+        for T in (CHECK_T if (K, V) == CHECK_KV[0] else [100 if not DRY else 20]):
+            B, H = 1, 2
+            xs, s0, do, dsT = inputs(B, T, H, K, V, torch.float32, seed=T)
+            ref = fwd_bwd(dplr_recurrent, [x.double() for x in xs], s0.double(), do.double(), dsT.double())
+            got = fwd_bwd(dplr_chunkwise_triton, xs, s0, do, dsT)
+            row = {"case": "fp32", "T": T, "K": K, "V": V, **{n: rel(g, r) for n, g, r in zip(NAMES, got, ref)}}
+            row["ok"] = all(row[n] < 5e-5 for n in NAMES)
+            results["check"].append(row)
+            log(row)
+            if (K, V) != CHECK_KV[0] or DRY:
+                continue
+            # bf16 2x rule: our error vs float64 ≤ 2 × the PyTorch chunkwise op's error, both fed
+            # the same bf16 inputs (the reference sees them upcast)
+            xb = [x.to(torch.bfloat16) for x in xs]
+            ref = fwd_bwd(dplr_recurrent, [x.double() for x in xb], s0.double(), do.double(), dsT.double())
+            got = fwd_bwd(dplr_chunkwise_triton, xb, s0, do, dsT)
+            tor = fwd_bwd(torch_chunkwise.dplr_chunkwise, xb, s0, do, dsT)
+            row = {"case": "bf16", "T": T, "K": K, "V": V}
+            ok = True
+            for n, g, t_, r in zip(NAMES, got, tor, ref):
+                e, et = rel(g, r), rel(t_, r)
+                row[n] = e
+                row[n + "_torch"] = et
+                ok &= e <= 2 * et + 1e-6
+            row["ok"] = ok
+            results["check"].append(row)
+            log(row)
+    # KDA through the kernels vs the PyTorch KDA op in float64
+    T, K, V = (20, 16, 16) if DRY else (100, 128, 128)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, T, 2, K, generator=g)
+    k = F.normalize(torch.randn(1, T, 2, K, generator=g), dim=-1)
+    v = torch.randn(1, T, 2, V, generator=g)
+    gg = torch.rand(1, T, 2, K, generator=g) * -5
+    beta = torch.rand(1, T, 2, generator=g)
+    s0 = torch.randn(1, 2, K, V, generator=g)
+    xs = [x.to(DEV) for x in (q, k, v, gg, beta)]
+    do, dsT = torch.randn(1, T, 2, V).to(DEV), torch.randn(1, 2, K, V).to(DEV)
+    ref = fwd_bwd(torch_kda.kda_chunkwise, [x.double() for x in xs], s0.to(DEV).double(), do.double(), dsT.double())
+    got = fwd_bwd(kda_chunkwise_triton, xs, s0.to(DEV), do, dsT)
+    names = ["o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    row = {"case": "kda_fp32", "T": T, "K": K, "V": V, **{n: rel(x, y) for n, x, y in zip(names, got, ref)}}
+    row["ok"] = all(row[n] < 5e-5 for n in names)
+    results["check"].append(row)
+    log(row)
+    save()
+
+
+# ---------------------------------------------------------------------------------------- timing
+def bench(fn, reps=None):
+    if DRY:
+        t = time.time()
+        fn()
+        return (time.time() - t) * 1e3
+    import triton
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def timing():
+    for shape in SHAPES:
+        B, T, H, K, V = shape
+        xs, s0, _, _ = inputs(B, T, H, K, V, torch.bfloat16, gmin=-0.1)
+        ys = [x.requires_grad_() for x in xs]
+        do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
+
+        def fwd():
+            return dplr_chunkwise_triton(*ys)[0]
+
+        def fb():
+            fwd().backward(do)
+        with torch.no_grad():
+            f_ms = bench(lambda: dplr_chunkwise_triton(*ys))
+        fb_ms = bench(fb)
+        # KDA: same kernels plus the substitution
+        kk = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(torch.bfloat16).requires_grad_()
+        beta = torch.rand(B, T, H, device=DEV, dtype=torch.bfloat16).requires_grad_()
+        g = (torch.rand(B, T, H, K, device=DEV) * -0.1).requires_grad_()
+        kfb_ms = bench(lambda: kda_chunkwise_triton(ys[0], kk, ys[2], g, beta)[0].backward(do))
+        row = {"shape": list(shape), "dplr_fwd_ms": f_ms, "dplr_fwbw_ms": fb_ms, "kda_fwbw_ms": kfb_ms}
+        if DEV == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            fb()
+            torch.cuda.synchronize()
+            row["dplr_fwbw_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        results["time"].append(row)
+        log(row)
+        save()
+
+
+def main():
+    if DEV == "cuda":
+        import triton
+        results["env"] = {"torch": torch.__version__, "triton": triton.__version__,
+                          "gpu": torch.cuda.get_device_name()}
+    peers = start_peers()
+    try:
+        cold_compile()
+        check()
+    finally:
+        if peers is not None:
+            left = PEER_WAIT_S - (time.time() - T0)
+            try:
+                peers.wait(timeout=max(left, 1))
+            except subprocess.TimeoutExpired:
+                peers.kill()   # what it measured so far is in anchors.jsonl
+                log("fla jobs stopped at PEER_WAIT_S")
+    timing()
+    path = os.path.join(OUT, "anchors.jsonl")
+    if os.path.exists(path):
+        results["peers"] = [json.loads(l) for l in open(path) if l.strip()]
+    save()
+    # table
+    print("\n| shape | ours fwd ms | ours fwd+bwd ms | fla dplr fwd+bwd ms | ratio | ours KDA fwd+bwd | fla KDA | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results["time"]:
+        def peer(op):
+            for p in results["peers"]:
+                if p.get("name") == f"fla_{op}" and [p.get(x) for x in "BTHKV"] == r["shape"]:
+                    return p.get("fwbw_ms")
+            return None
+        fd, fk = peer("dplr"), peer("kda")
+        ra = f"{r['dplr_fwbw_ms'] / fd:.2f}" if fd else "-"
+        rk = f"{r['kda_fwbw_ms'] / fk:.2f}" if fk else "-"
+        print(f"| {tuple(r['shape'])} | {r['dplr_fwd_ms']:.3f} | {r['dplr_fwbw_ms']:.3f} | {fd} | {ra} | "
+              f"{r['kda_fwbw_ms']:.3f} | {fk} | {rk} |")
+    bad = [c for c in results["check"] if not c["ok"]]
+    print(f"\ncorrectness: {len(results['check']) - len(bad)}/{len(results['check'])} ok;"
+          f" compile: {results['compile']}; peers errors: "
+          f"{[p for p in results['peers'] if 'error' in p]}")
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
