@@ -410,9 +410,10 @@ DEFAULT_VARIANTS = {  # most important first: the time part skips the tail when 
     "fused64_all": {"bwd_fused": True, "keep_states": True, "rows_kernel": True},   # ~800 B spill
     "fused32_all": {"bwd_fused": True, "fb_maxK": 256, "L_fwd": 32, "L_bwd": 32, "keep_states": True,
                     "rows_kernel": True},            # spill-free at K=128; 92 B at K=256
+    # + 32×32 tiles in the sequential state kernels when the grid is small (few heads)
+    "fused64_all_seq": {"bwd_fused": True, "keep_states": True, "rows_kernel": True, "seq_min_programs": 264},
     "default": {},                                   # bf16 states, split state updates, dqk 64x32
     "old_all": {"keep_states": True, "rows_kernel": True},   # old backward + the glue changes
-    "fused32": {"bwd_fused": True, "L_bwd": 32, "rows_kernel": True},   # forward at 64, bwd at 32
     "fused64w16_all": {"bwd_fused": True, "fb_warps": 16, "keep_states": True, "rows_kernel": True},
 }
 

@@ -144,7 +144,9 @@ def test_fused_backward_matches_recurrent(T, L, K, keep, monkeypatch):
     orig = tc._bwd_fused
     monkeypatch.setattr(tc, "_bwd_fused", type("Counted", (), {
         "__getitem__": lambda self, grid: (calls.append(grid), orig[grid])[1]})())
-    cfg = dict(bwd_fused=True, fb_BV=16, keep_states=keep, rows_kernel=keep)
+    # not keep: also the sequential state kernels on their small-grid 32-wide tiles (2 K-tiles)
+    cfg = dict(bwd_fused=True, fb_BV=16, keep_states=keep, rows_kernel=keep,
+               seq_min_programs=0 if keep else 10**9)
     check_against_reference(1, T, 2, K, 40, chunk_size=L, config=cfg)
     assert calls and calls[0] == (triton.cdiv(T, L), 2)
 

@@ -654,6 +654,9 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
         # rows_kernel: the per-row factors of δh (δh·h/d, 1/d, δn̄) in one Triton kernel
         # reading δh and h in their dtype, instead of PyTorch ops over float32 copies.
         rows_kernel=False,
+        # seq_min_programs: below this many programs the sequential state kernels use 32×32
+        # tiles (0: never); see _seq_tiles.
+        seq_min_programs=0,
     )
 
 
@@ -698,6 +701,17 @@ def _gates_padded(i: torch.Tensor, f: torch.Tensor, L: int):
     return flat(hi), flat(lo), flat(ig.float()), flat(u.float()), NC, x
 
 
+def _seq_tiles(cfg: dict, kind: str, BH: int, K: int, V: int):
+    """(BK, BV, warps) of a sequential state kernel ("st" or "ds"). With few heads the grid of
+    (K-tiles × V-tiles × B·H) programs leaves SMs idle while each walks all chunks; when it has
+    fewer than cfg["seq_min_programs"] programs the tiles shrink to 32×32 (4 warps)."""
+    BK, BV, warps = cfg[kind + "_BK"], cfg[kind + "_BV"], cfg[kind + "_warps"]
+    need = cfg["seq_min_programs"]
+    if need and triton.cdiv(K, BK) * triton.cdiv(V, BV) * BH < need:
+        BK, BV, warps = min(BK, 32), min(BV, 32), 4
+    return BK, BV, warps
+
+
 def _states(k, v, beta, blo, ig, u, NC, C0, n0, m0, L, cfg, store_final):
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -712,15 +726,16 @@ def _states(k, v, beta, blo, ig, u, NC, C0, n0, m0, L, cfg, store_final):
     else:
         cf = nf = ms
     has_init = C0 is not None
-    grid = (triton.cdiv(K, cfg["st_BK"]), triton.cdiv(V, cfg["st_BV"]), B * H)
+    BK, BV, warps = _seq_tiles(cfg, "st", B * H, K, V)
+    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
     _fwd_states[grid](
         k, v, beta, blo, ig, u,
         C0 if has_init else ms, n0 if has_init else ms, m0,
         cs, ns, ms, cf, nf,
         T, H, NC,
-        K=K, V=V, L=L, BK=cfg["st_BK"], BV=cfg["st_BV"],
+        K=K, V=V, L=L, BK=BK, BV=BV,
         HAS_INIT=has_init, STORE_FINAL=store_final, UPD_MODE=upd, PREC=prec,
-        num_warps=cfg["st_warps"], num_stages=cfg["st_stages"],
+        num_warps=warps, num_stages=cfg["st_stages"],
     )
     return cs, ns, ms, (cf, nf, ms[:, :, NC]) if store_final else None
 
@@ -824,14 +839,15 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, 
     if has_df:
         dCf = torch.zeros(B, H, K, V, device=dev) if dCf is None else dCf.float().contiguous()
         dnf = torch.zeros(B, H, K, device=dev) if dnf is None else dnf.float().contiguous()
-    grid = (triton.cdiv(K, cfg["ds_BK"]), triton.cdiv(V, cfg["ds_BV"]), B * H)
+    BK, BV, warps = _seq_tiles(cfg, "ds", B * H, K, V)
+    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
     _bwd_dstates[grid](
         q, dh, beta, u, rd_p, g_p, ms,
         dCf if has_df else ms, dnf if has_df else ms,
         dcs, dns, dC0, dn0,
         T, H, NC, K ** -0.5,
-        K=K, V=V, L=L, BK=cfg["ds_BK"], BV=cfg["ds_BV"], HAS_DFINAL=has_df, UPD_MODE=upd, PREC=prec,
-        num_warps=cfg["ds_warps"], num_stages=cfg["ds_stages"],
+        K=K, V=V, L=L, BK=BK, BV=BV, HAS_DFINAL=has_df, UPD_MODE=upd, PREC=prec,
+        num_warps=warps, num_stages=cfg["ds_stages"],
     )
 
     dq = torch.empty_like(q)
