@@ -409,9 +409,11 @@ DEFAULT_VARIANTS = {  # most important first: the time part skips the tail when 
     # _all: + the forward's states and gates kept for the backward, per-row δh factors in Triton
     "fused64_all": {"bwd_fused": True, "keep_states": True, "rows_kernel": True},   # ~800 B spill
     "fused32_all": {"bwd_fused": True, "fb_maxK": 256, "L_fwd": 32, "L_bwd": 32, "keep_states": True,
-                    "rows_kernel": True},            # spill-free at K=128; 92 B at K=256
-    # + 32×32 tiles in the sequential state kernels when the grid is small (few heads)
-    "fused64_all_seq": {"bwd_fused": True, "keep_states": True, "rows_kernel": True, "seq_min_programs": 264},
+                    "rows_kernel": True, "st_warps": 8},   # fused spill-free at K=128; 92 B at K=256
+    # + states kernel on 8 warps (4 spill 472 B/thread in a Triton 3.7 sm_90 compile) and 32×32
+    # tiles in the sequential state kernels when the grid is small (few heads)
+    "fused64_all_seq": {"bwd_fused": True, "keep_states": True, "rows_kernel": True, "st_warps": 8,
+                        "seq_min_programs": 264},
     "default": {},                                   # bf16 states, split state updates, dqk 64x32
     "old_all": {"keep_states": True, "rows_kernel": True},   # old backward + the glue changes
     "fused64w16_all": {"bwd_fused": True, "fb_warps": 16, "keep_states": True, "rows_kernel": True},
