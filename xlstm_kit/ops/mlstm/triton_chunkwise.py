@@ -21,6 +21,11 @@ Kernels (two phases each way, all accumulation and states in float32):
             _bwd_dqk     parallel over (chunk, K-tile, b·h): δq, δk (and δv when K fits one tile)
                          and the log-gate gradients of the chunk
             _bwd_dv      parallel over (chunk, V-tile, b·h): δv when K needs several tiles
+            _bwd_fused   (config bwd_fused) replaces _bwd_dqk + _bwd_dv: one program per
+                         (chunk, b·h) holding all of K, every product formed once
+            _bwd_rows    (config rows_kernel) the per-row factors of δh (δh·h/d, 1/d, δn̄)
+  With config keep_states the forward's chunk states and gate tensors are saved for the
+  backward instead of recomputed (when both passes use the same chunk length).
 The backward holds every stabilizer fixed (the inputs then enter only through q̂ e^{β},
 k e^{ĩ−β}, so the gate gradients are row and column sums of dP ⊙ P plus chunk terms) and
 adds the stabilizers' own influence in PyTorch afterwards: h_t depends on m_t through eps
