@@ -6,6 +6,7 @@
     xlstm-kit generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
     xlstm-kit eval     DIR [--data SPEC]
     xlstm-kit demo     [--minutes 3]
+    xlstm-kit experiment formal --task parity --model "xlstm[0:1]" | mqar --model M | sweep [--jobs N]
 
 Bad input (unknown preset or tokenizer, missing data, empty corpus, incompatible checkpoint,
 invalid numbers) prints one line to stderr and exits with status 2. Set XLSTM_KIT_DEBUG=1 to get
