@@ -73,3 +73,13 @@ def test_cli_experiment(tmp_path, capsys):
     assert main(["experiment", "mqar", "--model", "gpt", "--quick"]) == 2
     err = capsys.readouterr().err
     assert "unknown formal task 'nope'" in err and "unknown model 'gpt'" in err and len(err.strip().splitlines()) == 2
+
+
+def test_failed_run_is_reported_not_fatal(tmp_path):
+    from xlstm_kit.tasks.experiment import _run_one, load_results, write_report
+
+    cfg = quick_config(steps=2, d_model=30).to_dict()  # 30 does not split into 4 attention heads
+    bad = _run_one(("formal", "parity", "transformer", cfg, str(tmp_path / "runs"), 0))
+    assert "error" in bad and "heads" in bad["error"]
+    write_report(load_results(tmp_path / "runs"), tmp_path)
+    assert "| transformer | error |" in (tmp_path / "table.md").read_text()

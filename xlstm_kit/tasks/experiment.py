@@ -376,7 +376,11 @@ def _run_one(job: tuple[str, str, str, dict[str, Any], str, int]) -> dict[str, A
             return run_mqar(model, cfg, out_dir)
         return run_formal(task, model, cfg, out_dir)
     except Exception as e:  # one failed run must not lose the others; the table shows the error
-        return {"kind": kind, "task": task, "model": model, "error": f"{type(e).__name__}: {e}"}
+        result = {"kind": kind, "task": task, "model": model, "error": f"{type(e).__name__}: {e}"}
+        path = Path(out_dir) / f"{kind}__{task}__{model_slug(model)}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))  # a report rebuilt from the files shows it too
+        return result
 
 
 def run_sweep(tasks: Sequence[str], models: Sequence[str], cfg: RunConfig, out_dir: str | Path, *,
