@@ -1,4 +1,5 @@
-"""Chunkwise DPLR in Triton: the WY algorithm of the seed (section 二), forward kernels.
+"""Chunkwise DPLR in Triton: the WY algorithm of the seed (section 二) and its hand-written
+backward (section 三).
 
 Same maths and notation as chunkwise.py (the tested PyTorch version): per chunk of L steps, with
 G the inclusive cumulative sum of gk over the chunk (log Γ of the seed) and the state stored
@@ -9,12 +10,21 @@ transposed (h = Sᵀ ∈ R^{K×V}),
     state passing   V2 = Cm − W h,  h' = Diag(γ_L) h + (K ⊙ e^{G_L−G})ᵀ V + (A ⊙ e^{G_L−G})ᵀ V2
     output          O = (Q ⊙ e^G) h + A_qk V + A_qa V2
 
-Kernels (all accumulation, scratch and states in float32):
-  _fwd_pairs   parallel over (chunk, column sub-chunk, b·h): the four pair matrices, one [L, S]
-               column block each, written to scratch [BH, N, L, L]
-  _fwd_wy      parallel over (chunk, b·h): E by forward substitution on chip (row by row, all L
-               rows in registers), then W = E B← and Cm = −E (A_bk V)
-  _fwd_state   sequential over chunks, parallel over (V-tile, b·h): V2, the output and the state
+Kernels (all accumulation, scratch and states in float32; kernel → launcher → autograd.Function):
+  forward
+    _fwd_pairs  parallel over (chunk, column sub-chunk, b·h): the four pair matrices, one [L, S]
+                column block each, written to scratch [BH, N, L, L]
+    _fwd_wy     parallel over (chunk, b·h): E by forward substitution on chip (row by row, all L
+                rows in registers), W = E B←, Cm = −E (A_bk V), and the decayed operands
+                Q ⊙ e^G, K ⊙ e^{G_L−G}, A ⊙ e^{G_L−G}, e^{G_L} of the sequential kernels
+    _fwd_state  sequential over chunks, parallel over (V-tile, b·h): V2, the output, the state
+  backward (seed §三, typos fixed as in chunkwise.py; the forward's scratch is kept, not recomputed)
+    _bwd_state  reverse-sequential over chunks per (V-tile, b·h): δ of each chunk's end state, δV2
+    _bwd_dv     parallel over (chunk, b·h): δv, GC = Eᵀ δC and the pair-matrix gradients
+    _bwd_dk     parallel over (chunk, K-tile, b·h): δq, δk, δa, δb and the gate gradient
+Memory: the forward keeps (4 L + 5 K + V) float32 values per token and head (A_qk, A_qa, A_bk, E;
+W, Q⊙e^G, A⊙e^{G_L−G}, G in float64; V2) plus one K×V state per chunk: about 1.4 GB at
+B=8, T=2048, H=16, K=V=128.
 
 Numerics (log-gates down to −5 per step). The seed's factorisation Q← = Q⊙Γ, K→ = K⊘Γ would
 need 1/Γ up to e^{320} in a chunk of 64 steps at gk = −5. The pair matrices are therefore built
@@ -22,8 +32,10 @@ per column sub-chunk J of S = 16 steps with a reference point inside the chunk:
   rows below J:  (X ⊙ e^{G_r − G_end(J)}) (Y_J ⊙ e^{G_end(J) − G_J})ᵀ   — both factors ≤ 1, any gk;
   rows inside J: (X ⊙ e^{G_r − G_start(J)}) (Y_J ⊙ e^{G_start(J) − G_J})ᵀ — the right factor is
                  at most e^{−Σ gk over the 16 steps of J} ≤ e^{80} at gk ≥ −5, below the float32
-                 limit e^{88.7}; the upper triangle of the block (which may reach e^{80}·|xy|) is
-                 masked to 0 afterwards with `where`, so it never enters a sum.
+                 limit e^{88.7}; the entries above the diagonal of the block (which may reach
+                 e^{80}·|xy|) are replaced by 0 with `where` and never reach a later sum.
+                 (Products that fall below ~1e-38 lose the low part of the 3-pass TF32 split:
+                 a local 5e-4 relative error, only at the −5 bound, deep inside a sub-chunk.)
 All other decays (e^{G_r}, e^{G_L − G_r}, e^{G_L}) are ≤ 1. G is cumulated in float64 (the
 wrapper's cumsum) and only differences are cast to float32 before the exp: a float32 G reaches
 −320 at gk = −5 and differences of such numbers would cost 2e-5 relative on every decay.
@@ -44,9 +56,16 @@ from .naive import check_chunk, check_dplr_inputs, check_scale
 
 SUB = 16  # column sub-chunk of the pair matrices (see the module docstring for why 16)
 
-# warps per kernel (chosen with ptxas register/spill reports at K = V = 128 on sm_90)
-_NUM_WARPS = {"_fwd_pairs": 4, "_fwd_wy": 4, "_fwd_state": 8, "_bwd_state": 8, "_bwd_dv": 4,
-              "_bwd_dk": 4}
+# Warps per kernel, chosen from ptxas register/spill reports (sm_90, K = V = 128, compiled on the
+# CPU machine). num_stages = 1 everywhere: the default software pipelining double-buffers every
+# [L, K] operand of the chunk loops in shared memory (378 KB for _fwd_state at K = V = 128, far
+# over the 227 KB an H200 block may use); unpipelined, the largest kernel needs 196 KB at 256.
+_NUM_WARPS = {"_fwd_pairs": 4, "_fwd_wy": 8, "_fwd_state": 8, "_bwd_state": 8, "_bwd_dv": 8,
+              "_bwd_dk": 8}
+
+
+def _launch(name: str) -> dict:
+    return {"num_warps": _NUM_WARPS[name], "num_stages": 1}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,11 +133,13 @@ def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
 
 
 @triton.jit
-def _fwd_wy(b, v, G, Abk, Aba, E, W, Cm, Tp, NC,
+def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC,
             K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
             BV: tl.constexpr, PREC: tl.constexpr):
-    """E = (I + A_ba)⁻¹, W = E B←, Cm = −E (A_bk V) for one chunk.
-    b: [BH, Tp, K]; v: [BH, Tp, V]; G float64; Abk, Aba, E: [BH, NC, L, L]; W: [BH, Tp, K];
+    """E = (I + A_ba)⁻¹, W = E B←, Cm = −E (A_bk V) for one chunk, and the decayed operands of
+    the sequential kernels (so those load no float64): Qg = scale·q ⊙ e^G, Kd = k ⊙ e^{G_L−G},
+    Ad = a ⊙ e^{G_L−G} [BH, Tp, K], eGl = e^{G_L} [BH, NC, K].
+    q, k, a, b: [BH, Tp, K]; v: [BH, Tp, V]; G float64; Abk, Aba, E: [BH, NC, L, L]; W: [BH, Tp, K];
     Cm: [BH, Tp, V] (float32)."""
     n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -140,9 +161,17 @@ def _fwd_wy(b, v, G, Abk, Aba, E, W, Cm, Tp, NC,
     g_ptr = G + base_k + (t0 + rows)[:, None] * K
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
-        eG = tl.exp(tl.load(g_ptr + kk[None, :]).to(tl.float32))
-        Bg = tl.load(b + base_k + (t0 + rows)[:, None] * K + kk[None, :]).to(tl.float32) * eG
-        tl.store(W + base_k + (t0 + rows)[:, None] * K + kk[None, :], tl.dot(Em, Bg, input_precision=PREC))
+        pk = base_k + (t0 + rows)[:, None] * K + kk[None, :]
+        Gc = tl.load(g_ptr + kk[None, :])
+        g_last = tl.load(G + base_k + (t0 + L - 1) * K + kk)
+        eG = tl.exp(Gc.to(tl.float32))
+        dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
+        Bg = tl.load(b + pk).to(tl.float32) * eG
+        tl.store(W + pk, tl.dot(Em, Bg, input_precision=PREC))
+        tl.store(Qg + pk, tl.load(q + pk).to(tl.float32) * (eG * scale))
+        tl.store(Kd + pk, tl.load(k + pk).to(tl.float32) * dec)
+        tl.store(Ad + pk, tl.load(a + pk).to(tl.float32) * dec)
+        tl.store(eGl + (bh * NC + n) * K + kk, tl.exp(g_last.to(tl.float32)))
     Ab = tl.load(Abk + pa)
     base_v = bh * Tp * V
     for v0 in range(0, V, BV):
@@ -154,7 +183,7 @@ def _fwd_wy(b, v, G, Abk, Aba, E, W, Cm, Tp, NC,
 
 
 @triton.jit
-def _fwd_state(q, k, v, a, G, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, scale, Tp, NC,
+def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
                K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
                HAS_H0: tl.constexpr, PREC: tl.constexpr):
     """Sequential over the chunks of one (b·h, V-tile): V2, O and the state h [K, BV].
@@ -177,29 +206,21 @@ def _fwd_state(q, k, v, a, G, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, scale, Tp, NC,
         pk = base_k + (t0 + rows)[:, None] * K + kr[None, :]
         pv = base_v + (t0 + rows)[:, None] * V + vv[None, :]
         pa = ((bh * NC + n) * L + rows)[:, None] * L + rows[None, :]
-        Gc = tl.load(G + pk)
-        g_last = tl.load(G + base_k + (t0 + L - 1) * K + kr)
-        eG = tl.exp(Gc.to(tl.float32))
-        dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
-        eGl = tl.exp(g_last.to(tl.float32))
-        Qg = tl.load(q + pk).to(tl.float32) * (eG * scale)
-        Kd = tl.load(k + pk).to(tl.float32) * dec
-        Ad = tl.load(a + pk).to(tl.float32) * dec
-        Wc = tl.load(W + pk)
         vt = tl.load(v + pv).to(tl.float32)
-        v2 = tl.load(Cm + pv) - tl.dot(Wc, h, input_precision=PREC)
+        v2 = tl.load(Cm + pv) - tl.dot(tl.load(W + pk), h, input_precision=PREC)
         tl.store(V2 + pv, v2)
-        o = tl.dot(Qg, h, input_precision=PREC)
+        o = tl.dot(tl.load(Qg + pk), h, input_precision=PREC)
         o += tl.dot(tl.load(Aqk + pa), vt, input_precision=PREC)
         o += tl.dot(tl.load(Aqa + pa), v2, input_precision=PREC)
         tl.store(O + pv, o)
-        h = eGl[:, None] * h + tl.dot(tl.trans(Kd), vt, input_precision=PREC)
-        h += tl.dot(tl.trans(Ad), v2, input_precision=PREC)
+        h = tl.load(eGl + (bh * NC + n) * K + kr)[:, None] * h
+        h += tl.dot(tl.trans(tl.load(Kd + pk)), vt, input_precision=PREC)
+        h += tl.dot(tl.trans(tl.load(Ad + pk)), v2, input_precision=PREC)
     tl.store(hT + bh * K * V + ph, h)
 
 
 @triton.jit
-def _bwd_state(q, a, G, Aqa, W, dO, dhT, dH, dV2, dh0, scale, Tp, NC,
+def _bwd_state(Qg, Ad, eGl, Aqa, W, dO, dhT, dH, dV2, dh0, Tp, NC,
                K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
                HAS_DHT: tl.constexpr, PREC: tl.constexpr):
     """Reverse-sequential over the chunks of one (b·h, V-tile), seed §三:
@@ -224,16 +245,12 @@ def _bwd_state(q, a, G, Aqa, W, dO, dhT, dH, dV2, dh0, scale, Tp, NC,
         pk = base_k + (t0 + rows)[:, None] * K + kr[None, :]
         pv = base_v + (t0 + rows)[:, None] * V + vv[None, :]
         pa = ((bh * NC + n) * L + rows)[:, None] * L + rows[None, :]
-        Gc = tl.load(G + pk)
-        g_last = tl.load(G + base_k + (t0 + L - 1) * K + kr)
-        Qg = tl.load(q + pk).to(tl.float32) * (tl.exp(Gc.to(tl.float32)) * scale)
-        Ad = tl.load(a + pk).to(tl.float32) * tl.exp((g_last[None, :] - Gc).to(tl.float32))
-        eGl = tl.exp(g_last.to(tl.float32))
         do = tl.load(dO + pv)
-        dv2 = tl.dot(Ad, dh, input_precision=PREC)
+        dv2 = tl.dot(tl.load(Ad + pk), dh, input_precision=PREC)
         dv2 += tl.dot(tl.trans(tl.load(Aqa + pa)), do, input_precision=PREC)
         tl.store(dV2 + pv, dv2)
-        dh = eGl[:, None] * dh + tl.dot(tl.trans(Qg), do, input_precision=PREC)
+        dh = tl.load(eGl + (bh * NC + n) * K + kr)[:, None] * dh
+        dh += tl.dot(tl.trans(tl.load(Qg + pk)), do, input_precision=PREC)
         dh -= tl.dot(tl.trans(tl.load(W + pk)), dv2, input_precision=PREC)
     tl.store(dh0 + bh * K * V + ph, dh)
 
@@ -343,49 +360,66 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
     dXb = tl.zeros([L, BK], dtype=tl.float32)
     dYk = tl.zeros([L, BK], dtype=tl.float32)
     dYa = tl.zeros([L, BK], dtype=tl.float32)
+    cols = tl.arange(0, S)
     # Pair matrices, column sub-chunk by sub-chunk with the forward's reference points (module
-    # docstring): rows below J use G_end(J), rows inside J use G_start(J). Loading δA masked to
-    # the rows of each part keeps the e^{80}-sized right factors away from rows they don't cancel.
+    # docstring): rows below J use G_end(J), rows inside J use G_start(J); δA is read one [L, S]
+    # column block at a time and split by rows, which keeps the e^{80}-sized right factors away
+    # from rows where they are not cancelled. δY of the rows of J is complete after block J; it
+    # is placed into the [L, BK] accumulator by a product with the 0/1 matrix P[r, s] = (r = j0+s)
+    # (registers cannot be sliced).
     for jb in range(0, NB):
         j0 = jb * S
+        ci = j0 + cols
+        py = base_k + (t0 + ci)[:, None] * K + kr[None, :]                    # [S, BK]
+        pd = ((bh * NC + n) * L + rows)[:, None] * L + ci[None, :]            # [L, S]
         g_end = tl.load(G + base_k + (t0 + j0 + S - 1) * K + kr)
         g_start = tl.load(G + base_k + (t0 + j0 - 1) * K + kr, mask=(kr < K) & (j0 > 0), other=0.0)
         below = rows >= j0 + S
         inblk = (rows >= j0) & (rows < j0 + S)
         fx_off = tl.exp(tl.where(below[:, None], Gc - g_end[None, :], float("-inf")).to(tl.float32))
         fx_in = tl.exp(tl.where(inblk[:, None], Gc - g_start[None, :], float("-inf")).to(tl.float32))
-        fy_off = tl.exp(tl.where(inblk[:, None], g_end[None, :] - Gc, float("-inf")).to(tl.float32))
-        fy_in = tl.exp(tl.where(inblk[:, None], g_start[None, :] - Gc, float("-inf")).to(tl.float32))
-        m_off = below[:, None] & inblk[None, :]
-        m_in = inblk[:, None] & inblk[None, :]
-        yk_off = kx * fy_off
-        yk_in = kx * fy_in
-        ya_off = ax * fy_off
-        ya_in = ax * fy_in
+        Gy = tl.load(G + py)
+        fy_off = tl.exp((g_end[None, :] - Gy).to(tl.float32))                 # [S, BK] ≤ 1
+        fy_in = tl.exp((g_start[None, :] - Gy).to(tl.float32))                # [S, BK] ≤ e^{80}
+        yk = tl.load(k + py).to(tl.float32)
+        ya = tl.load(a + py).to(tl.float32)
         xq_off = qs * fx_off
         xq_in = qs * fx_in
         xb_off = bx * fx_off
         xb_in = bx * fx_in
-        d_off = tl.load(dAqk + pa, mask=m_off, other=0.0)
-        d_in = tl.load(dAqk + pa, mask=m_in, other=0.0)
-        dXq += fx_off * tl.dot(d_off, yk_off, input_precision=PREC) + fx_in * tl.dot(d_in, yk_in, input_precision=PREC)
-        dYk += (fy_off * tl.dot(tl.trans(d_off), xq_off, input_precision=PREC)
-                + fy_in * tl.dot(tl.trans(d_in), xq_in, input_precision=PREC))
-        d_off = tl.load(dAqa + pa, mask=m_off, other=0.0)
-        d_in = tl.load(dAqa + pa, mask=m_in, other=0.0)
-        dXq += fx_off * tl.dot(d_off, ya_off, input_precision=PREC) + fx_in * tl.dot(d_in, ya_in, input_precision=PREC)
-        dYa += (fy_off * tl.dot(tl.trans(d_off), xq_off, input_precision=PREC)
-                + fy_in * tl.dot(tl.trans(d_in), xq_in, input_precision=PREC))
-        d_off = tl.load(dAbk + pa, mask=m_off, other=0.0)
-        d_in = tl.load(dAbk + pa, mask=m_in, other=0.0)
-        dXb += fx_off * tl.dot(d_off, yk_off, input_precision=PREC) + fx_in * tl.dot(d_in, yk_in, input_precision=PREC)
-        dYk += (fy_off * tl.dot(tl.trans(d_off), xb_off, input_precision=PREC)
-                + fy_in * tl.dot(tl.trans(d_in), xb_in, input_precision=PREC))
-        d_off = tl.load(dAba + pa, mask=m_off, other=0.0)
-        d_in = tl.load(dAba + pa, mask=m_in, other=0.0)
-        dXb += fx_off * tl.dot(d_off, ya_off, input_precision=PREC) + fx_in * tl.dot(d_in, ya_in, input_precision=PREC)
-        dYa += (fy_off * tl.dot(tl.trans(d_off), xb_off, input_precision=PREC)
-                + fy_in * tl.dot(tl.trans(d_in), xb_in, input_precision=PREC))
+        place = tl.where(rows[:, None] == ci[None, :], 1.0, 0.0)               # [L, S]
+        # x = q: δA_qk (y = k) and δA_qa (y = a)
+        d = tl.load(dAqk + pd)
+        d_off = tl.where(below[:, None], d, 0.0)
+        d_in = tl.where(inblk[:, None], d, 0.0)
+        dXq += (fx_off * tl.dot(d_off, yk * fy_off, input_precision=PREC)
+                + fx_in * tl.dot(d_in, yk * fy_in, input_precision=PREC))
+        ck = (fy_off * tl.dot(tl.trans(d_off), xq_off, input_precision=PREC)
+              + fy_in * tl.dot(tl.trans(d_in), xq_in, input_precision=PREC))
+        d = tl.load(dAqa + pd)
+        d_off = tl.where(below[:, None], d, 0.0)
+        d_in = tl.where(inblk[:, None], d, 0.0)
+        dXq += (fx_off * tl.dot(d_off, ya * fy_off, input_precision=PREC)
+                + fx_in * tl.dot(d_in, ya * fy_in, input_precision=PREC))
+        ca = (fy_off * tl.dot(tl.trans(d_off), xq_off, input_precision=PREC)
+              + fy_in * tl.dot(tl.trans(d_in), xq_in, input_precision=PREC))
+        # x = b: δA_bk (y = k) and δA_ba (y = a)
+        d = tl.load(dAbk + pd)
+        d_off = tl.where(below[:, None], d, 0.0)
+        d_in = tl.where(inblk[:, None], d, 0.0)
+        dXb += (fx_off * tl.dot(d_off, yk * fy_off, input_precision=PREC)
+                + fx_in * tl.dot(d_in, yk * fy_in, input_precision=PREC))
+        ck += (fy_off * tl.dot(tl.trans(d_off), xb_off, input_precision=PREC)
+               + fy_in * tl.dot(tl.trans(d_in), xb_in, input_precision=PREC))
+        d = tl.load(dAba + pd)
+        d_off = tl.where(below[:, None], d, 0.0)
+        d_in = tl.where(inblk[:, None], d, 0.0)
+        dXb += (fx_off * tl.dot(d_off, ya * fy_off, input_precision=PREC)
+                + fx_in * tl.dot(d_in, ya * fy_in, input_precision=PREC))
+        ca += (fy_off * tl.dot(tl.trans(d_off), xb_off, input_precision=PREC)
+               + fy_in * tl.dot(tl.trans(d_in), xb_in, input_precision=PREC))
+        dYk += tl.dot(place, ck, input_precision=PREC)
+        dYa += tl.dot(place, ca, input_precision=PREC)
     dqk = tl.load(dqk_d + bh * Tp + t0 + rows)
     dqa = tl.load(dqa_d + bh * Tp + t0 + rows)
     tl.store(dq + pk, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale)
@@ -422,23 +456,22 @@ def _fwd(qc, kc, vc, ac, bc, G, h0, scale, L):
     f32 = torch.float32
     prec = _prec(qc.dtype)
     Aqk, Aqa, Abk, Aba, E = (torch.empty(BH, NC, L, L, device=dev, dtype=f32) for _ in range(5))
-    W = torch.empty(BH, Tp, K, device=dev, dtype=f32)
+    W, Qg, Kd, Ad = (torch.empty(BH, Tp, K, device=dev, dtype=f32) for _ in range(4))
+    eGl = torch.empty(BH, NC, K, device=dev, dtype=f32)
     Cm, V2, O = (torch.empty(BH, Tp, V, device=dev, dtype=f32) for _ in range(3))
     Hs = torch.empty(BH, NC, K, V, device=dev, dtype=f32)
     hT = torch.empty(BH, K, V, device=dev, dtype=f32)
-    BK = min(K, 64)
-    BV = min(V, 64)
     _fwd_pairs[(NC * (L // SUB), BH)](qc, kc, ac, bc, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
-                                      K=K, L=L, S=SUB, BK=BK, PREC=prec,
-                                      num_warps=_NUM_WARPS["_fwd_pairs"])
-    _fwd_wy[(NC, BH)](bc, vc, G, Abk, Aba, E, W, Cm, Tp, NC, K=K, V=V, L=L, BK=BK, BV=BV, PREC=prec,
-                      num_warps=_NUM_WARPS["_fwd_wy"])
+                                      K=K, L=L, S=SUB, BK=min(K, 32), PREC=prec,
+                                      **_launch("_fwd_pairs"))
+    _fwd_wy[(NC, BH)](qc, kc, ac, bc, vc, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC,
+                      K=K, V=V, L=L, BK=min(K, 64), BV=min(V, 64), PREC=prec, **_launch("_fwd_wy"))
     BVs = min(V, 32)
-    _fwd_state[(V // BVs, BH)](qc, kc, vc, ac, G, Aqk, Aqa, W, Cm,
-                               h0 if h0 is not None else hT, Hs, V2, O, hT, scale, Tp, NC,
+    _fwd_state[(V // BVs, BH)](Qg, Kd, Ad, eGl, vc, Aqk, Aqa, W, Cm,
+                               h0 if h0 is not None else hT, Hs, V2, O, hT, Tp, NC,
                                K=K, V=V, L=L, BV=BVs, HAS_H0=h0 is not None, PREC=prec,
-                               num_warps=_NUM_WARPS["_fwd_state"])
-    return dict(O=O, hT=hT, Aqk=Aqk, Aqa=Aqa, Abk=Abk, E=E, W=W, Cm=Cm, V2=V2, Hs=Hs)
+                               **_launch("_fwd_state"))
+    return dict(O=O, hT=hT, Aqk=Aqk, Aqa=Aqa, Abk=Abk, E=E, W=W, V2=V2, Hs=Hs, Qg=Qg, Ad=Ad, eGl=eGl)
 
 
 def _bwd(qc, kc, vc, ac, bc, G, r, dO, dhT, scale, L):
@@ -454,10 +487,9 @@ def _bwd(qc, kc, vc, ac, bc, G, r, dO, dhT, scale, L):
     dV2 = torch.empty(BH, Tp, V, device=dev, dtype=f32)
     dh0 = torch.empty(BH, K, V, device=dev, dtype=f32)
     BVs = min(V, 32)
-    _bwd_state[(V // BVs, BH)](qc, ac, G, r["Aqa"], r["W"], dO, dhT if dhT is not None else dh0,
-                               dH, dV2, dh0, scale, Tp, NC, K=K, V=V, L=L, BV=BVs,
-                               HAS_DHT=dhT is not None, PREC=prec,
-                               num_warps=_NUM_WARPS["_bwd_state"])
+    _bwd_state[(V // BVs, BH)](r["Qg"], r["Ad"], r["eGl"], r["Aqa"], r["W"], dO,
+                               dhT if dhT is not None else dh0, dH, dV2, dh0, Tp, NC, K=K, V=V, L=L,
+                               BV=BVs, HAS_DHT=dhT is not None, PREC=prec, **_launch("_bwd_state"))
     GC = torch.empty(BH, Tp, V, device=dev, dtype=f32)
     dA = [torch.empty(BH, NC, L, L, device=dev, dtype=f32) for _ in range(4)]
     dqk_d, dqa_d = (torch.empty(BH, Tp, device=dev, dtype=f32) for _ in range(2))
@@ -465,12 +497,12 @@ def _bwd(qc, kc, vc, ac, bc, G, r, dO, dhT, scale, L):
     BK, BV = min(K, 64), min(V, 32)
     _bwd_dv[(NC, BH)](kc, vc, G, r["Aqk"], r["Abk"], r["E"], r["V2"], dO, dH, dV2, GC, *dA, dv,
                       dqk_d, dqa_d, Tp, NC, K=K, V=V, L=L, BK=BK, BV=BV, PREC=prec,
-                      num_warps=_NUM_WARPS["_bwd_dv"])
+                      **_launch("_bwd_dv"))
     dq, dk, da, db, dg = (torch.empty(BH, Tp, K, device=dev, dtype=f32) for _ in range(5))
     BK = min(K, 32)
     _bwd_dk[(NC, K // BK, BH)](qc, kc, vc, ac, bc, G, r["V2"], r["Hs"], dO, dH, GC, *dA, dqk_d, dqa_d,
                                dq, dk, da, db, dg, scale, Tp, NC, K=K, V=V, L=L, S=SUB, BK=BK,
-                               BV=BV, PREC=prec, num_warps=_NUM_WARPS["_bwd_dk"])
+                               BV=BV, PREC=prec, **_launch("_bwd_dk"))
     return dq, dk, dv, da, db, dg, dh0
 
 
@@ -556,7 +588,7 @@ class _DPLRTriton(torch.autograd.Function):
         return (*grads, dh0, None, None)
 
 
-_SAVED = ("Aqk", "Aqa", "Abk", "E", "W", "V2", "Hs")
+_SAVED = ("Aqk", "Aqa", "Abk", "E", "W", "V2", "Hs", "Qg", "Ad", "eGl")
 
 
 def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
