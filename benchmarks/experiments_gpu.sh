@@ -12,7 +12,7 @@
 # MQAR run MQAR_TIME_LIMIT_S; every run times its first steps and fits its learning-rate schedule
 # into its budget. The MQAR runs start first (longest). A hard timeout keeps the call under
 # 10 minutes; whatever finished is reported anyway.
-# Knobs (environment): JOBS (8), TIME_LIMIT_S (55), MQAR_TIME_LIMIT_S (120), HARD_TIMEOUT_S (540),
+# Knobs (environment): JOBS (8), TIME_LIMIT_S (50), MQAR_TIME_LIMIT_S (120), HARD_TIMEOUT_S (510),
 # EXTRA (more CLI options, e.g. "--backend torch" or "--tasks parity --models xlstm[0:1]").
 # DRY=1: a CPU smoke run of the same pipeline in --quick mode (seconds).
 set -u
@@ -23,9 +23,9 @@ DEST="$OUT/experiments"
 mkdir -p "$DEST"
 PY="${PYTHON:-python3}"
 JOBS="${JOBS:-8}"
-TL="${TIME_LIMIT_S:-55}"
+TL="${TIME_LIMIT_S:-50}"
 MQTL="${MQAR_TIME_LIMIT_S:-120}"
-HARD="${HARD_TIMEOUT_S:-540}"
+HARD="${HARD_TIMEOUT_S:-510}"
 
 {
   date -u
