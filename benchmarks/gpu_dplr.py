@@ -34,14 +34,16 @@ import torch.nn.functional as F  # noqa: E402
 from xlstm_kit.ops.dplr import chunkwise as torch_chunkwise  # noqa: E402
 from xlstm_kit.ops.dplr import kda as torch_kda  # noqa: E402
 from xlstm_kit.ops.dplr.naive import dplr_recurrent  # noqa: E402
+from xlstm_kit.ops.dplr.naive import dplr_step as ref_step  # noqa: E402
 from xlstm_kit.ops.dplr.triton_chunkwise import dplr_chunkwise_triton, kda_chunkwise_triton  # noqa: E402
+from xlstm_kit.ops.dplr.triton_step import dplr_step_triton  # noqa: E402
 
 DEV = "cpu" if DRY else "cuda"
 SHAPES = [(1, 64, 2, 16, 16)] if DRY else [(8, 2048, 16, 128, 128), (2, 8192, 16, 128, 128)]
 CHECK_T = [1, 20] if DRY else [1, 100, 2048]
 CHECK_KV = [(16, 16)] if DRY else [(128, 128), (64, 64), (256, 256), (64, 128)]
 PEER_WAIT_S = float(os.environ.get("PEER_WAIT_S", "290"))
-results: dict = {"env": {}, "compile": {}, "check": [], "time": [], "peers": []}
+results: dict = {"env": {}, "compile": {}, "check": [], "time": [], "decode": [], "peers": []}
 T0 = time.time()
 
 
@@ -213,6 +215,27 @@ def timing():
         save()
 
 
+def decode():
+    """The step kernel: error vs the float64 step, µs per step (state read + written once)."""
+    for B in ([2] if DRY else [1, 8, 64]):
+        H, K, V = (2, 16, 16) if DRY else (16, 128, 128)
+        x = [torch.randn(B, H, K, device=DEV) for _ in range(5)]
+        x[3] = -F.normalize(x[2], dim=-1) * 0.5          # b = −a/2 (a = x[2] normalised)
+        x[2] = F.normalize(x[2], dim=-1)
+        x[4] = -torch.rand(B, H, K, device=DEV)
+        v = torch.randn(B, H, V, device=DEV)
+        s = torch.randn(B, H, K, V, device=DEV)
+        q, k, a, b, gk = x
+        o, s1 = dplr_step_triton(q, k, v, a, b, gk, s)
+        ro, rs1 = ref_step(*(t.double() for t in (q, k, v, a, b, gk, s)))
+        us = bench(lambda: dplr_step_triton(q, k, v, a, b, gk, s)) * 1e3
+        row = {"B": B, "H": H, "K": K, "V": V, "o_err": rel(o, ro), "state_err": rel(s1, rs1),
+               "us_per_step": us, "GB_per_s": 2 * B * H * K * V * 4 / us / 1e3}
+        row["ok"] = row["o_err"] < 1e-5 and row["state_err"] < 1e-5
+        results["decode"].append(row)
+        log(row)
+
+
 def main():
     if DEV == "cuda":
         import triton
@@ -231,6 +254,7 @@ def main():
                 peers.kill()   # what it measured so far is in anchors.jsonl
                 log("fla jobs stopped at PEER_WAIT_S")
     timing()
+    decode()
     path = os.path.join(OUT, "anchors.jsonl")
     if os.path.exists(path):
         results["peers"] = [json.loads(l) for l in open(path) if l.strip()]
@@ -249,8 +273,9 @@ def main():
         rk = f"{r['kda_fwbw_ms'] / fk:.2f}" if fk else "-"
         print(f"| {tuple(r['shape'])} | {r['dplr_fwd_ms']:.3f} | {r['dplr_fwbw_ms']:.3f} | {fd} | {ra} | "
               f"{r['kda_fwbw_ms']:.3f} | {fk} | {rk} |")
-    bad = [c for c in results["check"] if not c["ok"]]
-    print(f"\ncorrectness: {len(results['check']) - len(bad)}/{len(results['check'])} ok;"
+    bad = [c for c in results["check"] + results["decode"] if not c["ok"]]
+    n = len(results["check"]) + len(results["decode"])
+    print(f"\ncorrectness: {n - len(bad)}/{n} ok;"
           f" compile: {results['compile']}; peers errors: "
           f"{[p for p in results['peers'] if 'error' in p]}")
     log("done")

@@ -200,3 +200,37 @@ def test_gpu_bf16_within_twice_torch_bf16_error(T):
     assert rel_err(sT, rsT) <= 2 * rel_err(psT, rsT) + 1e-6
     for name, x, y, z in zip(NAMES, g, pg, rg):
         assert rel_err(x, z) <= 2 * rel_err(y, z) + 1e-6, name
+
+
+# ----------------------------------------------------------------------------- decode step
+
+
+@pytest.mark.parametrize("K,V,with_state", [(16, 32, True), (32, 16, False)])
+def test_step_kernel_matches_reference_step(K, V, with_state):
+    from xlstm_kit.ops.dplr.naive import dplr_step as ref_step
+    from xlstm_kit.ops.dplr.triton_step import dplr_step_triton
+
+    B, H = 2, 3
+    q, k, a = (torch.randn(B, H, K, device=DEV) for _ in range(3))
+    a = F.normalize(a, dim=-1)
+    b = -a * torch.rand(B, H, 1, device=DEV)
+    v = torch.randn(B, H, V, device=DEV)
+    gk = torch.rand(B, H, K, device=DEV) * -5.0
+    s = torch.randn(B, H, K, V, device=DEV) if with_state else None
+    s_copy = None if s is None else s.clone()
+    o, s1 = dplr_step_triton(q, k, v, a, b, gk, s, scale=0.3)
+    ro, rs1 = ref_step(*(x.double() for x in (q, k, v, a, b, gk)),
+                       None if s is None else s.double(), scale=0.3)
+    assert s1.dtype == torch.float32 and o.dtype == torch.float32
+    assert rel_err(o, ro) < 2e-6 and rel_err(s1, rs1) < 2e-6
+    if s is not None:
+        assert torch.equal(s, s_copy)   # the caller's state is not written in place
+    # two steps chained == the recurrent op over two steps
+    q2 = torch.randn(B, H, K, device=DEV)
+    o2, s2 = dplr_step_triton(q2, k, v, a, b, gk, s1, scale=0.3)
+    seq = [torch.stack((x1, x2), 1) for x1, x2 in
+           ((q, q2), (k, k), (a, a), (b, b), (gk, gk))]
+    ro_seq, rs2 = dplr_recurrent(seq[0].double(), seq[1].double(), torch.stack((v, v), 1).double(),
+                                 seq[2].double(), seq[3].double(), seq[4].double(), scale=0.3,
+                                 initial_state=None if s is None else s.double(), output_final_state=True)
+    assert rel_err(o2, ro_seq[:, 1]) < 2e-6 and rel_err(s2, rs2) < 2e-6

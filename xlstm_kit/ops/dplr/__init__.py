@@ -7,15 +7,18 @@ Triton kernel plugs in at the `choose_backend` branches.
 """
 from __future__ import annotations
 
+import torch
+
 from ..backend import choose_backend
 from . import chunkwise as _chunkwise
 from . import kda as _kda
 from . import naive as _naive
 
-try:  # the Triton kernels register "dplr_chunkwise" and "kda_chunkwise" in backend.TRITON_OPS
+try:  # the Triton kernels register "dplr_chunkwise", "kda_chunkwise", "dplr_step" in backend.TRITON_OPS
     from . import triton_chunkwise as _triton
+    from . import triton_step as _triton_step
 except ImportError:  # no triton installed: the PyTorch path serves every call
-    _triton = None
+    _triton = _triton_step = None
 
 
 def _pick(op, backend, device, K, V, chunk_size, dtype):
@@ -63,7 +66,15 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
 
 def dplr_step(q, k, v, a, b, gk, state, *, scale=None):
     """One DPLR step. q, k, a, b, gk: [B, H, K]; v: [B, H, V]; state: [B, H, K, V] or None (zeros).
-    Returns (o [B, H, V] in q's dtype, state [B, H, K, V] float32/float64)."""
+    Returns (o [B, H, V] in q's dtype, state [B, H, K, V] float32/float64).
+    On CUDA the Triton decode kernel runs when no input needs a gradient (it has no backward)."""
+    B, H, K, V = _naive.check_dplr_step_inputs(q, k, v, a, b, gk, state)
+    xs = (q, k, v, a, b, gk, state)
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+    if (_triton_step is not None and not needs_grad
+            and _triton_step.supports_step(K, V, _naive.common_compute_dtype(*xs))
+            and choose_backend("dplr_step", None, q.device) == "triton"):
+        return _triton_step.dplr_step_triton(q, k, v, a, b, gk, state, scale=scale)
     return _naive.dplr_step(q, k, v, a, b, gk, state, scale=scale)
 
 

@@ -1,0 +1,69 @@
+"""One DPLR recurrent step in Triton (generation / decode), forward only.
+
+    h' = (I − a bᵀ) Diag(α) h + k vᵀ,   α = e^{gk},   o = h'ᵀ (scale · q)      (h = Sᵀ, [K, V])
+
+The step is memory-bound (the state is read once and written once, 4·K·V bytes each way per
+head): one launch, one program per (b·h, V-tile), every reduction over K inside the program.
+No autograd: `xlstm_kit.ops.dplr_step` uses it only when no input needs a gradient.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import TRITON_OPS
+from .naive import check_dplr_step_inputs, check_scale
+
+TRITON_OPS.add("dplr_step")
+
+
+@triton.jit
+def _step_kernel(q, k, v, a, b, gk, h_in, h_out, o, scale,
+                 K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr):
+    """q, k, a, b, gk: [BH, K]; v: [BH, V]; h_in, h_out: [BH, K, V] float32; o: [BH, V] float32."""
+    bh = tl.program_id(0).to(tl.int64)
+    vv = tl.program_id(1) * BV + tl.arange(0, BV)
+    kr = tl.arange(0, K)
+    ph = bh * K * V + kr[:, None] * V + vv[None, :]
+    alpha = tl.exp(tl.load(gk + bh * K + kr).to(tl.float32))
+    if HAS_STATE:
+        h = tl.load(h_in + ph) * alpha[:, None]                  # Diag(α) h
+    else:
+        h = tl.zeros([K, BV], dtype=tl.float32)
+    bt = tl.load(b + bh * K + kr).to(tl.float32)
+    at = tl.load(a + bh * K + kr).to(tl.float32)
+    kt = tl.load(k + bh * K + kr).to(tl.float32)
+    vt = tl.load(v + bh * V + vv).to(tl.float32)
+    u = tl.sum(bt[:, None] * h, axis=0)                          # bᵀ Diag(α) h   [BV]
+    h = h - at[:, None] * u[None, :] + kt[:, None] * vt[None, :]
+    tl.store(h_out + ph, h)
+    qt = tl.load(q + bh * K + kr).to(tl.float32) * scale
+    tl.store(o + bh * V + vv, tl.sum(qt[:, None] * h, axis=0))
+
+
+def supports_step(K: int, V: int, dtype: torch.dtype) -> bool:
+    """Whether the step kernel takes the case (K, V powers of two in [16, 256], not float64)."""
+    dims = all(16 <= d <= 256 and d & (d - 1) == 0 for d in (K, V))
+    return dims and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def dplr_step_triton(q, k, v, a, b, gk, state, *, scale=None):
+    """One DPLR step with the Triton kernel (no autograd).
+
+    q, k, a, b, gk: [B, H, K]; v: [B, H, V]; state: [B, H, K, V] (= Sᵀ) or None for zeros.
+    Returns (o [B, H, V] in q's dtype, state [B, H, K, V] float32).
+    """
+    B, H, K, V = check_dplr_step_inputs(q, k, v, a, b, gk, state)
+    scale = float(check_scale(scale, K))
+    if not supports_step(K, V, q.dtype):
+        raise ValueError(f"the Triton DPLR step needs K, V powers of two in [16, 256] and a 16/32-bit "
+                         f"float dtype, got K={K}, V={V}, {q.dtype}")
+    flat = [x.reshape(B * H, -1).contiguous() for x in (q, k, v, a, b, gk)]
+    h_out = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
+    h_in = h_out if state is None else state.to(torch.float32).contiguous()
+    o = torch.empty(B, H, V, device=q.device, dtype=torch.float32)
+    BV = min(V, 32)
+    _step_kernel[(B * H, V // BV)](*flat, h_in, h_out, o, scale, K=K, V=V, BV=BV,
+                                    HAS_STATE=state is not None, num_warps=4)
+    return o.to(q.dtype), h_out
