@@ -14,9 +14,10 @@ Kernels (all accumulation, scratch and states in float32; kernel → launcher �
   forward
     _fwd_pairs  parallel over (chunk, column sub-chunk, b·h): the four pair matrices, one [L, S]
                 column block each, written to scratch [BH, N, L, L]
-    _fwd_wy     parallel over (chunk, b·h): E by forward substitution on chip (row by row, all L
-                rows in registers), W = E B←, Cm = −E (A_bk V), and the decayed operands
-                Q ⊙ e^G, K ⊙ e^{G_L−G}, A ⊙ e^{G_L−G}, e^{G_L} of the sequential kernels
+    _fwd_wy     parallel over (chunk, b·h): E on chip (diagonal blocks by row-wise forward
+                substitution, then block forward substitution with products), W = E B←,
+                Cm = −E (A_bk V), and the decayed operands Q ⊙ e^G, K ⊙ e^{G_L−G},
+                A ⊙ e^{G_L−G}, e^{G_L} of the sequential kernels
     _fwd_state  sequential over chunks, parallel over (V-tile, b·h): V2, the output, the state
   backward (seed §三, typos fixed as in chunkwise.py; the forward's scratch is kept, not recomputed)
     _bwd_state  reverse-sequential over chunks per (V-tile, b·h): δ of each chunk's end state, δV2
@@ -134,7 +135,7 @@ def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
 
 @triton.jit
 def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC,
-            K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
+            K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
             BV: tl.constexpr, PREC: tl.constexpr):
     """E = (I + A_ba)⁻¹, W = E B←, Cm = −E (A_bk V) for one chunk, and the decayed operands of
     the sequential kernels (so those load no float64): Qg = scale·q ⊙ e^G, Kd = k ⊙ e^{G_L−G},
@@ -147,15 +148,27 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
     rows = tl.arange(0, L)
     pa = ((bh * NC + n) * L + rows)[:, None] * L + rows[None, :]
     Nm = tl.load(Aba + pa)                                   # strictly lower part of F
-    # Forward substitution for D = E − I, row by row: D_i = −N_i − Σ_{j<i} N_ij D_j. Rows j ≥ i of
-    # D are still 0 when row i is formed, and N_ij = 0 for j ≥ i, so a full-width sum is exact.
+    # E = F⁻¹ in two stages (F = I + N, N strictly lower):
+    # 1. the S×S diagonal blocks, all at once, by forward substitution row by row for D = E_d − I:
+    #    D_i = −N_i − Σ_{j<i} N_ij D_j. Step i treats row i of every block together: their
+    #    nonzeros sit in disjoint column blocks, so one full-width sum serves all of them and the
+    #    block mask puts each part back in its own row. Rows not yet formed are still 0 and
+    #    N_ij = 0 for j ≥ i, so the sums are exact. S − 1 steps instead of L − 1.
+    # 2. block forward substitution with matrix products: E_R = E_d,RR (e_R − Σ_{M<R} N_RM E_M).
+    same = (rows[:, None] // S) == (rows[None, :] // S)
+    Nd = tl.where(same, Nm, 0.0)
     D = tl.zeros([L, L], dtype=tl.float32)
-    for i in range(1, L):
-        sel = rows[:, None] == i
-        r = -tl.sum(tl.where(sel, Nm, 0.0), axis=0)           # −N_i   [L] (over columns)
-        r = r + tl.sum(r[:, None] * D, axis=0)                  # −N_i − Σ_j N_ij D_j
-        D = tl.where(sel, r[None, :], D)
-    Em = D + tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in range(1, S):
+        sel = (rows[:, None] % S) == i
+        r = -tl.sum(tl.where(sel, Nd, 0.0), axis=0)          # −N_i of every block   [L]
+        r = r + tl.sum(r[:, None] * D, axis=0)                 # −N_i − Σ_j N_ij D_j
+        D = tl.where(sel & same, r[None, :], D)
+    Ed = D + tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    No = Nm - Nd                                              # strictly block-lower part
+    Em = Ed
+    for rb in range(1, L // S):
+        X = tl.dot(tl.where((rows[:, None] // S) == rb, No, 0.0), Em, input_precision=PREC)
+        Em = Em - tl.dot(Ed, X, input_precision=PREC)
     tl.store(E + pa, Em)
     base_k = bh * Tp * K
     g_ptr = G + base_k + (t0 + rows)[:, None] * K
@@ -465,7 +478,8 @@ def _fwd(qc, kc, vc, ac, bc, G, h0, scale, L):
                                       K=K, L=L, S=SUB, BK=min(K, 32), PREC=prec,
                                       **_launch("_fwd_pairs"))
     _fwd_wy[(NC, BH)](qc, kc, ac, bc, vc, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC,
-                      K=K, V=V, L=L, BK=min(K, 64), BV=min(V, 64), PREC=prec, **_launch("_fwd_wy"))
+                      K=K, V=V, L=L, S=SUB, BK=min(K, 32), BV=min(V, 32), PREC=prec,
+                      **_launch("_fwd_wy"))
     BVs = min(V, 32)
     _fwd_state[(V // BVs, BH)](Qg, Kd, Ad, eGl, vc, Aqk, Aqa, W, Cm,
                                h0 if h0 is not None else hT, Hs, V2, O, hT, Tp, NC,
