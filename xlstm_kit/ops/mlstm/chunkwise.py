@@ -256,7 +256,7 @@ class _MLSTMChunkwise(torch.autograd.Function):
         _flat(num).baddbmm_(_flat(P), _flat(vc))
         z = P.sum(-1) + (qs @ s_st[..., None])[..., 0]
         den = torch.maximum(z.abs(), floor) + eps
-        h = num.div_(den[..., None])
+        h = _from_chunks(num, B, T, H, cd, scale=den.reciprocal())   # written in place of a copy
         zsign = torch.sign(z) * (z.abs() > floor)         # ∂den/∂z (0 where the floor is active)
 
         C_T, n_T = C_T.clone(), n_T.clone()
@@ -265,8 +265,7 @@ class _MLSTMChunkwise(torch.autograd.Function):
         ctx.save_for_backward(qc, kc, vc, u, cm, m_states, mrow, alpha, w, den, zsign, h,
                               torch.sigmoid(-fc), C0, n0, C_T, n_T, P, aux)
         ctx.meta = (B, T, H, K, V, eps, has_state, factored, q.dtype, k.dtype, v.dtype, i.dtype, f.dtype)
-        return (_from_chunks(h, B, T, H, cd), C_T.view(B, H, K, V), n_T.view(B, H, K),
-                m_states[NC].reshape(B, H))
+        return h, C_T.view(B, H, K, V), n_T.view(B, H, K), m_states[NC].reshape(B, H)
 
     @staticmethod
     def backward(ctx, dh, dC_T, dn_T, dm_T):
@@ -277,9 +276,9 @@ class _MLSTMChunkwise(torch.autograd.Function):
         cd = qc.dtype
         scale = K ** -0.5
 
-        # δnum = δh/den, δden = −<δh, h>/den, δz = δden ∂den/∂z.
-        dnum = _to_chunks(dh, NC, L, cd).div_(den[..., None])
-        dden = -_rowdot(dnum, h)
+        # δnum = δh/den, δden = −<δh, h>/den, δz = δden ∂den/∂z (h is the output, [B, T, H, V]).
+        dnum = _to_chunks(dh, NC, L, cd, scale=den.reciprocal())
+        dden = -_to_chunks(_rowdot(dh.to(cd), h), NC, L, cd) / den
         dz = dden * zsign
 
         # Intra-chunk part: δP = δnum vᵀ + δz 1ᵀ; through P = tril(q̃k̃ᵀ) or (q̂kᵀ) ⊙ D'.
