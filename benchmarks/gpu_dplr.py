@@ -236,6 +236,18 @@ def decode():
         log(row)
 
 
+def guarded(fn):
+    """Run one section; a failure is recorded (and printed) and the next section still runs, so
+    one device call reports as much as it can."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported, not hidden
+        import traceback
+        traceback.print_exc()
+        results.setdefault("errors", []).append(f"{fn.__name__}: {type(e).__name__}: {str(e)[:500]}")
+        save()
+
+
 def main():
     if DEV == "cuda":
         import triton
@@ -243,8 +255,8 @@ def main():
                           "gpu": torch.cuda.get_device_name()}
     peers = start_peers()
     try:
-        cold_compile()
-        check()
+        guarded(cold_compile)
+        guarded(check)
     finally:
         if peers is not None:
             left = PEER_WAIT_S - (time.time() - T0)
@@ -253,8 +265,8 @@ def main():
             except subprocess.TimeoutExpired:
                 peers.kill()   # what it measured so far is in anchors.jsonl
                 log("fla jobs stopped at PEER_WAIT_S")
-    timing()
-    decode()
+    guarded(timing)
+    guarded(decode)
     path = os.path.join(OUT, "anchors.jsonl")
     if os.path.exists(path):
         results["peers"] = [json.loads(l) for l in open(path) if l.strip()]
@@ -277,7 +289,7 @@ def main():
     n = len(results["check"]) + len(results["decode"])
     print(f"\ncorrectness: {n - len(bad)}/{n} ok;"
           f" compile: {results['compile']}; peers errors: "
-          f"{[p for p in results['peers'] if 'error' in p]}")
+          f"{[p for p in results['peers'] if 'error' in p]}; our errors: {results.get('errors')}")
     log("done")
 
 

@@ -84,6 +84,23 @@ def test_fwd_bwd_vs_float64_reference(T, L, K, V, gmin, h0):
         assert rel_err(x, y) < 1e-5, name
 
 
+def test_half_precision_inputs_within_twice_torch_error():
+    # float16 inputs (bf16 does not run in the interpreter), the flash-attention 2x rule against
+    # the PyTorch chunkwise op fed the same inputs (1e-6 floor for the float32 state outputs)
+    xs, s0 = make_inputs(1, 40, 2, 16, 16, -2.0, dtype=torch.float16)
+    do = torch.randn(1, 40, 2, 16, device=DEV)
+    dsT = torch.randn(1, 2, 16, 16, device=DEV)
+    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32)
+    p, psT, pg = run(torch_chunkwise.dplr_chunkwise, xs, s0, do, dsT, chunk_size=32)
+    ro, rsT, rg = reference(xs, s0, do, dsT)
+    assert o.dtype == torch.float16 and sT.dtype == torch.float32
+    assert rel_err(o, ro) <= 2 * rel_err(p, ro) + 1e-6
+    assert rel_err(sT, rsT) <= 2 * rel_err(psT, rsT) + 1e-6
+    for name, x, y, z in zip(NAMES, g, pg, rg):
+        assert x.dtype == y.dtype, name
+        assert rel_err(x, z) <= 2 * rel_err(y, z) + 1e-6, name
+
+
 def test_gate_gradient_strong_decay_keeps_relative_accuracy():
     # gk = −5 everywhere: the true δgk is O(γ) and a plain "q⊙δq − k⊙δk, reverse cumsum" would
     # leave O(1e-7) absolute noise; the grouped sums must stay accurate in relative terms
