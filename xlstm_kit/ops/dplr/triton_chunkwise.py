@@ -31,12 +31,12 @@ Numerics (log-gates down to −5 per step). The seed's factorisation Q← = Q⊙
 need 1/Γ up to e^{320} in a chunk of 64 steps at gk = −5. The pair matrices are therefore built
 per column sub-chunk J of S = 16 steps with a reference point inside the chunk:
   rows below J:  (X ⊙ e^{G_r − G_end(J)}) (Y_J ⊙ e^{G_end(J) − G_J})ᵀ   — both factors ≤ 1, any gk;
-  rows inside J: (X ⊙ e^{G_r − G_start(J)}) (Y_J ⊙ e^{G_start(J) − G_J})ᵀ — the right factor is
-                 at most e^{−Σ gk over the 16 steps of J} ≤ e^{80} at gk ≥ −5, below the float32
-                 limit e^{88.7}; the entries above the diagonal of the block (which may reach
-                 e^{80}·|xy|) are replaced by 0 with `where` and never reach a later sum.
-                 (Products that fall below ~1e-38 lose the low part of the 3-pass TF32 split:
-                 a local 5e-4 relative error, only at the −5 bound, deep inside a sub-chunk.)
+  rows inside J:  (X ⊙ e^{G_r − G_mid(J)}) (Y_J ⊙ e^{G_mid(J) − G_J})ᵀ, G_mid(J) at step 8 of the
+                 16 — each factor lies in [e^{−40}, e^{40}] at gk ≥ −5 (the float32 limits are
+                 e^{±88}; even the low parts of the 3-pass TF32 split stay normal numbers), and
+                 the product is e^{G_r − G_i} ≤ 1 for every pair used. The entries above the
+                 diagonal of the block (up to e^{80}·|xy|) are replaced by 0 with `where` and
+                 never reach a later sum. (Tested at −5; the factors stay finite to about −10.)
 All other decays (e^{G_r}, e^{G_L − G_r}, e^{G_L}) are ≤ 1. G is cumulated in float64 (the
 wrapper's cumsum) and only differences are cast to float32 before the exp: a float32 G reaches
 −320 at gk = −5 and differences of such numbers would cost 2e-5 relative on every decay.
@@ -102,11 +102,11 @@ def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
         Gx = tl.load(G + px)
         Gy = tl.load(G + py)
         g_end = tl.load(G + base + (t0 + j0 + S - 1) * K + kk)        # [BK]
-        g_start = tl.load(G + base + (t0 + j0 - 1) * K + kk, mask=(kk < K) & (j0 > 0), other=0.0)
+        g_mid = tl.load(G + base + (t0 + j0 + S // 2 - 1) * K + kk)     # [BK]
         fx_off = tl.exp(tl.where(below[:, None], Gx - g_end[None, :], float("-inf")).to(tl.float32))
-        fx_in = tl.exp(tl.where(inblk[:, None], Gx - g_start[None, :], float("-inf")).to(tl.float32))
+        fx_in = tl.exp(tl.where(inblk[:, None], Gx - g_mid[None, :], float("-inf")).to(tl.float32))
         fy_off = tl.exp((g_end[None, :] - Gy).to(tl.float32))
-        fy_in = tl.exp((g_start[None, :] - Gy).to(tl.float32))
+        fy_in = tl.exp((g_mid[None, :] - Gy).to(tl.float32))
         xq = tl.load(q + px).to(tl.float32) * scale
         xb = tl.load(b + px).to(tl.float32)
         yk = tl.load(k + py).to(tl.float32)
@@ -375,7 +375,7 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
     dYa = tl.zeros([L, BK], dtype=tl.float32)
     cols = tl.arange(0, S)
     # Pair matrices, column sub-chunk by sub-chunk with the forward's reference points (module
-    # docstring): rows below J use G_end(J), rows inside J use G_start(J); δA is read one [L, S]
+    # docstring): rows below J use G_end(J), rows inside J use G_mid(J); δA is read one [L, S]
     # column block at a time and split by rows, which keeps the e^{80}-sized right factors away
     # from rows where they are not cancelled. δY of the rows of J is complete after block J; it
     # is placed into the [L, BK] accumulator by a product with the 0/1 matrix P[r, s] = (r = j0+s)
@@ -386,14 +386,14 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
         py = base_k + (t0 + ci)[:, None] * K + kr[None, :]                    # [S, BK]
         pd = ((bh * NC + n) * L + rows)[:, None] * L + ci[None, :]            # [L, S]
         g_end = tl.load(G + base_k + (t0 + j0 + S - 1) * K + kr)
-        g_start = tl.load(G + base_k + (t0 + j0 - 1) * K + kr, mask=(kr < K) & (j0 > 0), other=0.0)
+        g_mid = tl.load(G + base_k + (t0 + j0 + S // 2 - 1) * K + kr)
         below = rows >= j0 + S
         inblk = (rows >= j0) & (rows < j0 + S)
         fx_off = tl.exp(tl.where(below[:, None], Gc - g_end[None, :], float("-inf")).to(tl.float32))
-        fx_in = tl.exp(tl.where(inblk[:, None], Gc - g_start[None, :], float("-inf")).to(tl.float32))
+        fx_in = tl.exp(tl.where(inblk[:, None], Gc - g_mid[None, :], float("-inf")).to(tl.float32))
         Gy = tl.load(G + py)
         fy_off = tl.exp((g_end[None, :] - Gy).to(tl.float32))                 # [S, BK] ≤ 1
-        fy_in = tl.exp((g_start[None, :] - Gy).to(tl.float32))                # [S, BK] ≤ e^{80}
+        fy_in = tl.exp((g_mid[None, :] - Gy).to(tl.float32))                  # [S, BK] ≤ e^{40}
         yk = tl.load(k + py).to(tl.float32)
         ya = tl.load(a + py).to(tl.float32)
         xq_off = qs * fx_off
