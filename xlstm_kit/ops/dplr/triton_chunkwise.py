@@ -23,9 +23,9 @@ Kernels (all accumulation, scratch and states in float32; kernel → launcher �
     _bwd_state  reverse-sequential over chunks per (V-tile, b·h): δ of each chunk's end state, δV2
     _bwd_dv     parallel over (chunk, b·h): δv, GC = Eᵀ δC and the pair-matrix gradients
     _bwd_dk     parallel over (chunk, K-tile, b·h): δq, δk, δa, δb and the gate gradient
-Memory: the forward keeps (4 L + 5 K + V) float32 values per token and head (A_qk, A_qa, A_bk, E;
-W, Q⊙e^G, A⊙e^{G_L−G}, G in float64; V2) plus one K×V state per chunk: about 1.4 GB at
-B=8, T=2048, H=16, K=V=128.
+Memory: the forward keeps (4 L + 6 K + V) float32 values per token and head (A_qk, A_qa, A_bk, E;
+W, Q⊙e^G, K⊙e^{G_L−G}, A⊙e^{G_L−G}, G in float64; V2) plus one K×V state per chunk: about
+1.5 GB at B=8, T=2048, H=16, K=V=128.
 
 Numerics (log-gates down to −5 per step). The seed's factorisation Q← = Q⊙Γ, K→ = K⊘Γ would
 need 1/Γ up to e^{320} in a chunk of 64 steps at gk = −5. The pair matrices are therefore built
@@ -269,7 +269,7 @@ def _bwd_state(Qg, Ad, eGl, Aqa, W, dO, dhT, dH, dV2, dh0, Tp, NC,
 
 
 @triton.jit
-def _bwd_dv(k, v, G, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv, dqk_d, dqa_d,
+def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv, dqk_d, dqa_d,
             Tp, NC, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
             BV: tl.constexpr, PREC: tl.constexpr):
     """Backward, V side of one chunk: δv, GC = Eᵀ δC, and the gradients of the four pair matrices
@@ -286,7 +286,6 @@ def _bwd_dv(k, v, G, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, 
     Aqk_ = tl.load(Aqk + pa)
     Abk_ = tl.load(Abk + pa)
     Em = tl.load(E + pa)
-    g_last_ptr = G + base_k + (t0 + L - 1) * K
     dA_qk = tl.zeros([L, L], dtype=tl.float32)
     dA_qa = tl.zeros([L, L], dtype=tl.float32)
     dA_bk = tl.zeros([L, L], dtype=tl.float32)
@@ -304,10 +303,8 @@ def _bwd_dv(k, v, G, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, 
         for k0 in range(0, K, BK):                                # + (K ⊙ e^{G_L−G}) δh'
             kk = k0 + tl.arange(0, BK)
             pk = base_k + (t0 + rows)[:, None] * K + kk[None, :]
-            dec = tl.exp((tl.load(g_last_ptr + kk)[None, :] - tl.load(G + pk)).to(tl.float32))
-            Kd = tl.load(k + pk).to(tl.float32) * dec
             dh = tl.load(dH + (bh * NC + n) * K * V + kk[:, None] * V + vv[None, :])
-            dvt += tl.dot(Kd, dh, input_precision=PREC)
+            dvt += tl.dot(tl.load(Kd + pk), dh, input_precision=PREC)
         tl.store(dv + pv, dvt)
         dA_qk += tl.dot(do, tl.trans(vt), input_precision=PREC)
         dA_qa += tl.dot(do, tl.trans(v2), input_precision=PREC)
@@ -485,7 +482,7 @@ def _fwd(qc, kc, vc, ac, bc, G, h0, scale, L):
                                h0 if h0 is not None else hT, Hs, V2, O, hT, Tp, NC,
                                K=K, V=V, L=L, BV=BVs, HAS_H0=h0 is not None, PREC=prec,
                                **_launch("_fwd_state"))
-    return dict(O=O, hT=hT, Aqk=Aqk, Aqa=Aqa, Abk=Abk, E=E, W=W, V2=V2, Hs=Hs, Qg=Qg, Ad=Ad, eGl=eGl)
+    return dict(O=O, hT=hT, Aqk=Aqk, Aqa=Aqa, Abk=Abk, E=E, W=W, V2=V2, Hs=Hs, Qg=Qg, Kd=Kd, Ad=Ad, eGl=eGl)
 
 
 def _bwd(qc, kc, vc, ac, bc, G, r, dO, dhT, scale, L):
@@ -509,7 +506,7 @@ def _bwd(qc, kc, vc, ac, bc, G, r, dO, dhT, scale, L):
     dqk_d, dqa_d = (torch.empty(BH, Tp, device=dev, dtype=f32) for _ in range(2))
     dv = torch.empty(BH, Tp, V, device=dev, dtype=f32)
     BK, BV = min(K, 64), min(V, 32)
-    _bwd_dv[(NC, BH)](kc, vc, G, r["Aqk"], r["Abk"], r["E"], r["V2"], dO, dH, dV2, GC, *dA, dv,
+    _bwd_dv[(NC, BH)](r["Kd"], vc, r["Aqk"], r["Abk"], r["E"], r["V2"], dO, dH, dV2, GC, *dA, dv,
                       dqk_d, dqa_d, Tp, NC, K=K, V=V, L=L, BK=BK, BV=BV, PREC=prec,
                       **_launch("_bwd_dv"))
     dq, dk, da, db, dg = (torch.empty(BH, Tp, K, device=dev, dtype=f32) for _ in range(5))
@@ -602,7 +599,7 @@ class _DPLRTriton(torch.autograd.Function):
         return (*grads, dh0, None, None)
 
 
-_SAVED = ("Aqk", "Aqa", "Abk", "E", "W", "V2", "Hs", "Qg", "Ad", "eGl")
+_SAVED = ("Aqk", "Aqa", "Abk", "E", "W", "V2", "Hs", "Qg", "Kd", "Ad", "eGl")
 
 
 def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
