@@ -139,6 +139,29 @@ def test_only_output_or_only_state_receives_gradient():
         assert rel_err(x, y) < 1e-5, name
 
 
+def test_kernels_match_fla_naive_dplr_including_gradients():
+    # independent peer: fla's naive DPLR loop (additive convention, DESIGN.md: its a = −α⊙b, its
+    # b = a; [B,H,T,D] layout), differentiated by autograd (float32: the loop mixes in float32
+    # buffers, so both sides carry float32 rounding)
+    from tests.ops.test_dplr import load_fla_naive
+
+    fla = load_fla_naive("ops/generalized_delta_rule/dplr/naive.py")
+    xs, s0 = make_inputs(1, 33, 2, 16, 16, -3.0)
+    do = torch.randn(1, 33, 2, 16, device=DEV)
+    dsT = torch.randn(1, 2, 16, 16, device=DEV)
+    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=16)
+    ys = [x.clone().requires_grad_() for x in xs] + [s0.clone().requires_grad_()]
+    q, k, v, a, b, gk, y0 = ys
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    ro, rsT = fla.dplr_recurrence(t(q), t(k), t(v), t(-gk.exp() * b), t(a), t(gk),
+                                  initial_state=y0, output_final_state=True)
+    ro = t(ro)
+    rg = torch.autograd.grad((ro * do).sum() + (rsT * dsT).sum(), ys)
+    assert rel_err(o, ro) < 1e-5 and rel_err(sT, rsT) < 1e-5
+    for name, x, y in zip(NAMES, g, rg):
+        assert rel_err(x, y) < 3e-5, name
+
+
 def test_public_api_routes_triton_and_matches_torch_backend():
     assert {"dplr_chunkwise", "kda_chunkwise"} <= TRITON_OPS
     xs, s0 = make_inputs(2, 21, 1, 16, 16, -2.0)
