@@ -175,7 +175,7 @@ def check():
 
 
 # ---------------------------------------------------------------------------------------- timing
-def bench(fn, reps=None):
+def bench(fn):
     if DRY:
         t = time.time()
         fn()
