@@ -15,8 +15,15 @@ and the chunk's end state, with mx_c = max(m_c, max_s u_s):
 Every weight's exponent is ≤ 0, so large gate pre-activations cannot overflow; only
 exp(−m_t) grows, and it stays finite for ĩ ≥ −88 in float32 (beyond that h → 0, its limit).
 
-Backward. The states are recomputed from the saved initial state (one batched matmul and the
-same short loop), not stored. Gradients are taken with every stabilizer held fixed (the "main
+Two intra-chunk paths compute the same thing. Factored (the usual one): D'_rs = w_s e_r with
+w_s = exp(u_s − mx_c) ≤ 1 and e_r = exp(mx_c − mrow_r) ≥ 1, and β_r = α_c e_r with
+α_c = exp(m_c − mx_c); so q̃ = q ⊙ e/√K and k̃ = k ⊙ w are formed inside the layout copies,
+P = tril(q̃ k̃ᵀ), and row r reads q̃_rᵀ(α_c C_c): no L×L exponentials and nothing L×L to store
+but P. It needs e_r far from overflow (`_can_factor`); chunks where ĩ − Σlog f rises steeply
+(forget gates closing hard) take the exact path, which builds D' itself.
+
+Backward. The chunk states are recomputed from the saved initial state (one batched matmul
+and the same short loop), not stored. Gradients are taken with every stabilizer held fixed (the "main
 path"); in unstabilized form the inputs enter only as q̂_t e^{B_t}, k_s e^{ĩ_s − B_s} (B the
 global cumulative log forget) and the final state e^{B_T}(…), so the gate gradients need no
 T×T or L×L reductions:
