@@ -6,6 +6,8 @@ error deep inside a kernel.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Sequence
 
 import torch
@@ -49,3 +51,22 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def check_chunk_size(chunk_size: int, lo: int = 1, hi: int = 1024) -> None:
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not lo <= chunk_size <= hi:
         raise ValueError(f"chunk_size must be an integer in [{lo}, {hi}], got {chunk_size!r}")
+
+
+def autocast_off(fn):
+    """Run an op with autocast disabled.
+
+    Every op picks its own internal precision (float32, or float64 for float64 inputs) and
+    returns the input dtype; inside a `torch.autocast` region the op's internal matmuls would
+    otherwise be recast to bf16 and collide with its float32 accumulators and states.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for device_type in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device_type):
+                    stack.enter_context(torch.autocast(device_type, enabled=False))
+            return fn(*args, **kwargs)
+
+    return wrapper

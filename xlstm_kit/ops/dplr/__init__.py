@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import autocast_off
 from ..backend import choose_backend
 from . import chunkwise as _chunkwise
 from . import kda as _kda
@@ -29,6 +30,7 @@ def _pick(op, backend, device, K, V, chunk_size, dtype):
     return choose_backend(op, backend, device)
 
 
+@autocast_off
 def dplr_recurrent(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_final_state=False,
                    backend=None):
     """DPLR recurrence, step by step: S_t = S_{t-1} Diag(α_t)(I − b_t a_tᵀ) + v_t k_tᵀ,
@@ -44,6 +46,7 @@ def dplr_recurrent(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
                                  output_final_state=output_final_state)
 
 
+@autocast_off
 def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_final_state=False,
                    chunk_size=64, backend=None):
     """DPLR, chunkwise WY algorithm (same maths as `dplr_recurrent`, same shapes), with a
@@ -64,6 +67,7 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
                                      output_final_state=output_final_state, chunk_size=chunk_size)
 
 
+@autocast_off
 def dplr_step(q, k, v, a, b, gk, state, *, scale=None):
     """One DPLR step. q, k, a, b, gk: [B, H, K]; v: [B, H, V]; state: [B, H, K, V] or None (zeros).
     Returns (o [B, H, V] in q's dtype, state [B, H, K, V] float32/float64).
@@ -78,6 +82,7 @@ def dplr_step(q, k, v, a, b, gk, state, *, scale=None):
     return _naive.dplr_step(q, k, v, a, b, gk, state, scale=scale)
 
 
+@autocast_off
 def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                   chunk_size=64, backend=None):
     """KDA: DPLR with a = k, b = β k, v ← β v, i.e. S_t = S_{t-1} Diag(α_t)(I − β_t k_t k_tᵀ)

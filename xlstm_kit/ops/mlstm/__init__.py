@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_chunk_size, check_same_device, check_tensor, compute_dtype
+from .._checks import check_chunk_size, check_same_device, check_tensor, compute_dtype, autocast_off
 from ..backend import choose_backend, triton_available
 from .chunkwise import mlstm_chunkwise_torch
 from .naive import mlstm_recurrent_naive, mlstm_step_naive
@@ -63,6 +63,7 @@ def _check_eps(eps) -> float:
     return float(eps)
 
 
+@autocast_off
 def mlstm_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -91,6 +92,7 @@ def mlstm_recurrent(
     return h.to(q.dtype), (final if output_final_state else None)
 
 
+@autocast_off
 def mlstm_chunkwise(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -130,6 +132,7 @@ def mlstm_chunkwise(
     return h.to(q.dtype), ((C, n, m) if output_final_state else None)
 
 
+@autocast_off
 def mlstm_parallel(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -151,6 +154,7 @@ def mlstm_parallel(
     return h.to(q.dtype), None
 
 
+@autocast_off
 def mlstm_step(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._checks import check_same_device, check_tensor
+from .._checks import check_same_device, check_tensor, autocast_off
 from ..backend import choose_backend, triton_available
 from .naive import State, slstm_recurrent_naive, slstm_step_naive
 from .recurrent import slstm_recurrent_torch
@@ -46,6 +46,7 @@ def _check_common(x_gates, r, b, state, state_name: str, forget_gate) -> None:
     check_same_device(**tensors)
 
 
+@autocast_off
 def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
                     initial_state: Optional[State] = None, output_final_state: bool = False,
                     forget_gate: str = "sigmoid", recurrent_grad_clip: Optional[float] = None,
@@ -86,6 +87,7 @@ def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
                                   recurrent_grad_clip=recurrent_grad_clip)
 
 
+@autocast_off
 def slstm_step(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor,
                state: Optional[State] = None, *, forget_gate: str = "sigmoid"
                ) -> Tuple[torch.Tensor, State]:

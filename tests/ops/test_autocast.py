@@ -1,0 +1,34 @@
+"""Ops pick their own precision: an enclosing torch.autocast region must not change the result."""
+import torch
+
+from xlstm_kit.ops import dplr_chunkwise, mlstm_chunkwise, slstm_recurrent
+
+
+def _cases():
+    B, T, H, K, V, D = 2, 37, 2, 8, 8, 8
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v = torch.randn(B, T, H, V)
+    i, f = torch.randn(B, T, H), torch.randn(B, T, H) + 2
+    yield "mlstm", lambda *t: mlstm_chunkwise(*t, chunk_size=16)[0], (q, k, v, i, f)
+    xg, r, b = torch.randn(B, T, 4, H, D), torch.randn(4, H, D, D) / D**0.5, torch.randn(4, H, D)
+    yield "slstm", lambda *t: slstm_recurrent(*t)[0], (xg, r, b)
+    a = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+    bb = -a * torch.rand(B, T, H, 1)
+    gk = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K) + 3)
+    yield "dplr", lambda *t: dplr_chunkwise(*t, chunk_size=16)[0], (q, k, v, a, bb, gk)
+
+
+def test_ops_ignore_enclosing_autocast():
+    for name, op, inputs in _cases():
+        plain = [t.clone().requires_grad_() for t in inputs]
+        cast = [t.clone().requires_grad_() for t in inputs]
+        ref = op(*plain)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = op(*cast)
+        assert out.dtype == torch.float32, name
+        torch.testing.assert_close(out, ref, rtol=0, atol=0, msg=name)
+        g = torch.randn_like(ref)
+        ref.backward(g)
+        out.backward(g)
+        for x, y in zip(cast, plain):
+            torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0, msg=name)
