@@ -33,7 +33,8 @@ demo: $(STAMP)
 	$(VPY) -m xlstm_kit demo
 
 bench-cpu: $(STAMP)
-	$(VPY) -m benchmarks.cpu
+	$(VPY) -m benchmarks.cpu_ops
+	$(VPY) -m benchmarks.cpu_model
 
 clean:
 	rm -rf $(VENV) .pytest_cache
