@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from .nn.common import round_up, small_init_
+from .nn.dplr import DPLRBlock, DPLRState
 from .nn.mlstm import MLSTMBlock, MLSTMState
 from .nn.slstm import SLSTMBlock, SLSTMState
 
-BlockState = Union[MLSTMState, SLSTMState]
+BlockState = Union[MLSTMState, SLSTMState, DPLRState]
 ModelState = list  # one BlockState per block, in block order
 
 _RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
@@ -47,7 +48,7 @@ class XLSTMConfig:
     """Width of the residual stream (the paper's embedding dimension)."""
 
     n_blocks: int = 4
-    """Number of residual blocks, mLSTM and sLSTM together."""
+    """Number of residual blocks, mLSTM, sLSTM and DPLR together."""
 
     n_heads: int = 4
     """mLSTM heads; they split the mLSTM inner width (see mlstm_proj_factor), which they must
@@ -98,6 +99,10 @@ class XLSTMConfig:
     backend: Union[str, None] = None
     """Force the ops' backend, "torch" or "triton"; None lets each op pick for the device."""
 
+    dplr_at: list = field(default_factory=list)
+    """Which blocks are DPLR (KDA-style, xlstm_kit.nn.dplr) blocks: 0-based positions such as [0, 2],
+    none of them in slstm_at. They use n_heads heads of d_model / n_heads. Default: none."""
+
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_blocks", "n_heads", "round_proj_to",
@@ -121,9 +126,12 @@ class XLSTMConfig:
         if isinstance(self.slstm_at, (list, tuple)):
             # a list keeps the config equal to itself after a JSON round trip
             self.slstm_at = list(self.slstm_at)
+        if isinstance(self.dplr_at, tuple):
+            self.dplr_at = list(self.dplr_at)
         positions = self.slstm_positions  # validates slstm_at
+        dplr = self.dplr_positions  # validates dplr_at
 
-        if len(positions) < self.n_blocks:  # there is an mLSTM block: its heads split the inner width
+        if "m" in self.block_types:  # there is an mLSTM block: its heads split the inner width
             inner = self.mlstm_inner_dim
             for name, div in (("n_heads", self.n_heads), ("qkv_block_size", self.qkv_block_size)):
                 if inner % div:
@@ -140,7 +148,27 @@ class XLSTMConfig:
                 + (" or set slstm_heads" if self.slstm_heads is None else "")
             )
 
+        if dplr and self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (the DPLR "
+                             f"heads split d_model); choose a d_model that is a multiple of {self.n_heads}")
+
     # ------------------------------------------------------------------ derived sizes
+    @property
+    def dplr_positions(self) -> tuple[int, ...]:
+        """Sorted 0-based indices of the DPLR blocks."""
+        spec = self.dplr_at
+        if not isinstance(spec, (list, tuple)):
+            raise ValueError(f"dplr_at must be a list of block positions, got {spec!r}")
+        for p in spec:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.n_blocks:
+                raise ValueError(f"dplr_at position {p!r} is not a block index 0..{self.n_blocks - 1}")
+        if len(set(spec)) != len(spec):
+            raise ValueError(f"dplr_at lists a position twice: {list(spec)}")
+        both = sorted(set(spec) & set(self.slstm_positions))
+        if both:
+            raise ValueError(f"blocks {both} are in both slstm_at and dplr_at; a block has one type")
+        return tuple(sorted(spec))
+
     @property
     def slstm_positions(self) -> tuple[int, ...]:
         """Sorted 0-based indices of the sLSTM blocks."""
@@ -171,9 +199,9 @@ class XLSTMConfig:
 
     @property
     def block_types(self) -> tuple[str, ...]:
-        """"m" or "s" per block."""
-        s = set(self.slstm_positions)
-        return tuple("s" if t in s else "m" for t in range(self.n_blocks))
+        """"m", "s" or "d" (DPLR) per block."""
+        s, d = set(self.slstm_positions), set(self.dplr_positions)
+        return tuple("s" if t in s else "d" if t in d else "m" for t in range(self.n_blocks))
 
     @property
     def slstm_num_heads(self) -> int:
@@ -244,7 +272,7 @@ class XLSTMLanguageModel(nn.Module):
     model(tokens, state=s, return_state=True) -> (logits, state): feed a long text in pieces
     model.step(token [B], state) -> (logits [B, vocab_size], state): one token
     model.generate(prompt, max_new_tokens, temperature, top_k, top_p, eos_token_id)
-    The state is a list with one MLSTMState / SLSTMState per block (`init_state(batch)`).
+    The state is a list with one MLSTMState / SLSTMState / DPLRState per block (`init_state(batch)`).
     """
 
     def __init__(self, config: XLSTMConfig):
@@ -262,6 +290,11 @@ class XLSTMLanguageModel(nn.Module):
 
     def _make_block(self, index: int, kind: str) -> nn.Module:
         cfg = self.config
+        if kind == "d":
+            return DPLRBlock(
+                cfg.d_model, cfg.n_heads, conv_kernel_size=cfg.conv_kernel_size, n_blocks=cfg.n_blocks,
+                bias=cfg.bias, dropout=cfg.dropout, chunk_size=cfg.chunk_size, backend=cfg.backend,
+            )
         if kind == "m":
             return MLSTMBlock(
                 cfg.d_model, cfg.mlstm_inner_dim, cfg.n_heads,
@@ -301,8 +334,7 @@ class XLSTMLanguageModel(nn.Module):
             ref = block.init_state(1, device="meta")
             if type(s) is not type(ref):
                 raise ValueError(
-                    f"state[{t}] is a {type(s).__name__} but block {t} is an "
-                    f"{'sLSTM' if isinstance(ref, SLSTMState) else 'mLSTM'} block; "
+                    f"state[{t}] is a {type(s).__name__} but block {t} takes a {type(ref).__name__}; "
                     f"the state comes from a model with another config"
                 )
             for name, x, r in zip(ref._fields, s, ref):

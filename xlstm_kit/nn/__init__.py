@@ -5,11 +5,15 @@ state) for one token and init_state(batch). None of them picks a backend: the op
 backend is passed down from the model config.
 """
 from .common import CausalConv1d, GatedFeedForward, HeadwiseLinear, MultiHeadNorm
+from .dplr import DPLRBlock, DPLRLayer, DPLRState
 from .mlstm import MLSTMBlock, MLSTMLayer, MLSTMState
 from .slstm import SLSTMBlock, SLSTMLayer, SLSTMState
 
 __all__ = [
     "CausalConv1d",
+    "DPLRBlock",
+    "DPLRLayer",
+    "DPLRState",
     "GatedFeedForward",
     "HeadwiseLinear",
     "MultiHeadNorm",

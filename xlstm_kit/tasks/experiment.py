@@ -38,7 +38,7 @@ from .formal import (TASKS, FormalTask, TaskBatch, get_task, make_batch, sample_
                      scaled_accuracy, sequence_accuracy)
 from .mqar import VOCAB_SIZE, check_mqar_shape, mqar_batch
 
-MODEL_NAMES = ("xlstm[0:1]", "xlstm[1:0]", "xlstm[1:1]", "transformer", "lstm")
+MODEL_NAMES = ("xlstm[0:1]", "xlstm[1:0]", "xlstm[1:1]", "dplr", "transformer", "lstm")
 _XLSTM = re.compile(r"^xlstm\[(\d+):(\d+)\]$")
 RESULTS_TABLE = "table.md"
 RESULTS_PLOT = "heatmap.png"
@@ -62,6 +62,10 @@ def build_model(name: str, vocab_size: int, *, d_model: int = 128, n_heads: int 
     if match:
         cfg = XLSTMConfig(vocab_size=vocab_size, d_model=d_model, n_blocks=n_blocks, n_heads=n_heads,
                           slstm_at=f"{match[1]}:{match[2]}", backend=backend)
+        return XLSTMLanguageModel(cfg)
+    if key == "dplr":  # every block a KDA-style DPLR block (xlstm_kit.nn.dplr)
+        cfg = XLSTMConfig(vocab_size=vocab_size, d_model=d_model, n_blocks=n_blocks, n_heads=n_heads,
+                          dplr_at=list(range(n_blocks)), backend=backend)
         return XLSTMLanguageModel(cfg)
     if key == "transformer":
         return TransformerLM(vocab_size, d_model=d_model, n_blocks=n_blocks, n_heads=n_heads)
