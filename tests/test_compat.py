@@ -113,3 +113,11 @@ def test_unsupported_official_configs_raise():
         from_official_xlstm(xlstm.xLSTMLMModel(cfg))
     with pytest.raises(ValueError, match="xLSTMLMModel"):
         from_official_xlstm(torch.nn.Linear(2, 2))
+
+
+def test_dplr_blocks_are_refused_not_mangled():
+    from xlstm_kit.compat import to_official_xlstm
+
+    cfg = XLSTMConfig(vocab_size=32, d_model=32, n_blocks=2, n_heads=4, slstm_at=[], dplr_at=[1])
+    with pytest.raises(ValueError, match="DPLR"):
+        to_official_xlstm(XLSTMLanguageModel(cfg))

@@ -87,6 +87,8 @@ def config_from_official(oc) -> XLSTMConfig:
 
 def config_to_official(cfg: XLSTMConfig, slstm_backend: str = "vanilla"):
     """The official xLSTMLMModelConfig of an XLSTMConfig."""
+    if list(cfg.dplr_positions):
+        raise ValueError("the official xlstm package has no DPLR blocks; remove dplr_at to convert this model")
     x = _import_xlstm()
     positions = list(cfg.slstm_positions)
     has_m, has_s = len(positions) < cfg.n_blocks, len(positions) > 0
