@@ -267,3 +267,30 @@ class GatedFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.up_proj(x).chunk(2, dim=-1)
         return self.dropout(self.down_proj(F.gelu(g) * u))
+
+
+class PreNormResidual(nn.Module):
+    """x + layer(LayerNorm(x)), passing the layer's state through; the shared frame of the
+    mLSTM and DPLR blocks. `layer` has forward(x, state, return_state), step and init_state."""
+
+    def __init__(self, d_model: int, layer: nn.Module):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model, eps=1e-5, bias=False)
+        self.layer = layer
+
+    def reset_parameters(self) -> None:
+        self.norm.reset_parameters()
+        self.layer.reset_parameters()
+
+    def init_state(self, batch: int, device=None, dtype=None):
+        return self.layer.init_state(batch, device, dtype)
+
+    def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
+        if not return_state:
+            return x + self.layer(self.norm(x), state)
+        y, state = self.layer(self.norm(x), state, return_state=True)
+        return x + y, state
+
+    def step(self, x: torch.Tensor, state):
+        y, state = self.layer.step(self.norm(x), state)
+        return x + y, state

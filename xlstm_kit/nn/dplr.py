@@ -29,7 +29,7 @@ from torch import nn
 
 from xlstm_kit.ops.dplr import dplr_step, kda_chunkwise
 
-from .common import CausalConv1d, MultiHeadNorm, small_init_, state_dtype, wang_init_
+from .common import PreNormResidual, CausalConv1d, MultiHeadNorm, small_init_, state_dtype, wang_init_
 
 G_MAX = 5.0  # largest per-step |log decay|
 
@@ -134,27 +134,8 @@ class DPLRLayer(nn.Module):
         return self._out(x, h.to(x.dtype)), DPLRState(conv_state, S)
 
 
-class DPLRBlock(nn.Module):
+class DPLRBlock(PreNormResidual):
     """Residual DPLR block: x + DPLRLayer(LayerNorm(x)). Same interface as DPLRLayer."""
 
     def __init__(self, d_model: int, n_heads: int, **layer_kwargs):
-        super().__init__()
-        self.norm = nn.LayerNorm(d_model, eps=1e-5, bias=False)
-        self.layer = DPLRLayer(d_model, n_heads, **layer_kwargs)
-
-    def reset_parameters(self) -> None:
-        self.norm.reset_parameters()
-        self.layer.reset_parameters()
-
-    def init_state(self, batch: int, device=None, dtype=None) -> DPLRState:
-        return self.layer.init_state(batch, device, dtype)
-
-    def forward(self, x: torch.Tensor, state: DPLRState | None = None, return_state: bool = False):
-        if not return_state:
-            return x + self.layer(self.norm(x), state)
-        y, state = self.layer(self.norm(x), state, return_state=True)
-        return x + y, state
-
-    def step(self, x: torch.Tensor, state: DPLRState):
-        y, state = self.layer.step(self.norm(x), state)
-        return x + y, state
+        super().__init__(d_model, DPLRLayer(d_model, n_heads, **layer_kwargs))

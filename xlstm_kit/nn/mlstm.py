@@ -15,7 +15,7 @@ from torch import nn
 
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
-from .common import CausalConv1d, HeadwiseLinear, MultiHeadNorm, small_init_, state_dtype, wang_init_
+from .common import PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, small_init_, state_dtype, wang_init_
 
 
 class MLSTMState(NamedTuple):
@@ -165,27 +165,8 @@ class MLSTMLayer(nn.Module):
         return y, MLSTMState(conv_state, *cell_state)
 
 
-class MLSTMBlock(nn.Module):
+class MLSTMBlock(PreNormResidual):
     """Residual mLSTM block: x + mLSTMLayer(LayerNorm(x)). Same interface as MLSTMLayer."""
 
     def __init__(self, d_model: int, inner_dim: int, n_heads: int, **layer_kwargs):
-        super().__init__()
-        self.norm = nn.LayerNorm(d_model, eps=1e-5, bias=False)
-        self.layer = MLSTMLayer(d_model, inner_dim, n_heads, **layer_kwargs)
-
-    def reset_parameters(self) -> None:
-        self.norm.reset_parameters()
-        self.layer.reset_parameters()
-
-    def init_state(self, batch: int, device=None, dtype=None) -> MLSTMState:
-        return self.layer.init_state(batch, device, dtype)
-
-    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
-        if not return_state:
-            return x + self.layer(self.norm(x), state)
-        y, state = self.layer(self.norm(x), state, return_state=True)
-        return x + y, state
-
-    def step(self, x: torch.Tensor, state: MLSTMState):
-        y, state = self.layer.step(self.norm(x), state)
-        return x + y, state
+        super().__init__(d_model, MLSTMLayer(d_model, inner_dim, n_heads, **layer_kwargs))
