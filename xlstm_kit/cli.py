@@ -607,6 +607,12 @@ def _add_experiment_parser(sub) -> None:
     sw.add_argument("--jobs", type=_positive_int, default=1, metavar="N", help="runs in parallel processes")
     sw.add_argument("--mqar-time-limit", type=_positive_float, default=None, metavar="S",
                     help="time limit of each MQAR run (default: --time-limit)")
+    sw.add_argument("--mqar-steps", type=_positive_int, default=None, metavar="N",
+                    help="most optimizer steps of each MQAR run (default: --steps)")
+    sw.add_argument("--mqar-lr", type=_positive_float, default=None, metavar="X",
+                    help="peak learning rate of the MQAR runs (default: --lr if given, else 1e-3)")
+    sw.add_argument("--steps-for", default=None, metavar="TASK=N,...",
+                    help="per-task step counts for the formal tasks, e.g. parity=4000,majority=1500")
     sw.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT/runs/*.json")
     for p in (fo, mq, sw):
         p.add_argument("--quick", action="store_true", help="tiny CPU smoke run (tests use it)")
@@ -614,7 +620,8 @@ def _add_experiment_parser(sub) -> None:
         p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S",
                        help="seconds per run, training and evaluation (the schedule fits itself to it)")
         p.add_argument("--batch-size", type=_positive_int, default=None, metavar="N")
-        p.add_argument("--lr", type=_positive_float, default=None, metavar="X")
+        p.add_argument("--lr", type=_positive_float, default=None, metavar="X",
+                       help="peak learning rate (default: 3e-3 formal, 1e-3 MQAR)")
         p.add_argument("--d-model", type=_positive_int, default=None, metavar="N", help="width of every model")
         p.add_argument("--seq-len", type=_positive_int, default=None, metavar="N", help="MQAR sequence length")
         p.add_argument("--pairs", type=_positive_int, default=None, metavar="N", help="MQAR key-value pairs")
@@ -655,6 +662,20 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     if "lr" in fields:
         fields["min_lr"] = fields["lr"] / 10
     make = ex.quick_config if args.quick else ex.RunConfig
+
+    def mqar_fields(lr, steps, time_limit):
+        f = dict(fields)
+        lr = lr if lr is not None else fields.get("lr", None if args.quick else ex.MQAR_LR)
+        if lr is not None:
+            f.update(lr=lr, min_lr=lr / 10)
+        if steps is not None:
+            f["steps"] = steps
+        if time_limit is not None:
+            f["time_limit_s"] = time_limit
+        return f
+
+    if args.experiment == "mqar":
+        fields = mqar_fields(None, None, None)
     cfg = make(device=str(device), **fields)
 
     def line(r) -> str:
@@ -677,11 +698,15 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             get_task(t)
         for m in models:
             ex.check_model_name(m)
-        mqar_cfg = None
-        if args.mqar_time_limit is not None:
-            mqar_cfg = make(device=str(device), **{**fields, "time_limit_s": args.mqar_time_limit})
+        steps_for = {}
+        for item in split(args.steps_for or ""):
+            name, sep, n = item.partition("=")
+            if not sep or not n.strip().isdigit() or int(n) < 1:
+                raise UsageError(f"--steps-for wants TASK=N items with N a positive integer, got {item!r}")
+            steps_for[get_task(name.strip()).name] = int(n)
+        mqar_cfg = make(device=str(device), **mqar_fields(args.mqar_lr, args.mqar_steps, args.mqar_time_limit))
         results = ex.run_sweep(tasks, models, cfg, out, mqar=not args.no_mqar, mqar_cfg=mqar_cfg,
-                               jobs=args.jobs, command=command)
+                               jobs=args.jobs, steps_for=steps_for, command=command)
         for r in results:
             print(line(r))
         print(f"report: {out / ex.RESULTS_TABLE} and {out / ex.RESULTS_PLOT}")

@@ -83,3 +83,50 @@ def test_failed_run_is_reported_not_fatal(tmp_path):
     assert "error" in bad and "heads" in bad["error"]
     write_report(load_results(tmp_path / "runs"), tmp_path)
     assert "| transformer | error |" in (tmp_path / "table.md").read_text()
+
+
+def test_sweep_steps_per_task_and_longest_first(tmp_path, monkeypatch):
+    import xlstm_kit.tasks.experiment as ex
+
+    seen = []
+    monkeypatch.setattr(ex, "_run_one", lambda job: seen.append(job) or {"kind": job[0], "task": job[1],
+                                                                           "model": job[2], "error": "not run"})
+    ex.run_sweep(["majority", "parity"], ["lstm"], quick_config(steps=3), tmp_path, steps_for={"parity": 7})
+    order = [(j[0], j[1], j[3]["steps"]) for j in seen]
+    # MQAR first (the longest runs), then the formal runs by falling step count
+    assert order == [("mqar", "T64-N4", 3), ("formal", "parity", 7), ("formal", "majority", 3)]
+    with pytest.raises(ValueError, match="steps_for"):
+        ex.run_sweep(["parity"], ["lstm"], quick_config(steps=3), tmp_path, steps_for={"parity": 0})
+    with pytest.raises(ValueError, match="unknown formal task"):
+        ex.run_sweep(["parity"], ["lstm"], quick_config(steps=3), tmp_path, steps_for={"parityy": 5})
+
+
+def test_sweep_deals_runs_over_all_gpus(tmp_path, monkeypatch):
+    import xlstm_kit.tasks.experiment as ex
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert ex.sweep_devices("cuda") == ["cuda:0", "cuda:1"]
+    assert ex.sweep_devices("cuda:1") == ["cuda:1"] and ex.sweep_devices("cpu") == ["cpu"]
+    seen = []
+    monkeypatch.setattr(ex, "_run_one", lambda job: seen.append(job[3]["device"]) or {"kind": job[0], "task": job[1],
+                                                                                      "model": job[2], "error": "x"})
+    ex.run_sweep(["parity", "majority"], ["lstm", "transformer"], quick_config(steps=3, device="cuda"), tmp_path)
+    assert seen == ["cuda:0", "cuda:1"] * 3
+
+
+def test_cli_sweep_options_and_mqar_default_lr(tmp_path, capsys):
+    out = str(tmp_path)
+    assert main(["experiment", "sweep", "--tasks", "parity", "--models", "lstm", "--quick", "--device", "cpu",
+                 "--steps", "2", "--steps-for", "parity=3", "--mqar-steps", "4", "--mqar-lr", "2e-3",
+                 "--out", out]) == 0
+    runs = {p.name.split("__")[0]: json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*.json")}
+    assert runs["formal"]["steps_done"] == 3 and runs["mqar"]["steps_done"] == 4
+    assert runs["formal"]["config"]["lr"] == pytest.approx(3e-3) and runs["mqar"]["config"]["lr"] == pytest.approx(2e-3)
+    assert main(["experiment", "sweep", "--quick", "--steps-for", "parity=x", "--out", out]) == 2
+    assert "--steps-for" in capsys.readouterr().err
+    # a full-size MQAR run (not --quick) takes MQAR_LR unless --lr says otherwise
+    assert main(["experiment", "mqar", "--model", "lstm", "--steps", "1", "--d-model", "16", "--batch-size", "2",
+                 "--seq-len", "64", "--pairs", "4", "--device", "cpu", "--out", out]) == 0
+    data = json.loads((tmp_path / "runs" / "mqar__T64-N4__lstm.json").read_text())
+    assert data["config"]["lr"] == pytest.approx(1e-3) and data["config"]["min_lr"] == pytest.approx(1e-4)
