@@ -15,6 +15,7 @@ the full traceback instead.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -609,8 +610,9 @@ def _add_experiment_parser(sub) -> None:
                     help="time limit of each MQAR run (default: --time-limit)")
     sw.add_argument("--mqar-steps", type=_positive_int, default=None, metavar="N",
                     help="most optimizer steps of each MQAR run (default: --steps)")
-    sw.add_argument("--mqar-lr", type=_positive_float, default=None, metavar="X",
-                    help="peak learning rate of the MQAR runs (default: --lr if given, else 1e-3)")
+    sw.add_argument("--mqar-lr", default=None, metavar="X[,Y...]",
+                    help="peak learning rate(s) of the MQAR runs; several: one MQAR column per rate "
+                    "(default: --lr if given, else 1e-3)")
     sw.add_argument("--steps-for", default=None, metavar="TASK=N,...",
                     help="per-task step counts for the formal tasks, e.g. parity=4000,majority=1500")
     sw.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT/runs/*.json")
@@ -704,7 +706,16 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             if not sep or not n.strip().isdigit() or int(n) < 1:
                 raise UsageError(f"--steps-for wants TASK=N items with N a positive integer, got {item!r}")
             steps_for[get_task(name.strip()).name] = int(n)
-        mqar_cfg = make(device=str(device), **mqar_fields(args.mqar_lr, args.mqar_steps, args.mqar_time_limit))
+        mqar_lrs = [None]
+        if args.mqar_lr:
+            try:
+                mqar_lrs = [float(x) for x in split(args.mqar_lr)]
+            except ValueError:
+                mqar_lrs = []
+            if not mqar_lrs or not all(x > 0 and math.isfinite(x) for x in mqar_lrs):
+                raise UsageError(f"--mqar-lr wants positive numbers separated by commas, got {args.mqar_lr!r}")
+        mqar_cfg = [make(device=str(device), **mqar_fields(lr, args.mqar_steps, args.mqar_time_limit))
+                    for lr in mqar_lrs]
         results = ex.run_sweep(tasks, models, cfg, out, mqar=not args.no_mqar, mqar_cfg=mqar_cfg,
                                jobs=args.jobs, steps_for=steps_for, command=command)
         for r in results:

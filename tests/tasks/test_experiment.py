@@ -125,6 +125,15 @@ def test_cli_sweep_options_and_mqar_default_lr(tmp_path, capsys):
     assert runs["formal"]["config"]["lr"] == pytest.approx(3e-3) and runs["mqar"]["config"]["lr"] == pytest.approx(2e-3)
     assert main(["experiment", "sweep", "--quick", "--steps-for", "parity=x", "--out", out]) == 2
     assert "--steps-for" in capsys.readouterr().err
+    assert main(["experiment", "sweep", "--quick", "--mqar-lr", "1e-3,-1", "--out", out]) == 2
+    assert "--mqar-lr" in capsys.readouterr().err
+    # several MQAR learning rates: one run (and one table column) per rate
+    sub = tmp_path / "two"
+    assert main(["experiment", "sweep", "--tasks", "parity", "--models", "lstm", "--quick", "--device", "cpu",
+                 "--steps", "2", "--mqar-lr", "1e-3,3e-3", "--out", str(sub)]) == 0
+    names = sorted(p.name for p in (sub / "runs").glob("mqar__*.json"))
+    assert names == ["mqar__T64-N4-lr0.001__lstm.json", "mqar__T64-N4-lr0.003__lstm.json"]
+    assert "MQAR T64-N4-lr0.003" in (sub / "table.md").read_text()
     # a full-size MQAR run (not --quick) takes MQAR_LR unless --lr says otherwise
     assert main(["experiment", "mqar", "--model", "lstm", "--steps", "1", "--d-model", "16", "--batch-size", "2",
                  "--seq-len", "64", "--pairs", "4", "--device", "cpu", "--out", out]) == 0

@@ -347,9 +347,15 @@ def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | P
     return _finish(result, log, t_start, out_dir)
 
 
-def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None) -> dict[str, Any]:
+def mqar_label(cfg: RunConfig, with_lr: bool = False) -> str:
+    """The task name of an MQAR run: "T256-N64", or "T256-N64-lr0.001" where a sweep tries several lrs."""
+    return f"T{cfg.mqar_seq_len}-N{cfg.mqar_pairs}" + (f"-lr{cfg.lr:g}" if with_lr else "")
+
+
+def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None, *,
+             label: str | None = None) -> dict[str, Any]:
     """Train `model_name` on MQAR at cfg.mqar_seq_len and evaluate with cfg.mqar_pairs pairs;
-    writes `out_dir`/mqar__T{len}-N{pairs}__MODEL.json. Training batches draw the number of pairs
+    writes `out_dir`/mqar__LABEL__MODEL.json (LABEL: `label` or mqar_label(cfg)). Training batches draw the number of pairs
     from 4, 8, ... up to mqar_pairs (the easier ones teach the lookup faster; Zoology trains on a
     mix of sizes as well)."""
     t_start = time.perf_counter()
@@ -359,7 +365,7 @@ def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None)
     torch.manual_seed(cfg.seed)
     model = build_model(model_name, V, d_model=cfg.d_model, n_heads=cfg.n_heads, n_blocks=cfg.n_blocks,
                         backend=cfg.backend).to(cfg.device)
-    result = _run_header("mqar", f"T{T}-N{N}", model_name, model, cfg)
+    result = _run_header("mqar", label or mqar_label(cfg), model_name, model, cfg)
 
     def sample(rng: np.random.Generator) -> TaskBatch:
         return mqar_batch(rng, cfg.batch_size, T, int(rng.choice(pair_choices)), V)
@@ -381,7 +387,7 @@ def _run_one(job: tuple[str, str, str, dict[str, Any], str, int]) -> dict[str, A
     cfg = RunConfig(**cfg_dict)
     try:
         if kind == "mqar":
-            return run_mqar(model, cfg, out_dir)
+            return run_mqar(model, cfg, out_dir, label=task)
         return run_formal(task, model, cfg, out_dir)
     except Exception as e:  # one failed run must not lose the others; the table shows the error
         result = {"kind": kind, "task": task, "model": model, "error": f"{type(e).__name__}: {e}"}
@@ -399,10 +405,11 @@ def sweep_devices(device: str) -> list[str]:
 
 
 def run_sweep(tasks: Sequence[str], models: Sequence[str], cfg: RunConfig, out_dir: str | Path, *,
-              mqar: bool = True, mqar_cfg: RunConfig | None = None, jobs: int = 1,
+              mqar: bool = True, mqar_cfg: RunConfig | Sequence[RunConfig] | None = None, jobs: int = 1,
               steps_for: dict[str, int] | None = None, command: str | None = None) -> list[dict[str, Any]]:
     """Every (task, model) run, plus MQAR for every model when `mqar`; then the report
-    (see write_report). `steps_for` maps a formal task to its own step count (hard tasks need
+    (see write_report); `mqar_cfg` may be a list (e.g. one per learning rate), and then every
+    model runs MQAR once per entry, each its own column. `steps_for` maps a formal task to its own step count (hard tasks need
     more steps than easy ones). `jobs` > 1 runs that many in parallel processes (small models
     leave a GPU mostly idle, so several runs share it well); with cfg.device "cuda" and several
     GPUs, the runs are dealt out over all of them. Returns the per-run results."""
@@ -422,8 +429,8 @@ def run_sweep(tasks: Sequence[str], models: Sequence[str], cfg: RunConfig, out_d
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
     plan = []  # (kind, task, model, config): the longest runs first, so the workers end together
     if mqar:
-        mc = mqar_cfg or cfg
-        plan += [("mqar", f"T{mc.mqar_seq_len}-N{mc.mqar_pairs}", m, mc) for m in models]
+        mcs = [mqar_cfg or cfg] if isinstance(mqar_cfg, RunConfig) or mqar_cfg is None else list(mqar_cfg)
+        plan += [("mqar", mqar_label(mc, with_lr=len(mcs) > 1), m, mc) for mc in mcs for m in models]
     formal = [("formal", t, m, dataclasses.replace(cfg, steps=steps_for.get(t, cfg.steps))) for t in tasks for m in models]
     plan += sorted(formal, key=lambda w: -w[3].steps)  # stable: task order kept among equals
     devices = sweep_devices(cfg.device)
