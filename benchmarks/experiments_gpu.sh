@@ -15,8 +15,8 @@
 # limits are a safety net (a run that cannot finish its steps in time fits its schedule to what
 # fits); a hard timeout keeps the call under 10 minutes and whatever finished is reported anyway.
 # MQAR runs once per learning rate in MQAR_LR (the probe's best rate differed between models).
-# Knobs (environment): JOBS (20), STEPS (1500), STEPS_FOR (parity=4000,...), MQAR_STEPS (2000), MQAR_LR,
-# TIME_LIMIT_S (420), MQAR_TIME_LIMIT_S (480), HARD_TIMEOUT_S (560), EXTRA (more CLI options,
+# Knobs (environment): JOBS (20), STEPS (1500), STEPS_FOR (parity=4000,...), MQAR_STEPS (1800), MQAR_LR,
+# TIME_LIMIT_S (420), MQAR_TIME_LIMIT_S (480), HARD_TIMEOUT_S (545), EXTRA (more CLI options,
 # e.g. "--backend torch" or "--tasks parity --models xlstm[0:1]").
 # DRY=1: a CPU smoke run of the same pipeline in --quick mode (seconds).
 set -u
@@ -28,12 +28,12 @@ mkdir -p "$DEST"
 PY="${PYTHON:-python3}"
 JOBS="${JOBS:-20}"
 STEPS="${STEPS:-1500}"
-STEPS_FOR="${STEPS_FOR:-parity=4000,modular_arithmetic=2000,cycle_navigation=2000,stack_manipulation=2000,reverse_string=2000}"
-MQSTEPS="${MQAR_STEPS:-2000}"
+STEPS_FOR="${STEPS_FOR:-parity=4000,modular_arithmetic=2000}"
+MQSTEPS="${MQAR_STEPS:-1800}"
 MQLR="${MQAR_LR:-1e-3,3e-3}"
 TL="${TIME_LIMIT_S:-420}"
 MQTL="${MQAR_TIME_LIMIT_S:-480}"
-HARD="${HARD_TIMEOUT_S:-560}"
+HARD="${HARD_TIMEOUT_S:-545}"
 
 {
   date -u
