@@ -6,6 +6,7 @@ how CI tests the kernels).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -48,3 +49,12 @@ def choose_backend(op: str, backend: str | None, device: torch.device) -> str:
                 f"backend='triton' for {op} needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {device}"
             )
     return backend
+
+
+def on_device(t: torch.Tensor):
+    """Context for launching a Triton kernel on `t`: Triton launches on the *current* CUDA device,
+    which need not be the tensor's (a model on cuda:1 in a process whose current device is cuda:0
+    fails with "Pointer argument cannot be accessed from Triton"). The autograd engine already
+    switches devices for the backward, so only the forward entry points need this."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+

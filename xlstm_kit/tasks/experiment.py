@@ -385,6 +385,8 @@ def _run_one(job: tuple[str, str, str, dict[str, Any], str, int]) -> dict[str, A
     if threads:
         torch.set_num_threads(threads)
     cfg = RunConfig(**cfg_dict)
+    if cfg.device.startswith("cuda:"):  # this process's CUDA context on its own GPU only
+        torch.cuda.set_device(cfg.device)
     try:
         if kind == "mqar":
             return run_mqar(model, cfg, out_dir, label=task)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import autocast_off
-from ..backend import choose_backend
+from ..backend import choose_backend, on_device
 from . import chunkwise as _chunkwise
 from . import kda as _kda
 from . import naive as _naive
@@ -61,8 +61,9 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
     _naive.check_dplr_inputs(q, k, v, a, b, gk, initial_state)
     dt = _naive.common_compute_dtype(q, k, v, a, b, gk)
     if _pick("dplr_chunkwise", backend, q.device, q.shape[-1], v.shape[-1], chunk_size, dt) == "triton":
-        return _triton.dplr_chunkwise_triton(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
-                                             output_final_state=output_final_state, chunk_size=chunk_size)
+        with on_device(q):
+            return _triton.dplr_chunkwise_triton(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
+                                                 output_final_state=output_final_state, chunk_size=chunk_size)
     return _chunkwise.dplr_chunkwise(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
                                      output_final_state=output_final_state, chunk_size=chunk_size)
 
@@ -78,7 +79,8 @@ def dplr_step(q, k, v, a, b, gk, state, *, scale=None):
     if (_triton_step is not None and not needs_grad
             and _triton_step.supports_step(K, V, _naive.common_compute_dtype(*xs))
             and choose_backend("dplr_step", None, q.device) == "triton"):
-        return _triton_step.dplr_step_triton(q, k, v, a, b, gk, state, scale=scale)
+        with on_device(q):
+            return _triton_step.dplr_step_triton(q, k, v, a, b, gk, state, scale=scale)
     return _naive.dplr_step(q, k, v, a, b, gk, state, scale=scale)
 
 
@@ -94,8 +96,9 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     _kda.check_kda_inputs(q, k, v, g, beta)
     dt = _naive.common_compute_dtype(q, k, v, g, beta)
     if _pick("kda_chunkwise", backend, q.device, q.shape[-1], v.shape[-1], chunk_size, dt) == "triton":
-        return _triton.kda_chunkwise_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                            output_final_state=output_final_state, chunk_size=chunk_size)
+        with on_device(q):
+            return _triton.kda_chunkwise_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                                output_final_state=output_final_state, chunk_size=chunk_size)
     return _kda.kda_chunkwise(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                               output_final_state=output_final_state, chunk_size=chunk_size)
 

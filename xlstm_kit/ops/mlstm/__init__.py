@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_chunk_size, check_same_device, check_tensor, compute_dtype, autocast_off
-from ..backend import choose_backend, triton_available
+from ..backend import choose_backend, on_device, triton_available
 from .chunkwise import mlstm_chunkwise_torch
 from .naive import mlstm_recurrent_naive, mlstm_step_naive
 from .parallel import mlstm_parallel_torch
@@ -123,8 +123,9 @@ def mlstm_chunkwise(
         # The kernels pick their own chunk length (results do not depend on it); float64 is
         # reference work and stays on the torch path unless the kernels are forced.
         if cd != torch.float64:
-            return mlstm_chunkwise_triton(q, k, v, i, f, initial_state=initial_state,
-                                          output_final_state=output_final_state, eps=eps)
+            with on_device(q):
+                return mlstm_chunkwise_triton(q, k, v, i, f, initial_state=initial_state,
+                                              output_final_state=output_final_state, eps=eps)
         if backend == "triton":
             raise ValueError("backend='triton' takes float16, bfloat16 or float32 inputs, got float64; use backend='torch'")
     state = (None, None, None) if initial_state is None else tuple(s.to(cd) for s in initial_state)
@@ -183,7 +184,8 @@ def mlstm_step(
         _check_state(state, B, H, K, V, q.device, "state")
     cd = _common_dtype(q, k, v, i, f)
     if cd != torch.float64 and choose_backend("mlstm_step", None, q.device) == "triton":
-        return mlstm_step_triton(q, k, v, i, f, state, eps=eps)
+        with on_device(q):
+            return mlstm_step_triton(q, k, v, i, f, state, eps=eps)
     if state is None:
         z = q.new_zeros((), dtype=cd)
         state = (z.expand(B, H, K, V), z.expand(B, H, K), z.expand(B, H))

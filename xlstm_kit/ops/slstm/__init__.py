@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._checks import check_same_device, check_tensor, autocast_off
-from ..backend import choose_backend, triton_available
+from ..backend import choose_backend, on_device, triton_available
 from .naive import State, slstm_recurrent_naive, slstm_step_naive
 from .recurrent import slstm_recurrent_torch
 
@@ -82,9 +82,10 @@ def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
         return slstm_recurrent_torch(x_gates, r, b, initial_state=initial_state,
                                      output_final_state=output_final_state, forget_gate=forget_gate,
                                      recurrent_grad_clip=recurrent_grad_clip)
-    return slstm_recurrent_triton(x_gates, r, b, initial_state=initial_state,
-                                  output_final_state=output_final_state, forget_gate=forget_gate,
-                                  recurrent_grad_clip=recurrent_grad_clip)
+    with on_device(x_gates):
+        return slstm_recurrent_triton(x_gates, r, b, initial_state=initial_state,
+                                      output_final_state=output_final_state, forget_gate=forget_gate,
+                                      recurrent_grad_clip=recurrent_grad_clip)
 
 
 @autocast_off
@@ -96,5 +97,6 @@ def slstm_step(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor,
     check_tensor("x_gates", x_gates, (None, 4, None, None), "B,4,H,D")
     _check_common(x_gates, r, b, state, "state", forget_gate)
     if choose_backend("slstm_step", None, x_gates.device) == "triton":
-        return slstm_step_triton(x_gates, r, b, state, forget_gate=forget_gate)
+        with on_device(x_gates):
+            return slstm_step_triton(x_gates, r, b, state, forget_gate=forget_gate)
     return slstm_step_naive(x_gates, r, b, state, forget_gate=forget_gate)
