@@ -158,12 +158,14 @@ def _fwd_states(
 @triton.jit
 def _fwd_out(
     q_ptr, k_ptr, v_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, cs_ptr, ns_ptr, ms_ptr,
-    h_ptr, nbar_ptr, mrow_ptr,
+    h_ptr, hlo_ptr, nbar_ptr, mrow_ptr,
     T, H, NC, scale, eps,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    STATE_MODE: tl.constexpr, PREC: tl.constexpr,
+    STATE_MODE: tl.constexpr, PREC: tl.constexpr, P_SPLIT: tl.constexpr, H_LO: tl.constexpr,
 ):
-    """Outputs of one chunk for one V-tile: intra-chunk quadratic part + inter-chunk q̂ᵀC_c."""
+    """Outputs of one chunk for one V-tile: intra-chunk quadratic part + inter-chunk q̂ᵀC_c.
+    P_SPLIT: P enters P v as two 16-bit parts (hi + lo); H_LO: also writes h's rounding
+    residual (float32 h − h) in h's dtype, so the backward's δh·h sees float32 h."""
     c = tl.program_id(0)
     pid_v = tl.program_id(1)
     bh = tl.program_id(2)
@@ -210,11 +212,19 @@ def _fwd_out(
     nbar = ea * qn * scale + tl.sum(P, axis=1)
     vt = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :],
                  mask=rmask[:, None] & mv[None, :], other=0.0)
-    num = (ea * scale)[:, None] * inter + tl.dot(P.to(vt.dtype), vt, input_precision=PREC)
+    if P_SPLIT:
+        pv = _dot_l(P, vt, 1, PREC)
+    else:
+        pv = tl.dot(P.to(vt.dtype), vt, input_precision=PREC)
+    num = (ea * scale)[:, None] * inter + pv
     den = tl.maximum(tl.abs(nbar), tl.exp(-m_row)) + eps
     out = num / den[:, None]
-    tl.store(h_ptr + b.to(tl.int64) * T * H * V + h * V + rows[:, None] * (H * V) + offs_v[None, :],
-             out.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & mv[None, :])
+    h_off = b.to(tl.int64) * T * H * V + h * V + rows[:, None] * (H * V) + offs_v[None, :]
+    out_h = out.to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + h_off, out_h, mask=rmask[:, None] & mv[None, :])
+    if H_LO:
+        tl.store(hlo_ptr + h_off, (out - out_h.to(tl.float32)).to(hlo_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & mv[None, :])
     first_v = (offs_l < L) & (pid_v == 0)
     tl.store(nbar_ptr + g_base + rows, nbar, mask=first_v)
     tl.store(mrow_ptr + g_base + rows, m_row, mask=first_v)
@@ -465,9 +475,9 @@ def _bwd_dv(
 
 @triton.jit
 def _bwd_rows(
-    dh_ptr, h_ptr, nbar_ptr, mrow_ptr, r_ptr, rd_ptr, g_ptr,
+    dh_ptr, h_ptr, hlo_ptr, nbar_ptr, mrow_ptr, r_ptr, rd_ptr, g_ptr,
     T, H, NCL, srow, eps,
-    V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, H_LO: tl.constexpr,
 ):
     """Per-row factors of δh for rows [BT·pid, +BT) of one b·h, written padded to NCL rows
     (zeros past T): r = δh·h / d, rd = 1/d, g = δn̄ = −r·sign(n̄) on the |n̄| branch of the max.
@@ -487,6 +497,8 @@ def _bwd_rows(
         msk = tm[:, None] & (offs_v < V)[None, :]
         a = tl.load(dh_ptr + off, mask=msk, other=0.0).to(tl.float32)
         y = tl.load(h_ptr + off, mask=msk, other=0.0).to(tl.float32)
+        if H_LO:  # h's rounding residual: δh·h is a near-cancelling term of δP
+            y += tl.load(hlo_ptr + off, mask=msk, other=0.0).to(tl.float32)
         acc += tl.sum(a * y, axis=1)
     nb = tl.load(nbar_ptr + bh64 * srow + t, mask=tm, other=0.0)
     mr = tl.load(mrow_ptr + bh64 * srow + t, mask=tm, other=0.0)
@@ -636,13 +648,13 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
     bf16_states stores the chunk states in bfloat16 (half the state traffic, one more
     rounding); upd_split splits the float32 operand of the state-update products into two
     bfloat16 parts; state_split does the same for float32 states in the output products;
-    fuse_dv computes δv inside the δq/δk kernel when one K-tile covers K."""
+    fuse_dv computes δv inside the δq/δk kernel when one K-tile covers K. The other keys are
+    explained where they are set."""
     Kp, Vp = _pow2(K), _pow2(V)
     return dict(
         L_fwd=64, L_bwd=64, bf16_states=True, upd_split=True, state_split=True, fuse_dv=False,
-        # Tiles picked so that ptxas reports no register spills for sm_90 (the fused
-        # δq/δk/δv variant, dqk_BK ≥ K, spills kilobytes per thread and is left off); among
-        # the spill-free ones, dqk_BK=64/dqk_BV=32 timed fastest on the H200 (NOTES-mlstm.md).
+        # Tiles of the separate δq/δk and δv kernels (used when K > fb_maxK): spill-free for
+        # sm_90 by ptxas; dqk_BK=64/dqk_BV=32 timed fastest on the H200 (NOTES-mlstm.md).
         st_BK=min(64, Kp), st_BV=min(64, Vp), st_warps=4, st_stages=2,
         out_BK=min(128 if K <= 128 else 64, Kp), out_BV=min(64, Vp), out_warps=8, out_stages=2,
         ds_BK=min(64, Kp), ds_BV=min(64, Vp), ds_warps=8, ds_stages=2,
@@ -652,13 +664,19 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
         # tile), used when bwd_fused and pow2(K) ≤ fb_maxK; otherwise _bwd_dqk + _bwd_dv.
         # ptxas (sm_90, 8 warps): no spills at L_bwd=32 with K=128/fb_BV=32 and K=256/V=512 at
         # L_bwd=16; 92 B at K=256, L_bwd=32, fb_BV=16; ~800 B at L_bwd=64, K=V=128.
-        bwd_fused=False, fb_maxK=128, fb_BV=32 if Kp <= 128 else 16, fb_warps=8, fb_stages=2,
+        bwd_fused=True, fb_maxK=128, fb_BV=32 if Kp <= 128 else 16, fb_warps=8, fb_stages=2,
         # keep_states: the forward's chunk states are saved for the backward (when L_fwd ==
         # L_bwd) instead of recomputed: one sequential kernel less, B·H·NC·K·V more memory.
-        keep_states=False,
+        keep_states=True,
         # rows_kernel: the per-row factors of δh (δh·h/d, 1/d, δn̄) in one Triton kernel
         # reading δh and h in their dtype, instead of PyTorch ops over float32 copies.
-        rows_kernel=False,
+        rows_kernel=True,
+        # 16-bit inputs: p_split feeds P to the forward's P v product as two 16-bit parts (one
+        # more L×L×V product); h_lo saves h's rounding residual for the backward's δh·h. Both
+        # terms enter near-cancelling sums (δP = δh·(v_s − h_t)/d), where one 16-bit rounding of
+        # P or h cost up to 3-8x the reference's gradient error at extreme gates
+        # (NOTES-mlstm.md, section 5).
+        p_split=True, h_lo=True,
         # seq_min_programs: below this many programs the sequential state kernels use 32×32
         # tiles (0: never); see _seq_tiles.
         seq_min_programs=0,
@@ -752,7 +770,8 @@ def _init_m(m0, B, H, dev):
 def mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg):
     """Forward launcher. q, k [B,T,H,K], v [B,T,H,V] (one dtype, contiguous); i, f [B,T,H];
     C0 [B,H,K,V], n0 [B,H,K] float32 or None; m0 [B,H] or None.
-    Returns h [B,T,H,V], (C, n, m) final float32, n̄ and m per row [B,H,T] float32, and the
+    Returns h [B,T,H,V], h's rounding residual (same shape and dtype; None for float32 inputs
+    or without cfg h_lo), (C, n, m) final float32, n̄ and m per row [B,H,T] float32, and the
     chunk-start states and gate tensors (cs, ns, ms, β, β_lo, ĩ, u, ĩ − β) when cfg keeps them
     for the backward, else None."""
     B, T, H, K = q.shape
@@ -762,18 +781,21 @@ def mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg):
     m0 = _init_m(m0, B, H, q.device)
     cs, ns, ms, final = _states(k, v, beta, blo, ig, u, NC, C0, n0, m0, L, cfg, True)
     h = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
+    lowp = q.dtype != torch.float32
+    hlo = torch.empty_like(h) if lowp and cfg["h_lo"] else None
     nbar = torch.empty(B, H, NC * L, device=q.device, dtype=torch.float32)
     mrow = torch.empty_like(nbar)
     grid = (NC, triton.cdiv(V, cfg["out_BV"]), B * H)
+    _, _, smode, prec = _numerics(q.dtype, cfg)
     _fwd_out[grid](
-        q, k, v, beta, blo, ig, u, cs, ns, ms, h, nbar, mrow,
+        q, k, v, beta, blo, ig, u, cs, ns, ms, h, h if hlo is None else hlo, nbar, mrow,
         T, H, NC, K ** -0.5, eps,
         K=K, V=V, L=L, BK=cfg["out_BK"], BV=cfg["out_BV"],
-        STATE_MODE=_numerics(q.dtype, cfg)[2], PREC=_numerics(q.dtype, cfg)[3],
+        STATE_MODE=smode, PREC=prec, P_SPLIT=lowp and cfg["p_split"], H_LO=hlo is not None,
         num_warps=cfg["out_warps"], num_stages=cfg["out_stages"],
     )
     kept = (cs, ns, ms, beta, blo, ig, u, x) if cfg["keep_states"] and cfg["L_bwd"] == L else None
-    return h, final, nbar[:, :, :T], mrow[:, :, :T], kept
+    return h, hlo, final, nbar[:, :, :T], mrow[:, :, :T], kept
 
 
 def _pad_rows(x: torch.Tensor, NCL: int) -> torch.Tensor:
@@ -800,9 +822,10 @@ def _stabilizer_chain(e: torch.Tensor, A: torch.Tensor):
     return (Af * G).float(), ((1 - Af) * G).float(), (Af[..., 0] * G[..., 0]).float()
 
 
-def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, dmf, Cf, nf, eps, cfg,
+def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, dnf, dmf, Cf, nf, eps, cfg,
                         kept=None):
     """Backward launcher: gradients of q, k, v (input dtype), i, f, and C0, n0, m0 (float32).
+    hlo: h's rounding residual from the forward, or None.
     kept: the forward's states and gates (see mlstm_chunkwise_fwd) at chunk L_bwd, or None to
     recompute them."""
     B, T, H, K = q.shape
@@ -824,13 +847,14 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh, dCf, dnf, 
         rd_p, g_p = torch.empty_like(r_p), torch.empty_like(r_p)
         BT = 32
         _bwd_rows[(triton.cdiv(NCL, BT), B * H)](
-            dh, h, nbar, mrow, r_p, rd_p, g_p, T, H, NCL, nbar.stride(1), eps,
-            V=V, BT=BT, BV=min(128, _pow2(V)), num_warps=4,
+            dh, h, h if hlo is None else hlo, nbar, mrow, r_p, rd_p, g_p, T, H, NCL, nbar.stride(1), eps,
+            V=V, BT=BT, BV=min(128, _pow2(V)), H_LO=hlo is not None, num_warps=4,
         )
         r = r_p[:, :, :T]
     else:
         den = torch.maximum(nbar.abs(), torch.exp(-mrow)) + eps              # [B,H,T]
-        r = (dh.float() * h.float()).sum(-1).permute(0, 2, 1) / den          # δh·h / d
+        hf = h.float() if hlo is None else h.float() + hlo.float()
+        r = (dh.float() * hf).sum(-1).permute(0, 2, 1) / den                # δh·h / d
         rd = 1.0 / den
         g = torch.where(nbar.abs() > torch.exp(-mrow), -r * torch.sign(nbar), torch.zeros_like(r))
         rd_p, g_p = _pad_rows(rd, NCL), _pad_rows(g, NCL)
@@ -930,19 +954,19 @@ def _bwd_tail(q, f, C0, n0, ms, x, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, 
 class MLSTMChunkwiseTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, i, f, C0, n0, m0, eps, cfg):
-        h, (Cf, nf, mf), nbar, mrow, kept = mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg)
-        ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h, nbar, mrow, Cf, nf, *(kept or ()))
+        h, hlo, (Cf, nf, mf), nbar, mrow, kept = mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg)
+        ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, Cf, nf, *(kept or ()))
         ctx.eps = eps
         ctx.cfg = cfg
         return h, Cf, nf, mf
 
     @staticmethod
     def backward(ctx, dh, dCf, dnf, dmf):
-        q, k, v, i, f, C0, n0, m0, h, nbar, mrow, Cf, nf, *kept = ctx.saved_tensors
+        q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, Cf, nf, *kept = ctx.saved_tensors
         if dh is None:
             dh = torch.zeros_like(h)
         dq, dk, dv, di, df, dC0, dn0, dm0 = mlstm_chunkwise_bwd(
-            q, k, v, i, f, C0, n0, m0, h, nbar, mrow, dh.contiguous(), dCf, dnf, dmf, Cf, nf,
+            q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh.contiguous(), dCf, dnf, dmf, Cf, nf,
             ctx.eps, ctx.cfg, tuple(kept) or None)
         return (dq, dk, dv, di.to(i.dtype), df.to(f.dtype),
                 None if C0 is None else dC0.to(C0.dtype),
