@@ -57,12 +57,12 @@ from .naive import check_chunk, check_dplr_inputs, check_scale
 
 SUB = 16  # column sub-chunk of the pair matrices (see the module docstring for why 16)
 
-# Warps per kernel, chosen from ptxas register/spill reports (sm_90, K = V = 128, compiled on the
-# CPU machine). num_stages = 1 everywhere: the default software pipelining double-buffers every
+# Warps per kernel. Every kernel still spills registers at K = V = 128 (ptxas for sm_90a, table in
+# benchmarks/NOTES-dplr.md): the 3-pass TF32 products keep hi/lo copies of [L, K] float32
+# operands. num_stages = 1 everywhere: the default software pipelining double-buffers every
 # [L, K] operand of the chunk loops in shared memory (378 KB for _fwd_state at K = V = 128, far
 # over the 227 KB an H200 block may use); unpipelined, the largest kernel needs 196 KB at 256.
-_NUM_WARPS = {"_fwd_pairs": 4, "_fwd_wy": 8, "_fwd_state": 8, "_bwd_state": 8, "_bwd_dv": 8,
-              "_bwd_dk": 8}
+_NUM_WARPS = {"_fwd_pairs": 4, "_fwd_wy": 8, "_bwd_dv": 8, "_bwd_dk": 8}   # state kernels: _config
 
 
 def _launch(name: str) -> dict:
@@ -75,9 +75,25 @@ def _launch(name: str) -> dict:
 
 
 @triton.jit
+def _mm(x, y, LO: tl.constexpr, PREC: tl.constexpr):
+    """Product of float32 tiles for results that only reach 16-bit outputs (module docstring,
+    "Precision modes"): LO = 0 at PREC, 1 single-pass TF32, 2 bfloat16 operands, 3 float16
+    operands (tests under the interpreter, which has no bfloat16); float32 accumulation always."""
+    if LO == 1:
+        r = tl.dot(x, y, input_precision="tf32")
+    elif LO == 2:
+        r = tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
+    elif LO == 3:
+        r = tl.dot(x.to(tl.float16), y.to(tl.float16))
+    else:
+        r = tl.dot(x, y, input_precision=PREC)
+    return r
+
+
+@triton.jit
 def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
                K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, LO: tl.constexpr):
     """One [L, S] column block (sub-chunk j) of A_qk, A_qa, A_bk, A_ba of one chunk.
     q, k, a, b: [BH, Tp, K] (input dtype); G: [BH, Tp, K] float64; A*: [BH, NC, L, L] float32."""
     NB: tl.constexpr = L // S
@@ -119,7 +135,7 @@ def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
         xq_in = xq * fx_in
         xb_off = xb * fx_off
         xb_in = xb * fx_in
-        acc_qk += tl.dot(xq_off, yk_off, input_precision=PREC) + tl.dot(xq_in, yk_in, input_precision=PREC)
+        acc_qk += _mm(xq_off, yk_off, LO, PREC) + _mm(xq_in, yk_in, LO, PREC)
         acc_qa += tl.dot(xq_off, ya_off, input_precision=PREC) + tl.dot(xq_in, ya_in, input_precision=PREC)
         acc_bk += tl.dot(xb_off, yk_off, input_precision=PREC) + tl.dot(xb_in, yk_in, input_precision=PREC)
         acc_ba += tl.dot(xb_off, ya_off, input_precision=PREC) + tl.dot(xb_in, ya_in, input_precision=PREC)
@@ -198,7 +214,7 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
 @triton.jit
 def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
                K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
-               HAS_H0: tl.constexpr, PREC: tl.constexpr):
+               HAS_H0: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
     """Sequential over the chunks of one (b·h, V-tile): V2, O and the state h [K, BV].
     Hs: [BH, NC, K, V] states entering each chunk; V2, O: [BH, Tp, V]; h0, hT: [BH, K, V]."""
     vt_id = tl.program_id(0)
@@ -222,9 +238,9 @@ def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
         vt = tl.load(v + pv).to(tl.float32)
         v2 = tl.load(Cm + pv) - tl.dot(tl.load(W + pk), h, input_precision=PREC)
         tl.store(V2 + pv, v2)
-        o = tl.dot(tl.load(Qg + pk), h, input_precision=PREC)
-        o += tl.dot(tl.load(Aqk + pa), vt, input_precision=PREC)
-        o += tl.dot(tl.load(Aqa + pa), v2, input_precision=PREC)
+        o = _mm(tl.load(Qg + pk), h, LO, PREC)
+        o += _mm(tl.load(Aqk + pa), vt, LO, PREC)
+        o += _mm(tl.load(Aqa + pa), v2, LO, PREC)
         tl.store(O + pv, o)
         h = tl.load(eGl + (bh * NC + n) * K + kr)[:, None] * h
         h += tl.dot(tl.trans(tl.load(Kd + pk)), vt, input_precision=PREC)
@@ -258,7 +274,7 @@ def _bwd_state(Qg, Ad, eGl, Aqa, W, dO, dhT, dH, dV2, dh0, Tp, NC,
         pk = base_k + (t0 + rows)[:, None] * K + kr[None, :]
         pv = base_v + (t0 + rows)[:, None] * V + vv[None, :]
         pa = ((bh * NC + n) * L + rows)[:, None] * L + rows[None, :]
-        do = tl.load(dO + pv)
+        do = tl.load(dO + pv).to(tl.float32)
         dv2 = tl.dot(tl.load(Ad + pk), dh, input_precision=PREC)
         dv2 += tl.dot(tl.trans(tl.load(Aqa + pa)), do, input_precision=PREC)
         tl.store(dV2 + pv, dv2)
@@ -269,9 +285,111 @@ def _bwd_state(Qg, Ad, eGl, Aqa, W, dO, dhT, dH, dV2, dh0, Tp, NC,
 
 
 @triton.jit
+def _fwd_state_kh(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
+                  K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
+                  HAS_H0: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
+    """_fwd_state with the state held as two [K/2, BV] halves (and every [L, K] operand loaded
+    as two [L, K/2] halves): the same sums, but the live set of one product halves, which keeps
+    the 3-pass TF32 split operands in registers (ptxas: 1.5 KB/thread of spills at K = 128 for
+    _fwd_state, none here; benchmarks/NOTES-dplr.md)."""
+    KH: tl.constexpr = K // 2
+    vt_id = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, L)
+    k1 = tl.arange(0, KH)
+    k2 = KH + tl.arange(0, KH)
+    vv = vt_id * BV + tl.arange(0, BV)
+    ph1 = k1[:, None] * V + vv[None, :]
+    ph2 = k2[:, None] * V + vv[None, :]
+    if HAS_H0:
+        h1 = tl.load(h0 + bh * K * V + ph1).to(tl.float32)
+        h2 = tl.load(h0 + bh * K * V + ph2).to(tl.float32)
+    else:
+        h1 = tl.zeros([KH, BV], dtype=tl.float32)
+        h2 = tl.zeros([KH, BV], dtype=tl.float32)
+    base_k = bh * Tp * K
+    base_v = bh * Tp * V
+    for n in range(0, NC):
+        t0 = n * L
+        hs = Hs + (bh * NC + n) * K * V
+        tl.store(hs + ph1, h1)
+        tl.store(hs + ph2, h2)
+        pk1 = base_k + (t0 + rows)[:, None] * K + k1[None, :]
+        pk2 = base_k + (t0 + rows)[:, None] * K + k2[None, :]
+        pv = base_v + (t0 + rows)[:, None] * V + vv[None, :]
+        pa = ((bh * NC + n) * L + rows)[:, None] * L + rows[None, :]
+        vt = tl.load(v + pv).to(tl.float32)
+        v2 = tl.load(Cm + pv) - tl.dot(tl.load(W + pk1), h1, input_precision=PREC)
+        v2 -= tl.dot(tl.load(W + pk2), h2, input_precision=PREC)
+        tl.store(V2 + pv, v2)
+        o = _mm(tl.load(Qg + pk1), h1, LO, PREC)
+        o += _mm(tl.load(Qg + pk2), h2, LO, PREC)
+        o += _mm(tl.load(Aqk + pa), vt, LO, PREC)
+        o += _mm(tl.load(Aqa + pa), v2, LO, PREC)
+        tl.store(O + pv, o)
+        eg = eGl + (bh * NC + n) * K
+        h1 = tl.load(eg + k1)[:, None] * h1
+        h1 += tl.dot(tl.trans(tl.load(Kd + pk1)), vt, input_precision=PREC)
+        h1 += tl.dot(tl.trans(tl.load(Ad + pk1)), v2, input_precision=PREC)
+        h2 = tl.load(eg + k2)[:, None] * h2
+        h2 += tl.dot(tl.trans(tl.load(Kd + pk2)), vt, input_precision=PREC)
+        h2 += tl.dot(tl.trans(tl.load(Ad + pk2)), v2, input_precision=PREC)
+    tl.store(hT + bh * K * V + ph1, h1)
+    tl.store(hT + bh * K * V + ph2, h2)
+
+
+@triton.jit
+def _bwd_state_kh(Qg, Ad, eGl, Aqa, W, dO, dhT, dH, dV2, dh0, Tp, NC,
+                  K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
+                  HAS_DHT: tl.constexpr, PREC: tl.constexpr):
+    """_bwd_state with δh held as two [K/2, BV] halves (see _fwd_state_kh for why)."""
+    KH: tl.constexpr = K // 2
+    vt_id = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, L)
+    k1 = tl.arange(0, KH)
+    k2 = KH + tl.arange(0, KH)
+    vv = vt_id * BV + tl.arange(0, BV)
+    ph1 = k1[:, None] * V + vv[None, :]
+    ph2 = k2[:, None] * V + vv[None, :]
+    if HAS_DHT:
+        dh1 = tl.load(dhT + bh * K * V + ph1).to(tl.float32)
+        dh2 = tl.load(dhT + bh * K * V + ph2).to(tl.float32)
+    else:
+        dh1 = tl.zeros([KH, BV], dtype=tl.float32)
+        dh2 = tl.zeros([KH, BV], dtype=tl.float32)
+    base_k = bh * Tp * K
+    base_v = bh * Tp * V
+    for i in range(0, NC):
+        n = NC - 1 - i
+        t0 = n * L
+        dhs = dH + (bh * NC + n) * K * V
+        tl.store(dhs + ph1, dh1)
+        tl.store(dhs + ph2, dh2)
+        pk1 = base_k + (t0 + rows)[:, None] * K + k1[None, :]
+        pk2 = base_k + (t0 + rows)[:, None] * K + k2[None, :]
+        pv = base_v + (t0 + rows)[:, None] * V + vv[None, :]
+        pa = ((bh * NC + n) * L + rows)[:, None] * L + rows[None, :]
+        do = tl.load(dO + pv).to(tl.float32)
+        dv2 = tl.dot(tl.load(Ad + pk1), dh1, input_precision=PREC)
+        dv2 += tl.dot(tl.load(Ad + pk2), dh2, input_precision=PREC)
+        dv2 += tl.dot(tl.trans(tl.load(Aqa + pa)), do, input_precision=PREC)
+        tl.store(dV2 + pv, dv2)
+        eg = eGl + (bh * NC + n) * K
+        dh1 = tl.load(eg + k1)[:, None] * dh1
+        dh1 += tl.dot(tl.trans(tl.load(Qg + pk1)), do, input_precision=PREC)
+        dh1 -= tl.dot(tl.trans(tl.load(W + pk1)), dv2, input_precision=PREC)
+        dh2 = tl.load(eg + k2)[:, None] * dh2
+        dh2 += tl.dot(tl.trans(tl.load(Qg + pk2)), do, input_precision=PREC)
+        dh2 -= tl.dot(tl.trans(tl.load(W + pk2)), dv2, input_precision=PREC)
+    tl.store(dh0 + bh * K * V + ph1, dh1)
+    tl.store(dh0 + bh * K * V + ph2, dh2)
+
+
+@triton.jit
 def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv, dqk_d, dqa_d,
             Tp, NC, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
-            BV: tl.constexpr, PREC: tl.constexpr):
+            BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
     """Backward, V side of one chunk: δv, GC = Eᵀ δC, and the gradients of the four pair matrices
     (strictly lower parts to dA* [BH, NC, L, L]; the diagonals of δA_qk, δA_qa to dqk_d, dqa_d
     [BH, Tp]). With δW = −δC hᵀ (h entering the chunk), Eᵀ δW = −GC hᵀ and W h = Cm − V2, so
@@ -293,23 +411,23 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
     for v0 in range(0, V, BV):
         vv = v0 + tl.arange(0, BV)
         pv = base_v + (t0 + rows)[:, None] * V + vv[None, :]
-        do = tl.load(dO + pv)
+        do = tl.load(dO + pv).to(tl.float32)
         vt = tl.load(v + pv).to(tl.float32)
         v2 = tl.load(V2 + pv)
-        GC = tl.dot(tl.trans(Em), tl.load(dV2 + pv), input_precision=PREC)   # Eᵀ δC
+        GC = _mm(tl.trans(Em), tl.load(dV2 + pv), LO, PREC)   # Eᵀ δC
         tl.store(GCb + pv, GC)
-        dvt = tl.dot(tl.trans(Aqk_), do, input_precision=PREC)
-        dvt -= tl.dot(tl.trans(Abk_), GC, input_precision=PREC)
+        dvt = _mm(tl.trans(Aqk_), do, LO, PREC)
+        dvt -= _mm(tl.trans(Abk_), GC, LO, PREC)
         for k0 in range(0, K, BK):                                # + (K ⊙ e^{G_L−G}) δh'
             kk = k0 + tl.arange(0, BK)
             pk = base_k + (t0 + rows)[:, None] * K + kk[None, :]
             dh = tl.load(dH + (bh * NC + n) * K * V + kk[:, None] * V + vv[None, :])
-            dvt += tl.dot(tl.load(Kd + pk), dh, input_precision=PREC)
+            dvt += _mm(tl.load(Kd + pk), dh, LO, PREC)
         tl.store(dv + pv, dvt)
-        dA_qk += tl.dot(do, tl.trans(vt), input_precision=PREC)
-        dA_qa += tl.dot(do, tl.trans(v2), input_precision=PREC)
-        dA_bk -= tl.dot(GC, tl.trans(vt), input_precision=PREC)
-        dA_ba -= tl.dot(GC, tl.trans(v2), input_precision=PREC)
+        dA_qk += _mm(do, tl.trans(vt), LO, PREC)
+        dA_qa += _mm(do, tl.trans(v2), LO, PREC)
+        dA_bk -= _mm(GC, tl.trans(vt), LO, PREC)
+        dA_ba -= _mm(GC, tl.trans(v2), LO, PREC)
     eye = rows[:, None] == rows[None, :]
     strict = rows[None, :] < rows[:, None]
     # the diagonal (i = r) of A_qk, A_qa has no decay: it goes straight into δq, δk, δa and stays
@@ -326,7 +444,7 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
 def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d, dqa_d,
             dq, dk, da, db, dg, scale, Tp, NC,
             K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
-            BV: tl.constexpr, PREC: tl.constexpr):
+            BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
     """Backward, K side of one (chunk, K-tile): δq, δk, δa, δb and δgk for BK channels (every
     term is channel-wise in K once the pair-matrix gradients are known). Seed §三 with the
     notes' typos fixed; same formulas and gate-gradient grouping as chunkwise.py."""
@@ -357,10 +475,10 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
         ph = (bh * NC + n) * K * V + kr[:, None] * V + vv[None, :]
         hs = tl.load(Hs + ph)
         dh = tl.load(dH + ph)
-        dKd += tl.dot(tl.load(v + pv).to(tl.float32), tl.trans(dh), input_precision=PREC)
-        dAd += tl.dot(tl.load(V2 + pv), tl.trans(dh), input_precision=PREC)
-        dQg += tl.dot(tl.load(dO + pv), tl.trans(hs), input_precision=PREC)
-        GW -= tl.dot(tl.load(GCb + pv), tl.trans(hs), input_precision=PREC)
+        dKd += _mm(tl.load(v + pv).to(tl.float32), tl.trans(dh), LO, PREC)
+        dAd += _mm(tl.load(V2 + pv), tl.trans(dh), LO, PREC)
+        dQg += _mm(tl.load(dO + pv).to(tl.float32), tl.trans(hs), LO, PREC)
+        GW -= _mm(tl.load(GCb + pv), tl.trans(hs), LO, PREC)
         hdh += tl.sum(hs * dh, axis=1)
     qs = tl.load(q + pk).to(tl.float32) * scale
     kx = tl.load(k + pk).to(tl.float32)
@@ -402,34 +520,34 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
         d = tl.load(dAqk + pd)
         d_off = tl.where(below[:, None], d, 0.0)
         d_in = tl.where(inblk[:, None], d, 0.0)
-        dXq += (fx_off * tl.dot(d_off, yk * fy_off, input_precision=PREC)
-                + fx_in * tl.dot(d_in, yk * fy_in, input_precision=PREC))
-        ck = (fy_off * tl.dot(tl.trans(d_off), xq_off, input_precision=PREC)
-              + fy_in * tl.dot(tl.trans(d_in), xq_in, input_precision=PREC))
+        dXq += (fx_off * _mm(d_off, yk * fy_off, LO, PREC)
+                + fx_in * _mm(d_in, yk * fy_in, LO, PREC))
+        ck = (fy_off * _mm(tl.trans(d_off), xq_off, LO, PREC)
+              + fy_in * _mm(tl.trans(d_in), xq_in, LO, PREC))
         d = tl.load(dAqa + pd)
         d_off = tl.where(below[:, None], d, 0.0)
         d_in = tl.where(inblk[:, None], d, 0.0)
-        dXq += (fx_off * tl.dot(d_off, ya * fy_off, input_precision=PREC)
-                + fx_in * tl.dot(d_in, ya * fy_in, input_precision=PREC))
-        ca = (fy_off * tl.dot(tl.trans(d_off), xq_off, input_precision=PREC)
-              + fy_in * tl.dot(tl.trans(d_in), xq_in, input_precision=PREC))
+        dXq += (fx_off * _mm(d_off, ya * fy_off, LO, PREC)
+                + fx_in * _mm(d_in, ya * fy_in, LO, PREC))
+        ca = (fy_off * _mm(tl.trans(d_off), xq_off, LO, PREC)
+              + fy_in * _mm(tl.trans(d_in), xq_in, LO, PREC))
         # x = b: δA_bk (y = k) and δA_ba (y = a)
         d = tl.load(dAbk + pd)
         d_off = tl.where(below[:, None], d, 0.0)
         d_in = tl.where(inblk[:, None], d, 0.0)
-        dXb += (fx_off * tl.dot(d_off, yk * fy_off, input_precision=PREC)
-                + fx_in * tl.dot(d_in, yk * fy_in, input_precision=PREC))
-        ck += (fy_off * tl.dot(tl.trans(d_off), xb_off, input_precision=PREC)
-               + fy_in * tl.dot(tl.trans(d_in), xb_in, input_precision=PREC))
+        dXb += (fx_off * _mm(d_off, yk * fy_off, LO, PREC)
+                + fx_in * _mm(d_in, yk * fy_in, LO, PREC))
+        ck += (fy_off * _mm(tl.trans(d_off), xb_off, LO, PREC)
+               + fy_in * _mm(tl.trans(d_in), xb_in, LO, PREC))
         d = tl.load(dAba + pd)
         d_off = tl.where(below[:, None], d, 0.0)
         d_in = tl.where(inblk[:, None], d, 0.0)
-        dXb += (fx_off * tl.dot(d_off, ya * fy_off, input_precision=PREC)
-                + fx_in * tl.dot(d_in, ya * fy_in, input_precision=PREC))
-        ca += (fy_off * tl.dot(tl.trans(d_off), xb_off, input_precision=PREC)
-               + fy_in * tl.dot(tl.trans(d_in), xb_in, input_precision=PREC))
-        dYk += tl.dot(place, ck, input_precision=PREC)
-        dYa += tl.dot(place, ca, input_precision=PREC)
+        dXb += (fx_off * _mm(d_off, ya * fy_off, LO, PREC)
+                + fx_in * _mm(d_in, ya * fy_in, LO, PREC))
+        ca += (fy_off * _mm(tl.trans(d_off), xb_off, LO, PREC)
+               + fy_in * _mm(tl.trans(d_in), xb_in, LO, PREC))
+        dYk += _mm(place, ck, LO, PREC)
+        dYa += _mm(place, ca, LO, PREC)
     dqk = tl.load(dqk_d + bh * Tp + t0 + rows)
     dqa = tl.load(dqa_d + bh * Tp + t0 + rows)
     tl.store(dq + pk, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale)
@@ -451,69 +569,110 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
 # ----------------------------------------------------------------------------------------------
 
 
-def _prec() -> str:
+# Products whose results reach only bfloat16 outputs (o and every input gradient, when all inputs
+# are bfloat16) may run at lower precision; the state path never does (module docstring,
+# "Precision modes"). Two environment variables override the defaults per call, so one benchmark
+# run can time the variants against each other:
+#   XLSTM_DPLR_LOWP   "off", "tf32", "bf16" ("fp16": interpreter tests only)
+#   XLSTM_DPLR_STATE  "<plain|kh>,<BV>,<warps>": the two sequential state kernels — whole-K state
+#                     tile or two K/2 halves, V-tile, warps.
+LOWP_DEFAULT = "tf32"
+STATE_DEFAULT = "plain,32,8"
+_LO_MODES = {"off": 0, "tf32": 1, "bf16": 2, "fp16": 3}
+
+
+def _config(lowp_ok: bool, K: int, V: int) -> tuple:
+    """(PREC of the state path, LO mode of the bf16-output products, (state kernels' kind, BV,
+    warps))."""
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     # float32 operands at ~float32 accuracy (3-pass TF32); the interpreter only knows "ieee"
-    return "ieee" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "tf32x3"
+    prec = "ieee" if interp else "tf32x3"
+    mode = os.environ.get("XLSTM_DPLR_LOWP", LOWP_DEFAULT) if lowp_ok else "off"
+    if mode not in _LO_MODES:
+        raise ValueError(f"XLSTM_DPLR_LOWP must be one of {sorted(_LO_MODES)}, got {mode!r}")
+    lo = _LO_MODES[mode]
+    if interp and lo == 1:
+        lo = 0
+    spec = os.environ.get("XLSTM_DPLR_STATE", STATE_DEFAULT)
+    try:
+        kind, bv, warps = spec.split(",")
+        bv, warps = int(bv), int(warps)
+        if kind not in ("plain", "kh") or bv < 16 or bv & (bv - 1) or warps not in (4, 8):
+            raise ValueError
+    except ValueError:
+        raise ValueError("XLSTM_DPLR_STATE must be '<plain|kh>,<BV: power of two >= 16>,<4|8>', "
+                         f"got {spec!r}") from None
+    # larger V-tiles at K = 256 would not fit the shared memory of one block (NOTES-dplr.md)
+    bv = min(bv, V, 32 if K > 128 else 64)
+    if K < 32:
+        kind = "plain"    # K/2 halves below 16 are too narrow for a tensor-core product
+    return prec, lo, (kind, bv, warps)
 
 
-def _fwd(qc, kc, vc, ac, bc, G, h0, scale, L):
-    """qc, kc, ac, bc: [BH, Tp, K]; vc: [BH, Tp, V]; G: [BH, Tp, K] float64; h0: [BH, K, V] or None.
-    Returns dict of O [BH, Tp, V], hT [BH, K, V] and what the backward needs."""
+def _fwd(qc, kc, vc, ac, bc, G, h0, scale, L, cfg, o_dtype):
+    """qc, kc, ac, bc: [BH, Tp, K]; vc: [BH, Tp, V]; G: [BH, Tp, K] float64; h0: [BH, K, V] or None;
+    cfg from _config. Returns dict of O [BH, Tp, V] (o_dtype), hT [BH, K, V] and what the backward
+    needs."""
     BH, Tp, K = qc.shape
     V = vc.shape[-1]
     NC = Tp // L
     dev = qc.device
     f32 = torch.float32
-    prec = _prec()
+    prec, lo, (kind, BVs, wst) = cfg
     Aqk, Aqa, Abk, Aba, E = (torch.empty(BH, NC, L, L, device=dev, dtype=f32) for _ in range(5))
     W, Qg, Kd, Ad = (torch.empty(BH, Tp, K, device=dev, dtype=f32) for _ in range(4))
     eGl = torch.empty(BH, NC, K, device=dev, dtype=f32)
-    Cm, V2, O = (torch.empty(BH, Tp, V, device=dev, dtype=f32) for _ in range(3))
+    Cm, V2 = (torch.empty(BH, Tp, V, device=dev, dtype=f32) for _ in range(2))
+    O = torch.empty(BH, Tp, V, device=dev, dtype=o_dtype)
     Hs = torch.empty(BH, NC, K, V, device=dev, dtype=f32)
     hT = torch.empty(BH, K, V, device=dev, dtype=f32)
     _fwd_pairs[(NC * (L // SUB), BH)](qc, kc, ac, bc, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
-                                      K=K, L=L, S=SUB, BK=min(K, 32), PREC=prec,
+                                      K=K, L=L, S=SUB, BK=min(K, 32), PREC=prec, LO=lo,
                                       **_launch("_fwd_pairs"))
     _fwd_wy[(NC, BH)](qc, kc, ac, bc, vc, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC,
                       K=K, V=V, L=L, S=SUB, BK=min(K, 32), BV=min(V, 32), PREC=prec,
                       **_launch("_fwd_wy"))
-    BVs = min(V, 32)
-    _fwd_state[(V // BVs, BH)](Qg, Kd, Ad, eGl, vc, Aqk, Aqa, W, Cm,
-                               h0 if h0 is not None else hT, Hs, V2, O, hT, Tp, NC,
-                               K=K, V=V, L=L, BV=BVs, HAS_H0=h0 is not None, PREC=prec,
-                               **_launch("_fwd_state"))
+    fwd_state = _fwd_state_kh if kind == "kh" else _fwd_state
+    fwd_state[(V // BVs, BH)](Qg, Kd, Ad, eGl, vc, Aqk, Aqa, W, Cm,
+                              h0 if h0 is not None else hT, Hs, V2, O, hT, Tp, NC,
+                              K=K, V=V, L=L, BV=BVs, HAS_H0=h0 is not None, PREC=prec, LO=lo,
+                              num_warps=wst, num_stages=1)
     return dict(O=O, hT=hT, Aqk=Aqk, Aqa=Aqa, Abk=Abk, E=E, W=W, V2=V2, Hs=Hs, Qg=Qg, Kd=Kd, Ad=Ad, eGl=eGl)
 
 
-def _bwd(qc, kc, vc, ac, bc, G, r, dO, dhT, scale, L):
-    """Backward launcher: dO [BH, Tp, V] float32, dhT [BH, K, V] or None; r from _fwd.
-    Returns dq, dk, dv, da, db, dgk (chunk layout, float32) and dh0 [BH, K, V]."""
+def _bwd(qc, kc, vc, ac, bc, G, r, dO, dhT, scale, L, cfg, g_dtypes):
+    """Backward launcher: dO [BH, Tp, V] (any float dtype), dhT [BH, K, V] or None; r from _fwd;
+    g_dtypes: dtypes of dq, dk, dv, da, db, dgk. Returns those (chunk layout) and dh0 [BH, K, V]
+    float32."""
     BH, Tp, K = qc.shape
     V = vc.shape[-1]
     NC = Tp // L
     dev = qc.device
     f32 = torch.float32
-    prec = _prec()
+    prec, lo, (kind, BVs, wst) = cfg
     dH = torch.empty(BH, NC, K, V, device=dev, dtype=f32)
     dV2 = torch.empty(BH, Tp, V, device=dev, dtype=f32)
     dh0 = torch.empty(BH, K, V, device=dev, dtype=f32)
-    BVs = min(V, 32)
-    _bwd_state[(V // BVs, BH)](r["Qg"], r["Ad"], r["eGl"], r["Aqa"], r["W"], dO,
-                               dhT if dhT is not None else dh0, dH, dV2, dh0, Tp, NC, K=K, V=V, L=L,
-                               BV=BVs, HAS_DHT=dhT is not None, PREC=prec, **_launch("_bwd_state"))
+    bwd_state = _bwd_state_kh if kind == "kh" else _bwd_state
+    bwd_state[(V // BVs, BH)](r["Qg"], r["Ad"], r["eGl"], r["Aqa"], r["W"], dO,
+                              dhT if dhT is not None else dh0, dH, dV2, dh0, Tp, NC, K=K, V=V, L=L,
+                              BV=BVs, HAS_DHT=dhT is not None, PREC=prec, num_warps=wst,
+                              num_stages=1)
     GC = torch.empty(BH, Tp, V, device=dev, dtype=f32)
     dA = [torch.empty(BH, NC, L, L, device=dev, dtype=f32) for _ in range(4)]
     dqk_d, dqa_d = (torch.empty(BH, Tp, device=dev, dtype=f32) for _ in range(2))
-    dv = torch.empty(BH, Tp, V, device=dev, dtype=f32)
+    dt_q, dt_k, dt_v, dt_a, dt_b, dt_g = g_dtypes
+    dv = torch.empty(BH, Tp, V, device=dev, dtype=dt_v)
     BK, BV = min(K, 64), min(V, 32)
     _bwd_dv[(NC, BH)](r["Kd"], vc, r["Aqk"], r["Abk"], r["E"], r["V2"], dO, dH, dV2, GC, *dA, dv,
-                      dqk_d, dqa_d, Tp, NC, K=K, V=V, L=L, BK=BK, BV=BV, PREC=prec,
+                      dqk_d, dqa_d, Tp, NC, K=K, V=V, L=L, BK=BK, BV=BV, PREC=prec, LO=lo,
                       **_launch("_bwd_dv"))
-    dq, dk, da, db, dg = (torch.empty(BH, Tp, K, device=dev, dtype=f32) for _ in range(5))
+    dq, dk, da, db, dg = (torch.empty(BH, Tp, K, device=dev, dtype=dt)
+                          for dt in (dt_q, dt_k, dt_a, dt_b, dt_g))
     BK = min(K, 32)
     _bwd_dk[(NC, K // BK, BH)](qc, kc, vc, ac, bc, G, r["V2"], r["Hs"], dO, dH, GC, *dA, dqk_d, dqa_d,
                                dq, dk, da, db, dg, scale, Tp, NC, K=K, V=V, L=L, S=SUB, BK=BK,
-                               BV=BV, PREC=prec, **_launch("_bwd_dk"))
+                               BV=BV, PREC=prec, LO=lo, **_launch("_bwd_dk"))
     return dq, dk, dv, da, db, dg, dh0
 
 
@@ -535,9 +694,9 @@ def _seq_layout(x: torch.Tensor, B: int, H: int, T: int, dtype) -> torch.Tensor:
 def _log_gamma(gk: torch.Tensor, Tp: int, L: int) -> torch.Tensor:
     """In-chunk inclusive cumsum of gk in float64: [B, T, H, K] → [B·H, Tp, K]; padded steps have
     gk = 0 (identity transitions)."""
-    g = _chunk_layout(gk.to(torch.float64), Tp)
+    g = _chunk_layout(gk, Tp)          # moved in gk's own dtype, widened only by the cumsum
     BH, _, K = g.shape
-    return g.view(BH, Tp // L, L, K).cumsum(2).view(BH, Tp, K)
+    return g.view(BH, Tp // L, L, K).cumsum(2, dtype=torch.float64).view(BH, Tp, K)
 
 
 def supports(K: int, V: int, chunk_size: int, dtype: torch.dtype) -> bool:
@@ -565,45 +724,46 @@ class _DPLRTriton(torch.autograd.Function):
     Returns (o [B, T, H, V] in q's dtype, h_T [B, H, K, V] float32)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, a, b, gk, h0, scale, L):
+    def forward(ctx, q, k, v, a, b, gk, h0, scale, L, lowp_ok):
         B, T, H, K = q.shape
         V = v.shape[-1]
         Tp = math.ceil(T / L) * L
+        cfg = _config(lowp_ok, K, V)
         qc, kc, vc, ac, bc = (_chunk_layout(x, Tp) for x in (q, k, v, a, b))
         G = _log_gamma(gk, Tp, L)
         h0c = None if h0 is None else h0.to(torch.float32).reshape(B * H, K, V).contiguous()
-        r = _fwd(qc, kc, vc, ac, bc, G, h0c, scale, L)
+        r = _fwd(qc, kc, vc, ac, bc, G, h0c, scale, L, cfg, q.dtype)
         o = _seq_layout(r.pop("O"), B, H, T, q.dtype)
         hT = r.pop("hT").view(B, H, K, V)
         # scratch kept for the backward (pair matrices, E, W, Cm, V2, chunk states): the backward
         # re-runs none of the forward kernels
         ctx.save_for_backward(qc, kc, vc, ac, bc, G, *(r[n] for n in _SAVED))
         ctx.meta = (B, T, H, scale, L, [x.dtype for x in (q, k, v, a, b, gk)],
-                    None if h0 is None else h0.dtype)
+                    None if h0 is None else h0.dtype, cfg)
         ctx.set_materialize_grads(False)
         return o, hT
 
     @staticmethod
     def backward(ctx, do, dhT):
         qc, kc, vc, ac, bc, G, *saved = ctx.saved_tensors
-        B, T, H, scale, L, dts, h0_dtype = ctx.meta
+        B, T, H, scale, L, dts, h0_dtype, cfg = ctx.meta
         r = dict(zip(_SAVED, saved))
         Tp = qc.shape[1]
         K, V = qc.shape[-1], vc.shape[-1]
         dOc = (torch.zeros(B * H, Tp, V, device=qc.device, dtype=torch.float32) if do is None
-               else _chunk_layout(do.to(torch.float32), Tp))
+               else _chunk_layout(do, Tp))       # the kernels widen it on load
         dhTc = None if dhT is None else dhT.to(torch.float32).reshape(B * H, K, V).contiguous()
-        dq, dk, dv, da, db, dg, dh0 = _bwd(qc, kc, vc, ac, bc, G, r, dOc, dhTc, scale, L)
+        dq, dk, dv, da, db, dg, dh0 = _bwd(qc, kc, vc, ac, bc, G, r, dOc, dhTc, scale, L, cfg, dts)
         grads = [_seq_layout(g, B, H, T, dt) for g, dt in zip((dq, dk, dv, da, db, dg), dts)]
         dh0 = None if h0_dtype is None else dh0.view(B, H, K, V).to(h0_dtype)
-        return (*grads, dh0, None, None)
+        return (*grads, dh0, None, None, None)
 
 
 _SAVED = ("Aqk", "Aqa", "Abk", "E", "W", "V2", "Hs", "Qg", "Kd", "Ad", "eGl")
 
 
 def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
-                          output_final_state=False, chunk_size=64):
+                          output_final_state=False, chunk_size=64, _lowp_ok=None):
     """DPLR chunkwise with the Triton kernels above (forward and hand-written backward).
 
     S_t = S_{t-1} Diag(α_t)(I − b_t a_tᵀ) + v_t k_tᵀ, α_t = exp(gk_t), o_t = S_t (scale·q_t).
@@ -614,6 +774,8 @@ def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
         scale: query scale, default 1/√K.
         initial_state: [B, H, K, V] (= Sᵀ of the seed) or None for zeros.
         chunk_size: 16, 32 or 64.
+        _lowp_ok: internal (KDA, tests): whether o and the gradients end in bfloat16, which
+            allows the low-precision products; default: all of q, k, v, a, b, gk are bfloat16.
     Returns:
         (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32 or None).
     """
@@ -626,8 +788,15 @@ def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
             # the kernels compute in float32: a float64 caller wants float64 accuracy
             raise ValueError(f"{name} is float64: the Triton DPLR kernels compute in float32; "
                              "use backend='torch' for float64")
-    o, hT = _DPLRTriton.apply(q, k, v, a, b, gk, initial_state, scale, L)
+    o, hT = _DPLRTriton.apply(q, k, v, a, b, gk, initial_state, scale, L,
+                              _lowp_ok if _lowp_ok is not None else _all_bf16(q, k, v, a, b, gk))
     return o, (hT if output_final_state else None)
+
+
+def _all_bf16(*xs) -> bool:
+    # bf16 only: its own rounding (2^-8) dwarfs the single-pass TF32 operand rounding (2^-11);
+    # float16 outputs are as fine as TF32 operands, so the 2x rule would not hold (module docstring)
+    return all(x.dtype == torch.bfloat16 for x in xs)
 
 
 def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -643,7 +812,7 @@ def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, ou
     kf, beta_ = k.float(), beta.float().unsqueeze(-1)
     o, hT = dplr_chunkwise_triton(q, kf, v.float() * beta_, kf, kf * beta_, g, scale=scale,
                                   initial_state=initial_state, output_final_state=output_final_state,
-                                  chunk_size=chunk_size)
+                                  chunk_size=chunk_size, _lowp_ok=_all_bf16(q, k, v, g, beta))
     return o, hT
 
 
