@@ -322,3 +322,27 @@ def test_step_kernel_matches_reference_step(K, V, with_state):
                                  seq[2].double(), seq[3].double(), seq[4].double(), scale=0.3,
                                  initial_state=None if s is None else s.double(), output_final_state=True)
     assert rel_err(o2, ro_seq[:, 1]) < 2e-6 and rel_err(s2, rs2) < 2e-6
+
+
+def test_step_kernel_half_inputs_and_strided_views():
+    # o is written by the kernel in q's dtype; non-contiguous inputs (a view of a [B, K, H] buffer)
+    # and a float16 state are copied, contiguous float32 ones are read in place
+    from xlstm_kit.ops.dplr.naive import dplr_step as ref_step
+    from xlstm_kit.ops.dplr.triton_step import dplr_step_triton
+
+    B, H, K, V = 2, 3, 16, 16
+    q = torch.randn(B, K, H, device=DEV).transpose(1, 2)          # strided [B, H, K]
+    k = torch.randn(B, H, K, device=DEV) / K ** 0.5
+    a = F.normalize(torch.randn(B, H, K, device=DEV), dim=-1)
+    b = -a * torch.rand(B, H, 1, device=DEV)
+    v = torch.randn(B, H, V, device=DEV)
+    gk = torch.rand(B, H, K, device=DEV) * -5.0
+    s = torch.randn(B, H, K, V, device=DEV)
+    xs16 = [x.half() for x in (q, k, v, a, b, gk)]
+    o, s1 = dplr_step_triton(*xs16, s.half())
+    ro, rs1 = ref_step(*(x.double() for x in xs16), s.half().double())
+    assert o.dtype == torch.float16 and s1.dtype == torch.float32
+    assert rel_err(o, ro) < 2e-3 and rel_err(s1, rs1) < 2e-6
+    o, s1 = dplr_step_triton(q, k, v, a, b, gk, s)
+    ro, rs1 = ref_step(*(x.double() for x in (q, k, v, a, b, gk, s)))
+    assert rel_err(o, ro) < 2e-6 and rel_err(s1, rs1) < 2e-6
