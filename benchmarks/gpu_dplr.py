@@ -7,10 +7,14 @@ On the GPU machine (repository root, `.whl` and `.peers` carried):
 CPU smoke test (interpreter, tiny shapes, no peers):
     DRY=1 TRITON_INTERPRET=1 OUT=/tmp/x PYTHONPATH=. .venv/bin/python benchmarks/gpu_dplr.py
 
-Order (the whole call must stay under ~6 minutes): fla is started first in a child process
-(it spends most of its time compiling on the CPU), our cold compile and correctness checks run
-meanwhile, then we wait for fla (at most PEER_WAIT_S) and time our kernels on an idle GPU.
-Results: $OUT/dplr_results.json, $OUT/anchors.jsonl (fla), and a table on stdout.
+Order (the whole call must stay under 330 s): fla is started first in a child process (it spends
+most of its time compiling on the CPU); meanwhile our cold compile, the correctness checks of
+every variant (VARIANTS: environment settings read by triton_chunkwise._config) and their
+compiles run; then we wait for fla (at most PEER_WAIT_S) and time on an idle GPU: every variant
+at shape 1, the default at both shapes and KDA, one profiled fwd+bwd per variant of interest
+(per-kernel table), and the decode step (wrapper, bare launch, CUDA-graph replay = kernel only).
+Results: $OUT/dplr_results.json, $OUT/anchors.jsonl (fla), and tables on stdout.
+See benchmarks/NOTES-dplr.md for the design, the predictions and the outcomes.
 """
 from __future__ import annotations
 
@@ -42,9 +46,34 @@ DEV = "cpu" if DRY else "cuda"
 SHAPES = [(1, 64, 2, 16, 16)] if DRY else [(8, 2048, 16, 128, 128), (2, 8192, 16, 128, 128)]
 CHECK_T = [1, 20] if DRY else [1, 100, 2048]
 CHECK_KV = [(16, 16)] if DRY else [(128, 128), (64, 64), (256, 256), (64, 128)]
-PEER_WAIT_S = float(os.environ.get("PEER_WAIT_S", "290"))
-results: dict = {"env": {}, "compile": {}, "check": [], "time": [], "decode": [], "peers": []}
+PEER_WAIT_S = float(os.environ.get("PEER_WAIT_S", "245"))
+DEADLINE_S = float(os.environ.get("DEADLINE_S", "320"))   # sections after this are skipped
+# variant name → the environment the kernels read per call ("default": the module's defaults)
+VARIANTS = {
+    "default": {},
+    "old": {"XLSTM_DPLR_LOWP": "off", "XLSTM_DPLR_STATE": "plain,32,8"},
+    "tf32_plain16w4": {"XLSTM_DPLR_LOWP": "tf32", "XLSTM_DPLR_STATE": "plain,16,4"},
+    "tf32_kh32w8": {"XLSTM_DPLR_LOWP": "tf32", "XLSTM_DPLR_STATE": "kh,32,8"},
+    "tf32_kh16w4": {"XLSTM_DPLR_LOWP": "tf32", "XLSTM_DPLR_STATE": "kh,16,4"},
+    "bf16ops": {"XLSTM_DPLR_LOWP": "bf16"},   # speed reference: expected to fail the 2x rule (dgk)
+}
+if os.environ.get("VARIANTS"):
+    VARIANTS = {k: v for k, v in VARIANTS.items() if k in os.environ["VARIANTS"].split(",")}
+_ENV_KEYS = ("XLSTM_DPLR_LOWP", "XLSTM_DPLR_STATE")
+results: dict = {"env": {}, "compile": {}, "check": [], "time": [], "variants": [], "decode": [],
+                 "profile": {}, "peers": []}
 T0 = time.time()
+
+
+def use(vname):
+    """Set the environment of one variant (the kernels read it on every call)."""
+    for key in _ENV_KEYS:
+        os.environ.pop(key, None)
+    os.environ.update(VARIANTS[vname])
+
+
+def left():
+    return DEADLINE_S - (time.time() - T0)
 
 
 def log(*a):
@@ -125,34 +154,47 @@ def cold_compile():
 
 # ----------------------------------------------------------------------------------- correctness
 def check():
+    """float32 (all variants at the first K, V; the default at the others) against the float64
+    recurrence; bf16 2x rule for every variant (reference and PyTorch op computed once)."""
+    use("default")
     for (K, V) in CHECK_KV:
         for T in (CHECK_T if (K, V) == CHECK_KV[0] else [100 if not DRY else 20]):
             B, H = 1, 2
             xs, s0, do, dsT = inputs(B, T, H, K, V, torch.float32, seed=T)
             ref = fwd_bwd(dplr_recurrent, [x.double() for x in xs], s0.double(), do.double(), dsT.double())
-            got = fwd_bwd(dplr_chunkwise_triton, xs, s0, do, dsT)
-            row = {"case": "fp32", "T": T, "K": K, "V": V, **{n: rel(g, r) for n, g, r in zip(NAMES, got, ref)}}
-            row["ok"] = all(row[n] < 5e-5 for n in NAMES)
-            results["check"].append(row)
-            log(row)
+            for vname in (VARIANTS if (K, V) == CHECK_KV[0] and T == CHECK_T[-1] else ["default"]):
+                use(vname)
+                got = fwd_bwd(dplr_chunkwise_triton, xs, s0, do, dsT)
+                row = {"case": "fp32", "variant": vname, "T": T, "K": K, "V": V,
+                       **{n: rel(g, r) for n, g, r in zip(NAMES, got, ref)}}
+                row["ok"] = all(row[n] < 5e-5 for n in NAMES)
+                results["check"].append(row)
+                log(row)
+            use("default")
             if (K, V) != CHECK_KV[0] or DRY:
                 continue
             # bf16 2x rule: our error vs float64 ≤ 2 × the PyTorch chunkwise op's error, both fed
             # the same bf16 inputs (the reference sees them upcast)
             xb = [x.to(torch.bfloat16) for x in xs]
             ref = fwd_bwd(dplr_recurrent, [x.double() for x in xb], s0.double(), do.double(), dsT.double())
-            got = fwd_bwd(dplr_chunkwise_triton, xb, s0, do, dsT)
             tor = fwd_bwd(torch_chunkwise.dplr_chunkwise, xb, s0, do, dsT)
-            row = {"case": "bf16", "T": T, "K": K, "V": V}
-            ok = True
-            for n, g, t_, r in zip(NAMES, got, tor, ref):
-                e, et = rel(g, r), rel(t_, r)
-                row[n] = e
-                row[n + "_torch"] = et
-                ok &= e <= 2 * et + 1e-6
-            row["ok"] = ok
-            results["check"].append(row)
-            log(row)
+            for vname in VARIANTS:
+                use(vname)
+                got = fwd_bwd(dplr_chunkwise_triton, xb, s0, do, dsT)
+                row = {"case": "bf16", "variant": vname, "T": T, "K": K, "V": V}
+                ok = True
+                for n, g, t_, r in zip(NAMES, got, tor, ref):
+                    e, et = rel(g, r), rel(t_, r)
+                    row[n] = e
+                    row[n + "_torch"] = et
+                    row[n + "_ratio"] = e / max(et, 1e-30)
+                    ok &= e <= 2 * et + 1e-6
+                row["ok"] = ok
+                results["check"].append(row)
+                log({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items()
+                     if not k.endswith("_torch")})
+            use("default")
+            save()
     # KDA through the kernels vs the PyTorch KDA op in float64
     T, K, V = (20, 16, 16) if DRY else (100, 128, 128)
     g = torch.Generator().manual_seed(1)
@@ -184,26 +226,75 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
 
-def timing():
-    for shape in SHAPES:
-        B, T, H, K, V = shape
-        xs, s0, _, _ = inputs(B, T, H, K, V, torch.bfloat16, gmin=-0.1)
-        ys = [x.requires_grad_() for x in xs]
-        do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
+def time_inputs(shape):
+    B, T, H, K, V = shape
+    xs, _, _, _ = inputs(B, T, H, K, V, torch.bfloat16, gmin=-0.1)
+    ys = [x.requires_grad_() for x in xs]
+    do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
+    return ys, do
 
-        def fwd():
-            return dplr_chunkwise_triton(*ys)[0]
+
+def kda_inputs(shape, ys):
+    # all bf16 (the low-precision products need every input in bf16), like fla's chunk_kda call
+    B, T, H, K, V = shape
+    kk = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(torch.bfloat16).requires_grad_()
+    beta = torch.rand(B, T, H, device=DEV, dtype=torch.bfloat16).requires_grad_()
+    g = (torch.rand(B, T, H, K, device=DEV) * -0.1).to(torch.bfloat16).requires_grad_()
+    return ys[0], kk, ys[2], g, beta
+
+
+def warm():
+    """Compile every variant (and KDA's mixed-dtype call) with the specialisation the timed
+    shapes use (no initial state; Tp, NC multiples of 16), while fla compiles."""
+    shape = (1, 64, 1, 16, 16) if DRY else (1, 2048, 2, 128, 128)
+    ys, do = time_inputs(shape)
+    for vname in VARIANTS:
+        use(vname)
+        t = time.time()
+        dplr_chunkwise_triton(*ys)[0].backward(do)
+        if vname == "default":
+            kda_chunkwise_triton(*kda_inputs(shape, ys))[0].backward(do)
+        sync()
+        log(f"warm {vname}: {time.time() - t:.1f} s")
+    use("default")
+
+
+def time_variants():
+    """fwd and fwd+bwd of every variant at shape 1 (bf16), the default first."""
+    shape = SHAPES[0]
+    ys, do = time_inputs(shape)
+    for vname in VARIANTS:
+        if left() < 30:
+            log(f"skip variant {vname}: {left():.0f} s left")
+            continue
+        use(vname)
+        with torch.no_grad():
+            f_ms = bench(lambda: dplr_chunkwise_triton(*ys))
+        fb_ms = bench(lambda: dplr_chunkwise_triton(*ys)[0].backward(do))
+        row = {"variant": vname, "env": VARIANTS[vname], "shape": list(shape), "fwd_ms": f_ms,
+               "fwbw_ms": fb_ms}
+        results["variants"].append(row)
+        log(row)
+        save()
+    use("default")
+
+
+def timing():
+    use("default")
+    for shape in SHAPES:
+        if left() < 40:
+            log(f"skip timing {shape}: {left():.0f} s left")
+            continue
+        ys, do = time_inputs(shape)
 
         def fb():
-            fwd().backward(do)
+            dplr_chunkwise_triton(*ys)[0].backward(do)
         with torch.no_grad():
             f_ms = bench(lambda: dplr_chunkwise_triton(*ys))
         fb_ms = bench(fb)
         # KDA: same kernels plus the substitution
-        kk = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(torch.bfloat16).requires_grad_()
-        beta = torch.rand(B, T, H, device=DEV, dtype=torch.bfloat16).requires_grad_()
-        g = (torch.rand(B, T, H, K, device=DEV) * -0.1).requires_grad_()
-        kfb_ms = bench(lambda: kda_chunkwise_triton(ys[0], kk, ys[2], g, beta)[0].backward(do))
+        kx = kda_inputs(shape, ys)
+        kfb_ms = bench(lambda: kda_chunkwise_triton(*kx)[0].backward(do))
         row = {"shape": list(shape), "dplr_fwd_ms": f_ms, "dplr_fwbw_ms": fb_ms, "kda_fwbw_ms": kfb_ms}
         if DEV == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -215,8 +306,31 @@ def timing():
         save()
 
 
+def profile():
+    """Per-kernel GPU times of one fwd+bwd at shape 1 (torch.profiler), default and old."""
+    if DEV != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile as prof
+    ys, do = time_inputs(SHAPES[0])
+    for vname in [v for v in ("default", "old") if v in VARIANTS]:
+        if left() < 20:
+            break
+        use(vname)
+        dplr_chunkwise_triton(*ys)[0].backward(do)
+        torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            dplr_chunkwise_triton(*ys)[0].backward(do)
+            torch.cuda.synchronize()
+        tab = p.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+        results["profile"][vname] = tab
+        print(f"\n### kernel times, variant {vname}, shape {SHAPES[0]}, one fwd+bwd\n{tab}", flush=True)
+        save()
+    use("default")
+
+
 def decode():
-    """The step kernel: error vs the float64 step, µs per step (state read + written once)."""
+    """The step kernel: error vs the float64 step; µs per step through the wrapper, and with the
+    host cost removed (CUDA graph of 20 steps replayed = GPU time only)."""
     for B in ([2] if DRY else [1, 8, 64]):
         H, K, V = (2, 16, 16) if DRY else (16, 128, 128)
         x = [torch.randn(B, H, K, device=DEV) for _ in range(5)]
@@ -229,8 +343,28 @@ def decode():
         o, s1 = dplr_step_triton(q, k, v, a, b, gk, s)
         ro, rs1 = ref_step(*(t.double() for t in (q, k, v, a, b, gk, s)))
         us = bench(lambda: dplr_step_triton(q, k, v, a, b, gk, s)) * 1e3
+        # host time per call alone: 200 calls back to back, no sync between them
+        sync()
+        t = time.perf_counter()
+        for _ in range(200):
+            dplr_step_triton(q, k, v, a, b, gk, s)
+        host_us = (time.perf_counter() - t) / 200 * 1e6
+        sync()
         row = {"B": B, "H": H, "K": K, "V": V, "o_err": rel(o, ro), "state_err": rel(s1, rs1),
-               "us_per_step": us, "GB_per_s": 2 * B * H * K * V * 4 / us / 1e3}
+               "us_per_step": us, "host_us_per_call": host_us,
+               "GB_per_s": 2 * B * H * K * V * 4 / us / 1e3}
+        if DEV == "cuda":
+            st = torch.cuda.Stream()
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                dplr_step_triton(q, k, v, a, b, gk, s)      # warm on the side stream
+            torch.cuda.current_stream().wait_stream(st)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(20):
+                    dplr_step_triton(q, k, v, a, b, gk, s)
+            row["graph_us_per_step"] = bench(graph.replay) * 1e3 / 20
+            row["graph_GB_per_s"] = 2 * B * H * K * V * 4 / row["graph_us_per_step"] / 1e3
         row["ok"] = row["o_err"] < 1e-5 and row["state_err"] < 1e-5
         results["decode"].append(row)
         log(row)
@@ -257,15 +391,18 @@ def main():
     try:
         guarded(cold_compile)
         guarded(check)
+        guarded(warm)
     finally:
         if peers is not None:
-            left = PEER_WAIT_S - (time.time() - T0)
+            wait = PEER_WAIT_S - (time.time() - T0)
             try:
-                peers.wait(timeout=max(left, 1))
+                peers.wait(timeout=max(wait, 1))
             except subprocess.TimeoutExpired:
                 peers.kill()   # what it measured so far is in anchors.jsonl
                 log("fla jobs stopped at PEER_WAIT_S")
+    guarded(time_variants)
     guarded(timing)
+    guarded(profile)
     guarded(decode)
     path = os.path.join(OUT, "anchors.jsonl")
     if os.path.exists(path):
@@ -285,6 +422,18 @@ def main():
         rk = f"{r['kda_fwbw_ms'] / fk:.2f}" if fk else "-"
         print(f"| {tuple(r['shape'])} | {r['dplr_fwd_ms']:.3f} | {r['dplr_fwbw_ms']:.3f} | {fd} | {ra} | "
               f"{r['kda_fwbw_ms']:.3f} | {fk} | {rk} |")
+    fd0 = next((p.get("fwbw_ms") for p in results["peers"] if p.get("name") == "fla_dplr"
+                and [p.get(x) for x in "BTHKV"] == list(SHAPES[0])), None)
+    print(f"\n| variant {SHAPES[0]} | env | fwd ms | fwd+bwd ms | vs fla | fp32 checks | bf16 2x rule (worst ratio) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results["variants"]:
+        rows = [c for c in results["check"] if c.get("variant") == r["variant"]]
+        f32 = all(c["ok"] for c in rows if c["case"] == "fp32")
+        b16 = [c for c in rows if c["case"] == "bf16"]
+        worst = max((c[n + "_ratio"] for c in b16 for n in NAMES), default=float("nan"))
+        vs = f"{r['fwbw_ms'] / fd0:.2f}" if fd0 else "-"
+        print(f"| {r['variant']} | {r['env']} | {r['fwd_ms']:.3f} | {r['fwbw_ms']:.3f} | {vs} | "
+              f"{'ok' if f32 else 'FAIL'} | {'ok' if all(c['ok'] for c in b16) else 'FAIL'} ({worst:.2f}) |")
     bad = [c for c in results["check"] + results["decode"] if not c["ok"]]
     n = len(results["check"]) + len(results["decode"])
     print(f"\ncorrectness: {n - len(bad)}/{n} ok;"
