@@ -168,6 +168,33 @@ def test_chunkwise_float16_close_to_reference():
     check_against_reference(1, 40, 1, 16, 16, dtype=torch.float16, tol=5e-3, gtol=1e-2, chunk_size=16)
 
 
+def test_gate_prep_kernel_matches_float64():
+    """The gate prologue kernel: β (hi + lo) = in-chunk cumsum of log σ(f) to float64 accuracy,
+    ĩ, u = β + cummax(ĩ − β), and xm (ĩ − β at a chunk's new running max, else NEG), with a
+    padded tail (log f = 0, ĩ = NEG there); f spans closed to open gates."""
+    import xlstm_kit.ops.mlstm.triton_chunkwise as tc
+
+    B, T, H, L = 2, 45, 3, 16
+    i = torch.randn(B, T, H) * 8.0
+    f = torch.randn(B, T, H) * 10.0
+    hi, lo, ig, u, NC, xm = tc._gates_padded(i.to(DEV), f.to(DEV), L)
+    pad = NC * L - T
+    lf = F.pad(F.logsigmoid(f.double()).permute(0, 2, 1), (0, pad)).reshape(B, H, NC, L)
+    ig64 = F.pad(i.double().permute(0, 2, 1), (0, pad), value=tc.NEG).reshape(B, H, NC, L)
+    beta = lf.cumsum(-1)
+    x = ig64 - beta
+    cm = torch.cummax(x, -1).values
+    flat = lambda t: t.reshape(B, H, NC * L)
+    assert (hi.double() + lo.double() - flat(beta)).abs().max() < 1e-12 * flat(beta).abs().max()
+    assert torch.equal(ig.cpu(), flat(ig64).float())
+    assert torch.allclose(u.cpu().double(), flat(beta + cm), rtol=1e-6, atol=1e-5)
+    new_max = x == cm
+    assert new_max.sum() < x.numel()  # both kinds of steps occur
+    kept = xm.cpu() != tc.NEG
+    assert torch.equal(kept, new_max)
+    assert torch.allclose(xm.cpu()[kept], x[kept], rtol=1e-12, atol=1e-12)
+
+
 def _fp16_case(T, K, V, seed, cfg):
     """Relative errors of (h, dq, dk, dv, di, df) against the float64 loop for ours (float16
     q, k, v) and for the float32-compute loop with float16 inputs and float16 results."""

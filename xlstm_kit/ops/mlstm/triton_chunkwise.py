@@ -630,6 +630,51 @@ def _bwd_fused(
     tl.store(dlf_ptr + g_base + rows, dlf)
     tl.store(di_ptr + g_base + rows, col_k + dw)
 
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _gate_prep(
+    i_ptr, f_ptr, hi_ptr, lo_ptr, ig_ptr, u_ptr, x_ptr,
+    T, H, NC,
+    L: tl.constexpr,
+):
+    """Gate tensors of one chunk of one b·h (replaces ~15 PyTorch ops on [B,H,T]): from i, f
+    [B,T,H] (any float dtype) writes β = in-chunk cumsum of log σ(f) as two float32 parts (hi,
+    lo), ĩ and u = β + cummax(ĩ − β) in float32, all [B,H,NC·L], and xm [B,H,NC·L] float64:
+    x = ĩ − β where x tops every earlier x of its chunk (a new running max), else NEG. Step t
+    took the carried branch of the stabilizer's max unless xm_t ≥ m_c (see _bwd_tail).
+    Padded steps: log f = 0, ĩ = NEG. log σ and the cumsum run in float64 (see _gates_padded)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = c * L + tl.arange(0, L)
+    rm = rows < T
+    src = b.to(tl.int64) * T * H + rows.to(tl.int64) * H + h
+    fv = tl.load(f_ptr + src, mask=rm, other=0.0).to(tl.float64)
+    iv = tl.load(i_ptr + src, mask=rm, other=0.0).to(tl.float64)
+    # log σ(f) = min(f, 0) − log(1 + e^{−|f|}); in float64 the log of 1 + tiny loses nothing
+    # that matters for β (absolute error ≤ 1e-16 per step)
+    lf = tl.minimum(fv, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(fv)))
+    lf = tl.where(rm, lf, 0.0)
+    ig = tl.where(rm, iv, _NEG)
+    beta = tl.cumsum(lf, axis=0)
+    x = ig - beta
+    cm = tl.associative_scan(x, 0, _max_combine)
+    u = beta + cm
+    hi = beta.to(tl.float32)
+    lo = (beta - hi.to(tl.float64)).to(tl.float32)
+    dst = bh.to(tl.int64) * NC * L + rows
+    tl.store(hi_ptr + dst, hi)
+    tl.store(lo_ptr + dst, lo)
+    tl.store(ig_ptr + dst, ig.to(tl.float32))
+    tl.store(u_ptr + dst, u.to(tl.float32))
+    tl.store(x_ptr + dst, tl.where(x == cm, x, _NEG))
+
+
 # ----------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------
@@ -699,7 +744,8 @@ def _numerics(dtype: torch.dtype, cfg: dict):
 
 
 def _gates_padded(i: torch.Tensor, f: torch.Tensor, L: int):
-    """i, f [B,T,H] → β (as hi + lo float32 parts), ĩ, u each [B,H,NC·L], and ĩ − β in float64.
+    """i, f [B,T,H] (contiguous) → β (as hi + lo float32 parts), ĩ, u each [B,H,NC·L], and
+    xm [B,H,NC,L] float64 (see _gate_prep); one _gate_prep launch.
 
     Padded steps: log f = 0, ĩ = NEG. The in-chunk cumsum runs in float64 and β travels as two
     float32 parts because the kernels need β_t − β_s accurately: with closed forget gates |β|
@@ -708,20 +754,12 @@ def _gates_padded(i: torch.Tensor, f: torch.Tensor, L: int):
     float32 loop on rows whose denominator nearly cancels)."""
     B, T, H = i.shape
     NC = triton.cdiv(T, L)
-    pad = NC * L - T
-    lf = F.logsigmoid(f.double()).permute(0, 2, 1)
-    ig = i.double().permute(0, 2, 1)
-    if pad:
-        lf = F.pad(lf, (0, pad), value=0.0)
-        ig = F.pad(ig, (0, pad), value=NEG)
-    beta = lf.reshape(B, H, NC, L).cumsum(-1)
-    ig = ig.reshape(B, H, NC, L)
-    x = ig - beta
-    u = beta + torch.cummax(x, dim=-1).values
-    hi = beta.float()
-    lo = (beta - hi.double()).float()
-    flat = lambda t: t.reshape(B, H, NC * L).contiguous()
-    return flat(hi), flat(lo), flat(ig.float()), flat(u.float()), NC, x
+    dev = i.device
+    hi = torch.empty(B, H, NC * L, device=dev, dtype=torch.float32)
+    lo, ig, u = torch.empty_like(hi), torch.empty_like(hi), torch.empty_like(hi)
+    x = torch.empty(B, H, NC, L, device=dev, dtype=torch.float64)
+    _gate_prep[(NC, B * H)](i, f, hi, lo, ig, u, x, T, H, NC, L=L, num_warps=1)
+    return hi, lo, ig, u, NC, x
 
 
 def _seq_tiles(cfg: dict, kind: str, BH: int, K: int, V: int):
@@ -772,12 +810,12 @@ def mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg):
     C0 [B,H,K,V], n0 [B,H,K] float32 or None; m0 [B,H] or None.
     Returns h [B,T,H,V], h's rounding residual (same shape and dtype; None for float32 inputs
     or without cfg h_lo), (C, n, m) final float32, n̄ and m per row [B,H,T] float32, and the
-    chunk-start states and gate tensors (cs, ns, ms, β, β_lo, ĩ, u, ĩ − β) when cfg keeps them
+    chunk-start states and gate tensors (cs, ns, ms, β, β_lo, ĩ, u, xm) when cfg keeps them
     for the backward, else None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     L = cfg["L_fwd"]
-    beta, blo, ig, u, NC, x = _gates_padded(i, f, L)
+    beta, blo, ig, u, NC, xm = _gates_padded(i, f, L)
     m0 = _init_m(m0, B, H, q.device)
     cs, ns, ms, final = _states(k, v, beta, blo, ig, u, NC, C0, n0, m0, L, cfg, True)
     h = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
@@ -794,7 +832,7 @@ def mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, eps, cfg):
         STATE_MODE=smode, PREC=prec, P_SPLIT=lowp and cfg["p_split"], H_LO=hlo is not None,
         num_warps=cfg["out_warps"], num_stages=cfg["out_stages"],
     )
-    kept = (cs, ns, ms, beta, blo, ig, u, x) if cfg["keep_states"] and cfg["L_bwd"] == L else None
+    kept = (cs, ns, ms, beta, blo, ig, u, xm) if cfg["keep_states"] and cfg["L_bwd"] == L else None
     return h, hlo, final, nbar[:, :, :T], mrow[:, :, :T], kept
 
 
@@ -802,24 +840,20 @@ def _pad_rows(x: torch.Tensor, NCL: int) -> torch.Tensor:
     return F.pad(x, (0, NCL - x.shape[-1])).contiguous()
 
 
-def _stabilizer_chain(e: torch.Tensor, A: torch.Tensor):
+def _stabilizer_chain(e: torch.Tensor, nA: torch.Tensor):
     """Route δm along m_t = max(log f_t + m_{t-1}, ĩ_t) backwards.
 
-    e [B,H,T]: explicit δm_t; A [B,H,T]: True where log f_t + m_{t-1} realised the max.
-    G_t = e_t + A_{t+1} G_{t+1}; returns (δlog f, δĩ) [B,H,T] and δm_0 [B,H]."""
+    e [B,H,T] float64: explicit δm_t; nA [B,H,T]: True where ĩ_t realised the max (False where
+    log f_t + m_{t-1} did). G_t = e_t + A_{t+1} G_{t+1} = S_{end(t)} − S_t + e_t with S the
+    cumsum of e and end(t) the first s ≥ t whose chain breaks (¬A_{s+1}, or s = T−1).
+    Returns G [B,H,T] float64."""
     T = e.shape[-1]
-    e64 = e.double()
-    R = torch.flip(torch.cumsum(torch.flip(e64, (-1,)), -1), (-1,))
-    R = F.pad(R, (0, 1))                                       # R_T = 0
-    # The chain from t continues while A_{s+1} holds; it ends at the first s ≥ t with ¬A_{s+1}.
-    brk = torch.ones_like(A)
-    brk[..., :-1] = ~A[..., 1:]
-    pos = torch.arange(T, device=e.device).expand_as(e)
-    end = torch.where(brk, pos, torch.full_like(pos, T))
+    S = torch.cumsum(e, -1)
+    brk = F.pad(nA[..., 1:], (0, 1), value=True)
+    pos = torch.arange(T, device=e.device)
+    end = torch.where(brk, pos, T)
     end = torch.flip(torch.cummin(torch.flip(end, (-1,)), -1).values, (-1,))
-    G = R[..., :-1] - torch.gather(R, -1, end + 1)
-    Af = A.to(G.dtype)
-    return (Af * G).float(), ((1 - Af) * G).float(), (Af[..., 0] * G[..., 0]).float()
+    return torch.gather(S, -1, end) - S + e
 
 
 def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, dnf, dmf, Cf, nf, eps, cfg,
@@ -833,11 +867,11 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, 
     dev = q.device
     L = cfg["L_bwd"]
     if kept is None:
-        beta, blo, ig, u, NC, x = _gates_padded(i, f, L)
+        beta, blo, ig, u, NC, xm = _gates_padded(i, f, L)
         m0f = _init_m(m0, B, H, dev)
         cs, ns, ms, _ = _states(k, v, beta, blo, ig, u, NC, C0, n0, m0f, L, cfg, False)
     else:
-        cs, ns, ms, beta, blo, ig, u, x = kept
+        cs, ns, ms, beta, blo, ig, u, xm = kept
         NC = triton.cdiv(T, L)
     NCL = NC * L
 
@@ -892,7 +926,7 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, 
             K=K, V=V, L=L, BK=_pow2(K), BV=min(cfg["fb_BV"], _pow2(V)),
             STATE_MODE=smode, PREC=prec, num_warps=cfg["fb_warps"], num_stages=cfg["fb_stages"],
         )
-        return _bwd_tail(q, f, C0, n0, ms, x, r, eps, dlf[:, :, :T], di[:, :, :T],
+        return _bwd_tail(q, f, C0, n0, ms, xm, r, eps, dlf[:, :, :T], di[:, :, :T],
                          dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, NCL)
     nkt = triton.cdiv(K, cfg["dqk_BK"])
     fuse = nkt == 1 and cfg["fuse_dv"]
@@ -914,36 +948,38 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, 
         )
     dlf = dlf.sum(0)[:, :, :T] if nkt > 1 else dlf[0, :, :, :T]
     di = di.sum(0)[:, :, :T] if nkt > 1 else di[0, :, :, :T]
-    return _bwd_tail(q, f, C0, n0, ms, x, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, NCL)
+    return _bwd_tail(q, f, C0, n0, ms, xm, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, NCL)
 
 
-def _bwd_tail(q, f, C0, n0, ms, x, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, NCL):
+def _bwd_tail(q, f, C0, n0, ms, xm, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, NCL):
     """Adds the stabilizers' influence to the fixed-stabilizer gate gradients dlf, di [B,H,T]
-    and returns the gradients in the autograd order."""
+    and returns the gradients in the autograd order (δi, δf as [B,T,H] views, float32)."""
     B, T, H, _ = q.shape
-    dev = q.device
     # The stabilizers' own influence: eps terms of h, the final state C_T = e^{-m_T} C*_T, m_T.
-    e = -eps * r
-    last = torch.zeros(B, H, device=dev, dtype=torch.float32)
+    e = r.double() * -eps
+    last = None
     if dmf is not None:
-        last = last + dmf.float()
+        last = dmf.double()
     if dCf is not None:
-        last = last - (dCf * Cf).sum((-2, -1))
+        t = (dCf * Cf).sum((-2, -1))
+        last = -t if last is None else last - t
     if dnf is not None:
-        last = last - (dnf * nf).sum(-1)
-    e[..., -1] += last
-    # Step t took the carried branch unless ĩ_t − β_t tops m_c and every earlier ĩ_s − β_s of
-    # its chunk (decided on the very values the kernels used, so rounding cannot flip it).
-    before = F.pad(torch.cummax(x, dim=-1).values[..., :-1], (1, 0), value=-math.inf)
-    A = ~(x >= torch.maximum(before, ms[:, :, :NC, None]))
-    A = A.reshape(B, H, NCL)[:, :, :T]
-    lf_chain, i_chain, dm0 = _stabilizer_chain(e, A)
+        t = (dnf * nf).sum(-1)
+        last = -t if last is None else last - t
+    if last is not None:
+        e[..., -1] += last
+    # Step t took ĩ_t's branch iff ĩ_t − β_t tops m_c and every earlier ĩ_s − β_s of its chunk
+    # (decided on the very values the kernels used, so rounding cannot flip it).
+    nA = (xm >= ms[:, :, :NC, None]).reshape(B, H, NCL)[:, :, :T]
+    G = _stabilizer_chain(e, nA)
+    lf_chain = torch.where(nA, 0.0, G)
+    dm0 = lf_chain[..., 0]
+    di = di + (G - lf_chain)
     dlf = dlf + lf_chain
-    di = di + i_chain
     if C0 is not None:
         dm0 = dm0 + (dC0 * C0).sum((-2, -1)) + (dn0 * n0).sum(-1)
-    df = (dlf * torch.sigmoid(-f.float().permute(0, 2, 1))).permute(0, 2, 1)
-    return dq, dk, dv, di.permute(0, 2, 1), df, dC0, dn0, dm0
+    df = dlf * torch.sigmoid(-f.float()).permute(0, 2, 1)
+    return dq, dk, dv, di.float().permute(0, 2, 1), df.float().permute(0, 2, 1), dC0, dn0, dm0.float()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -958,6 +994,8 @@ class MLSTMChunkwiseTriton(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, Cf, nf, *(kept or ()))
         ctx.eps = eps
         ctx.cfg = cfg
+        # unused outputs' gradients stay None (no zero tensors, no work for them in backward)
+        ctx.set_materialize_grads(False)
         return h, Cf, nf, mf
 
     @staticmethod
