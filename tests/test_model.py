@@ -281,3 +281,47 @@ def test_foreign_states_raise():
         model(tokens, state=state[:2])
     with pytest.raises(ValueError, match="batch size"):
         model.step(tokens[:1, 0], state)
+
+
+def test_cuda_graph_option_on_cpu():
+    model = small_model()
+    prompt = torch.randint(0, 40, (2, 5))
+    eager = model.generate(prompt, 6, temperature=0, cuda_graph=False)
+    assert torch.equal(model.generate(prompt, 6, temperature=0), eager)  # None on CPU: eager
+    with pytest.raises(ValueError, match="CUDA"):
+        model.generate(prompt, 6, temperature=0, cuda_graph=True)
+
+
+def test_model_step_equals_checked_step():
+    model = small_model()
+    _, state = model(torch.randint(0, 40, (2, 6)), return_state=True)
+    tok = torch.randint(0, 40, (2,))
+    a, sa = model.step(tok, state)
+    b, sb = model._step(tok, state)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for u, v in zip(sa, sb) for x, y in zip(u, v))
+    with pytest.raises(ValueError, match="ids"):
+        model.step(torch.tensor([0, 40]), state)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_decoding_equals_eager(dtype):
+    torch.manual_seed(0)
+    model = XLSTMLanguageModel(small_config(d_model=64, n_heads=4, dplr_at=[2])).cuda().to(dtype)
+    prompt = torch.randint(0, 40, (3, 9), device="cuda")
+    eager = model.generate(prompt, 20, temperature=0, cuda_graph=False)
+    graphed = model.generate(prompt, 20, temperature=0, cuda_graph=True)
+    assert torch.equal(graphed, eager)
+    # the graph's state buffers follow a state handed in from elsewhere
+    from xlstm_kit.generate import GraphedStep
+
+    _, s0 = model(prompt, return_state=True)
+    step = GraphedStep(model, prompt[:, -1], s0)
+    tok = prompt[:, -1]
+    la, sa = step(tok, s0)
+    lb, sb = model.step(tok, s0)
+    assert torch.equal(la, lb)
+    _, s1 = model(prompt[:, :4], return_state=True)
+    la, _ = step(tok, s1)
+    assert torch.equal(la, model.step(tok, s1)[0])

@@ -6,10 +6,17 @@ ids are kept, so memory does not depend on how many tokens are generated.
 
 Works with any model that has `forward(tokens, state=None, return_state=True)` and
 `step(tokens [B], state)` (XLSTMLanguageModel does).
+
+On CUDA, one decode step of a small model is hundreds of tiny kernel launches, so Python and
+launch overhead (not the GPU) set the speed. `generate` therefore records the step once as a CUDA
+graph (models with a check-free `_step`, like XLSTMLanguageModel) and replays it per token: the
+state lives in fixed buffers that the graph updates in place. If recording fails, it warns once
+and decodes eagerly.
 """
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -67,12 +74,15 @@ def generate(
     top_p: float | None = None,
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    cuda_graph: bool | None = None,
 ) -> torch.Tensor:
     """Continue `prompt` ([T] or [B, T] ids, T >= 1) by up to `max_new_tokens` tokens.
 
     Returns prompt + continuation, [T + n] or [B, T + n] with n <= max_new_tokens. After a
     sequence emits `eos_token_id` it is padded with it; generation stops once all have.
     The model runs in eval mode (no dropout) and is restored to its mode afterwards.
+    cuda_graph: replay the decode step as a CUDA graph (None: on CUDA when the model allows it;
+    True: required, errors if it cannot; False: eager steps).
     """
     _check_sampling(temperature, top_k, top_p)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -97,6 +107,7 @@ def generate(
             logits, state = model(tokens, return_state=True)  # parallel prefill
             finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
             next_logits = logits[:, -1]
+            step = _pick_stepper(model, tokens, state, cuda_graph, max_new_tokens)
             for n in range(max_new_tokens):
                 nxt = sample_next(next_logits, temperature, top_k, top_p, generator).to(tokens.dtype)
                 if eos_token_id is not None:
@@ -105,8 +116,75 @@ def generate(
                 out.append(nxt)
                 if n + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
                     break
-                next_logits, state = model.step(nxt, state)
+                next_logits, state = step(nxt, state)
     finally:
         model.train(was_training)
     result = torch.cat([tokens, torch.stack(out, dim=1)], dim=1) if out else tokens.clone()
     return result.squeeze(0) if squeeze else result
+
+
+class GraphedStep:
+    """`model._step` recorded once as a CUDA graph and replayed per token.
+
+    The graph reads the token and the state from fixed buffers and writes the new state back into
+    them, so a replay is one launch whatever the number of blocks. Call it like model.step:
+    (tokens [B], state) -> (logits [B, vocab], state); the state it returns is its own buffers
+    (valid until the next call), and a state it did not return is first copied in.
+    """
+
+    def __init__(self, model, tokens: torch.Tensor, state):
+        if not tokens.is_cuda:
+            raise ValueError("CUDA graphs need CUDA tensors; the tokens are on " + str(tokens.device))
+        self._tokens = tokens.clone()
+        self._state = [type(s)(*(x.clone() for x in s)) for s in state]
+        side = torch.cuda.Stream(device=tokens.device)
+        side.wait_stream(torch.cuda.current_stream(tokens.device))
+        with torch.cuda.stream(side):  # warm-up (compiles kernels, lazy allocations) off the capture
+            for _ in range(2):
+                model._step(self._tokens, self._state)
+        torch.cuda.current_stream(tokens.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._logits, new = model._step(self._tokens, self._state)
+            for old_s, new_s in zip(self._state, new):
+                for o, n in zip(old_s, new_s):
+                    o.copy_(n)
+        self._load(state)  # the warm-up moved the buffers on
+
+    def _load(self, state) -> None:
+        for old_s, new_s in zip(self._state, state):
+            for o, n in zip(old_s, new_s):
+                o.copy_(n)
+
+    def __call__(self, tokens: torch.Tensor, state):
+        if state is not self._state:
+            self._load(state)
+        self._tokens.copy_(tokens)
+        self.graph.replay()
+        return self._logits, self._state
+
+
+_warned = False
+
+
+def _pick_stepper(model, tokens: torch.Tensor, state, cuda_graph: bool | None, n_new: int):
+    """model.step, or a GraphedStep when cuda_graph asks for it (None: on CUDA, if it records)."""
+    global _warned
+    if cuda_graph is False or (cuda_graph is None and (not tokens.is_cuda or n_new < 3)):
+        return model.step
+    if not hasattr(model, "_step"):
+        if cuda_graph:
+            raise ValueError(f"cuda_graph=True needs a model with a check-free _step(); {type(model).__name__} has none")
+        return model.step
+    if cuda_graph and not tokens.is_cuda:
+        raise ValueError(f"cuda_graph=True needs a model on a CUDA device, got tokens on {tokens.device}")
+    try:
+        return GraphedStep(model, tokens[:, -1], state)
+    except Exception as e:  # a step that cannot be recorded still decodes, just slower
+        if cuda_graph:
+            raise
+        if not _warned:
+            warnings.warn(f"decoding without a CUDA graph ({type(e).__name__}: {e})", RuntimeWarning, stacklevel=3)
+            _warned = True
+        return model.step
+

@@ -393,6 +393,10 @@ class XLSTMLanguageModel(nn.Module):
         B = tokens.shape[0]
         state = self.init_state(B) if state is None else state
         self._check_state(state, B)
+        return self._step(tokens, state)
+
+    def _step(self, tokens: torch.Tensor, state: ModelState):
+        """step() without the input checks: no host-device sync, so a CUDA graph can capture it."""
         x = self.embedding(tokens if tokens.dtype in (torch.int32, torch.int64) else tokens.long())
         new_state = []
         for block, s in zip(self.blocks, state):
@@ -410,6 +414,7 @@ class XLSTMLanguageModel(nn.Module):
         top_p: float | None = None,
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
+        cuda_graph: bool | None = None,
     ) -> torch.Tensor:
         """Continue `prompt` ([T] or [B, T] token ids) by up to `max_new_tokens` tokens.
 
@@ -417,12 +422,13 @@ class XLSTMLanguageModel(nn.Module):
         the recurrent state, so memory does not grow with the number of generated tokens.
         temperature 0 picks the most likely token. Returns prompt + continuation with the
         prompt's rank; with `eos_token_id`, a sequence that produced it is padded with it, and
-        generation stops early once every sequence has. See `xlstm_kit.generate`.
+        generation stops early once every sequence has. On CUDA the decode step replays a CUDA
+        graph (cuda_graph=None: when possible). See `xlstm_kit.generate`.
         """
         from .generate import generate
 
         return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, eos_token_id=eos_token_id, generator=generator)
+                        top_p=top_p, eos_token_id=eos_token_id, generator=generator, cuda_graph=cuda_graph)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str | Path) -> Path:
