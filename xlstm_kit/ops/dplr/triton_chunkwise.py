@@ -62,7 +62,7 @@ SUB = 16  # column sub-chunk of the pair matrices (see the module docstring for 
 # operands. num_stages = 1 everywhere: the default software pipelining double-buffers every
 # [L, K] operand of the chunk loops in shared memory (378 KB for _fwd_state at K = V = 128, far
 # over the 227 KB an H200 block may use); unpipelined, the largest kernel needs 196 KB at 256.
-_NUM_WARPS = {"_fwd_pairs": 4, "_fwd_wy": 8, "_bwd_dv": 8, "_bwd_dk": 8}   # state kernels: _config
+_NUM_WARPS = {"_fwd_wy": 8, "_bwd_dv": 8, "_bwd_dk": 8}   # _fwd_pairs: by L; state kernels: _config
 
 
 def _launch(name: str) -> dict:
@@ -628,7 +628,7 @@ def _fwd(qc, kc, vc, ac, bc, G, h0, scale, L, cfg, o_dtype):
     hT = torch.empty(BH, K, V, device=dev, dtype=f32)
     _fwd_pairs[(NC * (L // SUB), BH)](qc, kc, ac, bc, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
                                       K=K, L=L, S=SUB, BK=min(K, 32), PREC=prec, LO=lo,
-                                      **_launch("_fwd_pairs"))
+                                      num_warps=8 if L <= 32 else 4, num_stages=1)
     _fwd_wy[(NC, BH)](qc, kc, ac, bc, vc, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC,
                       K=K, V=V, L=L, S=SUB, BK=min(K, 32), BV=min(V, 32), PREC=prec,
                       **_launch("_fwd_wy"))
@@ -669,7 +669,7 @@ def _bwd(qc, kc, vc, ac, bc, G, r, dO, dhT, scale, L, cfg, g_dtypes):
                       **_launch("_bwd_dv"))
     dq, dk, da, db, dg = (torch.empty(BH, Tp, K, device=dev, dtype=dt)
                           for dt in (dt_q, dt_k, dt_a, dt_b, dt_g))
-    BK = min(K, 32)
+    BK = min(K, 64 if L <= 32 else 32)   # ptxas at L = 32: BK 64 spills 124 B/thread, BK 32 2.2 KB
     _bwd_dk[(NC, K // BK, BH)](qc, kc, vc, ac, bc, G, r["V2"], r["Hs"], dO, dH, GC, *dA, dqk_d, dqa_d,
                                dq, dk, da, db, dg, scale, Tp, NC, K=K, V=V, L=L, S=SUB, BK=BK,
                                BV=BV, PREC=prec, LO=lo, **_launch("_bwd_dk"))
