@@ -109,9 +109,14 @@ def test_default_config_matches_recurrent_float32(T, chunk):
     check_against_reference(1, T, 2, 16, 32, chunk_size=chunk)
 
 
-def test_chunkwise_extreme_gates_no_initial_state():
-    """Gates that swing the stabilizer hard (δm routing through the max chain, e^{-m} floor)."""
-    check_against_reference(1, 50, 1, 16, 16, gates="extreme", state=False, chunk_size=16)
+@pytest.mark.parametrize("gates,state,tail_BT", [("extreme", False, 1024), ("extreme", True, 16),
+                                                  ("normal", True, 16)])
+def test_chunkwise_gate_chain(gates, state, tail_BT):
+    """Extreme gates swing the stabilizer hard (δm routing through the max chain, e^{-m}
+    floor). tail_BT=16: the gate-gradient epilogue walks 4 blocks; with normal gates the chain
+    from δm_T (final state) runs back across all of them to δm_0 (a dropped carry fails)."""
+    check_against_reference(1, 50, 2, 16, 16, gates=gates, state=state, chunk_size=16,
+                            config=dict(tail_BT=tail_BT))
 
 
 def test_chunkwise_closed_forget_gates_keep_float32_accuracy():

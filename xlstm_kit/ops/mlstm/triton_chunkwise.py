@@ -675,6 +675,63 @@ def _gate_prep(
     tl.store(x_ptr + dst, tl.where(x == cm, x, _NEG))
 
 
+@triton.jit
+def _affine_combine(a1, b1, a2, b2):
+    """Compose g ↦ b2 + a2·g after g ↦ b1 + a1·g (the left operand is the later step)."""
+    return a2 * a1, b2 + a2 * b1
+
+
+@triton.jit
+def _gate_tail(
+    r_ptr, xm_ptr, ms_ptr, dlf_ptr, di_ptr, f_ptr, elast_ptr,
+    dio_ptr, dfo_ptr, dm0_ptr,
+    T, H, NC, NCL, eps,
+    L: tl.constexpr, BT: tl.constexpr, HAS_LAST: tl.constexpr,
+):
+    """Gate gradients of one b·h with the stabilizers' influence added (replaces ~25 PyTorch
+    ops). δm_t = −eps·r_t (+ elast at t = T−1) is routed along m_t = max(log f_t + m_{t−1}, ĩ_t):
+    G_t = δm_t + A_{t+1} G_{t+1}, where A_t (log f_t + m_{t−1} realised the max) is ¬(xm_t ≥
+    m_c) on the forward's own values (see _gate_prep). Then δĩ_t = di_t + ¬A_t G_t,
+    δf_t = (dlf_t + A_t G_t)·σ(−f_t), written [B,T,H] in the output dtypes; δm_0 = A_0 G_0.
+    Walks the sequence backwards in blocks of BT steps, each block's recurrence as one
+    associative scan of affine maps over its steps in reverse time order (in the addressing,
+    so the scan itself runs forward), the carry G entering from the later block."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    idx = tl.arange(0, BT)
+    carry = tl.zeros([1], dtype=tl.float64)
+    NB = (T + BT - 1) // BT
+    for jb in range(NB):
+        blk = NB - 1 - jb
+        t = blk * BT + (BT - 1) - idx                     # decreasing time along idx
+        tm = t < T
+        rowv = bh64 * NCL + t
+        nA = tl.load(xm_ptr + rowv, mask=tm, other=0.0) >= tl.load(ms_ptr + bh64 * (NC + 1) + t // L, mask=tm, other=0.0)
+        t1 = t + 1
+        t1m = t1 < T
+        nA1 = tl.load(xm_ptr + bh64 * NCL + t1, mask=t1m, other=0.0) >= \
+            tl.load(ms_ptr + bh64 * (NC + 1) + t1 // L, mask=t1m, other=0.0)
+        alpha = tl.where(t1m & (nA1 == 0), 1.0, 0.0).to(tl.float64)
+        e = -eps * tl.load(r_ptr + rowv, mask=tm, other=0.0).to(tl.float64)
+        if HAS_LAST:
+            e += tl.where(t == T - 1, tl.load(elast_ptr + bh), 0.0).to(tl.float64)
+        e = tl.where(tm, e, 0.0)
+        ca, cb = tl.associative_scan((alpha, e), 0, _affine_combine)
+        G = cb + ca * tl.sum(carry, axis=0)
+        carry = tl.zeros([1], dtype=tl.float64) + tl.sum(tl.where(idx == BT - 1, G, 0.0), axis=0)
+        lf_chain = tl.where(nA, 0.0, G)
+        di = tl.load(di_ptr + rowv, mask=tm, other=0.0).to(tl.float64) + (G - lf_chain)
+        fo = b.to(tl.int64) * T * H + t.to(tl.int64) * H + h
+        fv = tl.load(f_ptr + fo, mask=tm, other=0.0).to(tl.float32)
+        sg = 1.0 / (1.0 + tl.exp(fv))                      # σ(−f) in float32, as in PyTorch
+        df = (tl.load(dlf_ptr + rowv, mask=tm, other=0.0).to(tl.float64) + lf_chain) * sg.to(tl.float64)
+        tl.store(dio_ptr + fo, di.to(dio_ptr.dtype.element_ty), mask=tm)
+        tl.store(dfo_ptr + fo, df.to(dfo_ptr.dtype.element_ty), mask=tm)
+        tl.store(dm0_ptr + bh + idx * 0, lf_chain.to(tl.float32), mask=t == 0)
+
+
 # ----------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------
@@ -725,6 +782,8 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
         # seq_min_programs: below this many programs the sequential state kernels use 32×32
         # tiles (0: never); see _seq_tiles.
         seq_min_programs=0,
+        # steps per block of the gate-gradient epilogue (_gate_tail, sequential over blocks)
+        tail_BT=1024,
     )
 
 
@@ -840,22 +899,6 @@ def _pad_rows(x: torch.Tensor, NCL: int) -> torch.Tensor:
     return F.pad(x, (0, NCL - x.shape[-1])).contiguous()
 
 
-def _stabilizer_chain(e: torch.Tensor, nA: torch.Tensor):
-    """Route δm along m_t = max(log f_t + m_{t-1}, ĩ_t) backwards.
-
-    e [B,H,T] float64: explicit δm_t; nA [B,H,T]: True where ĩ_t realised the max (False where
-    log f_t + m_{t-1} did). G_t = e_t + A_{t+1} G_{t+1} = S_{end(t)} − S_t + e_t with S the
-    cumsum of e and end(t) the first s ≥ t whose chain breaks (¬A_{s+1}, or s = T−1).
-    Returns G [B,H,T] float64."""
-    T = e.shape[-1]
-    S = torch.cumsum(e, -1)
-    brk = F.pad(nA[..., 1:], (0, 1), value=True)
-    pos = torch.arange(T, device=e.device)
-    end = torch.where(brk, pos, T)
-    end = torch.flip(torch.cummin(torch.flip(end, (-1,)), -1).values, (-1,))
-    return torch.gather(S, -1, end) - S + e
-
-
 def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, dnf, dmf, Cf, nf, eps, cfg,
                         kept=None):
     """Backward launcher: gradients of q, k, v (input dtype), i, f, and C0, n0, m0 (float32).
@@ -884,14 +927,14 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, 
             dh, h, h if hlo is None else hlo, nbar, mrow, r_p, rd_p, g_p, T, H, NCL, nbar.stride(1), eps,
             V=V, BT=BT, BV=min(128, _pow2(V)), H_LO=hlo is not None, num_warps=4,
         )
-        r = r_p[:, :, :T]
+        r = r_p
     else:
         den = torch.maximum(nbar.abs(), torch.exp(-mrow)) + eps              # [B,H,T]
         hf = h.float() if hlo is None else h.float() + hlo.float()
         r = (dh.float() * hf).sum(-1).permute(0, 2, 1) / den                # δh·h / d
         rd = 1.0 / den
         g = torch.where(nbar.abs() > torch.exp(-mrow), -r * torch.sign(nbar), torch.zeros_like(r))
-        rd_p, g_p = _pad_rows(rd, NCL), _pad_rows(g, NCL)
+        r, rd_p, g_p = _pad_rows(r, NCL), _pad_rows(rd, NCL), _pad_rows(g, NCL)
 
     sd, upd, smode, prec = _numerics(q.dtype, cfg)
     dcs = torch.empty(B, H, NC, K, V, device=dev, dtype=sd)
@@ -926,8 +969,8 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, 
             K=K, V=V, L=L, BK=_pow2(K), BV=min(cfg["fb_BV"], _pow2(V)),
             STATE_MODE=smode, PREC=prec, num_warps=cfg["fb_warps"], num_stages=cfg["fb_stages"],
         )
-        return _bwd_tail(q, f, C0, n0, ms, xm, r, eps, dlf[:, :, :T], di[:, :, :T],
-                         dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, NCL)
+        return _bwd_tail(q, i, f, C0, n0, ms, xm, r, eps, dlf, di,
+                         dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, L, cfg)
     nkt = triton.cdiv(K, cfg["dqk_BK"])
     fuse = nkt == 1 and cfg["fuse_dv"]
     dlf = torch.empty(nkt, B, H, NCL, device=dev, dtype=torch.float32)
@@ -946,17 +989,17 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, 
             K=K, V=V, L=L, BK=cfg["dv_BK"], BV=cfg["dv_BV"], STATE_MODE=smode, PREC=prec,
             num_warps=cfg["dv_warps"], num_stages=cfg["dv_stages"],
         )
-    dlf = dlf.sum(0)[:, :, :T] if nkt > 1 else dlf[0, :, :, :T]
-    di = di.sum(0)[:, :, :T] if nkt > 1 else di[0, :, :, :T]
-    return _bwd_tail(q, f, C0, n0, ms, xm, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, NCL)
+    dlf = dlf.sum(0) if nkt > 1 else dlf[0]
+    di = di.sum(0) if nkt > 1 else di[0]
+    return _bwd_tail(q, i, f, C0, n0, ms, xm, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, L, cfg)
 
 
-def _bwd_tail(q, f, C0, n0, ms, xm, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, NCL):
-    """Adds the stabilizers' influence to the fixed-stabilizer gate gradients dlf, di [B,H,T]
-    and returns the gradients in the autograd order (δi, δf as [B,T,H] views, float32)."""
+def _bwd_tail(q, i, f, C0, n0, ms, xm, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, L, cfg):
+    """Adds the stabilizers' influence to the fixed-stabilizer gate gradients (r, dlf, di
+    [B,H,NC·L] float32) and returns the gradients in the autograd order; δi, δf [B,T,H] in
+    i's and f's dtype (one _gate_tail launch)."""
     B, T, H, _ = q.shape
-    # The stabilizers' own influence: eps terms of h, the final state C_T = e^{-m_T} C*_T, m_T.
-    e = r.double() * -eps
+    # δm_T from the final state (C_T = e^{-m_T} C*_T, n likewise) and m_T itself
     last = None
     if dmf is not None:
         last = dmf.double()
@@ -966,20 +1009,17 @@ def _bwd_tail(q, f, C0, n0, ms, xm, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0,
     if dnf is not None:
         t = (dnf * nf).sum(-1)
         last = -t if last is None else last - t
-    if last is not None:
-        e[..., -1] += last
-    # Step t took ĩ_t's branch iff ĩ_t − β_t tops m_c and every earlier ĩ_s − β_s of its chunk
-    # (decided on the very values the kernels used, so rounding cannot flip it).
-    nA = (xm >= ms[:, :, :NC, None]).reshape(B, H, NCL)[:, :, :T]
-    G = _stabilizer_chain(e, nA)
-    lf_chain = torch.where(nA, 0.0, G)
-    dm0 = lf_chain[..., 0]
-    di = di + (G - lf_chain)
-    dlf = dlf + lf_chain
+    dio = torch.empty(B, T, H, device=q.device, dtype=i.dtype)
+    dfo = torch.empty(B, T, H, device=q.device, dtype=f.dtype)
+    dm0 = torch.empty(B, H, device=q.device, dtype=torch.float32)
+    _gate_tail[(B * H,)](
+        r, xm, ms, dlf, di, f, ms if last is None else last.contiguous(), dio, dfo, dm0,
+        T, H, NC, NC * L, eps,
+        L=L, BT=cfg["tail_BT"], HAS_LAST=last is not None, num_warps=4,
+    )
     if C0 is not None:
         dm0 = dm0 + (dC0 * C0).sum((-2, -1)) + (dn0 * n0).sum(-1)
-    df = dlf * torch.sigmoid(-f.float()).permute(0, 2, 1)
-    return dq, dk, dv, di.float().permute(0, 2, 1), df.float().permute(0, 2, 1), dC0, dn0, dm0.float()
+    return dq, dk, dv, dio, dfo, dC0, dn0, dm0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1006,7 +1046,7 @@ class MLSTMChunkwiseTriton(torch.autograd.Function):
         dq, dk, dv, di, df, dC0, dn0, dm0 = mlstm_chunkwise_bwd(
             q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh.contiguous(), dCf, dnf, dmf, Cf, nf,
             ctx.eps, ctx.cfg, tuple(kept) or None)
-        return (dq, dk, dv, di.to(i.dtype), df.to(f.dtype),
+        return (dq, dk, dv, di, df,
                 None if C0 is None else dC0.to(C0.dtype),
                 None if n0 is None else dn0.to(n0.dtype),
                 None if m0 is None else dm0.to(m0.dtype),
