@@ -6,6 +6,8 @@ On the GPU machine (repository root, `.whl` and `.peers` carried):
     PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site OUT=$OUT python3 benchmarks/gpu_dplr.py
 CPU smoke test (interpreter, tiny shapes, no peers):
     DRY=1 TRITON_INTERPRET=1 OUT=/tmp/x PYTHONPATH=. .venv/bin/python benchmarks/gpu_dplr.py
+Register/spill/shared-memory report on the CPU machine (compiles for sm_90a, runs ptxas -v):
+    PTXAS="128,128,64,1,plain,32,8" PYTHONPATH=. .venv/bin/python benchmarks/gpu_dplr.py
 
 Order (the whole call must stay under 330 s): fla is started first in a child process (it spends
 most of its time compiling on the CPU); meanwhile our cold compile, the correctness checks of
@@ -404,6 +406,55 @@ def guarded(fn):
         save()
 
 
+def ptxas_report(configs):
+    """CPU only (no device): compile every kernel for sm_90a as the launchers would and print
+    ptxas's registers / spill bytes per thread and Triton's shared memory per block.
+    configs: [(K, V, L, LO, state kind, state BV, state warps)]."""
+    import re
+    import subprocess as sp
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from xlstm_kit.ops.dplr import triton_chunkwise as m
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+    def one(fn, label, ptrs, consts, warps):
+        sig = {n: ("constexpr" if n in consts else "fp32" if n == "scale" else
+                   "i32" if n in ("Tp", "NC") else ptrs.get(n, "*fp32")) for n in fn.arg_names}
+        k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "num_stages": 1})
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(k.asm["ptx"])
+        txt = sp.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                     capture_output=True, text=True).stderr
+        regs = re.findall(r"Used (\d+) registers", txt)
+        sp_ = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
+        print(f"| {label} | {warps} | {regs[0] if regs else '?'} | {sp_[0][0] if sp_ else '?'} / "
+              f"{sp_[0][1] if sp_ else '?'} | {k.metadata.shared / 1024:.0f} |", flush=True)
+
+    bf, f64 = "*bf16", "*fp64"
+    inp = dict(q=bf, k=bf, a=bf, b=bf, v=bf, G=f64)
+    print("| kernel (bf16 inputs, PREC tf32x3) | warps | registers | spill st / ld B | smem KB |")
+    print("|---|---|---|---|---|")
+    for K, V, L, lo, kind, bv, wst in configs:
+        tag = f"K={K} V={V} L={L} LO={lo}"
+        one(m._fwd_pairs, f"_fwd_pairs {tag}", inp,
+            dict(K=K, L=L, S=m.SUB, BK=min(K, 32), PREC="tf32x3", LO=lo), 8 if L <= 32 else 4)
+        one(m._fwd_wy, f"_fwd_wy {tag}", inp, dict(K=K, V=V, L=L, S=m.SUB, BK=min(K, 32),
+                                                   BV=min(V, 32), PREC="tf32x3"), m._NUM_WARPS["_fwd_wy"])
+        fs, bs = (m._fwd_state_kh, m._bwd_state_kh) if kind == "kh" else (m._fwd_state, m._bwd_state)
+        one(fs, f"{fs.__name__} {tag} BV={bv}", dict(v=bf, O=bf),
+            dict(K=K, V=V, L=L, BV=bv, HAS_H0=True, PREC="tf32x3", LO=lo), wst)
+        one(bs, f"{bs.__name__} {tag} BV={bv}", dict(dO=bf),
+            dict(K=K, V=V, L=L, BV=bv, HAS_DHT=True, PREC="tf32x3"), wst)
+        one(m._bwd_dv, f"_bwd_dv {tag}", dict(v=bf, dO=bf, dv=bf),
+            dict(K=K, V=V, L=L, BK=min(K, 64), BV=min(V, 32), PREC="tf32x3", LO=lo), m._NUM_WARPS["_bwd_dv"])
+        one(m._bwd_dk, f"_bwd_dk {tag}", dict(inp, dO=bf, dq=bf, dk=bf, da=bf, db=bf, dg=bf),
+            dict(K=K, V=V, L=L, S=m.SUB, BK=min(K, 64 if L <= 32 else 32), BV=min(V, 32),
+                 PREC="tf32x3", LO=lo), m._NUM_WARPS["_bwd_dk"])
+
+
 def main():
     if DEV == "cuda":
         import triton
@@ -469,4 +520,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if os.environ.get("PTXAS"):
+        # e.g. PTXAS="128,128,64,1,plain,32,8;256,256,64,1,plain,32,8" (no device needed)
+        ptxas_report([tuple(int(x) if x.isdigit() else x for x in c.split(","))
+                      for c in os.environ["PTXAS"].split(";")])
+    else:
+        main()
