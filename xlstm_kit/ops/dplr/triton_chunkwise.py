@@ -19,6 +19,7 @@ Kernels (all accumulation, scratch and states in float32; kernel → launcher �
                 Cm = −E (A_bk V), and the decayed operands Q ⊙ e^G, K ⊙ e^{G_L−G},
                 A ⊙ e^{G_L−G}, e^{G_L} of the sequential kernels
     _fwd_state  sequential over chunks, parallel over (V-tile, b·h): V2, the output, the state
+                (_fwd_state_kh / _bwd_state_kh: the same with the state in two K/2 halves)
   backward (seed §三, typos fixed as in chunkwise.py; the forward's scratch is kept, not recomputed)
     _bwd_state  reverse-sequential over chunks per (V-tile, b·h): δ of each chunk's end state, δV2
     _bwd_dv     parallel over (chunk, b·h): δv, GC = Eᵀ δC and the pair-matrix gradients
@@ -37,6 +38,15 @@ per column sub-chunk J of S = 16 steps with a reference point inside the chunk:
                  the product is e^{G_r − G_i} ≤ 1 for every pair used. The entries above the
                  diagonal of the block (up to e^{80}·|xy|) are replaced by 0 with `where` and
                  never reach a later sum. (Tested at −5; the factors stay finite to about −10.)
+Precision modes. Products run as 3-pass TF32 (≈ float32) except, when every input is bfloat16,
+those whose results reach only bf16 outputs: A_qk, the three output products of _fwd_state
+(Q⊙e^G h, A_qk V, A_qa V2) and all of _bwd_dv and _bwd_dk (δv, δq, δk, δa, δb, δgk). These run
+as single-pass TF32 (LOWP_DEFAULT / XLSTM_DPLR_LOWP = "tf32"). Whatever the final state or δh0
+depends on (A_ba, A_bk, A_qa, E, W, Cm, the state kernels) stays 3-pass: the PyTorch op returns
+the float32 state with ~5e-8 error, and the 2x rule leaves no room there. Operands rounded to
+bf16 ("bf16") are not the default: with operand rounding as coarse as the outputs' own, the gate
+gradient (a cumulative sum of differences) gets 3.5x the PyTorch op's error (measured with the
+float16 analogue in the interpreter); TF32's operand rounding (2^-11) is 8x below bf16's.
 All other decays (e^{G_r}, e^{G_L − G_r}, e^{G_L}) are ≤ 1. G is cumulated in float64 (the
 wrapper's cumsum) and only differences are cast to float32 before the exp: a float32 G reaches
 −320 at gk = −5 and differences of such numbers would cost 2e-5 relative on every decay.
