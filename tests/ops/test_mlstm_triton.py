@@ -99,8 +99,10 @@ def check_against_reference(B, T, H, K, V, dtype=torch.float32, gates="normal", 
 def test_chunkwise_matches_recurrent_float32(T, chunk, fuse):
     """Forward, final state and every gradient (initial state included) vs float64 loop; K ≠ V,
     T not a multiple of the chunk (masked tail) and a single step; δv fused into the δq/δk
-    kernel or in its own. This is the old (unfused, K-tiled) backward; the default is below."""
-    check_against_reference(1, T, 2, 16, 32, chunk_size=chunk, config=dict(fuse_dv=fuse, bwd_fused=False))
+    kernel or in its own. This is the old path throughout (unfused K-tiled backward, states
+    recomputed, δh row factors and unsplit products in PyTorch); the default is below."""
+    cfg = dict(fuse_dv=fuse, bwd_fused=False, keep_states=False, rows_kernel=False, p_split=False, h_lo=False)
+    check_against_reference(1, T, 2, 16, 32, chunk_size=chunk, config=cfg)
 
 
 @pytest.mark.parametrize("T,chunk", [(1, 16), (37, 16)])

@@ -13,25 +13,29 @@ n̄_t = e^{a_t} n_cᵀq̂_t + Σ_s P_ts.  The chunk's end state is
 C_{c+1} = e^{b_c} C_c + Σ_s e^{w_s} k_s v_sᵀ with w_s = β_L − β_s + ĩ_s − m_{c+1},
 b_c = β_L + m_c − m_{c+1}, m_{c+1} = max(β_L + m_c, u_L). Every exponent is ≤ 0.
 
-Kernels (two phases each way, all accumulation and states in float32):
+Kernels (all accumulation and states in float32; defaults marked *):
+  prologue  _gate_prep*  parallel over (chunk, b·h): β (float64 cumsum of log σ(f), kept as
+                         hi + lo float32), ĩ, u and the max-chain flags, from i, f [B,T,H]
   forward   _fwd_states  sequential over chunks per (b·h, K-tile, V-tile): chunk-start states
-            _fwd_out     parallel over (chunk, V-tile, b·h): h, and per-row n̄ and m for backward
-  backward  _fwd_states  again (states are recomputed, not kept from the forward)
+            _fwd_out     parallel over (chunk, V-tile, b·h): h (and, for 16-bit inputs, its
+                         rounding residual), and per-row n̄ and m for backward
+  backward  _fwd_states  again, unless config keep_states* saves the forward's states and gates
+            _bwd_rows*   the per-row factors of δh (δh·h/d, 1/d, δn̄)
             _bwd_dstates reverse-sequential: δC, δn at every chunk end
-            _bwd_dqk     parallel over (chunk, K-tile, b·h): δq, δk (and δv when K fits one tile)
-                         and the log-gate gradients of the chunk
-            _bwd_dv      parallel over (chunk, V-tile, b·h): δv when K needs several tiles
-            _bwd_fused   (config bwd_fused) replaces _bwd_dqk + _bwd_dv: one program per
-                         (chunk, b·h) holding all of K, every product formed once
-            _bwd_rows    (config rows_kernel) the per-row factors of δh (δh·h/d, 1/d, δn̄)
-  With config keep_states the forward's chunk states and gate tensors are saved for the
-  backward instead of recomputed (when both passes use the same chunk length).
+            _bwd_fused*  one program per (chunk, b·h) holding all of K (K ≤ fb_maxK): δq, δk,
+                         δv and the chunk's log-gate gradients, every product formed once
+            _bwd_dqk     (K > fb_maxK) parallel over (chunk, K-tile, b·h): δq, δk (and δv when
+                         K fits one tile) and the log-gate gradients of the chunk
+            _bwd_dv      (K > fb_maxK) parallel over (chunk, V-tile, b·h): δv
+  epilogue  _gate_tail   one program per b·h, backwards over blocks of steps: the
+                         stabilizers' own influence, δi and δf [B,T,H] in the input dtypes
 The backward holds every stabilizer fixed (the inputs then enter only through q̂ e^{β},
 k e^{ĩ−β}, so the gate gradients are row and column sums of dP ⊙ P plus chunk terms) and
-adds the stabilizers' own influence in PyTorch afterwards: h_t depends on m_t through eps
-only (∂h_t/∂m_t = −eps h_t / d_t), the final state through C_T = e^{−m_T} C*_T, and each δm is
-routed along the max chain to the ĩ_s or log f_t that realises it. These O(B·T·H) pieces and
-the gate cumsums run in PyTorch.
+adds the stabilizers' own influence in the epilogue: h_t depends on m_t through eps only
+(∂h_t/∂m_t = −eps h_t / d_t), the final state through C_T = e^{−m_T} C*_T, and each δm is
+routed along the max chain to the ĩ_s or log f_t that realises it (float64). Apart from
+allocations, a forward+backward is these kernel launches only (no PyTorch compute ops), which
+matters because at the benchmark sizes the host's launch time was the bottleneck.
 
 Dtypes: q, k, v in float16, bfloat16 or float32; h and the gradients are returned in that
 dtype. Matrix products take 16-bit operands with float32 accumulation (float32 inputs use
@@ -41,7 +45,6 @@ the returned final state and the gradient of the initial state are always float3
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -782,8 +785,11 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
         # seq_min_programs: below this many programs the sequential state kernels use 32×32
         # tiles (0: never); see _seq_tiles.
         seq_min_programs=0,
-        # steps per block of the gate-gradient epilogue (_gate_tail, sequential over blocks)
-        tail_BT=1024,
+        # steps per block of the gate-gradient epilogue (_gate_tail: one program per b·h,
+        # sequential over blocks); 0: 1024 (4 warps), or 4096 (8 warps, 255 registers, no
+        # spill) when fewer than 64 b·h programs walk long sequences (e.g. B·H = 8, T = 32768:
+        # 8 blocks instead of 32)
+        tail_BT=0,
     )
 
 
@@ -1012,10 +1018,11 @@ def _bwd_tail(q, i, f, C0, n0, ms, xm, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, d
     dio = torch.empty(B, T, H, device=q.device, dtype=i.dtype)
     dfo = torch.empty(B, T, H, device=q.device, dtype=f.dtype)
     dm0 = torch.empty(B, H, device=q.device, dtype=torch.float32)
+    BT = cfg["tail_BT"] or (4096 if B * H < 64 and T > 4096 else 1024)
     _gate_tail[(B * H,)](
         r, xm, ms, dlf, di, f, ms if last is None else last.contiguous(), dio, dfo, dm0,
         T, H, NC, NC * L, eps,
-        L=L, BT=cfg["tail_BT"], HAS_LAST=last is not None, num_warps=4,
+        L=L, BT=BT, HAS_LAST=last is not None, num_warps=4 if BT <= 1024 else 8,
     )
     if C0 is not None:
         dm0 = dm0 + (dC0 * C0).sum((-2, -1)) + (dn0 * n0).sum(-1)
