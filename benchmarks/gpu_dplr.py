@@ -331,12 +331,12 @@ def timing():
 
 
 def profile():
-    """Per-kernel GPU times of one fwd+bwd at shape 1 (torch.profiler), default and old."""
+    """Per-kernel GPU times of one fwd+bwd at shape 1 (torch.profiler): default, chunk 32, old."""
     if DEV != "cuda":
         return
     from torch.profiler import ProfilerActivity, profile as prof
     ys, do = time_inputs(SHAPES[0])
-    for vname in [v for v in ("default", "old") if v in VARIANTS]:
+    for vname in [v for v in ("default", "L32_plain16w4", "old") if v in VARIANTS]:
         if left() < 20:
             break
         use(vname)
