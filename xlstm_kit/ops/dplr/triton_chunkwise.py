@@ -587,11 +587,12 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
 #   XLSTM_DPLR_STATE  "<plain|kh>,<BV>,<warps>": the two sequential state kernels — whole-K state
 #                     tile or two K/2 halves, V-tile, warps.
 LOWP_DEFAULT = "tf32"
-STATE_DEFAULT = "plain,32,8"
+# by chunk size: at L = 32 the whole-K kernels on 16-column V-tiles have no spills (ptxas)
+STATE_DEFAULT = {64: "plain,32,8", 32: "plain,16,4", 16: "plain,16,4"}
 _LO_MODES = {"off": 0, "tf32": 1, "bf16": 2, "fp16": 3}
 
 
-def _config(lowp_ok: bool, K: int, V: int) -> tuple:
+def _config(lowp_ok: bool, K: int, V: int, L: int) -> tuple:
     """(PREC of the state path, LO mode of the bf16-output products, (state kernels' kind, BV,
     warps))."""
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -603,7 +604,7 @@ def _config(lowp_ok: bool, K: int, V: int) -> tuple:
     lo = _LO_MODES[mode]
     if interp and lo == 1:
         lo = 0
-    spec = os.environ.get("XLSTM_DPLR_STATE", STATE_DEFAULT)
+    spec = os.environ.get("XLSTM_DPLR_STATE", STATE_DEFAULT[L])
     try:
         kind, bv, warps = spec.split(",")
         bv, warps = int(bv), int(warps)
@@ -738,7 +739,7 @@ class _DPLRTriton(torch.autograd.Function):
         B, T, H, K = q.shape
         V = v.shape[-1]
         Tp = math.ceil(T / L) * L
-        cfg = _config(lowp_ok, K, V)
+        cfg = _config(lowp_ok, K, V, L)
         qc, kc, vc, ac, bc = (_chunk_layout(x, Tp) for x in (q, k, v, a, b))
         G = _log_gamma(gk, Tp, L)
         h0c = None if h0 is None else h0.to(torch.float32).reshape(B * H, K, V).contiguous()
