@@ -423,13 +423,15 @@ def decode_part():
 DEFAULT_VARIANTS = {  # most important first: the time part skips the tail when out of budget
     # default (2026-11-30 evening): fused backward (δq, δk, δv in one program per chunk; K ≤
     # fb_maxK=128, else the old K-tiled kernels), forward states/gates kept for the backward,
-    # per-row δh factors in Triton, P v with P as hi + lo, h's rounding residual kept
+    # per-row δh factors in Triton, P v with P as hi + lo, h's rounding residual kept, δS as
+    # hi + lo in δq/δk, gate prologue/epilogue kernels (no PyTorch compute ops left)
     "default": {},
-    # the previous best (fused64_all before the accuracy fix): no P split, no h residual
-    "fused64_prev": {"p_split": False, "h_lo": False},
-    # the previous default: old backward kernels and PyTorch glue, no splits
+    "default_nods": {"ds_split": False},              # without the δS split (2 fewer products)
+    # the previous best (fused64_all: no splits; the prologue/epilogue kernels are in any case)
+    "fused64_prev": {"p_split": False, "h_lo": False, "ds_split": False},
+    # the previous default's kernels: old backward kernels, row factors in PyTorch, no splits
     "prev_default": {"bwd_fused": False, "keep_states": False, "rows_kernel": False, "p_split": False,
-                     "h_lo": False},
+                     "h_lo": False, "ds_split": False},
     "old_all": {"bwd_fused": False},                  # old backward + the new glue and splits
     "fused32_all": {"fb_maxK": 256, "L_fwd": 32, "L_bwd": 32, "st_warps": 8},  # fused spill-free at K=128
     # + states kernel on 8 warps (4 spill 472 B/thread in a Triton 3.7 sm_90 compile) and 32×32

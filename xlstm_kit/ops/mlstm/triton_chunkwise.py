@@ -336,7 +336,7 @@ def _bwd_dqk(
     dq_ptr, dk_ptr, dv_ptr, dlf_ptr, di_ptr,
     T, H, NC, BHNCL, scale,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    FUSE_DV: tl.constexpr, STATE_MODE: tl.constexpr, PREC: tl.constexpr,
+    FUSE_DV: tl.constexpr, STATE_MODE: tl.constexpr, PREC: tl.constexpr, DS_SPLIT: tl.constexpr,
 ):
     """δq, δk of one chunk and K-tile (and δv when the tile covers all of K), and this tile's
     share of the chunk's fixed-stabilizer log-gate gradients: dlf[kt] = δlog f, di[kt] = δĩ."""
@@ -406,9 +406,9 @@ def _bwd_dqk(
     dS = dP * E                                                             # δ w.r.t. q̂·k
     sea = scale * ea
     dq_inter = (sea * rd)[:, None] * acc_q + (sea * gg)[:, None] * n_prev[None, :]
-    dq = scale * tl.dot(dS.to(kk.dtype), kk, input_precision=PREC) + dq_inter
+    dq = scale * _dot_l(dS, kk, DS_SPLIT, PREC) + dq_inter
     dk_state = ew[:, None] * (acc_k + dn_next[None, :])
-    dk = scale * tl.dot(tl.trans(dS).to(qt.dtype), qt, input_precision=PREC) + dk_state
+    dk = scale * _dot_l(tl.trans(dS), qt, DS_SPLIT, PREC) + dk_state
     out_off = b.to(tl.int64) * T * H * K + h * K + rows[:, None] * (H * K) + offs_k[None, :]
     tl.store(dq_ptr + out_off, dq.to(dq_ptr.dtype.element_ty), mask=lk)
     tl.store(dk_ptr + out_off, dk.to(dk_ptr.dtype.element_ty), mask=lk)
@@ -524,7 +524,7 @@ def _bwd_fused(
     dq_ptr, dk_ptr, dv_ptr, dlf_ptr, di_ptr,
     T, H, NC, scale,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    STATE_MODE: tl.constexpr, PREC: tl.constexpr,
+    STATE_MODE: tl.constexpr, PREC: tl.constexpr, DS_SPLIT: tl.constexpr,
 ):
     """δq, δk, δv and the chunk's fixed-stabilizer log-gate gradients in one program per
     (chunk, b·h); BK covers all of K, so every product is formed once (q kᵀ and δh vᵀ once,
@@ -591,7 +591,10 @@ def _bwd_fused(
     dPP = dP * P
     row_q = tl.sum(dPP, axis=1)
     col_k = tl.sum(dPP, axis=0)
-    dS = (dP * E).to(kk.dtype)                                              # δ w.r.t. q̂·k
+    dS32 = dP * E                                                           # δ w.r.t. q̂·k
+    dS = dS32.to(kk.dtype)
+    if DS_SPLIT:  # its 16-bit rounding residual, a second operand of the δq and δk products
+        dSlo = (dS32 - dS.to(tl.float32)).to(kk.dtype)
 
     # pass 2: the state terms δh C_cᵀ, v δC_{c+1}ᵀ and <δC_{c+1}, C_c>
     acc_q = tl.zeros([L, BK], dtype=tl.float32)
@@ -619,11 +622,17 @@ def _bwd_fused(
     sea = scale * ea
     dq_inter = (sea * rd)[:, None] * acc_q + (sea * gg)[:, None] * n_prev[None, :]
     row_q += tl.sum(qt.to(tl.float32) * dq_inter, axis=1)
-    dq = scale * tl.dot(dS, kk, input_precision=PREC) + dq_inter
+    dqs = tl.dot(dS, kk, input_precision=PREC)
+    if DS_SPLIT:
+        dqs = tl.dot(dSlo, kk, acc=dqs, input_precision=PREC)
+    dq = scale * dqs + dq_inter
     tl.store(dq_ptr + (row0 * H * K + h * K) + qk_off, dq.to(dq_ptr.dtype.element_ty), mask=lk)
     dk_state = ew[:, None] * (acc_k + dn_next[None, :])
     dw = tl.sum(kk.to(tl.float32) * dk_state, axis=1)
-    dk = scale * tl.dot(tl.trans(dS), qt, input_precision=PREC) + dk_state
+    dks = tl.dot(tl.trans(dS), qt, input_precision=PREC)
+    if DS_SPLIT:
+        dks = tl.dot(tl.trans(dSlo), qt, acc=dks, input_precision=PREC)
+    dk = scale * dks + dk_state
     tl.store(dk_ptr + (row0 * H * K + h * K) + qk_off, dk.to(dk_ptr.dtype.element_ty), mask=lk)
 
     # log-gate gradients as in _bwd_dqk (one K-tile holding all of K)
@@ -782,6 +791,9 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
         # P or h cost up to 3-8x the reference's gradient error at extreme gates
         # (NOTES-mlstm.md, section 5).
         p_split=True, h_lo=True,
+        # ds_split: δS enters the δq, δk products as two 16-bit parts (two more L×L×K products
+        # in the backward); the remaining 16-bit rounding on the δq, δk path at extreme gates
+        ds_split=True,
         # seq_min_programs: below this many programs the sequential state kernels use 32×32
         # tiles (0: never); see _seq_tiles.
         seq_min_programs=0,
@@ -973,7 +985,8 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, 
             dq, dk, dv, dlf, di,
             T, H, NC, K ** -0.5,
             K=K, V=V, L=L, BK=_pow2(K), BV=min(cfg["fb_BV"], _pow2(V)),
-            STATE_MODE=smode, PREC=prec, num_warps=cfg["fb_warps"], num_stages=cfg["fb_stages"],
+            STATE_MODE=smode, PREC=prec, DS_SPLIT=q.dtype != torch.float32 and cfg["ds_split"],
+            num_warps=cfg["fb_warps"], num_stages=cfg["fb_stages"],
         )
         return _bwd_tail(q, i, f, C0, n0, ms, xm, r, eps, dlf, di,
                          dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, L, cfg)
@@ -986,6 +999,7 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, 
         dq, dk, dv, dlf, di,
         T, H, NC, B * H * NCL, K ** -0.5,
         K=K, V=V, L=L, BK=cfg["dqk_BK"], BV=cfg["dqk_BV"], FUSE_DV=fuse, STATE_MODE=smode, PREC=prec,
+        DS_SPLIT=int(q.dtype != torch.float32 and cfg["ds_split"]),
         num_warps=cfg["dqk_warps"], num_stages=cfg["dqk_stages"],
     )
     if not fuse:
