@@ -299,9 +299,9 @@ def _fwd_state_kh(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC
                   K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
                   HAS_H0: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
     """_fwd_state with the state held as two [K/2, BV] halves (and every [L, K] operand loaded
-    as two [L, K/2] halves): the same sums, but the live set of one product halves, which keeps
-    the 3-pass TF32 split operands in registers (ptxas: 1.5 KB/thread of spills at K = 128 for
-    _fwd_state, none here; benchmarks/NOTES-dplr.md)."""
+    as two [L, K/2] halves): the same sums with half the live set per product, where the 3-pass
+    TF32 split copies of the operands are what spills (ptxas, K = V = 128, L = 64, BV 32, 8 warps:
+    1.3 KB/thread for _fwd_state, 0.7 KB here; benchmarks/NOTES-dplr.md)."""
     KH: tl.constexpr = K // 2
     vt_id = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
