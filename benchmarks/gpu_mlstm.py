@@ -438,6 +438,9 @@ DEFAULT_VARIANTS = {  # most important first: the time part skips the tail when 
     # tiles in the sequential state kernels when the grid is small (few heads)
     "fused64_all_seq": {"st_warps": 8, "seq_min_programs": 264},
     "fused64w16_all": {"fb_warps": 16},
+    # δ-state kernel on 4 warps like the states kernel (it takes ~2x the states kernel's time
+    # on 8; ptxas: 213 registers, no spill)
+    "default_ds4": {"ds_warps": 4},
 }
 
 
