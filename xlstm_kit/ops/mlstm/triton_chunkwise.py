@@ -267,8 +267,12 @@ def _bwd_dstates(
     else:
         dC = tl.zeros([BK, BV], dtype=tl.float32)
         dn = tl.zeros([BK], dtype=tl.float32)
+    msb = ms_ptr + bh64 * (NC + 1)
+    m_next = tl.load(msb + NC)
     for cc in range(NC):
         c = NC - 1 - cc
+        beta_last = tl.load(beta_ptr + g_base + c * L + L - 1)
+        m_prev = tl.load(msb + c)
         tl.store(dcs_ptr + (bh64 * NC + c) * K * V + kv_off, dC.to(dcs_ptr.dtype.element_ty), mask=mkv)
         tl.store(dns_ptr + (bh64 * NC + c) * K + offs_k, dn, mask=mk & first_v)
         rows = c * L + offs_l
@@ -277,9 +281,6 @@ def _bwd_dstates(
         u = tl.load(u_ptr + g_base + rows)
         rd = tl.load(rd_ptr + g_base + rows)
         gg = tl.load(g_ptr + g_base + rows)
-        beta_last = tl.load(beta_ptr + g_base + c * L + L - 1)
-        m_prev = tl.load(ms_ptr + bh64 * (NC + 1) + c)
-        m_next = tl.load(ms_ptr + bh64 * (NC + 1) + c + 1)
         m_row = tl.maximum(beta + m_prev, u)
         sea = scale * tl.exp(beta + m_prev - m_row)
         decay = tl.exp(beta_last + m_prev - m_next)
@@ -290,6 +291,7 @@ def _bwd_dstates(
         qs = qt * (sea * rd)[:, None]                                        # q̂ e^{a} / d
         dC = dC * decay + _dot_l(tl.trans(qs), dht, UPD_MODE, PREC)
         dn = dn * decay + tl.sum(qt * (sea * gg)[:, None], axis=0)
+        m_next = m_prev
     tl.store(dc0_ptr + bh64 * K * V + kv_off, dC, mask=mkv)
     tl.store(dn0_ptr + bh64 * K + offs_k, dn, mask=mk & first_v)
 
