@@ -146,9 +146,7 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._logits, new = model._step(self._tokens, self._state)
-            for old_s, new_s in zip(self._state, new):
-                for o, n in zip(old_s, new_s):
-                    o.copy_(n)
+            self._load(new)  # recorded: each replay writes the new state into the buffers
         self._load(state)  # the warm-up moved the buffers on
 
     def _load(self, state) -> None:
