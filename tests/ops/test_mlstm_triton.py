@@ -289,6 +289,53 @@ def test_step_continues_chunkwise():
     assert rel_err(state[0].cpu(), rC) < 1e-5
 
 
+def _lowp_final_state_case(T, K, V, dtype, seed, **kw):
+    """Relative errors of every gradient (q, k, v, i, f, C0, n0, m0) against the float64 loop,
+    for ours with 16-bit q, k, v and for the float32-compute loop with 16-bit inputs and
+    rounded results; the loss reads h and the final state (C, n, m)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(dtype).float()
+    B, H = 1, 2
+    xs = [rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H, V), rnd(B, T, H), rnd(B, T, H) + 2.0]
+    st = [rnd(B, H, K, V, sc=0.5), rnd(B, H, K, sc=0.5), rnd(B, H)]
+    ups = [torch.randn(*s, generator=g, dtype=torch.float64) for s in ((B, T, H, V), (B, H, K, V), (B, H, K), (B, H))]
+
+    def grads(fn, a, s):
+        a = [x.detach().to(DEV).requires_grad_(True) for x in a]
+        s = [x.detach().to(DEV).requires_grad_(True) for x in s]
+        return [x.cpu() for x in run_and_grad(fn, a, s, [u.to(DEV) for u in ups])[1]]
+
+    def rounded_ref(a, s):
+        h, state = ref_recurrent(*a, tuple(s))
+        return h.to(dtype), state
+
+    ref = grads(lambda a, s: ref_recurrent(*a, tuple(s)), [x.double() for x in xs], [x.double() for x in st])
+    r16 = grads(rounded_ref, xs, st)
+    r16 = [x.to(dtype) if j < 5 else x for j, x in enumerate(r16)]
+    ours = grads(lambda a, s: mlstm_chunkwise_triton(*(x.to(dtype) for x in a[:3]), *a[3:], initial_state=tuple(s),
+                                                     output_final_state=True, **kw), xs, st)
+    return [rel_err(a, b) for a, b in zip(ours, ref)], [rel_err(a, b) for a, b in zip(r16, ref)]
+
+
+@pytest.mark.parametrize("T,K,fused", [(1, 32, True), (20, 32, True), (1, 160, False)])
+def test_16bit_stored_states_keep_final_state_gradient(T, K, fused, monkeypatch):
+    """bfloat16 inputs store the chunk states and δ-states in 16 bits. The last chunk's
+    fixed-stabilizer δĩ nearly cancels the final state's −<δC_T, C_T> term of δm_T, so it must
+    see δC_T in float32 (its own launch, split products); with the rounded δC_T, T = 1 had δi
+    7x the reference's error on the H200. Emulated here with float16 state storage (the
+    interpreter has no bfloat16); K = 160 takes the K-tiled backward kernels."""
+    import xlstm_kit.ops.mlstm.triton_chunkwise as tc
+
+    orig = tc._numerics
+    monkeypatch.setattr(tc, "_numerics", lambda dt, cfg: (torch.float16, 1, 0, "tf32") if dt == torch.float16
+                        else orig(dt, cfg))
+    for seed in (0, 1):
+        ours, ref = _lowp_final_state_case(T, K, 48, torch.float16, seed, chunk_size=16,
+                                           config=dict(bwd_fused=fused))
+        for name, e, r in zip("dq dk dv di df dC0 dn0 dm0".split(), ours, ref):
+            assert e <= 2 * r + 1e-6, (seed, name, e, r)
+
+
 # ------------------------------------------------------------------ GPU (H200) correctness list
 
 gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA (run with -m gpu on the GPU machine)")
@@ -307,3 +354,15 @@ def test_gpu_float32_against_reference(T, gates):
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (256, 512), (512, 256)])
 def test_gpu_head_dims(K, V):
     check_against_reference(1, 300, 1, K, V, tol=1e-4, gtol=5e-4)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T,K,V", [(1, 64, 128), (100, 64, 128), (1, 256, 512)])
+def test_gpu_bfloat16_gradients_within_twice_reference(T, K, V):
+    """Issue 5's bf16 rule with a final-state gradient: every gradient within 2x the error of
+    the float32-compute loop with bf16 inputs and results (+1e-5)."""
+    for seed in (0, 1):
+        ours, ref = _lowp_final_state_case(T, K, V, torch.bfloat16, seed)
+        for name, e, r in zip("dq dk dv di df dC0 dn0 dm0".split(), ours, ref):
+            assert e <= 2 * r + 1e-5, (seed, name, e, r)

@@ -336,13 +336,16 @@ def _bwd_dqk(
     q_ptr, k_ptr, v_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, g_ptr, ms_ptr,
     cs_ptr, ns_ptr, dcs_ptr, dns_ptr,
     dq_ptr, dk_ptr, dv_ptr, dlf_ptr, di_ptr,
-    T, H, NC, BHNCL, scale,
+    T, H, NC, BHNCL, scale, c_off,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     FUSE_DV: tl.constexpr, STATE_MODE: tl.constexpr, PREC: tl.constexpr, DS_SPLIT: tl.constexpr,
+    DC_LAST: tl.constexpr, D_MODE: tl.constexpr,
 ):
     """δq, δk of one chunk and K-tile (and δv when the tile covers all of K), and this tile's
-    share of the chunk's fixed-stabilizer log-gate gradients: dlf[kt] = δlog f, di[kt] = δĩ."""
-    c = tl.program_id(0)
+    share of the chunk's fixed-stabilizer log-gate gradients: dlf[kt] = δlog f, di[kt] = δĩ.
+    Chunk c = program 0 + c_off. DC_LAST: dcs_ptr is the float32 δC_T [B·H, K, V] of the last
+    chunk (see _last_chunk_apart); D_MODE: _dot_r mode of the products with δC."""
+    c = tl.program_id(0) + c_off
     pid_k = tl.program_id(1)
     bh = tl.program_id(2)
     b = bh // H
@@ -382,17 +385,17 @@ def _bwd_dqk(
         lv = rmask[:, None] & mv[None, :]
         vt = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :], mask=lv, other=0.0)
         dht = tl.load(dh_base + rows[:, None] * (H * V) + offs_v[None, :], mask=lv, other=0.0)
-        kv_off = st * K * V + offs_k[:, None] * V + offs_v[None, :]
+        kv_off = offs_k[:, None] * V + offs_v[None, :]
         mkv = mk[:, None] & mv[None, :]
-        Cp = tl.load(cs_ptr + kv_off, mask=mkv, other=0.0)                  # [BK, BV]
-        dCn = tl.load(dcs_ptr + kv_off, mask=mkv, other=0.0)                # [BK, BV]
+        Cp = tl.load(cs_ptr + st * K * V + kv_off, mask=mkv, other=0.0)     # [BK, BV]
+        dCn = tl.load(dcs_ptr + (bh64 if DC_LAST else st) * K * V + kv_off, mask=mkv, other=0.0)
         dP += tl.dot(dht, tl.trans(vt), input_precision=PREC)
         acc_q += _dot_r(dht, tl.trans(Cp), STATE_MODE, PREC)
-        acc_k += _dot_r(vt, tl.trans(dCn), STATE_MODE, PREC)
+        acc_k += _dot_r(vt, tl.trans(dCn), D_MODE, PREC)
         zb += tl.sum(dCn.to(tl.float32) * Cp.to(tl.float32), axis=1)
         if FUSE_DV:
             dv = tl.dot(tl.trans(Prd), dht, input_precision=PREC)
-            dv += ew[:, None] * _dot_r(kk, dCn, STATE_MODE, PREC)
+            dv += ew[:, None] * _dot_r(kk, dCn, D_MODE, PREC)
             tl.store(dv_ptr + b.to(tl.int64) * T * H * V + h * V + rows[:, None] * (H * V) + offs_v[None, :],
                      dv.to(dv_ptr.dtype.element_ty), mask=lv)
 
@@ -435,12 +438,13 @@ def _bwd_dqk(
 @triton.jit
 def _bwd_dv(
     q_ptr, k_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, ms_ptr, dcs_ptr, dv_ptr,
-    T, H, NC, scale,
+    T, H, NC, scale, c_off,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    STATE_MODE: tl.constexpr, PREC: tl.constexpr,
+    STATE_MODE: tl.constexpr, PREC: tl.constexpr, DC_LAST: tl.constexpr,
 ):
-    """δv of one chunk and V-tile: Pᵀ(δh/d) + e^{w} k δC_{c+1}, summing over K-tiles."""
-    c = tl.program_id(0)
+    """δv of one chunk and V-tile: Pᵀ(δh/d) + e^{w} k δC_{c+1}, summing over K-tiles.
+    c_off, DC_LAST: as in _bwd_dqk (STATE_MODE is then the mode of the δC products)."""
+    c = tl.program_id(0) + c_off
     pid_v = tl.program_id(1)
     bh = tl.program_id(2)
     b = bh // H
@@ -467,7 +471,7 @@ def _bwd_dv(
         qt = tl.load(q_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
         kk = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
         S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
-        dCn = tl.load(dcs_ptr + st * K * V + offs_k[:, None] * V + offs_v[None, :],
+        dCn = tl.load(dcs_ptr + (bh64 if DC_LAST else st) * K * V + offs_k[:, None] * V + offs_v[None, :],
                       mask=mk[:, None] & mv[None, :], other=0.0)
         acc += _dot_r(kk, dCn, STATE_MODE, PREC)
     P = S * scale * E
@@ -524,9 +528,10 @@ def _bwd_fused(
     q_ptr, k_ptr, v_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, g_ptr, ms_ptr,
     cs_ptr, ns_ptr, dcs_ptr, dns_ptr,
     dq_ptr, dk_ptr, dv_ptr, dlf_ptr, di_ptr,
-    T, H, NC, scale,
+    T, H, NC, scale, c_off,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STATE_MODE: tl.constexpr, PREC: tl.constexpr, DS_SPLIT: tl.constexpr,
+    DC_LAST: tl.constexpr, D_MODE: tl.constexpr,
 ):
     """δq, δk, δv and the chunk's fixed-stabilizer log-gate gradients in one program per
     (chunk, b·h); BK covers all of K, so every product is formed once (q kᵀ and δh vᵀ once,
@@ -535,8 +540,9 @@ def _bwd_fused(
     Two passes over V keep the live set small enough for the register file (one pass holding
     δP, P and both [L, K] state accumulators spills ~1.3 KB per thread at L=64, K=V=128):
     pass 1 builds δP and writes δv; pass 2 builds δh C_cᵀ and v δC_{c+1}ᵀ with only the
-    16-bit δS live. v and δh are read twice (the second time mostly from L2)."""
-    c = tl.program_id(0)
+    16-bit δS live. v and δh are read twice (the second time mostly from L2).
+    c_off, DC_LAST, D_MODE: as in _bwd_dqk."""
+    c = tl.program_id(0) + c_off
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -558,7 +564,7 @@ def _bwd_fused(
     dhb = dh_ptr + row0 * H * V + h * V
     dvb = dv_ptr + row0 * H * V + h * V
     csb = cs_ptr + st * K * V
-    dcsb = dcs_ptr + st * K * V
+    dcsb = dcs_ptr + (bh64 if DC_LAST else st) * K * V
     rd = tl.load(rd_ptr + g_base + rows)
     gg = tl.load(g_ptr + g_base + rows)
     lk = rmask[:, None] & mk[None, :]
@@ -581,7 +587,7 @@ def _bwd_fused(
                       mask=mk[:, None] & mv[None, :], other=0.0)            # [BK, BV]
         dP += tl.dot(dht, tl.trans(vt), input_precision=PREC)
         dv = tl.dot(tl.trans(Prd), dht, input_precision=PREC)
-        dv += ew[:, None] * _dot_r(kk, dCn, STATE_MODE, PREC)
+        dv += ew[:, None] * _dot_r(kk, dCn, D_MODE, PREC)
         tl.store(dvb + v_off, dv.to(dv_ptr.dtype.element_ty), mask=lv)
 
     # E, q and k are recomputed / re-read (L2) rather than held through the V loops.
@@ -614,7 +620,7 @@ def _bwd_fused(
         Cp = tl.load(csb + kv_off, mask=mkv, other=0.0)
         dCn = tl.load(dcsb + kv_off, mask=mkv, other=0.0)
         acc_q += _dot_r(dht, tl.trans(Cp), STATE_MODE, PREC)
-        acc_k += _dot_r(vt, tl.trans(dCn), STATE_MODE, PREC)
+        acc_k += _dot_r(vt, tl.trans(dCn), D_MODE, PREC)
         zb += tl.sum(dCn.to(tl.float32) * Cp.to(tl.float32), axis=1)
 
     n_prev = tl.load(ns_ptr + st * K + offs_k, mask=mk, other=0.0)
@@ -979,41 +985,58 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, 
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
+    ds_split = q.dtype != torch.float32 and cfg["ds_split"]
     if cfg["bwd_fused"] and _pow2(K) <= cfg["fb_maxK"]:
         dlf = torch.empty(B, H, NCL, device=dev, dtype=torch.float32)
         di = torch.empty_like(dlf)
-        _bwd_fused[(NC, B * H)](
-            q, k, v, dh, beta, blo, ig, u, rd_p, g_p, ms, cs, ns, dcs, dns,
-            dq, dk, dv, dlf, di,
-            T, H, NC, K ** -0.5,
-            K=K, V=V, L=L, BK=_pow2(K), BV=min(cfg["fb_BV"], _pow2(V)),
-            STATE_MODE=smode, PREC=prec, DS_SPLIT=q.dtype != torch.float32 and cfg["ds_split"],
-            num_warps=cfg["fb_warps"], num_stages=cfg["fb_stages"],
-        )
+        for c_off, n_c, dsrc, last in _last_chunk_apart(NC, dcs, dCf if has_df else None):
+            _bwd_fused[(n_c, B * H)](
+                q, k, v, dh, beta, blo, ig, u, rd_p, g_p, ms, cs, ns, dsrc, dns,
+                dq, dk, dv, dlf, di,
+                T, H, NC, K ** -0.5, c_off,
+                K=K, V=V, L=L, BK=_pow2(K), BV=min(cfg["fb_BV"], _pow2(V)),
+                STATE_MODE=smode, PREC=prec, DS_SPLIT=ds_split, DC_LAST=last, D_MODE=1 if last else smode,
+                num_warps=cfg["fb_warps"], num_stages=cfg["fb_stages"],
+            )
         return _bwd_tail(q, i, f, C0, n0, ms, xm, r, eps, dlf, di,
                          dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, L, cfg)
     nkt = triton.cdiv(K, cfg["dqk_BK"])
     fuse = nkt == 1 and cfg["fuse_dv"]
     dlf = torch.empty(nkt, B, H, NCL, device=dev, dtype=torch.float32)
     di = torch.empty_like(dlf)
-    _bwd_dqk[(NC, nkt, B * H)](
-        q, k, v, dh, beta, blo, ig, u, rd_p, g_p, ms, cs, ns, dcs, dns,
-        dq, dk, dv, dlf, di,
-        T, H, NC, B * H * NCL, K ** -0.5,
-        K=K, V=V, L=L, BK=cfg["dqk_BK"], BV=cfg["dqk_BV"], FUSE_DV=fuse, STATE_MODE=smode, PREC=prec,
-        DS_SPLIT=int(q.dtype != torch.float32 and cfg["ds_split"]),
-        num_warps=cfg["dqk_warps"], num_stages=cfg["dqk_stages"],
-    )
-    if not fuse:
-        _bwd_dv[(NC, triton.cdiv(V, cfg["dv_BV"]), B * H)](
-            q, k, dh, beta, blo, ig, u, rd_p, ms, dcs, dv,
-            T, H, NC, K ** -0.5,
-            K=K, V=V, L=L, BK=cfg["dv_BK"], BV=cfg["dv_BV"], STATE_MODE=smode, PREC=prec,
-            num_warps=cfg["dv_warps"], num_stages=cfg["dv_stages"],
+    for c_off, n_c, dsrc, last in _last_chunk_apart(NC, dcs, dCf if has_df else None):
+        _bwd_dqk[(n_c, nkt, B * H)](
+            q, k, v, dh, beta, blo, ig, u, rd_p, g_p, ms, cs, ns, dsrc, dns,
+            dq, dk, dv, dlf, di,
+            T, H, NC, B * H * NCL, K ** -0.5, c_off,
+            K=K, V=V, L=L, BK=cfg["dqk_BK"], BV=cfg["dqk_BV"], FUSE_DV=fuse, STATE_MODE=smode, PREC=prec,
+            DS_SPLIT=int(ds_split), DC_LAST=last, D_MODE=1 if last else smode,
+            num_warps=cfg["dqk_warps"], num_stages=cfg["dqk_stages"],
         )
+        if not fuse:
+            _bwd_dv[(n_c, triton.cdiv(V, cfg["dv_BV"]), B * H)](
+                q, k, dh, beta, blo, ig, u, rd_p, ms, dsrc, dv,
+                T, H, NC, K ** -0.5, c_off,
+                K=K, V=V, L=L, BK=cfg["dv_BK"], BV=cfg["dv_BV"], STATE_MODE=1 if last else smode, PREC=prec,
+                DC_LAST=last, num_warps=cfg["dv_warps"], num_stages=cfg["dv_stages"],
+            )
     dlf = dlf.sum(0) if nkt > 1 else dlf[0]
     di = di.sum(0) if nkt > 1 else di[0]
     return _bwd_tail(q, i, f, C0, n0, ms, xm, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, L, cfg)
+
+
+def _last_chunk_apart(NC, dcs, dCf):
+    """Launch plan [(first chunk, chunks, δC source, DC_LAST)] of the per-chunk backward.
+
+    With 16-bit stored δ-states and a final-state gradient, the last chunk runs as its own
+    launch that reads δC_T in float32 and splits it into two 16-bit operands: its
+    fixed-stabilizer δĩ, δlog f nearly cancel the final state's −<δC_T, C_T> term of δm_T
+    (formed in float32 in _bwd_tail), so one bfloat16 rounding of δC_T on one side only gave
+    δi 7× the reference's error at T = 1."""
+    if dCf is None or dcs.dtype == torch.float32:
+        return [(0, NC, dcs, False)]
+    plan = [(0, NC - 1, dcs, False)] if NC > 1 else []
+    return plan + [(NC - 1, 1, dCf, True)]
 
 
 def _bwd_tail(q, i, f, C0, n0, ms, xm, r, eps, dlf, di, dCf, dnf, dmf, Cf, nf, dC0, dn0, dq, dk, dv, NC, L, cfg):
