@@ -421,26 +421,30 @@ def decode_part():
 
 
 DEFAULT_VARIANTS = {  # most important first: the time part skips the tail when out of budget
-    # default (2026-11-30 evening): fused backward (δq, δk, δv in one program per chunk; K ≤
-    # fb_maxK=128, else the old K-tiled kernels), forward states/gates kept for the backward,
-    # per-row δh factors in Triton, P v with P as hi + lo, h's rounding residual kept, δS as
-    # hi + lo in δq/δk, gate prologue/epilogue kernels (no PyTorch compute ops left)
+    # default (2026-11-30, third session): as "seq_loop" below, but the state passing runs as
+    # parallel per-chunk products + an elementwise scan over chunks (seq_scan)
     "default": {},
+    # the previous default: sequential state kernels (one product per chunk step), fused
+    # backward (δq, δk, δv in one program per chunk; K ≤ fb_maxK=128, else the K-tiled
+    # kernels), forward states/gates kept for the backward, per-row δh factors in Triton, P v
+    # with P as hi + lo, h's rounding residual kept, δS as hi + lo in δq/δk, gate kernels
+    "seq_loop": {"seq_scan": False},
+    "scan_G16": {"scan_G": 16},                       # 16 chunks per scan step
+    "scan_BE512": {"scan_BE": 512},                   # 512 state elements per scan program
+    "loc64": {"loc_BK": 64, "loc_BV": 64},            # smaller local-term tiles
     "default_nods": {"ds_split": False},              # without the δS split (2 fewer products)
-    # the previous best (fused64_all: no splits; the prologue/epilogue kernels are in any case)
-    "fused64_prev": {"p_split": False, "h_lo": False, "ds_split": False},
-    # the previous default's kernels: old backward kernels, row factors in PyTorch, no splits
+    # an older best (fused64_all: no splits; the prologue/epilogue kernels are in any case)
+    "fused64_prev": {"p_split": False, "h_lo": False, "ds_split": False, "seq_scan": False},
+    # the default of the first session: old backward kernels, row factors in PyTorch, no splits
     "prev_default": {"bwd_fused": False, "keep_states": False, "rows_kernel": False, "p_split": False,
-                     "h_lo": False, "ds_split": False},
+                     "h_lo": False, "ds_split": False, "seq_scan": False},
     "old_all": {"bwd_fused": False},                  # old backward + the new glue and splits
-    "fused32_all": {"fb_maxK": 256, "L_fwd": 32, "L_bwd": 32, "st_warps": 8},  # fused spill-free at K=128
-    # + states kernel on 8 warps (4 spill 472 B/thread in a Triton 3.7 sm_90 compile) and 32×32
-    # tiles in the sequential state kernels when the grid is small (few heads)
-    "fused64_all_seq": {"st_warps": 8, "seq_min_programs": 264},
+    "fused32_all": {"fb_maxK": 256, "L_fwd": 32, "L_bwd": 32},  # fused spill-free at K=128
+    # sequential state kernels on 8 warps with 32×32 tiles when the grid is small (few heads)
+    "fused64_all_seq": {"st_warps": 8, "seq_min_programs": 264, "seq_scan": False},
     "fused64w16_all": {"fb_warps": 16},
-    # δ-state kernel on 4 warps like the states kernel (it takes ~2x the states kernel's time
-    # on 8; ptxas: 213 registers, no spill)
-    "default_ds4": {"ds_warps": 4},
+    # sequential δ-state kernel on 4 warps like the states kernel
+    "default_ds4": {"ds_warps": 4, "seq_scan": False},
 }
 
 
