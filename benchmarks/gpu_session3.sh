@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on 2 GPUs (nvidia-h200-x2), hard limit 540 s wall: every step runs under
 # `timeout`, capped by a shared deadline (END) so the call ends by ~530 s whatever hangs.
-#   GPU 0: mLSTM (issue 5): peers (own process, own budget) -> our variants timed + profile +
-#          summary (reads the peers' anchors.jsonl in the same OUT dir) -> correctness check ->
+#   GPU 0: mLSTM (issue 5): peers (own process, own budget) -> correctness check -> our variants
+#          timed + profile + summary (reads the peers' anchors.jsonl in the same OUT dir) ->
 #          generation speed: ours (gpu_decode.py) and the official xlstm_large (gpu_decode_official.py)
 #   GPU 1: DPLR/KDA (issue 7): gpu_dplr.py with a peer window long enough for fla's chunk_kda,
 #          then the GPU tests of mLSTM, model and DPLR.
@@ -47,14 +47,14 @@ step() {
   # peers first, alone: their 9 jobs cannot eat the time of our own timing below
   step 160 env OUT="$T" BUDGET_S=145 python3 benchmarks/gpu_mlstm.py peers > "$T/peers_log.txt" 2>&1
   [ -f "$T/mlstm.md" ] && mv "$T/mlstm.md" "$T/peers.md"   # the next process rewrites mlstm.md
-  step 100 env OUT="$T" BUDGET_S=85 VARIANTS="${VARIANTS:-default,seq_loop}" \
-    python3 benchmarks/gpu_mlstm.py time profile summary > "$T/log.txt" 2>&1
-  # correctness (not timing): runs while the background kda warm-up uses GPU 0 (~t=200-260 s)
-  step 150 env OUT="$OUT/mlstm_c" BUDGET_S=140 CHECK_CASE_S=25 CHECK_VARIANTS=default \
+  # correctness before timing: the background kda warm-up reaches GPU 0 at ~t=230-260 s, inside the check
+  step 140 env OUT="$OUT/mlstm_c" BUDGET_S=130 CHECK_CASE_S=25 CHECK_VARIANTS=default \
     CHECK_CASES='[[1,"normal",64,128],[100,"extreme",64,128],[2048,"extreme",64,128],[100,"normal",64,128],[2048,"normal",64,128],[300,"normal",256,512],[300,"normal",512,64],[300,"normal",128,128],[8192,"normal",64,128]]' \
     python3 benchmarks/gpu_mlstm.py check > "$OUT/mlstm_c/log.txt" 2>&1
-  step 70 env OUT="$T" python3 benchmarks/gpu_decode.py 125m > "$T/decode.txt" 2>&1
-  step 90 env OUT="$T" BUDGET_S=82 python3 benchmarks/gpu_decode_official.py > "$T/decode_official.txt" 2>&1
+  step 110 env OUT="$T" BUDGET_S=100 VARIANTS="${VARIANTS:-default,seq_loop,scan_G16}" \
+    python3 benchmarks/gpu_mlstm.py time profile summary > "$T/log.txt" 2>&1
+  step 60 env OUT="$T" python3 benchmarks/gpu_decode.py 125m > "$T/decode.txt" 2>&1
+  step 80 env OUT="$T" BUDGET_S=72 python3 benchmarks/gpu_decode_official.py > "$T/decode_official.txt" 2>&1
 ) &
 (
   export CUDA_VISIBLE_DEVICES=1
