@@ -421,17 +421,19 @@ def decode_part():
 
 
 DEFAULT_VARIANTS = {  # most important first: the time part skips the tail when out of budget
-    # default (2026-11-30, third session): as "seq_loop" below, but the state passing runs as
-    # parallel per-chunk products + an elementwise scan over chunks (seq_scan)
+    # default (2026-11-30, third session): as "seq_loop" below, but where the sequential state
+    # kernels are latency-bound (few programs, many chunks) the state passing runs as parallel
+    # per-chunk products + an elementwise scan over chunks (seq_scan="auto")
     "default": {},
+    "scan": {"seq_scan": True},                       # the scan path at every shape
+    "scan_w1": {"seq_scan": True, "scan_BE": 128, "scan_warps": 1},
     # the previous default: sequential state kernels (one product per chunk step), fused
     # backward (δq, δk, δv in one program per chunk; K ≤ fb_maxK=128, else the K-tiled
     # kernels), forward states/gates kept for the backward, per-row δh factors in Triton, P v
     # with P as hi + lo, h's rounding residual kept, δS as hi + lo in δq/δk, gate kernels
     "seq_loop": {"seq_scan": False},
-    "scan_G16": {"scan_G": 16},                       # 16 chunks per scan step
-    "scan_BE512": {"scan_BE": 512},                   # 512 state elements per scan program
-    "loc64": {"loc_BK": 64, "loc_BV": 64},            # smaller local-term tiles
+    "scan_G16": {"seq_scan": True, "scan_G": 16},     # 16 chunks per scan step
+    "loc64": {"seq_scan": True, "loc_BK": 64, "loc_BV": 64},  # smaller local-term tiles
     "default_nods": {"ds_split": False},              # without the δS split (2 fewer products)
     # an older best (fused64_all: no splits; the prologue/epilogue kernels are in any case)
     "fused64_prev": {"p_split": False, "h_lo": False, "ds_split": False, "seq_scan": False},

@@ -991,9 +991,12 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
         # seq_scan: state passing as parallel per-chunk products (_fwd_local, _bwd_local) and
         # an elementwise scan over chunks (_state_scan, scan_BE elements of the state per
         # program, scan_G chunks per step) instead of the sequential kernels (_fwd_states,
-        # _bwd_dstates); costs a float32 [B,H,NC,K,V] buffer for the local terms.
-        seq_scan=True, loc_BK=min(128, Kp), loc_BV=min(64, Vp), loc_warps=4,
-        scan_BE=256, scan_G=8, scan_warps=4,
+        # _bwd_dstates); costs a float32 [B,H,NC,K,V] buffer for the local terms. "auto": see
+        # _use_scan.
+        # scan_BE = 4 elements × 32 lanes × scan_warps keeps each thread's G chunks in its own
+        # registers, so the scan over chunks needs no shuffles or shared memory.
+        seq_scan="auto", loc_BK=min(128, Kp), loc_BV=min(64, Vp), loc_warps=4,
+        scan_BE=512, scan_G=8, scan_warps=4,
         # steps per block of the gate-gradient epilogue (_gate_tail: one program per b·h,
         # sequential over blocks); 0: 1024 (4 warps), or 4096 (8 warps, 255 registers, no
         # spill) when fewer than 64 b·h programs walk long sequences (e.g. B·H = 8, T = 32768:
@@ -1061,7 +1064,7 @@ def _states(k, v, beta, blo, ig, u, NC, C0, n0, m0, L, cfg, store_final):
     else:
         cf = nf = ms
     has_init = C0 is not None
-    if cfg["seq_scan"]:
+    if _use_scan(cfg, B * H, K, V, NC, dev):
         _m_chain[(B * H,)](beta, blo, u, m0, ms, NC, L=L, BN=max(16, min(1024, _pow2(NC))), num_warps=4)
         lc = torch.empty(B, H, NC, K, V, device=dev, dtype=torch.float32)
         ln = torch.empty(B, H, NC, K, device=dev, dtype=torch.float32)
@@ -1085,6 +1088,18 @@ def _states(k, v, beta, blo, ig, u, NC, C0, n0, m0, L, cfg, store_final):
         num_warps=warps, num_stages=cfg["st_stages"],
     )
     return cs, ns, ms, (cf, nf, ms[:, :, NC]) if store_final else None
+
+
+def _use_scan(cfg: dict, BH: int, K: int, V: int, NC: int, dev) -> bool:
+    """cfg seq_scan: True, False, or "auto": the scan path when the sequential kernels would be
+    latency-bound, i.e. many chunk steps (NC ≥ 64) on a grid of fewer than two programs per SM
+    (64×64 state tiles × B·H). Elsewhere the sequential kernels were as fast or faster on the H200
+    and need no [B,H,NC,K,V] float32 buffer (at (8,2048,8,256,512): 2380 vs 1614 MiB peak)."""
+    mode = cfg["seq_scan"]
+    if mode != "auto":
+        return bool(mode)
+    n_sm = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+    return NC >= 64 and triton.cdiv(K, 64) * triton.cdiv(V, 64) * BH < 2 * n_sm
 
 
 def _scan_states(lc, ln, init_c, init_n, out_c, out_n, fin_c, fin_n, beta, blo, ms, NC, L, cfg,
@@ -1186,7 +1201,7 @@ def mlstm_chunkwise_bwd(q, k, v, i, f, C0, n0, m0, h, hlo, nbar, mrow, dh, dCf, 
     if has_df:
         dCf = torch.zeros(B, H, K, V, device=dev) if dCf is None else dCf.float().contiguous()
         dnf = torch.zeros(B, H, K, device=dev) if dnf is None else dnf.float().contiguous()
-    if cfg["seq_scan"]:
+    if _use_scan(cfg, B * H, K, V, NC, dev):
         lc = torch.empty(B, H, NC, K, V, device=dev, dtype=torch.float32)
         ln = torch.empty(B, H, NC, K, device=dev, dtype=torch.float32)
         BK, BV = cfg["loc_BK"], cfg["loc_BV"]
