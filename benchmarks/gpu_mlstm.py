@@ -434,6 +434,9 @@ DEFAULT_VARIANTS = {  # most important first: the time part skips the tail when 
     "seq_loop": {"seq_scan": False},
     "scan_G16": {"seq_scan": True, "scan_G": 16},     # 16 chunks per scan step
     "loc64": {"seq_scan": True, "loc_BK": 64, "loc_BV": 64},  # smaller local-term tiles
+    "ds4": {"ds_warps": 4},                           # sequential δ-state kernel on 4 warps
+    "fbw4": {"fb_warps": 4},                          # fused backward on 4 warps
+    "out128": {"out_BV": 128},                        # forward output kernel on 128-wide V-tiles
     "default_nods": {"ds_split": False},              # without the δS split (2 fewer products)
     # an older best (fused64_all: no splits; the prologue/epilogue kernels are in any case)
     "fused64_prev": {"p_split": False, "h_lo": False, "ds_split": False, "seq_scan": False},
