@@ -423,20 +423,28 @@ def decode_part():
 DEFAULT_VARIANTS = {  # most important first: the time part skips the tail when out of budget
     # default (2026-11-30, third session): as "seq_loop" below, but where the sequential state
     # kernels are latency-bound (few programs, many chunks) the state passing runs as parallel
-    # per-chunk products + an elementwise scan over chunks (seq_scan="auto")
+    # per-chunk products + an elementwise scan over chunks (seq_scan="auto"); δ-state kernel on
+    # 4 warps, output kernel on 128-wide V-tiles
     "default": {},
     "scan": {"seq_scan": True},                       # the scan path at every shape
-    "scan_w1": {"seq_scan": True, "scan_BE": 128, "scan_warps": 1},
+    "scan_w4": {"seq_scan": True, "scan_BE": 512, "scan_warps": 4},
     # the previous default: sequential state kernels (one product per chunk step), fused
     # backward (δq, δk, δv in one program per chunk; K ≤ fb_maxK=128, else the K-tiled
     # kernels), forward states/gates kept for the backward, per-row δh factors in Triton, P v
     # with P as hi + lo, h's rounding residual kept, δS as hi + lo in δq/δk, gate kernels
-    "seq_loop": {"seq_scan": False},
+    "seq_loop": {"seq_scan": False, "ds_warps": 8, "out_BV": 64},
     "scan_G16": {"seq_scan": True, "scan_G": 16},     # 16 chunks per scan step
     "loc64": {"seq_scan": True, "loc_BK": 64, "loc_BV": 64},  # smaller local-term tiles
-    "ds4": {"ds_warps": 4},                           # sequential δ-state kernel on 4 warps
+    "ds8": {"ds_warps": 8},                           # sequential δ-state kernel on 8 warps (before)
+    "out64": {"out_BV": 64},                          # forward output kernel on 64-wide V-tiles (before)
+    "seq": {"seq_scan": False},                       # sequential state kernels at every shape
     "fbw4": {"fb_warps": 4},                          # fused backward on 4 warps
-    "out128": {"out_BV": 128},                        # forward output kernel on 128-wide V-tiles
+    "fbBV64": {"fb_BV": 64},                          # fused backward, 64-wide V-tiles
+    "fbs1": {"fb_stages": 1},
+    "fbs3": {"fb_stages": 3},
+    "outw4": {"out_warps": 4},
+    "stw8": {"st_warps": 8},
+    "ds32": {"ds_BV": 32},
     "default_nods": {"ds_split": False},              # without the δS split (2 fewer products)
     # an older best (fused64_all: no splits; the prologue/epilogue kernels are in any case)
     "fused64_prev": {"p_split": False, "h_lo": False, "ds_split": False, "seq_scan": False},
@@ -448,8 +456,6 @@ DEFAULT_VARIANTS = {  # most important first: the time part skips the tail when 
     # sequential state kernels on 8 warps with 32×32 tiles when the grid is small (few heads)
     "fused64_all_seq": {"st_warps": 8, "seq_min_programs": 264, "seq_scan": False},
     "fused64w16_all": {"fb_warps": 16},
-    # sequential δ-state kernel on 4 warps like the states kernel
-    "default_ds4": {"ds_warps": 4, "seq_scan": False},
 }
 
 
