@@ -428,26 +428,20 @@ DEFAULT_VARIANTS = {  # most important first: the time part skips the tail when 
     "default": {},
     "scan": {"seq_scan": True},                       # the scan path at every shape
     "scan_w4": {"seq_scan": True, "scan_BE": 512, "scan_warps": 4},
-    # the previous default: sequential state kernels (one product per chunk step), fused
+    # the default at the start of the session: sequential state kernels (one product per chunk step), fused
     # backward (δq, δk, δv in one program per chunk; K ≤ fb_maxK=128, else the K-tiled
     # kernels), forward states/gates kept for the backward, per-row δh factors in Triton, P v
     # with P as hi + lo, h's rounding residual kept, δS as hi + lo in δq/δk, gate kernels
-    "seq_loop": {"seq_scan": False, "ds_warps": 8, "out_BV": 64, "out_warps": 8, "fb_BV": 32},
+    "seq_loop": {"seq_scan": False, "ds_warps": 8, "out_BV": 64, "out_warps": 8, "fb_BV": 32, "fb_stages": 2,
+                 "ds_stages": 2, "st_stages": 2, "dqk_warps": 8},
     "scan_G16": {"seq_scan": True, "scan_G": 16},     # 16 chunks per scan step
     "loc64": {"seq_scan": True, "loc_BK": 64, "loc_BV": 64},  # smaller local-term tiles
-    "fbs3": {"fb_stages": 3},                         # fused backward, 3 pipeline stages
-    "fb32s3": {"fb_BV": 32, "fb_stages": 3},
+    "fbs2": {"fb_stages": 2},
     "fbw4": {"fb_warps": 4},
-    "outs3": {"out_stages": 3},
-    "sts3": {"st_stages": 3},
-    "dss3": {"ds_stages": 3},
-    "dqkw4": {"dqk_warps": 4},                        # K > 128: δq/δk kernel on 4 warps
-    "dqks2": {"dqk_stages": 2},
-    "dvw4": {"dv_warps": 4},
+    "dqkw8": {"dqk_warps": 8},
     "scan_G8": {"scan_G": 8},
-    "loc128": {"loc_BK": 128},
-    # the sweep of 2026-11-30 before this default (ms at the four shapes in NOTES-mlstm.md §7)
-    "sweep1_default": {"out_warps": 8, "fb_BV": 32, "loc_BK": 128, "scan_G": 8},
+    # the default after the first two sweeps of 2026-11-30 (NOTES-mlstm.md §7)
+    "sweep2_default": {"fb_stages": 2, "ds_stages": 2, "st_stages": 2, "dqk_warps": 8},
     "default_nods": {"ds_split": False},              # without the δS split (2 fewer products)
     # an older best (fused64_all: no splits; the prologue/epilogue kernels are in any case)
     "fused64_prev": {"p_split": False, "h_lo": False, "ds_split": False, "seq_scan": False},

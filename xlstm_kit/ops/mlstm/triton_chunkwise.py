@@ -960,19 +960,21 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
         L_fwd=64, L_bwd=64, bf16_states=True, upd_split=True, state_split=True, fuse_dv=False,
         # Tiles of the separate δq/δk and δv kernels (used when K > fb_maxK): spill-free for
         # sm_90 by ptxas; dqk_BK=64/dqk_BV=32 timed fastest on the H200 (NOTES-mlstm.md).
-        # out_BV 128 on 4 warps (was 64 on 8), ds_warps 4 (was 8), fb_BV 64 (was 32): H200 sweeps
-        # of 2026-11-30 (NOTES-mlstm.md §7), each 0.08-0.2 ms fwd+bwd at (8, 2048, 16, 128, 128).
-        st_BK=min(64, Kp), st_BV=min(64, Vp), st_warps=4, st_stages=2,
+        # out_BV 128 on 4 warps (was 64 on 8), ds_warps 4 (was 8), fb_BV 64 (was 32), 3 stages in
+        # the sequential and fused kernels, dqk_warps 4 (was 8): H200 sweeps of 2026-11-30
+        # (NOTES-mlstm.md §7), 0.03-0.2 ms fwd+bwd each at (8, 2048, 16, 128, 128), dqk_warps
+        # −0.43 ms at (8, 2048, 8, 256, 512).
+        st_BK=min(64, Kp), st_BV=min(64, Vp), st_warps=4, st_stages=3,
         out_BK=min(128 if K <= 128 else 64, Kp), out_BV=min(128, Vp), out_warps=4, out_stages=2,
-        ds_BK=min(64, Kp), ds_BV=min(64, Vp), ds_warps=4, ds_stages=2,
-        dqk_BK=min(64, Kp), dqk_BV=min(32, Vp), dqk_warps=8, dqk_stages=1,
+        ds_BK=min(64, Kp), ds_BV=min(64, Vp), ds_warps=4, ds_stages=3,
+        dqk_BK=min(64, Kp), dqk_BV=min(32, Vp), dqk_warps=4, dqk_stages=1,
         dv_BK=min(64, Kp), dv_BV=min(128, Vp), dv_warps=8, dv_stages=2,
         # Fused backward (_bwd_fused: δq, δk, δv in one program per chunk, all of K in one
         # tile), used when bwd_fused and pow2(K) ≤ fb_maxK; otherwise _bwd_dqk + _bwd_dv.
         # ptxas (sm_90, 8 warps): no spills at L_bwd=32 with K=128/fb_BV=32 and K=256/V=512 at
         # L_bwd=16; 92 B at K=256, L_bwd=32, fb_BV=16; ~800 B at L_bwd=64, K=V=128 — and yet
         # L_bwd=64 with fb_BV=64 timed fastest (fewer passes over the V-tiles).
-        bwd_fused=True, fb_maxK=128, fb_BV=64 if Kp <= 128 else 16, fb_warps=8, fb_stages=2,
+        bwd_fused=True, fb_maxK=128, fb_BV=64 if Kp <= 128 else 16, fb_warps=8, fb_stages=3,
         # keep_states: the forward's chunk states are saved for the backward (when L_fwd ==
         # L_bwd) instead of recomputed: one sequential kernel less, B·H·NC·K·V more memory.
         keep_states=True,
