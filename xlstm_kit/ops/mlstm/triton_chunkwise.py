@@ -944,9 +944,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
-    """Tile sizes, warps and product precision per kernel (chosen on the H200; see
-    benchmarks/NOTES-mlstm.md).
+def default_config(K: int, V: int, dtype: torch.dtype, L: int = 64) -> dict:
+    """Tile sizes, warps and product precision per kernel for chunk length L (chosen on the
+    H200; see benchmarks/NOTES-mlstm.md). The pipeline depths and wide tiles tuned for bfloat16
+    at L = 64 need more shared memory than the H200 has with float32 tiles (float32 inputs, or
+    the float32 states of float16 inputs) or longer chunks; those keep the settings that passed
+    the GPU tests before the sweeps.
 
     L_fwd / L_bwd: chunk sizes of the forward and the backward (they need not agree: the
     saved per-row n̄ and m do not depend on the chunking). For bfloat16 inputs:
@@ -956,17 +959,19 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
     fuse_dv computes δv inside the δq/δk kernel when one K-tile covers K. The other keys are
     explained where they are set."""
     Kp, Vp = _pow2(K), _pow2(V)
+    tuned = dtype == torch.bfloat16 and L <= 64
     return dict(
-        L_fwd=64, L_bwd=64, bf16_states=True, upd_split=True, state_split=True, fuse_dv=False,
+        L_fwd=L, L_bwd=L, bf16_states=True, upd_split=True, state_split=True, fuse_dv=False,
         # Tiles of the separate δq/δk and δv kernels (used when K > fb_maxK): spill-free for
         # sm_90 by ptxas; dqk_BK=64/dqk_BV=32 timed fastest on the H200 (NOTES-mlstm.md).
         # out_BV 128 on 4 warps (was 64 on 8), ds_warps 4 (was 8), fb_BV 64 (was 32), 3 stages in
         # the sequential and fused kernels, dqk_warps 4 (was 8): H200 sweeps of 2026-11-30
         # (NOTES-mlstm.md §7), 0.03-0.2 ms fwd+bwd each at (8, 2048, 16, 128, 128), dqk_warps
         # −0.43 ms at (8, 2048, 8, 256, 512).
-        st_BK=min(64, Kp), st_BV=min(64, Vp), st_warps=4, st_stages=3,
-        out_BK=min(128 if K <= 128 else 64, Kp), out_BV=min(128, Vp), out_warps=4, out_stages=2,
-        ds_BK=min(64, Kp), ds_BV=min(64, Vp), ds_warps=4, ds_stages=3,
+        st_BK=min(64, Kp), st_BV=min(64, Vp), st_warps=4, st_stages=3 if tuned else 2,
+        out_BK=min(128 if K <= 128 else 64, Kp), out_BV=min(128 if tuned else 64, Vp), out_warps=4 if tuned else 8,
+        out_stages=2,
+        ds_BK=min(64, Kp), ds_BV=min(64, Vp), ds_warps=4, ds_stages=3 if tuned else 2,
         dqk_BK=min(64, Kp), dqk_BV=min(32, Vp), dqk_warps=4, dqk_stages=1,
         dv_BK=min(64, Kp), dv_BV=min(128, Vp), dv_warps=8, dv_stages=2,
         # Fused backward (_bwd_fused: δq, δk, δv in one program per chunk, all of K in one
@@ -974,7 +979,8 @@ def default_config(K: int, V: int, dtype: torch.dtype) -> dict:
         # ptxas (sm_90, 8 warps): no spills at L_bwd=32 with K=128/fb_BV=32 and K=256/V=512 at
         # L_bwd=16; 92 B at K=256, L_bwd=32, fb_BV=16; ~800 B at L_bwd=64, K=V=128 — and yet
         # L_bwd=64 with fb_BV=64 timed fastest (fewer passes over the V-tiles).
-        bwd_fused=True, fb_maxK=128, fb_BV=64 if Kp <= 128 else 16, fb_warps=8, fb_stages=3,
+        bwd_fused=True, fb_maxK=128, fb_BV=(64 if tuned else 32) if Kp <= 128 else 16, fb_warps=8,
+        fb_stages=3 if tuned else 2,
         # keep_states: the forward's chunk states are saved for the backward (when L_fwd ==
         # L_bwd) instead of recomputed: one sequential kernel less, B·H·NC·K·V more memory.
         keep_states=True,
@@ -1378,11 +1384,9 @@ def mlstm_chunkwise_triton(
     if dt not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"the Triton mLSTM kernels take float16, bfloat16 or float32 q, got {dt}")
     K, V = q.shape[-1], v.shape[-1]
-    cfg = dict(default_config(K, V, dt))
-    if chunk_size is not None:
-        if chunk_size not in (16, 32, 64, 128):
-            raise ValueError(f"chunk_size for the Triton backend must be 16, 32, 64 or 128, got {chunk_size}")
-        cfg["L_fwd"] = cfg["L_bwd"] = chunk_size
+    if chunk_size is not None and chunk_size not in (16, 32, 64, 128):
+        raise ValueError(f"chunk_size for the Triton backend must be 16, 32, 64 or 128, got {chunk_size}")
+    cfg = dict(default_config(K, V, dt, chunk_size or 64))
     if config:
         cfg.update(config)
     q = q.contiguous()
