@@ -17,13 +17,19 @@ Kernels (all accumulation and states in float32; defaults marked *):
   prologue  _gate_prep*  parallel over (chunk, b·h): β (float64 cumsum of log σ(f), kept as
                          hi + lo float32), ĩ, u and the max-chain flags, from i, f [B,T,H]
   forward   _fwd_states  sequential over chunks per (b·h, K-tile, V-tile): chunk-start states
+            or, where that is latency-bound (cfg seq_scan, see _use_scan): _m_chain (the
+                         stabilizers m_c, one max-plus scan per b·h), _fwd_local (each chunk's
+                         own state term, all chunks in parallel) and _state_scan (chains them)
             _fwd_out     parallel over (chunk, V-tile, b·h): h (and, for 16-bit inputs, its
                          rounding residual), and per-row n̄ and m for backward
   backward  _fwd_states  again, unless config keep_states* saves the forward's states and gates
             _bwd_rows*   the per-row factors of δh (δh·h/d, 1/d, δn̄)
-            _bwd_dstates reverse-sequential: δC, δn at every chunk end
+            _bwd_dstates reverse-sequential: δC, δn at every chunk end (or _bwd_local +
+                         _state_scan in reverse, as in the forward)
             _bwd_fused*  one program per (chunk, b·h) holding all of K (K ≤ fb_maxK): δq, δk,
-                         δv and the chunk's log-gate gradients, every product formed once
+                         δv and the chunk's log-gate gradients, every product formed once (the
+                         last chunk in a launch of its own when δC_T must stay float32, see
+                         _last_chunk_apart)
             _bwd_dqk     (K > fb_maxK) parallel over (chunk, K-tile, b·h): δq, δk (and δv when
                          K fits one tile) and the log-gate gradients of the chunk
             _bwd_dv      (K > fb_maxK) parallel over (chunk, V-tile, b·h): δv
