@@ -306,7 +306,7 @@ def test_backend_choice(monkeypatch):
     # pinned to "no kernel registered" so the refusal is tested whatever kernels exist
     import xlstm_kit.ops.backend as backend_mod
 
-    monkeypatch.setattr(backend_mod, "TRITON_OPS", set())
+    monkeypatch.setattr(backend_mod, "KERNEL_MODULES", {})
     q, k, v, a, b, gk, _ = make_inputs(T=5, h0=False)
     with pytest.raises(BackendUnavailableError):
         dplr_chunkwise(q, k, v, a, b, gk, backend="triton")

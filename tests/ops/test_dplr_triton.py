@@ -20,7 +20,7 @@ if not HAS_CUDA and not INTERPRET:
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from xlstm_kit.ops import dplr_chunkwise, kda_chunkwise  # noqa: E402
-from xlstm_kit.ops.backend import TRITON_OPS  # noqa: E402
+from xlstm_kit.ops.backend import KERNEL_MODULES  # noqa: E402
 from xlstm_kit.ops.dplr import chunkwise as torch_chunkwise  # noqa: E402
 from xlstm_kit.ops.dplr.naive import dplr_recurrent  # noqa: E402
 from xlstm_kit.ops.dplr.triton_chunkwise import (  # noqa: E402
@@ -207,7 +207,7 @@ def test_kernels_match_fla_naive_dplr_including_gradients():
 
 
 def test_public_api_routes_triton_and_matches_torch_backend():
-    assert {"dplr_chunkwise", "kda_chunkwise"} <= TRITON_OPS
+    assert {"dplr_chunkwise", "kda_chunkwise"} <= set(KERNEL_MODULES)
     xs, s0 = make_inputs(2, 21, 1, 16, 16, -2.0)
     o_t, s_t = dplr_chunkwise(*xs, initial_state=s0, output_final_state=True, chunk_size=16,
                               backend="triton")

@@ -317,7 +317,7 @@ def test_triton_backend_unavailable_without_kernel(monkeypatch):
     # the torch ops must refuse a forced backend that has no kernel for them
     import xlstm_kit.ops.backend as backend_mod
 
-    monkeypatch.setattr(backend_mod, "TRITON_OPS", set())
+    monkeypatch.setattr(backend_mod, "KERNEL_MODULES", {})
     args = [x.detach() for x in make_inputs(T=3)]
     with pytest.raises(BackendUnavailableError):
         mlstm_chunkwise(*args, backend="triton")

@@ -330,7 +330,7 @@ def test_backend_choice(monkeypatch):
     x, r, b, _ = make_inputs(T=3, state=False)
     # Until a Triton sLSTM kernel registers itself, forcing "triton" is a clear error. (Pinned
     # here so this check keeps meaning the same once a kernel lands.)
-    monkeypatch.setattr(backend_mod, "TRITON_OPS", set())
+    monkeypatch.setattr(backend_mod, "KERNEL_MODULES", {})
     with pytest.raises(BackendUnavailableError, match="slstm_recurrent"):
         slstm_recurrent(x, r, b, backend="triton")
     with pytest.raises(ValueError, match="backend"):

@@ -43,9 +43,14 @@ def check_same_device(**tensors) -> None:
         raise ValueError(f"all tensors must be on one device, got {desc}")
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Internal precision: float64 stays float64 (references, gradcheck); all else runs in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def compute_dtype(*xs) -> torch.dtype:
+    """Internal precision of an op over tensors or dtypes `xs` (None entries are skipped): float64
+    when any is float64 (references, gradcheck), float32 otherwise. The one such rule of every op."""
+    for x in xs:
+        dt = x.dtype if isinstance(x, torch.Tensor) else x
+        if dt == torch.float64:
+            return torch.float64
+    return torch.float32
 
 
 def check_chunk_size(chunk_size: int, lo: int = 1, hi: int = 1024) -> None:

@@ -1,25 +1,45 @@
 """The one place that decides which backend runs an op.
 
-`backend=None` picks "triton" for CUDA tensors when Triton and a kernel for that op exist, and
-"torch" otherwise. Forcing "triton" on CPU tensors is allowed under `TRITON_INTERPRET=1` (that is
-how CI tests the kernels).
+Every op with a Triton kernel is listed in `KERNEL_MODULES`; its module answers one question,
+`supports(op, **facts) -> str | None`: None when its kernel takes the call, otherwise a one-line
+reason. The public ops pass the facts that matter to their kernels (dtype, head dims, chunk
+size, whether a gradient is needed) to `choose_backend`:
+
+- `backend=None` picks "triton" for CUDA tensors when the kernel module imports (Triton is
+  installed) and supports the call, and "torch" otherwise;
+- `backend="triton"` returns "triton" or raises `BackendUnavailableError` with the reason; on CPU
+  tensors it is allowed under `TRITON_INTERPRET=1` (that is how CI tests the kernels);
+- `backend="torch"` always runs the PyTorch path.
+
+Kernel modules are imported on first use, so `import xlstm_kit` never needs Triton.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import os
+from types import ModuleType
 
 import torch
 
 BACKENDS = ("torch", "triton")
 
-# Ops that have a Triton kernel. Each kernel module adds its op name here when it is written.
-TRITON_OPS: set[str] = set()
+# op name -> the module holding its Triton kernel and its `supports` answer.
+KERNEL_MODULES: dict[str, str] = {
+    "mlstm_chunkwise": "xlstm_kit.ops.mlstm.triton_chunkwise",
+    "mlstm_step": "xlstm_kit.ops.mlstm.triton_step",
+    "slstm_recurrent": "xlstm_kit.ops.slstm.triton_kernel",
+    "slstm_step": "xlstm_kit.ops.slstm.triton_kernel",
+    "dplr_chunkwise": "xlstm_kit.ops.dplr.triton_chunkwise",
+    "kda_chunkwise": "xlstm_kit.ops.dplr.triton_chunkwise",
+    "dplr_step": "xlstm_kit.ops.dplr.triton_step",
+}
 
 
-class BackendUnavailableError(RuntimeError):
-    """Raised when a backend is forced that cannot run the op here."""
+class BackendUnavailableError(ValueError):
+    """Raised when a backend is forced that cannot run the op here (a bad argument for this
+    machine or these inputs, hence a ValueError)."""
 
 
 def triton_available() -> bool:
@@ -30,25 +50,41 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def choose_backend(op: str, backend: str | None, device: torch.device) -> str:
-    """Return "torch" or "triton" for `op` on `device`, or raise a clear error."""
+def kernel_module(op: str) -> ModuleType | None:
+    """The imported kernel module of `op`, or None (no kernel, or Triton is not installed)."""
+    name = KERNEL_MODULES.get(op)
+    if name is None or not triton_available():
+        return None
+    return importlib.import_module(name)
+
+
+def choose_backend(op: str, backend: str | None, device: torch.device, **facts) -> str:
+    """Return "torch" or "triton" for `op` on `device`, or raise a clear error (see module doc)."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be None, 'torch' or 'triton', got {backend!r}")
-    has_kernel = op in TRITON_OPS and triton_available()
+    if backend == "torch":
+        return "torch"
+    if backend is None and device.type != "cuda":
+        return "torch"
+    if op not in KERNEL_MODULES:
+        if backend is None:
+            return "torch"
+        raise BackendUnavailableError(
+            f"{op} has no Triton kernel; use backend='torch' (or None to choose automatically)")
+    module = kernel_module(op)
+    if module is None:
+        if backend is None:
+            return "torch"
+        raise BackendUnavailableError(f"backend='triton' for {op} needs the 'triton' package")
+    reason = module.supports(op, **facts)
     if backend is None:
-        return "triton" if (device.type == "cuda" and has_kernel) else "torch"
-    if backend == "triton":
-        if op not in TRITON_OPS:
-            raise BackendUnavailableError(
-                f"{op} has no Triton kernel yet; use backend='torch' (or None to choose automatically)"
-            )
-        if not triton_available():
-            raise BackendUnavailableError(f"backend='triton' for {op} needs the 'triton' package")
-        if device.type != "cuda" and not interpreting():
-            raise BackendUnavailableError(
-                f"backend='triton' for {op} needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {device}"
-            )
-    return backend
+        return "torch" if reason else "triton"
+    if device.type != "cuda" and not interpreting():
+        raise BackendUnavailableError(
+            f"backend='triton' for {op} needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {device}")
+    if reason:
+        raise BackendUnavailableError(f"backend='triton' for {op}: {reason}")
+    return "triton"
 
 
 def on_device(t: torch.Tensor):
@@ -57,4 +93,3 @@ def on_device(t: torch.Tensor):
     fails with "Pointer argument cannot be accessed from Triton"). The autograd engine already
     switches devices for the backward, so only the forward entry points need this."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-

@@ -1,33 +1,19 @@
 """DPLR family (gated generalized delta rule) and its KDA special case.
 
-The public functions validate their inputs, ask `choose_backend` which implementation runs, and
-call it. Only the PyTorch path exists so far (naive.py: the reference loop and the single step;
-chunkwise.py: the WY algorithm with a hand-written backward; kda.py: the KDA substitution); a
-Triton kernel plugs in at the `choose_backend` branches.
+The public functions validate their inputs, ask `backend.choose_backend` which implementation
+runs, and call it: the PyTorch path (naive.py: the reference loop and the single step;
+chunkwise.py: the WY algorithm with a hand-written backward; kda.py: the KDA substitution) or
+the Triton kernels (triton_chunkwise.py, triton_step.py).
 """
 from __future__ import annotations
 
 import torch
 
-from .._checks import autocast_off
-from ..backend import choose_backend, on_device
+from .._checks import autocast_off, compute_dtype
+from ..backend import choose_backend, kernel_module, on_device
 from . import chunkwise as _chunkwise
 from . import kda as _kda
 from . import naive as _naive
-
-try:  # the Triton kernels register "dplr_chunkwise", "kda_chunkwise", "dplr_step" in backend.TRITON_OPS
-    from . import triton_chunkwise as _triton
-    from . import triton_step as _triton_step
-except ImportError:  # no triton installed: the PyTorch path serves every call
-    _triton = _triton_step = None
-
-
-def _pick(op, backend, device, K, V, chunk_size, dtype):
-    """choose_backend, except that backend=None keeps cases the kernels don't take (float64,
-    K/V not a power of two in [16, 256], chunk_size not 16/32/64) on the PyTorch path."""
-    if backend is None and (_triton is None or not _triton.supports(K, V, chunk_size, dtype)):
-        backend = "torch"
-    return choose_backend(op, backend, device)
 
 
 @autocast_off
@@ -59,10 +45,10 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
     _naive.check_dplr_inputs(q, k, v, a, b, gk, initial_state)
-    dt = _naive.common_compute_dtype(q, k, v, a, b, gk)
-    if _pick("dplr_chunkwise", backend, q.device, q.shape[-1], v.shape[-1], chunk_size, dt) == "triton":
+    if choose_backend("dplr_chunkwise", backend, q.device, K=q.shape[-1], V=v.shape[-1], chunk_size=chunk_size,
+                      dtype=compute_dtype(q, k, v, a, b, gk)) == "triton":
         with on_device(q):
-            return _triton.dplr_chunkwise_triton(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
+            return kernel_module("dplr_chunkwise").dplr_chunkwise_triton(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
                                                  output_final_state=output_final_state, chunk_size=chunk_size)
     return _chunkwise.dplr_chunkwise(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
                                      output_final_state=output_final_state, chunk_size=chunk_size)
@@ -76,11 +62,10 @@ def dplr_step(q, k, v, a, b, gk, state, *, scale=None):
     B, H, K, V = _naive.check_dplr_step_inputs(q, k, v, a, b, gk, state)
     xs = (q, k, v, a, b, gk, state)
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
-    if (_triton_step is not None and not needs_grad
-            and _triton_step.supports_step(K, V, _naive.common_compute_dtype(*xs))
-            and choose_backend("dplr_step", None, q.device) == "triton"):
+    if choose_backend("dplr_step", None, q.device, K=K, V=V, dtype=compute_dtype(*xs),
+                      requires_grad=needs_grad) == "triton":
         with on_device(q):
-            return _triton_step.dplr_step_triton(q, k, v, a, b, gk, state, scale=scale)
+            return kernel_module("dplr_step").dplr_step_triton(q, k, v, a, b, gk, state, scale=scale)
     return _naive.dplr_step(q, k, v, a, b, gk, state, scale=scale)
 
 
@@ -94,10 +79,10 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
     _kda.check_kda_inputs(q, k, v, g, beta)
-    dt = _naive.common_compute_dtype(q, k, v, g, beta)
-    if _pick("kda_chunkwise", backend, q.device, q.shape[-1], v.shape[-1], chunk_size, dt) == "triton":
+    if choose_backend("kda_chunkwise", backend, q.device, K=q.shape[-1], V=v.shape[-1], chunk_size=chunk_size,
+                      dtype=compute_dtype(q, k, v, g, beta)) == "triton":
         with on_device(q):
-            return _triton.kda_chunkwise_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            return kernel_module("kda_chunkwise").kda_chunkwise_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                                 output_final_state=output_final_state, chunk_size=chunk_size)
     return _kda.kda_chunkwise(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                               output_final_state=output_final_state, chunk_size=chunk_size)

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as nnf
 from torch.autograd.function import once_differentiable
 
-from .naive import check_chunk, check_dplr_inputs, check_scale, common_compute_dtype
+from .naive import check_chunk, check_dplr_inputs, check_scale, compute_dtype
 
 # Largest sub-chunk of the pair matrices. The diagonal blocks cost ~S·L·K elementwise work per
 # chunk (exact pairwise decays), the off-diagonal blocks ~L²·K/S (rescaling before each matmul):
@@ -318,7 +318,7 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
     B, T, H, K, V = check_dplr_inputs(q, k, v, a, b, gk, initial_state)
     check_chunk(chunk_size)
     scale = check_scale(scale, K)
-    cd = common_compute_dtype(q, k, v, a, b, gk, initial_state)
+    cd = compute_dtype(q, k, v, a, b, gk, initial_state)
     L = min(chunk_size, T)
     N = math.ceil(T / L)
     # padded steps have q = k = v = a = b = 0 and gk = 0: the identity transition, no output used

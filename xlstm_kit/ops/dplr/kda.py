@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .._checks import check_same_device, check_tensor
 from .chunkwise import dplr_chunkwise
-from .naive import common_compute_dtype
+from .naive import compute_dtype
 
 
 def check_kda_inputs(q, k, v, g, beta) -> None:
@@ -35,7 +35,7 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     """
     check_kda_inputs(q, k, v, g, beta)
     # the products are formed in compute precision so bf16 inputs are rounded only once
-    cd = common_compute_dtype(q, k, v, g, beta, initial_state)
+    cd = compute_dtype(q, k, v, g, beta, initial_state)
     kc, beta_ = k.to(cd), beta.to(cd).unsqueeze(-1)
     return dplr_chunkwise(q, kc, v.to(cd) * beta_, kc, kc * beta_, g, scale=scale, initial_state=initial_state,
                           output_final_state=output_final_state, chunk_size=chunk_size)

@@ -72,13 +72,6 @@ def check_chunk(chunk_size) -> None:
     check_chunk_size(chunk_size, lo=1, hi=1024)
 
 
-def common_compute_dtype(*tensors) -> torch.dtype:
-    """float64 if any input is float64 (references, gradcheck), float32 otherwise."""
-    dt = torch.float32
-    for t in tensors:
-        if t is not None:
-            dt = torch.promote_types(dt, compute_dtype(t.dtype))
-    return dt
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,7 +104,7 @@ def dplr_step(q, k, v, a, b, gk, state, *, scale=None):
     """
     B, H, K, V = check_dplr_step_inputs(q, k, v, a, b, gk, state)
     scale = check_scale(scale, K)
-    cd = common_compute_dtype(q, k, v, a, b, gk, state)
+    cd = compute_dtype(q, k, v, a, b, gk, state)
     h = q.new_zeros(B, H, K, V, dtype=cd) if state is None else state.to(cd)
     o, h = _step((q.to(cd) * scale), k.to(cd), v.to(cd), a.to(cd), b.to(cd), gk.to(cd), h)
     return o.to(q.dtype), h
@@ -136,7 +129,7 @@ def dplr_recurrent(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
     """
     B, T, H, K, V = check_dplr_inputs(q, k, v, a, b, gk, initial_state)
     scale = check_scale(scale, K)
-    cd = common_compute_dtype(q, k, v, a, b, gk, initial_state)
+    cd = compute_dtype(q, k, v, a, b, gk, initial_state)
     out_dtype = q.dtype
     q, k, v, a, b, gk = (x.to(cd) for x in (q, k, v, a, b, gk))
     q = q * scale

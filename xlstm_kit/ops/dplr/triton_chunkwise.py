@@ -61,7 +61,6 @@ import torch.nn.functional as nnf
 import triton
 import triton.language as tl
 
-from ..backend import TRITON_OPS
 from .kda import check_kda_inputs
 from .naive import check_chunk, check_dplr_inputs, check_scale
 
@@ -712,10 +711,17 @@ def _log_gamma(gk: torch.Tensor, Tp: int, L: int) -> torch.Tensor:
     return g.view(BH, Tp // L, L, K).cumsum(2, dtype=torch.float64).view(BH, Tp, K)
 
 
-def supports(K: int, V: int, chunk_size: int, dtype: torch.dtype) -> bool:
-    """Whether these kernels take the case (backend=None falls back to PyTorch otherwise)."""
-    dims = all(16 <= d <= 256 and d & (d - 1) == 0 for d in (K, V))
-    return dims and chunk_size in (16, 32, 64) and dtype in (torch.float32, torch.bfloat16, torch.float16)
+def supports(op: str, *, K: int, V: int, chunk_size: int, dtype: torch.dtype, **_) -> str | None:
+    """backend.choose_backend's question: K, V powers of two in [16, 256], chunk_size 16/32/64,
+    not float64."""
+    for name, d in (("K", K), ("V", V)):
+        if d < 16 or d > 256 or d & (d - 1):
+            return f"the Triton DPLR kernels need {name} a power of two in [16, 256], got {d}"
+    if chunk_size not in (16, 32, 64):
+        return f"the Triton DPLR kernels need chunk_size in (16, 32, 64), got {chunk_size}"
+    if dtype == torch.float64:
+        return "the Triton DPLR kernels compute in float32; use backend='torch' for float64"
+    return None
 
 
 def _check_triton_shapes(K: int, V: int, chunk_size: int) -> int:
@@ -828,5 +834,3 @@ def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, ou
                                   chunk_size=chunk_size, _lowp_ok=_all_bf16(q, k, v, g, beta))
     return o, hT
 
-
-TRITON_OPS.update(("dplr_chunkwise", "kda_chunkwise"))

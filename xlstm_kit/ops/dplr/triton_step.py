@@ -12,10 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import TRITON_OPS
 from .naive import check_dplr_step_inputs, check_scale
-
-TRITON_OPS.add("dplr_step")
 
 
 @triton.jit
@@ -43,10 +40,15 @@ def _step_kernel(q, k, v, a, b, gk, h_in, h_out, o, scale,
     tl.store(o + bh * V + vv, tl.sum(qt[:, None] * h, axis=0))
 
 
-def supports_step(K: int, V: int, dtype: torch.dtype) -> bool:
-    """Whether the step kernel takes the case (K, V powers of two in [16, 256], not float64)."""
-    dims = all(16 <= d <= 256 and d & (d - 1) == 0 for d in (K, V))
-    return dims and dtype in (torch.float32, torch.bfloat16, torch.float16)
+def supports(op: str, *, K: int, V: int, dtype: torch.dtype, requires_grad: bool = False, **_) -> str | None:
+    """backend.choose_backend's question: K, V powers of two in [16, 256], not float64, no gradient."""
+    if not all(16 <= d <= 256 and d & (d - 1) == 0 for d in (K, V)):
+        return f"the Triton DPLR step kernel needs K and V powers of two in [16, 256], got {K}, {V}"
+    if dtype == torch.float64:
+        return "the Triton DPLR step kernel computes in float32; float64 runs on the PyTorch path"
+    if requires_grad:
+        return "the Triton DPLR step kernel has no backward; inputs that need a gradient run on the PyTorch path"
+    return None
 
 
 def dplr_step_triton(q, k, v, a, b, gk, state, *, scale=None):
@@ -57,9 +59,9 @@ def dplr_step_triton(q, k, v, a, b, gk, state, *, scale=None):
     """
     B, H, K, V = check_dplr_step_inputs(q, k, v, a, b, gk, state)
     scale = check_scale(scale, K)
-    if not supports_step(K, V, q.dtype):
-        raise ValueError(f"the Triton DPLR step needs K, V powers of two in [16, 256] and a 16/32-bit "
-                         f"float dtype, got K={K}, V={V}, {q.dtype}")
+    reason = supports("dplr_step", K=K, V=V, dtype=q.dtype)
+    if reason:
+        raise ValueError(reason)
     # Host-side work is the cost at decode sizes (the state is 1 MiB per batch row at H = 16,
     # K = V = 128; the kernel moves it in a few µs): no copies when the inputs are already
     # contiguous, the output written in q's dtype by the kernel, one launch.

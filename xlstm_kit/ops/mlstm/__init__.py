@@ -13,14 +13,10 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_chunk_size, check_same_device, check_tensor, compute_dtype, autocast_off
-from ..backend import choose_backend, on_device, triton_available
+from ..backend import choose_backend, kernel_module, on_device
 from .chunkwise import mlstm_chunkwise_torch
 from .naive import mlstm_recurrent_naive, mlstm_step_naive
 from .parallel import mlstm_parallel_torch
-
-if triton_available():  # importing the kernels registers them in backend.TRITON_OPS
-    from .triton_chunkwise import mlstm_chunkwise_triton
-    from .triton_step import mlstm_step_triton
 
 __all__ = ["mlstm_recurrent", "mlstm_chunkwise", "mlstm_parallel", "mlstm_step"]
 
@@ -52,11 +48,6 @@ def _check_state(state, B: int, H: int, K: int, V: int, device, name: str) -> No
     check_same_device(q=torch.empty(0, device=device), C=C, n=n, m=m)
 
 
-def _common_dtype(*ts: torch.Tensor) -> torch.dtype:
-    # One float64 input makes the whole op a float64 reference computation.
-    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else compute_dtype(ts[0].dtype)
-
-
 def _check_eps(eps) -> float:
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
@@ -86,7 +77,7 @@ def mlstm_recurrent(
     if initial_state is not None:
         _check_state(initial_state, B, H, K, V, q.device, "initial_state")
     choose_backend("mlstm_recurrent", backend, q.device)
-    cd = _common_dtype(q, k, v, i, f)
+    cd = compute_dtype(q, k, v, i, f)
     state = None if initial_state is None else tuple(s.to(cd) for s in initial_state)
     h, final = mlstm_recurrent_naive(q.to(cd), k.to(cd), v.to(cd), i.to(cd), f.to(cd), state, eps)
     return h.to(q.dtype), (final if output_final_state else None)
@@ -117,17 +108,13 @@ def mlstm_chunkwise(
     check_chunk_size(chunk_size)
     if initial_state is not None:
         _check_state(initial_state, B, H, K, V, q.device, "initial_state")
-    which = choose_backend("mlstm_chunkwise", backend, q.device)
-    cd = _common_dtype(q, k, v, i, f)
-    if which == "triton":
-        # The kernels pick their own chunk length (results do not depend on it); float64 is
-        # reference work and stays on the torch path unless the kernels are forced.
-        if cd != torch.float64:
-            with on_device(q):
-                return mlstm_chunkwise_triton(q, k, v, i, f, initial_state=initial_state,
-                                              output_final_state=output_final_state, eps=eps)
-        if backend == "triton":
-            raise ValueError("backend='triton' takes float16, bfloat16 or float32 inputs, got float64; use backend='torch'")
+    cd = compute_dtype(q, k, v, i, f)
+    # The kernels pick their own chunk length (results do not depend on it); float64 is
+    # reference work and stays on the torch path.
+    if choose_backend("mlstm_chunkwise", backend, q.device, dtype=cd) == "triton":
+        with on_device(q):
+            return kernel_module("mlstm_chunkwise").mlstm_chunkwise_triton(
+                q, k, v, i, f, initial_state=initial_state, output_final_state=output_final_state, eps=eps)
     state = (None, None, None) if initial_state is None else tuple(s.to(cd) for s in initial_state)
     h, C, n, m = mlstm_chunkwise_torch(q, k, v, i, f, *state, eps=eps, chunk_size=chunk_size, dtype=cd)
     return h.to(q.dtype), ((C, n, m) if output_final_state else None)
@@ -150,7 +137,7 @@ def mlstm_parallel(
     """
     _sequence_dims(q, k, v, i, f)
     eps = _check_eps(eps)
-    cd = _common_dtype(q, k, v, i, f)
+    cd = compute_dtype(q, k, v, i, f)
     h = mlstm_parallel_torch(q.to(cd), k.to(cd), v.to(cd), i.to(cd), f.to(cd), eps)
     return h.to(q.dtype), None
 
@@ -182,10 +169,12 @@ def mlstm_step(
     eps = _check_eps(eps)
     if state is not None:
         _check_state(state, B, H, K, V, q.device, "state")
-    cd = _common_dtype(q, k, v, i, f)
-    if cd != torch.float64 and choose_backend("mlstm_step", None, q.device) == "triton":
+    cd = compute_dtype(q, k, v, i, f)
+    needs_grad = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (q, k, v, i, f, *(state or ())))
+    if choose_backend("mlstm_step", None, q.device, dtype=cd, requires_grad=needs_grad) == "triton":
         with on_device(q):
-            return mlstm_step_triton(q, k, v, i, f, state, eps=eps)
+            return kernel_module("mlstm_step").mlstm_step_triton(q, k, v, i, f, state, eps=eps)
     if state is None:
         z = q.new_zeros((), dtype=cd)
         state = (z.expand(B, H, K, V), z.expand(B, H, K), z.expand(B, H))

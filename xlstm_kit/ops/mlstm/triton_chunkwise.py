@@ -57,14 +57,19 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..backend import TRITON_OPS
 
 # Finite "minus infinity" for the input gate of padded steps: exp() of it is 0 and, unlike
 # -inf, it never meets another infinity in a subtraction (no NaN).
 NEG = -1e30
 _NEG = tl.constexpr(NEG)  # the same, visible inside kernels
 
-TRITON_OPS.add("mlstm_chunkwise")
+
+
+def supports(op: str, *, dtype: torch.dtype, **_) -> str | None:
+    """backend.choose_backend's question: do these kernels take this call?"""
+    if dtype == torch.float64:
+        return "the Triton mLSTM kernels take float16, bfloat16 or float32 inputs, got float64; use backend='torch'"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------

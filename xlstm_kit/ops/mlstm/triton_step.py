@@ -13,9 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import TRITON_OPS
 
-TRITON_OPS.add("mlstm_step")
+
+def supports(op: str, *, dtype: torch.dtype, requires_grad: bool = False, **_) -> str | None:
+    """backend.choose_backend's question: does the step kernel take this call?"""
+    if dtype == torch.float64:
+        return "the Triton step kernel computes in float32; float64 runs on the PyTorch path"
+    if requires_grad:
+        return "the Triton step kernel has no backward; inputs that need a gradient run on the PyTorch path"
+    return None
 
 
 @triton.jit

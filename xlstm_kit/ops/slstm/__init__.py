@@ -15,13 +15,9 @@ from typing import Optional, Tuple
 import torch
 
 from .._checks import check_same_device, check_tensor, autocast_off
-from ..backend import choose_backend, on_device, triton_available
+from ..backend import choose_backend, kernel_module, on_device
 from .naive import State, slstm_recurrent_naive, slstm_step_naive
 from .recurrent import slstm_recurrent_torch
-
-if triton_available():
-    # Importing the kernel module registers "slstm_recurrent"/"slstm_step" in backend.TRITON_OPS.
-    from .triton_kernel import slstm_recurrent_triton, slstm_step_triton
 
 __all__ = ["slstm_recurrent", "slstm_step", "slstm_recurrent_naive", "slstm_step_naive"]
 
@@ -83,7 +79,7 @@ def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
                                      output_final_state=output_final_state, forget_gate=forget_gate,
                                      recurrent_grad_clip=recurrent_grad_clip)
     with on_device(x_gates):
-        return slstm_recurrent_triton(x_gates, r, b, initial_state=initial_state,
+        return kernel_module("slstm_recurrent").slstm_recurrent_triton(x_gates, r, b, initial_state=initial_state,
                                       output_final_state=output_final_state, forget_gate=forget_gate,
                                       recurrent_grad_clip=recurrent_grad_clip)
 
@@ -98,5 +94,5 @@ def slstm_step(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor,
     _check_common(x_gates, r, b, state, "state", forget_gate)
     if choose_backend("slstm_step", None, x_gates.device) == "triton":
         with on_device(x_gates):
-            return slstm_step_triton(x_gates, r, b, state, forget_gate=forget_gate)
+            return kernel_module("slstm_step").slstm_step_triton(x_gates, r, b, state, forget_gate=forget_gate)
     return slstm_step_naive(x_gates, r, b, state, forget_gate=forget_gate)

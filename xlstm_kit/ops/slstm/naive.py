@@ -32,13 +32,6 @@ from .._checks import compute_dtype
 State = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        if t is not None:
-            dtype = torch.promote_types(dtype, t.dtype)
-    return compute_dtype(dtype)
-
 
 def zero_state(batch: int, heads: int, dim: int, dtype: torch.dtype, device) -> State:
     """The default initial state (h, c, n, m), all zeros, each [B, H, D]."""
@@ -73,7 +66,7 @@ def slstm_step_naive(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor,
                      ) -> Tuple[torch.Tensor, State]:
     """One sLSTM step. x_gates [B, 4, H, D] -> (h [B, H, D], (h, c, n, m) each [B, H, D])."""
     batch, _, heads, dim = x_gates.shape
-    dtype = _compute_dtype(x_gates, r, b, *(state or ()))
+    dtype = compute_dtype(x_gates, r, b, *(state or ()))
     if state is None:
         state = zero_state(batch, heads, dim, dtype, x_gates.device)
     state = tuple(s.to(dtype) for s in state)
@@ -93,7 +86,7 @@ def slstm_recurrent_naive(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tenso
     forward is unchanged. None leaves autograd's exact gradient.
     """
     batch, steps, _, heads, dim = x_gates.shape
-    dtype = _compute_dtype(x_gates, r, b, *(initial_state or ()))
+    dtype = compute_dtype(x_gates, r, b, *(initial_state or ()))
     state = (zero_state(batch, heads, dim, dtype, x_gates.device) if initial_state is None
              else tuple(s.to(dtype) for s in initial_state))
     xg, r_c, b_c = x_gates.to(dtype), r.to(dtype), b.to(dtype)

@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .naive import State, _compute_dtype
+from .._checks import compute_dtype
+from .naive import State
 
 
 def _to_internal_r(r: torch.Tensor) -> torch.Tensor:
@@ -62,7 +63,7 @@ class SLSTMRecurrentFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_gates, r, b, h0, c0, n0, m0, forget_gate: str, clip: Optional[float]):
         batch, steps, _, heads, dim = x_gates.shape
-        dtype = _compute_dtype(x_gates, r, b, h0, c0, n0, m0)
+        dtype = compute_dtype(x_gates, r, b, h0, c0, n0, m0)
         dev = x_gates.device
         # x_gates [B,T,4,H,D] + b [4,H,D] -> [T,H,B,4D]
         xb = (x_gates.to(dtype) + b.to(dtype)).permute(1, 3, 0, 2, 4).reshape(steps, heads, batch, 4 * dim)
