@@ -29,15 +29,16 @@ from .registry import Env, Shape, Timed
 @dataclass(frozen=True)
 class Peer:
     """label: how the table names it; package: the import name that must be installed; pip: what
-    to install; cuda_only: skipped on the CPU; build(case, shape, env) -> Timed, or raises
-    `Skip` when the peer cannot run this shape."""
+    to install; devices: the device types it is timed on (GPU kernels on "cuda"; a PyTorch
+    reference that only makes a CPU baseline on "cpu"); build(case, shape, env) -> Timed, or
+    raises `Skip` when the peer cannot run this shape."""
 
     name: str
     label: str
     package: str
     pip: str
     build: Callable[[str, Shape, Env], Timed]
-    cuda_only: bool = False
+    devices: tuple[str, ...] = ("cuda", "cpu")
 
     def installed(self) -> bool:
         return importlib.util.find_spec(self.package) is not None
@@ -208,26 +209,26 @@ def _official_xlstm_large(case: str, shape: Shape, env: Env) -> Timed:
 PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("sdpa", "torch SDPA causal", "torch", "torch", _sdpa),
     Peer("mlstm_kernels_limit_chunk", "mlstm_kernels triton_limit_chunk", "mlstm_kernels", "mlstm-kernels",
-         _mlstm_kernels_chunk("triton_limit_chunk"), cuda_only=True),
+         _mlstm_kernels_chunk("triton_limit_chunk"), devices=("cuda",)),
     Peer("mlstm_kernels_xl_chunk", "mlstm_kernels triton_xl_chunk", "mlstm_kernels", "mlstm-kernels",
-         _mlstm_kernels_chunk("triton_xl_chunk"), cuda_only=True),
+         _mlstm_kernels_chunk("triton_xl_chunk"), devices=("cuda",)),
     Peer("mlstm_kernels_native", "mlstm_kernels native_custbw (chunk 64)", "mlstm_kernels", "mlstm-kernels",
-         _mlstm_kernels_native),
+         _mlstm_kernels_native, devices=("cpu",)),
     Peer("mlstm_kernels_step", "mlstm_kernels triton step", "mlstm_kernels", "mlstm-kernels",
-         _mlstm_kernels_step, cuda_only=True),
+         _mlstm_kernels_step, devices=("cuda",)),
     Peer("flashrnn_triton_fused", "flashrnn triton_fused", "flashrnn", "flashrnn", _flashrnn("triton_fused"),
-         cuda_only=True),
-    Peer("flashrnn_vanilla", "flashrnn vanilla", "flashrnn", "flashrnn", _flashrnn("vanilla"), cuda_only=True),
-    Peer("fla_dplr", "fla chunk_dplr_delta_rule", "fla", "flash-linear-attention", _fla_dplr, cuda_only=True),
-    Peer("fla_kda", "fla chunk_kda", "fla", "flash-linear-attention", _fla_kda, cuda_only=True),
+         devices=("cuda",)),
+    Peer("flashrnn_vanilla", "flashrnn vanilla", "flashrnn", "flashrnn", _flashrnn("vanilla"), devices=("cuda",)),
+    Peer("fla_dplr", "fla chunk_dplr_delta_rule", "fla", "flash-linear-attention", _fla_dplr, devices=("cuda",)),
+    Peer("fla_kda", "fla chunk_kda", "fla", "flash-linear-attention", _fla_kda, devices=("cuda",)),
     Peer("official_xlstm", "official xlstm (sLSTM vanilla)", "xlstm", "xlstm", _official_xlstm),
     Peer("official_xlstm_large", "official xlstm_large", "xlstm", "xlstm", _official_xlstm_large),
 )}
 
 
 def applicable(case: registry.Case, device: torch.device) -> list[Peer]:
-    """The peers of `case` that make sense on `device` (GPU-only kernels are left out on the CPU)."""
-    return [PEERS[n] for n in case.peers if device.type == "cuda" or not PEERS[n].cuda_only]
+    """The peers of `case` that are timed on `device`'s type."""
+    return [PEERS[n] for n in case.peers if device.type in PEERS[n].devices]
 
 
 def time_peer(peer: Peer, case: registry.Case, shape: Shape, env: Env, quick: bool,
@@ -257,6 +258,8 @@ def time_peer(peer: Peer, case: registry.Case, shape: Shape, env: Env, quick: bo
 def _child(peer_name: str, case_name: str, shape_json: str, device: str, dtype: str, quick: str) -> None:
     peer, case = PEERS[peer_name], registry.get(case_name)
     env = Env(torch.device(device), getattr(torch, dtype))
+    if env.device.type == "cuda" and env.device.index is not None:
+        torch.cuda.set_device(env.device)  # Triton launches on the current device, not the tensors'
     try:
         timed = peer.build(case.name, json.loads(shape_json), env)
     except Skip as e:

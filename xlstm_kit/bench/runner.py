@@ -104,24 +104,46 @@ def default_out_dir(cwd: Path | None = None) -> Path:
     return cwd
 
 
+def device_limits(device: torch.device) -> str | None:
+    """The GPU's measured ceilings (bf16 matmul rate, copy bandwidth), to read the rates against;
+    None on the CPU."""
+    if device.type != "cuda":
+        return None
+    n = 8192
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    mm = timing.measure(lambda: a @ b, device).median_ms
+    x = torch.empty(2**29, device=device, dtype=torch.bfloat16).normal_()
+    y = torch.empty_like(x)
+    cp = timing.measure(lambda: y.copy_(x), device).median_ms
+    del a, b, x, y
+    torch.cuda.empty_cache()
+    return (f"bf16 matmul {2 * n**3 / mm / 1e9:.0f} TFLOP/s, device copy "
+            f"{2 * 2**29 * 2 / cp / 1e9:.0f} GB/s (measured in this call)")
+
+
 # ------------------------------------------------------------------------------ measuring
 def _ok(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
 def run_case(case: registry.Case, shape: dict, env: Env, quick: bool) -> dict:
-    budget = timing.QUICK if quick else timing.Budget()
     try:
-        timed = case.build(shape, env)
-        res = timing.measure_case(timed.fwd, timed.fwbw, env.device, budget, flush_cache=case.suite == "ops")
+        return _measure_ours(case, shape, env, quick)
     except torch.cuda.OutOfMemoryError:
         return {"status": "out of memory"}
     except Exception as e:  # noqa: BLE001 - one failing case must not stop the table
         return {"status": f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
     finally:
+        # the case's tensors are gone once _measure_ours returns: give their memory back to the
+        # device before the next case, and before a peer's child process needs it
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
-    return res
+
+
+def _measure_ours(case: registry.Case, shape: dict, env: Env, quick: bool) -> dict:
+    timed = case.build(shape, env)
+    budget = timing.QUICK if quick else timing.Budget()
+    return timing.measure_case(timed.fwd, timed.fwbw, env.device, budget, flush_cache=case.suite == "ops")
 
 
 def main_ms(result: dict) -> float | None:
@@ -213,10 +235,10 @@ def format_table(suite: str, rows: Sequence[Row]) -> str:
 
 
 def report(suites: Sequence[str], rows_by_suite: dict[str, list[Row]], device: torch.device,
-           command: str, quick: bool, when: _dt.datetime) -> str:
+           command: str, quick: bool, when: _dt.datetime, limits: str | None = None) -> str:
     threads = f", {torch.get_num_threads()} torch threads" if device.type != "cuda" else ""
     out = [f"# xlstm-kit bench: {', '.join(suites)} — {when:%Y-%m-%d %H:%M} UTC", "",
-           f"- Machine: {machine_name(device)}{threads}",
+           f"- Machine: {machine_name(device)}{threads}" + (f"; {limits}" if limits else ""),
            f"- Software: {versions()}"]
     commit = git_commit()
     if commit:
@@ -319,8 +341,9 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     def env_of(case: registry.Case) -> Env:
         return Env(device, case.dtype(device), args.backend if case.takes_backend else None)
 
+    limits = device_limits(device) if "ops" in suites and not args.quick else None
     rows = {s: collect(selected[s], env_of, args.quick, args.peers, log=stderr) for s in suites}
-    text = report(suites, rows, device, command_line(args), args.quick, when)
+    text = report(suites, rows, device, command_line(args), args.quick, when, limits)
     path = output_path(out_dir, device, args.suite, when)
     path.write_text(text + "\n")
     print(text, file=stdout)
