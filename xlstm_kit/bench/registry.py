@@ -93,8 +93,8 @@ class Case:
 
 
 def shape_label(shape: Shape) -> str:
-    return " ".join(f"{k}={'/'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
-                    for k, v in shape.items())
+    """"B=8 T=2048 H=16 K=128 V=128"; lists as [1, 3]."""
+    return " ".join(f"{k}={list(v) if isinstance(v, (list, tuple)) else v}" for k, v in shape.items())
 
 
 def _size(dtype: torch.dtype) -> int:

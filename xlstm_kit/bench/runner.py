@@ -1,7 +1,7 @@
 """Run the registered cases, optionally against the peers, and write one dated markdown table.
 
-    xlstm-kit bench [--suite ops|model|generate|all] [--peers] [--out DIR] [--quick]
-                    [--case NAME ...] [--backend torch|triton] [--threads N] [--list]
+    xlstm-kit bench [--suite ops|model|generate|all] [--peers [--peer-timeout S]] [--out DIR] [--quick]
+                    [--case NAME ...] [--device DEV] [--backend torch|triton] [--threads N] [--list]
 
 Ours run in this process; each peer measurement runs in a child process of the same call (same
 machine state), so the ratio column compares like with like. The file is
@@ -29,7 +29,7 @@ from . import registry, timing
 from .registry import SUITES, Env
 
 SUITE_CHOICES = SUITES + ("all",)
-PEER_TIMEOUT_S = 300.0  # fla compiles for minutes on its first call
+PEER_TIMEOUT_S = 300.0  # fla compiles for minutes on its first call (231 s for chunk_dplr on an H200)
 
 
 @dataclass
@@ -152,7 +152,7 @@ def main_ms(result: dict) -> float | None:
 
 
 def collect(selected: Sequence[registry.Case], env_of, quick: bool, with_peers: bool,
-            log: TextIO | None = None) -> list[Row]:
+            log: TextIO | None = None, peer_timeout_s: float = PEER_TIMEOUT_S) -> list[Row]:
     from . import peers as peer_mod
 
     rows: list[Row] = []
@@ -171,7 +171,7 @@ def collect(selected: Sequence[registry.Case], env_of, quick: bool, with_peers: 
                 continue
             for peer in peer_mod.applicable(case, env.device):
                 t0 = time.perf_counter()
-                res = peer_mod.time_peer(peer, case, shape, env, quick, PEER_TIMEOUT_S)
+                res = peer_mod.time_peer(peer, case, shape, env, quick, peer_timeout_s)
                 rows.append(Row(case.name, peer.label, shape, dtype, res, ours.work, main_ms(ours.result)))
                 if log:
                     print(f"#   {peer.label}: {_brief(res)} ({time.perf_counter() - t0:.1f} s)", file=log, flush=True)
@@ -274,6 +274,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", action="store_true",
                    help="also time the installed peers (SDPA, mlstm_kernels, fla, flashrnn, official xlstm), "
                         "each in a child process, and print our time ÷ theirs")
+    p.add_argument("--peer-timeout", type=float, default=PEER_TIMEOUT_S, metavar="S",
+                   help="seconds each peer measurement may take, its compile included")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="folder for the dated table (default: benchmarks/results/ at the root of a clone, "
                         "else the current folder)")
@@ -301,6 +303,8 @@ def command_line(args: argparse.Namespace, prog: str = "xlstm-kit bench") -> str
     runner was called); --out is left out: where the table went does not change it."""
     parts = [prog, "--suite", args.suite]
     parts += ["--peers"] * bool(args.peers) + ["--quick"] * bool(args.quick)
+    if args.peers and args.peer_timeout != PEER_TIMEOUT_S:
+        parts += ["--peer-timeout", f"{args.peer_timeout:g}"]
     for name in args.case or ():
         parts += ["--case", name]
     for opt in ("device", "backend", "threads"):
@@ -342,7 +346,8 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
         return Env(device, case.dtype(device), args.backend if case.takes_backend else None)
 
     limits = device_limits(device) if "ops" in suites and not args.quick else None
-    rows = {s: collect(selected[s], env_of, args.quick, args.peers, log=stderr) for s in suites}
+    rows = {s: collect(selected[s], env_of, args.quick, args.peers, log=stderr, peer_timeout_s=args.peer_timeout)
+            for s in suites}
     text = report(suites, rows, device, command_line(args), args.quick, when, limits)
     path = output_path(out_dir, device, args.suite, when)
     path.write_text(text + "\n")
