@@ -331,7 +331,7 @@ def model_config(shape: Shape):
                        context_length=max(256, shape.get("seq", 0), shape.get("prompt", 0) + shape.get("new", 0)))
 
 
-def train_step_fn(model: torch.nn.Module, shape: Shape, env: Env) -> Callable[[], float]:
+def train_step_fn(model: torch.nn.Module, shape: Shape, env: Env) -> Callable[[], torch.Tensor]:
     """One training step of `model` (any module mapping ids [B, T] to logits [B, T, vocab]):
     forward under bf16 autocast on CUDA, float32 cross-entropy, backward, clipping to norm 1,
     AdamW (fused on CUDA). Random token ids: throughput does not depend on the text."""

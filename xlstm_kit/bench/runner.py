@@ -249,6 +249,8 @@ def report(suites: Sequence[str], rows_by_suite: dict[str, list[Row]], device: t
                             "median of timed calls after warm-up (CUDA events, L2 flushed before each op call; "
                             "perf_counter on the CPU); fwd+bwd = one forward and `backward()` into leaf tensors; "
                             "peers in child processes of the same call"),
+            "- Peak MiB (GPU): memory allocated by one call beyond what was allocated before it (inputs, "
+            "weights and optimizer state excluded).",
             "- Rates: TFLOP/s and GB/s from the case's FLOP and byte counts (`xlstm_kit/bench/registry.py`), "
             "the same count for every implementation of a case. ours ÷ this: our time over the peer's (< 1: ours is faster).",
             ""]
