@@ -29,8 +29,8 @@ BACKENDS = ("torch", "triton")
 KERNEL_MODULES: dict[str, str] = {
     "mlstm_chunkwise": "xlstm_kit.ops.mlstm.triton_chunkwise",
     "mlstm_step": "xlstm_kit.ops.mlstm.triton_step",
-    "slstm_recurrent": "xlstm_kit.ops.slstm.triton_kernel",
-    "slstm_step": "xlstm_kit.ops.slstm.triton_kernel",
+    "slstm_recurrent": "xlstm_kit.ops.slstm.triton.op",
+    "slstm_step": "xlstm_kit.ops.slstm.triton.step",
     "dplr_chunkwise": "xlstm_kit.ops.dplr.triton_chunkwise",
     "kda_chunkwise": "xlstm_kit.ops.dplr.triton_chunkwise",
     "dplr_step": "xlstm_kit.ops.dplr.triton_step",
