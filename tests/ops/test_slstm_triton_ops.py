@@ -15,13 +15,13 @@ import torch
 
 from tests.helpers import rel_err
 from xlstm_kit.ops.slstm import slstm_recurrent
-from xlstm_kit.ops.slstm.naive import slstm_step_naive
 
 triton_slstm = pytest.importorskip("xlstm_kit.ops.slstm.triton")
 from xlstm_kit.ops.slstm.triton import backward as bwd_phase  # noqa: E402
 from xlstm_kit.ops.slstm.triton import forward as fwd_phase  # noqa: E402
 from xlstm_kit.ops.slstm.triton.common import prepare_r  # noqa: E402
 from xlstm_kit.ops.slstm.triton.config import SLSTMKernelConfig, default_config  # noqa: E402
+from xlstm_kit.ops.slstm.triton.step import step_reference  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -102,7 +102,7 @@ def test_step_phase_with_gradients():
     h, state = triton_slstm.slstm_step_triton(leaves[0], leaves[1], leaves[2], tuple(leaves[3:]),
                                               forget_gate="exp")
     ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
-    h_ref, state_ref = slstm_step_naive(ref_leaves[0], ref_leaves[1], ref_leaves[2],
+    h_ref, state_ref = step_reference(ref_leaves[0], ref_leaves[1], ref_leaves[2],
                                         tuple(ref_leaves[3:]), forget_gate="exp")
     g = torch.Generator().manual_seed(2)
     ups = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in (h, *state)]

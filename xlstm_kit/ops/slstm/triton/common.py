@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-GATES = 4  # (i, f, z, o)
-
 
 @triton.jit
 def _sigmoid(x):

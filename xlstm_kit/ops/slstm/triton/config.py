@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import triton
@@ -51,6 +52,7 @@ def k_chunk(config: SLSTMKernelConfig, bd: int) -> int:
     return bd if config.k_chunk is None else min(bd, config.k_chunk)
 
 
+@functools.lru_cache(maxsize=None)  # called per launch; the config is frozen
 def default_config(dim: int, mm: int = 1) -> SLSTMKernelConfig:
     """Launch choices by head size and matmul mode (see `common._mm`).
 

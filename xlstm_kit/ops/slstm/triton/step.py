@@ -16,13 +16,15 @@ from typing import Optional, Tuple
 import torch
 
 from ..._checks import compute_dtype
-from ..naive import State, slstm_step_naive as step_reference  # noqa: F401 (the phase reference)
+from ..naive import State, slstm_step_naive
 from . import forward as _forward_phase
 from .common import prepare_r
 from .config import resolve
 from .op import _contiguous_state, recurrent_grads
 
 Tensor = torch.Tensor
+
+step_reference = slstm_step_naive  # what the step computes, as a PyTorch cell (tests)
 
 
 def supports(op: str, **_) -> str | None:
