@@ -19,7 +19,7 @@ from ..._checks import compute_dtype
 from ..naive import State, slstm_step_naive
 from . import forward as _forward_phase
 from .common import prepare_r
-from .config import resolve
+from .config import SLSTMKernelConfig, resolve
 from .op import _contiguous_state, recurrent_grads
 
 Tensor = torch.Tensor
@@ -78,7 +78,8 @@ slstm_step_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def slstm_step_triton(x_gates: Tensor, r: Tensor, b: Tensor, state: Optional[State] = None, *,
-                      forget_gate: str = "sigmoid", config=None) -> Tuple[Tensor, State]:
+                      forget_gate: str = "sigmoid", config: Optional[SLSTMKernelConfig] = None
+                      ) -> Tuple[Tensor, State]:
     """One sLSTM step: x_gates [B, 4, H, D] -> (h [B, H, D], (h, c, n, m) each [B, H, D]).
     `config` is an `SLSTMKernelConfig` or None (the default for the head size)."""
     h_prev, c, n, m = state if state is not None else (None,) * 4
