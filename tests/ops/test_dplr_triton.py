@@ -23,8 +23,9 @@ from xlstm_kit.ops import dplr_chunkwise, kda_chunkwise  # noqa: E402
 from xlstm_kit.ops.backend import KERNEL_MODULES  # noqa: E402
 from xlstm_kit.ops.dplr import chunkwise as torch_chunkwise  # noqa: E402
 from xlstm_kit.ops.dplr.naive import dplr_recurrent  # noqa: E402
-from xlstm_kit.ops.dplr.triton_chunkwise import (  # noqa: E402
+from xlstm_kit.ops.dplr.triton.chunkwise import (  # noqa: E402
     dplr_chunkwise_triton, kda_chunkwise_triton)
+from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig  # noqa: E402
 
 DEV = "cpu" if INTERPRET else "cuda"
 
@@ -101,48 +102,59 @@ def test_half_precision_inputs_within_twice_torch_error():
         assert rel_err(x, z) <= 2 * rel_err(y, z) + 1e-6, name
 
 
-def test_low_precision_products_keep_the_state_exact(monkeypatch):
-    # XLSTM_DPLR_LOWP=fp16: the products that only reach 16-bit outputs (o, input gradients) take
-    # float16 operands — 10 mantissa bits like the GPU's single-pass TF32 mode, and the same code
-    # path. With float16 outputs that rounding is as large as the outputs' own, so the bound is 5x
-    # the PyTorch op's error instead of 2x (measured ≤ 3.5x, the gate gradient; on the GPU the
-    # mode serves bf16 inputs only, whose rounding is 8x coarser); a wrong operand or a misplaced
-    # cast gives O(1) errors. The final state and δh0 never use those products: bit-identical.
+def test_low_precision_products_keep_the_state_exact():
+    # lowp="fp16": the products that only reach 16-bit outputs (o, input gradients) take float16
+    # operands — 10 mantissa bits like the GPU's single-pass TF32 mode, and the same code path.
+    # With float16 outputs that rounding is as large as the outputs' own, so the bound is 5x the
+    # PyTorch op's error instead of 2x (measured ≤ 3.5x, the gate gradient; on the GPU the mode
+    # serves bf16 inputs only, whose rounding is 8x coarser); a wrong operand or a misplaced cast
+    # gives O(1) errors. The final state and δh0 never use those products: bit-identical.
     xs, s0 = make_inputs(1, 40, 2, 16, 16, -1.0, dtype=torch.float16)
     do = torch.randn(1, 40, 2, 16, device=DEV)
     dsT = torch.randn(1, 2, 16, 16, device=DEV)
     p, psT, pg = run(torch_chunkwise.dplr_chunkwise, xs, s0, do, dsT, chunk_size=32)
     ro, rsT, rg = reference(xs, s0, do, dsT)
-    monkeypatch.setenv("XLSTM_DPLR_LOWP", "fp16")
-    # float16 inputs alone never select the mode (see _all_bf16): the float32-path result
-    o_off, sT_off, g_off = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32)
-    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32, _lowp_ok=True)
+    o_off, sT_off, g_off = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32,
+                               config=DPLRKernelConfig(lowp="off"))
+    # float16 inputs never take the default ("tf32") mode: the float32-path result, bit for bit
+    o_def, _, g_def = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32)
+    assert torch.equal(o_def, o_off) and torch.equal(g_def[5], g_off[5])
+    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32,
+                   config=DPLRKernelConfig(lowp="fp16"))
     assert not torch.equal(o, o_off) and not torch.equal(g[0], g_off[0])   # the mode is in effect
     assert rel_err(o, ro) <= 5 * rel_err(p, ro)
     assert torch.equal(sT, sT_off) and torch.equal(g[6], g_off[6])   # state path untouched
     assert rel_err(sT, rsT) < 2e-6
     for name, x, y, z in zip(NAMES[:6], g, pg, rg):
         assert rel_err(x, z) <= 5 * rel_err(y, z), name
-    monkeypatch.setenv("XLSTM_DPLR_LOWP", "nonsense")
-    with pytest.raises(ValueError, match="XLSTM_DPLR_LOWP"):
-        dplr_chunkwise_triton(*xs, chunk_size=32, _lowp_ok=True)
 
 
-@pytest.mark.parametrize("spec", ["kh,16,4", "plain,16,4"])
-def test_state_kernel_variants_match_reference(monkeypatch, spec):
-    # XLSTM_DPLR_STATE picks the sequential state kernels (K/2 halves or whole K, V-tile, warps)
-    monkeypatch.setenv("XLSTM_DPLR_STATE", spec)
+def test_config_is_typed_and_follows_the_input_dtypes():
+    cfg = DPLRKernelConfig()
+    assert cfg.lowp == "tf32" and DPLRKernelConfig.from_key(cfg.key()) == cfg
+    with pytest.raises(ValueError, match="lowp"):
+        DPLRKernelConfig(lowp="nonsense")
+    with pytest.raises(ValueError, match="state_block_v"):
+        cfg.replace(state_block_v=24)
+    with pytest.raises(ValueError, match="no field"):
+        cfg.replace(state_bv=32)
+    assert cfg.for_dtypes(torch.bfloat16, torch.bfloat16) is cfg
+    assert cfg.for_dtypes(torch.bfloat16, torch.float32).lowp == "off"
+    assert cfg.for_dtypes(torch.float16).lowp == "off"
+    assert DPLRKernelConfig(lowp="fp16").for_dtypes(torch.float16).lowp == "fp16"
+
+
+def test_state_tiles_from_the_config_match_reference():
+    # a 32-column V-tile on 8 warps (the default is 16 on 4): same sums, other programs
     xs, s0 = make_inputs(1, 70, 2, 32, 32, -5.0)
     do = torch.randn(1, 70, 2, 32, device=DEV)
     dsT = torch.randn(1, 2, 32, 32, device=DEV)
-    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32)
+    cfg = DPLRKernelConfig(state_block_v=32, state_warps=8, dk_block_k=16)
+    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32, config=cfg)
     ro, rsT, rg = reference(xs, s0, do, dsT)
     assert rel_err(o, ro) < 2e-6 and rel_err(sT, rsT) < 2e-6
     for name, x, y in zip(NAMES, g, rg):
         assert rel_err(x, y) < 1e-5, name
-    monkeypatch.setenv("XLSTM_DPLR_STATE", "kh,24,4")
-    with pytest.raises(ValueError, match="XLSTM_DPLR_STATE"):
-        dplr_chunkwise_triton(*xs, chunk_size=32)
 
 
 @pytest.mark.parametrize("L", [16, 64])
@@ -296,7 +308,7 @@ def test_gpu_bf16_within_twice_torch_bf16_error(T):
 @pytest.mark.parametrize("K,V,with_state", [(16, 32, True), (32, 16, False)])
 def test_step_kernel_matches_reference_step(K, V, with_state):
     from xlstm_kit.ops.dplr.naive import dplr_step as ref_step
-    from xlstm_kit.ops.dplr.triton_step import dplr_step_triton
+    from xlstm_kit.ops.dplr.triton.step import dplr_step_triton
 
     B, H = 2, 3
     q, k, a = (torch.randn(B, H, K, device=DEV) for _ in range(3))
@@ -328,7 +340,7 @@ def test_step_kernel_half_inputs_and_strided_views():
     # o is written by the kernel in q's dtype; non-contiguous inputs (a view of a [B, K, H] buffer)
     # and a float16 state are copied, contiguous float32 ones are read in place
     from xlstm_kit.ops.dplr.naive import dplr_step as ref_step
-    from xlstm_kit.ops.dplr.triton_step import dplr_step_triton
+    from xlstm_kit.ops.dplr.triton.step import dplr_step_triton
 
     B, H, K, V = 2, 3, 16, 16
     q = torch.randn(B, K, H, device=DEV).transpose(1, 2)          # strided [B, H, K]

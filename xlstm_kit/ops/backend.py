@@ -31,9 +31,9 @@ KERNEL_MODULES: dict[str, str] = {
     "mlstm_step": "xlstm_kit.ops.mlstm.triton_step",
     "slstm_recurrent": "xlstm_kit.ops.slstm.triton_kernel",
     "slstm_step": "xlstm_kit.ops.slstm.triton_kernel",
-    "dplr_chunkwise": "xlstm_kit.ops.dplr.triton_chunkwise",
-    "kda_chunkwise": "xlstm_kit.ops.dplr.triton_chunkwise",
-    "dplr_step": "xlstm_kit.ops.dplr.triton_step",
+    "dplr_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
+    "kda_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
+    "dplr_step": "xlstm_kit.ops.dplr.triton.step",
 }
 
 
