@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import sys
 from types import ModuleType
 
 import torch
@@ -53,9 +54,14 @@ def interpreting() -> bool:
 def kernel_module(op: str) -> ModuleType | None:
     """The imported kernel module of `op`, or None (no kernel, or Triton is not installed)."""
     name = KERNEL_MODULES.get(op)
-    if name is None or not triton_available():
+    if name is None:
         return None
-    return importlib.import_module(name)
+    # an imported module is looked up, not imported again: torch.compile traces this lookup but
+    # not importlib (a graph break)
+    module = sys.modules.get(name)
+    if module is None and triton_available():
+        module = importlib.import_module(name)
+    return module
 
 
 def choose_backend(op: str, backend: str | None, device: torch.device, **facts) -> str:

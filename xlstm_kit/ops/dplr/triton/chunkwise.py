@@ -4,7 +4,7 @@ forward and backward phases, the `torch.library` custom ops `xlstm_kit::dplr_chu
 `dplr_chunkwise_triton`, `kda_chunkwise_triton` and `supports` (backend.py's question)."""
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
 import torch.nn.functional as nnf
@@ -73,10 +73,9 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, launch: b
     Returns (o [B, T, H, V] in q's dtype, hT [B, H, K, V] float32, *the _SAVED scratch)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    Tp = math.ceil(T / L) * L
+    Tp = (T + L - 1) // L * L
     NC = Tp // L
     BH = B * H
-    c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
     qc, kc, vc, ac, bc = (_chunk_layout(x, Tp) for x in (q, k, v, a, b))
     G = _log_gamma(gk, Tp, L)
     h0c = None if h0 is None else h0.to(torch.float32).reshape(BH, K, V).contiguous()
@@ -89,6 +88,7 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, launch: b
     Hs = new(BH, NC, K, V)
     hT = new(BH, K, V)
     if launch:
+        c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
         _fwd_pairs[(NC * (L // SUB), BH)](qc, kc, ac, bc, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
                                           K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, LO=c.lo,
                                           num_warps=c.pairs_warps, num_stages=_STAGES)
@@ -115,7 +115,6 @@ def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eG
     V = vc.shape[-1]
     NC = Tp // L
     dev = qc.device
-    c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
     new = lambda *shape: torch.empty(*shape, device=dev, dtype=torch.float32)  # noqa: E731
     # dO is read in its own dtype (the kernels widen it on load)
     dO = new(BH, Tp, V).zero_() if do is None else _chunk_layout(do, Tp)
@@ -128,6 +127,7 @@ def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eG
     dq, dk, da, db, dg = (torch.empty(BH, Tp, K, device=dev, dtype=dt)
                           for dt in (qc.dtype, kc.dtype, ac.dtype, bc.dtype, gk_dtype))
     if launch:
+        c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
         _bwd_state[(V // c.state_bv, BH)](Qg, Ad, eGl, Aqa, W, dO, dhTc if dhTc is not None else dh0,
                                           dH, dV2, dh0, Tp, NC, K=K, V=V, L=L, BV=c.state_bv,
                                           HAS_DHT=dhTc is not None, PREC=c.prec,
@@ -231,8 +231,20 @@ def _check(q, v, chunk_size, *named):
         raise ValueError(reason)
 
 
+@functools.lru_cache(maxsize=256)
+def _cached_key(config: DPLRKernelConfig | None, dtypes: tuple) -> str:
+    return (config or DPLRKernelConfig()).for_dtypes(*dtypes).key()
+
+
+@torch.compiler.assume_constant_result
+def _config_key(config: DPLRKernelConfig | None, *dtypes: torch.dtype) -> str:
+    """The key of `config` (None: the defaults) for inputs of `dtypes` (`for_dtypes`): cached per
+    call site's values, and a constant to torch.compile (which cannot trace json)."""
+    return _cached_key(config, dtypes)
+
+
 def _apply(q, k, v, a, b, gk, initial_state, scale, output_final_state, chunk_size, config):
-    o, hT, *_ = _fwd_op(q, k, v, a, b, gk, initial_state, scale, chunk_size, config.key())
+    o, hT, *_ = _fwd_op(q, k, v, a, b, gk, initial_state, scale, chunk_size, config)
     return o, (hT if output_final_state else None)
 
 
@@ -255,9 +267,9 @@ def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
     """
     B, T, H, K, V = check_dplr_inputs(q, k, v, a, b, gk, initial_state)
     _check(q, v, chunk_size, *zip("qkvab", (q, k, v, a, b)), ("gk", gk))
-    config = (config or DPLRKernelConfig()).for_dtypes(*(x.dtype for x in (q, k, v, a, b, gk)))
+    key = _config_key(config, q.dtype, k.dtype, v.dtype, a.dtype, b.dtype, gk.dtype)
     return _apply(q, k, v, a, b, gk, initial_state, float(check_scale(scale, K)),
-                  output_final_state, chunk_size, config)
+                  output_final_state, chunk_size, key)
 
 
 def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -271,10 +283,10 @@ def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, ou
     """
     check_kda_inputs(q, k, v, g, beta)
     _check(q, v, chunk_size, *zip("qkvg", (q, k, v, g)), ("beta", beta))
-    config = (config or DPLRKernelConfig()).for_dtypes(*(x.dtype for x in (q, k, v, g, beta)))
+    key = _config_key(config, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
     # products formed in float32 so 16-bit inputs are rounded only once (as kda.py)
     kf, beta_ = k.float(), beta.float().unsqueeze(-1)
     vb = v.float() * beta_
     check_dplr_inputs(q, kf, vb, kf, kf, g, initial_state)
     return _apply(q, kf, vb, kf, kf * beta_, g, initial_state,
-                  float(check_scale(scale, q.shape[-1])), output_final_state, chunk_size, config)
+                  float(check_scale(scale, q.shape[-1])), output_final_state, chunk_size, key)
