@@ -44,7 +44,8 @@ class BackendUnavailableError(ValueError):
 
 
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    # sys.modules first: torch.compile traces it, not importlib
+    return "triton" in sys.modules or importlib.util.find_spec("triton") is not None
 
 
 def interpreting() -> bool:
@@ -54,14 +55,12 @@ def interpreting() -> bool:
 def kernel_module(op: str) -> ModuleType | None:
     """The imported kernel module of `op`, or None (no kernel, or Triton is not installed)."""
     name = KERNEL_MODULES.get(op)
-    if name is None:
+    if name is None or not triton_available():
         return None
-    # an imported module is looked up, not imported again: torch.compile traces this lookup but
+    # an imported module is looked up, not imported again: torch.compile traces the lookup but
     # not importlib (a graph break)
     module = sys.modules.get(name)
-    if module is None and triton_available():
-        module = importlib.import_module(name)
-    return module
+    return module if module is not None else importlib.import_module(name)
 
 
 def choose_backend(op: str, backend: str | None, device: torch.device, **facts) -> str:
