@@ -75,15 +75,22 @@ def _step(q, k, v, a, b, gk, state, scale: float, launch: bool = True):
     return o, h_out
 
 
-@torch.library.custom_op("xlstm_kit::dplr_step", mutates_args=())
-def _step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             gk: torch.Tensor, state: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _step(q, k, v, a, b, gk, state, scale)
+# Defined with torch.library.Library rather than torch.library.custom_op: the step is host-bound
+# at decode sizes, and custom_op's Python layers cost ~20 µs per call against ~5 µs for a plain
+# definition with one CompositeExplicitAutograd kernel (CPU, no launch; same fake support). No
+# autograd kernel: the public op takes this path only when no input needs a gradient.
+_LIB = torch.library.Library("xlstm_kit", "FRAGMENT")
+_LIB.define("dplr_step(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor gk, Tensor? state, "
+            "float scale) -> (Tensor o, Tensor state_out)")
+_LIB.impl("dplr_step", _step, "CompositeExplicitAutograd")
 
 
-@_step_op.register_fake
+@torch.library.register_fake("xlstm_kit::dplr_step", lib=_LIB)
 def _step_fake(q, k, v, a, b, gk, state, scale):
     return _step(q, k, v, a, b, gk, state, scale, launch=False)
+
+
+_step_op = torch.ops.xlstm_kit.dplr_step.default
 
 
 def dplr_step_triton(q, k, v, a, b, gk, state, *, scale=None):
