@@ -122,6 +122,9 @@ def test_low_precision_products_keep_the_state_exact():
     o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32,
                    config=DPLRKernelConfig(lowp="fp16"))
     assert not torch.equal(o, o_off) and not torch.equal(g[0], g_off[0])   # the mode is in effect
+    o_pub, _ = dplr_chunkwise(*xs, initial_state=s0, chunk_size=32, backend="triton",
+                              config=DPLRKernelConfig(lowp="fp16"))
+    assert torch.equal(o_pub, o)                                 # the public op passes it on
     assert rel_err(o, ro) <= 5 * rel_err(p, ro)
     assert torch.equal(sT, sT_off) and torch.equal(g[6], g_off[6])   # state path untouched
     assert rel_err(sT, rsT) < 2e-6

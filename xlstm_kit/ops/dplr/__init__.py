@@ -15,6 +15,7 @@ from ..backend import choose_backend, kernel_module, on_device
 from . import chunkwise as _chunkwise
 from . import kda as _kda
 from . import naive as _naive
+from .triton.config import DPLRKernelConfig  # no Triton needed to build one
 
 
 @autocast_off
@@ -43,7 +44,7 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
 
     q, k, a, b, gk: [B, T, H, K]; v: [B, T, H, V]; initial_state: [B, H, K, V] (= Sᵀ) or None;
     chunk_size: any integer in [1, 1024], T need not be a multiple; config: the Triton kernels'
-    `xlstm_kit.ops.dplr.triton.config.DPLRKernelConfig` (None: the defaults; unused on the
+    `DPLRKernelConfig` (None: the defaults; unused on the
     PyTorch path).
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
@@ -92,4 +93,4 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
                               output_final_state=output_final_state, chunk_size=chunk_size)
 
 
-__all__ = ["dplr_recurrent", "dplr_chunkwise", "dplr_step", "kda_chunkwise"]
+__all__ = ["dplr_recurrent", "dplr_chunkwise", "dplr_step", "kda_chunkwise", "DPLRKernelConfig"]
