@@ -21,6 +21,8 @@ def _step_kernel(q, k, v, a, b, gk, h_in, h_out, o, scale,
                  K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr):
     """q, k, a, b, gk: [BH, K]; v: [BH, V]; h_in, h_out: [BH, K, V] float32; o: [BH, V] (any
     float dtype; the float32 result is rounded once on store)."""
+    # offsets written out rather than through common._offs: with the helper ptxas (sm_90a,
+    # K = V = 128, BV 32) allocates 154 registers instead of 89, with 23 % more instructions
     bh = tl.program_id(0).to(tl.int64)
     vv = tl.program_id(1) * BV + tl.arange(0, BV)
     kr = tl.arange(0, K)
