@@ -55,5 +55,6 @@ the returned final state and the gradient of the initial state are always float3
 """
 from .config import MLSTMKernelConfig
 from .op import mlstm_chunkwise_triton, supports
+from .step import mlstm_step_triton
 
-__all__ = ["MLSTMKernelConfig", "mlstm_chunkwise_triton", "supports"]
+__all__ = ["MLSTMKernelConfig", "mlstm_chunkwise_triton", "mlstm_step_triton", "supports"]

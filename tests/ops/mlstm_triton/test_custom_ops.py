@@ -1,0 +1,69 @@
+"""The kernels as torch.library custom ops: registration checks (opcheck) and torch.compile
+treating them as opaque ops (one graph, same values and gradients as eager)."""
+import pytest
+import torch
+
+from tests.helpers import rel_err
+from tests.ops.mlstm_triton.phase_inputs import DEV
+from xlstm_kit.ops import mlstm_chunkwise, mlstm_step
+from xlstm_kit.ops.mlstm.triton import MLSTMKernelConfig
+
+
+def _inputs(B=1, T=20, H=2, K=16, V=16, grad=True):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g),
+          torch.randn(B, T, H, V, generator=g), torch.randn(B, T, H, generator=g),
+          torch.randn(B, T, H, generator=g) + 2.0]
+    st = [torch.randn(B, H, K, V, generator=g), torch.randn(B, H, K, generator=g), torch.randn(B, H, generator=g)]
+    return [x.to(DEV).requires_grad_(grad) for x in xs], [s.to(DEV).requires_grad_(grad) for s in st]
+
+
+def test_chunkwise_fwd_op_passes_opcheck():
+    """Schema, fake (meta) implementation, autograd registration and AOT dispatch of
+    xlstm_kit::mlstm_chunkwise_fwd, with and without an initial state."""
+    xs, st = _inputs(T=5, H=1)
+    key = MLSTMKernelConfig.tuned(16, 16, torch.float32, 16).key()
+    for state in (st, [None, None, None]):
+        torch.library.opcheck(torch.ops.xlstm_kit.mlstm_chunkwise_fwd.default, (*xs, *state, 1e-6, key))
+
+
+def test_step_op_passes_opcheck():
+    xs, st = _inputs(T=1, grad=False)
+    step_in = [x[:, 0].contiguous() for x in xs]
+    for state in (st, [None, None, None]):
+        torch.library.opcheck(torch.ops.xlstm_kit.mlstm_step.default, (*step_in, *state, 1e-6, 0))
+
+
+def test_compile_fullgraph_matches_eager():
+    """torch.compile(fullgraph=True) through the public op with backend="triton": no graph
+    break, and h, the final state and every gradient equal eager's."""
+    def fn(q, k, v, i, f, C, n, m):
+        h, (C1, n1, m1) = mlstm_chunkwise(q, k, v, i, f, initial_state=(C, n, m), output_final_state=True,
+                                          backend="triton", chunk_size=16)
+        return (h * h).sum() + (C1 * C1).sum() + n1.sum() + m1.sum(), h
+
+    xs, st = _inputs()
+    graph_ops = []
+
+    def eager_backend(gm, example_inputs):  # "eager", recording the captured graph's calls
+        graph_ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    compiled = torch.compile(fn, backend=eager_backend, fullgraph=True)
+    results = []
+    for f in (fn, compiled):
+        ins = [x.detach().requires_grad_(True) for x in xs + st]
+        loss, h = f(*ins)
+        results.append([h] + list(torch.autograd.grad(loss, ins)))
+    for j, (a, b) in enumerate(zip(*results)):
+        assert rel_err(a, b) < 1e-6, j
+    assert "xlstm_kit.mlstm_chunkwise_fwd.default" in graph_ops, graph_ops
+
+
+def test_compile_step_fullgraph_matches_eager():
+    xs, st = _inputs(T=1, grad=False)
+    step_in = [x[:, 0] for x in xs]
+    fn = lambda *a: mlstm_step(*a[:5], tuple(a[5:]))
+    h, (C, n, m) = torch.compile(fn, backend="eager", fullgraph=True)(*step_in, *st)
+    h2, (C2, n2, m2) = fn(*step_in, *st)
+    assert torch.equal(h, h2) and torch.equal(C, C2) and torch.equal(m, m2)
