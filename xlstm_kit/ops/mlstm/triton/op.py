@@ -40,8 +40,7 @@ def _fwd_buffers(q, v, NC, L):
 # Outputs of the forward op, in order: h, hlo (h's rounding residual, empty for float32
 # inputs), the final state C, n, m (float32), per row n̄ and m [B,H,NC·L], the chunk-start
 # states cs, ns, ms and the gate tensors β, β_lo, ĩ, u, xm, all saved for the backward.
-@torch.library.custom_op("xlstm_kit::mlstm_chunkwise_fwd", mutates_args=())
-def mlstm_chunkwise_fwd(
+def _forward(
     q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor,
     C0: Optional[Tensor], n0: Optional[Tensor], m0: Optional[Tensor], eps: float, config: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
@@ -65,6 +64,9 @@ def mlstm_chunkwise_fwd(
     return out + gate_tensors
 
 
+mlstm_chunkwise_fwd = torch.library.custom_op("xlstm_kit::mlstm_chunkwise_fwd", _forward, mutates_args=())
+
+
 @mlstm_chunkwise_fwd.register_fake
 def _(q, k, v, i, f, C0, n0, m0, eps, config):
     L = MLSTMKernelConfig.from_key(config).chunk
@@ -72,8 +74,7 @@ def _(q, k, v, i, f, C0, n0, m0, eps, config):
     return _fwd_buffers(q, v, NC, L) + gates.gate_buffers(i, NC, L)
 
 
-@torch.library.custom_op("xlstm_kit::mlstm_chunkwise_bwd", mutates_args=())
-def mlstm_chunkwise_bwd(
+def _backward_impl(
     q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor,
     C0: Optional[Tensor], n0: Optional[Tensor],
     h: Tensor, hlo: Tensor, Cf: Tensor, nf: Tensor, nbar: Tensor, mrow: Tensor,
@@ -117,6 +118,9 @@ def mlstm_chunkwise_bwd(
     return dq, dk, dv, dio, dfo, dC0, dn0, dm0
 
 
+mlstm_chunkwise_bwd = torch.library.custom_op("xlstm_kit::mlstm_chunkwise_bwd", _backward_impl, mutates_args=())
+
+
 @mlstm_chunkwise_bwd.register_fake
 def _(q, k, v, i, f, C0, n0, h, hlo, Cf, nf, nbar, mrow, cs, ns, ms, beta, blo, ig, u, xm,
       dh, dCf, dnf, dmf, eps, config):
@@ -125,20 +129,21 @@ def _(q, k, v, i, f, C0, n0, h, hlo, Cf, nf, nbar, mrow, cs, ns, ms, beta, blo, 
             torch.empty_like(f), torch.empty_like(Cf), torch.empty_like(nf), _empty(q, B, H))
 
 
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs, output):
     q, k, v, i, f, C0, n0, m0, eps, config = inputs
     h, hlo, Cf, nf, mf, *saved = output
-    ctx.mark_non_differentiable(hlo, *saved)
     # gradients of unused outputs stay None: no zero tensors, no work for them in backward
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h, hlo, Cf, nf, *saved)
     ctx.eps, ctx.config = eps, config
 
 
-def _backward(ctx, dh, dhlo, dCf, dnf, dmf, *_):
+def _grads(bwd, ctx, dh, dCf, dnf, dmf):
+    """The input gradients from the output gradients (None where unused), the backward
+    computed by `bwd` (the custom op or its implementation)."""
     q, k, v, i, f, C0, n0, m0, h, hlo, Cf, nf, *saved = ctx.saved_tensors
     dh = torch.zeros_like(h) if dh is None else dh.contiguous()
-    dq, dk, dv, di, df, dC0, dn0, dm0 = mlstm_chunkwise_bwd(
+    dq, dk, dv, di, df, dC0, dn0, dm0 = bwd(
         q, k, v, i, f, C0, n0, h, hlo, Cf, nf, *saved, dh,
         None if dCf is None else dCf.float().contiguous(), None if dnf is None else dnf.float().contiguous(),
         dmf, ctx.eps, ctx.config)
@@ -147,7 +152,32 @@ def _backward(ctx, dh, dhlo, dCf, dnf, dmf, *_):
             None, None)
 
 
+def _setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:2], *output[5:])
+    _save(ctx, inputs, output)
+
+
+def _backward(ctx, dh, dhlo, dCf, dnf, dmf, *_):
+    return _grads(mlstm_chunkwise_bwd, ctx, dh, dCf, dnf, dmf)
+
+
 mlstm_chunkwise_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerChunkwise(torch.autograd.Function):
+    """The eager path: the custom ops' implementations and autograd formula without the
+    dispatcher (which costs ~0.1-0.2 ms of host time per forward+backward, and the host's
+    launch time is the bottleneck at the benchmark sizes). torch.compile sees the custom ops."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out = _forward(*inputs)
+        _save(ctx, inputs, out)
+        return out[0], out[2], out[3], out[4]
+
+    @staticmethod
+    def backward(ctx, dh, dCf, dnf, dmf):
+        return _grads(_backward_impl, ctx, dh, dCf, dnf, dmf)
 
 
 @torch.compiler.assume_constant_result
@@ -199,7 +229,10 @@ def mlstm_chunkwise_triton(
         C0 = n0 = m0 = None
     else:
         C0, n0, m0 = (s.float().contiguous() for s in initial_state)
-    h, _, C, n, m, *_ = mlstm_chunkwise_fwd(
-        q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(), i.contiguous(), f.contiguous(),
-        C0, n0, m0, float(eps), key)
+    args = (q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(), i.contiguous(), f.contiguous(),
+            C0, n0, m0, float(eps), key)
+    if torch.compiler.is_compiling():
+        h, _, C, n, m, *_ = mlstm_chunkwise_fwd(*args)
+    else:
+        h, C, n, m = _EagerChunkwise.apply(*args)
     return h, ((C, n, m) if output_final_state else None)
