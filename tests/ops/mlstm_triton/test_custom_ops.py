@@ -5,8 +5,8 @@ import torch
 
 from tests.helpers import rel_err
 from tests.ops.mlstm_triton.phase_inputs import DEV
-from xlstm_kit.ops import mlstm_chunkwise, mlstm_step
-from xlstm_kit.ops.mlstm.triton import MLSTMKernelConfig
+from xlstm_kit.ops import mlstm_chunkwise
+from xlstm_kit.ops.mlstm.triton import MLSTMKernelConfig, mlstm_chunkwise_triton, mlstm_step_triton
 
 
 def _inputs(B=1, T=20, H=2, K=16, V=16, grad=True):
@@ -44,12 +44,7 @@ def test_compile_fullgraph_matches_eager():
 
     xs, st = _inputs()
     graph_ops = []
-
-    def eager_backend(gm, example_inputs):  # "eager", recording the captured graph's calls
-        graph_ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        return gm.forward
-
-    compiled = torch.compile(fn, backend=eager_backend, fullgraph=True)
+    compiled = torch.compile(fn, backend=_recording_backend(graph_ops), fullgraph=True)
     results = []
     for f in (fn, compiled):
         ins = [x.detach().requires_grad_(True) for x in xs + st]
@@ -60,10 +55,28 @@ def test_compile_fullgraph_matches_eager():
     assert "xlstm_kit.mlstm_chunkwise_fwd.default" in graph_ops, graph_ops
 
 
-def test_compile_step_fullgraph_matches_eager():
-    xs, st = _inputs(T=1, grad=False)
-    step_in = [x[:, 0] for x in xs]
-    fn = lambda *a: mlstm_step(*a[:5], tuple(a[5:]))
-    h, (C, n, m) = torch.compile(fn, backend="eager", fullgraph=True)(*step_in, *st)
-    h2, (C2, n2, m2) = fn(*step_in, *st)
-    assert torch.equal(h, h2) and torch.equal(C, C2) and torch.equal(m, m2)
+def _recording_backend(graph_ops):
+    def backend(gm, example_inputs):  # "eager", recording the captured graph's calls
+        graph_ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+    return backend
+
+
+def test_compile_step_and_config_fullgraph():
+    """The decode step and a chunkwise call with an explicit configuration compile to one
+    graph holding the custom op, with eager's values."""
+    xs, st = _inputs(grad=False)
+    graph_ops = []
+    def step(*a):
+        h, state = mlstm_step_triton(*a[:5], tuple(a[5:]))
+        return (h, *state)
+
+    step_in = [x[:, 0] for x in xs] + st
+    for a, b in zip(torch.compile(step, backend=_recording_backend(graph_ops), fullgraph=True)(*step_in),
+                    step(*step_in)):
+        assert torch.equal(a, b)
+    assert "xlstm_kit.mlstm_step.default" in graph_ops
+    cfg = MLSTMKernelConfig.tuned(16, 16, torch.float32, 16).replace(seq_scan=True)
+    chunk = lambda *a: mlstm_chunkwise_triton(*a, config=cfg)[0]
+    assert torch.equal(torch.compile(chunk, backend=_recording_backend(graph_ops), fullgraph=True)(*xs), chunk(*xs))
+    assert "xlstm_kit.mlstm_chunkwise_fwd.default" in graph_ops
