@@ -1,6 +1,8 @@
 """Float64 PyTorch references of the chunkwise mLSTM kernel phases (xlstm_kit.ops.mlstm.triton),
 written from the formulas of the package docstring, one per phase. Gate and state tensors are
-[B, H, NC, L] / [B, H, NC, ...]; sequence tensors [B, T, H, D]."""
+[B, H, NC, L] / [B, H, NC, ...]; sequence tensors [B, T, H, D]. The stabilizers are computed
+from detached values, so autograd through these functions gives the fixed-stabilizer
+gradients that the backward kernels compute."""
 import torch
 import torch.nn.functional as F
 
@@ -45,7 +47,7 @@ def chunk_states(k, v, beta, ig, u, C0, n0, m0):
         cs.append(C)
         ns.append(n)
         b_last = beta[:, :, c, -1]
-        m_next = torch.maximum(b_last + m, u[:, :, c, -1])
+        m_next = torch.maximum(b_last.detach() + m, u[:, :, c, -1].detach())
         decay = torch.exp(b_last + m - m_next)
         w = torch.exp(b_last[..., None] - beta[:, :, c] + ig[:, :, c] - m_next[..., None])
         C = decay[..., None, None] * C + torch.einsum("bhl,bhlk,bhlv->bhkv", w, kc[:, :, c], vc[:, :, c])
@@ -61,8 +63,8 @@ def chunk_output(q, k, v, beta, ig, u, cs, ns, ms, eps):
     L = beta.shape[-1]
     qc, kc, vc = chunked(q, L), chunked(k, L), chunked(v, L)
     scale = K ** -0.5
-    m_prev = ms[:, :, :-1, None]
-    m_row = torch.maximum(beta + m_prev, u)
+    m_prev = ms[:, :, :-1, None].detach()
+    m_row = torch.maximum(beta.detach() + m_prev, u.detach())
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     D = beta[..., :, None] - beta[..., None, :] + ig[..., None, :] - m_row[..., :, None]
     P = (qc @ kc.transpose(-1, -2)) * scale * torch.where(causal, D, torch.full_like(D, NEG)).exp()
