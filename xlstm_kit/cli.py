@@ -36,6 +36,10 @@ _TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
 _LARGE_DEFAULTS = dict(batch_size=32, seq_len=2048, lr=1e-3, min_lr=1e-4, warmup_steps=500)
 
 
+_THREADS_HELP = ("CPU threads (default: torch's choice, fewer when other processes already keep cores "
+                 "busy; OMP_NUM_THREADS, when set, is kept)")
+
+
 class UsageError(Exception):
     """A problem with what the user asked for: reported in one line, exit status 2."""
 
@@ -163,8 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--val-fraction", type=_positive_float, default=0.1, help="share of the corpus held out for validation")
     o.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar (validation lines are still printed)")
-    o.add_argument("--threads", type=_positive_int, default=None,
-                   help="CPU threads of each process (default: torch's choice; 1 is faster on a busy machine)")
+    o.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
     t.set_defaults(func=cmd_train)
 
     # ---------------------------------------------------------------- generate
@@ -183,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=_positive_float, default=None, help="nucleus sampling threshold in (0, 1]")
     gen.add_argument("--seed", type=_nonneg_int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    gen.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
     gen.set_defaults(func=cmd_generate)
 
     # ---------------------------------------------------------------- eval
@@ -201,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--val-fraction", type=_positive_float, default=None,
                     help="held-out share of --data (default: training's)")
     ev.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    ev.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
     ev.set_defaults(func=cmd_eval)
 
     # ---------------------------------------------------------------- demo
@@ -289,6 +294,76 @@ def _tokenizer_for(meta: dict[str, Any], model):
     return tok
 
 
+def _use_threads(requested: int | None, device) -> str:
+    """Set torch's CPU threads (--threads, else a load-aware default for CPU runs); returns
+    words for the start line, e.g. "1 thread (other processes keep the cores busy)"."""
+    import torch
+
+    from .resources import default_threads
+
+    n, why = requested, ""
+    if n is None and device is not None and device.type == "cpu":
+        n = default_threads(torch.get_num_threads())
+        if n is not None and n < torch.get_num_threads():
+            why = " (other processes keep the cores busy; --threads to choose)"
+    if n is not None:
+        torch.set_num_threads(n)
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' if n > 1 else ''}{why}"
+
+
+def _out_of_memory(needed: int, available: int, what: str, shrink: str) -> UsageError:
+    """The one-line refusal of a CPU run that would outgrow the memory (the kernel would kill it
+    with a bare "Killed", without a checkpoint); ``shrink`` suggests smaller settings."""
+    from .resources import format_gib
+
+    return UsageError(f"{what} needs about {format_gib(needed)} of memory on the CPU, "
+                      f"{format_gib(available)} is available: {shrink}, or use a GPU (--device cuda)")
+
+
+def _check_training_memory(model_config, config, preset: str) -> None:
+    from .resources import available_memory, count_parameters, largest_batch, training_bytes
+
+    available = available_memory()
+    n_params = count_parameters(model_config)
+    micro = max(1, config.batch_size // config.grad_accum)
+    need = lambda b: training_bytes(model_config, n_params, b, config.seq_len)  # noqa: E731
+    if available is None or need(micro) <= available:
+        return
+    fits = largest_batch(need, available, micro)
+    if fits:
+        accum = next(k for k in range(-(-config.batch_size // fits), config.batch_size + 1)
+                     if config.batch_size % k == 0)
+        shrink = (f"use --batch-size {fits} (or keep the batch of {config.batch_size} with "
+                  f"--grad-accum {accum}) or a smaller --preset")
+    else:
+        shrink = "use a shorter --seq-len or a smaller --preset (e.g. tiny)"
+    raise _out_of_memory(need(micro), available, f"training {preset} ({n_params / 1e6:.0f}M parameters, "
+                         f"{micro}x{config.seq_len} tokens per pass)", shrink)
+
+
+def _check_eval_memory(model, batch_size: int, seq_len: int) -> None:
+    from .resources import available_memory, evaluation_bytes, largest_batch
+
+    available = available_memory()
+    n_params = sum(p.numel() for p in model.parameters())
+    need = lambda b: evaluation_bytes(model.config, n_params, b, seq_len)  # noqa: E731
+    if available is None or need(batch_size) <= available:
+        return
+    fits = largest_batch(need, available, batch_size)
+    raise _out_of_memory(need(batch_size), available, f"evaluating {batch_size}x{seq_len} tokens per batch",
+                         f"use --batch-size {fits}" if fits else "use a shorter --seq-len")
+
+
+def _report_skipped(data) -> None:
+    from .data import name_some
+
+    if data.skipped:
+        print(f"skipped {len(data.skipped)} file{'s' if len(data.skipped) > 1 else ''} that "
+              f"{'are' if len(data.skipped) > 1 else 'is'} not UTF-8 text: {name_some(data.skipped)}",
+              file=sys.stderr, flush=True)
+
+
 class _Progress:
     """Turns training events into a tqdm bar and printed validation lines."""
 
@@ -343,14 +418,14 @@ def _clear_run(out: Path) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
-    from .data import TOKENIZERS, load_data
+    from .data import TOKENIZERS, get_tokenizer, load_data
     from .model import PRESETS, XLSTMConfig, XLSTMLanguageModel
     from .train import (TrainConfig, init_distributed, load_training_state, read_train_meta,
                         resolve_checkpoint, train)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     dist = init_distributed()
+    device = _pick_device(args.device) if args.device or not dist.enabled else None
+    threads = _use_threads(args.threads, device)
     out = Path(args.out or f"runs/{(args.preset or DEFAULT_PRESET).lower()}")
     overrides = {
         k: getattr(args, k)
@@ -402,21 +477,28 @@ def cmd_train(args: argparse.Namespace) -> int:
         start = 0
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
-    data = load_data(data_spec, tok_name, val_fraction=val_fraction)
-    if not args.resume:
-        torch.manual_seed(config.seed)
-        model = XLSTMLanguageModel(XLSTMConfig.from_name(preset, vocab_size=data.vocab_size))
-        if args.overwrite and dist.is_main:
-            _clear_run(out)
     if config.steps <= start:
         raise UsageError(f"the checkpoint is already at step {start}; pass --steps larger than that to train on")
-    device = _pick_device(args.device) if args.device or not dist.enabled else None
+    model_config = model.config if args.resume else XLSTMConfig.from_name(
+        preset, vocab_size=get_tokenizer(tok_name).vocab_size)
+    if device is not None and device.type == "cpu":
+        _check_training_memory(model_config, config, preset)
+    data = load_data(data_spec, tok_name, val_fraction=val_fraction)
+    if dist.is_main:
+        _report_skipped(data)
+    if not args.resume:
+        torch.manual_seed(config.seed)
+        model = XLSTMLanguageModel(model_config)
+        if args.overwrite and dist.is_main:
+            _clear_run(out)
 
     meta_out = {"preset": preset, "data": data_spec, "tokenizer": tok_name, "val_fraction": val_fraction}
     progress = None
     if dist.is_main:
         n_params = sum(p.numel() for p in model.parameters())
         where = f"{dist.world_size} processes" if dist.enabled else str(device)
+        if device is not None and device.type == "cpu":
+            where += f" ({threads})"
         print(
             f"{'resuming' if args.resume else 'training'} {preset} ({n_params / 1e6:.2f}M parameters) on "
             f"{data_spec} ({len(data.train):,} training tokens, tokenizer {tok_name}) for "
@@ -440,8 +522,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"interrupted at step {result.step}; saved {where}. Continue with: "
                   f"xlstm-kit train --out {out} --resume", file=sys.stderr)
             return EXIT_INTERRUPTED
-        print(f"done: step {result.step}; checkpoint {result.checkpoint}; loss curve {result.plot}",
-              file=sys.stderr)
+        from ._extras import install_hint
+
+        plot = result.plot or f"skipped (needs matplotlib: {install_hint('matplotlib')})"
+        print(f"done: step {result.step}; checkpoint {result.checkpoint}; loss curve {plot}", file=sys.stderr)
     return 0
 
 
@@ -467,6 +551,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.top_p is not None and args.top_p > 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     device = _pick_device(args.device)
+    _use_threads(args.threads, device)
     _, meta, model = _load_model(args.checkpoint, device)
     tok = _tokenizer_for(meta, model)
     prompt = "\n" if args.prompt is None else args.prompt
@@ -481,6 +566,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .train import evaluate
 
     device = _pick_device(args.device)
+    _use_threads(args.threads, device)
     ckpt, meta, model = _load_model(args.checkpoint, device)
     tok = _tokenizer_for(meta, model)
     spec = args.data or meta.get("data") or DEFAULT_DATA
@@ -488,7 +574,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
     seq_len = args.seq_len or meta.get("train_config", {}).get("seq_len") or model.config.context_length
+    if device.type == "cpu":
+        _check_eval_memory(model, args.batch_size, seq_len)
     data = load_data(spec, tok.name, val_fraction=val_fraction)
+    _report_skipped(data)
     m = evaluate(model, data.val, seq_len=seq_len, batch_size=args.batch_size,
                  max_batches=args.eval_batches or None, token_bytes=tok.token_byte_lengths(), device=device)
     print(f"{ckpt}: val loss {m.loss:.4f}  bits/byte {m.bits_per_byte:.4f}  perplexity {m.perplexity:.2f}  "
@@ -730,16 +819,26 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before a command's own handling starts (while torch is being imported, say).
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if os.environ.get("XLSTM_KIT_DEBUG") == "1":
         return args.func(args)
+    from ._extras import MissingExtraError
     from .data import DataError
     from .train import CheckpointError
 
     try:
         return args.func(args)
-    except (UsageError, DataError, CheckpointError, ValueError, FileNotFoundError) as e:
+    except (UsageError, DataError, CheckpointError, MissingExtraError, ValueError, FileNotFoundError) as e:
         print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
