@@ -250,6 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_experiment_parser(sub)
 
+    be = sub.add_parser(
+        "bench", help="time the ops, a training step and generation (optionally against the peers)",
+        description="Time the registered benchmark cases (xlstm_kit.bench) and write a dated markdown table.",
+        formatter_class=_Formatter,
+    )
+    from .bench.runner import add_arguments as _bench_arguments
+
+    _bench_arguments(be)
+    be.set_defaults(func=cmd_bench)
+
     for p in (t, gen, ev, de):
         for action in p._actions:
             if action.metavar is None and action.type in (_positive_int, _nonneg_int):
@@ -833,6 +843,13 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         for r in results:
             print(line(r))
         print(f"report: {out / ex.RESULTS_TABLE} and {out / ex.RESULTS_PLOT}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.runner import run
+
+    run(args)
     return 0
 
 

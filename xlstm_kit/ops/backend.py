@@ -29,8 +29,8 @@ BACKENDS = ("torch", "triton")
 KERNEL_MODULES: dict[str, str] = {
     "mlstm_chunkwise": "xlstm_kit.ops.mlstm.triton_chunkwise",
     "mlstm_step": "xlstm_kit.ops.mlstm.triton_step",
-    "slstm_recurrent": "xlstm_kit.ops.slstm.triton_kernel",
-    "slstm_step": "xlstm_kit.ops.slstm.triton_kernel",
+    "slstm_recurrent": "xlstm_kit.ops.slstm.triton.op",
+    "slstm_step": "xlstm_kit.ops.slstm.triton.step",
     "dplr_chunkwise": "xlstm_kit.ops.dplr.triton_chunkwise",
     "kda_chunkwise": "xlstm_kit.ops.dplr.triton_chunkwise",
     "dplr_step": "xlstm_kit.ops.dplr.triton_step",
@@ -71,12 +71,11 @@ def choose_backend(op: str, backend: str | None, device: torch.device, **facts) 
             return "torch"
         raise BackendUnavailableError(
             f"{op} has no Triton kernel; use backend='torch' (or None to choose automatically)")
-    module = kernel_module(op)
-    if module is None:
+    has_module, reason = _kernel_answer(op, **facts)
+    if not has_module:
         if backend is None:
             return "torch"
         raise BackendUnavailableError(f"backend='triton' for {op} needs the 'triton' package")
-    reason = module.supports(op, **facts)
     if backend is None:
         return "torch" if reason else "triton"
     if device.type != "cuda" and not interpreting():
@@ -85,6 +84,14 @@ def choose_backend(op: str, backend: str | None, device: torch.device, **facts) 
     if reason:
         raise BackendUnavailableError(f"backend='triton' for {op}: {reason}")
     return "triton"
+
+
+@torch.compiler.assume_constant_result
+def _kernel_answer(op: str, **facts) -> tuple[bool, str | None]:
+    """(whether `op`'s kernel module imports, its `supports` answer); a constant to
+    torch.compile, which cannot trace the import."""
+    module = kernel_module(op)
+    return (False, None) if module is None else (True, module.supports(op, **facts))
 
 
 def on_device(t: torch.Tensor):
