@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import sys
 from types import ModuleType
 
 import torch
@@ -31,9 +32,9 @@ KERNEL_MODULES: dict[str, str] = {
     "mlstm_step": "xlstm_kit.ops.mlstm.triton_step",
     "slstm_recurrent": "xlstm_kit.ops.slstm.triton.op",
     "slstm_step": "xlstm_kit.ops.slstm.triton.step",
-    "dplr_chunkwise": "xlstm_kit.ops.dplr.triton_chunkwise",
-    "kda_chunkwise": "xlstm_kit.ops.dplr.triton_chunkwise",
-    "dplr_step": "xlstm_kit.ops.dplr.triton_step",
+    "dplr_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
+    "kda_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
+    "dplr_step": "xlstm_kit.ops.dplr.triton.step",
 }
 
 
@@ -43,7 +44,8 @@ class BackendUnavailableError(ValueError):
 
 
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    # sys.modules first: torch.compile traces it, not importlib
+    return "triton" in sys.modules or importlib.util.find_spec("triton") is not None
 
 
 def interpreting() -> bool:
@@ -55,7 +57,10 @@ def kernel_module(op: str) -> ModuleType | None:
     name = KERNEL_MODULES.get(op)
     if name is None or not triton_available():
         return None
-    return importlib.import_module(name)
+    # an imported module is looked up, not imported again: torch.compile traces the lookup but
+    # not importlib (a graph break)
+    module = sys.modules.get(name)
+    return module if module is not None else importlib.import_module(name)
 
 
 def choose_backend(op: str, backend: str | None, device: torch.device, **facts) -> str:
