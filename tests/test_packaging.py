@@ -32,6 +32,7 @@ def dependency_closure(requirements: list[str], extras: tuple[str, ...] = ()) ->
     own requirements, recursively; markers are evaluated for this interpreter. Fails when one is
     not installed or its version does not satisfy the requirement."""
     found: dict[str, md.Distribution] = {}
+    done: set[tuple[str, tuple[str, ...]]] = set()  # a package asked for again with other extras
     todo = [(Requirement(r), extras) for r in requirements]
     while todo:
         req, wanted_extras = todo.pop()
@@ -43,8 +44,9 @@ def dependency_closure(requirements: list[str], extras: tuple[str, ...] = ()) ->
         except md.PackageNotFoundError:
             pytest.fail(f"{req} is declared but not installed in the test environment")
         assert req.specifier.contains(dist.version, prereleases=True), f"installed {name} {dist.version} violates {req}"
-        if name in found:
+        if (name, tuple(sorted(req.extras))) in done:
             continue
+        done.add((name, tuple(sorted(req.extras))))
         found[name] = dist
         todo += [(Requirement(r), tuple(req.extras)) for r in dist.requires or []]
     return found
