@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -810,6 +811,6 @@ def train(
                 )
                 emit(CheckpointEvent(step, result.checkpoint))
     result.step = step
-    if writes:
+    if writes and importlib.util.find_spec("matplotlib") is not None:  # the [plot] extra; else plot stays None
         result.plot = plot_loss_curve(history, out_dir / PLOT_FILE)
     return result
