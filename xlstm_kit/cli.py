@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time the registered benchmark cases (xlstm_kit.bench) and write a dated markdown table.",
         formatter_class=_Formatter,
     )
-    from .bench.runner import add_arguments as _bench_arguments
+    from .bench.options import add_arguments as _bench_arguments
 
     _bench_arguments(be)
     be.set_defaults(func=cmd_bench)
