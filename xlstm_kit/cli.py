@@ -220,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU threads (default: torch's choice, or 1 when other processes already load the cores)")
     de.set_defaults(func=cmd_demo)
 
-    _add_experiment_parser(sub)
+    from .tasks.cli import add_parser as add_experiment_parser  # the experiment command lives with the tasks
+
+    add_experiment_parser(sub)
 
     for p in (t, gen, ev, de):
         for action in p._actions:
@@ -577,150 +579,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     exe = os.path.relpath(exe) if exe.is_file() else PROG
     print(f"loss curve: {result.plot}\nmore text:  {exe} generate {out} --prompt 'JULIET:'\n"
           f"train on:   {exe} train --out {out} --resume --steps {2 * config.steps}")
-    return 0
-
-
-# --------------------------------------------------------------------------------------------
-# experiment: the paper's synthetic tasks (xlstm_kit.tasks)
-# --------------------------------------------------------------------------------------------
-
-
-def _add_experiment_parser(sub) -> None:
-    ex = sub.add_parser(
-        "experiment",
-        help="formal-language tasks and MQAR: xLSTM against a Transformer and an LSTM",
-        description="Train small models (2 blocks, same width) on the paper's synthetic tasks and "
-        "report scaled accuracy on longer test sequences (formal: 0 = chance, 1 = perfect) or "
-        "recall accuracy (MQAR). Models: xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer, lstm.",
-    )
-    kinds = ex.add_subparsers(dest="experiment", metavar="KIND", parser_class=_Parser)
-    kinds.required = True
-    fo = kinds.add_parser("formal", help="one model on one formal-language task", formatter_class=_Formatter)
-    fo.add_argument("--task", required=True, help="parity, even_pairs, cycle_navigation, modular_arithmetic, "
-                    "reverse_string, stack_manipulation, bucket_sort or majority")
-    fo.add_argument("--model", required=True, help="xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer or lstm")
-    mq = kinds.add_parser("mqar", help="one model on multi-query associative recall", formatter_class=_Formatter)
-    mq.add_argument("--model", required=True, help="xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer or lstm")
-    sw = kinds.add_parser("sweep", help="every task x model; writes table.md and heatmap.png", formatter_class=_Formatter)
-    sw.add_argument("--tasks", default=None, help="comma-separated formal tasks (default: all)")
-    sw.add_argument("--models", default=None, help="comma-separated models (default: all)")
-    sw.add_argument("--no-mqar", action="store_true", help="formal tasks only")
-    sw.add_argument("--jobs", type=_positive_int, default=1, metavar="N", help="runs in parallel processes")
-    sw.add_argument("--mqar-time-limit", type=_positive_float, default=None, metavar="S",
-                    help="time limit of each MQAR run (default: --time-limit)")
-    sw.add_argument("--mqar-steps", type=_positive_int, default=None, metavar="N",
-                    help="most optimizer steps of each MQAR run (default: --steps)")
-    sw.add_argument("--mqar-lr", default=None, metavar="X[,Y...]",
-                    help="peak learning rate(s) of the MQAR runs; several: one MQAR column per rate "
-                    "(default: --lr if given, else 1e-3)")
-    sw.add_argument("--steps-for", default=None, metavar="TASK=N,...",
-                    help="per-task step counts for the formal tasks, e.g. parity=4000,majority=1500")
-    sw.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT/runs/*.json")
-    for p in (fo, mq, sw):
-        p.add_argument("--quick", action="store_true", help="tiny CPU smoke run (tests use it)")
-        p.add_argument("--steps", type=_positive_int, default=None, metavar="N", help="most optimizer steps")
-        p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S",
-                       help="seconds per run, training and evaluation (the schedule fits itself to it)")
-        p.add_argument("--batch-size", type=_positive_int, default=None, metavar="N")
-        p.add_argument("--lr", type=_positive_float, default=None, metavar="X",
-                       help="peak learning rate (default: 3e-3 formal, 1e-3 MQAR)")
-        p.add_argument("--d-model", type=_positive_int, default=None, metavar="N", help="width of every model")
-        p.add_argument("--seq-len", type=_positive_int, default=None, metavar="N", help="MQAR sequence length")
-        p.add_argument("--pairs", type=_positive_int, default=None, metavar="N", help="MQAR key-value pairs")
-        p.add_argument("--seed", type=_nonneg_int, default=None, metavar="N")
-        p.add_argument("--precision", choices=["fp32", "bf16"], default=None)
-        p.add_argument("--backend", choices=["torch", "triton"], default=None, help="xLSTM ops backend (default: by device)")
-        p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
-        p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="CPU threads")
-        p.add_argument("--out", default="results/experiments", metavar="DIR", help="output folder")
-        p.set_defaults(func=cmd_experiment)
-
-
-def cmd_experiment(args: argparse.Namespace) -> int:
-    import shlex
-
-    import torch
-
-    from .tasks import experiment as ex
-    from .tasks.formal import get_task
-
-    if args.experiment == "formal":  # names first: a typo must not cost a training run
-        get_task(args.task)
-    if args.experiment in ("formal", "mqar"):
-        ex.check_model_name(args.model)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    command = " ".join([PROG] + [shlex.quote(a) for a in sys.argv[1:]])
-    if args.experiment == "sweep" and args.report_only:
-        paths = ex.write_report(ex.load_results(out / "runs"), out)  # keeps the sweep's command
-        print(f"report: {paths['table']} and {paths['plot']}")
-        return 0
-    device = _pick_device(args.device)
-    fields = {"steps": args.steps, "time_limit_s": args.time_limit, "batch_size": args.batch_size, "lr": args.lr,
-              "d_model": args.d_model, "mqar_seq_len": args.seq_len, "mqar_pairs": args.pairs, "seed": args.seed,
-              "precision": args.precision, "backend": args.backend}
-    fields = {k: v for k, v in fields.items() if v is not None}
-    if "lr" in fields:
-        fields["min_lr"] = fields["lr"] / 10
-    make = ex.quick_config if args.quick else ex.RunConfig
-
-    def mqar_fields(lr, steps, time_limit):
-        f = dict(fields)
-        lr = lr if lr is not None else fields.get("lr", None if args.quick else ex.MQAR_LR)
-        if lr is not None:
-            f.update(lr=lr, min_lr=lr / 10)
-        if steps is not None:
-            f["steps"] = steps
-        if time_limit is not None:
-            f["time_limit_s"] = time_limit
-        return f
-
-    if args.experiment == "mqar":
-        fields = mqar_fields(None, None, None)
-    cfg = make(device=str(device), **fields)
-
-    def line(r) -> str:
-        if "error" in r:
-            return f"{r['kind']} {r['task']} {r['model']}: {r['error']}"
-        what = "scaled accuracy" if r["kind"] == "formal" else "accuracy"
-        return (f"{r['kind']} {r['task']} {r['model']}: {what} {r['scaled_accuracy']:.3f} after "
-                f"{r['steps_done']} steps ({r['train_seconds']:.0f} s), loss {r['loss_first']:.3f} -> "
-                f"{r['loss_last']:.3f}" + (f" -> {r['path']}" if "path" in r else ""))
-
-    if args.experiment == "formal":
-        print(line(ex.run_formal(args.task, args.model, cfg, out / "runs")))
-    elif args.experiment == "mqar":
-        print(line(ex.run_mqar(args.model, cfg, out / "runs")))
-    else:
-        split = lambda s: [x for x in s.split(",") if x.strip()]  # noqa: E731
-        tasks = split(args.tasks) if args.tasks else list(ex.TASKS)
-        models = split(args.models) if args.models else list(ex.MODEL_NAMES)
-        for t in tasks:
-            get_task(t)
-        for m in models:
-            ex.check_model_name(m)
-        steps_for = {}
-        for item in split(args.steps_for or ""):
-            name, sep, n = item.partition("=")
-            if not sep or not n.strip().isdigit() or int(n) < 1:
-                raise UsageError(f"--steps-for wants TASK=N items with N a positive integer, got {item!r}")
-            steps_for[get_task(name.strip()).name] = int(n)
-        mqar_lrs = [None]
-        if args.mqar_lr:
-            try:
-                mqar_lrs = [float(x) for x in split(args.mqar_lr)]
-            except ValueError:
-                mqar_lrs = []
-            if not mqar_lrs or not all(x > 0 and math.isfinite(x) for x in mqar_lrs):
-                raise UsageError(f"--mqar-lr wants positive numbers separated by commas, got {args.mqar_lr!r}")
-        mqar_cfg = [make(device=str(device), **mqar_fields(lr, args.mqar_steps, args.mqar_time_limit))
-                    for lr in mqar_lrs]
-        results = ex.run_sweep(tasks, models, cfg, out, mqar=not args.no_mqar, mqar_cfg=mqar_cfg,
-                               jobs=args.jobs, steps_for=steps_for, command=command)
-        for r in results:
-            print(line(r))
-        print(f"report: {out / ex.RESULTS_TABLE} and {out / ex.RESULTS_PLOT}")
     return 0
 
 

@@ -89,7 +89,7 @@ def test_sweep_steps_per_task_and_longest_first(tmp_path, monkeypatch):
     import xlstm_kit.tasks.experiment as ex
 
     seen = []
-    monkeypatch.setattr(ex, "_run_one", lambda job: seen.append(job) or {"kind": job[0], "task": job[1],
+    monkeypatch.setattr(ex, "_run_one", lambda job, progress=None: seen.append(job) or {"kind": job[0], "task": job[1],
                                                                            "model": job[2], "error": "not run"})
     ex.run_sweep(["majority", "parity"], ["lstm"], quick_config(steps=3), tmp_path, steps_for={"parity": 7})
     order = [(j[0], j[1], j[3]["steps"]) for j in seen]
@@ -109,7 +109,7 @@ def test_sweep_deals_runs_over_all_gpus(tmp_path, monkeypatch):
     assert ex.sweep_devices("cuda") == ["cuda:0", "cuda:1"]
     assert ex.sweep_devices("cuda:1") == ["cuda:1"] and ex.sweep_devices("cpu") == ["cpu"]
     seen = []
-    monkeypatch.setattr(ex, "_run_one", lambda job: seen.append(job[3]["device"]) or {"kind": job[0], "task": job[1],
+    monkeypatch.setattr(ex, "_run_one", lambda job, progress=None: seen.append(job[3]["device"]) or {"kind": job[0], "task": job[1],
                                                                                       "model": job[2], "error": "x"})
     ex.run_sweep(["parity", "majority"], ["lstm", "transformer"], quick_config(steps=3, device="cuda"), tmp_path)
     assert seen == ["cuda:0", "cuda:1"] * 3
