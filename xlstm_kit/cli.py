@@ -26,6 +26,7 @@ PROG = "xlstm-kit"
 DEFAULT_DATA = "builtin:shakespeare"
 DEFAULT_PRESET = "tiny"
 EXIT_USAGE = 2
+EVAL_WHOLE_SPLIT_UP_TO = 100  # eval's default: the whole validation split when it has at most this many batches
 EXIT_INTERRUPTED = 130
 
 # Per-preset training defaults. The CPU preset trains small batches of short sequences so that a
@@ -197,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", default=None, metavar="SPEC", help="corpus to evaluate on (default: the training corpus)")
     ev.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per window (default: training's)")
     ev.add_argument("--batch-size", type=_positive_int, default=16, help="windows per batch")
-    ev.add_argument("--eval-batches", type=_nonneg_int, default=50, help="batches to evaluate (0: the whole split)")
+    ev.add_argument("--eval-batches", type=_nonneg_int, default=None,
+                    help=f"batches to evaluate (0: the whole split; default: the whole split when it holds "
+                    f"at most {EVAL_WHOLE_SPLIT_UP_TO} batches, else {EVAL_WHOLE_SPLIT_UP_TO})")
     ev.add_argument("--val-fraction", type=_positive_float, default=None,
                     help="held-out share of --data (default: training's)")
     ev.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
@@ -265,20 +268,17 @@ def _train_defaults(preset: str) -> dict[str, Any]:
 
 
 def _load_model(path: str, device):
+    from .checkpoint import read_train_meta, resolve_checkpoint
     from .model import XLSTMLanguageModel
-    from .train import read_train_meta, resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
-    meta = read_train_meta(ckpt)
-    model = XLSTMLanguageModel.load(ckpt, device=device)
-    model.eval()
-    return ckpt, meta, model
+    return ckpt, read_train_meta(ckpt), XLSTMLanguageModel.load(ckpt, device=device)
 
 
 def _tokenizer_for(meta: dict[str, Any], model):
     from .data import get_tokenizer
 
-    name = meta.get("tokenizer")
+    name = meta.get("tokenizer") or model.tokenizer_name
     if name is None:  # a bare model checkpoint: a byte vocabulary is the only safe guess
         if model.config.vocab_size != 256:
             raise UsageError("the checkpoint does not record its tokenizer and is not byte-level")
@@ -321,7 +321,8 @@ class _Progress:
             m = event.metrics
             self.first_eval = self.first_eval or (event.step, m)
             self.last_eval = (event.step, m)
-            self.write(f"step {event.step:>6}  val loss {m.loss:.4f}  bpb {m.bits_per_byte:.4f}  ppl {m.perplexity:.2f}")
+            self.write(f"step {event.step:>6}  val loss {m.loss:.4f}  bpb {m.bits_per_byte:.4f}  ppl {m.perplexity:.2f}"
+                       f"  ({m.describe()})")
 
     def close(self) -> None:
         self.bar.close()
@@ -347,8 +348,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .data import TOKENIZERS, load_data
     from .model import PRESETS, XLSTMConfig, XLSTMLanguageModel
-    from .train import (TrainConfig, init_distributed, load_training_state, read_train_meta,
-                        resolve_checkpoint, train)
+    from .train import (TrainConfig, continue_schedule, init_distributed, load_training_state, lr_at,
+                        read_train_meta, resolve_checkpoint, train)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -379,7 +380,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             if key in overrides and overrides[key] != saved[key]:
                 raise UsageError(f"--{key.replace('_', '-')} cannot change on --resume "
                                  f"(the checkpoint used {saved[key]})")
-        config = TrainConfig.from_dict({**saved, **overrides})
+        saved_config = TrainConfig.from_dict(saved)
+        config = continue_schedule(saved_config, TrainConfig.from_dict({**saved, **overrides}), int(meta["step"]))
         preset, data_spec, tok_name = meta.get("preset"), meta["data"], meta["tokenizer"]
         val_fraction = meta.get("val_fraction", args.val_fraction)
         model = XLSTMLanguageModel.load(ckpt)
@@ -425,6 +427,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on {where} -> {out}",
             file=sys.stderr, flush=True,
         )
+        if args.resume and config.steps != saved_config.steps:
+            print(f"the learning-rate schedule continues: {lr_at(start, config):.3g} at step {start + 1}, "
+                  f"cosine decay to {config.min_lr:.3g} at step {config.steps} (stretched from the "
+                  f"checkpoint's {saved_config.steps} steps, not restarted)", file=sys.stderr, flush=True)
         progress = _Progress(config.steps, start, not args.no_progress, sys.stderr)
     try:
         result = train(model, data, config, out, resume=args.resume, callback=progress,
@@ -442,7 +448,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"interrupted at step {result.step}; saved {where}. Continue with: "
                   f"xlstm-kit train --out {out} --resume", file=sys.stderr)
             return EXIT_INTERRUPTED
-        print(f"done: step {result.step}; checkpoint {result.checkpoint}; loss curve {result.plot}",
+        print(f"done: step {result.step}; checkpoint {result.checkpoint}; "
+              + (f"loss curve {result.plot}" if result.plot else result.plot_note or "no loss curve"),
               file=sys.stderr)
     return 0
 
@@ -451,18 +458,13 @@ def _generate_text(model, tok, prompt: str, max_new_tokens: int, temperature: fl
                    top_k: int | None, top_p: float | None, seed: int | None, device) -> str:
     import torch
 
-    ids = tok.encode(prompt) or ([tok.eos_token_id] if tok.eos_token_id is not None else tok.encode("\n"))
+    from .generate import generate_text
+
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(
-        torch.tensor(ids, dtype=torch.long, device=device), max_new_tokens, temperature=temperature,
-        top_k=top_k, top_p=top_p, eos_token_id=tok.eos_token_id, generator=generator,
-    )
-    new = out[len(ids):].tolist()
-    if tok.eos_token_id is not None and tok.eos_token_id in new:
-        new = new[: new.index(tok.eos_token_id)]
-    return prompt + tok.decode(new)
+    return generate_text(model, tok, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                         top_p=top_p, generator=generator)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -480,7 +482,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .data import load_data
-    from .train import evaluate
+    from .train import evaluate, val_batch_count
 
     device = _pick_device(args.device)
     ckpt, meta, model = _load_model(args.checkpoint, device)
@@ -491,10 +493,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
     seq_len = args.seq_len or meta.get("train_config", {}).get("seq_len") or model.config.context_length
     data = load_data(spec, tok.name, val_fraction=val_fraction)
+    max_batches = args.eval_batches
+    if max_batches is None:
+        whole = val_batch_count(len(data.val), seq_len, args.batch_size)
+        max_batches = 0 if whole <= EVAL_WHOLE_SPLIT_UP_TO else EVAL_WHOLE_SPLIT_UP_TO
     m = evaluate(model, data.val, seq_len=seq_len, batch_size=args.batch_size,
-                 max_batches=args.eval_batches or None, token_bytes=tok.token_byte_lengths(), device=device)
+                 max_batches=max_batches or None, token_bytes=tok.token_byte_lengths(), device=device)
     print(f"{ckpt}: val loss {m.loss:.4f}  bits/byte {m.bits_per_byte:.4f}  perplexity {m.perplexity:.2f}  "
-          f"({m.tokens:,} tokens of {spec}, tokenizer {tok.name})")
+          f"({m.describe()}, batches of {args.batch_size}x{seq_len}; {spec}, tokenizer {tok.name})")
     return 0
 
 
@@ -505,7 +511,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from .data import get_tokenizer, load_data
     from .model import XLSTMConfig, XLSTMLanguageModel
-    from .train import StepEvent, TrainConfig, train
+    from .train import StepEvent, TimeBudget, TrainConfig, train
 
     device = _pick_device(args.device)
     threads = args.threads
@@ -517,8 +523,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if threads:
         torch.set_num_threads(threads)
     out = Path(args.out)
-    budget = args.minutes * 60
-    t_start = time.perf_counter()
+    budget = TimeBudget(args.minutes * 60, skip_steps=2, device=device)
     print(f"xlstm_kit demo: the 'tiny' xLSTM (three mLSTM blocks, one sLSTM block) learns Shakespeare "
           f"on {device} for about {args.minutes:g} minutes.", flush=True)
     data = load_data(DEFAULT_DATA, "byte")
@@ -536,30 +541,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # many steps as fit the budget. The learning rate during warmup does not depend on the total,
     # so this is exactly one run of the final length.
     progress = _Progress(warmup, 0, True, sys.stderr)
-    step_times: list[float] = []
 
     def on_event(event) -> None:
         if isinstance(event, StepEvent):
-            step_times.append(defaults["batch_size"] * defaults["seq_len"] / event.tokens_per_s)
+            budget.step_done(event.step)
         progress(event)
 
+    # The time limit of train() keeps the budget if the machine gets slower than measured (other
+    # processes on the cores); it is 10% over, so that a run on time is not cut by it.
+    slack = 0.1 * budget.seconds
     try:
         config = TrainConfig(steps=warmup, eval_interval=0, eval_batches=4, checkpoint_interval=0, **defaults)
         result = train(model, data, config, out, device=device, callback=on_event, meta=meta,
-                       time_limit_s=1.1 * budget)
+                       time_limit_s=budget.remaining() + slack)
         if not (result.interrupted or result.time_limited):
-            per_step = sorted(step_times[2:])[len(step_times[2:]) // 2]  # median; skip one-time costs
-            left = budget - (time.perf_counter() - t_start)
             # ~8% of what is left goes to validation (4 batches, 3 times) and the checkpoint.
-            steps = warmup + max(0, int(0.92 * left / per_step))
+            steps = budget.steps_that_fit(warmup, reserve=0.08) or warmup
             progress.bar.total = steps
             progress.bar.refresh()
             config = dataclasses.replace(config, steps=steps, eval_interval=max(1, -(-steps // 3)))
             if steps > warmup:
-                # The time limit keeps the budget if the machine gets slower than measured
-                # (other processes on the cores).
                 result = train(model, data, config, out, resume=True, device=device, callback=on_event,
-                               meta=meta, time_limit_s=max(1.0, 1.1 * budget - (time.perf_counter() - t_start)))
+                               meta=meta, time_limit_s=max(1.0, budget.remaining() + slack))
     finally:
         progress.close()
     (_, before), (s1, after) = progress.first_eval, progress.last_eval
@@ -577,7 +580,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("--------------------------------------------")
     exe = Path(sys.executable).parent / PROG
     exe = os.path.relpath(exe) if exe.is_file() else PROG
-    print(f"loss curve: {result.plot}\nmore text:  {exe} generate {out} --prompt 'JULIET:'\n"
+    print(f"loss curve: {result.plot or result.plot_note}\nmore text:  {exe} generate {out} --prompt 'JULIET:'\n"
           f"train on:   {exe} train --out {out} --resume --steps {2 * config.steps}")
     return 0
 
