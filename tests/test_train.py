@@ -124,6 +124,7 @@ def test_training_lowers_loss_and_writes_outputs(data, tmp_path):
     assert (out / "latest").read_text().strip() == "checkpoints/step-00000012"
     assert res.checkpoint == out / "checkpoints" / "step-00000012"
     loaded = XLSTMLanguageModel.load(T.resolve_checkpoint(out))
+    assert loaded.tokenizer_name == "byte"  # from the data's tokenizer: generate(text) works after load
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
     meta = T.read_train_meta(res.checkpoint)

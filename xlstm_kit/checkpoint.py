@@ -328,7 +328,7 @@ def save_checkpoint(
     staging = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
     try:
         staging.rmdir()  # save_model creates its folder itself
-        _save_any_model(model, staging, (meta or {}).get("tokenizer"))
+        _save_any_model(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None))
         state = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer": optimizer.state_dict(),
                  "train_config": config.to_dict(), "rng": _rng_state()}
         torch.save(state, staging / TRAIN_STATE_FILE)

@@ -742,6 +742,7 @@ def train(
     if vocab is not None and vocab < data.vocab_size:
         raise ValueError(f"model vocab_size {vocab} is smaller than the tokenizer's {data.vocab_size}")
 
+    meta = {"tokenizer": getattr(data.tokenizer, "name", None), **(meta or {})}  # generate(text) after load
     model.to(device)
     model.train()
     run = _Run(model, data, config, out_dir, dist, device, meta, callback)
