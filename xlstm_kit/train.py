@@ -23,12 +23,11 @@ import json
 import math
 import os
 import signal
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Union
 
 import numpy as np
 import torch
@@ -620,7 +619,19 @@ class _Run:
         self.history: list[dict[str, Any]] = []
         self.metrics_path = out_dir / METRICS_FILE if out_dir is not None else None
         self.token_bytes = data.tokenizer.token_byte_lengths()
+        self.sampler = BatchSampler(data.train, config.seq_len, config.batch_size, seed=config.seed)
         self.result = TrainResult(step=0, interrupted=False)
+
+    def micro_batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of the next optimizer step, on the device."""
+        n = self.config.grad_accum
+        for micro in range(n):
+            x, y = self.sampler.batch(self.step, rank=self.dist.rank, world_size=self.dist.world_size,
+                                      micro=micro, n_micro=n)
+            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def start_commit(self) -> None:
+        self.committing = True
 
     def restore(self) -> None:
         """Weights, optimizer, RNG and step from the run's latest checkpoint; the schedule goes
@@ -759,19 +770,8 @@ def train(
         from torch.nn.parallel import DistributedDataParallel
 
         forward_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    sampler = BatchSampler(data.train, config.seq_len, config.batch_size, seed=config.seed)
     budget = TimeBudget(time_limit_s)
     tokens_per_step = config.batch_size * config.seq_len
-
-    def micro_batches(step: int):
-        for micro in range(config.grad_accum):
-            x, y = sampler.batch(step, rank=dist.rank, world_size=dist.world_size, micro=micro,
-                                 n_micro=config.grad_accum)
-            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-
-    def start_commit() -> None:
-        run.committing = True
-
     with _StopRequest(handle_signals) as stop:
         try:
             if run.step == 0 and config.eval_at_start:
@@ -779,9 +779,9 @@ def train(
             while run.step < config.steps:
                 t0 = time.perf_counter()
                 lr = lr_at(run.step, config)
-                out = train_step(forward_model, run.optimizer, micro_batches(run.step), lm_loss, lr=lr,
+                out = train_step(forward_model, run.optimizer, run.micro_batches(), lm_loss, lr=lr,
                                  n_micro=config.grad_accum, precision=config.precision,
-                                 grad_clip=config.grad_clip, before_update=start_commit)
+                                 grad_clip=config.grad_clip, before_update=run.start_commit)
                 run.step += 1
                 run.committing = False
                 step_loss, stop_now, out_of_time = run.agree(out.loss, stop.requested, budget.spent())
