@@ -362,17 +362,17 @@ def test_schedule_continues_smoothly_when_steps_grow():
 
 
 def test_resume_with_more_steps_continues_the_learning_rate(data, tmp_path):
-    cfg = small_config(steps=12, eval_interval=0, checkpoint_interval=0, eval_at_start=False)
-    T.train(small_model(), data, cfg, tmp_path / "r", device="cpu", callback=_stop_at(6, "keyboard"))
-    T.train(small_model(), data, dataclasses.replace(cfg, steps=24), tmp_path / "r", resume=True, device="cpu")
+    cfg = small_config(steps=6, eval_interval=0, checkpoint_interval=0, eval_at_start=False)
+    T.train(small_model(), data, cfg, tmp_path / "r", device="cpu", callback=_stop_at(3, "keyboard"))
+    T.train(small_model(), data, dataclasses.replace(cfg, steps=9), tmp_path / "r", resume=True, device="cpu")
     rows = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     lrs = [r["lr"] for r in rows if "lr" in r]
-    assert len(lrs) == 24
-    # no jump at the resume: the first resumed step falls less than the 12-step schedule would have
-    assert 0 <= lrs[5] - lrs[6] <= T.lr_at(5, cfg) - T.lr_at(6, cfg)
-    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:])) and lrs[-1] < 1.1e-3
+    assert len(lrs) == 9
+    # no jump at the resume: the first resumed step falls less than the 6-step schedule would have
+    assert 0 <= lrs[2] - lrs[3] <= T.lr_at(2, cfg) - T.lr_at(3, cfg)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:])) and lrs[-1] < 1.5e-3  # near min_lr (1e-3) at the end
     meta = T.read_train_meta(T.resolve_checkpoint(tmp_path / "r"))
-    assert meta["train_config"]["steps"] == 24 and meta["train_config"]["decay_anchor"][0] == 6
+    assert meta["train_config"]["steps"] == 9 and meta["train_config"]["decay_anchor"][0] == 3
 
 
 def test_old_checkpoints_without_new_fields_still_resume(data, tmp_path):
