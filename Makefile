@@ -32,9 +32,9 @@ test-all: $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m xlstm_kit demo
 
+# CPU tables of every suite, ours against the installed peers; writes benchmarks/results/DATE-cpu-all.md
 bench-cpu: $(STAMP)
-	$(VPY) -m benchmarks.cpu_ops
-	$(VPY) -m benchmarks.cpu_model
+	$(VPY) -m xlstm_kit bench --device cpu --peers
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -227,6 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_experiment_parser(sub)
 
+    be = sub.add_parser(
+        "bench", help="time the ops, a training step and generation (optionally against the peers)",
+        description="Time the registered benchmark cases (xlstm_kit.bench) and write a dated markdown table.",
+        formatter_class=_Formatter,
+    )
+    from .bench.runner import add_arguments as _bench_arguments
+
+    _bench_arguments(be)
+    be.set_defaults(func=cmd_bench)
+
     for p in (t, gen, ev, de):
         for action in p._actions:
             if action.metavar is None and action.type in (_positive_int, _nonneg_int):
@@ -582,6 +592,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     exe = os.path.relpath(exe) if exe.is_file() else PROG
     print(f"loss curve: {result.plot or result.plot_note}\nmore text:  {exe} generate {out} --prompt 'JULIET:'\n"
           f"train on:   {exe} train --out {out} --resume --steps {2 * config.steps}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# bench: the benchmark registry and runner (xlstm_kit.bench)
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.runner import run
+
+    run(args)
     return 0
 
 

@@ -464,8 +464,11 @@ def plot_loss_curve(rows: Iterable[dict[str, Any]], path: Path) -> Path:
 
 @dataclass
 class StepOutput:
-    loss: torch.Tensor  # mean loss of the step over its micro-batches (detached, on the device)
-    grad_norm: float  # global gradient norm before clipping
+    """Tensors on the device, so that a loop that does not read them every step never waits for
+    the GPU (float() them to read)."""
+
+    loss: torch.Tensor  # mean loss of the step over its micro-batches (detached)
+    grad_norm: torch.Tensor  # global gradient norm before clipping
 
 
 def train_step(
@@ -505,16 +508,16 @@ def train_step(
         raise ValueError(f"train_step got {n_done} micro-batches, expected n_micro={n_micro}")
     params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
     for group in optimizer.param_groups:
         group["lr"] = lr
     if before_update is not None:
         before_update()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepOutput(loss_sum, grad_norm)
+    return StepOutput(loss_sum, grad_norm.detach())
 
 
 class TimeBudget:
@@ -788,7 +791,8 @@ def train(
                 dt = time.perf_counter() - t0
                 run.result.losses.append((run.step, step_loss))
                 run.log({"step": run.step, "loss": step_loss, "lr": lr})
-                run.emit(StepEvent(run.step, config.steps, step_loss, lr, out.grad_norm, tokens_per_step / max(dt, 1e-9)))
+                run.emit(StepEvent(run.step, config.steps, step_loss, lr, float(out.grad_norm),
+                                  tokens_per_step / max(dt, 1e-9)))
                 at_end = run.step == config.steps
                 if (config.eval_interval and run.step % config.eval_interval == 0) or at_end \
                         or (out_of_time and not stop_now):

@@ -23,8 +23,9 @@ from xlstm_kit.ops import dplr_chunkwise, kda_chunkwise  # noqa: E402
 from xlstm_kit.ops.backend import KERNEL_MODULES  # noqa: E402
 from xlstm_kit.ops.dplr import chunkwise as torch_chunkwise  # noqa: E402
 from xlstm_kit.ops.dplr.naive import dplr_recurrent  # noqa: E402
-from xlstm_kit.ops.dplr.triton_chunkwise import (  # noqa: E402
+from xlstm_kit.ops.dplr.triton.chunkwise import (  # noqa: E402
     dplr_chunkwise_triton, kda_chunkwise_triton)
+from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig  # noqa: E402
 
 DEV = "cpu" if INTERPRET else "cuda"
 
@@ -101,48 +102,62 @@ def test_half_precision_inputs_within_twice_torch_error():
         assert rel_err(x, z) <= 2 * rel_err(y, z) + 1e-6, name
 
 
-def test_low_precision_products_keep_the_state_exact(monkeypatch):
-    # XLSTM_DPLR_LOWP=fp16: the products that only reach 16-bit outputs (o, input gradients) take
-    # float16 operands — 10 mantissa bits like the GPU's single-pass TF32 mode, and the same code
-    # path. With float16 outputs that rounding is as large as the outputs' own, so the bound is 5x
-    # the PyTorch op's error instead of 2x (measured ≤ 3.5x, the gate gradient; on the GPU the
-    # mode serves bf16 inputs only, whose rounding is 8x coarser); a wrong operand or a misplaced
-    # cast gives O(1) errors. The final state and δh0 never use those products: bit-identical.
+def test_low_precision_products_keep_the_state_exact():
+    # lowp="fp16": the products that only reach 16-bit outputs (o, input gradients) take float16
+    # operands — 10 mantissa bits like the GPU's single-pass TF32 mode, and the same code path.
+    # With float16 outputs that rounding is as large as the outputs' own, so the bound is 5x the
+    # PyTorch op's error instead of 2x (measured ≤ 3.5x, the gate gradient; on the GPU the mode
+    # serves bf16 inputs only, whose rounding is 8x coarser); a wrong operand or a misplaced cast
+    # gives O(1) errors. The final state and δh0 never use those products: bit-identical.
     xs, s0 = make_inputs(1, 40, 2, 16, 16, -1.0, dtype=torch.float16)
     do = torch.randn(1, 40, 2, 16, device=DEV)
     dsT = torch.randn(1, 2, 16, 16, device=DEV)
     p, psT, pg = run(torch_chunkwise.dplr_chunkwise, xs, s0, do, dsT, chunk_size=32)
     ro, rsT, rg = reference(xs, s0, do, dsT)
-    monkeypatch.setenv("XLSTM_DPLR_LOWP", "fp16")
-    # float16 inputs alone never select the mode (see _all_bf16): the float32-path result
-    o_off, sT_off, g_off = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32)
-    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32, _lowp_ok=True)
+    o_off, sT_off, g_off = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32,
+                               config=DPLRKernelConfig(lowp="off"))
+    # float16 inputs never take the default ("tf32") mode: the float32-path result, bit for bit
+    o_def, _, g_def = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32)
+    assert torch.equal(o_def, o_off) and torch.equal(g_def[5], g_off[5])
+    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32,
+                   config=DPLRKernelConfig(lowp="fp16"))
     assert not torch.equal(o, o_off) and not torch.equal(g[0], g_off[0])   # the mode is in effect
+    o_pub, _ = dplr_chunkwise(*xs, initial_state=s0, chunk_size=32, backend="triton",
+                              config=DPLRKernelConfig(lowp="fp16"))
+    assert torch.equal(o_pub, o)                                 # the public op passes it on
     assert rel_err(o, ro) <= 5 * rel_err(p, ro)
     assert torch.equal(sT, sT_off) and torch.equal(g[6], g_off[6])   # state path untouched
     assert rel_err(sT, rsT) < 2e-6
     for name, x, y, z in zip(NAMES[:6], g, pg, rg):
         assert rel_err(x, z) <= 5 * rel_err(y, z), name
-    monkeypatch.setenv("XLSTM_DPLR_LOWP", "nonsense")
-    with pytest.raises(ValueError, match="XLSTM_DPLR_LOWP"):
-        dplr_chunkwise_triton(*xs, chunk_size=32, _lowp_ok=True)
 
 
-@pytest.mark.parametrize("spec", ["kh,16,4", "plain,16,4"])
-def test_state_kernel_variants_match_reference(monkeypatch, spec):
-    # XLSTM_DPLR_STATE picks the sequential state kernels (K/2 halves or whole K, V-tile, warps)
-    monkeypatch.setenv("XLSTM_DPLR_STATE", spec)
+def test_config_is_typed_and_follows_the_input_dtypes():
+    cfg = DPLRKernelConfig()
+    assert cfg.lowp == "tf32" and DPLRKernelConfig.from_key(cfg.key()) == cfg
+    with pytest.raises(ValueError, match="lowp"):
+        DPLRKernelConfig(lowp="nonsense")
+    with pytest.raises(ValueError, match="state_block_v"):
+        cfg.replace(state_block_v=24)
+    with pytest.raises(ValueError, match="no field"):
+        cfg.replace(state_bv=32)
+    assert cfg.for_dtypes(torch.bfloat16, torch.bfloat16) is cfg
+    assert cfg.for_dtypes(torch.bfloat16, torch.float32).lowp == "off"
+    assert cfg.for_dtypes(torch.float16).lowp == "off"
+    assert DPLRKernelConfig(lowp="fp16").for_dtypes(torch.float16).lowp == "fp16"
+
+
+def test_state_tiles_from_the_config_match_reference():
+    # a 32-column V-tile on 8 warps (the default is 16 on 4): same sums, other programs
     xs, s0 = make_inputs(1, 70, 2, 32, 32, -5.0)
     do = torch.randn(1, 70, 2, 32, device=DEV)
     dsT = torch.randn(1, 2, 32, 32, device=DEV)
-    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32)
+    cfg = DPLRKernelConfig(state_block_v=32, state_warps=8, dk_block_k=16)
+    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32, config=cfg)
     ro, rsT, rg = reference(xs, s0, do, dsT)
     assert rel_err(o, ro) < 2e-6 and rel_err(sT, rsT) < 2e-6
     for name, x, y in zip(NAMES, g, rg):
         assert rel_err(x, y) < 1e-5, name
-    monkeypatch.setenv("XLSTM_DPLR_STATE", "kh,24,4")
-    with pytest.raises(ValueError, match="XLSTM_DPLR_STATE"):
-        dplr_chunkwise_triton(*xs, chunk_size=32)
 
 
 @pytest.mark.parametrize("L", [16, 64])
@@ -296,7 +311,7 @@ def test_gpu_bf16_within_twice_torch_bf16_error(T):
 @pytest.mark.parametrize("K,V,with_state", [(16, 32, True), (32, 16, False)])
 def test_step_kernel_matches_reference_step(K, V, with_state):
     from xlstm_kit.ops.dplr.naive import dplr_step as ref_step
-    from xlstm_kit.ops.dplr.triton_step import dplr_step_triton
+    from xlstm_kit.ops.dplr.triton.step import dplr_step_triton
 
     B, H = 2, 3
     q, k, a = (torch.randn(B, H, K, device=DEV) for _ in range(3))
@@ -328,7 +343,7 @@ def test_step_kernel_half_inputs_and_strided_views():
     # o is written by the kernel in q's dtype; non-contiguous inputs (a view of a [B, K, H] buffer)
     # and a float16 state are copied, contiguous float32 ones are read in place
     from xlstm_kit.ops.dplr.naive import dplr_step as ref_step
-    from xlstm_kit.ops.dplr.triton_step import dplr_step_triton
+    from xlstm_kit.ops.dplr.triton.step import dplr_step_triton
 
     B, H, K, V = 2, 3, 16, 16
     q = torch.randn(B, K, H, device=DEV).transpose(1, 2)          # strided [B, H, K]
@@ -346,3 +361,68 @@ def test_step_kernel_half_inputs_and_strided_views():
     o, s1 = dplr_step_triton(q, k, v, a, b, gk, s)
     ro, rs1 = ref_step(*(x.double() for x in (q, k, v, a, b, gk, s)))
     assert rel_err(o, ro) < 2e-6 and rel_err(s1, rs1) < 2e-6
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+def test_custom_ops_pass_opcheck():
+    # schema, fake implementations (also with dynamic shapes), autograd registration and
+    # forward + backward under aot_autograd against eager
+    from xlstm_kit.ops.dplr.triton.chunkwise import _fwd_op
+    from xlstm_kit.ops.dplr.triton.step import _step_op
+
+    xs, s0 = make_inputs(1, 16, 1, 16, 16, -1.0)   # H = 1, T = chunk: layout views get cloned
+    ys = [x.requires_grad_() for x in xs] + [s0.requires_grad_()]
+    key = DPLRKernelConfig().key()
+    torch.library.opcheck(_fwd_op, (*ys, 0.25, 16, key))
+    torch.library.opcheck(_fwd_op, (*xs, None, 0.25, 16, key), test_utils="test_faketensor")
+    step = [torch.randn(2, 3, 16, device=DEV) for _ in range(6)]
+    torch.library.opcheck(_step_op, (*step, torch.randn(2, 3, 16, 32, device=DEV)[..., :16], 0.3))
+    torch.library.opcheck(_step_op, (*step, None, 0.3))
+
+
+def test_torch_compile_fullgraph_matches_eager_with_gradients():
+    import xlstm_kit.ops as ops
+
+    def fn(q, k, v, a, b, gk, h0):
+        o, sT = ops.dplr_chunkwise(q, k, v, a, b, gk, initial_state=h0, output_final_state=True,
+                                   chunk_size=16, backend="triton")
+        return o, sT
+
+    xs, s0 = make_inputs(1, 20, 2, 16, 16, -2.0)
+    do = torch.randn(1, 20, 2, 16, device=DEV)
+    dsT = torch.randn(1, 2, 16, 16, device=DEV)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    outs = []
+    for f in (fn, compiled):
+        ys = [x.clone().requires_grad_() for x in xs + [s0]]
+        o, sT = f(*ys)
+        grads = torch.autograd.grad((o * do).sum() + (sT * dsT).sum(), ys)
+        outs.append((o, sT, *grads))
+    for name, x, y in zip(["o", "sT"] + NAMES, *outs):
+        assert torch.equal(x, y), name   # the same kernels run: bit-identical
+    # and it is the right answer, not just the same one
+    ro, rsT, rg = reference(xs, s0, do, dsT)
+    assert rel_err(outs[1][0], ro) < 2e-6 and rel_err(outs[1][4], rg[2]) < 1e-5
+
+
+def test_torch_compile_fullgraph_kda_and_step():
+    import xlstm_kit.ops as ops
+    from xlstm_kit.ops.dplr.triton.step import dplr_step_triton
+
+    def kda(q, k, v, g, beta):
+        return ops.kda_chunkwise(q, k, v, g, beta, chunk_size=16, backend="triton")[0]
+
+    q, k, v = (torch.randn(1, 18, 1, 16, device=DEV) for _ in range(3))
+    g = torch.rand(1, 18, 1, 16, device=DEV) * -1.0
+    beta = torch.rand(1, 18, 1, device=DEV)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(kda, backend="eager", fullgraph=True)(q, k, v, g, beta),
+                       kda(q, k, v, g, beta))
+    xs = [torch.randn(2, 3, 16, device=DEV) for _ in range(6)]
+    s = torch.randn(2, 3, 16, 16, device=DEV)
+    o, s1 = torch.compile(dplr_step_triton, backend="eager", fullgraph=True)(*xs, s)
+    ro, rs1 = dplr_step_triton(*xs, s)
+    assert torch.equal(o, ro) and torch.equal(s1, rs1)

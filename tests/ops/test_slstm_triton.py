@@ -16,8 +16,8 @@ from xlstm_kit.ops import backend as backend_mod
 from xlstm_kit.ops.slstm import slstm_recurrent, slstm_step
 from xlstm_kit.ops.slstm.naive import slstm_recurrent_naive, slstm_step_naive
 
-triton_kernel = pytest.importorskip("xlstm_kit.ops.slstm.triton_kernel")
-KernelConfig = triton_kernel.KernelConfig
+triton_slstm = pytest.importorskip("xlstm_kit.ops.slstm.triton")
+SLSTMKernelConfig = triton_slstm.SLSTMKernelConfig
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -64,7 +64,7 @@ def reference(tensors, **kw):
 
 def triton_fn(config=None):
     def fn(*args, **kw):
-        return triton_kernel.slstm_recurrent_triton(*args, config=config, **kw)
+        return triton_slstm.slstm_recurrent_triton(*args, config=config, **kw)
     return fn
 
 
@@ -106,10 +106,12 @@ def test_even_shapes_through_public_api():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("config", [KernelConfig(4, False, None), KernelConfig(4, False, 16),
-                                    KernelConfig(4, True, 16, prefetch=False)])
+@pytest.mark.parametrize("config", [SLSTMKernelConfig(4, False, None), SLSTMKernelConfig(4, False, 16),
+                                    SLSTMKernelConfig(4, True, 16, prefetch=False),
+                                    SLSTMKernelConfig(4, True, block_b=32)])
 def test_kernel_variants(config):
-    # R reloaded per step; K-chunked matmul through the scratch (the large-head path); no prefetch.
+    # R reloaded per step; K-chunked matmul through the scratch (the large-head path); no prefetch;
+    # a 32-wide batch tile.
     tensors = make_inputs(5, 6, 1, 32, torch.float32)
     check_against_reference(tensors, 2e-5, fn=triton_fn(config), recurrent_grad_clip=0.5)
 
@@ -133,7 +135,7 @@ def test_extreme_preactivations():
 def test_default_state_and_no_grad_path():
     x, r, b = make_inputs(3, 6, 2, 16, torch.float32, init=False)
     with torch.no_grad():  # forward without the saved tensors
-        h, state = triton_kernel.slstm_recurrent_triton(x, r, b, output_final_state=True)
+        h, state = triton_slstm.slstm_recurrent_triton(x, r, b, output_final_state=True)
     h_ref, state_ref = slstm_recurrent_naive(x.double(), r.double(), b.double(), output_final_state=True)
     assert rel_err(h, h_ref) < 1e-5
     for s, s_ref in zip(state, state_ref):
@@ -146,7 +148,7 @@ def test_step_and_t1():
     tensors = make_inputs(3, 1, 2, 16, torch.float32)
     check_against_reference(tensors, 2e-5)
     x, r, b, *state = make_inputs(3, 1, 2, 16, torch.float32)
-    h, new = triton_kernel.slstm_step_triton(x[:, 0], r, b, tuple(state))
+    h, new = triton_slstm.slstm_step_triton(x[:, 0], r, b, tuple(state))
     h_ref, new_ref = slstm_step_naive(x[:, 0].double(), r.double(), b.double(),
                                       tuple(s.double() for s in state))
     assert h.shape == (3, 2, 16)

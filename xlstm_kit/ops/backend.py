@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import sys
 from types import ModuleType
 
 import torch
@@ -29,11 +30,11 @@ BACKENDS = ("torch", "triton")
 KERNEL_MODULES: dict[str, str] = {
     "mlstm_chunkwise": "xlstm_kit.ops.mlstm.triton_chunkwise",
     "mlstm_step": "xlstm_kit.ops.mlstm.triton_step",
-    "slstm_recurrent": "xlstm_kit.ops.slstm.triton_kernel",
-    "slstm_step": "xlstm_kit.ops.slstm.triton_kernel",
-    "dplr_chunkwise": "xlstm_kit.ops.dplr.triton_chunkwise",
-    "kda_chunkwise": "xlstm_kit.ops.dplr.triton_chunkwise",
-    "dplr_step": "xlstm_kit.ops.dplr.triton_step",
+    "slstm_recurrent": "xlstm_kit.ops.slstm.triton.op",
+    "slstm_step": "xlstm_kit.ops.slstm.triton.step",
+    "dplr_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
+    "kda_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
+    "dplr_step": "xlstm_kit.ops.dplr.triton.step",
 }
 
 
@@ -43,7 +44,8 @@ class BackendUnavailableError(ValueError):
 
 
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    # sys.modules first: torch.compile traces it, not importlib
+    return "triton" in sys.modules or importlib.util.find_spec("triton") is not None
 
 
 def interpreting() -> bool:
@@ -55,7 +57,10 @@ def kernel_module(op: str) -> ModuleType | None:
     name = KERNEL_MODULES.get(op)
     if name is None or not triton_available():
         return None
-    return importlib.import_module(name)
+    # an imported module is looked up, not imported again: torch.compile traces the lookup but
+    # not importlib (a graph break)
+    module = sys.modules.get(name)
+    return module if module is not None else importlib.import_module(name)
 
 
 def choose_backend(op: str, backend: str | None, device: torch.device, **facts) -> str:
@@ -71,12 +76,11 @@ def choose_backend(op: str, backend: str | None, device: torch.device, **facts) 
             return "torch"
         raise BackendUnavailableError(
             f"{op} has no Triton kernel; use backend='torch' (or None to choose automatically)")
-    module = kernel_module(op)
-    if module is None:
+    has_module, reason = _kernel_answer(op, **facts)
+    if not has_module:
         if backend is None:
             return "torch"
         raise BackendUnavailableError(f"backend='triton' for {op} needs the 'triton' package")
-    reason = module.supports(op, **facts)
     if backend is None:
         return "torch" if reason else "triton"
     if device.type != "cuda" and not interpreting():
@@ -85,6 +89,14 @@ def choose_backend(op: str, backend: str | None, device: torch.device, **facts) 
     if reason:
         raise BackendUnavailableError(f"backend='triton' for {op}: {reason}")
     return "triton"
+
+
+@torch.compiler.assume_constant_result
+def _kernel_answer(op: str, **facts) -> tuple[bool, str | None]:
+    """(whether `op`'s kernel module imports, its `supports` answer); a constant to
+    torch.compile, which cannot trace the import."""
+    module = kernel_module(op)
+    return (False, None) if module is None else (True, module.supports(op, **facts))
 
 
 def on_device(t: torch.Tensor):

@@ -3,7 +3,8 @@
 The public functions validate their inputs, ask `backend.choose_backend` which implementation
 runs, and call it: the PyTorch path (naive.py: the reference loop and the single step;
 chunkwise.py: the WY algorithm with a hand-written backward; kda.py: the KDA substitution) or
-the Triton kernels (triton_chunkwise.py, triton_step.py).
+the Triton kernels (the triton/ subpackage, one module per phase; `config=` takes its
+`DPLRKernelConfig`, which the PyTorch path ignores).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ..backend import choose_backend, kernel_module, on_device
 from . import chunkwise as _chunkwise
 from . import kda as _kda
 from . import naive as _naive
+from .triton.config import DPLRKernelConfig  # no Triton needed to build one
 
 
 @autocast_off
@@ -34,14 +36,16 @@ def dplr_recurrent(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
 
 @autocast_off
 def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_final_state=False,
-                   chunk_size=64, backend=None):
+                   chunk_size=64, backend=None, config=None):
     """DPLR, chunkwise WY algorithm (same maths as `dplr_recurrent`, same shapes), with a
     hand-written backward. S_t = S_{t-1} Diag(α_t)(I − b_t a_tᵀ) + v_t k_tᵀ, α_t = exp(gk_t),
     o_t = S_t (scale·q_t); the gate-free form S_t = S_{t-1}(Diag(α_t) − d_t a_tᵀ) + v_t k_tᵀ is
     b_t = d_t / α_t.
 
     q, k, a, b, gk: [B, T, H, K]; v: [B, T, H, V]; initial_state: [B, H, K, V] (= Sᵀ) or None;
-    chunk_size: any integer in [1, 1024], T need not be a multiple.
+    chunk_size: any integer in [1, 1024], T need not be a multiple; config: the Triton kernels'
+    `DPLRKernelConfig` (None: the defaults; unused on the
+    PyTorch path).
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
     _naive.check_dplr_inputs(q, k, v, a, b, gk, initial_state)
@@ -49,7 +53,7 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
                       dtype=compute_dtype(q, k, v, a, b, gk)) == "triton":
         with on_device(q):
             return kernel_module("dplr_chunkwise").dplr_chunkwise_triton(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
-                                                 output_final_state=output_final_state, chunk_size=chunk_size)
+                                                 output_final_state=output_final_state, chunk_size=chunk_size, config=config)
     return _chunkwise.dplr_chunkwise(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
                                      output_final_state=output_final_state, chunk_size=chunk_size)
 
@@ -71,11 +75,12 @@ def dplr_step(q, k, v, a, b, gk, state, *, scale=None):
 
 @autocast_off
 def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                  chunk_size=64, backend=None):
+                  chunk_size=64, backend=None, config=None):
     """KDA: DPLR with a = k, b = β k, v ← β v, i.e. S_t = S_{t-1} Diag(α_t)(I − β_t k_t k_tᵀ)
     + β_t v_t k_tᵀ with α_t = exp(g_t).
 
-    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None.
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None;
+    config: as for `dplr_chunkwise`.
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
     _kda.check_kda_inputs(q, k, v, g, beta)
@@ -83,9 +88,9 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
                       dtype=compute_dtype(q, k, v, g, beta)) == "triton":
         with on_device(q):
             return kernel_module("kda_chunkwise").kda_chunkwise_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                                output_final_state=output_final_state, chunk_size=chunk_size)
+                                                output_final_state=output_final_state, chunk_size=chunk_size, config=config)
     return _kda.kda_chunkwise(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                               output_final_state=output_final_state, chunk_size=chunk_size)
 
 
-__all__ = ["dplr_recurrent", "dplr_chunkwise", "dplr_step", "kda_chunkwise"]
+__all__ = ["dplr_recurrent", "dplr_chunkwise", "dplr_step", "kda_chunkwise", "DPLRKernelConfig"]

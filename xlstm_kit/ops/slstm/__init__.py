@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._checks import check_same_device, check_tensor, autocast_off
-from ..backend import choose_backend, kernel_module, on_device
+from ..backend import choose_backend, on_device
 from .naive import State, slstm_recurrent_naive, slstm_step_naive
 from .recurrent import slstm_recurrent_torch
 
@@ -78,8 +78,10 @@ def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
         return slstm_recurrent_torch(x_gates, r, b, initial_state=initial_state,
                                      output_final_state=output_final_state, forget_gate=forget_gate,
                                      recurrent_grad_clip=recurrent_grad_clip)
+    from .triton.op import slstm_recurrent_triton
+
     with on_device(x_gates):
-        return kernel_module("slstm_recurrent").slstm_recurrent_triton(x_gates, r, b, initial_state=initial_state,
+        return slstm_recurrent_triton(x_gates, r, b, initial_state=initial_state,
                                       output_final_state=output_final_state, forget_gate=forget_gate,
                                       recurrent_grad_clip=recurrent_grad_clip)
 
@@ -93,6 +95,8 @@ def slstm_step(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor,
     check_tensor("x_gates", x_gates, (None, 4, None, None), "B,4,H,D")
     _check_common(x_gates, r, b, state, "state", forget_gate)
     if choose_backend("slstm_step", None, x_gates.device) == "triton":
+        from .triton.step import slstm_step_triton
+
         with on_device(x_gates):
-            return kernel_module("slstm_step").slstm_step_triton(x_gates, r, b, state, forget_gate=forget_gate)
+            return slstm_step_triton(x_gates, r, b, state, forget_gate=forget_gate)
     return slstm_step_naive(x_gates, r, b, state, forget_gate=forget_gate)

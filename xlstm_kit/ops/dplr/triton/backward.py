@@ -1,0 +1,236 @@
+"""Phase 5 (the chunk-parallel part of the backward): `_bwd_dv` (V side: δv, GC and the
+pair-matrix gradients) and `_bwd_dk` (K side: δq, δk, δa, δb, δgk), and their PyTorch
+references."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import _mm, _offs, _row
+from .pairs import pairs_reference
+
+
+@triton.jit
+def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv, dqk_d, dqa_d,
+            Tp, NC, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
+            BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
+    """Backward, V side of one chunk: δv, GC = Eᵀ δC, and the gradients of the four pair matrices
+    (strictly lower parts to dA* [BH, NC, L, L]; the diagonals of δA_qk, δA_qa to dqk_d, dqa_d
+    [BH, Tp]). With δW = −δC hᵀ (h entering the chunk), Eᵀ δW = −GC hᵀ and W h = Cm − V2, so
+    δF = −(Eᵀ δW Wᵀ + GC Cmᵀ) collapses to δA_ba = −GC V2ᵀ: no K-sized product is needed here."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    t0 = n * L
+    rows = tl.arange(0, L)
+    pa = _offs(bh * NC + n, 0, rows, rows, L, L)
+    Aqk_ = tl.load(Aqk + pa)
+    Abk_ = tl.load(Abk + pa)
+    Em = tl.load(E + pa)
+    dA_qk = tl.zeros([L, L], dtype=tl.float32)
+    dA_qa = tl.zeros([L, L], dtype=tl.float32)
+    dA_bk = tl.zeros([L, L], dtype=tl.float32)
+    dA_ba = tl.zeros([L, L], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        vv = v0 + tl.arange(0, BV)
+        pv = _offs(bh, t0, rows, vv, Tp, V)
+        do = tl.load(dO + pv).to(tl.float32)
+        vt = tl.load(v + pv).to(tl.float32)
+        v2 = tl.load(V2 + pv)
+        GC = _mm(tl.trans(Em), tl.load(dV2 + pv), LO, PREC)   # Eᵀ δC
+        tl.store(GCb + pv, GC)
+        dvt = _mm(tl.trans(Aqk_), do, LO, PREC)
+        dvt -= _mm(tl.trans(Abk_), GC, LO, PREC)
+        for k0 in range(0, K, BK):                                # + (K ⊙ e^{G_L−G}) δh'
+            kk = k0 + tl.arange(0, BK)
+            dh = tl.load(dH + _offs(bh * NC + n, 0, kk, vv, K, V))
+            dvt += _mm(tl.load(Kd + _offs(bh, t0, rows, kk, Tp, K)), dh, LO, PREC)
+        tl.store(dv + pv, dvt)
+        dA_qk += _mm(do, tl.trans(vt), LO, PREC)
+        dA_qa += _mm(do, tl.trans(v2), LO, PREC)
+        dA_bk -= _mm(GC, tl.trans(vt), LO, PREC)
+        dA_ba -= _mm(GC, tl.trans(v2), LO, PREC)
+    eye = rows[:, None] == rows[None, :]
+    strict = rows[None, :] < rows[:, None]
+    # the diagonal (i = r) of A_qk, A_qa has no decay: it goes straight into δq, δk, δa and stays
+    # out of the gate gradient (where it would only cancel)
+    tl.store(dqk_d + _row(bh, t0, rows, Tp, 1), tl.sum(tl.where(eye, dA_qk, 0.0), axis=1))
+    tl.store(dqa_d + _row(bh, t0, rows, Tp, 1), tl.sum(tl.where(eye, dA_qa, 0.0), axis=1))
+    tl.store(dAqk + pa, tl.where(strict, dA_qk, 0.0))
+    tl.store(dAqa + pa, tl.where(strict, dA_qa, 0.0))
+    tl.store(dAbk + pa, tl.where(strict, dA_bk, 0.0))
+    tl.store(dAba + pa, tl.where(strict, dA_ba, 0.0))
+
+
+@triton.jit
+def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d, dqa_d,
+            dq, dk, da, db, dg, scale, Tp, NC,
+            K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
+            BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
+    """Backward, K side of one (chunk, K-tile): δq, δk, δa, δb and δgk for BK channels (every
+    term is channel-wise in K once the pair-matrix gradients are known). Seed §三 with the
+    notes' typos fixed; same formulas and gate-gradient grouping as chunkwise.py."""
+    NB: tl.constexpr = L // S
+    n = tl.program_id(0)
+    kt = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    t0 = n * L
+    rows = tl.arange(0, L)
+    kr = kt * BK + tl.arange(0, BK)
+    pk = _offs(bh, t0, rows, kr, Tp, K)
+    Gc = tl.load(G + pk)                                         # [L, BK] float64
+    g_last = tl.load(G + _row(bh, t0 + L - 1, kr, Tp, K))
+    eG = tl.exp(Gc.to(tl.float32))
+    dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
+    eGl = tl.exp(g_last.to(tl.float32))
+    dKd = tl.zeros([L, BK], dtype=tl.float32)
+    dAd = tl.zeros([L, BK], dtype=tl.float32)
+    dQg = tl.zeros([L, BK], dtype=tl.float32)
+    GW = tl.zeros([L, BK], dtype=tl.float32)                     # Eᵀ δW = −GC hᵀ = δB←
+    hdh = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        vv = v0 + tl.arange(0, BV)
+        pv = _offs(bh, t0, rows, vv, Tp, V)
+        ph = _offs(bh * NC + n, 0, kr, vv, K, V)
+        hs = tl.load(Hs + ph)
+        dh = tl.load(dH + ph)
+        dKd += _mm(tl.load(v + pv).to(tl.float32), tl.trans(dh), LO, PREC)
+        dAd += _mm(tl.load(V2 + pv), tl.trans(dh), LO, PREC)
+        dQg += _mm(tl.load(dO + pv).to(tl.float32), tl.trans(hs), LO, PREC)
+        GW -= _mm(tl.load(GCb + pv), tl.trans(hs), LO, PREC)
+        hdh += tl.sum(hs * dh, axis=1)
+    qs = tl.load(q + pk).to(tl.float32) * scale
+    kx = tl.load(k + pk).to(tl.float32)
+    ax = tl.load(a + pk).to(tl.float32)
+    bx = tl.load(b + pk).to(tl.float32)
+    dXq = tl.zeros([L, BK], dtype=tl.float32)
+    dXb = tl.zeros([L, BK], dtype=tl.float32)
+    dYk = tl.zeros([L, BK], dtype=tl.float32)
+    dYa = tl.zeros([L, BK], dtype=tl.float32)
+    cols = tl.arange(0, S)
+    # Pair matrices, column sub-chunk by sub-chunk with the forward's reference points (package
+    # docstring): rows below J use G_end(J), rows inside J use G_mid(J); δA is read one [L, S]
+    # column block at a time and split by rows, which keeps the e^{80}-sized right factors away
+    # from rows where they are not cancelled. δY of the rows of J is complete after block J; it
+    # is placed into the [L, BK] accumulator by a product with the 0/1 matrix P[r, s] = (r = j0+s)
+    # (registers cannot be sliced).
+    for jb in range(0, NB):
+        j0 = jb * S
+        ci = j0 + cols
+        py = _offs(bh, t0, ci, kr, Tp, K)                                     # [S, BK]
+        pd = _offs(bh * NC + n, 0, rows, ci, L, L)                            # [L, S]
+        g_end = tl.load(G + _row(bh, t0 + j0 + S - 1, kr, Tp, K))
+        g_mid = tl.load(G + _row(bh, t0 + j0 + S // 2 - 1, kr, Tp, K))
+        below = rows >= j0 + S
+        inblk = (rows >= j0) & (rows < j0 + S)
+        fx_off = tl.exp(tl.where(below[:, None], Gc - g_end[None, :], float("-inf")).to(tl.float32))
+        fx_in = tl.exp(tl.where(inblk[:, None], Gc - g_mid[None, :], float("-inf")).to(tl.float32))
+        Gy = tl.load(G + py)
+        fy_off = tl.exp((g_end[None, :] - Gy).to(tl.float32))                 # [S, BK] ≤ 1
+        fy_in = tl.exp((g_mid[None, :] - Gy).to(tl.float32))                  # [S, BK] ≤ e^{40}
+        yk = tl.load(k + py).to(tl.float32)
+        ya = tl.load(a + py).to(tl.float32)
+        xq_off = qs * fx_off
+        xq_in = qs * fx_in
+        xb_off = bx * fx_off
+        xb_in = bx * fx_in
+        place = tl.where(rows[:, None] == ci[None, :], 1.0, 0.0)               # [L, S]
+        # x = q: δA_qk (y = k) and δA_qa (y = a)
+        d = tl.load(dAqk + pd)
+        d_off = tl.where(below[:, None], d, 0.0)
+        d_in = tl.where(inblk[:, None], d, 0.0)
+        dXq += (fx_off * _mm(d_off, yk * fy_off, LO, PREC)
+                + fx_in * _mm(d_in, yk * fy_in, LO, PREC))
+        ck = (fy_off * _mm(tl.trans(d_off), xq_off, LO, PREC)
+              + fy_in * _mm(tl.trans(d_in), xq_in, LO, PREC))
+        d = tl.load(dAqa + pd)
+        d_off = tl.where(below[:, None], d, 0.0)
+        d_in = tl.where(inblk[:, None], d, 0.0)
+        dXq += (fx_off * _mm(d_off, ya * fy_off, LO, PREC)
+                + fx_in * _mm(d_in, ya * fy_in, LO, PREC))
+        ca = (fy_off * _mm(tl.trans(d_off), xq_off, LO, PREC)
+              + fy_in * _mm(tl.trans(d_in), xq_in, LO, PREC))
+        # x = b: δA_bk (y = k) and δA_ba (y = a)
+        d = tl.load(dAbk + pd)
+        d_off = tl.where(below[:, None], d, 0.0)
+        d_in = tl.where(inblk[:, None], d, 0.0)
+        dXb += (fx_off * _mm(d_off, yk * fy_off, LO, PREC)
+                + fx_in * _mm(d_in, yk * fy_in, LO, PREC))
+        ck += (fy_off * _mm(tl.trans(d_off), xb_off, LO, PREC)
+               + fy_in * _mm(tl.trans(d_in), xb_in, LO, PREC))
+        d = tl.load(dAba + pd)
+        d_off = tl.where(below[:, None], d, 0.0)
+        d_in = tl.where(inblk[:, None], d, 0.0)
+        dXb += (fx_off * _mm(d_off, ya * fy_off, LO, PREC)
+                + fx_in * _mm(d_in, ya * fy_in, LO, PREC))
+        ca += (fy_off * _mm(tl.trans(d_off), xb_off, LO, PREC)
+               + fy_in * _mm(tl.trans(d_in), xb_in, LO, PREC))
+        dYk += _mm(place, ck, LO, PREC)
+        dYa += _mm(place, ca, LO, PREC)
+    dqk = tl.load(dqk_d + _row(bh, t0, rows, Tp, 1))
+    dqa = tl.load(dqa_d + _row(bh, t0, rows, Tp, 1))
+    tl.store(dq + pk, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale)
+    tl.store(db + pk, GW * eG + dXb)                              # δB = δB← ⊙ Γ (+ pair terms)
+    tl.store(dk + pk, dKd * dec + dYk + dqk[:, None] * qs)
+    tl.store(da + pk, dAd * dec + dYa + dqa[:, None] * qs)
+    # Gate gradient, grouped by which gk_j each factor contains (chunkwise.py explains why):
+    # e^{G_r} factors → reverse cumsum; e^{G_L − G_r} → exclusive forward cumsum; pairs e^{G_r − G_i}
+    # → +at r, −at i, reverse cumsum; Diag(γ_L) h → every row.
+    up = qs * dXq + bx * dXb - kx * dYk - ax * dYa + (qs * eG) * dQg + (bx * eG) * GW
+    down = kx * dec * dKd + ax * dec * dAd
+    dgk = tl.cumsum(up, axis=0, reverse=True) + (tl.cumsum(down, axis=0) - down)
+    dgk += (eGl * hdh)[None, :]
+    tl.store(dg + pk, dgk)
+
+
+def bwd_dv_reference(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, L: int):
+    """`_bwd_dv` in float64: GC = Eᵀ δV2, δv = A_qkᵀ δO − A_bkᵀ GC + Kd δh', and the pair-matrix
+    gradients δA_qk = δO Vᵀ, δA_qa = δO V2ᵀ, δA_bk = −GC Vᵀ, δA_ba = −GC V2ᵀ (strictly lower
+    parts; the diagonals of δA_qk, δA_qa separately). Shapes as the kernel's arguments.
+    Returns a dict of GC, dv [BH, Tp, V], dAqk, dAqa, dAbk, dAba [BH, NC, L, L], dqk_d, dqa_d [BH, Tp]."""
+    BH, Tp, V = v.shape
+    c = lambda x: x.double().view(BH, Tp // L, L, x.shape[-1])  # noqa: E731
+    Kd, v, V2, dO, dV2 = (c(x) for x in (Kd, v, V2, dO, dV2))
+    Aqk, Abk, E = (x.double() for x in (Aqk, Abk, E))
+    GC = E.mT @ dV2
+    dv = Aqk.mT @ dO - Abk.mT @ GC + Kd @ dH.double()
+    dqk, dqa = dO @ v.mT, dO @ V2.mT
+    strict = lambda x: x.tril(-1)  # noqa: E731
+    diag = lambda x: x.diagonal(dim1=-2, dim2=-1).reshape(BH, Tp)  # noqa: E731
+    flat = lambda x: x.reshape(BH, Tp, x.shape[-1])  # noqa: E731
+    return dict(GC=flat(GC), dv=flat(dv), dAqk=strict(dqk), dAqa=strict(dqa),
+                dAbk=strict(-GC @ v.mT), dAba=strict(-GC @ V2.mT), dqk_d=diag(dqk), dqa_d=diag(dqa))
+
+
+def chunk_operands_reference(q, k, a, b, gk, scale: float, L: int):
+    """Everything the forward builds from q, k, a, b and the gates, in float64 and differentiable:
+    the pair matrices (with their diagonals), Qg = scale·q ⊙ e^G, Bg = b ⊙ e^G (B← of the seed),
+    Kd = k ⊙ e^{G_L−G}, Ad = a ⊙ e^{G_L−G} ([BH, NC, L, K]) and eGl = e^{G_L} [BH, NC, K].
+    q, k, a, b, gk: [BH, Tp, K] (gk the per-step log gates, not cumulated)."""
+    BH, Tp, K = q.shape
+    G = gk.view(BH, Tp // L, L, K).cumsum(2).view(BH, Tp, K)
+    Aqk, Aqa, Abk, Aba = pairs_reference(q, k, a, b, G, scale, L)
+    c = lambda x: x.view(BH, Tp // L, L, K)  # noqa: E731
+    Gc = c(G)
+    Gl = Gc[:, :, -1:]
+    return dict(Aqk=Aqk, Aqa=Aqa, Abk=Abk, Aba=Aba, Qg=c(q) * scale * Gc.exp(), Bg=c(b) * Gc.exp(),
+                Kd=c(k) * (Gl - Gc).exp(), Ad=c(a) * (Gl - Gc).exp(), eGl=Gl.squeeze(2).exp())
+
+
+def bwd_dk_reference(q, k, v, a, b, gk, V2, Hs, dO, dH, GC, dA, dqk_d, dqa_d, scale: float, L: int):
+    """`_bwd_dk` as a vector-Jacobian product of `chunk_operands_reference` (float64 autograd):
+    the cotangents are the pair-matrix gradients of `_bwd_dv` (dA: dAqk, dAqa, dAbk, dAba, plus
+    the diagonals dqk_d, dqa_d) and, per chunk with h entering and δh' leaving it, δQg = δO hᵀ,
+    δKd = V δh'ᵀ, δAd = V2 δh'ᵀ, δBg = −GC hᵀ, δeGl = diag(h δh'ᵀ).
+    Returns (dq, dk, da, db, dgk), each [BH, Tp, K] float64."""
+    BH, Tp, K = q.shape
+    xs = [x.detach().double().requires_grad_() for x in (q, k, a, b, gk)]
+    ops = chunk_operands_reference(*xs, scale, L)
+    c = lambda x: x.double().view(BH, Tp // L, L, x.shape[-1])  # noqa: E731
+    Hs, dH = Hs.double(), dH.double()
+    eye = lambda d: torch.diag_embed(d.double().view(BH, Tp // L, L))  # noqa: E731
+    cot = dict(Aqk=dA[0].double() + eye(dqk_d), Aqa=dA[1].double() + eye(dqa_d),
+               Abk=dA[2].double(), Aba=dA[3].double(), Qg=c(dO) @ Hs.mT, Bg=-c(GC) @ Hs.mT,
+               Kd=c(v) @ dH.mT, Ad=c(V2) @ dH.mT, eGl=(Hs * dH).sum(-1))
+    grads = torch.autograd.grad([ops[n] for n in cot], xs, [cot[n] for n in cot])
+    return tuple(g.reshape(BH, Tp, K) for g in grads)

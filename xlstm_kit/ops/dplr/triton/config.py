@@ -1,0 +1,114 @@
+"""`DPLRKernelConfig`: the launch choices of the chunkwise DPLR kernels, one frozen value.
+
+The defaults are the timed ones (benchmarks/NOTES-dplr.md): single-pass TF32 for the products
+that reach only bf16 outputs, 16-column V-tiles on 4 warps for the two sequential state kernels
+at every chunk size, and the per-kernel tiles below. `None` in a field means "by chunk size".
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import torch
+
+from ..._config import KernelConfig
+
+# "tf32": single-pass TF32; "bf16": bfloat16 operands (a speed reference: the gate gradient fails
+# the 2x rule); "fp16": float16 operands, for float16 inputs — the interpreter's stand-in for the
+# GPU modes (it has neither TF32 nor bfloat16); "off": 3-pass TF32 like everything else.
+LOWP_MODES = {"off": 0, "tf32": 1, "bf16": 2, "fp16": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class DPLRKernelConfig(KernelConfig):
+    """Launch configuration of `dplr_chunkwise_triton` / `kda_chunkwise_triton`.
+
+    lowp: precision of the products whose results reach only 16-bit outputs (o and the input
+        gradients; never the state path), one of LOWP_MODES. It applies only when every input
+        is bfloat16 ("fp16": float16); otherwise those products run at float32 accuracy too.
+    state_block_v, state_warps: V-tile and warps of `_fwd_state` / `_bwd_state` (the tile is
+        capped at V, and at 32 for K > 128 or 64 otherwise: shared memory of one block).
+    pairs_block_k, pairs_warps: K-step and warps of `_fwd_pairs` (warps None: 8 at chunk ≤ 32,
+        else 4).
+    wy_block_k, wy_block_v, wy_warps: K-step, V-step and warps of `_fwd_wy`.
+    bwd_block_v: V-step of `_bwd_dv` and `_bwd_dk`; dv_block_k, dv_warps: K-step and warps of
+        `_bwd_dv`; dk_block_k, dk_warps: K-tile (one program each) and warps of `_bwd_dk`
+        (dk_block_k None: 64 at chunk ≤ 32, else 32 — ptxas at chunk 32: 64 spills 124 B per
+        thread, 32 spills 2.2 KB).
+    Every block is a power of two ≥ 16 (capped at K or V); warps are 4 or 8.
+    """
+    lowp: str = "tf32"
+    state_block_v: int = 16
+    state_warps: int = 4
+    pairs_block_k: int = 32
+    pairs_warps: int | None = None
+    wy_block_k: int = 32
+    wy_block_v: int = 32
+    wy_warps: int = 8
+    bwd_block_v: int = 32
+    dv_block_k: int = 64
+    dv_warps: int = 8
+    dk_block_k: int | None = None
+    dk_warps: int = 8
+
+    def __post_init__(self):
+        if self.lowp not in LOWP_MODES:
+            raise ValueError(f"DPLRKernelConfig.lowp must be one of {sorted(LOWP_MODES)}, got {self.lowp!r}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_warps") and value is not None and value not in (4, 8):
+                raise ValueError(f"DPLRKernelConfig.{f.name} must be 4 or 8, got {value!r}")
+            if "_block_" in f.name and value is not None and (
+                    not isinstance(value, int) or value < 16 or value & (value - 1)):
+                raise ValueError(f"DPLRKernelConfig.{f.name} must be a power of two >= 16, got {value!r}")
+
+    def for_dtypes(self, *dtypes: torch.dtype) -> "DPLRKernelConfig":
+        """This configuration for inputs of `dtypes`: `lowp` turned "off" unless every input is
+        bfloat16 (float16 for "fp16"). bf16 only: its rounding (2^-8) dwarfs single-pass TF32's
+        operand rounding (2^-11); float16 outputs are as fine as TF32 operands, so the 2x rule
+        would not hold for them (package docstring, "Precision modes")."""
+        want = torch.float16 if self.lowp == "fp16" else torch.bfloat16
+        if self.lowp == "off" or all(dt == want for dt in dtypes):
+            return self
+        return self.replace(lowp="off")
+
+
+class Launch(NamedTuple):
+    """A configuration resolved for one shape: everything the launchers pass to the kernels."""
+    prec: str              # input_precision of the float32-accurate products
+    lo: int                # LO constexpr of `_mm`
+    state_bv: int
+    state_warps: int
+    pairs_bk: int
+    pairs_warps: int
+    wy_bk: int
+    wy_bv: int
+    wy_warps: int
+    bwd_bv: int
+    dv_bk: int
+    dv_warps: int
+    dk_bk: int
+    dk_warps: int
+
+
+@functools.lru_cache(maxsize=256)
+def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool) -> Launch:
+    """`config` (already through `for_dtypes`) for head dims K, V and chunk length L."""
+    # float32 operands at ~float32 accuracy (3-pass TF32); the interpreter only knows "ieee" and
+    # runs single-pass TF32 as "ieee" too
+    prec = "ieee" if interpreting else "tf32x3"
+    lo = LOWP_MODES[config.lowp]
+    if interpreting and lo == 1:
+        lo = 0
+    return Launch(
+        prec=prec, lo=lo,
+        # larger V-tiles at K = 256 would not fit the shared memory of one block (NOTES-dplr.md)
+        state_bv=min(config.state_block_v, V, 32 if K > 128 else 64),
+        state_warps=config.state_warps,
+        pairs_bk=min(K, config.pairs_block_k),
+        pairs_warps=config.pairs_warps or (8 if L <= 32 else 4),
+        wy_bk=min(K, config.wy_block_k), wy_bv=min(V, config.wy_block_v), wy_warps=config.wy_warps,
+        bwd_bv=min(V, config.bwd_block_v),
+        dv_bk=min(K, config.dv_block_k), dv_warps=config.dv_warps,
+        dk_bk=min(K, config.dk_block_k or (64 if L <= 32 else 32)), dk_warps=config.dk_warps)

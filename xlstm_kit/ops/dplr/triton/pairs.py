@@ -1,0 +1,85 @@
+"""Phase 1 of the forward: the four pair matrices of every chunk (`_fwd_pairs`), and their
+PyTorch reference."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import _mm, _offs, _row
+
+
+@triton.jit
+def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
+               K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
+               PREC: tl.constexpr, LO: tl.constexpr):
+    """One [L, S] column block (sub-chunk j) of A_qk, A_qa, A_bk, A_ba of one chunk.
+    q, k, a, b: [BH, Tp, K] (input dtype); G: [BH, Tp, K] float64; A*: [BH, NC, L, L] float32."""
+    NB: tl.constexpr = L // S
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    n = pid // NB
+    j0 = (pid % NB) * S
+    t0 = n * L
+    rows = tl.arange(0, L)
+    cols = tl.arange(0, S)
+    below = rows >= j0 + S
+    inblk = (rows >= j0) & (rows < j0 + S)
+    acc_qk = tl.zeros([L, S], dtype=tl.float32)
+    acc_qa = tl.zeros([L, S], dtype=tl.float32)
+    acc_bk = tl.zeros([L, S], dtype=tl.float32)
+    acc_ba = tl.zeros([L, S], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        px = _offs(bh, t0, rows, kk, Tp, K)                     # [L, BK]
+        py = _offs(bh, t0 + j0, cols, kk, Tp, K)                # [S, BK]
+        Gx = tl.load(G + px)
+        Gy = tl.load(G + py)
+        g_end = tl.load(G + _row(bh, t0 + j0 + S - 1, kk, Tp, K))        # [BK]
+        g_mid = tl.load(G + _row(bh, t0 + j0 + S // 2 - 1, kk, Tp, K))   # [BK]
+        fx_off = tl.exp(tl.where(below[:, None], Gx - g_end[None, :], float("-inf")).to(tl.float32))
+        fx_in = tl.exp(tl.where(inblk[:, None], Gx - g_mid[None, :], float("-inf")).to(tl.float32))
+        fy_off = tl.exp((g_end[None, :] - Gy).to(tl.float32))
+        fy_in = tl.exp((g_mid[None, :] - Gy).to(tl.float32))
+        xq = tl.load(q + px).to(tl.float32) * scale
+        xb = tl.load(b + px).to(tl.float32)
+        yk = tl.load(k + py).to(tl.float32)
+        ya = tl.load(a + py).to(tl.float32)
+        yk_off = tl.trans(yk * fy_off)
+        yk_in = tl.trans(yk * fy_in)
+        ya_off = tl.trans(ya * fy_off)
+        ya_in = tl.trans(ya * fy_in)
+        xq_off = xq * fx_off
+        xq_in = xq * fx_in
+        xb_off = xb * fx_off
+        xb_in = xb * fx_in
+        acc_qk += _mm(xq_off, yk_off, LO, PREC) + _mm(xq_in, yk_in, LO, PREC)
+        acc_qa += tl.dot(xq_off, ya_off, input_precision=PREC) + tl.dot(xq_in, ya_in, input_precision=PREC)
+        acc_bk += tl.dot(xb_off, yk_off, input_precision=PREC) + tl.dot(xb_in, yk_in, input_precision=PREC)
+        acc_ba += tl.dot(xb_off, ya_off, input_precision=PREC) + tl.dot(xb_in, ya_in, input_precision=PREC)
+    ci = j0 + cols
+    incl = ci[None, :] <= rows[:, None]
+    strict = ci[None, :] < rows[:, None]
+    pa = _offs(bh * NC + n, 0, rows, ci, L, L)
+    tl.store(Aqk + pa, tl.where(incl, acc_qk, 0.0))
+    tl.store(Aqa + pa, tl.where(incl, acc_qa, 0.0))
+    tl.store(Abk + pa, tl.where(strict, acc_bk, 0.0))
+    tl.store(Aba + pa, tl.where(strict, acc_ba, 0.0))
+
+
+def pairs_reference(q, k, a, b, G, scale: float, L: int):
+    """A_xy[r, i] = Σ_k x_r[k] y_i[k] e^{G_r[k] − G_i[k]} of every chunk, straight from the
+    definition in float64: (A_qk, A_qa) for i ≤ r with x = scale·q, (A_bk, A_ba) for i < r with
+    x = b. q, k, a, b: [BH, Tp, K]; G: [BH, Tp, K] in-chunk cumulative log gates.
+    Returns four [BH, NC, L, L] float64 tensors."""
+    BH, Tp, K = q.shape
+    f = lambda x: x.double().view(BH, Tp // L, L, K)  # noqa: E731
+    Gc = f(G)
+    decay = Gc.unsqueeze(-2) - Gc.unsqueeze(-3)                           # [BH, NC, r, i, K]
+    keep = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    # masked before the exp: above the diagonal the exponent is positive and may overflow
+    decay = decay.masked_fill(~keep[..., None], float("-inf")).exp()
+    pair = lambda x, y: torch.einsum("bnrk,bnik,bnrik->bnri", x, y, decay)  # noqa: E731
+    qs, kc, ac, bc = f(q) * scale, f(k), f(a), f(b)
+    strict = torch.ones(L, L, dtype=torch.bool, device=q.device).tril(-1)
+    return pair(qs, kc), pair(qs, ac), pair(bc, kc) * strict, pair(bc, ac) * strict

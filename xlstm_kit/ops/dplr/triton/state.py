@@ -1,0 +1,118 @@
+"""Phase 3 (forward) and phase 4 (first of the backward): the sequential passes over the chunks
+that carry the state h = Sᵀ [K, V] (`_fwd_state`) and its gradient (`_bwd_state`), and their
+PyTorch references."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import _mm, _offs, _row
+
+
+@triton.jit
+def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
+               K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
+               HAS_H0: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
+    """Sequential over the chunks of one (b·h, V-tile): V2, O and the state h [K, BV].
+    Hs: [BH, NC, K, V] states entering each chunk; V2, O: [BH, Tp, V]; h0, hT: [BH, K, V]."""
+    vt_id = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, L)
+    kr = tl.arange(0, K)
+    vv = vt_id * BV + tl.arange(0, BV)
+    if HAS_H0:
+        h = tl.load(h0 + _offs(bh, 0, kr, vv, K, V)).to(tl.float32)
+    else:
+        h = tl.zeros([K, BV], dtype=tl.float32)
+    for n in range(0, NC):
+        t0 = n * L
+        tl.store(Hs + _offs(bh * NC + n, 0, kr, vv, K, V), h)
+        pk = _offs(bh, t0, rows, kr, Tp, K)
+        pv = _offs(bh, t0, rows, vv, Tp, V)
+        pa = _offs(bh * NC + n, 0, rows, rows, L, L)
+        vt = tl.load(v + pv).to(tl.float32)
+        v2 = tl.load(Cm + pv) - tl.dot(tl.load(W + pk), h, input_precision=PREC)
+        tl.store(V2 + pv, v2)
+        o = _mm(tl.load(Qg + pk), h, LO, PREC)
+        o += _mm(tl.load(Aqk + pa), vt, LO, PREC)
+        o += _mm(tl.load(Aqa + pa), v2, LO, PREC)
+        tl.store(O + pv, o)
+        h = tl.load(eGl + _row(bh, n, kr, NC, K))[:, None] * h
+        h += tl.dot(tl.trans(tl.load(Kd + pk)), vt, input_precision=PREC)
+        h += tl.dot(tl.trans(tl.load(Ad + pk)), v2, input_precision=PREC)
+    tl.store(hT + _offs(bh, 0, kr, vv, K, V), h)
+
+
+@triton.jit
+def _bwd_state(Qg, Ad, eGl, Aqa, W, dO, dhT, dH, dV2, dh0, Tp, NC,
+               K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
+               HAS_DHT: tl.constexpr, PREC: tl.constexpr):
+    """Reverse-sequential over the chunks of one (b·h, V-tile), seed §三:
+        δV2 = (A ⊙ e^{G_L−G}) δh' + A_qaᵀ δO,   δh = Diag(γ_L) δh' + Q←ᵀ δO − Wᵀ δV2.
+    dH: [BH, NC, K, V] δ of the state leaving each chunk; dV2: [BH, Tp, V]; dhT, dh0: [BH, K, V]."""
+    vt_id = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, L)
+    kr = tl.arange(0, K)
+    vv = vt_id * BV + tl.arange(0, BV)
+    if HAS_DHT:
+        dh = tl.load(dhT + _offs(bh, 0, kr, vv, K, V)).to(tl.float32)
+    else:
+        dh = tl.zeros([K, BV], dtype=tl.float32)
+    for i in range(0, NC):
+        n = NC - 1 - i
+        t0 = n * L
+        tl.store(dH + _offs(bh * NC + n, 0, kr, vv, K, V), dh)
+        pk = _offs(bh, t0, rows, kr, Tp, K)
+        pv = _offs(bh, t0, rows, vv, Tp, V)
+        pa = _offs(bh * NC + n, 0, rows, rows, L, L)
+        do = tl.load(dO + pv).to(tl.float32)
+        dv2 = tl.dot(tl.load(Ad + pk), dh, input_precision=PREC)
+        dv2 += tl.dot(tl.trans(tl.load(Aqa + pa)), do, input_precision=PREC)
+        tl.store(dV2 + pv, dv2)
+        dh = tl.load(eGl + _row(bh, n, kr, NC, K))[:, None] * dh
+        dh += tl.dot(tl.trans(tl.load(Qg + pk)), do, input_precision=PREC)
+        dh -= tl.dot(tl.trans(tl.load(W + pk)), dv2, input_precision=PREC)
+    tl.store(dh0 + _offs(bh, 0, kr, vv, K, V), dh)
+
+
+def _chunks(x, L):
+    """[BH, Tp, D] → float64 [BH, NC, L, D]."""
+    BH, Tp, D = x.shape
+    return x.double().view(BH, Tp // L, L, D)
+
+
+def state_reference(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, L: int):
+    """`_fwd_state` in float64, chunk by chunk: V2 = Cm − W h, O = Qg h + A_qk V + A_qa V2,
+    h' = Diag(eGl) h + Kdᵀ V + Adᵀ V2. Operands as `_fwd_wy` and `_fwd_pairs` leave them
+    ([BH, Tp, ·], [BH, NC, L, L], eGl [BH, NC, K]); h0: [BH, K, V] or None.
+    Returns a dict of Hs [BH, NC, K, V] (states entering each chunk), V2, O [BH, Tp, V], hT."""
+    Qg, Kd, Ad, v, W, Cm = (_chunks(x, L) for x in (Qg, Kd, Ad, v, W, Cm))
+    BH, NC, _, K = Qg.shape
+    h = Qg.new_zeros(BH, K, v.shape[-1]) if h0 is None else h0.double()
+    Hs, V2, O = [], [], []
+    for n in range(NC):
+        Hs.append(h)
+        v2 = Cm[:, n] - W[:, n] @ h
+        O.append(Qg[:, n] @ h + Aqk[:, n].double() @ v[:, n] + Aqa[:, n].double() @ v2)
+        V2.append(v2)
+        h = eGl[:, n, :, None].double() * h + Kd[:, n].mT @ v[:, n] + Ad[:, n].mT @ v2
+    cat = lambda xs: torch.cat(xs, 1)  # noqa: E731
+    return dict(Hs=torch.stack(Hs, 1), V2=cat(V2), O=cat(O), hT=h)
+
+
+def bwd_state_reference(Qg, Ad, eGl, Aqa, W, dO, dhT, L: int):
+    """`_bwd_state` in float64, chunks in reverse: δV2 = Ad δh' + A_qaᵀ δO,
+    δh = Diag(eGl) δh' + Qgᵀ δO − Wᵀ δV2. dO: [BH, Tp, V]; dhT: [BH, K, V] or None.
+    Returns a dict of dH [BH, NC, K, V] (δ of each chunk's leaving state), dV2 [BH, Tp, V], dh0."""
+    Qg, Ad, W, dO = (_chunks(x, L) for x in (Qg, Ad, W, dO))
+    BH, NC, _, K = Qg.shape
+    dh = Qg.new_zeros(BH, K, dO.shape[-1]) if dhT is None else dhT.double()
+    dH, dV2 = [None] * NC, [None] * NC
+    for n in reversed(range(NC)):
+        dH[n] = dh
+        dv2 = Ad[:, n] @ dh + Aqa[:, n].double().mT @ dO[:, n]
+        dV2[n] = dv2
+        dh = eGl[:, n, :, None].double() * dh + Qg[:, n].mT @ dO[:, n] - W[:, n].mT @ dv2
+    return dict(dH=torch.stack(dH, 1), dV2=torch.cat(dV2, 1), dh0=dh)

@@ -1,0 +1,253 @@
+"""sLSTM backward: one launch runs all T steps in reverse.
+
+    backward(r_hi, r_lo, mm, saved (hs, g, cs, ns, ms), init, dh_out, d_final, exp_forget,
+             clip, config) -> (δg̃ [B,T,4,H,D], (δh_0, δc_0, δn_0, δm_0) each [B,H,D])
+
+Maths: DESIGN.md §1 and the stabilized backward of `..recurrent` (paper eqs. 41–51 with the
+adjoints of c and n carried scaled by n_t, and the stabilizer's adjoint routed through the max the
+way torch.maximum does), so the gradients equal autograd of `naive.slstm_recurrent_naive`.
+The kernel writes δg̃ = δx_gates per step in the state dtype. δR = Σ_t h_{t-1}ᵀ δg̃_t and
+δb = Σ_t δg̃_t are plain batched reductions over all (b, t) left to torch (`op.py`): an
+accumulator for δR ([D, 4D] per program) would not fit on chip. `backward_reference` is the
+same computation through autograd of the PyTorch op.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import _ld, _ld_gates, _load_r, _load_r_gates, _log_sigmoid, _mm, _sigmoid, _st, _st_gates, _tanh
+from .config import SLSTMKernelConfig, block_d, k_chunk
+
+
+@triton.jit
+def _load_step(G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, rd, mask, t, HD,
+               HAS_DH: tl.constexpr, EVEN: tl.constexpr, sdt: tl.constexpr):
+    """Everything step t's backward reads that does not depend on the reverse recurrence:
+    the gate pre-activations (a tuple i, f, z, o) and δh^ext of step t, and the state (c, n, m)
+    before step t (the initial state when t = 0). t < 0 is clamped (a harmless re-read, never
+    used)."""
+    tc = tl.cast(tl.maximum(t, 0), tl.int64)
+    ux = (tc * 4 * HD + rd)[:, None]
+    g = _ld_gates(G + col_x, ux, HD, mask, EVEN)
+    if HAS_DH:
+        dh = _ld(DH + col_q + (tc * HD + rd)[:, None], mask, EVEN).to(sdt)
+    else:
+        dh = tl.zeros(g[0].shape, sdt)
+    up = (tl.maximum(tc - 1, 0) * HD + rd)[:, None]
+    first = t <= 0
+    c_p = tl.where(first, c0, _ld(CS + col_q + up, mask, EVEN))
+    n_p = tl.where(first, n0, _ld(NS + col_q + up, mask, EVEN))
+    m_p = tl.where(first, m0, _ld(MS + col_q + up, mask, EVEN))
+    return g, dh, c_p, n_p, m_p
+
+
+@triton.jit
+def _slstm_bwd_kernel(
+    R, RLO, DH, G, CS, NS, MS, C0, N0, M0,   # R: the forward's weights
+    DHT, DCT, DNT, DMT,                      # gradients of the final state
+    DG, DH0, DC0, DN0, DM0,                  # outputs
+    B, T, NH, D, clip,
+    BT: tl.constexpr, BD: tl.constexpr, KC: tl.constexpr, EVEN: tl.constexpr,
+    EVEN_D: tl.constexpr, EXP_FORGET: tl.constexpr, HAS_INIT: tl.constexpr,
+    HAS_DH: tl.constexpr, HAS_DFINAL: tl.constexpr, CLIP: tl.constexpr, MM: tl.constexpr,
+    R_RESIDENT: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    # Same tiles as the forward ([BD, BT]); the step's matmul is
+    # δh^Rᵀ [BD, BT] = Σ_g R_g [BD, BD] @ δg̃_gᵀ [BD, BT].
+    pid_b = tl.program_id(0)
+    hd = tl.program_id(1)
+    sdt = DG.dtype.element_ty
+    rb = pid_b * BT + tl.arange(0, BT)
+    rd = tl.arange(0, BD)
+    md = rd < D
+    mask_b = (rb < B)[None, :]
+    mask = md[:, None] & mask_b
+    rb64 = rb.to(tl.int64)
+    HD = NH * D
+    col_s = rb64[None, :] * HD + hd * D
+    col_q = rb64[None, :] * T * HD + hd * D
+    col_x = rb64[None, :] * T * 4 * HD + hd * D
+    u0 = rd[:, None]
+
+    if HAS_INIT:
+        c0 = _ld(C0 + col_s + u0, mask, EVEN).to(sdt)
+        n0 = _ld(N0 + col_s + u0, mask, EVEN).to(sdt)
+        m0 = _ld(M0 + col_s + u0, mask, EVEN).to(sdt)
+    else:
+        c0 = tl.zeros([BD, BT], sdt)
+        n0 = tl.zeros([BD, BT], sdt)
+        m0 = tl.zeros([BD, BT], sdt)
+
+    # State after the last step; padding gets n = 1 so that 1/n stays finite there.
+    ul = (tl.cast(T - 1, tl.int64) * HD + rd)[:, None]
+    c_cur = _ld(CS + col_q + ul, mask, EVEN)
+    n_cur = _ld(NS + col_q + ul, mask, EVEN)
+    if not EVEN:
+        n_cur = tl.where(mask, n_cur, 1.0)
+    m_cur = _ld(MS + col_q + ul, mask, EVEN)
+    if HAS_DFINAL:
+        # δh_T joins δh^ext of the last step unclipped: it is not a recurrent gradient.
+        dh_rec = _ld(DHT + col_s + u0, mask, EVEN).to(sdt)
+        c_hat = _ld(DCT + col_s + u0, mask, EVEN).to(sdt) * n_cur  # n_T δc_T
+        n_hat = _ld(DNT + col_s + u0, mask, EVEN).to(sdt) * n_cur  # n_T δn_T
+        dm = _ld(DMT + col_s + u0, mask, EVEN).to(sdt)
+    else:
+        dh_rec = tl.zeros([BD, BT], sdt)
+        c_hat = tl.zeros([BD, BT], sdt)
+        n_hat = tl.zeros([BD, BT], sdt)
+        dm = tl.zeros([BD, BT], sdt)
+    rho = tl.full([BD, BT], 1.0, sdt)   # ρ_{t+1}; none before the last step
+    f_over_n = tl.zeros([BD, BT], sdt)  # f'_t / n_t of the step just done (t = 0 at the end)
+
+    if R_RESIDENT:
+        rs = _load_r_gates(R, RLO, hd, NH, D, rd, rd, EVEN_D, False, MM)
+
+    if PREFETCH:
+        g, dh_x, c_p, n_p, m_p = _load_step(
+            G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, rd, mask, T - 1, HD, HAS_DH, EVEN, sdt)
+    for tt in range(T):
+        t = T - 1 - tt
+        if PREFETCH:
+            g_next, dh_x_next, c_p_next, n_p_next, m_p_next = _load_step(
+                G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, rd, mask, t - 1, HD, HAS_DH, EVEN, sdt)
+        else:
+            g, dh_x, c_p, n_p, m_p = _load_step(
+                G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, rd, mask, t, HD, HAS_DH, EVEN, sdt)
+
+        g_i, g_f, g_z, g_o = g
+        dh = dh_x + dh_rec                                       # (41)
+        if EXP_FORGET:
+            log_f = g_f
+        else:
+            log_f = _log_sigmoid(g_f)
+        a = log_f + m_p
+        i_p = tl.exp(g_i - m_cur)
+        f_p = tl.exp(a - m_cur)
+        inv_n = 1.0 / n_cur
+        z = _tanh(g_z)
+        o = _sigmoid(g_o)
+        oh = o * c_cur * inv_n                                   # o_t h̃_t
+        c_hat = rho * c_hat + o * dh                             # n_t δc_t   (42)
+        n_hat = rho * n_hat - oh * dh                            # n_t δn_t   (43)
+        kappa = i_p * inv_n
+        rho = f_p * n_p * inv_n
+        phi = f_p * c_p * inv_n
+        f_over_n = f_p * inv_n
+        d_o = dh * oh * (1.0 - o)                                # (47)
+        d_z = c_hat * kappa * (1.0 - z * z)                      # (46)
+        p = c_hat * phi + n_hat * rho                            # f' δf'     (44)
+        q = (c_hat * z + n_hat) * kappa                          # i' δi'     (45)
+        # m_t = max(a, ĩ): the adjoint left to m_t goes to the larger side, halved on a tie.
+        w = tl.where(a > g_i, 1.0, tl.where(a == g_i, 0.5, 0.0))
+        da = p + (dm - p - q) * w                                # δ(log f_t + m_{t-1})
+        d_i = dm - da
+        if EXP_FORGET:
+            d_f = da
+        else:
+            d_f = da * _sigmoid(-g_f)
+        dm = da
+        dg = (d_i, d_f, d_z, d_o)
+        if not EVEN:  # padding must not feed the matmul below
+            masked = ()
+            for k in tl.static_range(4):
+                masked = masked + (tl.where(mask, dg[k], 0.0),)
+            dg = masked
+        ux = (tl.cast(t, tl.int64) * 4 * HD + rd)[:, None]
+        _st_gates(DG + col_x, ux, HD, dg, mask, EVEN)
+
+        # (49): δh^R_{t-1} = Σ_g δg̃_g R_gᵀ, here transposed: Σ_g R_g @ δg̃_gᵀ
+        acc = tl.zeros([BD, BT], sdt)
+        if KC < BD:
+            # K-chunked (large heads): read this step's δg̃ back from DG in chunks of KC.
+            tl.debug_barrier()
+            for kc in range(0, BD, KC):
+                rk = kc + tl.arange(0, KC)
+                uk = (tl.cast(t, tl.int64) * 4 * HD + rk)[:, None]
+                lm = (rk < D)[:, None] & mask_b
+                for k in tl.static_range(4):
+                    dg_k = _ld(DG + col_x + k * HD + uk, lm, EVEN)
+                    r_c, rc_lo = _load_r(R, RLO, k, hd, NH, D, rd, rk, EVEN_D, False, MM)
+                    acc = _mm(r_c, rc_lo, dg_k, acc, MM)
+        else:
+            for k in tl.static_range(4):
+                if R_RESIDENT:
+                    r_k, rk_lo = rs[k]
+                else:
+                    r_k, rk_lo = _load_r(R, RLO, k, hd, NH, D, rd, rd, EVEN_D, False, MM)
+                acc = _mm(r_k, rk_lo, dg[k], acc, MM)
+        if CLIP:
+            acc = tl.minimum(tl.maximum(acc, -clip), clip)
+        dh_rec = acc
+
+        c_cur = c_p
+        if EVEN:
+            n_cur = n_p
+        else:
+            n_cur = tl.where(mask, n_p, 1.0)
+        m_cur = m_p
+        if PREFETCH:
+            g = g_next
+            dh_x = dh_x_next
+            c_p = c_p_next
+            n_p = n_p_next
+            m_p = m_p_next
+
+    _st(DH0 + col_s + u0, dh_rec, mask, EVEN)
+    # δc_0 = f'_0 δc (after step 0) = (f'_0 / n_0) Ĉ_0: no division by the initial n (0 by default).
+    _st(DC0 + col_s + u0, f_over_n * c_hat, mask, EVEN)
+    _st(DN0 + col_s + u0, f_over_n * n_hat, mask, EVEN)
+    _st(DM0 + col_s + u0, dm, mask, EVEN)
+
+
+def backward(r_hi, r_lo, mm: int, saved, init, dh_out, d_final, exp_forget: bool, clip,
+             config: SLSTMKernelConfig):
+    """Launch the backward. saved = `forward`'s (hs, g, cs, ns, ms); init (h, c, n, m) as given
+    to `forward` or None; dh_out [B,T,H,D] or None; d_final a 4-tuple of [B,H,D] gradients
+    (entries may be None) or None. Returns δg̃ [B,T,4,H,D] and [δh_0, δc_0, δn_0, δm_0] [B,H,D],
+    all in the state dtype."""
+    hs, g, cs, ns, ms = saved
+    batch, steps, _, heads, dim = g.shape
+    sdt = g.dtype
+    dev = g.device
+    dg = torch.empty_like(g)
+    d_init = [torch.empty(batch, heads, dim, dtype=sdt, device=dev) for _ in range(4)]
+    c0, n0, m0 = init[1:] if init is not None else (d_init[0],) * 3
+    has_dfinal = d_final is not None
+    if has_dfinal:
+        d_final = [torch.zeros(batch, heads, dim, dtype=sdt, device=dev) if d is None
+                   else d.contiguous() for d in d_final]
+    else:
+        d_final = (d_init[0],) * 4
+    has_dh = dh_out is not None
+    dh_out = dh_out.contiguous() if has_dh else dg
+    bd = block_d(dim)
+    bt = config.block_b
+    grid = (triton.cdiv(batch, bt), heads)
+    _slstm_bwd_kernel[grid](
+        r_hi, r_lo, dh_out, g, cs, ns, ms, c0, n0, m0,
+        *d_final, dg, *d_init,
+        batch, steps, heads, dim, float(clip) if clip is not None else 0.0,
+        BT=bt, BD=bd, KC=k_chunk(config, bd), EVEN=batch % bt == 0 and dim == bd,
+        EVEN_D=dim == bd, EXP_FORGET=exp_forget, HAS_INIT=init is not None, HAS_DH=has_dh,
+        HAS_DFINAL=has_dfinal, CLIP=clip is not None, MM=mm, R_RESIDENT=config.r_resident,
+        PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=1,
+    )
+    return dg, d_init
+
+
+def backward_reference(x, r, b, init, dh_out, d_final, exp_forget: bool = False, clip=None):
+    """What `backward` computes, in float64 through autograd of the PyTorch op (tests):
+    δx_gates = δg̃ [B,T,4,H,D] and the initial state's (δh, δc, δn, δm)."""
+    from ..recurrent import slstm_recurrent_torch
+
+    x = x.detach().double().requires_grad_(True)
+    state = [s.detach().double().requires_grad_(True) for s in init]
+    h, final = slstm_recurrent_torch(x, r.double(), b.double(), initial_state=tuple(state),
+                                     output_final_state=True,
+                                     forget_gate="exp" if exp_forget else "sigmoid",
+                                     recurrent_grad_clip=clip)
+    loss = (h * dh_out.double()).sum() + sum((f * d.double()).sum() for f, d in zip(final, d_final))
+    grads = torch.autograd.grad(loss, [x, *state])
+    return grads[0], grads[1:]

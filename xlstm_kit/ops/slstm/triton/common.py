@@ -1,0 +1,124 @@
+"""Pieces shared by the sLSTM forward and backward kernels: activations, masked loads, the
+split-precision matmul, the R tiles, and the per-gate tuple helpers.
+
+The four gates (i, f, z, o) travel through the kernels as a tuple of four [BD, BT] tiles; every
+per-gate operation is one `tl.static_range(4)` loop, unrolled at compile time into the same
+code the hand-unrolled kernels had (same registers, same instruction order).
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _tanh(x):
+    # Through exp so that it runs in the interpreter too; exp overflow saturates to ±1 correctly.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _log_sigmoid(x):
+    return tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def _mm(r_hi, r_lo, v, acc, MM: tl.constexpr):
+    """acc + r @ v; r [M, K] (weights), v [K, BT] in the state dtype.
+
+    MM 0: one dot in the state dtype (interpreter, float64). MM 1: r is bf16 (exact); v is split
+    into a bf16 head and tail so the product keeps ~16 mantissa bits. MM 2: r is split as well
+    (r_hi + r_lo); the tail x tail term is below float32 rounding and is skipped.
+    """
+    if MM == 0:
+        acc = tl.dot(r_hi, v, acc, input_precision="ieee", out_dtype=acc.dtype)
+    else:
+        v_hi = v.to(tl.bfloat16)
+        v_lo = (v - v_hi.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(r_hi, v_hi, acc)
+        acc = tl.dot(r_hi, v_lo, acc)
+        if MM == 2:
+            acc = tl.dot(r_lo, v_hi, acc)
+    return acc
+
+
+@triton.jit
+def _ld(ptr, mask, EVEN: tl.constexpr):
+    # EVEN (B a multiple of BT and D == BD): no masks, so no mask tensors live across the loop.
+    if EVEN:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def _st(ptr, val, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr, val)
+    else:
+        tl.store(ptr, val, mask=mask)
+
+
+@triton.jit
+def _load_r(R, RLO, g, hd, NH, D, rows, cols, EVEN_D: tl.constexpr, TRANS: tl.constexpr,
+            MM: tl.constexpr):
+    """(hi, lo) of the tile [rows, cols] of R[g, hd] (TRANS=False) or of R[g, hd]ᵀ (TRANS=True)."""
+    base = (g * NH + hd).to(tl.int64) * D * D
+    if TRANS:
+        off = cols[None, :] * D + rows[:, None]
+    else:
+        off = rows[:, None] * D + cols[None, :]
+    rmask = (rows < D)[:, None] & (cols < D)[None, :]
+    r_hi = _ld(R + base + off, rmask, EVEN_D)
+    if MM == 2:
+        r_lo = _ld(RLO + base + off, rmask, EVEN_D)
+    else:
+        r_lo = r_hi
+    return r_hi, r_lo
+
+
+@triton.jit
+def _load_r_gates(R, RLO, hd, NH, D, rows, cols, EVEN_D: tl.constexpr, TRANS: tl.constexpr,
+                  MM: tl.constexpr):
+    """The four gates' (hi, lo) tiles of `_load_r`, as a tuple indexed by gate."""
+    rs = ()
+    for g in tl.static_range(4):
+        rs = rs + (_load_r(R, RLO, g, hd, NH, D, rows, cols, EVEN_D, TRANS, MM),)
+    return rs
+
+
+@triton.jit
+def _ld_gates(base, off, HD, mask, EVEN: tl.constexpr):
+    """The four gate tiles of a [.., 4, H, D] tensor: base + g * HD + off for g = i, f, z, o."""
+    out = ()
+    for g in tl.static_range(4):
+        out = out + (_ld(base + g * HD + off, mask, EVEN),)
+    return out
+
+
+@triton.jit
+def _st_gates(base, off, HD, vals, mask, EVEN: tl.constexpr):
+    for g in tl.static_range(4):
+        _st(base + g * HD + off, vals[g], mask, EVEN)
+
+
+def prepare_r(r: torch.Tensor, state_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """(r_hi, r_lo, MM mode) for the kernels' matmuls; see `_mm`."""
+    if r.device.type != "cuda" or state_dtype == torch.float64:
+        rr = r.to(state_dtype).contiguous()
+        return rr, rr, 0
+    if r.dtype == torch.bfloat16:
+        rr = r.contiguous()
+        return rr, rr, 1
+    r32 = r.float()
+    r_hi = r32.to(torch.bfloat16)
+    r_lo = (r32 - r_hi.float()).to(torch.bfloat16)
+    return r_hi.contiguous(), r_lo.contiguous(), 2

@@ -1,0 +1,173 @@
+"""The sLSTM sequence op on the Triton kernels, as torch.library custom ops.
+
+    xlstm_kit::slstm_recurrent_fwd(x_gates, r, b, h0?, c0?, n0?, m0?, forget_gate,
+                                   recurrent_grad_clip?, config, save)
+        -> (h [B,T,H,D], h_T, c_T, n_T, m_T [B,H,D], hs, g, cs, ns, ms)
+    xlstm_kit::slstm_recurrent_bwd(r, g, cs, ns, ms, c0?, n0?, m0?, dh?, dh_T?, dc_T?, dn_T?,
+                                   dm_T?, forget_gate, recurrent_grad_clip?, config)
+        -> (δg̃ [B,T,4,H,D], δh_0, δc_0, δn_0, δm_0 [B,H,D])
+
+The forward returns the tensors its backward needs (hs, g, cs, ns, ms: `forward.forward`'s
+saved tensors; empty when `save` is False, hs also empty when h itself serves); the autograd
+formula registered here calls the backward op and forms δR and δb with torch. `config` is an
+`SLSTMKernelConfig.key()` string, "" for the default of the head size and weight dtype.
+Custom ops keep `torch.compile` from tracing into Triton launches (no graph breaks).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..._checks import compute_dtype
+from ..naive import State
+from . import backward as _backward_phase
+from . import forward as _forward_phase
+from .common import prepare_r
+from .config import SLSTMKernelConfig, resolve
+
+Tensor = torch.Tensor
+
+
+def supports(op: str, **_) -> str | None:
+    """backend.choose_backend's question: the sLSTM kernels take every call the op validates."""
+    return None
+
+
+def _contiguous_state(states, sdt):
+    if states[-1] is None:
+        return None
+    return tuple(None if s is None else s.to(sdt).contiguous() for s in states)
+
+
+@torch.library.custom_op("xlstm_kit::slstm_recurrent_fwd", mutates_args=())
+def slstm_recurrent_fwd(x_gates: Tensor, r: Tensor, b: Tensor, h0: Optional[Tensor],
+                        c0: Optional[Tensor], n0: Optional[Tensor], m0: Optional[Tensor],
+                        forget_gate: str, recurrent_grad_clip: Optional[float], config: str,
+                        save: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                             Tensor, Tensor, Tensor, Tensor, Tensor]:
+    sdt = compute_dtype(x_gates, r, b)
+    r_hi, r_lo, mm = prepare_r(r, sdt)
+    cfg = resolve(config, x_gates.shape[-1], mm)
+    init = _contiguous_state((h0, c0, n0, m0), sdt)
+    h, final, saved = _forward_phase.forward(x_gates.contiguous(), r_hi, r_lo, mm, b, init,
+                                             forget_gate == "exp", save, cfg)
+    # Outputs may not alias each other: absent ones are distinct empty tensors.
+    if saved is None:
+        saved = [h.new_empty(0, dtype=sdt) for _ in range(5)]
+    elif saved[0] is h:
+        saved = (h.new_empty(0, dtype=sdt), *saved[1:])
+    return (h, *final, *saved)
+
+
+@slstm_recurrent_fwd.register_fake
+def _(x_gates, r, b, h0, c0, n0, m0, forget_gate, recurrent_grad_clip, config, save):
+    batch, steps, _, heads, dim = x_gates.shape
+    sdt = compute_dtype(x_gates, r, b)
+    h = x_gates.new_empty(batch, steps, heads, dim)
+    final = [x_gates.new_empty(batch, heads, dim, dtype=sdt) for _ in range(4)]
+    if not save:
+        return (h, *final, *(x_gates.new_empty(0, dtype=sdt) for _ in range(5)))
+    hs = x_gates.new_empty(batch, steps, heads, dim, dtype=sdt) if x_gates.dtype != sdt \
+        else x_gates.new_empty(0, dtype=sdt)
+    g = x_gates.new_empty(batch, steps, 4, heads, dim, dtype=sdt)
+    cs, ns, ms = (x_gates.new_empty(batch, steps, heads, dim, dtype=sdt) for _ in range(3))
+    return (h, *final, hs, g, cs, ns, ms)
+
+
+@torch.library.custom_op("xlstm_kit::slstm_recurrent_bwd", mutates_args=())
+def slstm_recurrent_bwd(r: Tensor, g: Tensor, cs: Tensor, ns: Tensor, ms: Tensor,
+                        c0: Optional[Tensor], n0: Optional[Tensor], m0: Optional[Tensor],
+                        dh: Optional[Tensor], dh_T: Optional[Tensor], dc_T: Optional[Tensor],
+                        dn_T: Optional[Tensor], dm_T: Optional[Tensor], forget_gate: str,
+                        recurrent_grad_clip: Optional[float], config: str
+                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    sdt = g.dtype
+    r_hi, r_lo, mm = prepare_r(r, sdt)
+    cfg = resolve(config, g.shape[-1], mm)
+    init = _contiguous_state((None, c0, n0, m0), sdt)  # the kernel reads (c, n, m) only
+    d_final = (dh_T, dc_T, dn_T, dm_T)
+    if all(d is None for d in d_final):
+        d_final = None
+    dg, d_init = _backward_phase.backward(r_hi, r_lo, mm, (None, g, cs, ns, ms), init, dh,
+                                          d_final, forget_gate == "exp", recurrent_grad_clip, cfg)
+    return (dg, *d_init)
+
+
+@slstm_recurrent_bwd.register_fake
+def _(r, g, cs, ns, ms, c0, n0, m0, dh, dh_T, dc_T, dn_T, dm_T, forget_gate,
+      recurrent_grad_clip, config):
+    batch, _, _, heads, dim = g.shape
+    return (torch.empty_like(g), *(g.new_empty(batch, heads, dim) for _ in range(4)))
+
+
+def recurrent_grads(ctx, r, h, saved, init, dh, d_final):
+    """The gradients of (x_gates, r, b, h0, c0, n0, m0) from the backward op; entries whose
+    input needs no gradient (ctx.needs_input_grad) are None. `saved` = (hs, g, cs, ns, ms) with
+    hs empty when h (already in the state dtype) is the saved h."""
+    hs, g, cs, ns, ms = saved
+    h0, c0, n0, m0 = init
+    dg, *d_init = torch.ops.xlstm_kit.slstm_recurrent_bwd(
+        r, g, cs, ns, ms, c0, n0, m0, dh, *d_final, ctx.forget_gate, ctx.clip, ctx.config)
+    need = ctx.needs_input_grad
+    grads = [None] * 7
+    if need[0]:
+        grads[0] = dg.to(ctx.dtypes[0])
+    if need[1]:
+        hs = h if hs.numel() == 0 else hs
+        # (50) δR_g = Σ_{b,t} h_{t-1}ᵀ δg̃_t per head; h_{-1} is the initial h.
+        d_r = torch.einsum("bthi,btghj->ghij", hs[:, :-1].to(dg.dtype), dg[:, 1:])
+        if h0 is not None:
+            d_r = d_r + torch.einsum("bhi,bghj->ghij", h0.to(dg.dtype), dg[:, 0])
+        grads[1] = d_r.to(ctx.dtypes[1])
+    if need[2]:
+        grads[2] = dg.sum(dim=(0, 1)).to(ctx.dtypes[2])
+    for k, s in enumerate(init):
+        if need[3 + k]:
+            grads[3 + k] = d_init[k].to(s.dtype)
+    return grads
+
+
+def _setup_context(ctx, inputs, output):
+    x_gates, r, b, h0, c0, n0, m0, forget_gate, clip, config, save = inputs
+    if not save:
+        raise RuntimeError("slstm_recurrent_fwd was called with save=False but a gradient is "
+                           "needed; call it through slstm_recurrent_triton")
+    ctx.save_for_backward(r, output[0], *output[5:], h0, c0, n0, m0)
+    ctx.forget_gate, ctx.clip, ctx.config = forget_gate, clip, config
+    ctx.dtypes = (x_gates.dtype, r.dtype, b.dtype)
+    # Gradients of unused outputs stay None: no zero [B,T,H,D] tensors are made for them.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dh, dh_T, dc_T, dn_T, dm_T, *_saved_grads):
+    r, h, hs, g, cs, ns, ms, h0, c0, n0, m0 = ctx.saved_tensors
+    grads = recurrent_grads(ctx, r, h, (hs, g, cs, ns, ms), (h0, c0, n0, m0), dh,
+                            (dh_T, dc_T, dn_T, dm_T))
+    return (*grads, None, None, None, None)
+
+
+slstm_recurrent_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def slstm_recurrent_triton(x_gates: Tensor, r: Tensor, b: Tensor, *,
+                           initial_state: Optional[State] = None, output_final_state: bool = False,
+                           forget_gate: str = "sigmoid", recurrent_grad_clip: Optional[float] = None,
+                           config: Optional[SLSTMKernelConfig] = None
+                           ) -> Tuple[Tensor, Optional[State]]:
+    """sLSTM over a sequence with the fused Triton kernels (inputs validated by
+    `xlstm_kit.ops.slstm`).
+
+    x_gates [B, T, 4, H, D] (gates i, f, z, o), r [4, H, D, D], b [4, H, D], initial_state
+    (h, c, n, m) each [B, H, D] or None (zeros). Returns h [B, T, H, D] in x_gates' dtype and,
+    when output_final_state, the final (h, c, n, m), each [B, H, D] in float32 (float64 for
+    float64 inputs). `config` overrides the launch choices (None: `config.default_config`).
+    """
+    h0, c0, n0, m0 = initial_state if initial_state is not None else (None,) * 4
+    clip = None if recurrent_grad_clip is None else float(recurrent_grad_clip)
+    tensors = (x_gates, r, b, h0, c0, n0, m0)
+    # Inference keeps nothing for a backward.
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    h, h_T, c_T, n_T, m_T, *_ = torch.ops.xlstm_kit.slstm_recurrent_fwd(
+        *tensors, forget_gate, clip, "" if config is None else config.key(), save)
+    return h, ((h_T, c_T, n_T, m_T) if output_final_state else None)
