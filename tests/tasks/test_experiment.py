@@ -162,16 +162,19 @@ def test_cli_experiment_defaults_to_runs_and_shows_progress(tmp_path, capsys, mo
 def test_progress_lines_are_throttled():
     import io
 
-    from xlstm_kit.tasks.cli import progress_lines
+    import pickle
+
+    from xlstm_kit.tasks.cli import ProgressLines
 
     now, stream = [0.0], io.StringIO()
-    report = progress_lines("formal parity lstm", stream, every_s=10.0, clock=lambda: now[0])
+    report = ProgressLines("formal parity lstm", stream, every_s=10.0, clock=lambda: now[0])
     for step in range(1, 101):
         now[0] = step * 0.5  # 2 steps per second: a line per 20 steps
         report(step, 100, 1.0 / step)
     lines = stream.getvalue().splitlines()
     assert lines[0].strip().startswith("formal parity lstm: step 1/100") and "step 100/100" in lines[-1]
     assert 5 <= len(lines) <= 7
+    assert pickle.loads(pickle.dumps(ProgressLines("x"))).label == "x"  # goes to a sweep's worker processes
 
 
 def test_experiment_training_uses_the_library_step(monkeypatch):

@@ -141,20 +141,25 @@ def _mqar_fields(fields: dict[str, Any], quick: bool, lr=None, steps=None, time_
 # --------------------------------------------------------------------------------------------
 
 
-def progress_lines(label: str, stream: TextIO | None = None, every_s: float = PROGRESS_EVERY_S,
-                   clock: Callable[[], float] = time.monotonic):
+class ProgressLines:
     """A progress function for ``train_on_task``: prints "LABEL: step S/N  loss L  (T s)" for
-    the first and the last step and at most once per ``every_s`` seconds in between."""
-    start, last = clock(), [-math.inf]
+    the first and the last step and at most once per ``every_s`` seconds in between. Picklable
+    (stream None: the process's stderr), so a sweep's worker processes report too."""
 
-    def report(step: int, planned: int, loss: float) -> None:
-        now = clock()
-        if step == 1 or step >= planned or now - last[0] >= every_s:
-            last[0] = now
-            print(f"  {label}: step {step}/{planned}  loss {loss:.3f}  ({now - start:.0f} s)",
-                  file=stream or sys.stderr, flush=True)
+    def __init__(self, label: str, stream: TextIO | None = None, every_s: float = PROGRESS_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.label, self.stream, self.every_s, self.clock = label, stream, every_s, clock
+        self.start: float | None = None
+        self.last = -math.inf
 
-    return report
+    def __call__(self, step: int, planned: int, loss: float) -> None:
+        now = self.clock()
+        if self.start is None:
+            self.start = now
+        if step == 1 or step >= planned or now - self.last >= self.every_s:
+            self.last = now
+            print(f"  {self.label}: step {step}/{planned}  loss {loss:.3f}  ({now - self.start:.0f} s)",
+                  file=self.stream or sys.stderr, flush=True)
 
 
 def result_line(r: dict[str, Any]) -> str:
@@ -207,7 +212,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             label = f"formal {get_task(args.task).name} {args.model}"
         limit = f", time limit {cfg.time_limit_s:g} s" if cfg.time_limit_s else ""
         print(f"{label}: up to {cfg.steps} steps on {device}{limit} -> {out / 'runs'}", file=sys.stderr, flush=True)
-        progress = progress_lines(label)
+        progress = ProgressLines(label)
         if args.experiment == "mqar":
             r = ex.run_mqar(args.model, cfg, out / "runs", progress=progress)
         else:
@@ -233,7 +238,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
     results = ex.run_sweep(tasks, models, cfg, out, mqar=not args.no_mqar, mqar_cfg=mqar_cfg, jobs=args.jobs,
                            steps_for=steps_for, command=command, on_result=on_result,
-                           progress=lambda kind, task, model: progress_lines(f"{kind} {task} {model}"))
+                           progress=lambda kind, task, model: ProgressLines(f"{kind} {task} {model}"))
     for r in results:
         print(result_line(r))
     print(_report_paths({"table": out / ex.RESULTS_TABLE,

@@ -406,8 +406,8 @@ def run_sweep(tasks: Sequence[str], models: Sequence[str], cfg: RunConfig, out_d
     more steps than easy ones). `jobs` > 1 runs that many in parallel processes (small models
     leave a GPU mostly idle, so several runs share it well); with cfg.device "cuda" and several
     GPUs, the runs are dealt out over all of them. `on_result(k, n, result)` is called as the
-    k-th of n runs finishes; with jobs == 1, `progress(kind, task, model)` gives the progress
-    function of each run (see train_on_task). Returns the per-run results in plan order."""
+    k-th of n runs finishes; `progress(kind, task, model)` gives the progress function of each
+    run (see train_on_task; picklable when jobs > 1). Returns the per-run results in plan order."""
     tasks = [get_task(t).name for t in tasks]
     models = [check_model_name(m) for m in models]
     steps_for = {get_task(t).name: n for t, n in (steps_for or {}).items()}
@@ -447,7 +447,8 @@ def run_sweep(tasks: Sequence[str], models: Sequence[str], cfg: RunConfig, out_d
 
         # spawn: CUDA cannot be used in forked children
         with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-            futures = {pool.submit(_run_one, w): i for i, w in enumerate(work)}
+            futures = {pool.submit(_run_one, w, progress(*w[:3]) if progress is not None else None): i
+                       for i, w in enumerate(work)}
             for f in as_completed(futures):
                 done(futures[f], f.result())
     write_report(results, out_dir, command=command)
