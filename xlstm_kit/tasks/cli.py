@@ -172,7 +172,9 @@ def result_line(r: dict[str, Any]) -> str:
 
 
 def _report_paths(paths: dict[str, Path | None]) -> str:
-    plot = paths["plot"] or "no heatmap (matplotlib is not installed: pip install 'xlstm-kit[plot]')"
+    from .._extras import install_hint
+
+    plot = paths["plot"] or f"no heatmap (matplotlib is not installed: {install_hint('matplotlib')})"
     return f"report: {paths['table']} and {plot}"
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_chunk_size, check_same_device, check_tensor, compute_dtype, autocast_off
-from ..backend import choose_backend, kernel_module, on_device
+from ..backend import choose_backend, on_device
 from .chunkwise import mlstm_chunkwise_torch
 from .naive import mlstm_recurrent_naive, mlstm_step_naive
 from .parallel import mlstm_parallel_torch
@@ -112,8 +112,10 @@ def mlstm_chunkwise(
     # The kernels pick their own chunk length (results do not depend on it); float64 is
     # reference work and stays on the torch path.
     if choose_backend("mlstm_chunkwise", backend, q.device, dtype=cd) == "triton":
+        from .triton.op import mlstm_chunkwise_triton
+
         with on_device(q):
-            return kernel_module("mlstm_chunkwise").mlstm_chunkwise_triton(
+            return mlstm_chunkwise_triton(
                 q, k, v, i, f, initial_state=initial_state, output_final_state=output_final_state, eps=eps)
     state = (None, None, None) if initial_state is None else tuple(s.to(cd) for s in initial_state)
     h, C, n, m = mlstm_chunkwise_torch(q, k, v, i, f, *state, eps=eps, chunk_size=chunk_size, dtype=cd)
@@ -173,8 +175,10 @@ def mlstm_step(
     needs_grad = torch.is_grad_enabled() and any(
         x.requires_grad for x in (q, k, v, i, f, *(state or ())))
     if choose_backend("mlstm_step", None, q.device, dtype=cd, requires_grad=needs_grad) == "triton":
+        from .triton.step import mlstm_step_triton
+
         with on_device(q):
-            return kernel_module("mlstm_step").mlstm_step_triton(q, k, v, i, f, state, eps=eps)
+            return mlstm_step_triton(q, k, v, i, f, state, eps=eps)
     if state is None:
         z = q.new_zeros((), dtype=cd)
         state = (z.expand(B, H, K, V), z.expand(B, H, K), z.expand(B, H))

@@ -5,14 +5,17 @@
 
 One launch per step; the state is read once and written once (the step is memory-bound:
 4·K·V bytes each way per head), with the log-sigmoid and the stabilizer inside the kernel so
-that batch-1 decoding pays a single launch.
+that batch-1 decoding pays a single launch. Registered as the custom op xlstm_kit::mlstm_step
+(no autograd: steps that need a gradient run on the PyTorch path).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
-
+from torch import Tensor
 
 
 def supports(op: str, *, dtype: torch.dtype, requires_grad: bool = False, **_) -> str | None:
@@ -76,27 +79,50 @@ def _step_kernel(
     tl.store(mo_ptr + bh, m_new, mask=first)
 
 
-def mlstm_step_triton(q, k, v, i, f, state, *, eps: float = 1e-6, block_v: int | None = None):
-    """One decode step. q, k [B,H,K]; v [B,H,V]; i, f [B,H]; state (C [B,H,K,V], n [B,H,K],
-    m [B,H]) or None for zeros → (h [B,H,V] in q's dtype, new float32 state). Inputs are assumed
-    validated by the caller (xlstm_kit.ops.mlstm); the old state is left untouched."""
+def _step(
+    q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor,
+    C: Optional[Tensor], n: Optional[Tensor], m: Optional[Tensor], eps: float, block_v: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q, k [B,H,K]; v [B,H,V]; i, f [B,H] contiguous; C, n, m float32 contiguous or all None;
+    block_v the V-tile (0: by V) → (h [B,H,V] in q's dtype, C', n', m' float32)."""
     B, H, K = q.shape
     V = v.shape[-1]
-    dev = q.device
-    C_new = torch.empty(B, H, K, V, device=dev, dtype=torch.float32)
-    n_new = torch.empty(B, H, K, device=dev, dtype=torch.float32)
-    m_new = torch.empty(B, H, device=dev, dtype=torch.float32)
-    h = torch.empty(B, H, V, device=dev, dtype=q.dtype)
-    has_state = state is not None
-    if has_state:
-        C, n, m = (s.float().contiguous() for s in state)
-    else:
+    h, C_new, n_new, m_new = _step_buffers(q, v)
+    has_state = C is not None
+    if not has_state:
         C = n = m = m_new
     BV = block_v or min(64, triton.next_power_of_2(V))
     BK = min(triton.next_power_of_2(K), max(16, 8192 // BV))
     _step_kernel[(B * H, triton.cdiv(V, BV))](
-        q.contiguous(), k.contiguous(), v.contiguous(), i.contiguous(), f.contiguous(), C, n, m,
-        h, C_new, n_new, m_new, K ** -0.5, float(eps),
+        q, k, v, i, f, C, n, m, h, C_new, n_new, m_new, K ** -0.5, eps,
         K=K, V=V, BK=BK, BV=BV, HAS_STATE=has_state, num_warps=4,
     )
-    return h, (C_new, n_new, m_new)
+    return h, C_new, n_new, m_new
+
+
+mlstm_step_op = torch.library.custom_op("xlstm_kit::mlstm_step", _step, mutates_args=())
+
+
+@mlstm_step_op.register_fake
+def _(q, k, v, i, f, C, n, m, eps, block_v):
+    return _step_buffers(q, v)
+
+
+def _step_buffers(q, v):
+    B, H, K = q.shape
+    V = v.shape[-1]
+    f32 = dict(device=q.device, dtype=torch.float32)
+    return (torch.empty(B, H, V, device=q.device, dtype=q.dtype), torch.empty(B, H, K, V, **f32),
+            torch.empty(B, H, K, **f32), torch.empty(B, H, **f32))
+
+
+def mlstm_step_triton(q, k, v, i, f, state, *, eps: float = 1e-6, block_v: int | None = None):
+    """One decode step. q, k [B,H,K]; v [B,H,V]; i, f [B,H]; state (C [B,H,K,V], n [B,H,K],
+    m [B,H]) or None for zeros → (h [B,H,V] in q's dtype, new float32 state). Inputs are assumed
+    validated by the caller (xlstm_kit.ops.mlstm); the old state is left untouched."""
+    C, n, m = (None, None, None) if state is None else (s.float().contiguous() for s in state)
+    # eagerly without the dispatcher (tens of µs per call, a batch-1 step's kernel takes ~11 µs)
+    step = mlstm_step_op if torch.compiler.is_compiling() else _step
+    h, C, n, m = step(q.contiguous(), k.contiguous(), v.contiguous(), i.contiguous(), f.contiguous(),
+                      C, n, m, float(eps), block_v or 0)
+    return h, (C, n, m)

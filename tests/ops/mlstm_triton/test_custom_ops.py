@@ -1,0 +1,109 @@
+"""The kernels as torch.library custom ops: registration checks (opcheck) and torch.compile
+treating them as opaque ops (one graph, same values and gradients as eager)."""
+import pytest
+import torch
+
+from tests.helpers import rel_err
+from tests.ops.mlstm_triton.phase_inputs import DEV
+from xlstm_kit.ops import mlstm_chunkwise
+from xlstm_kit.ops.mlstm.triton import MLSTMKernelConfig, mlstm_chunkwise_triton, mlstm_step_triton
+
+
+def _inputs(B=1, T=20, H=2, K=16, V=16, grad=True):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g),
+          torch.randn(B, T, H, V, generator=g), torch.randn(B, T, H, generator=g),
+          torch.randn(B, T, H, generator=g) + 2.0]
+    st = [torch.randn(B, H, K, V, generator=g), torch.randn(B, H, K, generator=g), torch.randn(B, H, generator=g)]
+    return [x.to(DEV).requires_grad_(grad) for x in xs], [s.to(DEV).requires_grad_(grad) for s in st]
+
+
+def test_chunkwise_fwd_op_passes_opcheck():
+    """Schema, fake (meta) implementation, autograd registration and AOT dispatch of
+    xlstm_kit::mlstm_chunkwise_fwd, with and without an initial state."""
+    xs, st = _inputs(T=5, H=1)
+    key = MLSTMKernelConfig.tuned(16, 16, torch.float32, 16).key()
+    for state in (st, [None, None, None]):
+        torch.library.opcheck(torch.ops.xlstm_kit.mlstm_chunkwise_fwd.default, (*xs, *state, 1e-6, key))
+
+
+def test_step_op_passes_opcheck():
+    xs, st = _inputs(T=1, grad=False)
+    step_in = [x[:, 0].contiguous() for x in xs]
+    for state in (st, [None, None, None]):
+        torch.library.opcheck(torch.ops.xlstm_kit.mlstm_step.default, (*step_in, *state, 1e-6, 0))
+
+
+def test_compile_fullgraph_matches_eager():
+    """torch.compile(fullgraph=True) through the public op with backend="triton": no graph
+    break, and h, the final state and every gradient equal eager's."""
+    def fn(q, k, v, i, f, C, n, m):
+        h, (C1, n1, m1) = mlstm_chunkwise(q, k, v, i, f, initial_state=(C, n, m), output_final_state=True,
+                                          backend="triton", chunk_size=16)
+        return (h * h).sum() + (C1 * C1).sum() + n1.sum() + m1.sum(), h
+
+    xs, st = _inputs()
+    graph_ops = []
+    compiled = torch.compile(fn, backend=_recording_backend(graph_ops), fullgraph=True)
+    results = []
+    for f in (fn, compiled):
+        ins = [x.detach().requires_grad_(True) for x in xs + st]
+        loss, h = f(*ins)
+        results.append([h] + list(torch.autograd.grad(loss, ins)))
+    for j, (a, b) in enumerate(zip(*results)):
+        assert rel_err(a, b) < 1e-6, j
+    assert "xlstm_kit.mlstm_chunkwise_fwd.default" in graph_ops, graph_ops
+
+
+def _recording_backend(graph_ops):
+    def backend(gm, example_inputs):  # "eager", recording the captured graph's calls
+        graph_ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+    return backend
+
+
+def test_compile_step_and_config_fullgraph():
+    """The decode step and a chunkwise call with an explicit configuration compile to one
+    graph holding the custom op, with eager's values."""
+    xs, st = _inputs(grad=False)
+    graph_ops = []
+    def step(*a):
+        h, state = mlstm_step_triton(*a[:5], tuple(a[5:]))
+        return (h, *state)
+
+    step_in = [x[:, 0] for x in xs] + st
+    for a, b in zip(torch.compile(step, backend=_recording_backend(graph_ops), fullgraph=True)(*step_in),
+                    step(*step_in)):
+        assert torch.equal(a, b)
+    assert "xlstm_kit.mlstm_step.default" in graph_ops
+    cfg = MLSTMKernelConfig.tuned(16, 16, torch.float32, 16).replace(seq_scan=True)
+    chunk = lambda *a: mlstm_chunkwise_triton(*a, config=cfg)[0]
+    assert torch.equal(torch.compile(chunk, backend=_recording_backend(graph_ops), fullgraph=True)(*xs), chunk(*xs))
+    assert "xlstm_kit.mlstm_chunkwise_fwd.default" in graph_ops
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_compile_matches_eager_and_opcheck(dtype):
+    """On the GPU: the compiled call (custom ops) equals the eager one (direct launches, the
+    same kernels) in h and every gradient, at a benchmark-like head size; opcheck of the
+    forward op at a small size."""
+    xs, st = _inputs(B=1, T=300, H=2, K=128, V=128)
+    xs = [x.detach().to(dtype) if j < 3 else x.detach() for j, x in enumerate(xs)]
+
+    def fn(q, k, v, i, f, C, n, m):
+        h, (C1, n1, m1) = mlstm_chunkwise(q, k, v, i, f, initial_state=(C, n, m), output_final_state=True)
+        return (h.float() * h.float()).sum() + (C1 * C1).sum() + n1.sum() + m1.sum(), h
+
+    results = []
+    for f in (fn, torch.compile(fn, backend="eager", fullgraph=True)):
+        ins = [x.detach().requires_grad_(True) for x in xs + st]
+        loss, h = f(*ins)
+        results.append([h] + list(torch.autograd.grad(loss, ins)))
+    for j, (a, b) in enumerate(zip(*results)):
+        assert rel_err(a.float(), b.float()) < 1e-6, j
+    small, sst = _inputs(T=40, H=1, K=64, V=64)
+    small = [x.detach().to(dtype).requires_grad_(True) if j < 3 else x for j, x in enumerate(small)]
+    key = MLSTMKernelConfig.tuned(64, 64, dtype, 64).key()
+    torch.library.opcheck(torch.ops.xlstm_kit.mlstm_chunkwise_fwd.default, (*small, *sst, 1e-6, key))

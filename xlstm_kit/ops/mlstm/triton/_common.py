@@ -1,0 +1,58 @@
+"""Helpers shared by the mLSTM kernels: the padded-step constant, the two product forms and
+the offset of a sequence tensor's rows."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Finite "minus infinity" for the input gate of padded steps: exp() of it is 0 and, unlike
+# -inf, it never meets another infinity in a subtraction (no NaN).
+NEG = -1e30
+_NEG = tl.constexpr(NEG)  # the same, visible inside kernels (a module-level float is not)
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@triton.jit
+def _seq_base(bh, row0, T, H, D):
+    """int64 element offset of (b, row0, h, 0) in a contiguous [B, T, H, D] tensor, b·h = bh;
+    row t of that head is then + t·(H·D)."""
+    b = bh // H
+    h = bh % H
+    return (b.to(tl.int64) * T + row0) * (H * D) + h * D
+
+
+@triton.jit
+def _dot_l(a, b, MODE: tl.constexpr, PREC: tl.constexpr):
+    """a (float32, weighted or a state) @ b (input dtype). MODE 0: a rounded to b's dtype;
+    1: a split into two parts of b's dtype (hi + lo, ~16 more bits for one more product);
+    2: float32 operands at PREC."""
+    if MODE == 0:
+        return tl.dot(a.to(b.dtype), b, input_precision=PREC)
+    elif MODE == 1:
+        hi = a.to(b.dtype)
+        lo = (a - hi.to(tl.float32)).to(b.dtype)
+        return tl.dot(lo, b, acc=tl.dot(hi, b, input_precision=PREC), input_precision=PREC)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _dot_r(a, b, MODE: tl.constexpr, PREC: tl.constexpr):
+    """a (input dtype) @ b (float32 or stored state); modes as in _dot_l."""
+    if MODE == 0:
+        return tl.dot(a, b.to(a.dtype), input_precision=PREC)
+    elif MODE == 1:
+        hi = b.to(a.dtype)
+        lo = (b.to(tl.float32) - hi.to(tl.float32)).to(a.dtype)
+        return tl.dot(a, lo, acc=tl.dot(a, hi, input_precision=PREC), input_precision=PREC)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _affine_combine(a1, b1, a2, b2):
+    """Compose g ↦ b2 + a2·g after g ↦ b1 + a1·g (the left operand is the later step)."""
+    return a2 * a1, b2 + a2 * b1

@@ -1,0 +1,119 @@
+"""Tile sizes, warps and pipeline depths of the chunkwise mLSTM kernels, and their numerics."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ..._config import KernelConfig
+from ._common import pow2
+
+CHUNK_SIZES = (16, 32, 64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLSTMKernelConfig(KernelConfig):
+    """Launch parameters of the chunkwise mLSTM kernels; `tuned(K, V, dtype, chunk)` gives the
+    H200 defaults (benchmarks/NOTES-mlstm.md). The field defaults are those of K = V = 128,
+    bfloat16, chunk 64. Results do not depend on any field beyond rounding.
+
+    Per kernel (prefix): `*_bk`, `*_bv` tile sizes along K and V, `*_warps`, `*_stages`.
+    """
+    chunk: int = 64                 # chunk length L of forward and backward (16, 32, 64, 128)
+    states_bk: int = 64             # _fwd_states (sequential forward state passing)
+    states_bv: int = 64
+    states_warps: int = 4
+    states_stages: int = 3
+    out_bk: int = 128               # _fwd_out
+    out_bv: int = 128
+    out_warps: int = 4
+    out_stages: int = 2
+    dstates_bk: int = 64            # _bwd_dstates (sequential backward state passing)
+    dstates_bv: int = 64
+    dstates_warps: int = 4
+    dstates_stages: int = 3
+    fused_max_k: int = 128          # _bwd_fused when pow2(K) <= this, else _bwd_dqk + _bwd_dv
+    fused_bv: int = 64
+    fused_warps: int = 8
+    fused_stages: int = 3
+    dqk_bk: int = 64                # _bwd_dqk
+    dqk_bv: int = 32
+    dqk_warps: int = 4
+    dqk_stages: int = 1
+    dv_bk: int = 64                 # _bwd_dv
+    dv_bv: int = 128
+    dv_warps: int = 8
+    dv_stages: int = 2
+    # State passing: True = parallel local terms + scan over chunks, False = the sequential
+    # kernels, "auto" = the scan where the sequential kernels would be latency-bound (see
+    # scan.use_scan).
+    seq_scan: bool | str = "auto"
+    local_bk: int = 64              # _fwd_local, _bwd_local
+    local_bv: int = 64
+    local_warps: int = 4
+    # _state_scan: scan_be state elements per program (4 per lane of scan_warps warps keeps
+    # a thread's scan_g chunks in its own registers: no shuffles), scan_g chunks per step
+    scan_be: int = 128
+    scan_g: int = 16
+    scan_warps: int = 1
+    # steps per block of _gate_tail; 0 = by shape (see gates.gate_tail)
+    tail_bt: int = 0
+
+    def __post_init__(self):
+        if self.chunk not in CHUNK_SIZES:
+            raise ValueError(f"chunk must be one of {CHUNK_SIZES}, got {self.chunk!r}")
+        if self.seq_scan not in (True, False, "auto"):
+            raise ValueError(f"seq_scan must be True, False or 'auto', got {self.seq_scan!r}")
+        for fld in dataclasses.fields(self):
+            val = getattr(self, fld.name)
+            if fld.name.endswith(("_bk", "_bv", "_be", "_g")) and not (
+                    isinstance(val, int) and val >= 1 and val & (val - 1) == 0):
+                raise ValueError(f"{fld.name} must be a power of two, got {val!r}")
+            if fld.name.endswith(("_warps", "_stages")) and not (isinstance(val, int) and val >= 1):
+                raise ValueError(f"{fld.name} must be a positive integer, got {val!r}")
+        if self.tail_bt and self.tail_bt & (self.tail_bt - 1):
+            raise ValueError(f"tail_bt must be 0 or a power of two, got {self.tail_bt!r}")
+
+    @classmethod
+    def tuned(cls, K: int, V: int, dtype: torch.dtype, chunk: int = 64) -> "MLSTMKernelConfig":
+        """The defaults for head dims K, V, input dtype and chunk length, chosen on the H200
+        (spill-free for sm_90 at the benchmark shapes). The deeper pipelines and wide tiles of
+        bfloat16 at chunk ≤ 64 need more shared memory than the H200 has with float32 tiles
+        (float32 inputs, or the float32 states of float16 inputs) or longer chunks."""
+        return _tuned(cls, K, V, dtype, chunk)
+
+
+@functools.lru_cache(maxsize=64)
+def _tuned(cls, K: int, V: int, dtype: torch.dtype, chunk: int):
+    Kp, Vp = pow2(K), pow2(V)
+    bf16 = dtype == torch.bfloat16 and chunk <= 64
+    return cls(
+        chunk=chunk,
+        states_bk=min(64, Kp), states_bv=min(64, Vp), states_warps=4, states_stages=3 if bf16 else 2,
+        out_bk=min(128 if K <= 128 else 64, Kp), out_bv=min(128 if bf16 else 64, Vp),
+        out_warps=4 if bf16 else 8, out_stages=2,
+        dstates_bk=min(64, Kp), dstates_bv=min(64, Vp), dstates_warps=4, dstates_stages=3 if bf16 else 2,
+        fused_max_k=128, fused_bv=(64 if bf16 else 32) if Kp <= 128 else 16, fused_warps=8,
+        fused_stages=3 if bf16 else 2,
+        dqk_bk=min(64, Kp), dqk_bv=min(32, Vp), dqk_warps=4, dqk_stages=1,
+        dv_bk=min(64, Kp), dv_bv=min(128, Vp), dv_warps=8, dv_stages=2,
+        seq_scan="auto", local_bk=min(64, Kp), local_bv=min(64, Vp), local_warps=4,
+        scan_be=128, scan_g=16, scan_warps=1, tail_bt=0,
+    )
+
+
+def numerics(dtype: torch.dtype):
+    """(state storage dtype, UPD_MODE, STATE_MODE, PREC) of the kernels' _dot_l/_dot_r for
+    input dtype `dtype`.
+
+    float32 inputs: float32 products in 3-pass TF32 (close to full float32). float16: float32
+    states and float32 operands in TF32 for every product that meets a state (float16 parts
+    could overflow there). bfloat16: states stored in bfloat16 (they are bfloat16 operands of
+    the output products anyway), the float32 operand of the state updates split in two
+    bfloat16 parts."""
+    if dtype == torch.float32:
+        return torch.float32, 2, 2, "tf32x3"
+    if dtype == torch.float16:
+        return torch.float32, 2, 2, "tf32"
+    return torch.bfloat16, 1, 0, "tf32"

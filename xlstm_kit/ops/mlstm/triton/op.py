@@ -1,0 +1,238 @@
+"""The chunkwise op: forward and backward launch sequences, their `torch.library` custom ops
+(`xlstm_kit::mlstm_chunkwise_fwd`, `xlstm_kit::mlstm_chunkwise_bwd`, opaque to torch.compile)
+with the autograd formula that links them, and the public `mlstm_chunkwise_triton`."""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import backward, gates, output, scan, states
+from .config import CHUNK_SIZES, MLSTMKernelConfig, numerics
+
+
+def supports(op: str, *, dtype: torch.dtype, **_) -> str | None:
+    """backend.choose_backend's question: do these kernels take this call?"""
+    if dtype == torch.float64:
+        return "the Triton mLSTM kernels take float16, bfloat16 or float32 inputs, got float64; use backend='torch'"
+    return None
+
+
+def _empty(x: Tensor, *shape, dtype=torch.float32) -> Tensor:
+    return torch.empty(shape, device=x.device, dtype=dtype)
+
+
+def _fwd_buffers(q, v, NC, L):
+    """The forward op's outputs up to the gate tensors, unfilled."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    sd = numerics(q.dtype)[0]
+    h = _empty(q, B, T, H, V, dtype=q.dtype)
+    hlo = torch.empty_like(h) if q.dtype != torch.float32 else _empty(q, 0, dtype=q.dtype)
+    final = (_empty(q, B, H, K, V), _empty(q, B, H, K), _empty(q, B, H))
+    rows = (_empty(q, B, H, NC * L), _empty(q, B, H, NC * L))                       # n̄, m per row
+    chunk_states = (_empty(q, B, H, NC, K, V, dtype=sd), _empty(q, B, H, NC, K), _empty(q, B, H, NC + 1))
+    return (h, hlo, *final, *rows, *chunk_states)
+
+
+# Outputs of the forward op, in order: h, hlo (h's rounding residual, empty for float32
+# inputs), the final state C, n, m (float32), per row n̄ and m [B,H,NC·L], the chunk-start
+# states cs, ns, ms and the gate tensors β, β_lo, ĩ, u, xm, all saved for the backward.
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor,
+    C0: Optional[Tensor], n0: Optional[Tensor], m0: Optional[Tensor], eps: float, config: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+           Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """q, k [B,T,H,K], v [B,T,H,V] (one dtype, contiguous); i, f [B,T,H] contiguous; C0
+    [B,H,K,V], n0 [B,H,K], m0 [B,H] float32 contiguous or None; config an
+    MLSTMKernelConfig.key()."""
+    cfg = MLSTMKernelConfig.from_key(config)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    L = cfg.chunk
+    _, upd, smode, prec = numerics(q.dtype)
+    beta, blo, ig, u, xm = gate_tensors = gates.gates_padded(i, f, L)
+    NC = xm.shape[2]
+    h, hlo, Cf, nf, mf, nbar, mrow, cs, ns, ms = out = _fwd_buffers(q, v, NC, L)
+    if m0 is None:
+        m0 = torch.zeros(B, H, device=q.device, dtype=torch.float32)
+    pass_states = scan.fwd_states_scan if scan.use_scan(cfg, B * H, K, V, NC, q.device) else states.fwd_states
+    pass_states(k, v, beta, blo, ig, u, C0, n0, m0, (cs, ns, ms, Cf, nf, mf), cfg, upd, prec)
+    output.fwd_out(q, k, v, beta, blo, ig, u, cs, ns, ms, h, hlo, nbar, mrow, eps, cfg, smode, prec)
+    return out + gate_tensors
+
+
+mlstm_chunkwise_fwd = torch.library.custom_op("xlstm_kit::mlstm_chunkwise_fwd", _forward, mutates_args=())
+
+
+@mlstm_chunkwise_fwd.register_fake
+def _(q, k, v, i, f, C0, n0, m0, eps, config):
+    L = MLSTMKernelConfig.from_key(config).chunk
+    NC = -(-q.shape[1] // L)
+    return _fwd_buffers(q, v, NC, L) + gates.gate_buffers(i, NC, L)
+
+
+def _backward_impl(
+    q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor,
+    C0: Optional[Tensor], n0: Optional[Tensor],
+    h: Tensor, hlo: Tensor, Cf: Tensor, nf: Tensor, nbar: Tensor, mrow: Tensor,
+    cs: Tensor, ns: Tensor, ms: Tensor, beta: Tensor, blo: Tensor, ig: Tensor, u: Tensor, xm: Tensor,
+    dh: Tensor, dCf: Optional[Tensor], dnf: Optional[Tensor], dmf: Optional[Tensor], eps: float, config: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (δq, δk, δv in the input dtype, δi, δf in i's and f's, δC0, δn0, δm0 float32)
+    from δh [B,T,H,V] contiguous and the final state's gradients (float32 or None), given the
+    forward op's inputs and outputs."""
+    cfg = MLSTMKernelConfig.from_key(config)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NC = cs.shape[2]
+    _, upd, smode, prec = numerics(q.dtype)
+    r, rd, g = backward.bwd_rows(dh, h, hlo, nbar, mrow, eps)
+    if dCf is not None or dnf is not None:
+        dCf = torch.zeros_like(Cf) if dCf is None else dCf
+        dnf = torch.zeros_like(nf) if dnf is None else dnf
+    dcs = torch.empty_like(cs)
+    dns = torch.empty_like(ns)
+    dC0 = _empty(q, B, H, K, V)
+    dn0 = _empty(q, B, H, K)
+    out = (dcs, dns, dC0, dn0)
+    if scan.use_scan(cfg, B * H, K, V, NC, q.device):
+        scan.bwd_dstates_scan(q, dh, beta, blo, u, rd, g, ms, dCf, dnf, out, cfg, upd, prec)
+    else:
+        states.bwd_dstates(q, dh, beta, u, rd, g, ms, dCf, dnf, out, cfg, upd, prec)
+    dq, dk, dv, dlf, di = backward.bwd_chunks(q, k, v, dh, beta, blo, ig, u, rd, g, ms, cs, ns, dcs, dns,
+                                              dCf, cfg, smode, prec)
+    # δm_T from the final state (C_T = e^{-m_T} C*_T, n likewise) and from m_T itself
+    elast = None
+    if dmf is not None:
+        elast = dmf.double()
+    if dCf is not None:
+        t = (dCf * Cf).sum((-2, -1)) + (dnf * nf).sum(-1)
+        elast = -t if elast is None else elast - t
+    dio, dfo, dm0 = gates.gate_tail(i, f, ms, xm, r, dlf, di, None if elast is None else elast.contiguous(),
+                                    eps, cfg.chunk, cfg.tail_bt)
+    if C0 is not None:
+        dm0 = dm0 + (dC0 * C0).sum((-2, -1)) + (dn0 * n0).sum(-1)
+    return dq, dk, dv, dio, dfo, dC0, dn0, dm0
+
+
+mlstm_chunkwise_bwd = torch.library.custom_op("xlstm_kit::mlstm_chunkwise_bwd", _backward_impl, mutates_args=())
+
+
+@mlstm_chunkwise_bwd.register_fake
+def _(q, k, v, i, f, C0, n0, h, hlo, Cf, nf, nbar, mrow, cs, ns, ms, beta, blo, ig, u, xm,
+      dh, dCf, dnf, dmf, eps, config):
+    B, T, H, K = q.shape
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(i),
+            torch.empty_like(f), torch.empty_like(Cf), torch.empty_like(nf), _empty(q, B, H))
+
+
+def _save(ctx, inputs, output):
+    q, k, v, i, f, C0, n0, m0, eps, config = inputs
+    h, hlo, Cf, nf, mf, *saved = output
+    # gradients of unused outputs stay None: no zero tensors, no work for them in backward
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h, hlo, Cf, nf, *saved)
+    ctx.eps, ctx.config = eps, config
+
+
+def _grads(bwd, ctx, dh, dCf, dnf, dmf):
+    """The input gradients from the output gradients (None where unused), the backward
+    computed by `bwd` (the custom op or its implementation)."""
+    q, k, v, i, f, C0, n0, m0, h, hlo, Cf, nf, *saved = ctx.saved_tensors
+    dh = torch.zeros_like(h) if dh is None else dh.contiguous()
+    dq, dk, dv, di, df, dC0, dn0, dm0 = bwd(
+        q, k, v, i, f, C0, n0, h, hlo, Cf, nf, *saved, dh,
+        None if dCf is None else dCf.float().contiguous(), None if dnf is None else dnf.float().contiguous(),
+        dmf, ctx.eps, ctx.config)
+    return (dq, dk, dv, di, df,
+            None if C0 is None else dC0, None if n0 is None else dn0, None if m0 is None else dm0,
+            None, None)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:2], *output[5:])
+    _save(ctx, inputs, output)
+
+
+def _backward(ctx, dh, dhlo, dCf, dnf, dmf, *_):
+    return _grads(mlstm_chunkwise_bwd, ctx, dh, dCf, dnf, dmf)
+
+
+mlstm_chunkwise_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerChunkwise(torch.autograd.Function):
+    """The eager path: the custom ops' implementations and autograd formula without the
+    dispatcher (which costs ~0.1-0.2 ms of host time per forward+backward, and the host's
+    launch time is the bottleneck at the benchmark sizes). torch.compile sees the custom ops."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out = _forward(*inputs)
+        _save(ctx, inputs, out)
+        return out[0], out[2], out[3], out[4]
+
+    @staticmethod
+    def backward(ctx, dh, dCf, dnf, dmf):
+        return _grads(_backward_impl, ctx, dh, dCf, dnf, dmf)
+
+
+@torch.compiler.assume_constant_result
+def _config_key(K: int, V: int, dtype: torch.dtype, chunk_size: int | None, config: MLSTMKernelConfig | None) -> str:
+    """The custom ops' configuration string (a constant to torch.compile, which cannot trace
+    json; cached, since the host's time per call matters at the benchmark sizes)."""
+    return _config_key_cached(K, V, dtype, chunk_size, config)
+
+
+@functools.lru_cache(maxsize=256)
+def _config_key_cached(K, V, dtype, chunk_size, config) -> str:
+    if config is None:
+        config = MLSTMKernelConfig.tuned(K, V, dtype, chunk_size or 64)
+    elif chunk_size is not None and chunk_size != config.chunk:
+        raise ValueError(f"chunk_size={chunk_size} disagrees with config.chunk={config.chunk}")
+    return config.key()
+
+
+def mlstm_chunkwise_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    i: Tensor,
+    f: Tensor,
+    *,
+    initial_state=None,
+    output_final_state: bool = False,
+    eps: float = 1e-6,
+    chunk_size: int | None = None,
+    config: MLSTMKernelConfig | None = None,
+):
+    """Chunkwise mLSTM on the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    q, k [B,T,H,K]; v [B,T,H,V]; i, f [B,T,H] gate pre-activations; initial_state
+    (C [B,H,K,V], n [B,H,K], m [B,H]) or None for zeros → (h [B,T,H,V] in q's dtype,
+    (C, n, m) float32 or None). q, k, v are computed in q's dtype (float16, bfloat16 or
+    float32). `config` defaults to MLSTMKernelConfig.tuned(K, V, dtype, chunk_size or 64);
+    `chunk_size` (16, 32, 64 or 128) must agree with `config.chunk` when both are given. The
+    result does not depend on the chunk length or any other configuration beyond rounding.
+    Inputs are assumed validated by the caller (xlstm_kit.ops.mlstm).
+    """
+    dt = q.dtype
+    if dt not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the Triton mLSTM kernels take float16, bfloat16 or float32 q, got {dt}")
+    if chunk_size is not None and chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size for the Triton backend must be 16, 32, 64 or 128, got {chunk_size}")
+    key = _config_key(q.shape[-1], v.shape[-1], dt, chunk_size, config)
+    if initial_state is None:
+        C0 = n0 = m0 = None
+    else:
+        C0, n0, m0 = (s.float().contiguous() for s in initial_state)
+    args = (q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(), i.contiguous(), f.contiguous(),
+            C0, n0, m0, float(eps), key)
+    if torch.compiler.is_compiling():
+        h, _, C, n, m, *_ = mlstm_chunkwise_fwd(*args)
+    else:
+        h, C, n, m = _EagerChunkwise.apply(*args)
+    return h, ((C, n, m) if output_final_state else None)

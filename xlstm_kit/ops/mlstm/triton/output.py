@@ -1,0 +1,100 @@
+"""Forward output: h of every chunk from its intra-chunk quadratic part and the inter-chunk
+term q̂ᵀC_c, plus the per-row n̄ and m the backward needs."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import _NEG, _dot_l, _dot_r, _seq_base
+
+
+@triton.jit
+def _fwd_out(
+    q_ptr, k_ptr, v_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, cs_ptr, ns_ptr, ms_ptr,
+    h_ptr, hlo_ptr, nbar_ptr, mrow_ptr,
+    T, H, NC, scale, eps,
+    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    STATE_MODE: tl.constexpr, PREC: tl.constexpr, P_SPLIT: tl.constexpr, H_LO: tl.constexpr,
+):
+    """Outputs of one chunk for one V-tile: intra-chunk quadratic part + inter-chunk q̂ᵀC_c.
+    P_SPLIT: P enters P v as two 16-bit parts (hi + lo); H_LO: also writes h's rounding
+    residual (float32 h − h) in h's dtype, so the backward's δh·h sees float32 h. Both terms
+    enter near-cancelling sums of the backward (δP = δh·(v_s − h_t)/d)."""
+    c = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    bh = tl.program_id(2)
+    bh64 = bh.to(tl.int64)
+    NKT: tl.constexpr = (K + BK - 1) // BK
+    offs_l = tl.arange(0, L)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mv = offs_v < V
+    rows = c * L + offs_l
+    rmask = rows < T
+    g_base = bh64 * NC * L
+    q_base = q_ptr + _seq_base(bh, 0, T, H, K)
+    k_base = k_ptr + _seq_base(bh, 0, T, H, K)
+    v_base = v_ptr + _seq_base(bh, 0, T, H, V)
+    beta = tl.load(beta_ptr + g_base + rows)
+    blo = tl.load(blo_ptr + g_base + rows)
+    ig = tl.load(ig_ptr + g_base + rows)
+    u = tl.load(u_ptr + g_base + rows)
+    m_prev = tl.load(ms_ptr + bh64 * (NC + 1) + c)
+    m_row = tl.maximum(beta + m_prev, u)
+
+    S = tl.zeros([L, L], dtype=tl.float32)
+    inter = tl.zeros([L, BV], dtype=tl.float32)
+    qn = tl.zeros([L], dtype=tl.float32)
+    for kt in range(NKT):
+        offs_k = kt * BK + tl.arange(0, BK)
+        mk = offs_k < K
+        lk = rmask[:, None] & mk[None, :]
+        qt = tl.load(q_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
+        kk = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
+        S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
+        Ct = tl.load(cs_ptr + (bh64 * NC + c) * K * V + offs_k[:, None] * V + offs_v[None, :],
+                     mask=mk[:, None] & mv[None, :], other=0.0)              # [BK, BV]
+        inter += _dot_r(qt, Ct, STATE_MODE, PREC)
+        nt = tl.load(ns_ptr + (bh64 * NC + c) * K + offs_k, mask=mk, other=0.0)
+        qn += tl.sum(qt.to(tl.float32) * nt[None, :], axis=1)
+
+    causal = offs_l[:, None] >= offs_l[None, :]
+    D = (beta[:, None] - beta[None, :]) + (blo[:, None] - blo[None, :]) + ig[None, :] - m_row[:, None]
+    P = S * scale * tl.exp(tl.where(causal, D, _NEG))                        # [L, L]
+    ea = tl.exp(beta + m_prev - m_row)
+    nbar = ea * qn * scale + tl.sum(P, axis=1)
+    vt = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :],
+                 mask=rmask[:, None] & mv[None, :], other=0.0)
+    if P_SPLIT:
+        pv = _dot_l(P, vt, 1, PREC)
+    else:
+        pv = tl.dot(P.to(vt.dtype), vt, input_precision=PREC)
+    num = (ea * scale)[:, None] * inter + pv
+    den = tl.maximum(tl.abs(nbar), tl.exp(-m_row)) + eps
+    out = num / den[:, None]
+    h_off = _seq_base(bh, 0, T, H, V) + rows[:, None] * (H * V) + offs_v[None, :]
+    out_h = out.to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + h_off, out_h, mask=rmask[:, None] & mv[None, :])
+    if H_LO:
+        tl.store(hlo_ptr + h_off, (out - out_h.to(tl.float32)).to(hlo_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & mv[None, :])
+    first_v = (offs_l < L) & (pid_v == 0)
+    tl.store(nbar_ptr + g_base + rows, nbar, mask=first_v)
+    tl.store(mrow_ptr + g_base + rows, m_row, mask=first_v)
+
+
+def fwd_out(q, k, v, beta, blo, ig, u, cs, ns, ms, h, hlo, nbar, mrow, eps, cfg, smode, prec):
+    """Launch _fwd_out: fills h [B,T,H,V], hlo (h's rounding residual; empty for float32
+    inputs), nbar and mrow [B,H,NC·L] float32."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NC = cs.shape[2]
+    lowp = q.dtype != torch.float32
+    BV = cfg.out_bv
+    _fwd_out[(NC, triton.cdiv(V, BV), B * H)](
+        q, k, v, beta, blo, ig, u, cs, ns, ms, h, hlo if lowp else h, nbar, mrow,
+        T, H, NC, K ** -0.5, eps,
+        K=K, V=V, L=cfg.chunk, BK=cfg.out_bk, BV=BV,
+        STATE_MODE=smode, PREC=prec, P_SPLIT=lowp, H_LO=lowp,
+        num_warps=cfg.out_warps, num_stages=cfg.out_stages,
+    )
