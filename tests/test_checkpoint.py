@@ -105,3 +105,55 @@ def test_cannot_save_onto_a_file(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="not a folder"):
         model().save(tmp_path / "f")
+
+
+def _byte_model():
+    torch.manual_seed(0)
+    return XLSTMLanguageModel(XLSTMConfig(vocab_size=256, d_model=32, n_blocks=2, n_heads=2, slstm_at=[1],
+                                          chunk_size=8))
+
+
+def test_load_follows_run_folders_and_returns_eval_mode(tmp_path):
+    from xlstm_kit.checkpoint import save_checkpoint
+    from xlstm_kit.train import TrainConfig, make_optimizer
+
+    m = _byte_model()
+    save_checkpoint(tmp_path / "run", m, make_optimizer(m, TrainConfig()), 3, TrainConfig(),
+                    meta={"tokenizer": "byte"})
+    for path in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "step-00000003"):
+        loaded = XLSTMLanguageModel.load(path)
+        assert not loaded.training and not any(mod.training for mod in loaded.modules())
+        assert loaded.tokenizer_name == "byte"
+        assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), loaded.state_dict().values()))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        XLSTMLanguageModel.load(tmp_path / "empty")
+
+
+def test_generate_accepts_text_when_the_checkpoint_knows_its_tokenizer(tmp_path):
+    m = _byte_model()
+    m.save(tmp_path / "plain")
+    plain = XLSTMLanguageModel.load(tmp_path / "plain")
+    assert plain.tokenizer_name is None and not (tmp_path / "plain" / "tokenizer.json").exists()
+    with pytest.raises(ValueError, match="tokenizer"):
+        plain.generate("ROMEO:", 4)
+    m.save(tmp_path / "tok", tokenizer="byte")
+    loaded = XLSTMLanguageModel.load(tmp_path / "tok")
+    text = loaded.generate("ROMEO:", 12, temperature=0)
+    ids = loaded.generate(torch.tensor(list(b"ROMEO:")), 12, temperature=0)  # tokens in, tokens out
+    assert isinstance(text, str) and isinstance(ids, torch.Tensor) and ids.shape == (6 + 12,)
+    assert text == "ROMEO:" + bytes(ids[6:].tolist()).decode("utf-8", errors="replace")
+    assert loaded.generate("ROMEO:", 0) == "ROMEO:"
+
+
+def test_checkpoint_module_does_not_import_the_model():
+    # model.py imports checkpoint.py; the reverse would be an import cycle.
+    import ast
+    import inspect
+
+    import xlstm_kit.checkpoint as ck
+
+    tree = ast.parse(inspect.getsource(ck))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(name.split(".")[-1] in ("model", "train") for name in imported), imported

@@ -43,6 +43,7 @@ def trained(tmp_path_factory):
 def test_train_then_generate_prints_text(trained, tmp_path):
     out, proc = trained
     assert "val loss" in proc.stderr and "done: step 3" in proc.stderr
+    assert "1 of " in proc.stderr and "validation batches" in proc.stderr  # the log says how much it validated
     assert "Traceback" not in proc.stderr
     assert resolve_checkpoint(out).name == "step-00000003"
     meta = json.loads((resolve_checkpoint(out) / TRAIN_META_FILE).read_text())
@@ -67,6 +68,26 @@ def test_generate_is_seeded_and_eval_prints_metrics(trained, cache, capsys):
     assert cli.main(["eval", str(out), "--eval-batches", "1", "--batch-size", "2"]) == 0
     line = capsys.readouterr().out
     assert "val loss" in line and "bits/byte" in line and "perplexity" in line
+    assert "1 of " in line and "validation batches, 64 tokens" in line
+
+
+def test_eval_default_is_the_whole_split_when_small(trained, cache, tmp_path, capsys, monkeypatch):
+    out, _ = trained
+    small = tmp_path / "small.txt"
+    small.write_text("To be, or not to be, that is the question.\n" * 60)  # 2,640 bytes: val split 264
+    assert cli.main(["eval", str(out), "--data", str(small), "--batch-size", "2"]) == 0
+    assert "(all 4 validation batches, 256 tokens" in capsys.readouterr().out  # 8 windows of 32
+    monkeypatch.setattr(cli, "EVAL_WHOLE_SPLIT_UP_TO", 3)  # a larger split: the first batches only
+    assert cli.main(["eval", str(out), "--data", str(small), "--batch-size", "1"]) == 0
+    assert "(3 of 8 validation batches" in capsys.readouterr().out
+
+
+def test_train_without_matplotlib_ends_with_a_note(cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert cli.main(["train", "--steps", "1", "--out", str(tmp_path / "r"), *FAST]) == 0
+    err = capsys.readouterr().err
+    assert "loss plot skipped: matplotlib is not installed" in err and "Traceback" not in err
+    assert resolve_checkpoint(tmp_path / "r").name == "step-00000001"
 
 
 def test_resume_continues_and_refuses_clobbering(trained, cache, tmp_path, capsys):
@@ -78,9 +99,12 @@ def test_resume_continues_and_refuses_clobbering(trained, cache, tmp_path, capsy
     assert cli.main(["train", "--steps", "5", "--out", str(out), *FAST]) == 2
     assert "--resume" in capsys.readouterr().err
     assert cli.main(["train", "--steps", "5", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert "schedule continues" in capsys.readouterr().err
     assert resolve_checkpoint(out).name == "step-00000005"
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]
+    lrs = [r["lr"] for r in rows if "lr" in r]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # the 3-step run had decayed: no jump back up
     capsys.readouterr()
     assert cli.main(["train", "--out", str(out), "--resume", "--seq-len", "64"]) == 2
     assert "cannot change" in capsys.readouterr().err

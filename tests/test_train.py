@@ -1,5 +1,6 @@
 """The training loop (xlstm_kit.train): schedule, weight-decay groups, evaluation, exact resume,
 interrupts and atomic checkpoints. A small XLSTMLanguageModel keeps every run to a few steps."""
+import dataclasses
 import json
 import math
 import os
@@ -123,6 +124,7 @@ def test_training_lowers_loss_and_writes_outputs(data, tmp_path):
     assert (out / "latest").read_text().strip() == "checkpoints/step-00000012"
     assert res.checkpoint == out / "checkpoints" / "step-00000012"
     loaded = XLSTMLanguageModel.load(T.resolve_checkpoint(out))
+    assert loaded.tokenizer_name == "byte"  # from the data's tokenizer: generate(text) works after load
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
     meta = T.read_train_meta(res.checkpoint)
@@ -265,3 +267,151 @@ def test_bf16_autocast_training_runs(data):
     for (_, la), (_, lb) in zip(a.losses, b.losses):
         assert lb == pytest.approx(la, rel=0.05)
     assert b.evals[-1][1].loss == pytest.approx(a.evals[-1][1].loss, rel=0.05)
+
+
+# ------------------------------------------------------------------------------------------
+# The step function, the time budget, the schedule on resume, the plot without matplotlib
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self, vocab=11, width=8):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.proj = torch.nn.Linear(width, vocab)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(self.emb(x)))
+
+
+@pytest.mark.parametrize("n_micro,clip", [(1, 0.0), (2, 0.05)])
+def test_train_step_is_forward_backward_clip_update(n_micro, clip):
+    torch.manual_seed(0)
+    model, ref = _TinyLM(), _TinyLM()
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))
+    cfg = T.TrainConfig(weight_decay=0.1, eps=1e-6)
+    opt, ref_opt = T.make_optimizer(model, cfg), T.make_optimizer(ref, cfg)
+    parts = list(zip(x.chunk(n_micro), y.chunk(n_micro)))
+    out = T.train_step(model, opt, parts, T.lm_loss, lr=0.03, n_micro=n_micro, precision="fp32", grad_clip=clip)
+    # by hand: the mean loss over the whole batch, its gradient, the norm, clipping, AdamW
+    loss = T.lm_loss(ref(x), y)
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+    if clip:
+        assert norm > clip  # the test exercises clipping
+        for p in ref.parameters():
+            p.grad.mul_(clip / (norm + 1e-6))
+    for g in ref_opt.param_groups:
+        g["lr"] = 0.03
+    ref_opt.step()
+    assert float(out.loss) == pytest.approx(loss.item(), rel=1e-5)
+    assert float(out.grad_norm) == pytest.approx(float(norm), rel=1e-4)
+    assert all(g["lr"] == 0.03 for g in opt.param_groups)
+    assert all(p.grad is None for p in model.parameters())  # cleared for the next step
+    for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
+    with pytest.raises(ValueError, match="micro-batches"):
+        T.train_step(model, opt, parts[:1], T.lm_loss, lr=0.1, n_micro=2)
+
+
+def test_train_step_autocast_bf16_on_cpu():
+    seen = []
+    model = _TinyLM()
+    model.proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    opt = T.make_optimizer(model, T.TrainConfig())
+    batch = [(torch.randint(0, 11, (2, 3)), torch.randint(0, 11, (2, 3)))]
+    T.train_step(model, opt, batch, T.lm_loss, lr=0.01, precision="bf16")
+    T.train_step(model, opt, batch, T.lm_loss, lr=0.01, precision="fp32")
+    assert seen == [torch.bfloat16, torch.float32]
+
+
+def test_time_budget_measures_and_fits_steps():
+    now = [100.0]
+    b = T.TimeBudget(10.0, skip_steps=2, clock=lambda: now[0])
+    assert b.seconds_per_step() is None and b.steps_that_fit(0) is None and not b.spent()
+    for step, t in [(1, 103.0), (2, 103.5), (3, 104.0), (4, 104.5)]:  # step 1 carries a 3 s start-up
+        now[0] = t
+        b.step_done(step)
+    assert b.seconds_per_step() == pytest.approx(0.5)  # steps 3 and 4 only
+    assert b.remaining() == pytest.approx(5.5)
+    assert b.steps_that_fit(4) == 4 + 11 and b.steps_that_fit(4, reserve=0.1) == 4 + 9
+    assert b.steps_that_fit(4, most=7) == 7
+    now[0] = 110.0
+    assert b.spent() and b.steps_that_fit(4) == 4
+    assert not T.TimeBudget(None).spent() and T.TimeBudget(None).remaining() == math.inf
+
+
+def test_schedule_continues_smoothly_when_steps_grow():
+    saved = T.TrainConfig(steps=30, lr=3e-3, min_lr=3e-4, warmup_steps=6)
+    for at in (6, 18, 29):  # resumed mid-decay: the learning rate goes on from where it was
+        longer = T.continue_schedule(saved, dataclasses.replace(saved, steps=60), at)
+        lrs = [T.lr_at(s, saved) for s in range(at)] + [T.lr_at(s, longer) for s in range(at, 60)]
+        steps = [abs(a - b) for a, b in zip(lrs, lrs[1:])]
+        assert T.lr_at(at, longer) == pytest.approx(T.lr_at(at, saved))
+        assert max(steps) <= max(abs(a - b) for a, b in zip(lrs[:at], lrs[1:at])) + 1e-12
+        assert all(a >= b for a, b in zip(lrs[6:], lrs[7:]))
+        assert lrs[-1] == pytest.approx(3e-4, rel=1e-2)
+    done = T.continue_schedule(saved, dataclasses.replace(saved, steps=60), 30)  # a finished run stays at min_lr
+    assert [T.lr_at(s, done) for s in (30, 45, 59)] == pytest.approx([3e-4] * 3)
+    early = T.continue_schedule(saved, dataclasses.replace(saved, steps=60), 3)  # in warmup: a fresh run
+    assert [T.lr_at(s, early) for s in range(60)] == [T.lr_at(s, dataclasses.replace(saved, steps=60)) for s in range(60)]
+    # chained resumes keep it continuous, and the anchor survives the checkpoint's JSON
+    twice = T.continue_schedule(longer, dataclasses.replace(longer, steps=90), 45)
+    assert T.lr_at(45, twice) == pytest.approx(T.lr_at(45, longer))
+    assert T.TrainConfig.from_dict(json.loads(json.dumps(twice.to_dict()))) == twice
+
+
+def test_resume_with_more_steps_continues_the_learning_rate(data, tmp_path):
+    cfg = small_config(steps=6, eval_interval=0, checkpoint_interval=0, eval_at_start=False)
+    T.train(small_model(), data, cfg, tmp_path / "r", device="cpu", callback=_stop_at(3, "keyboard"))
+    T.train(small_model(), data, dataclasses.replace(cfg, steps=9), tmp_path / "r", resume=True, device="cpu")
+    rows = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in rows if "lr" in r]
+    assert len(lrs) == 9
+    # no jump at the resume: the first resumed step falls less than the 6-step schedule would have
+    assert 0 <= lrs[2] - lrs[3] <= T.lr_at(2, cfg) - T.lr_at(3, cfg)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:])) and lrs[-1] < 1.5e-3  # near min_lr (1e-3) at the end
+    meta = T.read_train_meta(T.resolve_checkpoint(tmp_path / "r"))
+    assert meta["train_config"]["steps"] == 9 and meta["train_config"]["decay_anchor"][0] == 3
+
+
+def test_old_checkpoints_without_new_fields_still_resume(data, tmp_path):
+    # Checkpoints written before tokenizer.json and TrainConfig.decay_anchor existed.
+    out = tmp_path / "old"
+    T.train(small_model(), data, small_config(steps=3), out, device="cpu", meta={"tokenizer": "byte"})
+    ckpt = T.resolve_checkpoint(out)
+    (ckpt / "tokenizer.json").unlink()
+    state = torch.load(ckpt / T.TRAIN_STATE_FILE, weights_only=True)
+    del state["train_config"]["decay_anchor"]
+    torch.save(state, ckpt / T.TRAIN_STATE_FILE)
+    meta = json.loads((ckpt / T.TRAIN_META_FILE).read_text())
+    del meta["train_config"]["decay_anchor"]
+    (ckpt / T.TRAIN_META_FILE).write_text(json.dumps(meta))
+    assert XLSTMLanguageModel.load(out).tokenizer_name == "byte"  # from train_meta.json
+    res = T.train(small_model(), data, small_config(steps=6), out, resume=True, device="cpu")
+    assert res.step == 6
+
+
+def test_missing_matplotlib_skips_the_plot_with_a_note(data, tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib -> ImportError
+    res = T.train(small_model(), data, small_config(steps=2), tmp_path / "r", device="cpu")
+    assert res.plot is None and "matplotlib" in res.plot_note and len(res.plot_note.splitlines()) == 1
+    assert res.checkpoint is not None and not (tmp_path / "r" / "loss.png").exists()
+
+
+def test_evaluate_counts_its_batches(data):
+    model = small_model()
+    tb = data.tokenizer.token_byte_lengths()
+    part = T.evaluate(model, data.val, seq_len=16, batch_size=4, max_batches=2, token_bytes=tb)
+    whole = T.evaluate(model, data.val, seq_len=16, batch_size=4, max_batches=None, token_bytes=tb)
+    n_windows = (len(data.val) - 1) // 16
+    assert whole.split_batches == part.split_batches == -(-n_windows // 4) > 2
+    assert part.batches == 2 and whole.batches == whole.split_batches and whole.tokens == n_windows * 16
+    assert part.describe().startswith(f"2 of {part.split_batches} ") and whole.describe().startswith("all ")
+
+
+def test_training_log_records_validation_size(data, tmp_path):
+    T.train(small_model(), data, small_config(steps=2, eval_batches=3), tmp_path / "r", device="cpu")
+    rows = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in rows if "val_loss" in r]
+    assert vals and all(r["val_batches"] == 3 and r["val_tokens"] == 3 * 4 * 16 for r in vals)

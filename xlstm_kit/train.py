@@ -7,29 +7,22 @@ command line turns it into a progress bar). The same function runs under
 ``torchrun --nproc_per_node=N``: every rank computes its slice of each global batch, gradients
 are averaged by DistributedDataParallel, and rank 0 alone calls the callback and writes files.
 
-Output folder layout (``out_dir``)::
+Pieces other loops reuse: :func:`train_step` (one optimizer step: forward under autocast, loss,
+backward with accumulation, clipping, learning rate, update), :class:`TimeBudget` (how many steps
+fit a wall-clock budget), :func:`lr_at` / :func:`continue_schedule` (the schedule).
 
-    latest                      one line: the relative path of the newest complete checkpoint
-    checkpoints/step-00000030/  config.json + model.safetensors (the model checkpoint format)
-                                + train_state.pt (optimizer, step, RNG) + train_meta.json
-    metrics.jsonl               one JSON object per step / validation
-    loss.png                    the loss curve, written at the end
-
-A checkpoint is written into a hidden staging folder, flushed to disk, renamed into place, and
-only then does ``latest`` (replaced atomically) point at it: a crash or kill at any moment leaves
-``latest`` naming a complete checkpoint.
+Output folder layout (``out_dir``): the run folder of ``xlstm_kit.checkpoint`` (``latest``,
+``checkpoints/step-N/``) plus ``metrics.jsonl`` (one JSON object per step / validation) and
+``loss.png`` (the loss curve, written at the end when matplotlib is installed).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,20 +35,16 @@ import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch import nn
 
-from .data import BatchSampler, TokenData, _atomic_write, val_batches
+from ._extras import install_hint
+from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINTS_DIR, LATEST_FILE, TRAIN_META_FILE,  # noqa: F401
+                         TRAIN_STATE_FILE, CheckpointError, atomic_write, load_training_state,
+                         load_weights_into, read_train_meta, remove_stale_staging, resolve_checkpoint,
+                         restore_rng, save_checkpoint)
+from .data import BatchSampler, TokenData, val_batches
 
-CHECKPOINT_FORMAT = 1
-LATEST_FILE = "latest"
-CHECKPOINTS_DIR = "checkpoints"
-TRAIN_STATE_FILE = "train_state.pt"
-TRAIN_META_FILE = "train_meta.json"
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 PRECISIONS = ("auto", "bf16", "fp32")
-
-
-class CheckpointError(ValueError):
-    """A missing, incomplete or incompatible training checkpoint."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,9 +95,15 @@ class TrainConfig:
     """Seeds the data order (and torch's generator at the start of a fresh run)."""
     precision: str = "auto"
     """"auto" (bf16 autocast on CUDA, float32 on CPU), "bf16" or "fp32"."""
+    decay_anchor: tuple[int, float] | None = None
+    """(step, progress): from this step on, the cosine decay goes from `progress` (its fraction
+    already done) to 1 at `steps`. Set by :func:`continue_schedule` when a resumed run changes
+    `steps`, so the learning rate goes on from where it was instead of jumping."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
+        if self.decay_anchor is not None:
+            self.decay_anchor = (int(self.decay_anchor[0]), float(self.decay_anchor[1]))
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "keep_checkpoints"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive integer, got {getattr(self, name)}")
@@ -129,6 +124,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
+        d["decay_anchor"] = list(self.decay_anchor) if self.decay_anchor is not None else None
         return d
 
     @classmethod
@@ -145,6 +141,16 @@ class EvalMetrics:
     bits_per_byte: float
     perplexity: float
     tokens: int
+    batches: int = 0
+    """Validation batches used (all ranks together)."""
+    split_batches: int = 0
+    """Batches the whole validation split holds (batches == split_batches: all of it)."""
+
+    def describe(self) -> str:
+        """"8 of 50 batches, 16,384 tokens" or "all 50 batches, 102,400 tokens"."""
+        part = (f"all {self.split_batches}" if self.batches >= self.split_batches
+                else f"{self.batches} of {self.split_batches}")
+        return f"{part} validation batches, {self.tokens:,} tokens"
 
 
 @dataclass
@@ -181,6 +187,7 @@ class TrainResult:
     evals: list[tuple[int, EvalMetrics]] = field(default_factory=list)
     checkpoint: Path | None = None
     plot: Path | None = None
+    plot_note: str | None = None  # why there is no plot (matplotlib missing)
 
 
 @dataclass
@@ -271,17 +278,41 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     )
 
 
+def _decay_progress(step: int, config: TrainConfig) -> float:
+    """Fraction of the cosine decay done at optimizer step ``step`` (>= warmup)."""
+    if config.decay_anchor is not None and step >= config.decay_anchor[0]:
+        s0, p0 = config.decay_anchor
+        return min(1.0, p0 + (1.0 - p0) * (step - s0) / max(1, config.steps - s0))
+    return min(1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps))
+
+
 def lr_at(step: int, config: TrainConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warmup from lr/warmup to lr
-    over ``warmup_steps``, then cosine decay to ``min_lr`` at ``steps``.
+    over ``warmup_steps``, then cosine decay to ``min_lr`` at ``steps`` (see ``decay_anchor``).
 
     A pure function of the step, so the schedule's state in a checkpoint is the step count.
     """
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
-    span = max(1, config.steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
+    progress = _decay_progress(step, config)
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def continue_schedule(saved: TrainConfig, config: TrainConfig, step: int) -> TrainConfig:
+    """``config`` for a run resumed at ``step`` from a checkpoint trained with ``saved``.
+
+    When the total ``steps`` changes, the rest of the cosine decay is stretched (or squeezed)
+    from ``step`` to the new total: the learning rate goes on from its value at ``step`` without
+    a jump and reaches ``min_lr`` at the new end. (A run that had finished its decay stays at
+    ``min_lr``.) Resumed during warmup, the schedule is the one of a fresh run of the new length.
+    """
+    if config.steps == saved.steps:
+        anchor = saved.decay_anchor
+    elif step < saved.warmup_steps:
+        anchor = None
+    else:
+        anchor = (step, _decay_progress(step, saved))
+    return dataclasses.replace(config, decay_anchor=anchor)
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,7 +320,10 @@ def lr_at(step: int, config: TrainConfig) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def _autocast(device: torch.device, precision: str):
+def autocast(device: torch.device | str, precision: str):
+    """The one mixed-precision rule: "bf16" autocasts to bfloat16 on any device, "auto" on CUDA
+    only, "fp32" never (weights stay float32 either way)."""
+    device = torch.device(device)
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -327,205 +361,40 @@ def evaluate(
     device = torch.device(device)
     was_training = model.training
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64)  # loss nats, tokens, bytes
+    sums = torch.zeros(4, dtype=torch.float64)  # loss nats, tokens, bytes, batches
     try:
         for x, y in val_batches(
             tokens, seq_len, batch_size, max_batches, rank=dist.rank, world_size=dist.world_size
         ):
             x, y = x.to(device), y.to(device)
-            with _autocast(device, precision):
+            with autocast(device, precision):
                 logits = model(x)
             sums[0] += lm_loss(logits, y, reduction="sum").double().item()
             sums[1] += y.numel()
             sums[2] += float(token_bytes[y.cpu().numpy()].sum())
+            sums[3] += 1
     finally:
         model.train(was_training)
     if dist.enabled:
         sums = sums.to(device)
         torch_dist.all_reduce(sums)
         sums = sums.cpu()
-    loss_sum, n_tok, n_bytes = sums.tolist()
+    loss_sum, n_tok, n_bytes, n_batches = sums.tolist()
     loss = loss_sum / max(n_tok, 1.0)
     return EvalMetrics(
         loss=loss,
         bits_per_byte=loss_sum / (math.log(2) * max(n_bytes, 1.0)),
         perplexity=math.exp(min(loss, 700.0)),
         tokens=int(n_tok),
+        batches=int(n_batches),
+        split_batches=val_batch_count(len(tokens), seq_len, batch_size),
     )
 
 
-# --------------------------------------------------------------------------------------------
-# Checkpoints
-# --------------------------------------------------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(path)
-
-
-def _save_model(model: nn.Module, path: Path) -> None:
-    if hasattr(model, "save"):
-        model.save(path)
-    else:  # any other language model: weights only
-        from safetensors.torch import save_model
-
-        path.mkdir(parents=True, exist_ok=True)
-        save_model(model, str(path / "model.safetensors"))
-
-
-def _load_model_weights(model: nn.Module, path: Path) -> None:
-    """Load a checkpoint's weights into ``model``, refusing one of another configuration."""
-    load = getattr(type(model), "load", None)
-    if load is None:
-        from safetensors.torch import load_model
-
-        load_model(model, str(path / "model.safetensors"))
-        return
-    loaded = load(path)
-    if getattr(loaded, "config", None) != getattr(model, "config", None):
-        raise CheckpointError(
-            f"checkpoint {path} holds a model of another configuration than the one being trained"
-        )
-    model.load_state_dict(loaded.state_dict())
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The checkpoint folder a path names: a checkpoint itself (has ``config.json`` or
-    ``model.safetensors``) or a training output folder (through its ``latest`` file)."""
-    path = Path(path)
-    if (path / "config.json").is_file() or (path / "model.safetensors").is_file():
-        return path
-    latest = path / LATEST_FILE
-    if latest.is_file():
-        target = path / latest.read_text().strip()
-        if not target.is_dir():
-            raise CheckpointError(f"{latest} points to a missing checkpoint {target}")
-        return target
-    if not path.exists():
-        raise CheckpointError(f"checkpoint path {str(path)!r} does not exist")
-    raise CheckpointError(f"{str(path)!r} holds no checkpoint (no config.json and no '{LATEST_FILE}' file)")
-
-
-def read_train_meta(checkpoint: Path) -> dict[str, Any]:
-    """The ``train_meta.json`` of a checkpoint ({} for a bare model checkpoint); refuses a
-    checkpoint written by an incompatible version of the training code."""
-    f = Path(checkpoint) / TRAIN_META_FILE
-    if not f.is_file():
-        return {}
-    try:
-        meta = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{f} is not valid JSON: {e}") from None
-    fmt = meta.get("format")
-    if fmt != CHECKPOINT_FORMAT:
-        raise CheckpointError(
-            f"checkpoint {checkpoint} has training-state format {fmt!r} (written by xlstm_kit "
-            f"{meta.get('xlstm_kit_version', '?')}); this version reads format {CHECKPOINT_FORMAT}"
-        )
-    return meta
-
-
-def save_checkpoint(
-    out_dir: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step: int,
-    config: TrainConfig,
-    meta: dict[str, Any] | None = None,
-    keep: int = 2,
-) -> Path:
-    """Write a complete resumable checkpoint of ``step`` atomically and point ``latest`` at it.
-
-    Returns the checkpoint folder. ``meta`` (JSON-serialisable; e.g. tokenizer and data spec)
-    is stored in ``train_meta.json``. Older checkpoints beyond ``keep`` are removed afterwards.
-    """
-    from . import __version__
-
-    out_dir = Path(out_dir)
-    root = out_dir / CHECKPOINTS_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:08d}"
-    final, k = root / name, 1
-    while final.exists():  # re-saving a step (resume then interrupt): never touch the old one
-        final, k = root / f"{name}-{k}", k + 1
-    staging = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
-    try:
-        staging.rmdir()  # model.save creates its folder itself
-        _save_model(model, staging)
-        state = {
-            "format": CHECKPOINT_FORMAT,
-            "step": step,
-            "optimizer": optimizer.state_dict(),
-            "train_config": config.to_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            },
-        }
-        torch.save(state, staging / TRAIN_STATE_FILE)
-        info = {
-            "format": CHECKPOINT_FORMAT,
-            "xlstm_kit_version": __version__,
-            "step": step,
-            "train_config": config.to_dict(),
-            **(meta or {}),
-        }
-        (staging / TRAIN_META_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        _fsync_tree(staging)
-        os.rename(staging, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _atomic_write(out_dir / LATEST_FILE, lambda f: f.write(f"{CHECKPOINTS_DIR}/{final.name}\n".encode()))
-    _fsync_dir(out_dir)
-    _prune_checkpoints(root, keep, final)
-    return final
-
-
-def _checkpoint_step(p: Path) -> tuple[int, int]:
-    parts = p.name.split("-")  # step-00000030 or step-00000030-1
-    return int(parts[1]), int(parts[2]) if len(parts) > 2 else 0
-
-
-def _prune_checkpoints(root: Path, keep: int, latest: Path) -> None:
-    done = sorted((p for p in root.glob("step-*") if p.is_dir()), key=_checkpoint_step)
-    for p in done[:-keep]:
-        if p != latest:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _remove_stale_staging(out_dir: Path) -> None:
-    # Left behind only by a process killed mid-save; never named by `latest`.
-    for p in (out_dir / CHECKPOINTS_DIR).glob(".tmp-*"):
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def load_training_state(checkpoint: Path) -> dict[str, Any]:
-    """The ``train_state.pt`` of a checkpoint (tensors and plain containers only)."""
-    f = Path(checkpoint) / TRAIN_STATE_FILE
-    if not f.is_file():
-        raise CheckpointError(f"{checkpoint} has no {TRAIN_STATE_FILE}: it is a model checkpoint, not resumable")
-    try:
-        state = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt or foreign file
-        raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {e}") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{f} has an unsupported format; this version reads format {CHECKPOINT_FORMAT}")
-    return state
+def val_batch_count(n_tokens: int, seq_len: int, batch_size: int) -> int:
+    """How many batches ``data.val_batches`` makes of a whole split of ``n_tokens`` tokens."""
+    seq = min(seq_len, n_tokens - 1)
+    return -(-((n_tokens - 1) // seq) // batch_size) if seq >= 1 else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -545,8 +414,13 @@ def _read_metrics(path: Path, up_to_step: int | None) -> list[dict[str, Any]]:
     return rows
 
 
+PLOT_MISSING_NOTE = f"loss plot skipped: matplotlib is not installed ({install_hint('matplotlib')})"
+
+
 def plot_loss_curve(rows: Iterable[dict[str, Any]], path: Path) -> Path:
-    """Write the training (raw and smoothed) and validation loss against step as a PNG."""
+    """Write the training (raw and smoothed) and validation loss against step as a PNG.
+
+    ImportError when matplotlib is not installed (``train`` then records PLOT_MISSING_NOTE)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -588,6 +462,123 @@ def plot_loss_curve(rows: Iterable[dict[str, Any]], path: Path) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+
+@dataclass
+class StepOutput:
+    """Tensors on the device, so that a loop that does not read them every step never waits for
+    the GPU (float() them to read)."""
+
+    loss: torch.Tensor  # mean loss of the step over its micro-batches (detached)
+    grad_norm: torch.Tensor  # global gradient norm before clipping
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Iterable[tuple[Any, Any]],
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    *,
+    lr: float,
+    n_micro: int = 1,
+    precision: str = "auto",
+    grad_clip: float = 0.0,
+    before_update: Callable[[], None] | None = None,
+) -> StepOutput:
+    """One optimizer step: for each (inputs, target) of ``micro_batches`` (``n_micro`` of them),
+    ``loss_fn(model(inputs), target) / n_micro`` under :func:`autocast` and its backward; then
+    clipping of the global gradient norm to ``grad_clip`` (0: no clipping), the learning rate
+    ``lr`` set on every parameter group, the update, and the gradients cleared.
+
+    ``model`` may be DistributedDataParallel: only the last micro-batch's backward all-reduces
+    the accumulated gradients. ``before_update`` runs just before ``optimizer.step()`` (the
+    training loop marks there that an interrupt can no longer be saved consistently).
+    """
+    device = next(model.parameters()).device
+    loss_sum = torch.zeros((), device=device)
+    n_done = 0
+    for micro, (inputs, target) in enumerate(micro_batches):
+        last = micro == n_micro - 1
+        with (model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext()):
+            with autocast(device, precision):
+                logits = model(inputs)
+            loss = loss_fn(logits, target) / n_micro
+            loss.backward()
+        loss_sum += loss.detach()
+        n_done += 1
+    if n_done != n_micro:
+        raise ValueError(f"train_step got {n_done} micro-batches, expected n_micro={n_micro}")
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    if before_update is not None:
+        before_update()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepOutput(loss_sum, grad_norm.detach())
+
+
+class TimeBudget:
+    """A wall-clock budget for a loop of steps: is it spent, how long does a step take, how many
+    steps fit in what is left. Used by ``train(time_limit_s=...)``, the demo and the experiments.
+
+    Steps up to ``skip_steps`` are not timed (they carry one-time costs: kernel compilation,
+    allocator growth); the time per step is the mean over the steps after them. On CUDA, pass
+    ``device`` so the timing points wait for queued kernels. ``seconds=None``: never spent.
+    """
+
+    def __init__(self, seconds: float | None, *, skip_steps: int = 2, device: torch.device | str | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.seconds = seconds
+        self.skip_steps = skip_steps
+        self._clock = clock
+        self._cuda = device is not None and torch.device(device).type == "cuda"
+        self._start = clock()
+        self._mark: tuple[int, float] | None = None
+        self._last: tuple[int, float] | None = None
+
+    def _now(self, sync: bool) -> float:
+        if sync and self._cuda:
+            torch.cuda.synchronize()
+        return self._clock()
+
+    def elapsed(self) -> float:
+        return self._clock() - self._start
+
+    def remaining(self) -> float:
+        return math.inf if self.seconds is None else self.seconds - self.elapsed()
+
+    def spent(self) -> bool:
+        return self.remaining() <= 0
+
+    def step_done(self, step: int, *, measure: bool = False) -> None:
+        """Record that ``step`` steps are complete (``measure``: wait for the device first, for
+        an exact reading right after)."""
+        if self._mark is None and step >= self.skip_steps:
+            self._mark = (step, self._now(sync=True))
+        else:
+            self._last = (step, self._now(sync=measure))
+
+    def seconds_per_step(self) -> float | None:
+        """Mean seconds per step after the skipped ones; None until two points are recorded."""
+        if self._mark is None or self._last is None or self._last[0] <= self._mark[0]:
+            return None
+        return (self._last[1] - self._mark[1]) / (self._last[0] - self._mark[0])
+
+    def steps_that_fit(self, done: int, *, reserve: float = 0.0, most: int | None = None) -> int | None:
+        """``done`` plus the steps that fit in the time left after keeping the fraction
+        ``reserve`` of it (for validation, checkpoints), at most ``most``; None before a
+        measurement or without a budget."""
+        per_step = self.seconds_per_step()
+        if per_step is None or self.seconds is None:
+            return None
+        fit = done + max(0, int((1.0 - reserve) * self.remaining() / max(per_step, 1e-12)))
+        return fit if most is None else min(most, fit)
+
+
 class _StopRequest:
     """SIGINT/SIGTERM set a flag checked at step boundaries, so the run stops between steps
     and saves a consistent checkpoint. A second Ctrl-C raises KeyboardInterrupt at once."""
@@ -617,6 +608,109 @@ def _default_device(dist: DistInfo) -> torch.device:
     return torch.device(f"cuda:{dist.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
 
 
+class _Run:
+    """The state of one ``train`` call and its bookkeeping (metrics log, validation,
+    checkpoints); ``train`` below is the loop."""
+
+    def __init__(self, model, data, config, out_dir, dist, device, meta, callback) -> None:
+        self.model, self.data, self.config, self.meta = model, data, config, meta
+        self.out_dir, self.dist, self.device = out_dir, dist, device
+        self.writes = out_dir is not None and dist.is_main
+        self.emit = callback if (callback is not None and dist.is_main) else (lambda event: None)
+        self.optimizer = make_optimizer(model, config)
+        self.step = 0
+        self.committing = False  # inside optimizer.step: an interrupt there cannot be saved
+        self.history: list[dict[str, Any]] = []
+        self.metrics_path = out_dir / METRICS_FILE if out_dir is not None else None
+        self.token_bytes = data.tokenizer.token_byte_lengths()
+        self.sampler = BatchSampler(data.train, config.seq_len, config.batch_size, seed=config.seed)
+        self.result = TrainResult(step=0, interrupted=False)
+
+    def micro_batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of the next optimizer step, on the device."""
+        n = self.config.grad_accum
+        for micro in range(n):
+            x, y = self.sampler.batch(self.step, rank=self.dist.rank, world_size=self.dist.world_size,
+                                      micro=micro, n_micro=n)
+            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def start_commit(self) -> None:
+        self.committing = True
+
+    def restore(self) -> None:
+        """Weights, optimizer, RNG and step from the run's latest checkpoint; the schedule goes
+        on smoothly when ``config.steps`` changed (:func:`continue_schedule`)."""
+        if self.out_dir is None:
+            raise ValueError("resume=True needs out_dir")
+        ckpt = resolve_checkpoint(self.out_dir)
+        read_train_meta(ckpt)
+        state = load_training_state(ckpt)
+        saved = TrainConfig.from_dict(state["train_config"])
+        for name in ("batch_size", "seq_len", "seed"):
+            if getattr(saved, name) != getattr(self.config, name):
+                raise CheckpointError(
+                    f"cannot resume with {name}={getattr(self.config, name)}: the checkpoint was trained "
+                    f"with {name}={getattr(saved, name)}"
+                )
+        load_weights_into(self.model, ckpt)
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_rng(state, self.device)
+        self.step = int(state["step"])
+        self.config = continue_schedule(saved, self.config, self.step)
+
+    def open_log(self, resume: bool) -> None:
+        if not self.writes:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(self.out_dir)
+        if resume:  # drop rows of steps after the checkpoint (a run killed between checkpoints)
+            self.history = _read_metrics(self.metrics_path, self.step)
+        atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.history))
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.history.append(row)
+        if self.writes:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def validate(self) -> None:
+        c = self.config
+        m = evaluate(self.model, self.data.val, seq_len=c.seq_len, batch_size=c.batch_size,
+                     max_batches=c.eval_batches or None, token_bytes=self.token_bytes, device=self.device,
+                     precision=c.precision, dist=self.dist)
+        self.result.evals.append((self.step, m))
+        self.log({"step": self.step, "val_loss": m.loss, "val_bpb": m.bits_per_byte, "val_ppl": m.perplexity,
+                  "val_batches": m.batches, "val_tokens": m.tokens})
+        self.emit(EvalEvent(self.step, m))
+
+    def save(self, barrier: bool = True) -> None:
+        if self.writes:
+            self.result.checkpoint = save_checkpoint(self.out_dir, self.model, self.optimizer, self.step,
+                                                     self.config, self.meta, keep=self.config.keep_checkpoints)
+            self.emit(CheckpointEvent(self.step, self.result.checkpoint))
+        if barrier and self.dist.enabled:
+            torch_dist.barrier()
+
+    def agree(self, loss: torch.Tensor, stop: bool, late: bool) -> tuple[float, bool, bool]:
+        """One small all-reduce carries the loss for logging and any rank's stop request or
+        spent time budget, so that every rank stops after the same step."""
+        flags = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device),
+                             torch.tensor(float(late), device=loss.device)])
+        if self.dist.enabled:
+            torch_dist.all_reduce(flags)
+            flags[0] /= self.dist.world_size
+        return float(flags[0]), bool(flags[1] > 0), bool(flags[2] > 0)
+
+    def finish(self) -> TrainResult:
+        self.result.step = self.step
+        if self.writes:
+            try:
+                self.result.plot = plot_loss_curve(self.history, self.out_dir / PLOT_FILE)
+            except ImportError:
+                self.result.plot_note = PLOT_MISSING_NOTE
+        return self.result
+
+
 def train(
     model: nn.Module,
     data: TokenData,
@@ -636,11 +730,13 @@ def train(
     out_dir: where checkpoints, metrics and the loss curve go (None: write nothing).
     resume: continue from ``out_dir``'s latest checkpoint: weights, optimizer, step (hence data
       position and learning rate) and RNG are restored, so the run continues exactly as if it
-      had not stopped. ``config.steps`` may differ from the checkpoint's (extends the run).
+      had not stopped. ``config.steps`` may differ from the checkpoint's: the cosine decay then
+      continues from the current learning rate to the new end (:func:`continue_schedule`).
     callback: receives StepEvent / EvalEvent / CheckpointEvent on rank 0 only.
     dist: from :func:`init_distributed`; with world_size > 1 the model is wrapped in
       DistributedDataParallel and each rank trains on its slice of every global batch.
-    meta: JSON-serialisable facts stored with each checkpoint (tokenizer, data spec, preset).
+    meta: JSON-serialisable facts stored with each checkpoint (tokenizer, data spec, preset);
+      meta["tokenizer"] also goes into the checkpoint's tokenizer.json.
     handle_signals: stop cleanly on SIGINT/SIGTERM, saving a resumable checkpoint.
     time_limit_s: wall-clock budget of this call; when spent, the run validates, saves a
       checkpoint and returns early with ``time_limited`` set (the schedule is not shortened).
@@ -651,7 +747,6 @@ def train(
     dist = dist or DistInfo()
     device = torch.device(device) if device is not None else _default_device(dist)
     out_dir = Path(out_dir) if out_dir is not None else None
-    writes = out_dir is not None and dist.is_main
     per_rank = config.batch_size // (dist.world_size * config.grad_accum)
     if per_rank * dist.world_size * config.grad_accum != config.batch_size:
         raise ValueError(
@@ -662,155 +757,62 @@ def train(
     if vocab is not None and vocab < data.vocab_size:
         raise ValueError(f"model vocab_size {vocab} is smaller than the tokenizer's {data.vocab_size}")
 
+    meta = {"tokenizer": getattr(data.tokenizer, "name", None), **(meta or {})}  # generate(text) after load
     model.to(device)
     model.train()
-    optimizer = make_optimizer(model, config)
-    step = 0
+    run = _Run(model, data, config, out_dir, dist, device, meta, callback)
     if resume:
-        if out_dir is None:
-            raise ValueError("resume=True needs out_dir")
-        ckpt = resolve_checkpoint(out_dir)
-        read_train_meta(ckpt)
-        state = load_training_state(ckpt)
-        saved = TrainConfig.from_dict(state["train_config"])
-        for name in ("batch_size", "seq_len", "seed"):
-            if getattr(saved, name) != getattr(config, name):
-                raise CheckpointError(
-                    f"cannot resume with {name}={getattr(config, name)}: the checkpoint was trained "
-                    f"with {name}={getattr(saved, name)}"
-                )
-        _load_model_weights(model, ckpt)
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if device.type == "cuda" and state["rng"]["cuda"]:
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        step = int(state["step"])
+        run.restore()
     else:
         torch.manual_seed(config.seed)
-    if writes:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        _remove_stale_staging(out_dir)
-    metrics_path = out_dir / METRICS_FILE if out_dir is not None else None
-    history = _read_metrics(metrics_path, step) if (writes and resume) else []
-    if writes:
-        _atomic_write(metrics_path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in history).encode()))
+    config = run.config
+    run.open_log(resume)
+    run.result.step = run.step
 
-    ddp_model = model
+    forward_model = model
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    sampler = BatchSampler(data.train, config.seq_len, config.batch_size, seed=config.seed)
-    token_bytes = data.tokenizer.token_byte_lengths()
-    result = TrainResult(step=step, interrupted=False)
-    emit = callback if (callback is not None and dist.is_main) else (lambda event: None)
-
-    def log(row: dict[str, Any]) -> None:
-        history.append(row)
-        if writes:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
-    def run_eval() -> None:
-        m = evaluate(
-            model, data.val, seq_len=config.seq_len, batch_size=config.batch_size,
-            max_batches=config.eval_batches or None, token_bytes=token_bytes, device=device,
-            precision=config.precision, dist=dist,
-        )
-        result.evals.append((step, m))
-        log({"step": step, "val_loss": m.loss, "val_bpb": m.bits_per_byte, "val_ppl": m.perplexity})
-        emit(EvalEvent(step, m))
-
-    def checkpoint() -> None:
-        if writes:
-            result.checkpoint = save_checkpoint(
-                out_dir, model, optimizer, step, config, meta, keep=config.keep_checkpoints
-            )
-            emit(CheckpointEvent(step, result.checkpoint))
-        if dist.enabled:
-            torch_dist.barrier()
-
+        forward_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    budget = TimeBudget(time_limit_s)
     tokens_per_step = config.batch_size * config.seq_len
-    deadline = time.monotonic() + time_limit_s if time_limit_s is not None else None
-    committing = False
     with _StopRequest(handle_signals) as stop:
         try:
-            if step == 0 and config.eval_at_start:
-                run_eval()
-            while step < config.steps:
+            if run.step == 0 and config.eval_at_start:
+                run.validate()
+            while run.step < config.steps:
                 t0 = time.perf_counter()
-                lr = lr_at(step, config)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                loss_sum = torch.zeros((), device=device)
-                for micro in range(config.grad_accum):
-                    x, y = sampler.batch(
-                        step, rank=dist.rank, world_size=dist.world_size, micro=micro, n_micro=config.grad_accum
-                    )
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    # Only the last micro-step's backward all-reduces the accumulated gradients.
-                    sync = micro == config.grad_accum - 1 or not dist.enabled
-                    with (contextlib.nullcontext() if sync else ddp_model.no_sync()):
-                        with _autocast(device, config.precision):
-                            logits = ddp_model(x)
-                        loss = lm_loss(logits, y) / config.grad_accum
-                        loss.backward()
-                    loss_sum += loss.detach()
-                if config.grad_clip > 0:
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
-                else:
-                    grad_norm = float(
-                        torch.linalg.vector_norm(
-                            torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
-                        )
-                    )
-                committing = True
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                committing = False
-                # One small all-reduce carries the loss for logging and any rank's stop request
-                # or spent time budget, so that every rank stops after the same step.
-                late = deadline is not None and time.monotonic() >= deadline
-                flags = torch.stack([loss_sum.float(), torch.tensor(float(stop.requested), device=device),
-                                     torch.tensor(float(late), device=device)])
-                if dist.enabled:
-                    torch_dist.all_reduce(flags)
-                    flags[0] /= dist.world_size
-                step_loss, stop_now, out_of_time = float(flags[0]), bool(flags[1] > 0), bool(flags[2] > 0)
+                lr = lr_at(run.step, config)
+                out = train_step(forward_model, run.optimizer, run.micro_batches(), lm_loss, lr=lr,
+                                 n_micro=config.grad_accum, precision=config.precision,
+                                 grad_clip=config.grad_clip, before_update=run.start_commit)
+                run.step += 1
+                run.committing = False
+                step_loss, stop_now, out_of_time = run.agree(out.loss, stop.requested, budget.spent())
                 dt = time.perf_counter() - t0
-                result.losses.append((step, step_loss))
-                log({"step": step, "loss": step_loss, "lr": lr})
-                emit(StepEvent(step, config.steps, step_loss, lr, grad_norm, tokens_per_step / max(dt, 1e-9)))
-                if (config.eval_interval and step % config.eval_interval == 0) or step == config.steps:
-                    run_eval()
-                elif out_of_time and not stop_now:
-                    run_eval()
+                run.result.losses.append((run.step, step_loss))
+                run.log({"step": run.step, "loss": step_loss, "lr": lr})
+                run.emit(StepEvent(run.step, config.steps, step_loss, lr, float(out.grad_norm),
+                                  tokens_per_step / max(dt, 1e-9)))
+                at_end = run.step == config.steps
+                if (config.eval_interval and run.step % config.eval_interval == 0) or at_end \
+                        or (out_of_time and not stop_now):
+                    run.validate()
                 if stop_now:
-                    result.interrupted = True
-                    checkpoint()
+                    run.result.interrupted = True
+                    run.save()
                     break
-                if (
-                    (config.checkpoint_interval and step % config.checkpoint_interval == 0)
-                    or step == config.steps
-                    or out_of_time
-                ):
-                    checkpoint()
-                if out_of_time and step < config.steps:
-                    result.time_limited = True
+                if (config.checkpoint_interval and run.step % config.checkpoint_interval == 0) or at_end or out_of_time:
+                    run.save()
+                if out_of_time and not at_end:
+                    run.result.time_limited = True
                     break
         except KeyboardInterrupt:
             # A KeyboardInterrupt outside optimizer.step leaves weights and optimizer state at
             # the last completed step (partial gradients are discarded): save that and stop.
             # One during optimizer.step cannot be saved consistently; the last checkpoint stays.
-            result.interrupted = True
-            optimizer.zero_grad(set_to_none=True)
-            if not committing and writes:
-                result.checkpoint = save_checkpoint(
-                    out_dir, model, optimizer, step, config, meta, keep=config.keep_checkpoints
-                )
-                emit(CheckpointEvent(step, result.checkpoint))
-    result.step = step
-    if writes and importlib.util.find_spec("matplotlib") is not None:  # the [plot] extra; else plot stays None
-        result.plot = plot_loss_curve(history, out_dir / PLOT_FILE)
-    return result
+            run.result.interrupted = True
+            run.optimizer.zero_grad(set_to_none=True)
+            if not run.committing:
+                run.save(barrier=False)
+    return run.finish()

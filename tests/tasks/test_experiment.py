@@ -89,7 +89,7 @@ def test_sweep_steps_per_task_and_longest_first(tmp_path, monkeypatch):
     import xlstm_kit.tasks.experiment as ex
 
     seen = []
-    monkeypatch.setattr(ex, "_run_one", lambda job: seen.append(job) or {"kind": job[0], "task": job[1],
+    monkeypatch.setattr(ex, "_run_one", lambda job, progress=None: seen.append(job) or {"kind": job[0], "task": job[1],
                                                                            "model": job[2], "error": "not run"})
     ex.run_sweep(["majority", "parity"], ["lstm"], quick_config(steps=3), tmp_path, steps_for={"parity": 7})
     order = [(j[0], j[1], j[3]["steps"]) for j in seen]
@@ -109,7 +109,7 @@ def test_sweep_deals_runs_over_all_gpus(tmp_path, monkeypatch):
     assert ex.sweep_devices("cuda") == ["cuda:0", "cuda:1"]
     assert ex.sweep_devices("cuda:1") == ["cuda:1"] and ex.sweep_devices("cpu") == ["cpu"]
     seen = []
-    monkeypatch.setattr(ex, "_run_one", lambda job: seen.append(job[3]["device"]) or {"kind": job[0], "task": job[1],
+    monkeypatch.setattr(ex, "_run_one", lambda job, progress=None: seen.append(job[3]["device"]) or {"kind": job[0], "task": job[1],
                                                                                       "model": job[2], "error": "x"})
     ex.run_sweep(["parity", "majority"], ["lstm", "transformer"], quick_config(steps=3, device="cuda"), tmp_path)
     assert seen == ["cuda:0", "cuda:1"] * 3
@@ -139,3 +139,63 @@ def test_cli_sweep_options_and_mqar_default_lr(tmp_path, capsys):
                  "--seq-len", "64", "--pairs", "4", "--device", "cpu", "--out", out]) == 0
     data = json.loads((tmp_path / "runs" / "mqar__T64-N4__lstm.json").read_text())
     assert data["config"]["lr"] == pytest.approx(1e-3) and data["config"]["min_lr"] == pytest.approx(1e-4)
+
+
+def test_cli_experiment_defaults_to_runs_and_shows_progress(tmp_path, capsys, monkeypatch):
+    from xlstm_kit.cli import build_parser
+
+    args = build_parser().parse_args(["experiment", "formal", "--task", "parity", "--model", "lstm"])
+    assert args.out == "runs/experiments"  # gitignored, not the committed results/ folder
+    monkeypatch.chdir(tmp_path)
+    assert main(["experiment", "formal", "--task", "parity", "--model", "lstm", "--quick", "--steps", "3",
+                 "--device", "cpu"]) == 0
+    assert (tmp_path / "runs" / "experiments" / "runs" / "formal__parity__lstm.json").exists()
+    err = capsys.readouterr().err
+    assert "formal parity lstm: up to 3 steps" in err
+    assert "step 1/3" in err and "step 3/3" in err  # first and last step, whatever the interval
+    assert main(["experiment", "sweep", "--tasks", "parity,majority", "--models", "lstm", "--no-mqar", "--quick",
+                 "--steps", "2", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "sweep: 2 runs" in err and "[1/2] formal" in err and "[2/2] formal" in err
+
+
+def test_progress_lines_are_throttled():
+    import io
+
+    import pickle
+
+    from xlstm_kit.tasks.cli import ProgressLines
+
+    now, stream = [0.0], io.StringIO()
+    report = ProgressLines("formal parity lstm", stream, every_s=10.0, clock=lambda: now[0])
+    for step in range(1, 101):
+        now[0] = step * 0.5  # 2 steps per second: a line per 20 steps
+        report(step, 100, 1.0 / step)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].strip().startswith("formal parity lstm: step 1/100") and "step 100/100" in lines[-1]
+    assert 5 <= len(lines) <= 7
+    assert pickle.loads(pickle.dumps(ProgressLines("x"))).label == "x"  # goes to a sweep's worker processes
+
+
+def test_experiment_training_uses_the_library_step(monkeypatch):
+    import xlstm_kit.tasks.experiment as ex
+
+    calls = []
+    real = ex.train_step
+    monkeypatch.setattr(ex, "train_step", lambda *a, **k: calls.append(k["lr"]) or real(*a, **k))
+    r = run_formal("parity", "lstm", quick_config(steps=4, warmup_steps=1), None)
+    assert r["steps_done"] == 4 and len(calls) == 4
+    from xlstm_kit.train import TrainConfig, lr_at
+
+    sched = TrainConfig(steps=4, lr=3e-3, min_lr=3e-4, warmup_steps=0)  # warmup: at most a fifth of the run
+    assert calls == pytest.approx([lr_at(s, sched) for s in range(4)])
+
+
+def test_sweep_report_without_matplotlib(tmp_path, monkeypatch):
+    import sys
+
+    from xlstm_kit.tasks.experiment import write_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    paths = write_report([{"kind": "formal", "task": "parity", "model": "lstm", "error": "x"}], tmp_path)
+    assert paths["plot"] is None and paths["table"].exists() and not (tmp_path / "heatmap.png").exists()

@@ -10,9 +10,13 @@ Model names: "xlstm[0:1]" (sLSTM blocks only), "xlstm[1:0]" (mLSTM only), "xlstm
 each: mLSTM first), "transformer" (Llama-style), "lstm" (nn.LSTM in the sLSTM block frame).
 The DPLR block (issue 7) is not wired in yet.
 
-Training: AdamW with the library's weight-decay groups and warmup + cosine schedule
-(`xlstm_kit.train`), cross entropy on the scored tokens only. With a time limit, the run first
-times a few steps and then shortens its schedule to what fits, so the cosine decay still ends.
+Training: the library's optimizer step (`xlstm_kit.train.train_step`: AdamW with weight-decay
+groups, warmup + cosine schedule, clipping, autocast), cross entropy on the scored tokens only.
+With a time limit, the run first times a few steps (`xlstm_kit.train.TimeBudget`) and then
+shortens its schedule to what fits, so the cosine decay still ends.
+
+Results go to `runs/experiments/` by default (the command line's `--out`); the command-line
+parsing lives in `xlstm_kit.tasks.cli`.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import XLSTMConfig, XLSTMLanguageModel
-from ..train import TrainConfig, lr_at, param_groups
+from ..train import TimeBudget, TrainConfig, autocast, lr_at, make_optimizer, train_step
 from .baselines import LSTMLM, TransformerLM
 from .formal import (TASKS, FormalTask, TaskBatch, get_task, make_batch, sample_train_batch,
                      scaled_accuracy, sequence_accuracy)
@@ -106,7 +110,7 @@ class RunConfig:
     seed: int = 0
     device: str = "cpu"
     precision: str = "fp32"
-    """"fp32" or "bf16" (autocast, CUDA only)."""
+    """"fp32" or "bf16" (autocast; see xlstm_kit.train.autocast)."""
     backend: str | None = None
     """xLSTM ops backend: None (the fastest for the device), "torch" or "triton"."""
     train_lengths: tuple[int, int] = (3, 40)
@@ -162,12 +166,6 @@ def quick_config(**overrides) -> RunConfig:
 # =============================================================================================
 # Training and evaluation
 # =============================================================================================
-def _autocast(device: torch.device, precision: str):
-    if precision == "bf16" and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast(device.type, enabled=False)
-
-
 def masked_loss(logits: torch.Tensor, batch: TaskBatch) -> torch.Tensor:
     """Mean cross entropy over the scored positions (logits [B, T, V], float32 inside)."""
     return F.cross_entropy(logits[batch.mask].float(), batch.targets[batch.mask])
@@ -181,61 +179,51 @@ class TrainLog:
     losses: list = field(default_factory=list)  # (step, loss)
 
 
-def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], TaskBatch], cfg: RunConfig,
-                  time_budget_s: float | None = None) -> TrainLog:
-    """Train `model` (already on cfg.device) on batches from `sample(rng)`.
+ProgressFn = Callable[[int, int, float], None]
+"""progress(step, planned_steps, loss): called at every logged step of a run."""
 
-    With `time_budget_s`, steps 5..20 (and 5..200) are timed and the schedule is cut to the steps that fit
-    (the first steps carry one-time costs such as kernel compilation).
+
+def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], TaskBatch], cfg: RunConfig,
+                  time_budget_s: float | None = None, progress: ProgressFn | None = None) -> TrainLog:
+    """Train `model` (already on cfg.device) on batches from `sample(rng)` with `train_step`.
+
+    With `time_budget_s`, steps 6..20 (and 6..200) are timed and the schedule is cut to the
+    steps that fit (the first steps carry one-time costs such as kernel compilation).
     """
     device = torch.device(cfg.device)
     rng = np.random.default_rng(cfg.seed)
-    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
-                            fused=True if device.type == "cuda" else None)
-    sched = TrainConfig(steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr,
-                        warmup_steps=min(cfg.warmup_steps, cfg.steps // 5))
+    sched = TrainConfig(steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr, betas=(0.9, 0.95),
+                        weight_decay=cfg.weight_decay, warmup_steps=min(cfg.warmup_steps, cfg.steps // 5))
+    opt = make_optimizer(model, sched)
     log = TrainLog(planned_steps=cfg.steps)
+    budget = TimeBudget(time_budget_s, skip_steps=5, device=device)
     model.train()
-    t0 = time.perf_counter()
-    t_mark = None
-    step = 0
+    step, loss = 0, torch.zeros(())
     while step < sched.steps:
-        lr = lr_at(step, sched)
-        for group in opt.param_groups:
-            group["lr"] = lr
         batch = sample(rng).to(device)
-        with _autocast(device, cfg.precision):
-            logits = model(batch.inputs)
-        loss = masked_loss(logits, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        loss = train_step(model, opt, [(batch.inputs, batch)], masked_loss, lr=lr_at(step, sched),
+                          precision=cfg.precision, grad_clip=cfg.grad_clip).loss
         step += 1
         if step % cfg.log_every == 0 or step == 1:
-            log.losses.append((step, float(loss.detach())))
+            log.losses.append((step, float(loss)))
+            if progress is not None:
+                progress(step, sched.steps, log.losses[-1][1])
         if time_budget_s is not None:
-            if step == 5:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t_mark = time.perf_counter()
-            elif step in (20, 200):  # re-measured at 200: parallel runs sharing a GPU change speed
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                per_step = (time.perf_counter() - t_mark) / (step - 5)
-                left = time_budget_s - (time.perf_counter() - t0)
-                fit = step + max(0, int(left / per_step))
-                fit = min(cfg.steps, fit)
+            remeasure = step in (20, 200)  # again at 200: parallel runs sharing a GPU change speed
+            budget.step_done(step, measure=remeasure)
+            if remeasure:
+                fit = budget.steps_that_fit(step, most=cfg.steps)
                 sched = dataclasses.replace(sched, steps=fit, warmup_steps=min(cfg.warmup_steps, fit // 5))
-            if time.perf_counter() - t0 > time_budget_s:  # slower than measured: stop here
+            if budget.spent():  # slower than measured: stop here
                 break
     if device.type == "cuda":
         torch.cuda.synchronize()
     log.steps_done, log.planned_steps = step, sched.steps
-    log.seconds = time.perf_counter() - t0
+    log.seconds = budget.elapsed()
     if not log.losses or log.losses[-1][0] != step:
-        log.losses.append((step, float(loss.detach())))
+        log.losses.append((step, float(loss)))
+        if progress is not None:
+            progress(step, sched.steps, log.losses[-1][1])
     return log
 
 
@@ -262,7 +250,7 @@ def evaluate_formal(model: nn.Module, task: FormalTask, lengths: Sequence[int], 
         chunk = todo[i : i + batch_size]
         pad = _round_up(task.max_seq_len(chunk[-1]), 64)
         batch = make_batch(task, rng, chunk, pad_to=pad).to(device)
-        with _autocast(device, precision):
+        with autocast(device, precision):
             logits = model(batch.inputs)
         acc = sequence_accuracy(logits, batch.targets, batch.mask).cpu().tolist()
         for n, a in zip(chunk, acc):
@@ -288,7 +276,7 @@ def evaluate_mqar(model: nn.Module, seq_len: int, num_pairs: int, n_sequences: i
     correct = total = 0
     for i in range(0, n_sequences, batch_size):
         batch = mqar_batch(rng, min(batch_size, n_sequences - i), seq_len, num_pairs, vocab_size).to(device)
-        with _autocast(device, precision):
+        with autocast(device, precision):
             logits = model(batch.inputs)
         hit = (logits.argmax(-1) == batch.targets) & batch.mask
         correct += int(hit.sum())
@@ -326,7 +314,8 @@ def _budget(cfg: RunConfig, share: float) -> float | None:
     return None if cfg.time_limit_s is None else share * cfg.time_limit_s
 
 
-def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | Path | None = None) -> dict[str, Any]:
+def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | Path | None = None, *,
+               progress: ProgressFn | None = None) -> dict[str, Any]:
     """Train `model_name` on formal task `task_name`, evaluate on the test and training lengths,
     and write `out_dir`/formal__TASK__MODEL.json (when out_dir is given). Returns the results."""
     t_start = time.perf_counter()
@@ -337,7 +326,7 @@ def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | P
                         n_blocks=cfg.n_blocks, backend=cfg.backend).to(cfg.device)
     result = _run_header("formal", task.name, model_name, model, cfg)
     log = train_on_task(model, lambda rng: sample_train_batch(task, rng, cfg.batch_size, cfg.train_lengths),
-                        cfg, _budget(cfg, 0.85))
+                        cfg, _budget(cfg, 0.85), progress)
     kw = dict(batch_size=cfg.eval_batch_size, device=cfg.device, precision=cfg.precision)
     test = evaluate_formal(model, task, cfg.test_lengths, cfg.eval_samples, seed=cfg.seed + 1, **kw)
     lo, hi = cfg.train_lengths
@@ -353,7 +342,7 @@ def mqar_label(cfg: RunConfig, with_lr: bool = False) -> str:
 
 
 def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None, *,
-             label: str | None = None) -> dict[str, Any]:
+             label: str | None = None, progress: ProgressFn | None = None) -> dict[str, Any]:
     """Train `model_name` on MQAR at cfg.mqar_seq_len and evaluate with cfg.mqar_pairs pairs;
     writes `out_dir`/mqar__LABEL__MODEL.json (LABEL: `label` or mqar_label(cfg)). Training batches draw the number of pairs
     from 4, 8, ... up to mqar_pairs (the easier ones teach the lookup faster; Zoology trains on a
@@ -370,7 +359,7 @@ def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None,
     def sample(rng: np.random.Generator) -> TaskBatch:
         return mqar_batch(rng, cfg.batch_size, T, int(rng.choice(pair_choices)), V)
 
-    log = train_on_task(model, sample, cfg, _budget(cfg, 0.9))
+    log = train_on_task(model, sample, cfg, _budget(cfg, 0.9), progress)
     acc = evaluate_mqar(model, T, N, 64 * cfg.eval_samples, vocab_size=V, batch_size=cfg.eval_batch_size,
                         seed=cfg.seed + 1, device=cfg.device, precision=cfg.precision)
     result.update(accuracy=acc, chance=1.0 / (V - V // 2), scaled_accuracy=acc, train_pairs=pair_choices)
@@ -380,7 +369,7 @@ def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None,
 # =============================================================================================
 # Sweep
 # =============================================================================================
-def _run_one(job: tuple[str, str, str, dict[str, Any], str, int]) -> dict[str, Any]:
+def _run_one(job: tuple[str, str, str, dict[str, Any], str, int], progress: ProgressFn | None = None) -> dict[str, Any]:
     kind, task, model, cfg_dict, out_dir, threads = job
     if threads:
         torch.set_num_threads(threads)
@@ -389,8 +378,8 @@ def _run_one(job: tuple[str, str, str, dict[str, Any], str, int]) -> dict[str, A
         torch.cuda.set_device(cfg.device)
     try:
         if kind == "mqar":
-            return run_mqar(model, cfg, out_dir, label=task)
-        return run_formal(task, model, cfg, out_dir)
+            return run_mqar(model, cfg, out_dir, label=task, progress=progress)
+        return run_formal(task, model, cfg, out_dir, progress=progress)
     except Exception as e:  # one failed run must not lose the others; the table shows the error
         result = {"kind": kind, "task": task, "model": model, "error": f"{type(e).__name__}: {e}"}
         path = Path(out_dir) / f"{kind}__{task}__{model_slug(model)}.json"
@@ -408,13 +397,17 @@ def sweep_devices(device: str) -> list[str]:
 
 def run_sweep(tasks: Sequence[str], models: Sequence[str], cfg: RunConfig, out_dir: str | Path, *,
               mqar: bool = True, mqar_cfg: RunConfig | Sequence[RunConfig] | None = None, jobs: int = 1,
-              steps_for: dict[str, int] | None = None, command: str | None = None) -> list[dict[str, Any]]:
+              steps_for: dict[str, int] | None = None, command: str | None = None,
+              on_result: Callable[[int, int, dict[str, Any]], None] | None = None,
+              progress: Callable[[str, str, str], ProgressFn] | None = None) -> list[dict[str, Any]]:
     """Every (task, model) run, plus MQAR for every model when `mqar`; then the report
     (see write_report); `mqar_cfg` may be a list (e.g. one per learning rate), and then every
     model runs MQAR once per entry, each its own column. `steps_for` maps a formal task to its own step count (hard tasks need
     more steps than easy ones). `jobs` > 1 runs that many in parallel processes (small models
     leave a GPU mostly idle, so several runs share it well); with cfg.device "cuda" and several
-    GPUs, the runs are dealt out over all of them. Returns the per-run results."""
+    GPUs, the runs are dealt out over all of them. `on_result(k, n, result)` is called as the
+    k-th of n runs finishes; `progress(kind, task, model)` gives the progress function of each
+    run (see train_on_task; picklable when jobs > 1). Returns the per-run results in plan order."""
     tasks = [get_task(t).name for t in tasks]
     models = [check_model_name(m) for m in models]
     steps_for = {get_task(t).name: n for t, n in (steps_for or {}).items()}
@@ -438,15 +431,26 @@ def run_sweep(tasks: Sequence[str], models: Sequence[str], cfg: RunConfig, out_d
     devices = sweep_devices(cfg.device)
     work = [(kind, task, m, {**c.to_dict(), "device": devices[i % len(devices)]}, str(runs_dir), threads)
             for i, (kind, task, m, c) in enumerate(plan)]
+    results: list[dict[str, Any] | None] = [None] * len(work)
+
+    def done(i: int, r: dict[str, Any]) -> None:
+        results[i] = r
+        if on_result is not None:
+            on_result(sum(x is not None for x in results), len(work), r)
+
     if jobs == 1:
-        results = [_run_one(w) for w in work]
+        for i, w in enumerate(work):
+            done(i, _run_one(w, progress(*w[:3]) if progress is not None else None))
     else:
         import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures import ProcessPoolExecutor, as_completed
 
         # spawn: CUDA cannot be used in forked children
         with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-            results = list(pool.map(_run_one, work))
+            futures = {pool.submit(_run_one, w, progress(*w[:3]) if progress is not None else None): i
+                       for i, w in enumerate(work)}
+            for f in as_completed(futures):
+                done(futures[f], f.result())
     write_report(results, out_dir, command=command)
     return results
 
@@ -459,7 +463,8 @@ def load_results(runs_dir: str | Path) -> list[dict[str, Any]]:
 def write_report(results: Sequence[dict[str, Any]], out_dir: str | Path, *, command: str | None = None) -> dict[str, Path]:
     """Write `out_dir`/results.json (summaries), table.md (scaled accuracy, models x tasks, plus
     steps and seconds per run) and heatmap.png (Figure-4 style). Returns the paths. Without
-    `command`, the sweep's command saved in `out_dir`/command.txt heads the table."""
+    `command`, the sweep's command saved in `out_dir`/command.txt heads the table. Without
+    matplotlib the heatmap is skipped: "plot" is then None."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if command is None and (out_dir / COMMAND_FILE).exists():
@@ -508,7 +513,10 @@ def write_report(results: Sequence[dict[str, Any]], out_dir: str | Path, *, comm
     table.write_text("\n".join(lines) + "\n")
 
     plot = out_dir / RESULTS_PLOT
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        return {"results": out_dir / RESULTS_ALL, "table": table, "plot": None}
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

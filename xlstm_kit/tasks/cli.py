@@ -1,0 +1,248 @@
+"""``xlstm-kit experiment``: the command line of the synthetic experiments (xlstm_kit.tasks).
+
+    xlstm-kit experiment formal --task parity --model "xlstm[0:1]"
+    xlstm-kit experiment mqar --model "xlstm[1:1]"
+    xlstm-kit experiment sweep [--tasks ...] [--models ...] [--jobs N]
+
+Results go to ``runs/experiments/`` (gitignored) unless ``--out`` says otherwise. Progress goes
+to stderr: a line when a run starts, a line per ``PROGRESS_EVERY_S`` seconds of training (and
+its first and last step), and a line as each run of a sweep finishes.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+from ..cli import (PROG, UsageError, _Formatter, _nonneg_int, _Parser, _pick_device, _positive_float,
+                   _positive_int)
+
+DEFAULT_OUT = "runs/experiments"
+PROGRESS_EVERY_S = 15.0
+
+
+def add_parser(sub) -> None:
+    """Register ``experiment`` (with kinds formal, mqar, sweep) on the top-level subparsers."""
+    ex = sub.add_parser(
+        "experiment",
+        help="formal-language tasks and MQAR: xLSTM against a Transformer and an LSTM",
+        description="Train small models (2 blocks, same width) on the paper's synthetic tasks and "
+        "report scaled accuracy on longer test sequences (formal: 0 = chance, 1 = perfect) or "
+        "recall accuracy (MQAR). Models: xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer, lstm.",
+    )
+    kinds = ex.add_subparsers(dest="experiment", metavar="KIND", parser_class=_Parser)
+    kinds.required = True
+    fo = kinds.add_parser("formal", help="one model on one formal-language task", formatter_class=_Formatter)
+    fo.add_argument("--task", required=True, help="parity, even_pairs, cycle_navigation, modular_arithmetic, "
+                    "reverse_string, stack_manipulation, bucket_sort or majority")
+    fo.add_argument("--model", required=True, help="xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer or lstm")
+    mq = kinds.add_parser("mqar", help="one model on multi-query associative recall", formatter_class=_Formatter)
+    mq.add_argument("--model", required=True, help="xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer or lstm")
+    sw = kinds.add_parser("sweep", help="every task x model; writes table.md and heatmap.png", formatter_class=_Formatter)
+    sw.add_argument("--tasks", default=None, help="comma-separated formal tasks (default: all)")
+    sw.add_argument("--models", default=None, help="comma-separated models (default: all)")
+    sw.add_argument("--no-mqar", action="store_true", help="formal tasks only")
+    sw.add_argument("--jobs", type=_positive_int, default=1, metavar="N", help="runs in parallel processes")
+    sw.add_argument("--mqar-time-limit", type=_positive_float, default=None, metavar="S",
+                    help="time limit of each MQAR run (default: --time-limit)")
+    sw.add_argument("--mqar-steps", type=_positive_int, default=None, metavar="N",
+                    help="most optimizer steps of each MQAR run (default: --steps)")
+    sw.add_argument("--mqar-lr", default=None, metavar="X[,Y...]",
+                    help="peak learning rate(s) of the MQAR runs; several: one MQAR column per rate "
+                    "(default: --lr if given, else 1e-3)")
+    sw.add_argument("--steps-for", default=None, metavar="TASK=N,...",
+                    help="per-task step counts for the formal tasks, e.g. parity=4000,majority=1500")
+    sw.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT/runs/*.json")
+    for p in (fo, mq, sw):
+        p.add_argument("--quick", action="store_true", help="tiny CPU smoke run (tests use it)")
+        p.add_argument("--steps", type=_positive_int, default=None, metavar="N", help="most optimizer steps")
+        p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S",
+                       help="seconds per run, training and evaluation (the schedule fits itself to it)")
+        p.add_argument("--batch-size", type=_positive_int, default=None, metavar="N")
+        p.add_argument("--lr", type=_positive_float, default=None, metavar="X",
+                       help="peak learning rate (default: 3e-3 formal, 1e-3 MQAR)")
+        p.add_argument("--d-model", type=_positive_int, default=None, metavar="N", help="width of every model")
+        p.add_argument("--seq-len", type=_positive_int, default=None, metavar="N", help="MQAR sequence length")
+        p.add_argument("--pairs", type=_positive_int, default=None, metavar="N", help="MQAR key-value pairs")
+        p.add_argument("--seed", type=_nonneg_int, default=None, metavar="N")
+        p.add_argument("--precision", choices=["fp32", "bf16"], default=None)
+        p.add_argument("--backend", choices=["torch", "triton"], default=None, help="xLSTM ops backend (default: by device)")
+        p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+        p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="CPU threads")
+        p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="output folder")
+        p.set_defaults(func=cmd_experiment)
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing the sweep's list options
+# --------------------------------------------------------------------------------------------
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_steps_for(text: str | None) -> dict[str, int]:
+    """"parity=4000,majority=1500" -> {"parity": 4000, "majority": 1500} (task names checked)."""
+    from .formal import get_task
+
+    steps_for = {}
+    for item in _split(text or ""):
+        name, sep, n = item.partition("=")
+        if not sep or not n.strip().isdigit() or int(n) < 1:
+            raise UsageError(f"--steps-for wants TASK=N items with N a positive integer, got {item!r}")
+        steps_for[get_task(name.strip()).name] = int(n)
+    return steps_for
+
+
+def parse_lrs(text: str | None) -> list[float | None]:
+    """"1e-3,3e-3" -> [0.001, 0.003]; None -> [None] (the default rate)."""
+    if not text:
+        return [None]
+    try:
+        lrs = [float(x) for x in _split(text)]
+    except ValueError:
+        lrs = []
+    if not lrs or not all(x > 0 and math.isfinite(x) for x in lrs):
+        raise UsageError(f"--mqar-lr wants positive numbers separated by commas, got {text!r}")
+    return lrs
+
+
+def _run_fields(args: argparse.Namespace) -> dict[str, Any]:
+    fields = {"steps": args.steps, "time_limit_s": args.time_limit, "batch_size": args.batch_size, "lr": args.lr,
+              "d_model": args.d_model, "mqar_seq_len": args.seq_len, "mqar_pairs": args.pairs, "seed": args.seed,
+              "precision": args.precision, "backend": args.backend}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if "lr" in fields:
+        fields["min_lr"] = fields["lr"] / 10
+    return fields
+
+
+def _mqar_fields(fields: dict[str, Any], quick: bool, lr=None, steps=None, time_limit=None) -> dict[str, Any]:
+    from .experiment import MQAR_LR
+
+    f = dict(fields)
+    lr = lr if lr is not None else fields.get("lr", None if quick else MQAR_LR)
+    if lr is not None:
+        f.update(lr=lr, min_lr=lr / 10)
+    if steps is not None:
+        f["steps"] = steps
+    if time_limit is not None:
+        f["time_limit_s"] = time_limit
+    return f
+
+
+# --------------------------------------------------------------------------------------------
+# Progress and result lines
+# --------------------------------------------------------------------------------------------
+
+
+class ProgressLines:
+    """A progress function for ``train_on_task``: prints "LABEL: step S/N  loss L  (T s)" for
+    the first and the last step and at most once per ``every_s`` seconds in between. Picklable
+    (stream None: the process's stderr), so a sweep's worker processes report too."""
+
+    def __init__(self, label: str, stream: TextIO | None = None, every_s: float = PROGRESS_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.label, self.stream, self.every_s, self.clock = label, stream, every_s, clock
+        self.start: float | None = None
+        self.last = -math.inf
+
+    def __call__(self, step: int, planned: int, loss: float) -> None:
+        now = self.clock()
+        if self.start is None:
+            self.start = now
+        if step == 1 or step >= planned or now - self.last >= self.every_s:
+            self.last = now
+            print(f"  {self.label}: step {step}/{planned}  loss {loss:.3f}  ({now - self.start:.0f} s)",
+                  file=self.stream or sys.stderr, flush=True)
+
+
+def result_line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{r['kind']} {r['task']} {r['model']}: {r['error']}"
+    what = "scaled accuracy" if r["kind"] == "formal" else "accuracy"
+    return (f"{r['kind']} {r['task']} {r['model']}: {what} {r['scaled_accuracy']:.3f} after "
+            f"{r['steps_done']} steps ({r['train_seconds']:.0f} s), loss {r['loss_first']:.3f} -> "
+            f"{r['loss_last']:.3f}" + (f" -> {r['path']}" if "path" in r else ""))
+
+
+def _report_paths(paths: dict[str, Path | None]) -> str:
+    from .._extras import install_hint
+
+    plot = paths["plot"] or f"no heatmap (matplotlib is not installed: {install_hint('matplotlib')})"
+    return f"report: {paths['table']} and {plot}"
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import experiment as ex
+    from .formal import get_task
+
+    if args.experiment == "formal":  # names first: a typo must not cost a training run
+        get_task(args.task)
+    if args.experiment in ("formal", "mqar"):
+        ex.check_model_name(args.model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    command = " ".join([PROG] + [shlex.quote(a) for a in sys.argv[1:]])
+    if args.experiment == "sweep" and args.report_only:
+        paths = ex.write_report(ex.load_results(out / "runs"), out)  # keeps the sweep's command
+        print(_report_paths(paths))
+        return 0
+    device = _pick_device(args.device)
+    fields = _run_fields(args)
+    make = ex.quick_config if args.quick else ex.RunConfig
+
+    if args.experiment in ("formal", "mqar"):
+        if args.experiment == "mqar":
+            cfg = make(device=str(device), **_mqar_fields(fields, args.quick))
+            label = f"mqar {ex.mqar_label(cfg)} {args.model}"
+        else:
+            cfg = make(device=str(device), **fields)
+            label = f"formal {get_task(args.task).name} {args.model}"
+        limit = f", time limit {cfg.time_limit_s:g} s" if cfg.time_limit_s else ""
+        print(f"{label}: up to {cfg.steps} steps on {device}{limit} -> {out / 'runs'}", file=sys.stderr, flush=True)
+        progress = ProgressLines(label)
+        if args.experiment == "mqar":
+            r = ex.run_mqar(args.model, cfg, out / "runs", progress=progress)
+        else:
+            r = ex.run_formal(args.task, args.model, cfg, out / "runs", progress=progress)
+        print(result_line(r))
+        return 0
+
+    tasks = _split(args.tasks) if args.tasks else list(ex.TASKS)
+    models = _split(args.models) if args.models else list(ex.MODEL_NAMES)
+    for t in tasks:
+        get_task(t)
+    for m in models:
+        ex.check_model_name(m)
+    steps_for = parse_steps_for(args.steps_for)
+    mqar_cfg = [make(device=str(device), **_mqar_fields(fields, args.quick, lr, args.mqar_steps, args.mqar_time_limit))
+                for lr in parse_lrs(args.mqar_lr)]
+    cfg = make(device=str(device), **fields)
+    n_runs = len(tasks) * len(models) + (0 if args.no_mqar else len(mqar_cfg) * len(models))
+    print(f"sweep: {n_runs} runs on {device} ({args.jobs} at a time) -> {out}", file=sys.stderr, flush=True)
+
+    def on_result(k: int, n: int, r: dict[str, Any]) -> None:
+        print(f"[{k}/{n}] {result_line(r)}", file=sys.stderr, flush=True)
+
+    results = ex.run_sweep(tasks, models, cfg, out, mqar=not args.no_mqar, mqar_cfg=mqar_cfg, jobs=args.jobs,
+                           steps_for=steps_for, command=command, on_result=on_result,
+                           progress=lambda kind, task, model: ProgressLines(f"{kind} {task} {model}"))
+    for r in results:
+        print(result_line(r))
+    print(_report_paths({"table": out / ex.RESULTS_TABLE,
+                         "plot": out / ex.RESULTS_PLOT if (out / ex.RESULTS_PLOT).exists() else None}))
+    return 0
