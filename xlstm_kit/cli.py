@@ -15,10 +15,8 @@ the full traceback instead.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -634,14 +632,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .train import StepEvent, TimeBudget, TrainConfig, train
 
     device = _pick_device(args.device)
-    threads = args.threads
-    if threads is None and device.type == "cpu" and os.getloadavg()[0] >= max(1.0, (os.cpu_count() or 1) / 2):
-        # Other processes keep the cores busy: with several threads every one of the model's many
-        # small operators waits at a barrier for a descheduled thread, and training gets several
-        # times slower than on one thread (benchmarks/results/2026-11-30-cpu-train.md).
-        threads = 1
-    if threads:
-        torch.set_num_threads(threads)
+    threads = _use_threads(args.threads, device)
     out = Path(args.out)
     budget = TimeBudget(args.minutes * 60, skip_steps=2, device=device)
     print(f"xlstm_kit demo: the 'tiny' xLSTM (three mLSTM blocks, one sLSTM block) learns Shakespeare "
@@ -653,7 +644,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     defaults = _train_defaults("tiny")
     warmup = defaults["warmup_steps"]
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, batches of "
-          f"{defaults['batch_size']}x{defaults['seq_len']} bytes, {torch.get_num_threads()} CPU thread(s); "
+          f"{defaults['batch_size']}x{defaults['seq_len']} bytes, {threads}; "
           f"output in {out}/", flush=True)
     _clear_run(out)
 

@@ -332,9 +332,12 @@ def model_config(shape: Shape):
 
 
 def train_step_fn(model: torch.nn.Module, shape: Shape, env: Env) -> Callable[[], torch.Tensor]:
-    """One training step of `model` (any module mapping ids [B, T] to logits [B, T, vocab]):
-    forward under bf16 autocast on CUDA, float32 cross-entropy, backward, clipping to norm 1,
-    AdamW (fused on CUDA). Random token ids: throughput does not depend on the text."""
+    """One training step of `model` (any module mapping ids [B, T] to logits [B, T, vocab])
+    through the library's own `train_step`: forward under bf16 autocast on CUDA, float32
+    cross-entropy, backward, clipping to norm 1, AdamW (fused on CUDA). Random token ids:
+    throughput does not depend on the text."""
+    from xlstm_kit.train import lm_loss, train_step
+
     B, T = shape["batch"], shape["seq"]
     vocab = model_config(shape).vocab_size
     g = torch.Generator().manual_seed(0)
@@ -342,17 +345,11 @@ def train_step_fn(model: torch.nn.Module, shape: Shape, env: Env) -> Callable[[]
     x, y = batch[:, :-1], batch[:, 1:]
     cuda = env.device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    precision = "bf16" if cuda and env.dtype == torch.bfloat16 else "fp32"
     model.train()
 
     def step() -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and env.dtype == torch.bfloat16):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss
+        return train_step(model, opt, [(x, y)], lm_loss, lr=1e-4, precision=precision, grad_clip=1.0).loss
 
     return step
 
