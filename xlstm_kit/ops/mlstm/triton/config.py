@@ -88,16 +88,20 @@ class MLSTMKernelConfig(KernelConfig):
 def _tuned(cls, K: int, V: int, dtype: torch.dtype, chunk: int):
     Kp, Vp = pow2(K), pow2(V)
     bf16 = dtype == torch.bfloat16 and chunk <= 64
+    # float32 at chunk 128: the fused backward's L x K float32 tiles need 256 KiB of shared memory
+    # at K = 128 and the δv kernel as much at 128-wide V-tiles (the H200 has 227 KiB; ptxas for
+    # sm_90): K > 64 takes the K-tiled backward (192 KiB) and δv 64-wide tiles (192 KiB).
+    f32_long = dtype == torch.float32 and chunk >= 128
     return cls(
         chunk=chunk,
         states_bk=min(64, Kp), states_bv=min(64, Vp), states_warps=4, states_stages=3 if bf16 else 2,
         out_bk=min(128 if K <= 128 else 64, Kp), out_bv=min(128 if bf16 else 64, Vp),
         out_warps=4 if bf16 else 8, out_stages=2,
         dstates_bk=min(64, Kp), dstates_bv=min(64, Vp), dstates_warps=4, dstates_stages=3 if bf16 else 2,
-        fused_max_k=128, fused_bv=(64 if bf16 else 32) if Kp <= 128 else 16, fused_warps=8,
+        fused_max_k=64 if f32_long else 128, fused_bv=(64 if bf16 else 32) if Kp <= 128 else 16, fused_warps=8,
         fused_stages=3 if bf16 else 2,
         dqk_bk=min(64, Kp), dqk_bv=min(32, Vp), dqk_warps=4, dqk_stages=1,
-        dv_bk=min(64, Kp), dv_bv=min(128, Vp), dv_warps=8, dv_stages=2,
+        dv_bk=min(64, Kp), dv_bv=min(64 if f32_long else 128, Vp), dv_warps=8, dv_stages=2,
         seq_scan="auto", local_bk=min(64, Kp), local_bv=min(64, Vp), local_warps=4,
         scan_be=128, scan_g=16, scan_warps=1, tail_bt=0,
     )
