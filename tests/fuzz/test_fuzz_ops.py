@@ -32,7 +32,7 @@ from xlstm_kit.ops.slstm import slstm_recurrent, slstm_recurrent_naive, slstm_st
 
 SEED = 20261201
 N_TORCH = 400
-N_TRITON = 48
+N_TRITON = 80
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 OPS = ["mlstm_recurrent", "mlstm_chunkwise", "mlstm_parallel", "mlstm_step", "slstm_recurrent",
