@@ -52,7 +52,8 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
     q, k, a, b, gk: [B, T, H, K]; v: [B, T, H, V]; initial_state: [B, H, K, V] (= Sᵀ) or None;
     chunk_size: any integer in [1, 1024], T need not be a multiple; config: the Triton kernels'
     `DPLRKernelConfig` (None: the defaults; unused on the
-    PyTorch path).
+    PyTorch path). gk = −inf is a closed gate (α = 0) on every path; the Triton kernels treat
+    log-decays below −11 as −11 (`TRITON_LOG_DECAY_FLOOR`).
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
     _naive.check_dplr_inputs(q, k, v, a, b, gk, initial_state)
@@ -90,7 +91,7 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     + β_t v_t k_tᵀ with α_t = exp(g_t).
 
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None;
-    config: as for `dplr_chunkwise`.
+    config: as for `dplr_chunkwise` (also for g = −inf and the Triton floor of −11).
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
     _kda.check_kda_inputs(q, k, v, g, beta, initial_state)

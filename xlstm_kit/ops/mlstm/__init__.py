@@ -103,6 +103,7 @@ def mlstm_chunkwise(
     q, k [B,T,H,K]; v [B,T,H,V]; i, f [B,T,H] → h [B,T,H,V], state (C [B,H,K,V], n [B,H,K], m [B,H])
     or None unless `output_final_state`. The final m equals the recurrent stabilizer exactly.
     Gradients reach q, k, v, i, f and the initial state, and flow back from the final state.
+    f = −inf is a closed forget gate, as in `mlstm_recurrent` (its gradient is 0).
     """
     B, T, H, K, V = _sequence_dims(q, k, v, i, f)
     eps = _check_eps(eps)
