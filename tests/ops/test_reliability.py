@@ -83,10 +83,12 @@ def test_kda_closed_decay_matches_recurrent():
 @needs_triton
 def test_triton_mlstm_closed_forget_gate_matches_recurrent():
     q, k, v, i, f = (x.float().to(DEV) for x in _mlstm_inputs(T=20, K=16, V=16))
-    out, _ = mlstm_chunkwise(q, k, v, i, f, backend="triton")
-    ref, _ = mlstm_recurrent(*(x.double() for x in (q, k, v, i, f)))
+    xs = [x.requires_grad_() for x in (q, k, v, i, f)]
+    out, _ = mlstm_chunkwise(*xs, backend="triton")
+    ref, _ = mlstm_recurrent(*(x.detach().double() for x in xs))
     assert out.isfinite().all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    assert _finite_grads(out, xs)
 
 
 @needs_triton
@@ -99,10 +101,12 @@ def test_triton_kda_steep_decay_matches_reference(g, mixed):
     gk = torch.full_like(q, g)
     if mixed:
         gk[:, ::3] = -0.5        # closed steps between ordinary ones
+    xs = [x.requires_grad_() for x in (q, k, gk, beta)]
     out, _ = kda_chunkwise(q, k, q, gk, beta, backend="triton")
-    ref, _ = kda_chunkwise(*(x.double() for x in (q, k, q, gk, beta)), backend="torch")
+    ref, _ = kda_chunkwise(*(x.detach().double() for x in (q, k, q, gk, beta)), backend="torch")
     assert out.isfinite().all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    assert _finite_grads(out, xs)
 
 
 # item 4: a gradient-needing step never takes a kernel without a backward
