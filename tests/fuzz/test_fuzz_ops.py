@@ -35,8 +35,9 @@ N_TORCH = 400
 N_TRITON = 80
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-OPS = ["mlstm_recurrent", "mlstm_chunkwise", "mlstm_parallel", "mlstm_step", "slstm_recurrent",
-       "slstm_step", "dplr_recurrent", "dplr_chunkwise", "dplr_step", "kda_chunkwise"]
+FUNCS = {f.__name__: f for f in (mlstm_recurrent, mlstm_chunkwise, mlstm_parallel, mlstm_step, slstm_recurrent,
+                                 slstm_step, dplr_recurrent, dplr_chunkwise, dplr_step, kda_chunkwise)}
+OPS = sorted(FUNCS)
 TRITON_OPS = ["mlstm_chunkwise", "slstm_recurrent", "dplr_chunkwise", "kda_chunkwise"]
 BAD_DTYPES = [torch.int64, torch.int8, torch.uint8, torch.bool, torch.complex64]
 TOL = {torch.float64: 1e-7, torch.float32: 2e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
@@ -51,7 +52,6 @@ class Case:
         self.gate_names = gate_names        # where −inf means a closed gate, not garbage
         self.dtype = dtype
         self.invalid = None                 # why the call must be refused, if it must
-        self.nonfinite_data = False
         self.note = ""
 
     def __repr__(self):
@@ -130,7 +130,7 @@ def _build(rng, op, dtype, s, gen):
     return Case(op, t, kwargs, gate, dtype)
 
 
-def _mutate(rng, case, gen):
+def _mutate(rng, case):
     """Apply at most one fault; record whether the call is now invalid."""
     kind = rng.choice(["none", "none", "dtype", "shape", "noncontig", "gates", "gates", "gates",
                        "state", "chunk", "backend", "eps"])
@@ -193,7 +193,7 @@ def _mutate(rng, case, gen):
 
 
 def _call(case):
-    fn = globals()[case.op]
+    fn = FUNCS[case.op]
     t = case.tensors
     if case.op.startswith("mlstm"):
         args = [t["q"], t["k"], t["v"], t["i"], t["f"]]
@@ -313,7 +313,7 @@ def _cases(n, ops, seed, dtypes, sizes):
     for _ in range(n):
         op = rng.choice(ops)
         case = _build(rng, op, rng.choice(dtypes), sizes(rng), gen)
-        _mutate(rng, case, gen)
+        _mutate(rng, case)
         out.append(case)
     return out
 
