@@ -29,6 +29,9 @@ def test_auto_choice_asks_the_kernel_module():
 
 
 def test_forced_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    # triton.jit reads TRITON_INTERPRET when a kernel module is imported: import it under the
+    # suite's own setting, or every later sLSTM kernel test in this process runs uninterpreted
+    backend.kernel_module("slstm_recurrent")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(backend.BackendUnavailableError, match="TRITON_INTERPRET"):
         backend.choose_backend("slstm_recurrent", "triton", CPU)

@@ -29,6 +29,8 @@ def check_tensor(name: str, t, expected: Sequence, dims: str | None = None) -> N
     label = f"{name} [{dims}]" if dims else name
     if not isinstance(t, torch.Tensor):
         raise XLSTMKitError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type == "meta":
+        raise XLSTMKitError(f"{label} is on the meta device (no data); the ops need real tensors")
     if t.dtype not in FLOAT_DTYPES:
         raise XLSTMKitError(
             f"{label} must be a floating tensor (float16, bfloat16, float32 or float64), got {t.dtype}"
@@ -36,6 +38,12 @@ def check_tensor(name: str, t, expected: Sequence, dims: str | None = None) -> N
     if t.dim() != len(expected) or any(e is not None and e != s for e, s in zip(expected, t.shape)):
         want = shape_str(["*" if e is None else e for e in expected])
         raise XLSTMKitError(f"{label} has shape {shape_str(t.shape)}, expected {want}")
+
+
+def check_head_dim(label: str, size: int) -> None:
+    """A head dimension of 0 has no meaning (the ops scale by 1/√K); refuse it by name."""
+    if size < 1:
+        raise XLSTMKitError(f"{label} must be at least 1, got {size}")
 
 
 def check_same_device(**tensors) -> None:
@@ -53,6 +61,20 @@ def compute_dtype(*xs) -> torch.dtype:
         if dt == torch.float64:
             return torch.float64
     return torch.float32
+
+
+# A log-gate (log forget / log decay) this low closes the gate for every purpose: it weighs the
+# past by e^-250 (0 in float32, 1e-109 in float64). -inf means the same closed gate, but the
+# chunkwise forms subtract cumulative sums (-inf - -inf = NaN); one clamp gives them the
+# recurrent reference's answer. Not lower: a float32 in-chunk cumulative sum after a closed gate
+# keeps ~1e-5 absolute accuracy at this magnitude.
+LOG_GATE_FLOOR = -250.0
+
+
+def floor_log_gate(x: torch.Tensor, floor: float = LOG_GATE_FLOOR) -> torch.Tensor:
+    """x with values below `floor` (-inf included) raised to it: one elementwise op, no host
+    sync; NaN stays NaN; the gradient is 0 where the gate was clamped (a closed gate)."""
+    return x.clamp_min(floor)
 
 
 def check_chunk_size(chunk_size: int, lo: int = 1, hi: int = 1024) -> None:

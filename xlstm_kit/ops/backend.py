@@ -65,8 +65,11 @@ def kernel_module(op: str) -> ModuleType | None:
     return module if module is not None else importlib.import_module(name)
 
 
-def choose_backend(op: str, backend: str | None, device: torch.device, **facts) -> str:
-    """Return "torch" or "triton" for `op` on `device`, or raise a clear error (see module doc)."""
+def choose_backend(op: str, backend: str | None, device: torch.device, inputs=(), **facts) -> str:
+    """Return "torch" or "triton" for `op` on `device`, or raise a clear error (see module doc).
+
+    `inputs`: the op's tensors (None entries skipped); under TRITON_INTERPRET=1 on CPU a bfloat16
+    one is refused, since the interpreter computes bfloat16 wrongly (silently)."""
     if backend is not None and backend not in BACKENDS:
         raise XLSTMKitError(f"backend must be None, 'torch' or 'triton', got {backend!r}")
     if backend == "torch":
@@ -90,6 +93,10 @@ def choose_backend(op: str, backend: str | None, device: torch.device, **facts) 
             f"backend='triton' for {op} needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {device}")
     if reason:
         raise BackendUnavailableError(f"backend='triton' for {op}: {reason}")
+    if device.type != "cuda" and any(x is not None and x.dtype == torch.bfloat16 for x in inputs):
+        raise BackendUnavailableError(
+            f"backend='triton' for {op}: the Triton interpreter (TRITON_INTERPRET=1) computes "
+            "bfloat16 wrongly; pass float16/float32 inputs or use backend='torch'")
     return "triton"
 
 

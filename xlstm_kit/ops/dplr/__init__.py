@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import autocast_off, compute_dtype
+from .._checks import autocast_off, compute_dtype, floor_log_gate
 from ..backend import choose_backend, kernel_module, on_device
 from . import chunkwise as _chunkwise
 from . import kda as _kda
 from . import naive as _naive
 from .triton.config import DPLRKernelConfig  # no Triton needed to build one
+
+# The Triton chunkwise kernels build in-chunk decays from factors e^{±(G_r − G_mid)} over half a
+# sub-chunk of 16 steps (pairs.py, backward.py); in float32 these overflow (inf·0 = NaN) once a
+# step's log-decay is below about −12. Clamping to −11 changes a step's decay from e^{gk} to
+# e^{−11} ≈ 1.7e−5: the past survives such a step at most at that weight, well inside float32
+# kernel tolerance relative to the step's fresh input.
+TRITON_LOG_DECAY_FLOOR = -11.0
 
 
 @autocast_off
@@ -45,16 +52,20 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
     q, k, a, b, gk: [B, T, H, K]; v: [B, T, H, V]; initial_state: [B, H, K, V] (= Sᵀ) or None;
     chunk_size: any integer in [1, 1024], T need not be a multiple; config: the Triton kernels'
     `DPLRKernelConfig` (None: the defaults; unused on the
-    PyTorch path).
+    PyTorch path). gk = −inf is a closed gate (α = 0) on every path; the Triton kernels treat
+    log-decays below −11 as −11 (`TRITON_LOG_DECAY_FLOOR`).
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
     _naive.check_dplr_inputs(q, k, v, a, b, gk, initial_state)
-    if choose_backend("dplr_chunkwise", backend, q.device, K=q.shape[-1], V=v.shape[-1], chunk_size=chunk_size,
+    if choose_backend("dplr_chunkwise", backend, q.device, inputs=(q, k, v, a, b, gk, initial_state),
+                      K=q.shape[-1], V=v.shape[-1], chunk_size=chunk_size,
                       dtype=compute_dtype(q, k, v, a, b, gk)) == "triton":
+        gk = floor_log_gate(gk, TRITON_LOG_DECAY_FLOOR)
         with on_device(q):
             return kernel_module("dplr_chunkwise").dplr_chunkwise_triton(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
                                                  output_final_state=output_final_state, chunk_size=chunk_size, config=config)
-    return _chunkwise.dplr_chunkwise(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
+    # gk = -inf (a closed gate) would give -inf - -inf in the cumulative sums
+    return _chunkwise.dplr_chunkwise(q, k, v, a, b, floor_log_gate(gk), scale=scale, initial_state=initial_state,
                                      output_final_state=output_final_state, chunk_size=chunk_size)
 
 
@@ -80,16 +91,18 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     + β_t v_t k_tᵀ with α_t = exp(g_t).
 
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None;
-    config: as for `dplr_chunkwise`.
+    config: as for `dplr_chunkwise` (also for g = −inf and the Triton floor of −11).
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
-    _kda.check_kda_inputs(q, k, v, g, beta)
-    if choose_backend("kda_chunkwise", backend, q.device, K=q.shape[-1], V=v.shape[-1], chunk_size=chunk_size,
+    _kda.check_kda_inputs(q, k, v, g, beta, initial_state)
+    if choose_backend("kda_chunkwise", backend, q.device, inputs=(q, k, v, g, beta, initial_state),
+                      K=q.shape[-1], V=v.shape[-1], chunk_size=chunk_size,
                       dtype=compute_dtype(q, k, v, g, beta)) == "triton":
+        g = floor_log_gate(g, TRITON_LOG_DECAY_FLOOR)
         with on_device(q):
             return kernel_module("kda_chunkwise").kda_chunkwise_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                                 output_final_state=output_final_state, chunk_size=chunk_size, config=config)
-    return _kda.kda_chunkwise(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+    return _kda.kda_chunkwise(q, k, v, floor_log_gate(g), beta, scale=scale, initial_state=initial_state,
                               output_final_state=output_final_state, chunk_size=chunk_size)
 
 

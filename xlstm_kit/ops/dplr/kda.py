@@ -6,19 +6,22 @@ the substitution and the DPLR backward.
 """
 from __future__ import annotations
 
-from .._checks import check_same_device, check_tensor
+from .._checks import check_head_dim, check_same_device, check_tensor
 from .chunkwise import dplr_chunkwise
 from .naive import compute_dtype
 
 
-def check_kda_inputs(q, k, v, g, beta) -> None:
+def check_kda_inputs(q, k, v, g, beta, initial_state=None) -> None:
     check_tensor("q", q, (None, None, None, None), "B,T,H,K")
     B, T, H, K = q.shape
+    check_head_dim("the head dimension K of q [B,T,H,K]", K)
     check_tensor("k", k, (B, T, H, K), "B,T,H,K")
     check_tensor("g", g, (B, T, H, K), "B,T,H,K")
     check_tensor("v", v, (B, T, H, None), "B,T,H,V")
     check_tensor("beta", beta, (B, T, H), "B,T,H")
-    check_same_device(q=q, k=k, v=v, g=g, beta=beta)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, (B, H, K, v.shape[-1]), "B,H,K,V")
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
 
 
 def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -33,7 +36,7 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     Returns:
         (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
-    check_kda_inputs(q, k, v, g, beta)
+    check_kda_inputs(q, k, v, g, beta, initial_state)
     # the products are formed in compute precision so bf16 inputs are rounded only once
     cd = compute_dtype(q, k, v, g, beta, initial_state)
     kc, beta_ = k.to(cd), beta.to(cd).unsqueeze(-1)

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .._checks import check_chunk_size, check_same_device, check_tensor, compute_dtype
+from .._checks import check_chunk_size, check_head_dim, check_same_device, check_tensor, compute_dtype
 from ...errors import XLSTMKitError
 
 
@@ -29,6 +29,7 @@ from ...errors import XLSTMKitError
 
 def _dims(q) -> tuple[int, int, int, int]:
     check_tensor("q", q, (None, None, None, None), "B,T,H,K")
+    check_head_dim("the head dimension K of q [B,T,H,K]", q.shape[-1])
     return tuple(q.shape)
 
 
@@ -51,6 +52,7 @@ def check_dplr_step_inputs(q, k, v, a, b, gk, state) -> tuple[int, int, int, int
     """Validate one-step inputs; returns (B, H, K, V)."""
     check_tensor("q", q, (None, None, None), "B,H,K")
     B, H, K = q.shape
+    check_head_dim("the head dimension K of q [B,H,K]", K)
     for name, t in (("k", k), ("a", a), ("b", b), ("gk", gk)):
         check_tensor(name, t, (B, H, K), "B,H,K")
     check_tensor("v", v, (B, H, None), "B,H,V")

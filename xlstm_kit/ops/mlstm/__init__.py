@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_chunk_size, check_same_device, check_tensor, compute_dtype, autocast_off
+from .._checks import autocast_off, check_chunk_size, check_head_dim, check_same_device, check_tensor, compute_dtype, floor_log_gate
 from ..backend import choose_backend, on_device
 from .chunkwise import mlstm_chunkwise_torch
 from .naive import mlstm_recurrent_naive, mlstm_step_naive
@@ -103,6 +103,7 @@ def mlstm_chunkwise(
     q, k [B,T,H,K]; v [B,T,H,V]; i, f [B,T,H] → h [B,T,H,V], state (C [B,H,K,V], n [B,H,K], m [B,H])
     or None unless `output_final_state`. The final m equals the recurrent stabilizer exactly.
     Gradients reach q, k, v, i, f and the initial state, and flow back from the final state.
+    f = −inf is a closed forget gate, as in `mlstm_recurrent` (its gradient is 0).
     """
     B, T, H, K, V = _sequence_dims(q, k, v, i, f)
     eps = _check_eps(eps)
@@ -110,9 +111,12 @@ def mlstm_chunkwise(
     if initial_state is not None:
         _check_state(initial_state, B, H, K, V, q.device, "initial_state")
     cd = compute_dtype(q, k, v, i, f)
+    # f = -inf (a closed gate, log f = -inf) would give -inf - -inf in the cumulative sums
+    f = floor_log_gate(f)
     # The kernels pick their own chunk length (results do not depend on it); float64 is
     # reference work and stays on the torch path.
-    if choose_backend("mlstm_chunkwise", backend, q.device, dtype=cd) == "triton":
+    if choose_backend("mlstm_chunkwise", backend, q.device, inputs=(q, k, v, i, f, *(initial_state or ())),
+                      dtype=cd) == "triton":
         from .triton.op import mlstm_chunkwise_triton
 
         with on_device(q):
@@ -141,7 +145,8 @@ def mlstm_parallel(
     _sequence_dims(q, k, v, i, f)
     eps = _check_eps(eps)
     cd = compute_dtype(q, k, v, i, f)
-    h = mlstm_parallel_torch(q.to(cd), k.to(cd), v.to(cd), i.to(cd), f.to(cd), eps)
+    # f = -inf (a closed gate) would give -inf - -inf in the cumulative sums
+    h = mlstm_parallel_torch(q.to(cd), k.to(cd), v.to(cd), i.to(cd), floor_log_gate(f.to(cd)), eps)
     return h.to(q.dtype), None
 
 
@@ -163,6 +168,7 @@ def mlstm_step(
     """
     check_tensor("q", q, (None, None, None), "B,H,K")
     B, H, K = q.shape
+    check_head_dim("the head dimension K of q [B,H,K]", K)
     check_tensor("k", k, (B, H, K), "B,H,K")
     check_tensor("v", v, (B, H, None), "B,H,V")
     V = v.shape[-1]

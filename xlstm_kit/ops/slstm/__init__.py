@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._checks import check_same_device, check_tensor, autocast_off
+from .._checks import check_head_dim, check_same_device, check_tensor, autocast_off
 from ..backend import choose_backend, on_device
 from .naive import State, slstm_recurrent_naive, slstm_step_naive
 from .recurrent import slstm_recurrent_torch
@@ -30,6 +30,7 @@ def _check_common(x_gates, r, b, state, state_name: str, forget_gate) -> None:
     if forget_gate not in FORGET_GATES:
         raise XLSTMKitError(f"forget_gate must be 'sigmoid' or 'exp', got {forget_gate!r}")
     batch, heads, dim = x_gates.shape[0], x_gates.shape[-2], x_gates.shape[-1]
+    check_head_dim("the head dimension D of x_gates", dim)
     check_tensor("r", r, (4, heads, dim, dim), "4,H,D,D")
     check_tensor("b", b, (4, heads, dim), "4,H,D")
     tensors = {"x_gates": x_gates, "r": r, "b": b}
@@ -74,7 +75,8 @@ def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
             isinstance(recurrent_grad_clip, bool) or not isinstance(recurrent_grad_clip, numbers.Real)
             or not recurrent_grad_clip > 0):
         raise XLSTMKitError(f"recurrent_grad_clip must be None or a positive number, got {recurrent_grad_clip!r}")
-    chosen = choose_backend("slstm_recurrent", backend, x_gates.device)
+    chosen = choose_backend("slstm_recurrent", backend, x_gates.device,
+                            inputs=(x_gates, r, b, *(initial_state or ())))
     if chosen == "torch":
         return slstm_recurrent_torch(x_gates, r, b, initial_state=initial_state,
                                      output_final_state=output_final_state, forget_gate=forget_gate,
