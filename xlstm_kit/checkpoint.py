@@ -34,6 +34,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .errors import XLSTMKitError
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
@@ -44,7 +46,7 @@ TRAIN_STATE_FILE = "train_state.pt"
 TRAIN_META_FILE = "train_meta.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(XLSTMKitError):
     """A missing, incomplete or incompatible training checkpoint."""
 
 
@@ -124,7 +126,7 @@ def save_model(model: nn.Module, directory: str | Path, tokenizer: str | None = 
     names one) for a model with a ``config``. Returns the folder."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
-        raise ValueError(f"cannot save a checkpoint to {str(directory)!r}: it exists and is not a folder")
+        raise XLSTMKitError(f"cannot save a checkpoint to {str(directory)!r}: it exists and is not a folder")
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
@@ -162,11 +164,11 @@ def read_model_files(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
     try:
         config = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{cfg_path} is not valid JSON ({e}); the checkpoint is corrupt") from None
+        raise XLSTMKitError(f"{cfg_path} is not valid JSON ({e}); the checkpoint is corrupt") from None
     try:
         tensors = load_file(str(weights_path), device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{weights_path} is not a readable safetensors file ({e}); the checkpoint is corrupt") from None
+        raise XLSTMKitError(f"{weights_path} is not a readable safetensors file ({e}); the checkpoint is corrupt") from None
     return config, tensors
 
 
@@ -180,10 +182,10 @@ def load_state_checked(model: nn.Module, tensors: dict[str, torch.Tensor], sourc
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
-        raise ValueError(f"{source} does not match its config.json: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise XLSTMKitError(f"{source} does not match its config.json: missing {missing[:5]}, unexpected {extra[:5]}")
     for name, t in tensors.items():
         if t.shape != expected[name].shape:
-            raise ValueError(f"{source}: {name} has shape {list(t.shape)}, config.json implies {list(expected[name].shape)}")
+            raise XLSTMKitError(f"{source}: {name} has shape {list(t.shape)}, config.json implies {list(expected[name].shape)}")
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) == 1:
         model = model.to(dtypes.pop())

@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 import torch
 
 from .model import XLSTMConfig, XLSTMLanguageModel
+from .errors import XLSTMKitError
 
 _Fn = Callable[[torch.Tensor], torch.Tensor]
 _same: _Fn = lambda t: t  # noqa: E731
@@ -44,22 +45,22 @@ def config_from_official(oc) -> XLSTMConfig:
     n_s = len(positions)
     has_m, has_s = n_s < oc.num_blocks, n_s > 0
     if not oc.add_post_blocks_norm:
-        raise ValueError("official models without the final norm (add_post_blocks_norm=False) are not supported")
+        raise XLSTMKitError("official models without the final norm (add_post_blocks_norm=False) are not supported")
     m = oc.mlstm_block.mlstm if has_m else None
     s = oc.slstm_block.slstm if has_s else None
     ff = oc.slstm_block.feedforward if has_s else None
     if has_s and ff is None:
-        raise ValueError("official sLSTM blocks without a feed-forward (feedforward=None) are not supported")
+        raise XLSTMKitError("official sLSTM blocks without a feed-forward (feedforward=None) are not supported")
     if has_s and (s.function != "slstm" or s.num_gates != 4):
-        raise ValueError(f"only the sLSTM cell function 'slstm' is supported, got {s.function!r}")
+        raise XLSTMKitError(f"only the sLSTM cell function 'slstm' is supported, got {s.function!r}")
     if has_s and (ff.act_fn != "gelu" or ff.ff_type != "ffn_gated"):
-        raise ValueError(f"only the gated GELU feed-forward is supported, got {ff.ff_type}/{ff.act_fn}")
+        raise XLSTMKitError(f"only the gated GELU feed-forward is supported, got {ff.ff_type}/{ff.act_fn}")
     kernels = {c.conv1d_kernel_size for c in (m, s) if c is not None}
     if len(kernels) != 1 or min(kernels) < 1:
-        raise ValueError(f"mLSTM and sLSTM blocks must share one conv1d kernel size >= 1, got {sorted(kernels)}")
+        raise XLSTMKitError(f"mLSTM and sLSTM blocks must share one conv1d kernel size >= 1, got {sorted(kernels)}")
     biases = ({oc.bias} if has_m else set()) | ({ff.bias} if has_s else set())
     if len(biases) != 1:
-        raise ValueError("the official model's mLSTM projections and feed-forward disagree on biases; not supported")
+        raise XLSTMKitError("the official model's mLSTM projections and feed-forward disagree on biases; not supported")
     ref = m if has_m else ff
     slstm_heads = s.num_heads if has_s else None
     cfg = XLSTMConfig(
@@ -80,7 +81,7 @@ def config_from_official(oc) -> XLSTMConfig:
         context_length=oc.context_length if oc.context_length > 0 else 256,
     )
     if has_m and cfg.mlstm_inner_dim != m._inner_embedding_dim:
-        raise ValueError(f"official mLSTM inner width {m._inner_embedding_dim} cannot be expressed "
+        raise XLSTMKitError(f"official mLSTM inner width {m._inner_embedding_dim} cannot be expressed "
                          f"(ours would be {cfg.mlstm_inner_dim}); round_proj_up_dim_up=False is not supported")
     return cfg
 
@@ -88,7 +89,7 @@ def config_from_official(oc) -> XLSTMConfig:
 def config_to_official(cfg: XLSTMConfig, slstm_backend: str = "vanilla"):
     """The official xLSTMLMModelConfig of an XLSTMConfig."""
     if list(cfg.dplr_positions):
-        raise ValueError("the official xlstm package has no DPLR blocks; remove dplr_at to convert this model")
+        raise XLSTMKitError("the official xlstm package has no DPLR blocks; remove dplr_at to convert this model")
     x = _import_xlstm()
     positions = list(cfg.slstm_positions)
     has_m, has_s = len(positions) < cfg.n_blocks, len(positions) > 0
@@ -195,7 +196,7 @@ def from_official_xlstm(official) -> XLSTMLanguageModel:
     """An XLSTMLanguageModel with the config and weights of an official `xlstm.xLSTMLMModel`."""
     x = _import_xlstm()
     if not isinstance(official, x.xLSTMLMModel):
-        raise ValueError(f"expected an xlstm.xLSTMLMModel, got {type(official).__name__}")
+        raise XLSTMKitError(f"expected an xlstm.xLSTMLMModel, got {type(official).__name__}")
     cfg = config_from_official(official.config)
     model = XLSTMLanguageModel(cfg).to(official.token_embedding.weight.dtype)
     src = official.state_dict()
@@ -212,7 +213,7 @@ def from_official_xlstm(official) -> XLSTMLanguageModel:
         raise RuntimeError(f"compat mapping misses {sorted(missing)}")
     for name, t in new.items():
         if t.shape != target[name].shape:
-            raise ValueError(
+            raise XLSTMKitError(
                 f"official weight for {name} has shape {list(t.shape)} but the converted config implies "
                 f"{list(target[name].shape)}; this official configuration cannot be expressed"
             )
@@ -229,7 +230,7 @@ def to_official_xlstm(model: XLSTMLanguageModel, slstm_backend: str = "vanilla")
     """
     x = _import_xlstm()
     if not isinstance(model, XLSTMLanguageModel):
-        raise ValueError(f"expected an XLSTMLanguageModel, got {type(model).__name__}")
+        raise XLSTMKitError(f"expected an XLSTMLanguageModel, got {type(model).__name__}")
     cfg = model.config
     official = x.xLSTMLMModel(config_to_official(cfg, slstm_backend))
     official = official.to(device=model.embedding.weight.device, dtype=model.embedding.weight.dtype)

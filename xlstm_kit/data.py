@@ -25,6 +25,7 @@ import torch
 
 from ._extras import package_dir, require
 from .checkpoint import atomic_write
+from .errors import XLSTMKitError
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_CORPORA = ("shakespeare",)
@@ -34,7 +35,7 @@ _SHAKESPEARE_FORMAT = 1
 _TOKEN_CACHE_FORMAT = 1
 
 
-class DataError(ValueError):
+class DataError(XLSTMKitError):
     """Bad data input (unknown corpus or tokenizer, missing path, empty or too small corpus)."""
 
 

@@ -20,16 +20,18 @@ import warnings
 
 import torch
 
+from .errors import XLSTMKitError
+
 
 def _check_sampling(temperature, top_k, top_p) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        raise XLSTMKitError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
+        raise XLSTMKitError(f"top_k must be None or an integer >= 1, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                               or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+        raise XLSTMKitError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
 
 
 def sample_next(
@@ -86,16 +88,16 @@ def generate(
     """
     _check_sampling(temperature, top_k, top_p)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        raise XLSTMKitError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if not isinstance(prompt, torch.Tensor) or prompt.dim() not in (1, 2):
         shape = list(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
-        raise ValueError(f"prompt must be a tensor of token ids of shape [T] or [B, T], got {shape}")
+        raise XLSTMKitError(f"prompt must be a tensor of token ids of shape [T] or [B, T], got {shape}")
     if prompt.shape[-1] < 1:
-        raise ValueError("prompt must hold at least one token (T >= 1)")
+        raise XLSTMKitError("prompt must hold at least one token (T >= 1)")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
                                      or eos_token_id < 0 or (vocab is not None and eos_token_id >= vocab)):
-        raise ValueError(f"eos_token_id must be None or a token id in [0, {vocab}), got {eos_token_id!r}")
+        raise XLSTMKitError(f"eos_token_id must be None or a token id in [0, {vocab}), got {eos_token_id!r}")
 
     squeeze = prompt.dim() == 1
     tokens = prompt.unsqueeze(0) if squeeze else prompt
@@ -134,7 +136,7 @@ class GraphedStep:
 
     def __init__(self, model, tokens: torch.Tensor, state):
         if not tokens.is_cuda:
-            raise ValueError("CUDA graphs need CUDA tensors; the tokens are on " + str(tokens.device))
+            raise XLSTMKitError("CUDA graphs need CUDA tensors; the tokens are on " + str(tokens.device))
         self._tokens = tokens.clone()
         self._state = [type(s)(*(x.clone() for x in s)) for s in state]
         side = torch.cuda.Stream(device=tokens.device)
@@ -172,10 +174,10 @@ def _pick_stepper(model, tokens: torch.Tensor, state, cuda_graph: bool | None, n
         return model.step
     if not hasattr(model, "_step"):
         if cuda_graph:
-            raise ValueError(f"cuda_graph=True needs a model with a check-free _step(); {type(model).__name__} has none")
+            raise XLSTMKitError(f"cuda_graph=True needs a model with a check-free _step(); {type(model).__name__} has none")
         return model.step
     if cuda_graph and not tokens.is_cuda:
-        raise ValueError(f"cuda_graph=True needs a model on a CUDA device, got tokens on {tokens.device}")
+        raise XLSTMKitError(f"cuda_graph=True needs a model on a CUDA device, got tokens on {tokens.device}")
     try:
         return GraphedStep(model, tokens[:, -1], state)
     except Exception as e:  # a step that cannot be recorded still decodes, just slower
@@ -195,7 +197,7 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, *, tempera
     continuation, cut at the tokenizer's end-of-text token. An empty prompt starts from the
     end-of-text token (or a newline when the tokenizer has none)."""
     if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a str here, got {type(prompt).__name__}")
+        raise XLSTMKitError(f"prompt must be a str here, got {type(prompt).__name__}")
     eos = getattr(tokenizer, "eos_token_id", None)
     ids = tokenizer.encode(prompt) or ([eos] if eos is not None else tokenizer.encode("\n"))
     device = next(model.parameters()).device

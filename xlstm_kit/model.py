@@ -25,6 +25,7 @@ from .nn.common import round_up, small_init_
 from .nn.dplr import DPLRBlock, DPLRState
 from .nn.mlstm import MLSTMBlock, MLSTMState
 from .nn.slstm import SLSTMBlock, SLSTMState
+from .errors import XLSTMKitError
 
 BlockState = Union[MLSTMState, SLSTMState, DPLRState]
 ModelState = list  # one BlockState per block, in block order
@@ -114,16 +115,16 @@ class XLSTMConfig:
         for name in ("mlstm_proj_factor", "ffn_proj_factor"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+                raise XLSTMKitError(f"{name} must be a positive finite number, got {v!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
+            raise XLSTMKitError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         for name in ("bias", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise XLSTMKitError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.chunk_size > 1024:
-            raise ValueError(f"chunk_size must be at most 1024, got {self.chunk_size}; 64 is a good default")
+            raise XLSTMKitError(f"chunk_size must be at most 1024, got {self.chunk_size}; 64 is a good default")
         if self.backend not in (None, "torch", "triton"):
-            raise ValueError(f"backend must be None, 'torch' or 'triton', got {self.backend!r}")
+            raise XLSTMKitError(f"backend must be None, 'torch' or 'triton', got {self.backend!r}")
         if isinstance(self.slstm_at, (list, tuple)):
             # a list keeps the config equal to itself after a JSON round trip
             self.slstm_at = list(self.slstm_at)
@@ -136,21 +137,21 @@ class XLSTMConfig:
             inner = self.mlstm_inner_dim
             for name, div in (("n_heads", self.n_heads), ("qkv_block_size", self.qkv_block_size)):
                 if inner % div:
-                    raise ValueError(
+                    raise XLSTMKitError(
                         f"mLSTM inner width {inner} (mlstm_proj_factor * d_model rounded up to a "
                         f"multiple of {self.round_proj_to}) is not divisible by {name}={div}; "
                         f"choose {name} dividing {inner}"
                     )
         if positions and self.d_model % self.slstm_num_heads:  # sLSTM heads split d_model
             name = "n_heads" if self.slstm_heads is None else "slstm_heads"
-            raise ValueError(
+            raise XLSTMKitError(
                 f"d_model={self.d_model} is not divisible by {name}={self.slstm_num_heads} (the sLSTM "
                 f"heads split d_model); choose a d_model that is a multiple of {self.slstm_num_heads}"
                 + (" or set slstm_heads" if self.slstm_heads is None else "")
             )
 
         if dplr and self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (the DPLR "
+            raise XLSTMKitError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (the DPLR "
                              f"heads split d_model); choose a d_model that is a multiple of {self.n_heads}")
 
     # ------------------------------------------------------------------ derived sizes
@@ -159,15 +160,15 @@ class XLSTMConfig:
         """Sorted 0-based indices of the DPLR blocks."""
         spec = self.dplr_at
         if not isinstance(spec, (list, tuple)):
-            raise ValueError(f"dplr_at must be a list of block positions, got {spec!r}")
+            raise XLSTMKitError(f"dplr_at must be a list of block positions, got {spec!r}")
         for p in spec:
             if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.n_blocks:
-                raise ValueError(f"dplr_at position {p!r} is not a block index 0..{self.n_blocks - 1}")
+                raise XLSTMKitError(f"dplr_at position {p!r} is not a block index 0..{self.n_blocks - 1}")
         if len(set(spec)) != len(spec):
-            raise ValueError(f"dplr_at lists a position twice: {list(spec)}")
+            raise XLSTMKitError(f"dplr_at lists a position twice: {list(spec)}")
         both = sorted(set(spec) & set(self.slstm_positions))
         if both:
-            raise ValueError(f"blocks {both} are in both slstm_at and dplr_at; a block has one type")
+            raise XLSTMKitError(f"blocks {both} are in both slstm_at and dplr_at; a block has one type")
         return tuple(sorted(spec))
 
     @property
@@ -177,7 +178,7 @@ class XLSTMConfig:
         if isinstance(spec, str):
             match = _RATIO.match(spec)
             if not match or int(match[1]) + int(match[2]) == 0:
-                raise ValueError(
+                raise XLSTMKitError(
                     f"slstm_at={spec!r} is not a ratio 'a:b' (a mLSTM per b sLSTM blocks, e.g. '7:1'); "
                     f"or give a list of block positions"
                 )
@@ -185,17 +186,17 @@ class XLSTMConfig:
             # block t is sLSTM when the running count of sLSTM blocks, b/(a+b) per block, steps up
             return tuple(t for t in range(self.n_blocks) if ((t + 1) * b) // (a + b) > (t * b) // (a + b))
         if not isinstance(spec, (list, tuple)):
-            raise ValueError(f"slstm_at must be a list of block positions or a ratio string like '7:1', got {spec!r}")
+            raise XLSTMKitError(f"slstm_at must be a list of block positions or a ratio string like '7:1', got {spec!r}")
         for p in spec:
             if isinstance(p, bool) or not isinstance(p, int):
-                raise ValueError(f"slstm_at positions must be integers, got {p!r}")
+                raise XLSTMKitError(f"slstm_at positions must be integers, got {p!r}")
             if not 0 <= p < self.n_blocks:
-                raise ValueError(
+                raise XLSTMKitError(
                     f"slstm_at position {p} is out of range for n_blocks={self.n_blocks}; "
                     f"use positions 0..{self.n_blocks - 1}"
                 )
         if len(set(spec)) != len(spec):
-            raise ValueError(f"slstm_at lists a position twice: {list(spec)}")
+            raise XLSTMKitError(f"slstm_at lists a position twice: {list(spec)}")
         return tuple(sorted(spec))
 
     @property
@@ -223,11 +224,11 @@ class XLSTMConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "XLSTMConfig":
         if not isinstance(d, dict):
-            raise ValueError(f"an XLSTMConfig needs a JSON object, got {type(d).__name__}")
+            raise XLSTMKitError(f"an XLSTMConfig needs a JSON object, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown XLSTMConfig fields {unknown}; known fields: {sorted(known)}")
+            raise XLSTMKitError(f"unknown XLSTMConfig fields {unknown}; known fields: {sorted(known)}")
         return cls(**d)
 
     @classmethod
@@ -244,13 +245,13 @@ class XLSTMConfig:
         for prefix in ("xlstm-", "xlstm_"):
             key = key[len(prefix):] if key.startswith(prefix) else key
         if key not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+            raise XLSTMKitError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(**{**PRESETS[key], **overrides})
 
 
 def _check_positive_int(name: str, v) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        raise XLSTMKitError(f"{name} must be a positive integer, got {v!r}")
 
 
 _PAPER = dict(vocab_size=50257, n_heads=4, slstm_at="7:1", context_length=2048)
@@ -279,7 +280,7 @@ class XLSTMLanguageModel(nn.Module):
     def __init__(self, config: XLSTMConfig):
         super().__init__()
         if not isinstance(config, XLSTMConfig):
-            raise ValueError(f"config must be an XLSTMConfig, got {type(config).__name__}")
+            raise XLSTMKitError(f"config must be an XLSTMConfig, got {type(config).__name__}")
         self.config = cfg = config
         self.tokenizer_name: str | None = None  # set by load() from the checkpoint
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -327,7 +328,7 @@ class XLSTMLanguageModel(nn.Module):
 
     def _check_state(self, state, batch: int) -> None:
         if not isinstance(state, (list, tuple)) or len(state) != len(self.blocks):
-            raise ValueError(
+            raise XLSTMKitError(
                 f"state must be a list of {len(self.blocks)} block states from this model's "
                 f"init_state() or forward(..., return_state=True), got {type(state).__name__}"
                 + (f" of length {len(state)}" if isinstance(state, (list, tuple)) else "")
@@ -335,34 +336,34 @@ class XLSTMLanguageModel(nn.Module):
         for t, (block, s) in enumerate(zip(self.blocks, state)):
             ref = block.init_state(1, device="meta")
             if type(s) is not type(ref):
-                raise ValueError(
+                raise XLSTMKitError(
                     f"state[{t}] is a {type(s).__name__} but block {t} takes a {type(ref).__name__}; "
                     f"the state comes from a model with another config"
                 )
             for name, x, r in zip(ref._fields, s, ref):
                 if not isinstance(x, torch.Tensor) or x.shape[1:] != r.shape[1:]:
                     got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                    raise ValueError(
+                    raise XLSTMKitError(
                         f"state[{t}].{name} has shape {got}, expected [{batch}, "
                         f"{', '.join(map(str, r.shape[1:]))}]; the state comes from a model with another config"
                     )
                 if x.shape[0] != batch:
-                    raise ValueError(
+                    raise XLSTMKitError(
                         f"state[{t}].{name} is for batch size {x.shape[0]} but the tokens have batch "
                         f"size {batch}; use model.init_state({batch}) or the state of a {batch}-sequence call"
                     )
 
     def _check_tokens(self, tokens, dims: int, what: str) -> None:
         if not isinstance(tokens, torch.Tensor):
-            raise ValueError(f"{what} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+            raise XLSTMKitError(f"{what} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise ValueError(f"{what} must hold integer token ids, got dtype {tokens.dtype}")
+            raise XLSTMKitError(f"{what} must hold integer token ids, got dtype {tokens.dtype}")
         if tokens.dim() != dims:
             want = "[B, T]" if dims == 2 else "[B]"
-            raise ValueError(f"{what} must have shape {want}, got {list(tokens.shape)}")
+            raise XLSTMKitError(f"{what} must have shape {want}, got {list(tokens.shape)}")
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
             lo, hi = int(tokens.min()), int(tokens.max())
-            raise ValueError(
+            raise XLSTMKitError(
                 f"{what} contain ids in [{lo}, {hi}] but vocab_size is {self.config.vocab_size}; "
                 f"ids must lie in [0, {self.config.vocab_size - 1}]"
             )
@@ -374,7 +375,7 @@ class XLSTMLanguageModel(nn.Module):
         self._check_tokens(tokens, 2, "tokens")
         B, T = tokens.shape
         if T < 1 or B < 1:
-            raise ValueError(f"tokens must have shape [B, T] with B, T >= 1, got {list(tokens.shape)}")
+            raise XLSTMKitError(f"tokens must have shape [B, T] with B, T >= 1, got {list(tokens.shape)}")
         if state is not None:
             self._check_state(state, B)
         x = self.embedding(tokens if tokens.dtype in (torch.int32, torch.int64) else tokens.long())
@@ -433,7 +434,7 @@ class XLSTMLanguageModel(nn.Module):
 
         if isinstance(prompt, str):
             if eos_token_id is not None:
-                raise ValueError("eos_token_id applies to token prompts; a text prompt stops at the tokenizer's end token")
+                raise XLSTMKitError("eos_token_id applies to token prompts; a text prompt stops at the tokenizer's end token")
             return generate_text(self, self.tokenizer, prompt, max_new_tokens, temperature=temperature,
                                  top_k=top_k, top_p=top_p, generator=generator, cuda_graph=cuda_graph)
         return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
@@ -443,7 +444,7 @@ class XLSTMLanguageModel(nn.Module):
     def tokenizer(self):
         """The tokenizer named by `tokenizer_name` (set by `load` from the checkpoint)."""
         if self.tokenizer_name is None:
-            raise ValueError(
+            raise XLSTMKitError(
                 "this model does not know its tokenizer (its checkpoint records none); set "
                 "model.tokenizer_name = 'byte' (or 'gpt2') or pass token ids"
             )
@@ -471,7 +472,7 @@ class XLSTMLanguageModel(nn.Module):
         try:
             config = XLSTMConfig.from_dict(config_dict)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{path / checkpoint.CONFIG_FILE} does not describe a valid XLSTMConfig: {e}") from None
+            raise XLSTMKitError(f"{path / checkpoint.CONFIG_FILE} does not describe a valid XLSTMConfig: {e}") from None
         model = checkpoint.load_state_checked(cls(config), tensors, path / checkpoint.WEIGHTS_FILE)
         model.tokenizer_name = checkpoint.read_tokenizer_name(path)
         model.eval()

@@ -41,6 +41,7 @@ from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINTS_DIR, LATEST_FILE, TRAIN_
                          load_weights_into, read_train_meta, remove_stale_staging, resolve_checkpoint,
                          restore_rng, save_checkpoint)
 from .data import BatchSampler, TokenData, val_batches
+from .errors import XLSTMKitError
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -106,18 +107,18 @@ class TrainConfig:
             self.decay_anchor = (int(self.decay_anchor[0]), float(self.decay_anchor[1]))
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "keep_checkpoints"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {getattr(self, name)}")
+                raise XLSTMKitError(f"TrainConfig.{name} must be a positive integer, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_interval", "eval_batches", "checkpoint_interval"):
             if int(getattr(self, name)) < 0:
-                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+                raise XLSTMKitError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+            raise XLSTMKitError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.weight_decay < 0 or self.grad_clip < 0 or not self.eps > 0:
-            raise ValueError("TrainConfig.weight_decay and grad_clip must be >= 0 and eps > 0")
+            raise XLSTMKitError("TrainConfig.weight_decay and grad_clip must be >= 0 and eps > 0")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+            raise XLSTMKitError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.batch_size % self.grad_accum:
-            raise ValueError(
+            raise XLSTMKitError(
                 f"TrainConfig.batch_size ({self.batch_size}) must be divisible by grad_accum ({self.grad_accum})"
             )
 
@@ -332,7 +333,7 @@ def autocast(device: torch.device | str, precision: str):
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross entropy of logits [B, T, V] against targets [B, T], computed in float32."""
     if logits.ndim != 3 or logits.shape[:2] != targets.shape:
-        raise ValueError(
+        raise XLSTMKitError(
             f"logits must be [B, T, V] matching targets [B, T], got {tuple(logits.shape)} and {tuple(targets.shape)}"
         )
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
@@ -506,7 +507,7 @@ def train_step(
         loss_sum += loss.detach()
         n_done += 1
     if n_done != n_micro:
-        raise ValueError(f"train_step got {n_done} micro-batches, expected n_micro={n_micro}")
+        raise XLSTMKitError(f"train_step got {n_done} micro-batches, expected n_micro={n_micro}")
     params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -641,7 +642,7 @@ class _Run:
         """Weights, optimizer, RNG and step from the run's latest checkpoint; the schedule goes
         on smoothly when ``config.steps`` changed (:func:`continue_schedule`)."""
         if self.out_dir is None:
-            raise ValueError("resume=True needs out_dir")
+            raise XLSTMKitError("resume=True needs out_dir")
         ckpt = resolve_checkpoint(self.out_dir)
         read_train_meta(ckpt)
         state = load_training_state(ckpt)
@@ -749,13 +750,13 @@ def train(
     out_dir = Path(out_dir) if out_dir is not None else None
     per_rank = config.batch_size // (dist.world_size * config.grad_accum)
     if per_rank * dist.world_size * config.grad_accum != config.batch_size:
-        raise ValueError(
+        raise XLSTMKitError(
             f"batch_size {config.batch_size} is not divisible by world_size*grad_accum = "
             f"{dist.world_size * config.grad_accum}"
         )
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab is not None and vocab < data.vocab_size:
-        raise ValueError(f"model vocab_size {vocab} is smaller than the tokenizer's {data.vocab_size}")
+        raise XLSTMKitError(f"model vocab_size {vocab} is smaller than the tokenizer's {data.vocab_size}")
 
     meta = {"tokenizer": getattr(data.tokenizer, "name", None), **(meta or {})}  # generate(text) after load
     model.to(device)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .options import SUITES
+from ..errors import XLSTMKitError
 
 Shape = dict  # name -> int (or list / str for model settings); JSON-serialisable
 
@@ -466,7 +467,7 @@ CASES: tuple[Case, ...] = (
 def cases(suite: str | None = None) -> list[Case]:
     """The registered cases of `suite` (None: all), in registry order."""
     if suite is not None and suite not in SUITES:
-        raise ValueError(f"unknown benchmark suite {suite!r}; choose one of {', '.join(SUITES)}")
+        raise XLSTMKitError(f"unknown benchmark suite {suite!r}; choose one of {', '.join(SUITES)}")
     return [c for c in CASES if suite is None or c.suite == suite]
 
 
@@ -474,4 +475,4 @@ def get(name: str) -> Case:
     for c in CASES:
         if c.name == name:
             return c
-    raise ValueError(f"unknown benchmark case {name!r}; choose one of {', '.join(c.name for c in CASES)}")
+    raise XLSTMKitError(f"unknown benchmark case {name!r}; choose one of {', '.join(c.name for c in CASES)}")

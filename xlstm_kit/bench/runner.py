@@ -28,6 +28,7 @@ import torch
 from . import registry, timing
 from .options import PEER_TIMEOUT_S, SUITE_CHOICES, add_arguments
 from .registry import SUITES, Env
+from ..errors import XLSTMKitError
 
 
 
@@ -297,11 +298,11 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     """Run `xlstm-kit bench` with parsed `args`; returns the written file (None for --list).
     Raises ValueError for an unknown suite or case, or an unusable device."""
     if args.suite not in SUITE_CHOICES:
-        raise ValueError(f"unknown benchmark suite {args.suite!r}; choose one of {', '.join(SUITE_CHOICES)}")
+        raise XLSTMKitError(f"unknown benchmark suite {args.suite!r}; choose one of {', '.join(SUITE_CHOICES)}")
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but PyTorch sees no CUDA device")
+        raise XLSTMKitError("--device cuda, but PyTorch sees no CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.list:
@@ -312,11 +313,11 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
         known = {c.name for c in registry.CASES}
         for name in args.case:
             if name not in known:
-                raise ValueError(f"unknown benchmark case {name!r}; choose one of {', '.join(sorted(known))}")
+                raise XLSTMKitError(f"unknown benchmark case {name!r}; choose one of {', '.join(sorted(known))}")
         selected = {s: [c for c in cs if c.name in args.case] for s, cs in selected.items()}
         suites = [s for s in suites if selected[s]]
         if not suites:
-            raise ValueError(f"no case named {', '.join(args.case)} in suite {args.suite}")
+            raise XLSTMKitError(f"no case named {', '.join(args.case)} in suite {args.suite}")
     out_dir = Path(args.out) if args.out else default_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     when = _dt.datetime.now(_dt.timezone.utc)

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import XLSTMKitError
+
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of recurrent states for a model whose parameters are in `dtype`."""
@@ -108,7 +110,7 @@ class CausalConv1d(nn.Module):
     def __init__(self, channels: int, kernel_size: int):
         super().__init__()
         if kernel_size < 1:
-            raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
+            raise XLSTMKitError(f"kernel_size must be >= 1, got {kernel_size}")
         self.channels, self.kernel_size = channels, kernel_size
         self.weight = nn.Parameter(torch.empty(channels, kernel_size))
         self.bias = nn.Parameter(torch.empty(channels))
@@ -214,7 +216,7 @@ class HeadwiseLinear(nn.Module):
     def __init__(self, features: int, n_heads: int, bias: bool = False):
         super().__init__()
         if features % n_heads:
-            raise ValueError(f"features={features} must be divisible by n_heads={n_heads}")
+            raise XLSTMKitError(f"features={features} must be divisible by n_heads={n_heads}")
         self.features, self.n_heads = features, n_heads
         d = features // n_heads
         self.pack = _pack_factor(n_heads, d)

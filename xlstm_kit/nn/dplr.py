@@ -30,6 +30,7 @@ from torch import nn
 from xlstm_kit.ops.dplr import dplr_step, kda_chunkwise
 
 from .common import PreNormResidual, CausalConv1d, MultiHeadNorm, small_init_, state_dtype, wang_init_
+from ..errors import XLSTMKitError
 
 G_MAX = 5.0  # largest per-step |log decay|
 
@@ -63,7 +64,7 @@ class DPLRLayer(nn.Module):
     ):
         super().__init__()
         if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
+            raise XLSTMKitError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         self.n_blocks, self.chunk_size, self.backend = n_blocks, chunk_size, backend
         inner = d_model

@@ -15,6 +15,7 @@ from torch import nn
 from xlstm_kit.ops.slstm import slstm_recurrent, slstm_step
 
 from .common import CausalConv1d, GatedFeedForward, MultiHeadNorm, small_init_, state_dtype
+from ..errors import XLSTMKitError
 
 
 class SLSTMState(NamedTuple):
@@ -64,7 +65,7 @@ class SLSTMLayer(nn.Module):
     ):
         super().__init__()
         if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
+            raise XLSTMKitError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         self.block_index, self.n_blocks, self.backend = block_index, n_blocks, backend
         H, D = n_heads, self.head_dim

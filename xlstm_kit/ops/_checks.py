@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from ..errors import XLSTMKitError
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -26,21 +28,21 @@ def check_tensor(name: str, t, expected: Sequence, dims: str | None = None) -> N
     """
     label = f"{name} [{dims}]" if dims else name
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
+        raise XLSTMKitError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:
-        raise ValueError(
+        raise XLSTMKitError(
             f"{label} must be a floating tensor (float16, bfloat16, float32 or float64), got {t.dtype}"
         )
     if t.dim() != len(expected) or any(e is not None and e != s for e, s in zip(expected, t.shape)):
         want = shape_str(["*" if e is None else e for e in expected])
-        raise ValueError(f"{label} has shape {shape_str(t.shape)}, expected {want}")
+        raise XLSTMKitError(f"{label} has shape {shape_str(t.shape)}, expected {want}")
 
 
 def check_same_device(**tensors) -> None:
     devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
     if len(set(devices.values())) > 1:
         desc = ", ".join(f"{n} on {d}" for n, d in devices.items())
-        raise ValueError(f"all tensors must be on one device, got {desc}")
+        raise XLSTMKitError(f"all tensors must be on one device, got {desc}")
 
 
 def compute_dtype(*xs) -> torch.dtype:
@@ -55,7 +57,7 @@ def compute_dtype(*xs) -> torch.dtype:
 
 def check_chunk_size(chunk_size: int, lo: int = 1, hi: int = 1024) -> None:
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not lo <= chunk_size <= hi:
-        raise ValueError(f"chunk_size must be an integer in [{lo}, {hi}], got {chunk_size!r}")
+        raise XLSTMKitError(f"chunk_size must be an integer in [{lo}, {hi}], got {chunk_size!r}")
 
 
 def autocast_off(fn):

@@ -12,6 +12,8 @@ import functools
 import json
 from typing import TypeVar
 
+from ..errors import XLSTMKitError
+
 C = TypeVar("C", bound="KernelConfig")
 
 
@@ -22,7 +24,7 @@ class KernelConfig:
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - names)
         if unknown:
-            raise ValueError(f"{type(self).__name__} has no field {', '.join(unknown)}; "
+            raise XLSTMKitError(f"{type(self).__name__} has no field {', '.join(unknown)}; "
                              f"its fields are {', '.join(sorted(names))}")
         return dataclasses.replace(self, **changes)
 

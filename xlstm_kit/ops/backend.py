@@ -24,6 +24,8 @@ from types import ModuleType
 
 import torch
 
+from ..errors import XLSTMKitError
+
 BACKENDS = ("torch", "triton")
 
 # op name -> the module holding its Triton kernel and its `supports` answer.
@@ -38,7 +40,7 @@ KERNEL_MODULES: dict[str, str] = {
 }
 
 
-class BackendUnavailableError(ValueError):
+class BackendUnavailableError(XLSTMKitError):
     """Raised when a backend is forced that cannot run the op here (a bad argument for this
     machine or these inputs, hence a ValueError)."""
 
@@ -66,7 +68,7 @@ def kernel_module(op: str) -> ModuleType | None:
 def choose_backend(op: str, backend: str | None, device: torch.device, **facts) -> str:
     """Return "torch" or "triton" for `op` on `device`, or raise a clear error (see module doc)."""
     if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be None, 'torch' or 'triton', got {backend!r}")
+        raise XLSTMKitError(f"backend must be None, 'torch' or 'triton', got {backend!r}")
     if backend == "torch":
         return "torch"
     if backend is None and device.type != "cuda":

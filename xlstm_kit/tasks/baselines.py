@@ -13,14 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn.common import GatedFeedForward, round_up, small_init_, wang_init_
+from ..errors import XLSTMKitError
 
 
 def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point:
-        raise ValueError(f"tokens must be an integer tensor [B, T], got "
+        raise XLSTMKitError(f"tokens must be an integer tensor [B, T], got "
                          f"{getattr(tokens, 'dtype', type(tokens).__name__)} {list(getattr(tokens, 'shape', []))}")
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
-        raise ValueError(f"tokens must lie in [0, {vocab_size - 1}]")
+        raise XLSTMKitError(f"tokens must lie in [0, {vocab_size - 1}]")
 
 
 # ============================================================================ Transformer
@@ -41,7 +42,7 @@ class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_blocks: int):
         super().__init__()
         if d_model % n_heads or (d_model // n_heads) % 2:
-            raise ValueError(f"d_model={d_model} must split into {n_heads} heads of even size")
+            raise XLSTMKitError(f"d_model={d_model} must split into {n_heads} heads of even size")
         self.d_model, self.n_heads, self.n_blocks = d_model, n_heads, n_blocks
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)

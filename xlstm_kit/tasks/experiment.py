@@ -41,6 +41,7 @@ from .baselines import LSTMLM, TransformerLM
 from .formal import (TASKS, FormalTask, TaskBatch, get_task, make_batch, sample_train_batch,
                      scaled_accuracy, sequence_accuracy)
 from .mqar import VOCAB_SIZE, check_mqar_shape, mqar_batch
+from ..errors import XLSTMKitError
 
 MQAR_LR = 1e-3
 """Default peak learning rate of MQAR runs: in an H200 probe (width 128, T=256, 64 pairs) xLSTM[1:1]
@@ -58,7 +59,7 @@ def check_model_name(name: str) -> str:
     """The canonical model name (lower case, no spaces); ValueError listing the known names."""
     key = str(name).strip().lower().replace(" ", "")
     if key not in MODEL_NAMES:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+        raise XLSTMKitError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
     return key
 
 
@@ -133,20 +134,20 @@ class RunConfig:
                      "eval_batch_size", "log_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"RunConfig.{name} must be a positive integer, got {v!r}")
+                raise XLSTMKitError(f"RunConfig.{name} must be a positive integer, got {v!r}")
         if self.time_limit_s is not None and not self.time_limit_s > 0:
-            raise ValueError(f"RunConfig.time_limit_s must be positive or None, got {self.time_limit_s}")
+            raise XLSTMKitError(f"RunConfig.time_limit_s must be positive or None, got {self.time_limit_s}")
         if not (0 < self.lr and 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+            raise XLSTMKitError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.backend not in (None, "torch", "triton"):
-            raise ValueError(f"RunConfig.backend must be None, 'torch' or 'triton', got {self.backend!r}")
+            raise XLSTMKitError(f"RunConfig.backend must be None, 'torch' or 'triton', got {self.backend!r}")
         if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"RunConfig.precision must be 'fp32' or 'bf16', got {self.precision!r}")
+            raise XLSTMKitError(f"RunConfig.precision must be 'fp32' or 'bf16', got {self.precision!r}")
         lo, hi = self.train_lengths if len(self.train_lengths) == 2 else (0, -1)
         if not 2 <= lo <= hi:
-            raise ValueError(f"RunConfig.train_lengths must be (lo, hi) with 2 <= lo <= hi, got {self.train_lengths}")
+            raise XLSTMKitError(f"RunConfig.train_lengths must be (lo, hi) with 2 <= lo <= hi, got {self.train_lengths}")
         if not self.test_lengths or min(self.test_lengths) < 2:
-            raise ValueError(f"RunConfig.test_lengths must be lengths >= 2, got {self.test_lengths}")
+            raise XLSTMKitError(f"RunConfig.test_lengths must be lengths >= 2, got {self.test_lengths}")
         check_mqar_shape(self.mqar_seq_len, self.mqar_pairs, self.mqar_vocab)
 
     def to_dict(self) -> dict[str, Any]:
@@ -413,9 +414,9 @@ def run_sweep(tasks: Sequence[str], models: Sequence[str], cfg: RunConfig, out_d
     steps_for = {get_task(t).name: n for t, n in (steps_for or {}).items()}
     for t, n in steps_for.items():
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"steps_for[{t!r}] must be a positive integer, got {n!r}")
+            raise XLSTMKitError(f"steps_for[{t!r}] must be a positive integer, got {n!r}")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+        raise XLSTMKitError(f"jobs must be a positive integer, got {jobs!r}")
     out_dir = Path(out_dir)
     runs_dir = out_dir / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)

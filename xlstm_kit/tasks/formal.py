@@ -35,6 +35,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..errors import XLSTMKitError
+
 PAD, SEP = 0, 1
 TRAIN_LENGTHS = (3, 40)
 """Inclusive range of training input lengths (the paper's)."""
@@ -71,7 +73,7 @@ PLUS, MINUS, TIMES = MOD, MOD + 1, MOD + 2  # symbols 0..4 are digits
 def modular_arithmetic_label(x: Sequence[int]) -> list[int]:
     """Value mod 5 of digit op digit ... digit with * before + and - (left to right)."""
     if len(x) % 2 == 0 or any((s >= MOD) != (i % 2 == 1) for i, s in enumerate(x)):
-        raise ValueError(f"not an expression digit op digit ... digit: {list(x)}")
+        raise XLSTMKitError(f"not an expression digit op digit ... digit: {list(x)}")
     total, term, sign = 0, x[0], 1
     for op, d in zip(x[1::2], x[2::2]):
         if op == TIMES:
@@ -106,7 +108,7 @@ def stack_manipulation_label(x: Sequence[int]) -> list[int]:
         elif s == PUSH_B:
             stack.append(STACK_B)
         else:
-            raise ValueError(f"stack symbol {s} after the first action: actions only are allowed there")
+            raise XLSTMKitError(f"stack symbol {s} after the first action: actions only are allowed there")
     return stack[::-1] + [STACK_END]
 
 
@@ -204,7 +206,7 @@ def get_task(name: str) -> FormalTask:
     """The task called `name` (ValueError listing the known names otherwise)."""
     key = str(name).strip().lower().replace("-", "_")
     if key not in TASKS:
-        raise ValueError(f"unknown formal task {name!r}; choose one of {', '.join(TASKS)}")
+        raise XLSTMKitError(f"unknown formal task {name!r}; choose one of {', '.join(TASKS)}")
     return TASKS[key]
 
 
@@ -229,11 +231,11 @@ def make_batch(task: FormalTask, rng: np.random.Generator, lengths: Sequence[int
     the longest sequence). A fixed `pad_to` keeps tensor shapes, hence compiled kernels, fixed."""
     rows = [task.encode(*task.sample(rng, int(n))) for n in lengths]
     if not rows:
-        raise ValueError("lengths must not be empty")
+        raise XLSTMKitError("lengths must not be empty")
     T = max(len(r[0]) for r in rows)
     if pad_to is not None:
         if pad_to < T:
-            raise ValueError(f"pad_to={pad_to} is shorter than the longest sequence ({T} tokens)")
+            raise XLSTMKitError(f"pad_to={pad_to} is shorter than the longest sequence ({T} tokens)")
         T = pad_to
     B = len(rows)
     # numpy rows then one tensor each: per-row torch.tensor calls cost more than a GPU step
@@ -254,9 +256,9 @@ def sample_train_batch(task: FormalTask, rng: np.random.Generator, batch_size: i
     to the longest possible sequence of the range (one shape for the whole training run)."""
     lo, hi = length_range
     if not 1 <= lo <= hi:
-        raise ValueError(f"length_range must be (lo, hi) with 1 <= lo <= hi, got {length_range}")
+        raise XLSTMKitError(f"length_range must be (lo, hi) with 1 <= lo <= hi, got {length_range}")
     if task.name in ("stack_manipulation", "modular_arithmetic") and lo < 2:
-        raise ValueError(f"{task.name} needs input lengths >= 2, got {length_range}")
+        raise XLSTMKitError(f"{task.name} needs input lengths >= 2, got {length_range}")
     lengths = rng.integers(lo, hi + 1, size=batch_size)
     return make_batch(task, rng, lengths, pad_to=task.max_seq_len(hi))
 
@@ -269,11 +271,11 @@ def sequence_accuracy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.T
     A sequence without scored tokens raises (its accuracy would be undefined).
     """
     if logits.ndim != 3 or logits.shape[:2] != targets.shape or mask.shape != targets.shape:
-        raise ValueError(f"logits must be [B, T, V] and targets, mask [B, T]; got {tuple(logits.shape)}, "
+        raise XLSTMKitError(f"logits must be [B, T, V] and targets, mask [B, T]; got {tuple(logits.shape)}, "
                          f"{tuple(targets.shape)}, {tuple(mask.shape)}")
     counts = mask.sum(1)
     if bool((counts == 0).any()):
-        raise ValueError("every sequence needs at least one scored (mask=True) position")
+        raise XLSTMKitError("every sequence needs at least one scored (mask=True) position")
     correct = (logits.argmax(-1) == targets) & mask
     return correct.sum(1).double() / counts.double()
 
@@ -281,5 +283,5 @@ def sequence_accuracy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.T
 def scaled_accuracy(accuracy: float, chance: float) -> float:
     """(accuracy - chance) / (1 - chance): 0 at chance level, 1 when perfect (negative below chance)."""
     if not 0 <= chance < 1:
-        raise ValueError(f"chance must be in [0, 1), got {chance}")
+        raise XLSTMKitError(f"chance must be in [0, 1), got {chance}")
     return (accuracy - chance) / (1.0 - chance)

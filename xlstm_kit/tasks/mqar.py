@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .formal import TaskBatch
+from ..errors import XLSTMKitError
 
 FILLER = 0
 VOCAB_SIZE = 8192
@@ -23,12 +24,12 @@ def check_mqar_shape(seq_len: int, num_pairs: int, vocab_size: int = VOCAB_SIZE)
     vocabulary have room for N distinct keys."""
     for name, v in (("seq_len", seq_len), ("num_pairs", num_pairs), ("vocab_size", vocab_size)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            raise XLSTMKitError(f"{name} must be a positive integer, got {v!r}")
     if 3 * num_pairs > seq_len:
-        raise ValueError(f"seq_len={seq_len} is too short for {num_pairs} pairs: the pairs and one query "
+        raise XLSTMKitError(f"seq_len={seq_len} is too short for {num_pairs} pairs: the pairs and one query "
                          f"per key need 3 * num_pairs = {3 * num_pairs} tokens")
     if vocab_size // 2 - 1 < num_pairs or vocab_size < 4:
-        raise ValueError(f"vocab_size={vocab_size} has too few keys (1 .. {vocab_size // 2 - 1}) for "
+        raise XLSTMKitError(f"vocab_size={vocab_size} has too few keys (1 .. {vocab_size // 2 - 1}) for "
                          f"{num_pairs} distinct keys")
 
 
@@ -38,7 +39,7 @@ def mqar_batch(rng: np.random.Generator, batch_size: int, seq_len: int, num_pair
     (the query positions), lengths [B] (= seq_len)."""
     check_mqar_shape(seq_len, num_pairs, vocab_size)
     if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
+        raise XLSTMKitError(f"batch_size must be positive, got {batch_size}")
     B, T, N, half = batch_size, seq_len, num_pairs, vocab_size // 2
     # distinct keys per row: the first N of a random permutation of 1 .. half-1
     keys = np.argsort(rng.random((B, half - 1)), axis=1)[:, :N] + 1

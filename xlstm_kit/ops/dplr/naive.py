@@ -20,6 +20,7 @@ import math
 import torch
 
 from .._checks import check_chunk_size, check_same_device, check_tensor, compute_dtype
+from ...errors import XLSTMKitError
 
 
 # ----------------------------------------------------------------------------------------------
@@ -35,7 +36,7 @@ def check_dplr_inputs(q, k, v, a, b, gk, initial_state) -> tuple[int, int, int, 
     """Validate sequence inputs; returns (B, T, H, K, V)."""
     B, T, H, K = _dims(q)
     if T < 1:
-        raise ValueError(f"q [B,T,H,K] has shape {list(q.shape)}: the sequence length T must be at least 1")
+        raise XLSTMKitError(f"q [B,T,H,K] has shape {list(q.shape)}: the sequence length T must be at least 1")
     for name, t in (("k", k), ("a", a), ("b", b), ("gk", gk)):
         check_tensor(name, t, (B, T, H, K), "B,T,H,K")
     check_tensor("v", v, (B, T, H, None), "B,T,H,V")
@@ -64,7 +65,7 @@ def check_scale(scale, K: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(K)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+        raise XLSTMKitError(f"scale must be a finite float or None, got {scale!r}")
     return float(scale)
 
 

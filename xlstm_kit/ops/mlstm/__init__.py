@@ -17,6 +17,7 @@ from ..backend import choose_backend, on_device
 from .chunkwise import mlstm_chunkwise_torch
 from .naive import mlstm_recurrent_naive, mlstm_step_naive
 from .parallel import mlstm_parallel_torch
+from ...errors import XLSTMKitError
 
 __all__ = ["mlstm_recurrent", "mlstm_chunkwise", "mlstm_parallel", "mlstm_step"]
 
@@ -34,13 +35,13 @@ def _sequence_dims(q, k, v, i, f) -> tuple[int, int, int, int, int]:
     check_tensor("f", f, (B, T, H), "B,T,H")
     check_same_device(q=q, k=k, v=v, i=i, f=f)
     if min(B, T, H, K, V) < 1:
-        raise ValueError(f"q [B,T,H,K] and v [B,T,H,V] need every size >= 1, got {tuple(q.shape)} and {tuple(v.shape)}")
+        raise XLSTMKitError(f"q [B,T,H,K] and v [B,T,H,V] need every size >= 1, got {tuple(q.shape)} and {tuple(v.shape)}")
     return B, T, H, K, V
 
 
 def _check_state(state, B: int, H: int, K: int, V: int, device, name: str) -> None:
     if not isinstance(state, (tuple, list)) or len(state) != 3:
-        raise ValueError(f"{name} must be a tuple (C [B,H,K,V], n [B,H,K], m [B,H]), got {type(state).__name__}")
+        raise XLSTMKitError(f"{name} must be a tuple (C [B,H,K,V], n [B,H,K], m [B,H]), got {type(state).__name__}")
     C, n, m = state
     check_tensor(f"{name} C", C, (B, H, K, V), "B,H,K,V")
     check_tensor(f"{name} n", n, (B, H, K), "B,H,K")
@@ -50,7 +51,7 @@ def _check_state(state, B: int, H: int, K: int, V: int, device, name: str) -> No
 
 def _check_eps(eps) -> float:
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+        raise XLSTMKitError(f"eps must be a non-negative float, got {eps!r}")
     return float(eps)
 
 

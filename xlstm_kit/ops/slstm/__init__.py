@@ -18,6 +18,7 @@ from .._checks import check_same_device, check_tensor, autocast_off
 from ..backend import choose_backend, on_device
 from .naive import State, slstm_recurrent_naive, slstm_step_naive
 from .recurrent import slstm_recurrent_torch
+from ...errors import XLSTMKitError
 
 __all__ = ["slstm_recurrent", "slstm_step", "slstm_recurrent_naive", "slstm_step_naive"]
 
@@ -27,14 +28,14 @@ STATE_NAMES = ("h", "c", "n", "m")
 
 def _check_common(x_gates, r, b, state, state_name: str, forget_gate) -> None:
     if forget_gate not in FORGET_GATES:
-        raise ValueError(f"forget_gate must be 'sigmoid' or 'exp', got {forget_gate!r}")
+        raise XLSTMKitError(f"forget_gate must be 'sigmoid' or 'exp', got {forget_gate!r}")
     batch, heads, dim = x_gates.shape[0], x_gates.shape[-2], x_gates.shape[-1]
     check_tensor("r", r, (4, heads, dim, dim), "4,H,D,D")
     check_tensor("b", b, (4, heads, dim), "4,H,D")
     tensors = {"x_gates": x_gates, "r": r, "b": b}
     if state is not None:
         if not isinstance(state, (tuple, list)) or len(state) != 4:
-            raise ValueError(f"{state_name} must be a tuple (h, c, n, m) of four [B,H,D] tensors, "
+            raise XLSTMKitError(f"{state_name} must be a tuple (h, c, n, m) of four [B,H,D] tensors, "
                              f"expected each of shape [{batch}, {heads}, {dim}]")
         for name, s in zip(STATE_NAMES, state):
             check_tensor(f"{state_name}.{name}", s, (batch, heads, dim), "B,H,D")
@@ -67,12 +68,12 @@ def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
     """
     check_tensor("x_gates", x_gates, (None, None, 4, None, None), "B,T,4,H,D")
     if x_gates.shape[1] == 0:
-        raise ValueError("x_gates [B,T,4,H,D] must have at least one time step (T >= 1)")
+        raise XLSTMKitError("x_gates [B,T,4,H,D] must have at least one time step (T >= 1)")
     _check_common(x_gates, r, b, initial_state, "initial_state", forget_gate)
     if recurrent_grad_clip is not None and (
             isinstance(recurrent_grad_clip, bool) or not isinstance(recurrent_grad_clip, numbers.Real)
             or not recurrent_grad_clip > 0):
-        raise ValueError(f"recurrent_grad_clip must be None or a positive number, got {recurrent_grad_clip!r}")
+        raise XLSTMKitError(f"recurrent_grad_clip must be None or a positive number, got {recurrent_grad_clip!r}")
     chosen = choose_backend("slstm_recurrent", backend, x_gates.device)
     if chosen == "torch":
         return slstm_recurrent_torch(x_gates, r, b, initial_state=initial_state,

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _mm, _offs, _row
+from .common import _mm, _offs, _ref_factors, _row, _zeros4
 from .pairs import pairs_reference
 
 
@@ -27,10 +27,7 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
     Aqk_ = tl.load(Aqk + pa)
     Abk_ = tl.load(Abk + pa)
     Em = tl.load(E + pa)
-    dA_qk = tl.zeros([L, L], dtype=tl.float32)
-    dA_qa = tl.zeros([L, L], dtype=tl.float32)
-    dA_bk = tl.zeros([L, L], dtype=tl.float32)
-    dA_ba = tl.zeros([L, L], dtype=tl.float32)
+    dA_qk, dA_qa, dA_bk, dA_ba = _zeros4(L, L)
     for v0 in range(0, V, BV):
         vv = v0 + tl.arange(0, BV)
         pv = _offs(bh, t0, rows, vv, Tp, V)
@@ -63,6 +60,24 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
 
 
 @triton.jit
+def _pair_grad(dA, dX, y, x_off, x_in, below, inblk, fac, LO: tl.constexpr, PREC: tl.constexpr):
+    """One pair matrix's share of `_bwd_dk` in one [L, S] column block: δA (pointers, [L, S]) split
+    into the rows below the block (reference point G_end) and inside it (G_mid). x_off, x_in: the
+    x operand times its row factors; y: the y operand of the block's rows [S, BK]; fac: the factors
+    (fx_off, fx_in [L, BK], fy_off, fy_in [S, BK]). Returns dX + this matrix's δx [L, BK], and its
+    δy of the block's rows [S, BK]."""
+    fx_off, fx_in, fy_off, fy_in = fac
+    d = tl.load(dA)
+    d_off = tl.where(below[:, None], d, 0.0)
+    d_in = tl.where(inblk[:, None], d, 0.0)
+    dX += (fx_off * _mm(d_off, y * fy_off, LO, PREC)
+           + fx_in * _mm(d_in, y * fy_in, LO, PREC))
+    dy = (fy_off * _mm(tl.trans(d_off), x_off, LO, PREC)
+          + fy_in * _mm(tl.trans(d_in), x_in, LO, PREC))
+    return dX, dy
+
+
+@triton.jit
 def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d, dqa_d,
             dq, dk, da, db, dg, scale, Tp, NC,
             K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
@@ -83,10 +98,7 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
     eG = tl.exp(Gc.to(tl.float32))
     dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
     eGl = tl.exp(g_last.to(tl.float32))
-    dKd = tl.zeros([L, BK], dtype=tl.float32)
-    dAd = tl.zeros([L, BK], dtype=tl.float32)
-    dQg = tl.zeros([L, BK], dtype=tl.float32)
-    GW = tl.zeros([L, BK], dtype=tl.float32)                     # Eᵀ δW = −GC hᵀ = δB←
+    dKd, dAd, dQg, GW = _zeros4(L, BK)                           # GW: Eᵀ δW = −GC hᵀ = δB←
     hdh = tl.zeros([BK], dtype=tl.float32)
     for v0 in range(0, V, BV):
         vv = v0 + tl.arange(0, BV)
@@ -103,10 +115,7 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
     kx = tl.load(k + pk).to(tl.float32)
     ax = tl.load(a + pk).to(tl.float32)
     bx = tl.load(b + pk).to(tl.float32)
-    dXq = tl.zeros([L, BK], dtype=tl.float32)
-    dXb = tl.zeros([L, BK], dtype=tl.float32)
-    dYk = tl.zeros([L, BK], dtype=tl.float32)
-    dYa = tl.zeros([L, BK], dtype=tl.float32)
+    dXq, dXb, dYk, dYa = _zeros4(L, BK)
     cols = tl.arange(0, S)
     # Pair matrices, column sub-chunk by sub-chunk with the forward's reference points (package
     # docstring): rows below J use G_end(J), rows inside J use G_mid(J); δA is read one [L, S]
@@ -119,15 +128,10 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
         ci = j0 + cols
         py = _offs(bh, t0, ci, kr, Tp, K)                                     # [S, BK]
         pd = _offs(bh * NC + n, 0, rows, ci, L, L)                            # [L, S]
-        g_end = tl.load(G + _row(bh, t0 + j0 + S - 1, kr, Tp, K))
-        g_mid = tl.load(G + _row(bh, t0 + j0 + S // 2 - 1, kr, Tp, K))
         below = rows >= j0 + S
         inblk = (rows >= j0) & (rows < j0 + S)
-        fx_off = tl.exp(tl.where(below[:, None], Gc - g_end[None, :], float("-inf")).to(tl.float32))
-        fx_in = tl.exp(tl.where(inblk[:, None], Gc - g_mid[None, :], float("-inf")).to(tl.float32))
-        Gy = tl.load(G + py)
-        fy_off = tl.exp((g_end[None, :] - Gy).to(tl.float32))                 # [S, BK] ≤ 1
-        fy_in = tl.exp((g_mid[None, :] - Gy).to(tl.float32))                  # [S, BK] ≤ e^{40}
+        fac = _ref_factors(G, Gc, py, bh, t0 + j0, kr, below, inblk, Tp, K, S)
+        fx_off, fx_in, fy_off, fy_in = fac
         yk = tl.load(k + py).to(tl.float32)
         ya = tl.load(a + py).to(tl.float32)
         xq_off = qs * fx_off
@@ -135,36 +139,13 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
         xb_off = bx * fx_off
         xb_in = bx * fx_in
         place = tl.where(rows[:, None] == ci[None, :], 1.0, 0.0)               # [L, S]
-        # x = q: δA_qk (y = k) and δA_qa (y = a)
-        d = tl.load(dAqk + pd)
-        d_off = tl.where(below[:, None], d, 0.0)
-        d_in = tl.where(inblk[:, None], d, 0.0)
-        dXq += (fx_off * _mm(d_off, yk * fy_off, LO, PREC)
-                + fx_in * _mm(d_in, yk * fy_in, LO, PREC))
-        ck = (fy_off * _mm(tl.trans(d_off), xq_off, LO, PREC)
-              + fy_in * _mm(tl.trans(d_in), xq_in, LO, PREC))
-        d = tl.load(dAqa + pd)
-        d_off = tl.where(below[:, None], d, 0.0)
-        d_in = tl.where(inblk[:, None], d, 0.0)
-        dXq += (fx_off * _mm(d_off, ya * fy_off, LO, PREC)
-                + fx_in * _mm(d_in, ya * fy_in, LO, PREC))
-        ca = (fy_off * _mm(tl.trans(d_off), xq_off, LO, PREC)
-              + fy_in * _mm(tl.trans(d_in), xq_in, LO, PREC))
-        # x = b: δA_bk (y = k) and δA_ba (y = a)
-        d = tl.load(dAbk + pd)
-        d_off = tl.where(below[:, None], d, 0.0)
-        d_in = tl.where(inblk[:, None], d, 0.0)
-        dXb += (fx_off * _mm(d_off, yk * fy_off, LO, PREC)
-                + fx_in * _mm(d_in, yk * fy_in, LO, PREC))
-        ck += (fy_off * _mm(tl.trans(d_off), xb_off, LO, PREC)
-               + fy_in * _mm(tl.trans(d_in), xb_in, LO, PREC))
-        d = tl.load(dAba + pd)
-        d_off = tl.where(below[:, None], d, 0.0)
-        d_in = tl.where(inblk[:, None], d, 0.0)
-        dXb += (fx_off * _mm(d_off, ya * fy_off, LO, PREC)
-                + fx_in * _mm(d_in, ya * fy_in, LO, PREC))
-        ca += (fy_off * _mm(tl.trans(d_off), xb_off, LO, PREC)
-               + fy_in * _mm(tl.trans(d_in), xb_in, LO, PREC))
+        # x = q: δA_qk (y = k) and δA_qa (y = a); x = b: δA_bk and δA_ba
+        dXq, ck = _pair_grad(dAqk + pd, dXq, yk, xq_off, xq_in, below, inblk, fac, LO, PREC)
+        dXq, ca = _pair_grad(dAqa + pd, dXq, ya, xq_off, xq_in, below, inblk, fac, LO, PREC)
+        dXb, ck_b = _pair_grad(dAbk + pd, dXb, yk, xb_off, xb_in, below, inblk, fac, LO, PREC)
+        ck += ck_b
+        dXb, ca_b = _pair_grad(dAba + pd, dXb, ya, xb_off, xb_in, below, inblk, fac, LO, PREC)
+        ca += ca_b
         dYk += _mm(place, ck, LO, PREC)
         dYa += _mm(place, ca, LO, PREC)
     dqk = tl.load(dqk_d + _row(bh, t0, rows, Tp, 1))

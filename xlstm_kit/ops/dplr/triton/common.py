@@ -1,4 +1,5 @@
-"""Helpers shared by the DPLR kernels: the low-precision product `_mm` and the one offset rule.
+"""Helpers shared by the DPLR kernels: the low-precision product `_mm`, the one offset rule, the
+reference-point decay factors of a pair-matrix column block and the accumulator set `_zeros4`.
 
 Every tensor the kernels address is a contiguous [N, T, D] array (inputs and scratch in the chunk
 layout [B·H, Tp, D], pair matrices [B·H·NC, L, L], chunk states [B·H·NC, K, V]); `_offs` gives
@@ -24,6 +25,31 @@ def _offs(n, t0, rows, cols, T, D):
 def _row(n, t, cols, T, D):
     """Offsets of row t, columns `cols`, of item n of a contiguous [N, T, D] array."""
     return (n * T + t) * D + cols
+
+
+@triton.jit
+def _ref_factors(G, Gx, py, bh, t_blk, kk, below, inblk, Tp, K, S: tl.constexpr):
+    """The decay factors of one column block (steps t_blk … t_blk + S − 1) of the pair matrices,
+    with the block's two reference points (package docstring, gate safety): rows below the block
+    take G_end, rows inside it G_mid. Gx [L, BK]: the chunk's G (float64); py: the offsets of the
+    block's rows [S, BK] in G; kk: the BK channels. Returns fx_off, fx_in [L, BK] (0 outside
+    their rows) and fy_off (≤ 1), fy_in (≤ e^{40}) [S, BK], all float32."""
+    g_end = tl.load(G + _row(bh, t_blk + S - 1, kk, Tp, K))
+    g_mid = tl.load(G + _row(bh, t_blk + S // 2 - 1, kk, Tp, K))
+    fx_off = tl.exp(tl.where(below[:, None], Gx - g_end[None, :], float("-inf")).to(tl.float32))
+    fx_in = tl.exp(tl.where(inblk[:, None], Gx - g_mid[None, :], float("-inf")).to(tl.float32))
+    Gy = tl.load(G + py)
+    fy_off = tl.exp((g_end[None, :] - Gy).to(tl.float32))
+    fy_in = tl.exp((g_mid[None, :] - Gy).to(tl.float32))
+    return fx_off, fx_in, fy_off, fy_in
+
+
+@triton.jit
+def _zeros4(M: tl.constexpr, N: tl.constexpr):
+    """Four float32 [M, N] accumulators (one per pair matrix A_qk, A_qa, A_bk, A_ba, or per
+    operand gradient)."""
+    return (tl.zeros([M, N], dtype=tl.float32), tl.zeros([M, N], dtype=tl.float32),
+            tl.zeros([M, N], dtype=tl.float32), tl.zeros([M, N], dtype=tl.float32))
 
 
 @triton.jit

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _mm, _offs, _row
+from .common import _mm, _offs, _ref_factors, _zeros4
 
 
 @triton.jit
@@ -25,22 +25,13 @@ def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
     cols = tl.arange(0, S)
     below = rows >= j0 + S
     inblk = (rows >= j0) & (rows < j0 + S)
-    acc_qk = tl.zeros([L, S], dtype=tl.float32)
-    acc_qa = tl.zeros([L, S], dtype=tl.float32)
-    acc_bk = tl.zeros([L, S], dtype=tl.float32)
-    acc_ba = tl.zeros([L, S], dtype=tl.float32)
+    acc_qk, acc_qa, acc_bk, acc_ba = _zeros4(L, S)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
         px = _offs(bh, t0, rows, kk, Tp, K)                     # [L, BK]
         py = _offs(bh, t0 + j0, cols, kk, Tp, K)                # [S, BK]
         Gx = tl.load(G + px)
-        Gy = tl.load(G + py)
-        g_end = tl.load(G + _row(bh, t0 + j0 + S - 1, kk, Tp, K))        # [BK]
-        g_mid = tl.load(G + _row(bh, t0 + j0 + S // 2 - 1, kk, Tp, K))   # [BK]
-        fx_off = tl.exp(tl.where(below[:, None], Gx - g_end[None, :], float("-inf")).to(tl.float32))
-        fx_in = tl.exp(tl.where(inblk[:, None], Gx - g_mid[None, :], float("-inf")).to(tl.float32))
-        fy_off = tl.exp((g_end[None, :] - Gy).to(tl.float32))
-        fy_in = tl.exp((g_mid[None, :] - Gy).to(tl.float32))
+        fx_off, fx_in, fy_off, fy_in = _ref_factors(G, Gx, py, bh, t0 + j0, kk, below, inblk, Tp, K, S)
         xq = tl.load(q + px).to(tl.float32) * scale
         xb = tl.load(b + px).to(tl.float32)
         yk = tl.load(k + py).to(tl.float32)

@@ -11,26 +11,43 @@ from .common import _mm, _offs, _row
 
 
 @triton.jit
-def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
-               K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
-               HAS_H0: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
-    """Sequential over the chunks of one (b·h, V-tile): V2, O and the state h [K, BV].
-    Hs: [BH, NC, K, V] states entering each chunk; V2, O: [BH, Tp, V]; h0, hT: [BH, K, V]."""
+def _state_start(h_in, HAS_IN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                 BV: tl.constexpr):
+    """The program of a sequential state kernel (grid: V-tile, b·h): (bh, rows [L], kr [K],
+    vv [BV], h) with h the [K, BV] float32 tile of h_in [BH, K, V] (zeros without HAS_IN)."""
     vt_id = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.arange(0, L)
     kr = tl.arange(0, K)
     vv = vt_id * BV + tl.arange(0, BV)
-    if HAS_H0:
-        h = tl.load(h0 + _offs(bh, 0, kr, vv, K, V)).to(tl.float32)
+    if HAS_IN:
+        h = tl.load(h_in + _offs(bh, 0, kr, vv, K, V)).to(tl.float32)
     else:
         h = tl.zeros([K, BV], dtype=tl.float32)
+    return bh, rows, kr, vv, h
+
+
+@triton.jit
+def _chunk_start(Hs, h, bh, n, rows, kr, vv, Tp, NC, K: tl.constexpr, V: tl.constexpr,
+                 L: tl.constexpr):
+    """Stores h as chunk n's entry of Hs [BH, NC, K, V]; returns the offsets of the chunk's rows
+    of the [BH, Tp, K] and [BH, Tp, V] operands and of its [L, L] pair matrix."""
+    tl.store(Hs + _offs(bh * NC + n, 0, kr, vv, K, V), h)
+    t0 = n * L
+    pk = _offs(bh, t0, rows, kr, Tp, K)
+    pv = _offs(bh, t0, rows, vv, Tp, V)
+    return pk, pv, _offs(bh * NC + n, 0, rows, rows, L, L)
+
+
+@triton.jit
+def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
+               K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
+               HAS_H0: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
+    """Sequential over the chunks of one (b·h, V-tile): V2, O and the state h [K, BV].
+    Hs: [BH, NC, K, V] states entering each chunk; V2, O: [BH, Tp, V]; h0, hT: [BH, K, V]."""
+    bh, rows, kr, vv, h = _state_start(h0, HAS_H0, K, V, L, BV)
     for n in range(0, NC):
-        t0 = n * L
-        tl.store(Hs + _offs(bh * NC + n, 0, kr, vv, K, V), h)
-        pk = _offs(bh, t0, rows, kr, Tp, K)
-        pv = _offs(bh, t0, rows, vv, Tp, V)
-        pa = _offs(bh * NC + n, 0, rows, rows, L, L)
+        pk, pv, pa = _chunk_start(Hs, h, bh, n, rows, kr, vv, Tp, NC, K, V, L)
         vt = tl.load(v + pv).to(tl.float32)
         v2 = tl.load(Cm + pv) - tl.dot(tl.load(W + pk), h, input_precision=PREC)
         tl.store(V2 + pv, v2)
@@ -51,22 +68,10 @@ def _bwd_state(Qg, Ad, eGl, Aqa, W, dO, dhT, dH, dV2, dh0, Tp, NC,
     """Reverse-sequential over the chunks of one (b·h, V-tile), seed §三:
         δV2 = (A ⊙ e^{G_L−G}) δh' + A_qaᵀ δO,   δh = Diag(γ_L) δh' + Q←ᵀ δO − Wᵀ δV2.
     dH: [BH, NC, K, V] δ of the state leaving each chunk; dV2: [BH, Tp, V]; dhT, dh0: [BH, K, V]."""
-    vt_id = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    rows = tl.arange(0, L)
-    kr = tl.arange(0, K)
-    vv = vt_id * BV + tl.arange(0, BV)
-    if HAS_DHT:
-        dh = tl.load(dhT + _offs(bh, 0, kr, vv, K, V)).to(tl.float32)
-    else:
-        dh = tl.zeros([K, BV], dtype=tl.float32)
+    bh, rows, kr, vv, dh = _state_start(dhT, HAS_DHT, K, V, L, BV)
     for i in range(0, NC):
         n = NC - 1 - i
-        t0 = n * L
-        tl.store(dH + _offs(bh * NC + n, 0, kr, vv, K, V), dh)
-        pk = _offs(bh, t0, rows, kr, Tp, K)
-        pv = _offs(bh, t0, rows, vv, Tp, V)
-        pa = _offs(bh * NC + n, 0, rows, rows, L, L)
+        pk, pv, pa = _chunk_start(dH, dh, bh, n, rows, kr, vv, Tp, NC, K, V, L)
         do = tl.load(dO + pv).to(tl.float32)
         dv2 = tl.dot(tl.load(Ad + pk), dh, input_precision=PREC)
         dv2 += tl.dot(tl.trans(tl.load(Aqa + pa)), do, input_precision=PREC)

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _ld, _ld_gates, _load_r, _load_r_gates, _log_sigmoid, _mm, _sigmoid, _st, _st_gates, _tanh
+from .common import (_ld, _ld_gates, _ld_init, _load_r, _load_r_gates, _log_sigmoid, _mm, _sigmoid, _st,
+                     _st_gates, _tanh, _tile)
 from .config import SLSTMKernelConfig, block_d, k_chunk
 
 
@@ -56,29 +57,12 @@ def _slstm_bwd_kernel(
 ):
     # Same tiles as the forward ([BD, BT]); the step's matmul is
     # δh^Rᵀ [BD, BT] = Σ_g R_g [BD, BD] @ δg̃_gᵀ [BD, BT].
-    pid_b = tl.program_id(0)
-    hd = tl.program_id(1)
     sdt = DG.dtype.element_ty
-    rb = pid_b * BT + tl.arange(0, BT)
-    rd = tl.arange(0, BD)
-    md = rd < D
-    mask_b = (rb < B)[None, :]
-    mask = md[:, None] & mask_b
-    rb64 = rb.to(tl.int64)
-    HD = NH * D
-    col_s = rb64[None, :] * HD + hd * D
-    col_q = rb64[None, :] * T * HD + hd * D
-    col_x = rb64[None, :] * T * 4 * HD + hd * D
+    hd, rd, rb64, md, mask_b, mask, HD, col_s, col_q, col_x = _tile(B, T, NH, D, BT, BD)
     u0 = rd[:, None]
-
-    if HAS_INIT:
-        c0 = _ld(C0 + col_s + u0, mask, EVEN).to(sdt)
-        n0 = _ld(N0 + col_s + u0, mask, EVEN).to(sdt)
-        m0 = _ld(M0 + col_s + u0, mask, EVEN).to(sdt)
-    else:
-        c0 = tl.zeros([BD, BT], sdt)
-        n0 = tl.zeros([BD, BT], sdt)
-        m0 = tl.zeros([BD, BT], sdt)
+    c0 = _ld_init(C0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
+    n0 = _ld_init(N0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
+    m0 = _ld_init(M0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
 
     # State after the last step; padding gets n = 1 so that 1/n stays finite there.
     ul = (tl.cast(T - 1, tl.int64) * HD + rd)[:, None]

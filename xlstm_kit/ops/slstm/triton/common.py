@@ -3,7 +3,10 @@ split-precision matmul, the R tiles, and the per-gate tuple helpers.
 
 The four gates (i, f, z, o) travel through the kernels as a tuple of four [BD, BT] tiles; every
 per-gate operation is one `tl.static_range(4)` loop, unrolled at compile time into the same
-code the hand-unrolled kernels had (same registers, same instruction order).
+code the hand-unrolled kernels had (same registers, same instruction order). `_tile` and
+`_ld_init` (the program prologue both kernels share) left ptxas's report at sm_90a unchanged and
+the kernels' PTX byte-identical (bf16 D=128, fp32 D=64, bf16 D=256: benchmarks/NOTES-dplr.md,
+"shared kernel code as helpers").
 """
 from __future__ import annotations
 
@@ -65,6 +68,40 @@ def _st(ptr, val, mask, EVEN: tl.constexpr):
         tl.store(ptr, val)
     else:
         tl.store(ptr, val, mask=mask)
+
+
+@triton.jit
+def _tile(B, T, NH, D, BT: tl.constexpr, BD: tl.constexpr):
+    """The program's [BD, BT] tile (grid: batch tile, head): (hd, rd [BD], rb64 [BT], md [BD],
+    mask_b [1, BT], mask [BD, BT], HD = NH·D, col_s, col_q, col_x). The col_* are the batch parts
+    of the addresses [1, BT] of a [B, H, D], [B, T, H, D] and [B, T, 4, H, D] tensor (int64:
+    B·T·4·H·D may pass 2^31); the unit part, which carries the time step, is added inside the
+    time loop, so that no [BD, BT] address tensor is hoisted out of it and kept live in registers
+    across all steps."""
+    pid_b = tl.program_id(0)
+    hd = tl.program_id(1)
+    rb = pid_b * BT + tl.arange(0, BT)
+    rd = tl.arange(0, BD)
+    md = rd < D
+    mask_b = (rb < B)[None, :]
+    mask = md[:, None] & mask_b
+    rb64 = rb.to(tl.int64)
+    HD = NH * D
+    col_s = rb64[None, :] * HD + hd * D
+    col_q = rb64[None, :] * T * HD + hd * D
+    col_x = rb64[None, :] * T * 4 * HD + hd * D
+    return hd, rd, rb64, md, mask_b, mask, HD, col_s, col_q, col_x
+
+
+@triton.jit
+def _ld_init(ptr, mask, HAS: tl.constexpr, EVEN: tl.constexpr, sdt: tl.constexpr, BD: tl.constexpr,
+             BT: tl.constexpr):
+    """A [BD, BT] state tile in the state dtype from ptr, or zeros when not HAS."""
+    if HAS:
+        x = _ld(ptr, mask, EVEN).to(sdt)
+    else:
+        x = tl.zeros([BD, BT], sdt)
+    return x
 
 
 @triton.jit

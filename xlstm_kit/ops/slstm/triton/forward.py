@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _ld, _ld_gates, _load_r, _load_r_gates, _log_sigmoid, _mm, _sigmoid, _st, _st_gates, _tanh
+from .common import (_ld, _ld_gates, _ld_init, _load_r, _load_r_gates, _log_sigmoid, _mm, _sigmoid, _st,
+                     _st_gates, _tanh, _tile)
 from .config import SLSTMKernelConfig, block_d, k_chunk
 
 
@@ -44,35 +45,14 @@ def _slstm_fwd_kernel(
     # KC < BD (large heads): h_{t-1} goes through the L1-resident scratch HX and the matmul
     # loops over K in chunks of KC, reloading R per chunk (it stays in L2).
     # Gate quantities are tuples (i, f, z, o) of [BD, BT] tiles.
-    pid_b = tl.program_id(0)
-    hd = tl.program_id(1)
     sdt = CT.dtype.element_ty
-    rb = pid_b * BT + tl.arange(0, BT)
-    rd = tl.arange(0, BD)
-    md = rd < D
-    mask_b = (rb < B)[None, :]
-    mask = md[:, None] & mask_b
-    rb64 = rb.to(tl.int64)
-    HD = NH * D
-    # Batch parts of the addresses [1, BT] (int64: B*T*4*H*D may pass 2^31); the unit part,
-    # which carries the time step, is added inside the loop, so that no [BD, BT] address tensor
-    # is hoisted out of it and kept live in registers across all steps.
-    col_s = rb64[None, :] * HD + hd * D            # [B, H, D]
-    col_q = rb64[None, :] * T * HD + hd * D        # [B, T, H, D]
-    col_x = rb64[None, :] * T * 4 * HD + hd * D    # [B, T, 4, H, D]
+    hd, rd, rb64, md, mask_b, mask, HD, col_s, col_q, col_x = _tile(B, T, NH, D, BT, BD)
     col_h = rb64[None, :] * 2 * HD + hd * D        # HX [B, 2, H, D]
     u0 = rd[:, None]
-
-    if HAS_INIT:
-        h = _ld(H0 + col_s + u0, mask, EVEN).to(sdt)
-        c = _ld(C0 + col_s + u0, mask, EVEN).to(sdt)
-        n = _ld(N0 + col_s + u0, mask, EVEN).to(sdt)
-        m = _ld(M0 + col_s + u0, mask, EVEN).to(sdt)
-    else:
-        h = tl.zeros([BD, BT], sdt)
-        c = tl.zeros([BD, BT], sdt)
-        n = tl.zeros([BD, BT], sdt)
-        m = tl.zeros([BD, BT], sdt)
+    h = _ld_init(H0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
+    c = _ld_init(C0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
+    n = _ld_init(N0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
+    m = _ld_init(M0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
 
     bias = ()
     for k in tl.static_range(4):

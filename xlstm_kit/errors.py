@@ -1,0 +1,11 @@
+"""The library's own error type.
+
+Every error that xlstm_kit raises for bad input — a wrong shape or dtype, a corrupt checkpoint,
+a missing file, an unusable option — is an `XLSTMKitError` (a `ValueError`, so existing
+`except ValueError` code keeps working). The command line turns it into one line and exit
+status 2; any other exception is a bug and keeps its traceback.
+"""
+
+
+class XLSTMKitError(ValueError):
+    """Bad input to xlstm_kit, explained in one line."""
