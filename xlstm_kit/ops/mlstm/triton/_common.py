@@ -56,3 +56,30 @@ def _dot_r(a, b, MODE: tl.constexpr, PREC: tl.constexpr):
 def _affine_combine(a1, b1, a2, b2):
     """Compose g ↦ b2 + a2·g after g ↦ b1 + a1·g (the left operand is the later step)."""
     return a2 * a1, b2 + a2 * b1
+
+
+@triton.jit
+def _span(i, B: tl.constexpr, N):
+    """Tile i of width B along an extent N: its offsets [B] and their in-bounds mask."""
+    offs = i * B + tl.arange(0, B)
+    return offs, offs < N
+
+
+@triton.jit
+def _chunk_program(c_off, T, NC, L: tl.constexpr, BH_AXIS: tl.constexpr):
+    """Chunk c = program 0 + c_off of b·h = program BH_AXIS: (c, bh, bh64, offs_l [L], rows
+    [L] (its steps), rmask (rows < T), g_base (the b·h's start in the [B,H,NC·L] per-row
+    tensors))."""
+    c = tl.program_id(0) + c_off
+    bh = tl.program_id(BH_AXIS)
+    bh64 = bh.to(tl.int64)
+    offs_l = tl.arange(0, L)
+    rows = c * L + offs_l
+    return c, bh, bh64, offs_l, rows, rows < T, bh64 * NC * L
+
+
+@triton.jit
+def _load_rows(base, rows, rmask, offs, m, HD):
+    """Tile [rows, offs] of one head of a [B, T, H, D] tensor at base (HD = H·D), zeros outside
+    rmask × m, in the tensor's dtype."""
+    return tl.load(base + rows[:, None] * HD + offs[None, :], mask=rmask[:, None] & m[None, :], other=0.0)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _NEG, _dot_l, _dot_r, _seq_base, pow2
+from ._common import _NEG, _chunk_program, _dot_l, _dot_r, _load_rows, _seq_base, _span, pow2
 
 
 @triton.jit
@@ -28,9 +28,9 @@ def _bwd_rows(
     base = _seq_base(bh, 0, T, H, V)
     acc = tl.zeros([BT], dtype=tl.float32)
     for j in range((V + BV - 1) // BV):
-        offs_v = j * BV + tl.arange(0, BV)
+        offs_v, mv = _span(j, BV, V)
         off = base + t[:, None].to(tl.int64) * (H * V) + offs_v[None, :]
-        msk = tm[:, None] & (offs_v < V)[None, :]
+        msk = tm[:, None] & mv[None, :]
         a = tl.load(dh_ptr + off, mask=msk, other=0.0).to(tl.float32)
         y = tl.load(h_ptr + off, mask=msk, other=0.0).to(tl.float32)
         if H_LO:  # h's rounding residual: δh·h is a near-cancelling term of δP
@@ -78,10 +78,9 @@ def _qk_full(q_base, k_base, rows, rmask, HK, L: tl.constexpr, K: tl.constexpr, 
     """S = q kᵀ over all of K, [L, L] float32."""
     S = tl.zeros([L, L], dtype=tl.float32)
     for kt in range((K + BK - 1) // BK):
-        offs_k = kt * BK + tl.arange(0, BK)
-        lk = rmask[:, None] & (offs_k < K)[None, :]
-        qt = tl.load(q_base + rows[:, None] * HK + offs_k[None, :], mask=lk, other=0.0)
-        kk = tl.load(k_base + rows[:, None] * HK + offs_k[None, :], mask=lk, other=0.0)
+        offs_k, mk = _span(kt, BK, K)
+        qt = _load_rows(q_base, rows, rmask, offs_k, mk, HK)
+        kk = _load_rows(k_base, rows, rmask, offs_k, mk, HK)
         S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
     return S
 
@@ -100,17 +99,9 @@ def _bwd_dqk(
     log-gate gradients: dlf[kt] = δlog f, di[kt] = δĩ. Chunk c = program 0 + c_off. DC_LAST:
     dcs_ptr is the float32 δC_T [B·H, K, V] of the last chunk (see last_chunk_apart); D_MODE:
     _dot_r mode of the products with δC."""
-    c = tl.program_id(0) + c_off
+    c, bh, bh64, offs_l, rows, rmask, g_base = _chunk_program(c_off, T, NC, L, 2)
     pid_k = tl.program_id(1)
-    bh = tl.program_id(2)
-    bh64 = bh.to(tl.int64)
-    NVT: tl.constexpr = (V + BV - 1) // BV
-    offs_l = tl.arange(0, L)
-    offs_k = pid_k * BK + tl.arange(0, BK)
-    mk = offs_k < K
-    rows = c * L + offs_l
-    rmask = rows < T
-    g_base = bh64 * NC * L
+    offs_k, mk = _span(pid_k, BK, K)
     st = bh64 * NC + c
     qk_base = _seq_base(bh, 0, T, H, K)
     v_base = v_ptr + _seq_base(bh, 0, T, H, V)
@@ -127,12 +118,10 @@ def _bwd_dqk(
     acc_q = tl.zeros([L, BK], dtype=tl.float32)       # δh C_cᵀ      (inter-chunk part of δq)
     acc_k = tl.zeros([L, BK], dtype=tl.float32)       # v δC_{c+1}ᵀ  (state part of δk)
     zb = tl.zeros([BK], dtype=tl.float32)             # rows of <δC_{c+1}, C_c>
-    for j in range(NVT):
-        offs_v = j * BV + tl.arange(0, BV)
-        mv = offs_v < V
-        lv = rmask[:, None] & mv[None, :]
-        vt = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :], mask=lv, other=0.0)
-        dht = tl.load(dh_base + rows[:, None] * (H * V) + offs_v[None, :], mask=lv, other=0.0)
+    for j in range((V + BV - 1) // BV):
+        offs_v, mv = _span(j, BV, V)
+        vt = _load_rows(v_base, rows, rmask, offs_v, mv, H * V)
+        dht = _load_rows(dh_base, rows, rmask, offs_v, mv, H * V)
         kv_off = offs_k[:, None] * V + offs_v[None, :]
         mkv = mk[:, None] & mv[None, :]
         Cp = tl.load(cs_ptr + st * K * V + kv_off, mask=mkv, other=0.0)     # [BK, BV]
@@ -183,17 +172,8 @@ def _bwd_dv(
 ):
     """δv of one chunk and V-tile: Pᵀ(δh/d) + e^{w} k δC_{c+1}, summing over K-tiles.
     c_off, DC_LAST: as in _bwd_dqk (STATE_MODE is then the mode of the δC products)."""
-    c = tl.program_id(0) + c_off
-    pid_v = tl.program_id(1)
-    bh = tl.program_id(2)
-    bh64 = bh.to(tl.int64)
-    NKT: tl.constexpr = (K + BK - 1) // BK
-    offs_l = tl.arange(0, L)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    mv = offs_v < V
-    rows = c * L + offs_l
-    rmask = rows < T
-    g_base = bh64 * NC * L
+    c, bh, bh64, offs_l, rows, rmask, g_base = _chunk_program(c_off, T, NC, L, 2)
+    offs_v, mv = _span(tl.program_id(1), BV, V)
     st = bh64 * NC + c
     q_base = q_ptr + _seq_base(bh, 0, T, H, K)
     k_base = k_ptr + _seq_base(bh, 0, T, H, K)
@@ -201,12 +181,10 @@ def _bwd_dv(
     rd = tl.load(rd_ptr + g_base + rows)
     S = tl.zeros([L, L], dtype=tl.float32)
     acc = tl.zeros([L, BV], dtype=tl.float32)
-    for kt in range(NKT):
-        offs_k = kt * BK + tl.arange(0, BK)
-        mk = offs_k < K
-        lk = rmask[:, None] & mk[None, :]
-        qt = tl.load(q_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
-        kk = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
+    for kt in range((K + BK - 1) // BK):
+        offs_k, mk = _span(kt, BK, K)
+        qt = _load_rows(q_base, rows, rmask, offs_k, mk, H * K)
+        kk = _load_rows(k_base, rows, rmask, offs_k, mk, H * K)
         S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
         dCn = tl.load(dcs_ptr + (bh64 if DC_LAST else st) * K * V + offs_k[:, None] * V + offs_v[None, :],
                       mask=mk[:, None] & mv[None, :], other=0.0)
@@ -217,6 +195,16 @@ def _bwd_dv(
     dht = tl.load(dh_ptr + off, mask=lv, other=0.0)
     dv = tl.dot(tl.trans((P * rd[:, None]).to(dht.dtype)), dht, input_precision=PREC) + ew[:, None] * acc
     tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=lv)
+
+
+@triton.jit
+def _v_tile(vb, dhb, j, offs_l, rmask, HV, V: tl.constexpr, BV: tl.constexpr):
+    """V-tile j of v and δh at their chunk bases vb, dhb: (offs_v, mv, lv, v_off, vt, dht), with
+    v_off [L, BV] int32 in-chunk offsets (see _bwd_fused) and lv their mask."""
+    offs_v, mv = _span(j, BV, V)
+    lv = rmask[:, None] & mv[None, :]
+    v_off = offs_l[:, None] * HV + offs_v[None, :]
+    return offs_v, mv, lv, v_off, tl.load(vb + v_off, mask=lv, other=0.0), tl.load(dhb + v_off, mask=lv, other=0.0)
 
 
 @triton.jit
@@ -238,16 +226,9 @@ def _bwd_fused(
     writes δv; pass 2 builds δh C_cᵀ and v δC_{c+1}ᵀ with only the 16-bit δS live. v and δh
     are read twice (the second time mostly from L2).
     c_off, DC_LAST, D_MODE: as in _bwd_dqk."""
-    c = tl.program_id(0) + c_off
-    bh = tl.program_id(1)
-    bh64 = bh.to(tl.int64)
+    c, bh, bh64, offs_l, rows, rmask, g_base = _chunk_program(c_off, T, NC, L, 1)
     NVT: tl.constexpr = (V + BV - 1) // BV
-    offs_l = tl.arange(0, L)
-    offs_k = tl.arange(0, BK)
-    mk = offs_k < K
-    rows = c * L + offs_l
-    rmask = rows < T
-    g_base = bh64 * NC * L
+    offs_k, mk = _span(0, BK, K)
     st = bh64 * NC + c
     # Scalar 64-bit bases at the chunk's first row plus 32-bit in-chunk offsets: a 64-bit
     # pointer per element of the [L, K] tiles, held across the V loops, costs 64 registers.
@@ -272,12 +253,7 @@ def _bwd_fused(
     # pass 1: δP = δh vᵀ and δv = (P/d)ᵀ δh + e^{w} k δC_{c+1}
     dP = tl.zeros([L, L], dtype=tl.float32)
     for j in range(NVT):
-        offs_v = j * BV + tl.arange(0, BV)
-        mv = offs_v < V
-        lv = rmask[:, None] & mv[None, :]
-        v_off = offs_l[:, None] * (H * V) + offs_v[None, :]
-        vt = tl.load(vb + v_off, mask=lv, other=0.0)
-        dht = tl.load(dhb + v_off, mask=lv, other=0.0)
+        offs_v, mv, lv, v_off, vt, dht = _v_tile(vb, dhb, j, offs_l, rmask, H * V, V, BV)
         dCn = tl.load(dcsb + offs_k[:, None] * V + offs_v[None, :],
                       mask=mk[:, None] & mv[None, :], other=0.0)            # [BK, BV]
         dP += tl.dot(dht, tl.trans(vt), input_precision=PREC)
@@ -304,12 +280,7 @@ def _bwd_fused(
     acc_k = tl.zeros([L, BK], dtype=tl.float32)
     zb = tl.zeros([BK], dtype=tl.float32)
     for j in range(NVT):
-        offs_v = j * BV + tl.arange(0, BV)
-        mv = offs_v < V
-        lv = rmask[:, None] & mv[None, :]
-        v_off = offs_l[:, None] * (H * V) + offs_v[None, :]
-        vt = tl.load(vb + v_off, mask=lv, other=0.0)
-        dht = tl.load(dhb + v_off, mask=lv, other=0.0)
+        offs_v, mv, lv, v_off, vt, dht = _v_tile(vb, dhb, j, offs_l, rmask, H * V, V, BV)
         kv_off = offs_k[:, None] * V + offs_v[None, :]
         mkv = mk[:, None] & mv[None, :]
         Cp = tl.load(csb + kv_off, mask=mkv, other=0.0)

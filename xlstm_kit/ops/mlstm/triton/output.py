@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _NEG, _dot_l, _dot_r, _seq_base
+from ._common import _NEG, _chunk_program, _dot_l, _dot_r, _load_rows, _seq_base, _span
 
 
 @triton.jit
@@ -21,17 +21,9 @@ def _fwd_out(
     P_SPLIT: P enters P v as two 16-bit parts (hi + lo); H_LO: also writes h's rounding
     residual (float32 h − h) in h's dtype, so the backward's δh·h sees float32 h. Both terms
     enter near-cancelling sums of the backward (δP = δh·(v_s − h_t)/d)."""
-    c = tl.program_id(0)
+    c, bh, bh64, offs_l, rows, rmask, g_base = _chunk_program(0, T, NC, L, 2)
     pid_v = tl.program_id(1)
-    bh = tl.program_id(2)
-    bh64 = bh.to(tl.int64)
-    NKT: tl.constexpr = (K + BK - 1) // BK
-    offs_l = tl.arange(0, L)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    mv = offs_v < V
-    rows = c * L + offs_l
-    rmask = rows < T
-    g_base = bh64 * NC * L
+    offs_v, mv = _span(pid_v, BV, V)
     q_base = q_ptr + _seq_base(bh, 0, T, H, K)
     k_base = k_ptr + _seq_base(bh, 0, T, H, K)
     v_base = v_ptr + _seq_base(bh, 0, T, H, V)
@@ -45,12 +37,10 @@ def _fwd_out(
     S = tl.zeros([L, L], dtype=tl.float32)
     inter = tl.zeros([L, BV], dtype=tl.float32)
     qn = tl.zeros([L], dtype=tl.float32)
-    for kt in range(NKT):
-        offs_k = kt * BK + tl.arange(0, BK)
-        mk = offs_k < K
-        lk = rmask[:, None] & mk[None, :]
-        qt = tl.load(q_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
-        kk = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :], mask=lk, other=0.0)
+    for kt in range((K + BK - 1) // BK):
+        offs_k, mk = _span(kt, BK, K)
+        qt = _load_rows(q_base, rows, rmask, offs_k, mk, H * K)
+        kk = _load_rows(k_base, rows, rmask, offs_k, mk, H * K)
         S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
         Ct = tl.load(cs_ptr + (bh64 * NC + c) * K * V + offs_k[:, None] * V + offs_v[None, :],
                      mask=mk[:, None] & mv[None, :], other=0.0)              # [BK, BV]
@@ -63,8 +53,7 @@ def _fwd_out(
     P = S * scale * tl.exp(tl.where(causal, D, _NEG))                        # [L, L]
     ea = tl.exp(beta + m_prev - m_row)
     nbar = ea * qn * scale + tl.sum(P, axis=1)
-    vt = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :],
-                 mask=rmask[:, None] & mv[None, :], other=0.0)
+    vt = _load_rows(v_base, rows, rmask, offs_v, mv, H * V)
     if P_SPLIT:
         pv = _dot_l(P, vt, 1, PREC)
     else:

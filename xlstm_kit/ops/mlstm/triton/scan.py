@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _NEG, _affine_combine, _dot_l, _seq_base, pow2
+from ._common import _NEG, _affine_combine, _chunk_program, _dot_l, _load_rows, _seq_base, _span, pow2
 
 
 @triton.jit
@@ -47,6 +47,28 @@ def _m_chain(beta_ptr, blo_ptr, u_ptr, m0_ptr, ms_ptr, mf_ptr, NC, L: tl.constex
 
 
 @triton.jit
+def _local_program(T, NC, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr):
+    """Program (chunk c, K-tile × V-tile flattened, b·h) of _fwd_local/_bwd_local: (c, bh, bh64,
+    offs_k, mk, offs_v, mv, pid_v, rows, rmask, g_base) as in _chunk_program / _span."""
+    c, bh, bh64, offs_l, rows, rmask, g_base = _chunk_program(0, T, NC, L, 2)
+    NVT: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(1)
+    pid_v = pid % NVT
+    offs_k, mk = _span(pid // NVT, BK, K)
+    offs_v, mv = _span(pid_v, BV, V)
+    return c, bh, bh64, offs_k, mk, offs_v, mv, pid_v, rows, rmask, g_base
+
+
+@triton.jit
+def _store_local(dc_ptr, dn_ptr, st, dC, dn, offs_k, mk, offs_v, mv, pid_v, K: tl.constexpr, V: tl.constexpr):
+    """A chunk's local term: dC [BK, BV] into dc[st] ([K, V]), dn [BK] into dn[st] ([K]) from
+    the V-tile 0 programs only."""
+    tl.store(dc_ptr + st * K * V + offs_k[:, None] * V + offs_v[None, :], dC, mask=mk[:, None] & mv[None, :])
+    tl.store(dn_ptr + st * K + offs_k, dn, mask=mk & (pid_v == 0))
+
+
+@triton.jit
 def _fwd_local(
     k_ptr, v_ptr, beta_ptr, blo_ptr, ig_ptr, ms_ptr, dc_ptr, dn_ptr,
     T, H, NC,
@@ -55,20 +77,7 @@ def _fwd_local(
 ):
     """Chunk c's own part of the state at its end, stabilized by m_{c+1}: dc[b·h, c] =
     Σ_s e^{w_s} k_s v_sᵀ [K, V], dn[b·h, c] = Σ_s e^{w_s} k_s [K], float32."""
-    c = tl.program_id(0)
-    pid = tl.program_id(1)
-    bh = tl.program_id(2)
-    NVT: tl.constexpr = (V + BV - 1) // BV
-    pid_k = pid // NVT
-    pid_v = pid % NVT
-    bh64 = bh.to(tl.int64)
-    offs_k = pid_k * BK + tl.arange(0, BK)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    mk = offs_k < K
-    mv = offs_v < V
-    rows = c * L + tl.arange(0, L)
-    rmask = rows < T
-    g_base = bh64 * NC * L
+    c, bh, bh64, offs_k, mk, offs_v, mv, pid_v, rows, rmask, g_base = _local_program(T, NC, K, V, L, BK, BV)
     beta = tl.load(beta_ptr + g_base + rows)
     blo = tl.load(blo_ptr + g_base + rows)
     ig = tl.load(ig_ptr + g_base + rows)
@@ -76,15 +85,11 @@ def _fwd_local(
     blo_last = tl.load(blo_ptr + g_base + c * L + L - 1)
     m_next = tl.load(ms_ptr + bh64 * (NC + 1) + c + 1)
     wgt = tl.exp((beta_last - beta) + (blo_last - blo) + ig - m_next)       # [L], ≤ 1
-    kt = tl.load(k_ptr + _seq_base(bh, 0, T, H, K) + rows[:, None] * (H * K) + offs_k[None, :],
-                 mask=rmask[:, None] & mk[None, :], other=0.0)
-    vt = tl.load(v_ptr + _seq_base(bh, 0, T, H, V) + rows[:, None] * (H * V) + offs_v[None, :],
-                 mask=rmask[:, None] & mv[None, :], other=0.0)
+    kt = _load_rows(k_ptr + _seq_base(bh, 0, T, H, K), rows, rmask, offs_k, mk, H * K)
+    vt = _load_rows(v_ptr + _seq_base(bh, 0, T, H, V), rows, rmask, offs_v, mv, H * V)
     kw = kt.to(tl.float32) * wgt[:, None]
-    dC = _dot_l(tl.trans(kw), vt, UPD_MODE, PREC)
-    st = bh64 * NC + c
-    tl.store(dc_ptr + st * K * V + offs_k[:, None] * V + offs_v[None, :], dC, mask=mk[:, None] & mv[None, :])
-    tl.store(dn_ptr + st * K + offs_k, tl.sum(kw, axis=0), mask=mk & (pid_v == 0))
+    _store_local(dc_ptr, dn_ptr, bh64 * NC + c, _dot_l(tl.trans(kw), vt, UPD_MODE, PREC), tl.sum(kw, axis=0),
+                 offs_k, mk, offs_v, mv, pid_v, K, V)
 
 
 @triton.jit
@@ -96,34 +101,17 @@ def _bwd_local(
 ):
     """Chunk c's own part of the δ-state at its start (stabilizers fixed): dc[b·h, c] =
     Σ_t (q̂_t e^{a_t}/d_t) δh_tᵀ [K, V], dn[b·h, c] = Σ_t q̂_t e^{a_t} δn̄_t [K], float32."""
-    c = tl.program_id(0)
-    pid = tl.program_id(1)
-    bh = tl.program_id(2)
-    NVT: tl.constexpr = (V + BV - 1) // BV
-    pid_k = pid // NVT
-    pid_v = pid % NVT
-    bh64 = bh.to(tl.int64)
-    offs_k = pid_k * BK + tl.arange(0, BK)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    mk = offs_k < K
-    mv = offs_v < V
-    rows = c * L + tl.arange(0, L)
-    rmask = rows < T
-    g_base = bh64 * NC * L
+    c, bh, bh64, offs_k, mk, offs_v, mv, pid_v, rows, rmask, g_base = _local_program(T, NC, K, V, L, BK, BV)
     beta = tl.load(beta_ptr + g_base + rows)
     u = tl.load(u_ptr + g_base + rows)
     rd = tl.load(rd_ptr + g_base + rows)
     gg = tl.load(g_ptr + g_base + rows)
     m_prev = tl.load(ms_ptr + bh64 * (NC + 1) + c)
     sea = scale * tl.exp(beta + m_prev - tl.maximum(beta + m_prev, u))
-    qt = tl.load(q_ptr + _seq_base(bh, 0, T, H, K) + rows[:, None] * (H * K) + offs_k[None, :],
-                 mask=rmask[:, None] & mk[None, :], other=0.0).to(tl.float32)
-    dht = tl.load(dh_ptr + _seq_base(bh, 0, T, H, V) + rows[:, None] * (H * V) + offs_v[None, :],
-                  mask=rmask[:, None] & mv[None, :], other=0.0)
-    dC = _dot_l(tl.trans(qt * (sea * rd)[:, None]), dht, UPD_MODE, PREC)
-    st = bh64 * NC + c
-    tl.store(dc_ptr + st * K * V + offs_k[:, None] * V + offs_v[None, :], dC, mask=mk[:, None] & mv[None, :])
-    tl.store(dn_ptr + st * K + offs_k, tl.sum(qt * (sea * gg)[:, None], axis=0), mask=mk & (pid_v == 0))
+    qt = _load_rows(q_ptr + _seq_base(bh, 0, T, H, K), rows, rmask, offs_k, mk, H * K).to(tl.float32)
+    dht = _load_rows(dh_ptr + _seq_base(bh, 0, T, H, V), rows, rmask, offs_v, mv, H * V)
+    _store_local(dc_ptr, dn_ptr, bh64 * NC + c, _dot_l(tl.trans(qt * (sea * rd)[:, None]), dht, UPD_MODE, PREC),
+                 tl.sum(qt * (sea * gg)[:, None], axis=0), offs_k, mk, offs_v, mv, pid_v, K, V)
 
 
 @triton.jit
