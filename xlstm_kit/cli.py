@@ -513,6 +513,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train import (TrainConfig, continue_schedule, init_distributed, load_training_state, lr_at,
                         read_train_meta, resolve_checkpoint, train)
 
+    for flag in ("preset", "tokenizer", "data", "out"):  # an empty value would quietly mean the default
+        if getattr(args, flag) == "":
+            raise UsageError(f"--{flag} is empty; leave it out for the default")
     dist = init_distributed()
     device = _pick_device(args.device) if args.device or not dist.enabled else None
     threads = _use_threads(args.threads, device)

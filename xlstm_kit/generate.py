@@ -84,7 +84,7 @@ def check_token_ids(tokens: torch.Tensor, vocab: int | None, what: str = "tokens
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or (vocab is not None and hi >= vocab):
         bound = f"[0, {vocab - 1}]" if vocab is not None else "[0, vocab_size)"
-        known = f" (vocab_size is {vocab})" if vocab is not None else ""
+        known = f" but vocab_size is {vocab}" if vocab is not None else ""
         raise XLSTMKitError(f"{what} contain ids in [{lo}, {hi}]{known}; ids must lie in {bound}")
 
 
