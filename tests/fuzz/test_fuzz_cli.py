@@ -73,6 +73,9 @@ def _cases(p, rng):
     cases.append(["eval", m, "--device", "cpu", "--data", str(p["binary"])])
     cases.append(["eval", m, "--device", "cpu", "--batch-size", rng.choice(BAD_INTS)])
     cases.append(["experiment", "sweep", "--report-only", "--out", str(tmp / "no-sweep")])
+    cases.append(["experiment", "formal", "--task", "parity", "--model", "xlstm[0:1]", "--device", "cpu",
+                  "--out", str(rng.choice([p["afile"], p["afile"] / "x"]))])
+    cases.append(["experiment", "mqar", "--model", "xlstm[1:0]", "--device", rng.choice(BAD_DEVICES)])
     cases.append(["demo", "--minutes", rng.choice(BAD_FLOATS)])
     cases.append([rng.choice(["trian", "", "--nope"])])
     return cases

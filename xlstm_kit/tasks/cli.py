@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from ..cli import (PROG, UsageError, _Formatter, _nonneg_int, _Parser, _pick_device, _positive_float,
-                   _positive_int)
+from ..cli import (PROG, UsageError, _check_out_dir, _Formatter, _nonneg_int, _Parser, _pick_device,
+                   _positive_float, _positive_int)
 
 DEFAULT_OUT = "runs/experiments"
 PROGRESS_EVERY_S = 15.0
@@ -209,6 +209,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         print(_report_paths(paths))
         return 0
     device = _pick_device(args.device)
+    _check_out_dir(out)
     fields = _run_fields(args)
     make = ex.quick_config if args.quick else ex.RunConfig
 
