@@ -223,3 +223,12 @@ def test_sweep_report_only_on_an_empty_folder(tmp_path, capsys):
     (tmp_path / "bad" / "runs").mkdir(parents=True)
     (tmp_path / "bad" / "runs" / "r.json").write_text("{not json")
     one_line_error(capsys, ["experiment", "sweep", "--report-only", "--out", str(tmp_path / "bad")], "not valid JSON")
+
+
+def test_nan_weights_give_an_error_not_a_traceback():
+    model = _small_model()
+    with torch.no_grad():
+        model.lm_head.weight[3, 0] = float("nan")
+    for t in (0.0, 0.8):
+        with pytest.raises(XLSTMKitError, match="not finite"):
+            model.generate(torch.tensor([1, 2]), 2, temperature=t)

@@ -137,6 +137,11 @@ def generate(
             logits, state = model(tokens, return_state=True)  # parallel prefill
             finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
             next_logits = logits[:, -1]
+            # one check per call, not per token: NaN weights (or an overflow) show here, and
+            # sampling would otherwise fail deep in torch or argmax would pick at random
+            if not bool(torch.isfinite(next_logits).all()):
+                raise XLSTMKitError("the model's logits for the prompt are not finite (NaN or inf); "
+                                    "are its weights finite?")
             step = _pick_stepper(model, tokens, state, cuda_graph, max_new_tokens)
             for n in range(max_new_tokens):
                 nxt = sample_next(next_logits, temperature, top_k, top_p, generator).to(out_dtype)
