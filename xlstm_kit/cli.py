@@ -9,8 +9,9 @@
     xlstm-kit experiment formal --task parity --model "xlstm[0:1]" | mqar --model M | sweep [--jobs N]
 
 Bad input (unknown preset or tokenizer, missing data, empty corpus, incompatible checkpoint,
-invalid numbers) prints one line to stderr and exits with status 2. Set XLSTM_KIT_DEBUG=1 to get
-the full traceback instead.
+invalid numbers, unusable device or output folder) is an ``XLSTMKitError``: it prints one line to
+stderr and exits with status 2. Any other exception is a bug and keeps its traceback. Set
+XLSTM_KIT_DEBUG=1 to get the traceback of bad input too.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
+
+from .errors import XLSTMKitError
 
 PROG = "xlstm-kit"
 DEFAULT_DATA = "builtin:shakespeare"
@@ -39,7 +42,7 @@ _THREADS_HELP = ("CPU threads (default: torch's choice, fewer when other process
                  "busy; OMP_NUM_THREADS, when set, is kept)")
 
 
-class UsageError(Exception):
+class UsageError(XLSTMKitError):
     """A problem with what the user asked for: reported in one line, exit status 2."""
 
 
@@ -241,7 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     de.add_argument("--minutes", type=_positive_float, default=3.0, help="training time budget")
-    de.add_argument("--out", default="runs/demo", metavar="DIR", help="output folder (overwritten)")
+    de.add_argument("--out", default="runs/demo", metavar="DIR",
+                    help="output folder: new, empty, or the folder of an earlier demo (which is replaced)")
+    de.add_argument("--overwrite", action="store_true",
+                    help="replace the training run in --out even if it is not a demo's (its checkpoints, "
+                    "latest, metrics.jsonl and loss.png; other files stay)")
     de.add_argument("--prompt", default="ROMEO:", metavar="TEXT", help="prompt of the sample")
     de.add_argument("--max-new-tokens", type=_nonneg_int, default=300, help="length of the sample")
     de.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
@@ -286,9 +293,33 @@ def _pick_device(name: str | None):
         device = torch.device(name)
     except RuntimeError:
         raise UsageError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda asked for, but no CUDA GPU is available")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name} asked for, but no CUDA GPU is available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: there are only {torch.cuda.device_count()} CUDA GPUs "
+                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise UsageError(f"--device {name} asked for, but MPS is not available")
+    elif device.type != "cpu" or device.index not in (None, 0):
+        # meta, xla, ...: torch knows them, but nothing can be trained or sampled there
+        raise UsageError(f"--device {name} cannot run xlstm-kit; use cpu, cuda or cuda:N")
     return device
+
+
+def _check_out_dir(out: Path, flag: str = "--out") -> None:
+    """Refuses, in one line and before any work, an output folder that cannot be written: an
+    existing file, a path below a file, or a folder without write permission. Creates it."""
+    for parent in (out, *out.parents):
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"{flag} {out}: {parent} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{flag} {out}: cannot create the folder ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {out}: the folder is not writable")
 
 
 def _normalise_data_spec(spec: str) -> str:
@@ -434,6 +465,31 @@ class _Progress:
         self.bar.close()
 
 
+def _is_demo_run(out: Path) -> bool:
+    """True when the training run in `out` was written by `demo` (its checkpoints say so)."""
+    from .checkpoint import read_train_meta, resolve_checkpoint
+
+    try:
+        return read_train_meta(resolve_checkpoint(out)).get("demo") is True
+    except (XLSTMKitError, OSError):
+        return False
+
+
+def _prepare_demo_out(out: Path, overwrite: bool) -> None:
+    """The demo replaces an earlier demo's run in `out`; any other training run (or a file or
+    folder with a run's name) stays unless --overwrite. Files of other names are never touched."""
+    from .train import CHECKPOINTS_DIR, LATEST_FILE, METRICS_FILE, PLOT_FILE
+
+    _check_out_dir(out)
+    present = [n for n in (CHECKPOINTS_DIR, LATEST_FILE, METRICS_FILE, PLOT_FILE) if os.path.lexists(out / n)]
+    if not present:
+        return
+    if not overwrite and not _is_demo_run(out):
+        raise UsageError(f"{out} already holds {', '.join(present)} that no earlier demo wrote; choose "
+                         f"another --out, or add --overwrite to replace that training run")
+    _clear_run(out)
+
+
 def _clear_run(out: Path) -> None:
     import shutil
 
@@ -457,6 +513,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train import (TrainConfig, continue_schedule, init_distributed, load_training_state, lr_at,
                         read_train_meta, resolve_checkpoint, train)
 
+    for flag in ("preset", "tokenizer", "data", "out"):  # an empty value would quietly mean the default
+        if getattr(args, flag) == "":
+            raise UsageError(f"--{flag} is empty; leave it out for the default")
     dist = init_distributed()
     device = _pick_device(args.device) if args.device or not dist.enabled else None
     threads = _use_threads(args.threads, device)
@@ -518,6 +577,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         preset, vocab_size=get_tokenizer(tok_name).vocab_size)
     if device is not None and device.type == "cpu":
         _check_training_memory(model_config, config, preset)
+    if dist.is_main:
+        _check_out_dir(out)
     data = load_data(data_spec, tok_name, val_fraction=val_fraction)
     if dist.is_main:
         _report_skipped(data)
@@ -634,19 +695,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     device = _pick_device(args.device)
     threads = _use_threads(args.threads, device)
     out = Path(args.out)
+    _prepare_demo_out(out, args.overwrite)
     budget = TimeBudget(args.minutes * 60, skip_steps=2, device=device)
     print(f"xlstm_kit demo: the 'tiny' xLSTM (three mLSTM blocks, one sLSTM block) learns Shakespeare "
           f"on {device} for about {args.minutes:g} minutes.", flush=True)
     data = load_data(DEFAULT_DATA, "byte")
     torch.manual_seed(0)
     model = XLSTMLanguageModel(XLSTMConfig.from_name("tiny", vocab_size=data.vocab_size))
-    meta = {"preset": "tiny", "data": DEFAULT_DATA, "tokenizer": "byte", "val_fraction": 0.1}
+    # "demo" marks the run as the demo's own: the next demo may replace it without --overwrite
+    meta = {"preset": "tiny", "data": DEFAULT_DATA, "tokenizer": "byte", "val_fraction": 0.1, "demo": True}
     defaults = _train_defaults("tiny")
     warmup = defaults["warmup_steps"]
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, batches of "
           f"{defaults['batch_size']}x{defaults['seq_len']} bytes, {threads}; "
           f"output in {out}/", flush=True)
-    _clear_run(out)
 
     # Two phases: the warmup steps measure this machine's speed, then the run resumes with as
     # many steps as fit the budget. The learning rate during warmup does not depend on the total,
@@ -730,14 +792,18 @@ def _run(args: argparse.Namespace) -> int:
     if os.environ.get("XLSTM_KIT_DEBUG") == "1":
         return args.func(args)
     from ._extras import MissingExtraError
-    from .data import DataError
-    from .train import CheckpointError
 
     try:
         return args.func(args)
-    except (UsageError, DataError, CheckpointError, MissingExtraError, ValueError, FileNotFoundError) as e:
-        print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
+    except (XLSTMKitError, MissingExtraError) as e:
+        message = e
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+        # a file named on the command line is missing or unreadable: bad input, not a bug
+        from .data import DataError
+
+        message = DataError(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+    print(f"{PROG} {args.command}: error: {_one_line(message)}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

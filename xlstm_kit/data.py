@@ -163,6 +163,8 @@ def list_corpus(spec: str, cache_dir: Path | None = None) -> CorpusListing:
     if not path.exists():
         raise DataError(f"data path {spec!r} does not exist")
     if path.is_file():
+        if not _looks_like_text(path):  # a folder skips such files; one named alone is a mistake
+            raise DataError(f"data file {spec!r} is not UTF-8 text (binary, or another encoding)")
         return CorpusListing((path,))
     files, skipped = [], []
     for p in sorted(path.rglob("*")):

@@ -50,7 +50,9 @@ def sample_next(
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # Shifted so that the best logit is 0, and divided in float64: a tiny temperature (1e-45)
+    # then sends the others to -inf (greedy in effect) instead of overflowing to inf - inf = NaN.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)).double() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -63,6 +65,27 @@ def sample_next(
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# torch has no min/max (nor embedding lookup) for these; their ids would need a lossy cast
+_UNSUPPORTED_ID_DTYPES = (torch.uint16, torch.uint32, torch.uint64)
+
+
+def check_token_ids(tokens: torch.Tensor, vocab: int | None, what: str = "tokens") -> None:
+    """Integer ids in [0, vocab), compared as Python ints: a uint8 or int8 comparison with the
+    vocabulary size would wrap it (256 -> 0)."""
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise XLSTMKitError(f"{what} must hold integer token ids, got dtype {tokens.dtype}")
+    if tokens.dtype in _UNSUPPORTED_ID_DTYPES:
+        raise XLSTMKitError(f"{what} of dtype {tokens.dtype} are not supported; use int64, int32, int16, "
+                            f"int8 or uint8")
+    if tokens.numel() == 0:
+        return
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or (vocab is not None and hi >= vocab):
+        bound = f"[0, {vocab - 1}]" if vocab is not None else "[0, vocab_size)"
+        known = f" but vocab_size is {vocab}" if vocab is not None else ""
+        raise XLSTMKitError(f"{what} contain ids in [{lo}, {hi}]{known}; ids must lie in {bound}")
 
 
 @torch.no_grad()
@@ -80,7 +103,8 @@ def generate(
 ) -> torch.Tensor:
     """Continue `prompt` ([T] or [B, T] ids, T >= 1) by up to `max_new_tokens` tokens.
 
-    Returns prompt + continuation, [T + n] or [B, T + n] with n <= max_new_tokens. After a
+    Returns prompt + continuation, [T + n] or [B, T + n] with n <= max_new_tokens, in the
+    prompt's dtype when that holds every id of the model's vocabulary, else int64. After a
     sequence emits `eos_token_id` it is padded with it; generation stops once all have.
     The model runs in eval mode (no dropout) and is restored to its mode afterwards.
     cuda_graph: replay the decode step as a CUDA graph (None: on CUDA when the model allows it;
@@ -95,12 +119,16 @@ def generate(
     if prompt.shape[-1] < 1:
         raise XLSTMKitError("prompt must hold at least one token (T >= 1)")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    check_token_ids(prompt, vocab, "prompt ids")
     if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
                                      or eos_token_id < 0 or (vocab is not None and eos_token_id >= vocab)):
         raise XLSTMKitError(f"eos_token_id must be None or a token id in [0, {vocab}), got {eos_token_id!r}")
 
     squeeze = prompt.dim() == 1
     tokens = prompt.unsqueeze(0) if squeeze else prompt
+    # New ids keep the prompt's dtype only when it can hold every id of the vocabulary (a uint8
+    # prompt of a 300-token model would wrap 299 to 43): otherwise the result is int64.
+    out_dtype = tokens.dtype if vocab is not None and vocab - 1 <= torch.iinfo(tokens.dtype).max else torch.int64
     was_training = model.training
     model.eval()
     try:
@@ -109,9 +137,14 @@ def generate(
             logits, state = model(tokens, return_state=True)  # parallel prefill
             finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
             next_logits = logits[:, -1]
+            # one check per call, not per token: NaN weights (or an overflow) show here, and
+            # sampling would otherwise fail deep in torch or argmax would pick at random
+            if not bool(torch.isfinite(next_logits).all()):
+                raise XLSTMKitError("the model's logits for the prompt are not finite (NaN or inf); "
+                                    "are its weights finite?")
             step = _pick_stepper(model, tokens, state, cuda_graph, max_new_tokens)
             for n in range(max_new_tokens):
-                nxt = sample_next(next_logits, temperature, top_k, top_p, generator).to(tokens.dtype)
+                nxt = sample_next(next_logits, temperature, top_k, top_p, generator).to(out_dtype)
                 if eos_token_id is not None:
                     nxt = nxt.masked_fill(finished, eos_token_id)
                     finished |= nxt == eos_token_id
@@ -121,7 +154,7 @@ def generate(
                 next_logits, state = step(nxt, state)
     finally:
         model.train(was_training)
-    result = torch.cat([tokens, torch.stack(out, dim=1)], dim=1) if out else tokens.clone()
+    result = torch.cat([tokens.to(out_dtype), torch.stack(out, dim=1)], dim=1) if out else tokens.clone()
     return result.squeeze(0) if squeeze else result
 
 

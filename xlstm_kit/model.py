@@ -112,6 +112,9 @@ class XLSTMConfig:
             _check_positive_int(name, getattr(self, name))
         if self.slstm_heads is not None:
             _check_positive_int("slstm_heads", self.slstm_heads)
+        for name, limit in _SIZE_LIMITS.items():
+            if getattr(self, name) > limit:
+                raise XLSTMKitError(f"{name} must be at most {limit:,}, got {getattr(self, name):,}")
         for name in ("mlstm_proj_factor", "ffn_proj_factor"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -249,6 +252,12 @@ class XLSTMConfig:
         return cls(**{**PRESETS[key], **overrides})
 
 
+# Far above any real model (the largest vocabularies hold ~256K ids, the widest models ~16K
+# channels), far below sizes whose embedding or projections could not be allocated: a corrupt
+# config.json or a typo gets one line instead of an allocator traceback.
+_SIZE_LIMITS = {"vocab_size": 2**24, "d_model": 2**16, "n_blocks": 4096}
+
+
 def _check_positive_int(name: str, v) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise XLSTMKitError(f"{name} must be a positive integer, got {v!r}")
@@ -354,19 +363,14 @@ class XLSTMLanguageModel(nn.Module):
                     )
 
     def _check_tokens(self, tokens, dims: int, what: str) -> None:
+        from .generate import check_token_ids
+
         if not isinstance(tokens, torch.Tensor):
             raise XLSTMKitError(f"{what} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise XLSTMKitError(f"{what} must hold integer token ids, got dtype {tokens.dtype}")
         if tokens.dim() != dims:
             want = "[B, T]" if dims == 2 else "[B]"
             raise XLSTMKitError(f"{what} must have shape {want}, got {list(tokens.shape)}")
-        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
-            lo, hi = int(tokens.min()), int(tokens.max())
-            raise XLSTMKitError(
-                f"{what} contain ids in [{lo}, {hi}] but vocab_size is {self.config.vocab_size}; "
-                f"ids must lie in [0, {self.config.vocab_size - 1}]"
-            )
+        check_token_ids(tokens, self.config.vocab_size, what)
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, state: ModelState | None = None, return_state: bool = False):

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from ..cli import (PROG, UsageError, _Formatter, _nonneg_int, _Parser, _pick_device, _positive_float,
-                   _positive_int)
+from ..cli import (PROG, UsageError, _check_out_dir, _Formatter, _nonneg_int, _Parser, _pick_device,
+                   _positive_float, _positive_int)
 
 DEFAULT_OUT = "runs/experiments"
 PROGRESS_EVERY_S = 15.0
@@ -198,10 +198,18 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     out = Path(args.out)
     command = " ".join([PROG] + [shlex.quote(a) for a in sys.argv[1:]])
     if args.experiment == "sweep" and args.report_only:
-        paths = ex.write_report(ex.load_results(out / "runs"), out)  # keeps the sweep's command
+        if not any((out / "runs").glob("*.json")):
+            raise UsageError(f"--report-only: {out / 'runs'} holds no results (*.json) to report; "
+                             f"run the sweep first, or pass its --out")
+        try:
+            results = ex.load_results(out / "runs")
+        except ValueError as e:  # a results file that is not JSON
+            raise UsageError(f"--report-only: a results file in {out / 'runs'} is not valid JSON ({e})") from None
+        paths = ex.write_report(results, out)  # keeps the sweep's command
         print(_report_paths(paths))
         return 0
     device = _pick_device(args.device)
+    _check_out_dir(out)
     fields = _run_fields(args)
     make = ex.quick_config if args.quick else ex.RunConfig
 
