@@ -31,7 +31,7 @@ def model(**kw):
 def test_round_trip_is_exact(tmp_path, kw):
     m = model(**kw)
     m.save(tmp_path / "ckpt")
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["checksums.json", "config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left
     loaded = XLSTMLanguageModel.load(tmp_path / "ckpt")
     assert loaded.config == m.config
@@ -94,6 +94,9 @@ def test_corrupt_checkpoints_raise_value_error(tmp_path):
 
     cfg_file.write_text(good_cfg)
     weights.write_bytes(good_weights[: len(good_weights) // 2])
+    with pytest.raises(ValueError, match="SHA-256"):
+        XLSTMLanguageModel.load(tmp_path / "c")
+    (tmp_path / "c" / "checksums.json").unlink()  # as written before checksums: safetensors' own checks
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         XLSTMLanguageModel.load(tmp_path / "c")
     weights.write_bytes(b"\x00" * 64)

@@ -376,11 +376,12 @@ def test_resume_with_more_steps_continues_the_learning_rate(data, tmp_path):
 
 
 def test_old_checkpoints_without_new_fields_still_resume(data, tmp_path):
-    # Checkpoints written before tokenizer.json and TrainConfig.decay_anchor existed.
+    # Checkpoints written before tokenizer.json, checksums.json and TrainConfig.decay_anchor existed.
     out = tmp_path / "old"
     T.train(small_model(), data, small_config(steps=3), out, device="cpu", meta={"tokenizer": "byte"})
     ckpt = T.resolve_checkpoint(out)
     (ckpt / "tokenizer.json").unlink()
+    (ckpt / "checksums.json").unlink()  # nor checksums
     state = torch.load(ckpt / T.TRAIN_STATE_FILE, weights_only=True)
     del state["train_config"]["decay_anchor"]
     torch.save(state, ckpt / T.TRAIN_STATE_FILE)

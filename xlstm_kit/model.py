@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -473,7 +474,19 @@ class XLSTMLanguageModel(nn.Module):
             config = XLSTMConfig.from_dict(config_dict)
         except (ValueError, TypeError) as e:
             raise XLSTMKitError(f"{path / checkpoint.CONFIG_FILE} does not describe a valid XLSTMConfig: {e}") from None
-        model = checkpoint.load_state_checked(cls(config), tensors, path / checkpoint.WEIGHTS_FILE)
+        try:
+            target = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError) as e:
+            raise XLSTMKitError(f"device {device!r} is not a torch device: {e}") from None
+        if config.backend == "triton" and target.type != "cuda":
+            # A model trained with the Triton kernels forced is still the same model elsewhere.
+            warnings.warn(f"{path} was saved with backend='triton', which needs CUDA; loading it on "
+                          f"{target.type} with the automatic backend", stacklevel=2)
+            config = dataclasses.replace(config, backend=None)
+        source = path / checkpoint.WEIGHTS_FILE
+        with torch.device("meta"):  # the config's shapes, checked against the file before allocating
+            checkpoint.check_state(cls(config), tensors, source)
+        model = checkpoint.load_state_checked(cls(config), tensors, source, checked=True)
         model.tokenizer_name = checkpoint.read_tokenizer_name(path)
         model.eval()
         return model if device is None else model.to(device)
