@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -330,14 +331,19 @@ def read_train_meta(checkpoint: str | Path) -> dict[str, Any]:
         return {}
     try:
         meta = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{f} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{f} is corrupt: a JSON object was expected")
     fmt = meta.get("format")
     if fmt != CHECKPOINT_FORMAT:
         raise CheckpointError(
             f"checkpoint {checkpoint} has training-state format {fmt!r} (written by xlstm_kit "
             f"{meta.get('xlstm_kit_version', '?')}); this version reads format {CHECKPOINT_FORMAT}"
         )
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{f} is corrupt: step is {step!r}, not a non-negative integer")
     return meta
 
 
@@ -397,6 +403,16 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
             isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
         raise CheckpointError(f"{source}: the optimizer state has {len(groups)} parameter groups, "
                               f"the model's optimizer {len(optimizer.param_groups)}")
+    for mine, theirs in zip(optimizer.param_groups, groups):
+        for key, value in mine.items():  # numeric hyperparameters the next step reads
+            v = theirs.get(key, value)
+            if isinstance(value, bool) or value is None or key == "params":
+                continue  # flags (fused, foreach, ...) may differ between devices; torch reconciles them
+            numbers = v if isinstance(value, tuple) and isinstance(v, (tuple, list)) else (v,)
+            if (type(v) is not type(value) and not (isinstance(value, (int, float)) and isinstance(v, (int, float)))) \
+                    or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in numbers) \
+                    or (isinstance(value, tuple) and len(v) != len(value)):
+                raise CheckpointError(f"{source}: optimizer hyperparameter {key} is {v!r}")
     # torch numbers the parameters 0, 1, ... through the groups in order
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups] \
             or [i for g in groups for i in g["params"]] != list(range(len(params))):
@@ -455,7 +471,7 @@ def _rng_state() -> dict[str, Any]:
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
-def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+def restore_rng(state: dict[str, Any], device: torch.device, source: str | Path = "the checkpoint") -> None:
     """Set torch's generators from a training state; CheckpointError (generators unchanged)
     when torch refuses the saved values."""
     before = _rng_state()
@@ -467,7 +483,7 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
         torch.set_rng_state(before["torch"])
         if before["cuda"]:
             torch.cuda.set_rng_state_all(before["cuda"])
-        raise CheckpointError(f"the checkpoint's RNG state is invalid: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise CheckpointError(f"{source}: the RNG state is invalid: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def save_checkpoint(

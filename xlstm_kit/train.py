@@ -660,7 +660,7 @@ class _Run:
                 )
         load_optimizer_state(self.optimizer, state["optimizer"], ckpt / TRAIN_STATE_FILE)
         load_weights_into(self.model, ckpt)
-        restore_rng(state, self.device)
+        restore_rng(state, self.device, ckpt / TRAIN_STATE_FILE)
         self.step = self.saved_step = int(state["step"])
         self.config = continue_schedule(saved, self.config, self.step)
 

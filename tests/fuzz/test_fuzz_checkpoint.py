@@ -257,8 +257,14 @@ def test_fuzz_training_states(run):
     for case in range(N_STATE_CASES):
         run_dir = _copy(root, "state_case")
         f = run_dir / rel / T.TRAIN_STATE_FILE
-        how = rng.choice(["flip", "truncate", "structure", "structure", "structure"])
-        if how == "flip":
+        how = rng.choice(["flip", "truncate", "structure", "structure", "structure", "meta"])
+        if how == "meta":
+            m = run_dir / rel / T.TRAIN_META_FILE
+            meta = json.loads(m.read_text())
+            meta["step"] = rng.choice([-5, "1", None, 1.0, True])
+            m.write_bytes(rng.choice([b"[1, 2]", b"\xff\xfe{", b"{"]) if rng.random() < 0.3
+                          else json.dumps(meta).encode())
+        elif how == "flip":
             _flip(rng, f)
         elif how == "truncate":
             _truncate(rng, f)
