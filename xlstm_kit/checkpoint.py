@@ -454,6 +454,7 @@ def load_weights_into(model: nn.Module, checkpoint: Path) -> None:
     if config is None or not hasattr(config, "to_dict"):
         from safetensors.torch import load_model as load_weights
 
+        verify_checksum(checkpoint, WEIGHTS_FILE)
         load_weights(model, str(checkpoint / WEIGHTS_FILE))
         return
     saved, tensors = read_model_files(checkpoint)
