@@ -1,14 +1,19 @@
 """Checkpoints on disk: the model format, the training state, run folders and crash-safe writes.
 
-A **model checkpoint** is a folder with ``config.json`` (the model config's fields) and
-``model.safetensors`` (no pickle), plus ``tokenizer.json`` (``{"name": "byte"}``) when the
-tokenizer is known. Saving into an existing folder replaces those files one by one (each
+A **model checkpoint** is a folder with ``config.json`` (the model config's fields),
+``model.safetensors`` (no pickle) and ``checksums.json`` (the SHA-256 of the weights, and in a
+training checkpoint of ``train_state.pt``, verified on load; older checkpoints without it still
+load), plus ``tokenizer.json`` (``{"name": "byte"}``) when the tokenizer is known. Loading
+refuses (CheckpointError, one line) a checksum mismatch, integer or boolean tensors for float
+parameters, NaN/Inf weights, and a config whose shapes do not fit the file (checked before
+anything is allocated). Saving into an existing folder replaces those files one by one (each
 replacement atomic) and leaves other files there (e.g. training state) alone; a new folder is
 written under a temporary name beside the target and renamed into place.
 
 A **training run folder** (``train --out``)::
 
-    latest                      one line: the relative path of the newest complete checkpoint
+    latest                      one line: checkpoints/<name> of the newest complete checkpoint
+                                (nothing else is followed)
     checkpoints/step-00000030/  a model checkpoint + train_state.pt (optimizer, step, RNG)
                                 + train_meta.json (format, step, train config, tokenizer, data)
 
