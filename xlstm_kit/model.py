@@ -470,6 +470,12 @@ class XLSTMLanguageModel(nn.Module):
         if not (path / checkpoint.CONFIG_FILE).exists() and (path / checkpoint.LATEST_FILE).is_file():
             path = checkpoint.resolve_checkpoint(path)
         config_dict, tensors = checkpoint.read_model_files(path)
+        n_blocks = config_dict.get("n_blocks") if isinstance(config_dict, dict) else None
+        in_file = {k.split(".")[1] for k in tensors if k.startswith("blocks.")}
+        if isinstance(n_blocks, int) and n_blocks != len(in_file):
+            # before the config is even validated: that walks all n_blocks positions
+            raise XLSTMKitError(f"{path / checkpoint.WEIGHTS_FILE} holds {len(in_file)} blocks, its "
+                                f"{checkpoint.CONFIG_FILE} says n_blocks={n_blocks}")
         try:
             config = XLSTMConfig.from_dict(config_dict)
         except (ValueError, TypeError) as e:
