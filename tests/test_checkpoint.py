@@ -31,7 +31,7 @@ def model(**kw):
 def test_round_trip_is_exact(tmp_path, kw):
     m = model(**kw)
     m.save(tmp_path / "ckpt")
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["checksums.json", "config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left
     loaded = XLSTMLanguageModel.load(tmp_path / "ckpt")
     assert loaded.config == m.config
@@ -94,6 +94,9 @@ def test_corrupt_checkpoints_raise_value_error(tmp_path):
 
     cfg_file.write_text(good_cfg)
     weights.write_bytes(good_weights[: len(good_weights) // 2])
+    with pytest.raises(ValueError, match="SHA-256"):
+        XLSTMLanguageModel.load(tmp_path / "c")
+    (tmp_path / "c" / "checksums.json").unlink()  # as written before checksums: safetensors' own checks
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         XLSTMLanguageModel.load(tmp_path / "c")
     weights.write_bytes(b"\x00" * 64)
@@ -157,3 +160,182 @@ def test_checkpoint_module_does_not_import_the_model():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not any(name.split(".")[-1] in ("model", "train") for name in imported), imported
+
+
+# ------------------------------------------------------------------------------------------
+# Reliability (issue 14): checksums, refused weights, bounded configs, confined `latest`,
+# temporaries of killed saves, file modes.
+
+
+def _rewrite_weights(folder, change):
+    """Replace the weights with change(tensors) and drop checksums.json (as a checkpoint from
+    before checksums, or one whose checksum was rewritten too): the tensor checks must act."""
+    from safetensors.torch import save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file(change(tensors), str(folder / "model.safetensors"))
+    (folder / "checksums.json").unlink(missing_ok=True)
+
+
+def test_a_flipped_byte_in_the_weights_is_refused(tmp_path):
+    from xlstm_kit.checkpoint import CheckpointError
+
+    model().save(tmp_path / "c")
+    weights = tmp_path / "c" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-7] ^= 0x10  # inside the last tensor: still a valid safetensors file, another value
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="SHA-256") as e:
+        XLSTMLanguageModel.load(tmp_path / "c")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_integer_or_boolean_weights_are_refused_not_cast(tmp_path, dtype):
+    from xlstm_kit.checkpoint import CheckpointError
+
+    model().save(tmp_path / "c")
+    _rewrite_weights(tmp_path / "c", lambda ts: {k: (v * 10).to(dtype) for k, v in ts.items()})
+    with pytest.raises(CheckpointError, match="dtype"):
+        XLSTMLanguageModel.load(tmp_path / "c")
+    _rewrite_weights(tmp_path / "c", lambda ts: {k: (v.to(dtype) if k == "norm.weight" else v.float())
+                                                 for k, v in ts.items()})  # one tensor only
+    with pytest.raises(CheckpointError, match="norm.weight has dtype"):
+        XLSTMLanguageModel.load(tmp_path / "c")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_refused(tmp_path, bad):
+    from xlstm_kit.checkpoint import CheckpointError
+
+    model().save(tmp_path / "c")
+
+    def poison(ts):
+        ts["embedding.weight"][3, 5] = bad
+        return ts
+
+    _rewrite_weights(tmp_path / "c", poison)
+    with pytest.raises(CheckpointError, match="embedding.weight holds NaN or infinite"):
+        XLSTMLanguageModel.load(tmp_path / "c")
+
+
+@pytest.mark.parametrize("field,value", [("vocab_size", 10**9), ("d_model", 2**20), ("n_blocks", 10**8)])
+def test_a_config_naming_a_huge_model_is_refused_before_allocating(tmp_path, field, value):
+    import resource
+
+    model().save(tmp_path / "c")
+    cfg_file = tmp_path / "c" / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), field: value}))
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match="shape|does not match|blocks") as e:
+        XLSTMLanguageModel.load(tmp_path / "c")
+    assert "\n" not in str(e.value)
+    # the weights of such a model need >= 1e9 * 4 bytes; nothing near that was touched
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 200_000  # KiB
+
+
+def test_a_triton_checkpoint_loads_on_the_cpu_with_the_automatic_backend(tmp_path):
+    m = model()
+    m.save(tmp_path / "c")
+    cfg_file = tmp_path / "c" / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "backend": "triton"}))
+    with pytest.warns(UserWarning, match="backend='triton'"):
+        loaded = XLSTMLanguageModel.load(tmp_path / "c", device="cpu")
+    assert loaded.config.backend is None
+    tokens = torch.randint(0, 30, (2, 9))
+    assert torch.equal(loaded(tokens), m.eval()(tokens))
+
+
+@pytest.mark.parametrize("target", ["/etc", "../", "../../etc", "checkpoints/../../outside",
+                                    "checkpoints/step-00000003/../../..", "checkpoints"])
+def test_latest_is_not_followed_outside_the_run(tmp_path, target):
+    from xlstm_kit.checkpoint import CheckpointError, resolve_checkpoint, save_checkpoint
+    from xlstm_kit.train import TrainConfig, make_optimizer
+
+    m = _byte_model()
+    save_checkpoint(tmp_path / "run", m, make_optimizer(m, TrainConfig()), 3, TrainConfig())
+    outside = tmp_path / "outside"  # a model checkpoint a hostile `latest` could point at
+    m.save(outside)
+    (tmp_path / "run" / "latest").write_text(target + "\n")
+    for load in (resolve_checkpoint, XLSTMLanguageModel.load):
+        with pytest.raises(CheckpointError, match="not a checkpoint folder of this run") as e:
+            load(tmp_path / "run")
+        assert "\n" not in str(e.value)
+
+
+def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
+    from xlstm_kit.checkpoint import remove_stale_staging
+
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    ours = [ck / ".tmp-step-00000003-k2_x9q1a", ck / "..tmp-step-00000003-k2_x9q1a.tmp-ab3_de",
+            ck / ".tmp-step-00000012-0123456789ab"]
+    for p in ours:
+        p.mkdir(parents=True)
+        (p / "model.safetensors").write_bytes(b"partial")
+    stale_files = [run / ".latest.4242.0123456789ab.tmp", run / ".metrics.jsonl.17.a1b2c3d4e5f6.tmp"]
+    theirs = [ck / ".tmp-notes", ck / "step-00000003", ck / ".tmp-step-x", run / ".latest.txt",
+              run / "notes.tmp", run / ".latest.4242.tmp", run / "latest"]
+    for p in stale_files:
+        p.write_text("checkpoints/step-00000003\n")
+    for p in theirs:
+        if p.name.startswith("step-") or p.name == ".tmp-notes":
+            p.mkdir()
+        else:
+            p.write_text("keep")
+    remove_stale_staging(run)
+    assert not any(p.exists() for p in ours + stale_files)
+    assert all(p.exists() for p in theirs)
+
+
+_KILLED_SAVE = """
+import os, sys, torch
+import safetensors.torch as st
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit.checkpoint import save_checkpoint
+from xlstm_kit.train import TrainConfig, make_optimizer
+m = XLSTMLanguageModel(XLSTMConfig(vocab_size=30, d_model=32, n_blocks=1, n_heads=2))
+real = st.save_file
+def die(tensors, path, *a, **k):
+    real(tensors, path, *a, **k)
+    os._exit(9)  # a kill -9 right after the weights are written
+st.save_file = die
+save_checkpoint(sys.argv[1], m, make_optimizer(m, TrainConfig()), 5, TrainConfig())
+"""
+
+
+def test_a_kill_during_a_training_save_leaves_only_what_the_next_run_removes(tmp_path):
+    import subprocess
+    import sys
+
+    from xlstm_kit.checkpoint import remove_stale_staging
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])}
+    r = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tmp_path / "run")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 9, r.stderr
+    left = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert len(left) == 1 and left[0].startswith(".tmp-step-00000005-")  # no nested temporary folder
+    remove_stale_staging(tmp_path / "run")
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_checkpoints_honour_the_umask(tmp_path, umask):
+    import os
+    import stat
+
+    from xlstm_kit.checkpoint import save_checkpoint
+    from xlstm_kit.train import TrainConfig, make_optimizer
+
+    old = os.umask(umask)
+    try:
+        m = model()
+        m.save(tmp_path / "plain")
+        final = save_checkpoint(tmp_path / "run", m, make_optimizer(m, TrainConfig()), 1, TrainConfig())
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "plain", final, tmp_path / "run" / "checkpoints"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask, folder
+    for f in [*(tmp_path / "plain").iterdir(), *final.iterdir(), tmp_path / "run" / "latest"]:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f

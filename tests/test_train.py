@@ -376,11 +376,12 @@ def test_resume_with_more_steps_continues_the_learning_rate(data, tmp_path):
 
 
 def test_old_checkpoints_without_new_fields_still_resume(data, tmp_path):
-    # Checkpoints written before tokenizer.json and TrainConfig.decay_anchor existed.
+    # Checkpoints written before tokenizer.json, checksums.json and TrainConfig.decay_anchor existed.
     out = tmp_path / "old"
     T.train(small_model(), data, small_config(steps=3), out, device="cpu", meta={"tokenizer": "byte"})
     ckpt = T.resolve_checkpoint(out)
     (ckpt / "tokenizer.json").unlink()
+    (ckpt / "checksums.json").unlink()  # nor checksums
     state = torch.load(ckpt / T.TRAIN_STATE_FILE, weights_only=True)
     del state["train_config"]["decay_anchor"]
     torch.save(state, ckpt / T.TRAIN_STATE_FILE)
@@ -415,3 +416,79 @@ def test_training_log_records_validation_size(data, tmp_path):
     rows = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     vals = [r for r in rows if "val_loss" in r]
     assert vals and all(r["val_batches"] == 3 and r["val_tokens"] == 3 * 4 * 16 for r in vals)
+
+
+# ------------------------------------------------------------------------------------------
+# Reliability (issue 14): corrupt training states, failed runs, leaked temporaries.
+
+
+def _corrupt(state, how):
+    opt = state["optimizer"]
+    first = sorted(opt["state"])[0]
+    if how in ("optimizer", "rng", "train_config"):
+        del state[how]
+    elif how == "exp_avg":
+        opt["state"][first]["exp_avg"] = opt["state"][first]["exp_avg"].flatten()[:-1]
+    elif how == "exp_avg_sq":
+        opt["state"][first]["exp_avg_sq"] = torch.zeros(5, 5)
+    elif how == "rng_size":
+        state["rng"]["torch"] = state["rng"]["torch"][:100]
+    elif how == "rng_dtype":
+        state["rng"]["torch"] = state["rng"]["torch"].float()
+    elif how == "step":
+        state["step"] = -5
+    elif how == "batch_size":
+        del state["train_config"]["batch_size"]
+
+
+@pytest.mark.parametrize("how", ["optimizer", "rng", "train_config", "exp_avg", "exp_avg_sq", "rng_size",
+                                 "rng_dtype", "step", "batch_size"])
+def test_corrupt_training_states_are_refused_in_one_line(data, tmp_path, how):
+    out = tmp_path / "r"
+    T.train(small_model(), data, small_config(steps=1, eval_at_start=False), out, device="cpu")
+    f = T.resolve_checkpoint(out) / T.TRAIN_STATE_FILE
+    state = torch.load(f, weights_only=True)
+    _corrupt(state, how)
+    torch.save(state, f)
+    with pytest.raises(T.CheckpointError, match="SHA-256"):  # the checksum notices first
+        T.train(small_model(), data, small_config(steps=3), out, resume=True, device="cpu")
+    (f.parent / "checksums.json").unlink()  # a checkpoint from before checksums: the state checks act
+    rng_before = torch.get_rng_state()
+    with pytest.raises(T.CheckpointError) as e:
+        T.train(small_model(), data, small_config(steps=3), out, resume=True, device="cpu")
+    assert "\n" not in str(e.value) and str(f.parent) in str(e.value)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+def test_a_failed_run_leaves_metrics_consistent_with_its_checkpoints(data, tmp_path):
+    def fail_at(step):
+        def callback(event):
+            if isinstance(event, T.StepEvent) and event.step == step:
+                raise RuntimeError("simulated failure")
+        return callback
+
+    # no checkpoint written: no metrics.jsonl either (nothing to resume, nothing to describe)
+    with pytest.raises(RuntimeError, match="simulated"):
+        T.train(small_model(), data, small_config(steps=6, checkpoint_interval=0), tmp_path / "a",
+                device="cpu", callback=fail_at(2))
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+    # a checkpoint at step 3, a failure at step 5: the log stops at the checkpoint
+    with pytest.raises(RuntimeError, match="simulated"):
+        T.train(small_model(), data, small_config(steps=6, checkpoint_interval=3), tmp_path / "b",
+                device="cpu", callback=fail_at(5))
+    rows = [json.loads(l) for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert T.resolve_checkpoint(tmp_path / "b").name == "step-00000003"
+
+
+def test_resume_removes_the_temporaries_of_a_killed_save(data, tmp_path):
+    out = tmp_path / "r"
+    T.train(small_model(), data, small_config(steps=2), out, device="cpu")
+    leaked = [out / "checkpoints" / "..tmp-step-00000004-ab12cd.tmp-ef34gh", out / "checkpoints" / ".tmp-step-00000004-x1"]
+    for p in leaked:
+        p.mkdir()
+    (out / ".latest.999.0123456789ab.tmp").write_text("checkpoints/step-00000004\n")
+    (out / "notes.tmp").write_text("mine")
+    T.train(small_model(), data, small_config(steps=3), out, resume=True, device="cpu")
+    assert not any(p.exists() for p in leaked) and not (out / ".latest.999.0123456789ab.tmp").exists()
+    assert (out / "notes.tmp").read_text() == "mine"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -473,11 +474,29 @@ class XLSTMLanguageModel(nn.Module):
         if not (path / checkpoint.CONFIG_FILE).exists() and (path / checkpoint.LATEST_FILE).is_file():
             path = checkpoint.resolve_checkpoint(path)
         config_dict, tensors = checkpoint.read_model_files(path)
+        n_blocks = config_dict.get("n_blocks") if isinstance(config_dict, dict) else None
+        in_file = {k.split(".")[1] for k in tensors if k.startswith("blocks.")}
+        if isinstance(n_blocks, int) and n_blocks != len(in_file):
+            # before the config is even validated: that walks all n_blocks positions
+            raise XLSTMKitError(f"{path / checkpoint.WEIGHTS_FILE} holds {len(in_file)} blocks, its "
+                                f"{checkpoint.CONFIG_FILE} says n_blocks={n_blocks}")
         try:
             config = XLSTMConfig.from_dict(config_dict)
         except (ValueError, TypeError) as e:
             raise XLSTMKitError(f"{path / checkpoint.CONFIG_FILE} does not describe a valid XLSTMConfig: {e}") from None
-        model = checkpoint.load_state_checked(cls(config), tensors, path / checkpoint.WEIGHTS_FILE)
+        try:
+            target = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError) as e:
+            raise XLSTMKitError(f"device {device!r} is not a torch device: {e}") from None
+        if config.backend == "triton" and target.type != "cuda":
+            # A model trained with the Triton kernels forced is still the same model elsewhere.
+            warnings.warn(f"{path} was saved with backend='triton', which needs CUDA; loading it on "
+                          f"{target.type} with the automatic backend", stacklevel=2)
+            config = dataclasses.replace(config, backend=None)
+        source = path / checkpoint.WEIGHTS_FILE
+        with torch.device("meta"):  # the config's shapes, checked against the file before allocating
+            checkpoint.check_state(cls(config), tensors, source)
+        model = checkpoint.load_state_checked(cls(config), tensors, source, checked=True)
         model.tokenizer_name = checkpoint.read_tokenizer_name(path)
         model.eval()
         return model if device is None else model.to(device)

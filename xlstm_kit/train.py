@@ -12,8 +12,9 @@ backward with accumulation, clipping, learning rate, update), :class:`TimeBudget
 fit a wall-clock budget), :func:`lr_at` / :func:`continue_schedule` (the schedule).
 
 Output folder layout (``out_dir``): the run folder of ``xlstm_kit.checkpoint`` (``latest``,
-``checkpoints/step-N/``) plus ``metrics.jsonl`` (one JSON object per step / validation) and
-``loss.png`` (the loss curve, written at the end when matplotlib is installed).
+``checkpoints/step-N/``) plus ``metrics.jsonl`` (one JSON object per step / validation; after
+a failure it keeps the rows up to the newest checkpoint, and a run that saved none leaves none)
+and ``loss.png`` (the loss curve, written at the end when matplotlib is installed).
 """
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ from torch import nn
 
 from ._extras import install_hint
 from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINTS_DIR, LATEST_FILE, TRAIN_META_FILE,  # noqa: F401
-                         TRAIN_STATE_FILE, CheckpointError, atomic_write, load_training_state,
-                         load_weights_into, read_train_meta, remove_stale_staging, resolve_checkpoint,
-                         restore_rng, save_checkpoint)
+                         TRAIN_STATE_FILE, CheckpointError, atomic_write, load_optimizer_state,
+                         load_training_state, load_weights_into, read_train_meta, remove_stale_staging,
+                         resolve_checkpoint, restore_rng, save_checkpoint)
 from .data import BatchSampler, TokenData, val_batches
 from .errors import XLSTMKitError
 
@@ -620,6 +621,7 @@ class _Run:
         self.emit = callback if (callback is not None and dist.is_main) else (lambda event: None)
         self.optimizer = make_optimizer(model, config)
         self.step = 0
+        self.saved_step: int | None = None  # step of the run's newest checkpoint on disk
         self.committing = False  # inside optimizer.step: an interrupt there cannot be saved
         self.history: list[dict[str, Any]] = []
         self.metrics_path = out_dir / METRICS_FILE if out_dir is not None else None
@@ -643,20 +645,24 @@ class _Run:
         on smoothly when ``config.steps`` changed (:func:`continue_schedule`)."""
         if self.out_dir is None:
             raise XLSTMKitError("resume=True needs out_dir")
+        remove_stale_staging(self.out_dir)
         ckpt = resolve_checkpoint(self.out_dir)
         read_train_meta(ckpt)
         state = load_training_state(ckpt)
-        saved = TrainConfig.from_dict(state["train_config"])
+        try:
+            saved = TrainConfig.from_dict(state["train_config"])
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{ckpt / TRAIN_STATE_FILE} holds an invalid train_config: {e}") from None
         for name in ("batch_size", "seq_len", "seed"):
             if getattr(saved, name) != getattr(self.config, name):
                 raise CheckpointError(
                     f"cannot resume with {name}={getattr(self.config, name)}: the checkpoint was trained "
                     f"with {name}={getattr(saved, name)}"
                 )
+        load_optimizer_state(self.optimizer, state["optimizer"], ckpt / TRAIN_STATE_FILE)
         load_weights_into(self.model, ckpt)
-        self.optimizer.load_state_dict(state["optimizer"])
-        restore_rng(state, self.device)
-        self.step = int(state["step"])
+        restore_rng(state, self.device, ckpt / TRAIN_STATE_FILE)
+        self.step = self.saved_step = int(state["step"])
         self.config = continue_schedule(saved, self.config, self.step)
 
     def open_log(self, resume: bool) -> None:
@@ -674,6 +680,17 @@ class _Run:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    def abandon_log(self) -> None:
+        """After a failure: metrics.jsonl keeps the rows up to the newest checkpoint, the point a
+        resume continues from; a run that saved none (nothing to resume) leaves no log."""
+        if not self.writes or not self.metrics_path.exists():
+            return
+        if self.saved_step is None:
+            self.metrics_path.unlink(missing_ok=True)
+        else:
+            rows = [r for r in self.history if r.get("step", 0) <= self.saved_step]
+            atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+
     def validate(self) -> None:
         c = self.config
         m = evaluate(self.model, self.data.val, seq_len=c.seq_len, batch_size=c.batch_size,
@@ -688,6 +705,7 @@ class _Run:
         if self.writes:
             self.result.checkpoint = save_checkpoint(self.out_dir, self.model, self.optimizer, self.step,
                                                      self.config, self.meta, keep=self.config.keep_checkpoints)
+            self.saved_step = self.step
             self.emit(CheckpointEvent(self.step, self.result.checkpoint))
         if barrier and self.dist.enabled:
             torch_dist.barrier()
@@ -816,4 +834,7 @@ def train(
             run.optimizer.zero_grad(set_to_none=True)
             if not run.committing:
                 run.save(barrier=False)
+        except BaseException:
+            run.abandon_log()
+            raise
     return run.finish()
