@@ -4,7 +4,6 @@ recurrent reference.
 On CPU these run under TRITON_INTERPRET=1 (how CI runs them: `make test` sets it) with tiny
 float32 shapes; the tests marked `gpu` run the issue's correctness list on CUDA.
 """
-import math
 import os
 
 import pytest
