@@ -25,7 +25,6 @@ def cache(tmp_path, monkeypatch):
 
 def run_cli(*args, cache_dir):
     env = {**os.environ, "XLSTM_KIT_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
-    env.pop("XLSTM_KIT_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "xlstm_kit", *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=300)
 

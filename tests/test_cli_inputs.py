@@ -21,7 +21,6 @@ TEXT = "To be, or not to be, that is the question.\n" * 40
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("XLSTM_KIT_DEBUG", raising=False)
     return tmp_path / "cache"
 
 

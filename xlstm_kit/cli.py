@@ -10,8 +10,7 @@
 
 Bad input (unknown preset or tokenizer, missing data, empty corpus, incompatible checkpoint,
 invalid numbers, unusable device or output folder) is an ``XLSTMKitError``: it prints one line to
-stderr and exits with status 2. Any other exception is a bug and keeps its traceback. Set
-XLSTM_KIT_DEBUG=1 to get the traceback of bad input too.
+stderr and exits with status 2. Any other exception is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -789,8 +788,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if os.environ.get("XLSTM_KIT_DEBUG") == "1":
-        return args.func(args)
     from ._extras import MissingExtraError
 
     try:

@@ -21,7 +21,6 @@ BAD_DEVICES = ["meta", "cuda:99", "cpu:7", "xla", "gpu", "nonsense", "cuda:-1", 
 @pytest.fixture
 def places(tmp_path, monkeypatch):
     monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("XLSTM_KIT_DEBUG", raising=False)
     text = tmp_path / "text.txt"
     text.write_text("a small corpus of words\n" * 30)
     binary = tmp_path / "blob.bin"
