@@ -67,6 +67,17 @@ def _sizes(rng):
                 K=pick([1, 2, 4, 16]), V=pick([1, 3, 16]))
 
 
+def _pass_state(t, kwargs, state, step, rng):
+    """A step op takes `state` as an argument; a sequence op as initial_state, maybe asking for
+    the final state too."""
+    if step:
+        t["state"] = state
+        return
+    if state is not None:
+        kwargs["initial_state"] = state
+    kwargs["output_final_state"] = rng.random() < 0.5
+
+
 def _build(rng, op, dtype, s, gen):
     B, T, H, K, V = s["B"], s["T"], s["H"], s["K"], s["V"]
     r = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
@@ -97,12 +108,7 @@ def _build(rng, op, dtype, s, gen):
         state = None
         if rng.random() < 0.4:
             state = (r(B, H, D), r(B, H, D), r(B, H, D).abs() + 0.5, r(B, H, D))
-        if step:
-            t["state"] = state
-        else:
-            if state is not None:
-                kwargs["initial_state"] = state
-            kwargs["output_final_state"] = rng.random() < 0.5
+        _pass_state(t, kwargs, state, step, rng)
         return Case(op, t, kwargs, (), dtype)
     step = op == "dplr_step"
     lead = (B, H) if step else (B, T, H)
@@ -119,14 +125,9 @@ def _build(rng, op, dtype, s, gen):
         gate = ("gk",)
     kwargs = {}
     state = r(B, H, K, V) if rng.random() < 0.4 else None
-    if step:
-        t["state"] = state
-    else:
-        if state is not None:
-            kwargs["initial_state"] = state
-        kwargs["output_final_state"] = rng.random() < 0.5
-        if op != "dplr_recurrent":
-            kwargs["chunk_size"] = rng.choice([1, 3, 16, 64])
+    _pass_state(t, kwargs, state, step, rng)
+    if not step and op != "dplr_recurrent":
+        kwargs["chunk_size"] = rng.choice([1, 3, 16, 64])
     return Case(op, t, kwargs, gate, dtype)
 
 
