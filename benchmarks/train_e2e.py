@@ -9,7 +9,8 @@ Options: --compile-mode block|model (how xlstm_kit models are compiled: `block.c
 every block, the default, or `torch.compile(model)`), --ckpt off|on|both (activation
 checkpointing of every xLSTM block), --only JOB,... (which jobs, in that order), --budget-s S
 (the whole call ends within S seconds; jobs that no longer fit are skipped with a note),
---no-profile, --steps N, --quick (a tiny CPU run, used by tests/bench/test_train_e2e.py).
+--no-profile, --steps N, --quick (a tiny CPU run, used by tests/bench/test_train_e2e.py; its
+"kernels" are the ATen ops of the CPU profile).
 
 Jobs (each in its own child process with its own time limit, so that a crash, an out-of-memory
 or a hang costs its own row only):
@@ -48,6 +49,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -302,7 +304,12 @@ def _build_model(st: dict, quick: bool, device):
         facts.update(flops_per_token=6.0 * matmul_params(model) + attention_flops(L, d, T),
                      config=f"TransformerLM d {d}, {L} blocks, {H} heads, SwiGLU {model.blocks[0].ffn.down.in_features}")
     elif arch == "official":
+        import mlstm_kernels
+        import xlstm
         from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
+
+        facts["packages"] = f"xlstm {xlstm.__version__} ({os.path.dirname(xlstm.__file__)}), " \
+                            f"mlstm_kernels {getattr(mlstm_kernels, '__version__', '?')}"
 
         kernels = dict(chunkwise_kernel="chunkwise--triton_limit_chunk", sequence_kernel="native_sequence__triton",
                        step_kernel="triton") if device.type == "cuda" else \
@@ -414,17 +421,21 @@ def child_model(name: str, st: dict, opts: dict) -> None:
     row["mfu"] = row["tok_s"] * row["flops_per_token"] / (PEAK_TFLOPS * 1e12) if cuda else None
     _emit(row)  # the timing survives a failing profile
 
-    if opts["profile"] and cuda:
+    if opts["profile"]:
         from torch.profiler import ProfilerActivity, profile
 
+        # GPU kernels on CUDA; on a CPU (--quick) the ATen ops stand in for kernels
         n_prof = 2
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             for _ in range(n_prof):
                 step()
             sync()
         events = []
         for e in prof.key_averages():
-            d = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+            if cuda:
+                d = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+            else:
+                d = e.self_cpu_time_total
             if d > 0:
                 events.append((e.key, d / 1e3, float(e.count)))
         _emit(dict(job=name, profile=summarize_kernels(events, n_prof)))
@@ -575,9 +586,10 @@ def _shape_label(shape: dict) -> str:
     return "(" + ", ".join(str(v) for v in shape.values()) + ")"
 
 
-def render(rows: list[dict], notes: list[str], header: dict) -> str:
+def render(rows: list[dict], notes: list[str], header: dict, tables_last: bool = False) -> str:
     """The markdown report: the model table (ratios against the compiled Transformer), the op
-    table, the top kernels per model, notes."""
+    table, the top kernels per model, notes. tables_last: the top kernels and notes first (the
+    device reply keeps only the end of the output)."""
     models = [r for r in rows if r.get("kind") == "model"]
     ops = [r for r in rows if r.get("kind") == "op"]
     ref = next((r for r in models if r.get("job") == "tf_compile" and r.get("tok_s")), None)
@@ -640,16 +652,18 @@ def render(rows: list[dict], notes: list[str], header: dict) -> str:
             else:
                 lines.append(f"| {r['op']} | {r['impl']} | {_shape_label(r['shape'])} | {_fmt(r.get('fwd_ms'), '.2f')} | "
                              f"{_fmt(r.get('fwbw_ms'), '.2f')} | {_fmt(r.get('fwbw_tflops'), '.1f')} | {ratio} |")
+    tables, lines = lines, []
     profiled = [r for r in models if (r.get("profile") or {}).get("top")]
     if profiled:
-        lines += ["", "## Top kernels per step (ms, launches, category)", ""]
+        lines += ["## Top kernels per step (ms, launches, category)", ""]
         for r in profiled:
             top = r["profile"]["top"][:6]
             lines.append(f"- {r['job']}: " + "; ".join(
                 f"`{t['name'][:60]}` {t['ms']:.1f} ms ×{t['launches']:.0f} ({t['category']})" for t in top))
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"
+    parts = [lines, tables] if tables_last else [tables, lines]
+    return "\n\n".join("\n".join(p) for p in parts if p) + "\n"
 
 
 def parse_args(argv=None):
@@ -690,12 +704,23 @@ def main(argv=None) -> int:
                            f"{128 if args.quick else VOCAB}, bf16 autocast, fused AdamW, clip 1.0; xlstm_kit "
                            f"compile mode {args.compile_mode}; activation checkpointing {args.ckpt}"
                            + ("; --quick: CPU, tiny shapes, compile with backend eager" if args.quick else ""))
-    pypath = [str(REPO)]
+    pypath, site = [str(REPO)], None
     if args.wheels:
         site, note = install_wheels(args.wheels, log)
         header["wheels"] = note
         if site:
             pypath.append(site)
+    try:
+        _run_jobs(args, jobs, header, notes, log, pypath, (md_path, jsonl_path, log_path), t_start)
+    finally:
+        log.close()
+        if site:
+            shutil.rmtree(site, ignore_errors=True)
+    return 0
+
+
+def _run_jobs(args, jobs, header, notes, log, pypath, paths, t_start) -> None:
+    md_path, jsonl_path, log_path = paths
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(pypath + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     opts = dict(quick=args.quick, compile_mode=args.compile_mode, steps=args.steps,
@@ -763,9 +788,7 @@ def main(argv=None) -> int:
         save()
     notes.append(f"total wall time {time.time() - t_start:.0f} s")
     save()
-    log.close()
-    print(md_path.read_text(), flush=True)
-    return 0
+    print(render(rows, notes, header, tables_last=True), flush=True)
 
 
 if __name__ == "__main__":

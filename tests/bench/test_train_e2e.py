@@ -122,12 +122,15 @@ def test_budget_spent_skips_every_job_with_a_note(tmp_path):
 
 
 def test_quick_run_times_each_job_in_a_child(tmp_path):
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--steps", "1", "--no-profile",
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--steps", "1",
            "--only", "tf_eager,x71_eager,slstm_ops", "--out", str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     md = (tmp_path / "train_e2e.md").read_text()
-    assert "## Models" in md and md.strip() in r.stdout  # the table is printed at the end
+    # the tables are printed last (the device reply keeps the end of the output)
+    models_table = md[md.index("## Models"):md.index("## Ops")].strip()
+    assert r.stdout.rstrip().endswith(md[md.index("## Ops"):md.index("## Top kernels")].strip())
+    assert models_table in r.stdout
     rows = {row["job"]: row for row in table_rows(md, "Models")}
     assert set(rows) == {"tf_eager", "x71_eager"}
     assert rows["tf_eager"]["× TF"] == "1.00"  # no compiled Transformer here: the eager one is the reference
@@ -138,5 +141,10 @@ def test_quick_run_times_each_job_in_a_child(tmp_path):
     assert models["x71_eager"]["block_types"] == "ms"
     assert models["x71_eager"]["params"] > models["x71_eager"]["matmul_params"] > 0
     assert all(m["tok_s"] > 0 and m["flops_per_token"] > 0 and m["loss_finite"] for m in models.values())
+    for m in models.values():  # the profile summary (ATen ops on the CPU)
+        assert m["profile"]["launches_per_step"] > 0 and m["profile"]["top"]
+        assert sum(m["profile"]["category_share"].values()) == pytest.approx(1.0)
+    assert float(rows["x71_eager"]["launches/step"].replace(",", "")) == pytest.approx(
+        models["x71_eager"]["profile"]["launches_per_step"], abs=1)
     ops = [x for x in raw if x.get("kind") == "op"]
     assert [x["op"] for x in ops] == ["slstm_recurrent"] and ops[0]["fwbw_ms"] > 0
