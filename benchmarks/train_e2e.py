@@ -1,7 +1,8 @@
 """Whole-model training throughput on one GPU, side by side, in one call (issue 15).
 
-The lead's command on the H200 (wheels from `bash ../shared/bench/peer_wheels.sh .whl`; only the
-mlstm-kernels and xlstm wheels are needed; `.whl` is carried):
+The command on the H200, from the repository root (wheels from `bash ../shared/bench/peer_wheels.sh
+.whl`: only the mlstm-kernels and xlstm wheels are needed; the git-ignored `.whl` travels as a
+carried path; give the call a limit at least a minute above --budget-s, default 480 s):
 
     python3 benchmarks/train_e2e.py --wheels .whl --out $OUT
 
@@ -56,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,7 +70,7 @@ MFU_FORMULA = (
     "N = parameters of 2+ dimensions outside the embedding lookup (the LM head counts); mixing, "
     "forward + backward = 3 x forward: attention 3 x L x 2 d T (causal QK^T and PV, T/2 keys on "
     "average); mLSTM 3 x L_m x H x (2 c (K + V) + 4 K V) (full c x c chunk blocks, c = 64, state "
-    "read and update); sLSTM recurrence not counted (its R is in N)"
+    "read and update); the sLSTM recurrent matrices R are in N (used once per token)"
 )
 
 # ------------------------------------------------------------------------------ jobs
@@ -688,8 +690,17 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        child_main(args.child, json.loads(args.child_opts))
-        return 0
+        code = 0
+        try:
+            child_main(args.child, json.loads(args.child_opts))
+        except BaseException:  # noqa: BLE001 - the parent reports the last line of the traceback
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # no interpreter shutdown: a compile-worker pool or CUDA teardown that hangs at exit
+        # would otherwise hold the job until its time limit, results already printed
+        os._exit(code)
     t_start = time.time()
     jobs = job_list(args.only, args.ckpt)
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
