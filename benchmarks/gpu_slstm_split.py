@@ -129,13 +129,15 @@ def plan(name):
         specs += [dict(kind="time", shape=s128, cfg=c) for c in (None, cfg(64), cfg(32))]
         yield "new", specs, 180
     elif name == "compare":  # old vs new default at the shapes
-        specs = [dict(kind="check", shape=(16, 64, 4, 192), cfg=None, seed=1),
-                 dict(kind="check", shape=(8, 64, 4, 384), cfg=None, seed=2),
+        specs = [dict(kind="check", shape=(16, 48, 4, 192), cfg=None, seed=1),
+                 dict(kind="check", shape=(8, 48, 4, 384), cfg=None, seed=2),
                  dict(kind="check", shape=(64, 32, 4, 192), cfg=None, seed=3)]
         specs += [dict(kind="time", shape=s, cfg=None) for s in SHAPES]
-        specs += [dict(kind="time", shape=(16, 1024, 4, 128), cfg=cfg(32)),
-                  dict(kind="time", shape=(16, 2048, 4, 192), cfg=cfg(16, 2))]
-        yield "new", specs, 55
+        specs += [dict(kind="time", shape=(16, 2048, 4, 192), cfg=cfg(16, 1)),
+                  dict(kind="time", shape=(16, 2048, 4, 192), cfg=cfg(16, 2)),
+                  dict(kind="time", shape=(16, 1024, 4, 128), cfg=cfg(16, 1)),
+                  dict(kind="time", shape=(16, 1024, 4, 128), cfg=cfg(32))]
+        yield "new", specs, 62
         yield "old", [dict(kind="time", shape=s, cfg=None, rep=40) for s in SHAPES], 36
 
 

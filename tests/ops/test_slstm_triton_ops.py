@@ -202,9 +202,9 @@ SM90_SCRIPT = r"""
 import os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
-from xlstm_kit.ops.slstm.triton.forward import _slstm_fwd_kernel, flags
+from xlstm_kit.ops.slstm.triton.forward import _slstm_fwd_kernel
 from xlstm_kit.ops.slstm.triton.backward import _slstm_bwd_kernel
-from xlstm_kit.ops.slstm.triton.config import default_config, launch
+from xlstm_kit.ops.slstm.triton.config import default_config, flags, launch
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 FWD_PTRS = "X R RLO BIAS H0 C0 N0 M0 HOUT HS G CS NS MS HT CT NT MT HX CNT".split()

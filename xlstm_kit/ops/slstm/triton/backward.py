@@ -8,8 +8,10 @@ adjoints of c and n carried scaled by n_t, and the stabilizer's adjoint routed t
 way torch.maximum does), so the gradients equal autograd of `naive.slstm_recurrent_naive`.
 The kernel writes δg̃ = δx_gates per step in the state dtype. δR = Σ_t h_{t-1}ᵀ δg̃_t and
 δb = Σ_t δg̃_t are plain batched reductions over all (b, t) left to torch (`op.py`): an
-accumulator for δR ([D, 4D] per program) would not fit on chip. `backward_reference` is the
-same computation through autograd of the PyTorch op.
+accumulator for δR ([D, 4D] per program) would not fit on chip. A head split over P programs
+(`config.SLSTMKernelConfig.block_u`) exchanges δg̃_t through δx_gates itself and a barrier per
+step, as the forward exchanges h_t. `backward_reference` is the same computation through
+autograd of the PyTorch op.
 """
 from __future__ import annotations
 
@@ -19,8 +21,7 @@ import triton.language as tl
 
 from .common import (_ld, _ld_gates, _ld_init, _ld_shared, _load_r, _load_r_chunks, _log_sigmoid, _mm,
                      _sigmoid, _st, _st_gates, _sync, _tanh, _tile)
-from .config import SLSTMKernelConfig, launch
-from .forward import flags, grid_of
+from .config import SLSTMKernelConfig, flags, grid_of, launch
 
 
 @triton.jit

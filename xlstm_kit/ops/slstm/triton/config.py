@@ -83,6 +83,22 @@ def launch(config: SLSTMKernelConfig, dim: int) -> Launch:
     return Launch(bu, p, kc, triton.cdiv(dim, kc), p > 1 or kc < bd)
 
 
+def flags(batch: int, dim: int, bt: int, lc) -> dict:
+    """The EVEN flags of a launch (`config.Launch` lc): no mask on a state tile (batch and
+    units), on R tiles (units and K), on h / δg̃ K chunks (batch and K)."""
+    even_b, even_u, even_k = batch % bt == 0, dim % lc.bu == 0, dim % lc.kc == 0
+    return dict(EVEN=even_b and even_u, EVEN_D=even_u and even_k, EVEN_HK=even_b and even_k)
+
+
+def grid_of(batch: int, heads: int, bt: int, lc, sms) -> tuple:
+    grid = (lc.p, triton.cdiv(batch, bt), heads)
+    if lc.p > 1 and (sms is None or grid[0] * grid[1] * grid[2] > sms):
+        # A program spinning at the barrier for one that cannot start would never return.
+        raise ValueError(f"sLSTM split head: grid {grid} needs {lc.p * grid[1] * heads} programs "
+                         f"at once, the device has {sms} SMs; use block_u=None or a larger block_u")
+    return grid
+
+
 def fits(config: SLSTMKernelConfig, dim: int, batch: int, heads: int, sms: Optional[int]) -> bool:
     """Whether a split head's grid runs all at once: one program per SM."""
     p = launch(config, dim).p

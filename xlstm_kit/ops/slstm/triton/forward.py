@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .common import (_ld, _ld_gates, _ld_init, _ld_shared, _load_r, _load_r_chunks, _log_sigmoid, _mm,
                      _sigmoid, _st, _st_gates, _sync, _tanh, _tile)
-from .config import SLSTMKernelConfig, launch
+from .config import SLSTMKernelConfig, flags, grid_of, launch
 
 
 @triton.jit
@@ -144,22 +144,6 @@ def _slstm_fwd_kernel(
     _st(CT + col_s + u0, c, mask, EVEN)
     _st(NT + col_s + u0, n, mask, EVEN)
     _st(MT + col_s + u0, m, mask, EVEN)
-
-
-def flags(batch: int, dim: int, bt: int, lc) -> dict:
-    """The EVEN flags of a launch (`config.Launch` lc): no mask on a state tile (batch and
-    units), on R tiles (units and K), on h / δg̃ K chunks (batch and K)."""
-    even_b, even_u, even_k = batch % bt == 0, dim % lc.bu == 0, dim % lc.kc == 0
-    return dict(EVEN=even_b and even_u, EVEN_D=even_u and even_k, EVEN_HK=even_b and even_k)
-
-
-def grid_of(batch: int, heads: int, bt: int, lc, sms) -> tuple:
-    grid = (lc.p, triton.cdiv(batch, bt), heads)
-    if lc.p > 1 and (sms is None or grid[0] * grid[1] * grid[2] > sms):
-        # A program spinning at the barrier for one that cannot start would never return.
-        raise ValueError(f"sLSTM split head: grid {grid} needs {lc.p * grid[1] * heads} programs "
-                         f"at once, the device has {sms} SMs; use block_u=None or a larger block_u")
-    return grid
 
 
 def forward(x, r_hi, r_lo, mm: int, b, init, exp_forget: bool, save: bool,
