@@ -124,7 +124,7 @@ def _slstm_fwd_kernel(
         n = f_p * n + i_p
         h = _sigmoid(g_o) * c / n
 
-        if SCRATCH:  # first, so that the barrier's wait overlaps the stores below
+        if SCRATCH:  # the exchanged h first: the barrier's release waits for every store before it
             _st(HX + col_h + (t % 2) * HD + u0, h, mask, EVEN)
         uq = (t64 * HD + ru)[:, None]
         _st(HOUT + col_q + uq, h.to(HOUT.dtype.element_ty), mask, EVEN)
