@@ -231,3 +231,31 @@ def test_gpu_bfloat16_two_times_rule(D, T):
     # absolute 2e-6 keeps those float32 outputs to a float32-level bound instead of 2x of ~1e-7.
     for k, t in zip(k_out + k_grad, t_out + t_grad):
         assert k <= 2 * t + 2e-6, (k_out, k_grad, t_out, t_grad)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("D,block_u", [(192, 64), (192, 32), (128, 64), (128, 32)])
+def test_gpu_split_head_bfloat16(D, block_u):
+    # Each head's units split over D / block_u programs that meet at a barrier every step; bf16
+    # within 2x the bf16 loop's error, initial state and final-state gradients included.
+    config = SLSTMKernelConfig(4, True, block_u=block_u)
+    tensors = make_inputs(16, 300, 3, D, torch.bfloat16, device="cuda")
+    ref_outs, ref_grads, grads = reference(tensors)
+    k_out, k_grad = errors(tensors, grads, ref_outs, ref_grads, triton_fn(config))
+    t_out, t_grad = errors(tensors, grads, ref_outs, ref_grads, slstm_recurrent_naive)
+    for k, t in zip(k_out + k_grad, t_out + t_grad):
+        assert k <= 2 * t + 2e-6, (k_out, k_grad, t_out, t_grad)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])
+def test_gpu_split_head_float32_default_and_masked(forget_gate):
+    # The default at D = 192 splits the head (R split in two: float32 weights); D = 48 over three
+    # programs of 16 units with B = 5: padded batch columns in the exchanged h and δg̃.
+    tensors = make_inputs(16, 200, 2, 192, torch.float32, device="cuda", forget_gate=forget_gate)
+    check_against_reference(tensors, 1e-4, forget_gate=forget_gate, recurrent_grad_clip=5.0)
+    tensors = make_inputs(5, 100, 2, 48, torch.float32, device="cuda", forget_gate=forget_gate)
+    check_against_reference(tensors, 1e-4, fn=triton_fn(SLSTMKernelConfig(4, True, block_u=16)),
+                            forget_gate=forget_gate)

@@ -20,7 +20,7 @@ triton_slstm = pytest.importorskip("xlstm_kit.ops.slstm.triton")
 from xlstm_kit.ops.slstm.triton import backward as bwd_phase  # noqa: E402
 from xlstm_kit.ops.slstm.triton import forward as fwd_phase  # noqa: E402
 from xlstm_kit.ops.slstm.triton.common import prepare_r  # noqa: E402
-from xlstm_kit.ops.slstm.triton.config import SLSTMKernelConfig, default_config  # noqa: E402
+from xlstm_kit.ops.slstm.triton.config import SLSTMKernelConfig, default_config, fits, launch  # noqa: E402
 from xlstm_kit.ops.slstm.triton.step import step_reference  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -51,6 +51,32 @@ def test_config_is_typed_and_frozen():
                 dict(num_warps=4, r_resident=True, k_chunk=24)):
         with pytest.raises(ValueError):
             SLSTMKernelConfig(**bad)
+
+
+def test_default_config_splits_heads_only_when_the_grid_fits():
+    # D = 192 at the 125M shape: 12 programs of 16 units per head, K in 3 chunks of 64 (no
+    # padding to 256); 4x the batch: 32 units per program, so that 96 programs fit on 132 SMs.
+    cfg = default_config(192, 1, 16, 4, 132)
+    assert cfg.block_u == 16 and cfg.r_resident
+    lc = launch(cfg, 192)
+    assert (lc.p, lc.kc, lc.nkc) == (12, 64, 3)
+    assert default_config(192, 1, 64, 4, 132).block_u == 32
+    # Without the device facts (CPU, the interpreter), or when the split grid would not fit on
+    # the GPU at once, one program per head.
+    assert default_config(192, 1).block_u is None
+    assert default_config(192, 1, 1024, 4, 132).block_u is None
+    assert fits(default_config(384, 1, 8, 4, 132), 384, 8, 4, 132)
+
+
+def test_split_config_refused_without_room():
+    # A barrier whose programs cannot all run at once would spin forever: refused before launch.
+    x, r, b, init = inputs(B=3, T=2, D=32)
+    r_hi, r_lo, mm = prepare_r(r, torch.float32)
+    with pytest.raises(ValueError, match="split head"):
+        fwd_phase.forward(x, r_hi, r_lo, mm, b, init, False, False,
+                          SLSTMKernelConfig(4, True, block_u=16), sms=None)
+    with pytest.raises(ValueError, match="block_u"):
+        SLSTMKernelConfig(4, True, block_u=24)
 
 
 @needs_interpreter
@@ -178,11 +204,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from xlstm_kit.ops.slstm.triton.forward import _slstm_fwd_kernel
 from xlstm_kit.ops.slstm.triton.backward import _slstm_bwd_kernel
-from xlstm_kit.ops.slstm.triton.config import default_config
+from xlstm_kit.ops.slstm.triton.config import default_config, flags, launch
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-FWD_PTRS = "X R RLO BIAS H0 C0 N0 M0 HOUT HS G CS NS MS HT CT NT MT HX".split()
-BWD_PTRS = "R RLO DH G CS NS MS C0 N0 M0 DHT DCT DNT DMT DG DH0 DC0 DN0 DM0".split()
+FWD_PTRS = "X R RLO BIAS H0 C0 N0 M0 HOUT HS G CS NS MS HT CT NT MT HX CNT".split()
+BWD_PTRS = "R RLO DH G CS NS MS C0 N0 M0 DHT DCT DNT DMT DG DH0 DC0 DN0 DM0 CNT".split()
 
 def build(fn, ptrs, consts, num_warps, x_type, r_type):
     sig = {}
@@ -190,7 +216,8 @@ def build(fn, ptrs, consts, num_warps, x_type, r_type):
         if name in consts:
             sig[name] = "constexpr"
         elif name in ptrs:
-            sig[name] = x_type if name in ("X", "HOUT", "DH") else r_type if name in ("R", "RLO") else "*fp32"
+            sig[name] = ("*i32" if name == "CNT" else x_type if name in ("X", "HOUT", "DH")
+                         else r_type if name in ("R", "RLO") else "*fp32")
         else:
             sig[name] = "fp32" if name == "clip" else "i32"
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
@@ -203,10 +230,14 @@ def build(fn, ptrs, consts, num_warps, x_type, r_type):
     spills = re.search(r"(\d+) bytes spill stores", out).group(1)
     print(fn.__name__, x_type, "regs", regs, "spill_bytes", spills)
 
-for x_type, dim, mm in (("*bf16", 128, 1), ("*fp32", 64, 2)):
-    cfg = default_config(dim, mm)
-    common = dict(BT=cfg.block_b, BD=dim, KC=dim, EVEN=True, EVEN_D=True, EXP_FORGET=False,
-                  HAS_INIT=True, MM=mm, R_RESIDENT=cfg.r_resident, PREFETCH=cfg.prefetch)
+# bf16 D = 128 (one program per head), float32 D = 64 (split R), bf16 D = 192 split over 3
+for x_type, dim, mm, cfg in (("*bf16", 128, 1, default_config(128, 1)),
+                             ("*fp32", 64, 2, default_config(64, 2)),
+                             ("*bf16", 192, 1, default_config(192, 1, 16, 4, 132))):
+    lc = launch(cfg, dim)
+    common = dict(BT=cfg.block_b, BU=lc.bu, KC=lc.kc, NKC=lc.nkc, **flags(16, dim, cfg.block_b, lc),
+                  EXP_FORGET=False, HAS_INIT=True, MM=mm, R_RESIDENT=cfg.r_resident,
+                  PREFETCH=cfg.prefetch, SCRATCH=lc.scratch, SYNC=lc.p > 1)
     build(_slstm_fwd_kernel, FWD_PTRS, dict(common, SAVE=True, SAVE_H=x_type != "*fp32"),
           cfg.num_warps, x_type, "*bf16")
     build(_slstm_bwd_kernel, BWD_PTRS, dict(common, HAS_DH=True, HAS_DFINAL=True, CLIP=True),
@@ -223,4 +254,4 @@ def test_kernels_compile_for_sm90():
     res = subprocess.run([sys.executable, "-c", SM90_SCRIPT], capture_output=True, text=True,
                          env=env, cwd=root, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("regs") == 4, res.stdout
+    assert res.stdout.count("regs") == 6, res.stdout

@@ -8,8 +8,10 @@ adjoints of c and n carried scaled by n_t, and the stabilizer's adjoint routed t
 way torch.maximum does), so the gradients equal autograd of `naive.slstm_recurrent_naive`.
 The kernel writes δg̃ = δx_gates per step in the state dtype. δR = Σ_t h_{t-1}ᵀ δg̃_t and
 δb = Σ_t δg̃_t are plain batched reductions over all (b, t) left to torch (`op.py`): an
-accumulator for δR ([D, 4D] per program) would not fit on chip. `backward_reference` is the
-same computation through autograd of the PyTorch op.
+accumulator for δR ([D, 4D] per program) would not fit on chip. A head split over P programs
+(`config.SLSTMKernelConfig.block_u`) exchanges δg̃_t through δx_gates itself and a barrier per
+step, as the forward exchanges h_t. `backward_reference` is the same computation through
+autograd of the PyTorch op.
 """
 from __future__ import annotations
 
@@ -17,26 +19,26 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_ld, _ld_gates, _ld_init, _load_r, _load_r_gates, _log_sigmoid, _mm, _sigmoid, _st,
-                     _st_gates, _tanh, _tile)
-from .config import SLSTMKernelConfig, block_d, k_chunk
+from .common import (_ld, _ld_gates, _ld_init, _ld_shared, _load_r, _load_r_chunks, _log_sigmoid, _mm,
+                     _sigmoid, _st, _st_gates, _sync, _tanh, _tile)
+from .config import SLSTMKernelConfig, flags, grid_of, launch
 
 
 @triton.jit
-def _load_step(G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, rd, mask, t, HD,
+def _load_step(G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, t, HD,
                HAS_DH: tl.constexpr, EVEN: tl.constexpr, sdt: tl.constexpr):
     """Everything step t's backward reads that does not depend on the reverse recurrence:
     the gate pre-activations (a tuple i, f, z, o) and δh^ext of step t, and the state (c, n, m)
     before step t (the initial state when t = 0). t < 0 is clamped (a harmless re-read, never
     used)."""
     tc = tl.cast(tl.maximum(t, 0), tl.int64)
-    ux = (tc * 4 * HD + rd)[:, None]
+    ux = (tc * 4 * HD + ru)[:, None]
     g = _ld_gates(G + col_x, ux, HD, mask, EVEN)
     if HAS_DH:
-        dh = _ld(DH + col_q + (tc * HD + rd)[:, None], mask, EVEN).to(sdt)
+        dh = _ld(DH + col_q + (tc * HD + ru)[:, None], mask, EVEN).to(sdt)
     else:
         dh = tl.zeros(g[0].shape, sdt)
-    up = (tl.maximum(tc - 1, 0) * HD + rd)[:, None]
+    up = (tl.maximum(tc - 1, 0) * HD + ru)[:, None]
     first = t <= 0
     c_p = tl.where(first, c0, _ld(CS + col_q + up, mask, EVEN))
     n_p = tl.where(first, n0, _ld(NS + col_q + up, mask, EVEN))
@@ -49,23 +51,26 @@ def _slstm_bwd_kernel(
     R, RLO, DH, G, CS, NS, MS, C0, N0, M0,   # R: the forward's weights
     DHT, DCT, DNT, DMT,                      # gradients of the final state
     DG, DH0, DC0, DN0, DM0,                  # outputs
-    B, T, NH, D, clip,
-    BT: tl.constexpr, BD: tl.constexpr, KC: tl.constexpr, EVEN: tl.constexpr,
-    EVEN_D: tl.constexpr, EXP_FORGET: tl.constexpr, HAS_INIT: tl.constexpr,
+    CNT,                                     # barrier counters [groups]
+    B, T, NH, D, P, clip,
+    BT: tl.constexpr, BU: tl.constexpr, KC: tl.constexpr, NKC: tl.constexpr, EVEN: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_HK: tl.constexpr, EXP_FORGET: tl.constexpr, HAS_INIT: tl.constexpr,
     HAS_DH: tl.constexpr, HAS_DFINAL: tl.constexpr, CLIP: tl.constexpr, MM: tl.constexpr,
-    R_RESIDENT: tl.constexpr, PREFETCH: tl.constexpr,
+    R_RESIDENT: tl.constexpr, PREFETCH: tl.constexpr, SCRATCH: tl.constexpr, SYNC: tl.constexpr,
 ):
-    # Same tiles as the forward ([BD, BT]); the step's matmul is
-    # δh^Rᵀ [BD, BT] = Σ_g R_g [BD, BD] @ δg̃_gᵀ [BD, BT].
+    # Same tiles as the forward ([BU, BT]); the step's matmul is
+    # δh^Rᵀ [BU, BT] = Σ_g R_g[units, :] [BU, D] @ δg̃_gᵀ [D, BT]. SCRATCH: every program
+    # writes its units' δg̃_t to DG (the output), and after the group's barrier (SYNC) reads
+    # the whole δg̃_t back in K chunks; each step has its own place in DG, so no slots.
     sdt = DG.dtype.element_ty
-    hd, rd, rb64, md, mask_b, mask, HD, col_s, col_q, col_x = _tile(B, T, NH, D, BT, BD)
-    u0 = rd[:, None]
-    c0 = _ld_init(C0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
-    n0 = _ld_init(N0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
-    m0 = _ld_init(M0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
+    hd, grp, ru, rb64, md, mask_b, mask, HD, col_s, col_q, col_x = _tile(B, T, NH, D, BT, BU)
+    u0 = ru[:, None]
+    c0 = _ld_init(C0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
+    n0 = _ld_init(N0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
+    m0 = _ld_init(M0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
 
     # State after the last step; padding gets n = 1 so that 1/n stays finite there.
-    ul = (tl.cast(T - 1, tl.int64) * HD + rd)[:, None]
+    ul = (tl.cast(T - 1, tl.int64) * HD + ru)[:, None]
     c_cur = _ld(CS + col_q + ul, mask, EVEN)
     n_cur = _ld(NS + col_q + ul, mask, EVEN)
     if not EVEN:
@@ -78,27 +83,28 @@ def _slstm_bwd_kernel(
         n_hat = _ld(DNT + col_s + u0, mask, EVEN).to(sdt) * n_cur  # n_T δn_T
         dm = _ld(DMT + col_s + u0, mask, EVEN).to(sdt)
     else:
-        dh_rec = tl.zeros([BD, BT], sdt)
-        c_hat = tl.zeros([BD, BT], sdt)
-        n_hat = tl.zeros([BD, BT], sdt)
-        dm = tl.zeros([BD, BT], sdt)
-    rho = tl.full([BD, BT], 1.0, sdt)   # ρ_{t+1}; none before the last step
-    f_over_n = tl.zeros([BD, BT], sdt)  # f'_t / n_t of the step just done (t = 0 at the end)
+        dh_rec = tl.zeros([BU, BT], sdt)
+        c_hat = tl.zeros([BU, BT], sdt)
+        n_hat = tl.zeros([BU, BT], sdt)
+        dm = tl.zeros([BU, BT], sdt)
+    rho = tl.full([BU, BT], 1.0, sdt)   # ρ_{t+1}; none before the last step
+    f_over_n = tl.zeros([BU, BT], sdt)  # f'_t / n_t of the step just done (t = 0 at the end)
 
+    rs = ()
     if R_RESIDENT:
-        rs = _load_r_gates(R, RLO, hd, NH, D, rd, rd, EVEN_D, False, MM)
+        rs = _load_r_chunks(R, RLO, hd, NH, D, ru, KC, NKC, EVEN_D, False, MM)
 
     if PREFETCH:
         g, dh_x, c_p, n_p, m_p = _load_step(
-            G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, rd, mask, T - 1, HD, HAS_DH, EVEN, sdt)
+            G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, T - 1, HD, HAS_DH, EVEN, sdt)
     for tt in range(T):
         t = T - 1 - tt
         if PREFETCH:
             g_next, dh_x_next, c_p_next, n_p_next, m_p_next = _load_step(
-                G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, rd, mask, t - 1, HD, HAS_DH, EVEN, sdt)
+                G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, t - 1, HD, HAS_DH, EVEN, sdt)
         else:
             g, dh_x, c_p, n_p, m_p = _load_step(
-                G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, rd, mask, t, HD, HAS_DH, EVEN, sdt)
+                G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, t, HD, HAS_DH, EVEN, sdt)
 
         g_i, g_f, g_z, g_o = g
         dh = dh_x + dh_rec                                       # (41)
@@ -138,29 +144,27 @@ def _slstm_bwd_kernel(
             for k in tl.static_range(4):
                 masked = masked + (tl.where(mask, dg[k], 0.0),)
             dg = masked
-        ux = (tl.cast(t, tl.int64) * 4 * HD + rd)[:, None]
+        ux = (tl.cast(t, tl.int64) * 4 * HD + ru)[:, None]
         _st_gates(DG + col_x, ux, HD, dg, mask, EVEN)
 
         # (49): δh^R_{t-1} = Σ_g δg̃_g R_gᵀ, here transposed: Σ_g R_g @ δg̃_gᵀ
-        acc = tl.zeros([BD, BT], sdt)
-        if KC < BD:
-            # K-chunked (large heads): read this step's δg̃ back from DG in chunks of KC.
-            tl.debug_barrier()
-            for kc in range(0, BD, KC):
-                rk = kc + tl.arange(0, KC)
-                uk = (tl.cast(t, tl.int64) * 4 * HD + rk)[:, None]
-                lm = (rk < D)[:, None] & mask_b
-                for k in tl.static_range(4):
-                    dg_k = _ld(DG + col_x + k * HD + uk, lm, EVEN)
-                    r_c, rc_lo = _load_r(R, RLO, k, hd, NH, D, rd, rk, EVEN_D, False, MM)
-                    acc = _mm(r_c, rc_lo, dg_k, acc, MM)
-        else:
+        if SCRATCH:
+            _sync(CNT + grp, tt + 1, P, SYNC)  # δg̃_t of all units visible to the group
+        acc = tl.zeros([BU, BT], sdt)
+        for c in tl.static_range(NKC):
+            rk = c * KC + tl.arange(0, KC)
+            uk = (tl.cast(t, tl.int64) * 4 * HD + rk)[:, None]
+            lm = (rk < D)[:, None] & mask_b
             for k in tl.static_range(4):
-                if R_RESIDENT:
-                    r_k, rk_lo = rs[k]
+                if SCRATCH:
+                    dg_k = _ld_shared(DG + col_x + k * HD + uk, lm, EVEN_HK, SYNC)
                 else:
-                    r_k, rk_lo = _load_r(R, RLO, k, hd, NH, D, rd, rd, EVEN_D, False, MM)
-                acc = _mm(r_k, rk_lo, dg[k], acc, MM)
+                    dg_k = dg[k]
+                if R_RESIDENT:
+                    r_k, rk_lo = rs[k * NKC + c]
+                else:
+                    r_k, rk_lo = _load_r(R, RLO, k, hd, NH, D, ru, rk, EVEN_D, False, MM)
+                acc = _mm(r_k, rk_lo, dg_k, acc, MM)
         if CLIP:
             acc = tl.minimum(tl.maximum(acc, -clip), clip)
         dh_rec = acc
@@ -186,11 +190,11 @@ def _slstm_bwd_kernel(
 
 
 def backward(r_hi, r_lo, mm: int, saved, init, dh_out, d_final, exp_forget: bool, clip,
-             config: SLSTMKernelConfig):
+             config: SLSTMKernelConfig, sms=None):
     """Launch the backward. saved = `forward`'s (hs, g, cs, ns, ms); init (h, c, n, m) as given
     to `forward` or None; dh_out [B,T,H,D] or None; d_final a 4-tuple of [B,H,D] gradients
-    (entries may be None) or None. Returns δg̃ [B,T,4,H,D] and [δh_0, δc_0, δn_0, δm_0] [B,H,D],
-    all in the state dtype."""
+    (entries may be None) or None; sms as for `forward.forward`. Returns δg̃ [B,T,4,H,D] and
+    [δh_0, δc_0, δn_0, δm_0] [B,H,D], all in the state dtype."""
     hs, g, cs, ns, ms = saved
     batch, steps, _, heads, dim = g.shape
     sdt = g.dtype
@@ -206,17 +210,19 @@ def backward(r_hi, r_lo, mm: int, saved, init, dh_out, d_final, exp_forget: bool
         d_final = (d_init[0],) * 4
     has_dh = dh_out is not None
     dh_out = dh_out.contiguous() if has_dh else dg
-    bd = block_d(dim)
+    lc = launch(config, dim)
     bt = config.block_b
-    grid = (triton.cdiv(batch, bt), heads)
+    grid = grid_of(batch, heads, bt, lc, sms)
+    cnt = torch.zeros(grid[1] * heads, dtype=torch.int32, device=dev)
     _slstm_bwd_kernel[grid](
         r_hi, r_lo, dh_out, g, cs, ns, ms, c0, n0, m0,
-        *d_final, dg, *d_init,
-        batch, steps, heads, dim, float(clip) if clip is not None else 0.0,
-        BT=bt, BD=bd, KC=k_chunk(config, bd), EVEN=batch % bt == 0 and dim == bd,
-        EVEN_D=dim == bd, EXP_FORGET=exp_forget, HAS_INIT=init is not None, HAS_DH=has_dh,
+        *d_final, dg, *d_init, cnt,
+        batch, steps, heads, dim, lc.p, float(clip) if clip is not None else 0.0,
+        BT=bt, BU=lc.bu, KC=lc.kc, NKC=lc.nkc, **flags(batch, dim, bt, lc),
+        EXP_FORGET=exp_forget, HAS_INIT=init is not None, HAS_DH=has_dh,
         HAS_DFINAL=has_dfinal, CLIP=clip is not None, MM=mm, R_RESIDENT=config.r_resident,
-        PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=1,
+        PREFETCH=config.prefetch, SCRATCH=lc.scratch, SYNC=lc.p > 1,
+        num_warps=config.num_warps, num_stages=1,
     )
     return dg, d_init
 

@@ -71,18 +71,23 @@ def _st(ptr, val, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _tile(B, T, NH, D, BT: tl.constexpr, BD: tl.constexpr):
-    """The program's [BD, BT] tile (grid: batch tile, head): (hd, rd [BD], rb64 [BT], md [BD],
-    mask_b [1, BT], mask [BD, BT], HD = NH·D, col_s, col_q, col_x). The col_* are the batch parts
-    of the addresses [1, BT] of a [B, H, D], [B, T, H, D] and [B, T, 4, H, D] tensor (int64:
+def _tile(B, T, NH, D, BT: tl.constexpr, BU: tl.constexpr):
+    """The program's [BU, BT] tile (grid: unit block, batch tile, head; the unit block fastest,
+    so that the P programs of one head and batch tile are launched side by side): (hd, grp, ru
+    [BU], rb64 [BT], md [BU], mask_b [1, BT], mask [BU, BT], HD = NH·D, col_s, col_q, col_x).
+    grp numbers the (batch tile, head) group whose programs share a barrier; ru are the
+    program's units (absolute indices in the head). The col_* are the batch parts of the
+    addresses [1, BT] of a [B, H, D], [B, T, H, D] and [B, T, 4, H, D] tensor (int64:
     B·T·4·H·D may pass 2^31); the unit part, which carries the time step, is added inside the
-    time loop, so that no [BD, BT] address tensor is hoisted out of it and kept live in registers
-    across all steps."""
-    pid_b = tl.program_id(0)
-    hd = tl.program_id(1)
+    time loop, so that no [BU, BT] address tensor is hoisted out of it and kept live in
+    registers across all steps."""
+    pid_u = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    hd = tl.program_id(2)
+    grp = pid_b * NH + hd
     rb = pid_b * BT + tl.arange(0, BT)
-    rd = tl.arange(0, BD)
-    md = rd < D
+    ru = pid_u * BU + tl.arange(0, BU)
+    md = ru < D
     mask_b = (rb < B)[None, :]
     mask = md[:, None] & mask_b
     rb64 = rb.to(tl.int64)
@@ -90,7 +95,38 @@ def _tile(B, T, NH, D, BT: tl.constexpr, BD: tl.constexpr):
     col_s = rb64[None, :] * HD + hd * D
     col_q = rb64[None, :] * T * HD + hd * D
     col_x = rb64[None, :] * T * 4 * HD + hd * D
-    return hd, rd, rb64, md, mask_b, mask, HD, col_s, col_q, col_x
+    return hd, grp, ru, rb64, md, mask_b, mask, HD, col_s, col_q, col_x
+
+
+@triton.jit
+def _ld_shared(ptr, mask, EVEN: tl.constexpr, SYNC: tl.constexpr):
+    """A load of what other programs wrote this step (SYNC): through L2 (.cg), since L1 is not
+    coherent between SMs. Without SYNC only this program wrote it, and L1 may serve it."""
+    if SYNC:
+        if EVEN:
+            return tl.load(ptr, cache_modifier=".cg")
+        else:
+            return tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        return _ld(ptr, mask, EVEN)
+
+
+@triton.jit
+def _sync(cnt_ptr, k, P, SYNC: tl.constexpr):
+    """Barrier number k (1, 2, ...) among the P programs of a group: every thread's stores before
+    it are visible to the group's loads after it. SYNC False: the program only (P = 1).
+
+    The group's counter in global memory only grows: barrier k is passed when it reaches k·P.
+    One thread per program adds (release: after the block barrier, its add orders the whole
+    block's stores) and polls (acquire); the scalar atomic's result reaches all threads through
+    shared memory, so the loop condition is uniform. Needs all P programs resident at once."""
+    tl.debug_barrier()
+    if SYNC:
+        target = k * P
+        cnt = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") + 1
+        while cnt < target:
+            cnt = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -123,12 +159,15 @@ def _load_r(R, RLO, g, hd, NH, D, rows, cols, EVEN_D: tl.constexpr, TRANS: tl.co
 
 
 @triton.jit
-def _load_r_gates(R, RLO, hd, NH, D, rows, cols, EVEN_D: tl.constexpr, TRANS: tl.constexpr,
-                  MM: tl.constexpr):
-    """The four gates' (hi, lo) tiles of `_load_r`, as a tuple indexed by gate."""
+def _load_r_chunks(R, RLO, hd, NH, D, ru, KC: tl.constexpr, NKC: tl.constexpr,
+                   EVEN_D: tl.constexpr, TRANS: tl.constexpr, MM: tl.constexpr):
+    """The program's R tiles for all four gates and NKC K chunks, flat: entry g·NKC + c is the
+    (hi, lo) [BU, KC] tile of rows ru and K columns c·KC.. of R[g, hd] (or its transpose)."""
     rs = ()
     for g in tl.static_range(4):
-        rs = rs + (_load_r(R, RLO, g, hd, NH, D, rows, cols, EVEN_D, TRANS, MM),)
+        for c in tl.static_range(NKC):
+            rk = c * KC + tl.arange(0, KC)
+            rs = rs + (_load_r(R, RLO, g, hd, NH, D, ru, rk, EVEN_D, TRANS, MM),)
     return rs
 
 

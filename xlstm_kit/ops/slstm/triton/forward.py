@@ -3,13 +3,15 @@
     forward(x [B,T,4,H,D], r_hi, r_lo, mm, b [4,H,D], init, exp_forget, save, config)
         -> (h [B,T,H,D], final (h, c, n, m) each [B,H,D], saved (hs, g, cs, ns, ms) or None)
 
-Work split: one program per (tile of block_b batch entries, head); the time loop runs inside
-the program, so a step costs no launch, and programs never wait for each other (the recurrence
-only mixes units inside one head). Tiles are [D, BT] (units x batch): the step's recurrent
-matmul is g̃_gᵀ = R_gᵀ [D, D] @ h_{t-1}ᵀ [D, BT] per gate, so the weights are the large A operand
-(wgmma on Hopper for D >= 64) and, loaded once before the loop, stay in shared memory for all
-steps (up to D = 128 in bf16). Larger heads loop over K chunks, h_{t-1} going through an
-L1-resident scratch and R through L2.
+Work split: one program per (block of block_u units, tile of block_b batch entries, head); the
+time loop runs inside the program, so a step costs no launch. Tiles are [BU, BT] (units x
+batch): the step's recurrent matmul is g̃_gᵀ = R_gᵀ[units, :] [BU, D] @ h_{t-1}ᵀ [D, BT] per gate,
+so the weights are the large A operand (wgmma on Hopper for BU >= 64) and, loaded once before
+the loop, stay in shared memory for all steps. With one program per head (block_u None, up to
+D = 128 in bf16) programs never wait for each other: the recurrence only mixes units inside one
+head. A head split over P programs (D = 192: 3 x 64 units, no padding) spreads the work over
+P times as many SMs; its programs exchange h_t through a global scratch and meet at a barrier
+every step (`common._sync`).
 
 Saved for the backward (when `save`), per step: the gate pre-activations g̃ and (c, n, m), and h
 in the state dtype when the output is 16-bit. `forward_reference` is the same computation as a
@@ -21,56 +23,84 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_ld, _ld_gates, _ld_init, _load_r, _load_r_gates, _log_sigmoid, _mm, _sigmoid, _st,
-                     _st_gates, _tanh, _tile)
-from .config import SLSTMKernelConfig, block_d, k_chunk
+from .common import (_ld, _ld_gates, _ld_init, _ld_shared, _load_r, _load_r_chunks, _log_sigmoid, _mm,
+                     _sigmoid, _st, _st_gates, _sync, _tanh, _tile)
+from .config import SLSTMKernelConfig, flags, grid_of, launch
+
+
+@triton.jit
+def _matvec(g, h, HX, col_h, slot, mask_b, rs, R, RLO, hd, NH, D, HD, ru,
+            KC: tl.constexpr, NKC: tl.constexpr, EVEN_HK: tl.constexpr, EVEN_D: tl.constexpr,
+            MM: tl.constexpr, R_RESIDENT: tl.constexpr, SCRATCH: tl.constexpr, SYNC: tl.constexpr):
+    """g_k += R_kᵀ[units ru, :] @ h_{t-1}ᵀ for the four gates: h from registers (the program
+    holds the whole head, one K chunk) or, with SCRATCH, from slot `slot` of HX in NKC chunks."""
+    for c in tl.static_range(NKC):
+        rk = c * KC + tl.arange(0, KC)
+        if SCRATCH:
+            h_k = _ld_shared(HX + col_h + slot * HD + rk[:, None], (rk < D)[:, None] & mask_b,
+                             EVEN_HK, SYNC)
+        else:
+            h_k = h
+        acc = ()
+        for k in tl.static_range(4):
+            if R_RESIDENT:
+                r_k, rk_lo = rs[k * NKC + c]
+            else:
+                r_k, rk_lo = _load_r(R, RLO, k, hd, NH, D, ru, rk, EVEN_D, True, MM)
+            acc = acc + (_mm(r_k, rk_lo, h_k, g[k], MM),)
+        g = acc
+    return g
 
 
 @triton.jit
 def _slstm_fwd_kernel(
     X, R, RLO, BIAS, H0, C0, N0, M0,          # inputs
     HOUT, HS, G, CS, NS, MS, HT, CT, NT, MT,  # outputs (HS..MS only when SAVE)
-    HX,                                       # scratch [B, 2, H, D] for the K-chunked matmul
-    B, T, NH, D,
-    BT: tl.constexpr, BD: tl.constexpr, KC: tl.constexpr, EVEN: tl.constexpr,
-    EVEN_D: tl.constexpr, EXP_FORGET: tl.constexpr, HAS_INIT: tl.constexpr, SAVE: tl.constexpr,
-    SAVE_H: tl.constexpr, MM: tl.constexpr, R_RESIDENT: tl.constexpr, PREFETCH: tl.constexpr,
+    HX, CNT,                                  # scratch [B, 2, H, D], barrier counters [groups]
+    B, T, NH, D, P,
+    BT: tl.constexpr, BU: tl.constexpr, KC: tl.constexpr, NKC: tl.constexpr, EVEN: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_HK: tl.constexpr, EXP_FORGET: tl.constexpr, HAS_INIT: tl.constexpr,
+    SAVE: tl.constexpr, SAVE_H: tl.constexpr, MM: tl.constexpr, R_RESIDENT: tl.constexpr,
+    PREFETCH: tl.constexpr, SCRATCH: tl.constexpr, SYNC: tl.constexpr,
 ):
     # X [B,T,4,H,D], HOUT/HS/CS/NS/MS [B,T,H,D], G [B,T,4,H,D], states [B,H,D]; all contiguous.
-    # Tiles are [BD, BT]: the D units of one head (rows) for BT batch entries (columns), so that
-    # the step's matmul is g̃_gᵀ [BD, BT] = R_gᵀ [BD, BD] @ h_{t-1}ᵀ [BD, BT]: the weights are
-    # the A operand with M = D (the tensor cores' large side, wgmma on Hopper for D >= 64), the
-    # state the small B operand (N = BT). The weights never change, so when R_RESIDENT the
-    # compiler keeps them in shared memory for the whole loop.
-    # KC < BD (large heads): h_{t-1} goes through the L1-resident scratch HX and the matmul
-    # loops over K in chunks of KC, reloading R per chunk (it stays in L2).
-    # Gate quantities are tuples (i, f, z, o) of [BD, BT] tiles.
+    # Tiles are [BU, BT]: BU units of one head (rows) for BT batch entries (columns), so that
+    # the step's matmul is g̃_gᵀ [BU, BT] = R_gᵀ[units, :] [BU, D] @ h_{t-1}ᵀ [D, BT]: the
+    # weights are the A operand (M = BU, wgmma on Hopper for BU >= 64), the state the small B
+    # operand (N = BT). The weights never change, so when R_RESIDENT the compiler keeps the
+    # program's slice in shared memory for the whole loop.
+    # SCRATCH (the head split over P programs, or K-chunked): every program writes its units'
+    # h_t to slot t mod 2 of HX and, after the group's barrier (SYNC, P > 1), reads the whole
+    # h_t back in K chunks. Two slots suffice: a program overwrites slot t mod 2 at step t + 2
+    # only after barrier t + 1, which every program reaches after its step-t + 1 reads.
+    # Gate quantities are tuples (i, f, z, o) of [BU, BT] tiles.
     sdt = CT.dtype.element_ty
-    hd, rd, rb64, md, mask_b, mask, HD, col_s, col_q, col_x = _tile(B, T, NH, D, BT, BD)
+    hd, grp, ru, rb64, md, mask_b, mask, HD, col_s, col_q, col_x = _tile(B, T, NH, D, BT, BU)
     col_h = rb64[None, :] * 2 * HD + hd * D        # HX [B, 2, H, D]
-    u0 = rd[:, None]
-    h = _ld_init(H0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
-    c = _ld_init(C0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
-    n = _ld_init(N0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
-    m = _ld_init(M0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BD, BT)
+    u0 = ru[:, None]
+    h = _ld_init(H0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
+    c = _ld_init(C0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
+    n = _ld_init(N0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
+    m = _ld_init(M0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
 
     bias = ()
     for k in tl.static_range(4):
-        bias = bias + (_ld(BIAS + (k * NH + hd) * D + rd, md, EVEN_D).to(sdt)[:, None],)
+        bias = bias + (_ld(BIAS + (k * NH + hd) * D + ru, md, EVEN_D).to(sdt)[:, None],)
+    rs = ()
     if R_RESIDENT:
-        rs = _load_r_gates(R, RLO, hd, NH, D, rd, rd, EVEN_D, True, MM)
-    if KC < BD:
+        rs = _load_r_chunks(R, RLO, hd, NH, D, ru, KC, NKC, EVEN_D, True, MM)
+    if SCRATCH:
         _st(HX + col_h + 1 * HD + u0, h, mask, EVEN)  # h_{-1} in slot (−1) mod 2
-        tl.debug_barrier()
+        _sync(CNT + grp, 1, P, SYNC)
 
     # The inputs of step t do not depend on the recurrence: load them one step ahead so their
     # latency hides behind the previous step's matmul (the last prefetch re-reads step T-1).
     x = _ld_gates(X + col_x, u0, HD, mask, EVEN)
     for t in range(T):
         t64 = tl.cast(t, tl.int64)
-        ux = (t64 * 4 * HD + rd)[:, None]
+        ux = (t64 * 4 * HD + ru)[:, None]
         if PREFETCH:
-            un = (tl.minimum(t64 + 1, T - 1) * 4 * HD + rd)[:, None]
+            un = (tl.minimum(t64 + 1, T - 1) * 4 * HD + ru)[:, None]
             x_next = _ld_gates(X + col_x, un, HD, mask, EVEN)
         else:
             x = _ld_gates(X + col_x, ux, HD, mask, EVEN)
@@ -78,25 +108,8 @@ def _slstm_fwd_kernel(
         g = ()
         for k in tl.static_range(4):
             g = g + (x[k].to(sdt) + bias[k],)
-        if KC < BD:
-            slot = (t + 1) % 2  # h_{t-1}
-            for kc in range(0, BD, KC):
-                rk = kc + tl.arange(0, KC)
-                h_k = _ld(HX + col_h + slot * HD + rk[:, None], (rk < D)[:, None] & mask_b, EVEN)
-                acc = ()
-                for k in tl.static_range(4):
-                    r_c, rc_lo = _load_r(R, RLO, k, hd, NH, D, rd, rk, EVEN_D, True, MM)
-                    acc = acc + (_mm(r_c, rc_lo, h_k, g[k], MM),)
-                g = acc
-        else:
-            acc = ()
-            for k in tl.static_range(4):
-                if R_RESIDENT:
-                    r_k, rk_lo = rs[k]
-                else:
-                    r_k, rk_lo = _load_r(R, RLO, k, hd, NH, D, rd, rd, EVEN_D, True, MM)
-                acc = acc + (_mm(r_k, rk_lo, h, g[k], MM),)
-            g = acc
+        g = _matvec(g, h, HX, col_h, (t + 1) % 2, mask_b, rs, R, RLO, hd, NH, D, HD, ru, KC, NKC,
+                    EVEN_HK, EVEN_D, MM, R_RESIDENT, SCRATCH, SYNC)
 
         g_i, g_f, g_z, g_o = g
         if EXP_FORGET:
@@ -111,7 +124,9 @@ def _slstm_fwd_kernel(
         n = f_p * n + i_p
         h = _sigmoid(g_o) * c / n
 
-        uq = (t64 * HD + rd)[:, None]
+        if SCRATCH:  # the exchanged h first: the barrier's release waits for every store before it
+            _st(HX + col_h + (t % 2) * HD + u0, h, mask, EVEN)
+        uq = (t64 * HD + ru)[:, None]
         _st(HOUT + col_q + uq, h.to(HOUT.dtype.element_ty), mask, EVEN)
         if SAVE:
             _st_gates(G + col_x, ux, HD, g, mask, EVEN)
@@ -120,9 +135,8 @@ def _slstm_fwd_kernel(
             _st(MS + col_q + uq, m, mask, EVEN)
             if SAVE_H:
                 _st(HS + col_q + uq, h, mask, EVEN)
-        if KC < BD:
-            _st(HX + col_h + (t % 2) * HD + u0, h, mask, EVEN)
-            tl.debug_barrier()  # h_t visible to the whole program before step t+1 reads it
+        if SCRATCH:
+            _sync(CNT + grp, t + 2, P, SYNC)  # h_t visible to the group before step t+1
         if PREFETCH:
             x = x_next
 
@@ -133,9 +147,10 @@ def _slstm_fwd_kernel(
 
 
 def forward(x, r_hi, r_lo, mm: int, b, init, exp_forget: bool, save: bool,
-            config: SLSTMKernelConfig):
+            config: SLSTMKernelConfig, sms=None):
     """Launch the forward. x [B,T,4,H,D] contiguous; r_hi, r_lo, mm from `common.prepare_r`;
-    init (h, c, n, m) [B,H,D] contiguous in the state dtype, or None (zeros).
+    init (h, c, n, m) [B,H,D] contiguous in the state dtype, or None (zeros); sms: the device's
+    SM count (a split head needs it).
 
     Returns h [B,T,H,D] in x's dtype, the final (h, c, n, m) [B,H,D] in the state dtype, and
     when `save` (hs, g [B,T,4,H,D], cs, ns, ms [B,T,H,D]) in the state dtype (hs is h itself
@@ -155,19 +170,19 @@ def forward(x, r_hi, r_lo, mm: int, b, init, exp_forget: bool, save: bool,
         g = cs = ns = ms = hs = h_out  # never touched (SAVE=False)
     bias = b.to(sdt).contiguous()
     h0, c0, n0, m0 = init if init is not None else (final[0],) * 4
-    bd = block_d(dim)
-    kc = k_chunk(config, bd)
-    hx = torch.empty(batch, 2, heads, dim, dtype=sdt, device=dev) if kc < bd else final[0]
+    lc = launch(config, dim)
     bt = config.block_b
-    grid = (triton.cdiv(batch, bt), heads)
+    grid = grid_of(batch, heads, bt, lc, sms)
+    hx = torch.empty(batch, 2, heads, dim, dtype=sdt, device=dev) if lc.scratch else final[0]
+    cnt = torch.zeros(grid[1] * heads, dtype=torch.int32, device=dev)
     _slstm_fwd_kernel[grid](
         x, r_hi, r_lo, bias, h0, c0, n0, m0,
-        h_out, hs, g, cs, ns, ms, *final, hx,
-        batch, steps, heads, dim,
-        BT=bt, BD=bd, KC=kc, EVEN=batch % bt == 0 and dim == bd, EVEN_D=dim == bd,
+        h_out, hs, g, cs, ns, ms, *final, hx, cnt,
+        batch, steps, heads, dim, lc.p,
+        BT=bt, BU=lc.bu, KC=lc.kc, NKC=lc.nkc, **flags(batch, dim, bt, lc),
         EXP_FORGET=exp_forget, HAS_INIT=init is not None, SAVE=save, SAVE_H=save_h, MM=mm,
-        R_RESIDENT=config.r_resident, PREFETCH=config.prefetch,
-        num_warps=config.num_warps, num_stages=1,
+        R_RESIDENT=config.r_resident, PREFETCH=config.prefetch, SCRATCH=lc.scratch,
+        SYNC=lc.p > 1, num_warps=config.num_warps, num_stages=1,
     )
     saved = (hs, g, cs, ns, ms) if save else None
     return h_out, tuple(final), saved

@@ -10,11 +10,13 @@
 The forward returns the tensors its backward needs (hs, g, cs, ns, ms: `forward.forward`'s
 saved tensors; empty when `save` is False, hs also empty when h itself serves); the autograd
 formula registered here calls the backward op and forms δR and δb with torch. `config` is an
-`SLSTMKernelConfig.key()` string, "" for the default of the head size and weight dtype.
+`SLSTMKernelConfig.key()` string, "" for the default of the head size, weight dtype, batch,
+head count and the GPU's SM count.
 Custom ops keep `torch.compile` from tracing into Triton launches (no graph breaks).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -34,6 +36,16 @@ def supports(op: str, **_) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device):
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def sm_count(t: Tensor):
+    """The SM count of t's GPU (a split head's grid must fit in it), None off CUDA."""
+    return _sm_count(t.device) if t.device.type == "cuda" else None
+
+
 def _contiguous_state(states, sdt):
     if states[-1] is None:
         return None
@@ -48,10 +60,12 @@ def slstm_recurrent_fwd(x_gates: Tensor, r: Tensor, b: Tensor, h0: Optional[Tens
                                              Tensor, Tensor, Tensor, Tensor, Tensor]:
     sdt = compute_dtype(x_gates, r, b)
     r_hi, r_lo, mm = prepare_r(r, sdt)
-    cfg = resolve(config, x_gates.shape[-1], mm)
+    batch, _, _, heads, dim = x_gates.shape
+    sms = sm_count(x_gates)
+    cfg = resolve(config, dim, mm, batch, heads, sms)
     init = _contiguous_state((h0, c0, n0, m0), sdt)
     h, final, saved = _forward_phase.forward(x_gates.contiguous(), r_hi, r_lo, mm, b, init,
-                                             forget_gate == "exp", save, cfg)
+                                             forget_gate == "exp", save, cfg, sms)
     # Outputs may not alias each other: absent ones are distinct empty tensors.
     if saved is None:
         saved = [h.new_empty(0, dtype=sdt) for _ in range(5)]
@@ -84,13 +98,16 @@ def slstm_recurrent_bwd(r: Tensor, g: Tensor, cs: Tensor, ns: Tensor, ms: Tensor
                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     sdt = g.dtype
     r_hi, r_lo, mm = prepare_r(r, sdt)
-    cfg = resolve(config, g.shape[-1], mm)
+    batch, _, _, heads, dim = g.shape
+    sms = sm_count(g)
+    cfg = resolve(config, dim, mm, batch, heads, sms)
     init = _contiguous_state((None, c0, n0, m0), sdt)  # the kernel reads (c, n, m) only
     d_final = (dh_T, dc_T, dn_T, dm_T)
     if all(d is None for d in d_final):
         d_final = None
     dg, d_init = _backward_phase.backward(r_hi, r_lo, mm, (None, g, cs, ns, ms), init, dh,
-                                          d_final, forget_gate == "exp", recurrent_grad_clip, cfg)
+                                          d_final, forget_gate == "exp", recurrent_grad_clip, cfg,
+                                          sms)
     return (dg, *d_init)
 
 
