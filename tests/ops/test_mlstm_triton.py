@@ -399,9 +399,9 @@ def test_gpu_large_heads_bfloat16_within_twice_reference(K, V):
     float32-compute loop with bf16 inputs and results. main's tiles before issue 15 (_fwd_out
     64-deep K-tiles on 4 warps) had 6-13x the error in h at K = 384 and 512 on the H200."""
     ours, ref = _lowp_final_state_case(512, K, V, torch.bfloat16, 0, outputs=True)
-    sizes = [0] * 9 + [2, 2, 2]
-    for name, e, r, n in zip("h C n m dq dk dv di df dC0 dn0 dm0".split(), ours, ref, sizes):
-        assert e <= max(2 * r, 2.0 ** -8 if n else 0.0) + 1e-5, (name, e, r)
+    for name, e, r in zip("h C n m dq dk dv di df dC0 dn0 dm0".split(), ours, ref):
+        # δm0 has B·H = 2 elements: its RMS error is luck, one bf16 rounding unit may pass
+        assert e <= max(2 * r, 2.0 ** -8 if name == "dm0" else 0.0) + 1e-5, (name, e, r)
 
 
 @pytest.mark.gpu
