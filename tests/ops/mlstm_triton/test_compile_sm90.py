@@ -23,6 +23,8 @@ def _cases():
     """(kernel, constexprs, warps, stages) at K = V = 128, and the K-tiled backward at 256/512."""
     c = MLSTMKernelConfig.tuned(128, 128, torch.bfloat16, L)
     w = MLSTMKernelConfig.tuned(256, 512, torch.bfloat16, L)
+    x = MLSTMKernelConfig.tuned(384, 384, torch.bfloat16, L)
+    kv3 = dict(K=384, V=384, L=L)
     _, upd, smode, prec = numerics(torch.bfloat16)
     kv = dict(K=128, V=128, L=L)
     kv2 = dict(K=256, V=512, L=L)
@@ -47,6 +49,17 @@ def _cases():
         (backward._bwd_dv, dict(kv2, BK=w.dv_bk, BV=w.dv_bv, STATE_MODE=smode, PREC=prec, DC_LAST=False),
          w.dv_warps, w.dv_stages),
         (step._step_kernel, dict(K=128, V=128, BK=128, BV=64, HAS_STATE=True), 4, 3),
+        # the 125M model's heads (K = V = 384): the large-head tiles
+        (states._fwd_states, dict(kv3, BK=x.states_bk, BV=x.states_bv, HAS_INIT=True, UPD_MODE=upd, PREC=prec),
+         x.states_warps, x.states_stages),
+        (states._bwd_dstates, dict(kv3, BK=x.dstates_bk, BV=x.dstates_bv, HAS_DFINAL=True, UPD_MODE=upd, PREC=prec),
+         x.dstates_warps, x.dstates_stages),
+        (output._fwd_out, dict(kv3, BK=x.out_bk, BV=x.out_bv, STATE_MODE=smode, PREC=prec, P_SPLIT=True, H_LO=True),
+         x.out_warps, x.out_stages),
+        (backward._bwd_dqk, dict(kv3, BK=x.dqk_bk, BV=x.dqk_bv, STATE_MODE=smode, PREC=prec, DS_SPLIT=1,
+                                 DC_LAST=False, D_MODE=smode), x.dqk_warps, x.dqk_stages),
+        (backward._bwd_dv, dict(kv3, BK=x.dv_bk, BV=x.dv_bv, STATE_MODE=smode, PREC=prec, DC_LAST=False),
+         x.dv_warps, x.dv_stages),
     ]
 
 

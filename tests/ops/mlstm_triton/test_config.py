@@ -13,8 +13,17 @@ def test_tuned_config_by_shape_and_dtype():
     f32 = MLSTMKernelConfig.tuned(128, 128, torch.float32)
     assert (f32.fused_bv, f32.fused_stages, f32.out_warps) == (32, 2, 8)  # float32 tiles fit shared memory
     big = MLSTMKernelConfig.tuned(256, 512, torch.bfloat16, 32)
-    assert (big.chunk, big.fused_bv, big.out_bk) == (32, 16, 64)
+    assert (big.chunk, big.fused_bv, big.out_bk) == (32, 16, 128)
     assert MLSTMKernelConfig.tuned(16, 24, torch.bfloat16).states_bv == 32  # tiles no wider than pow2(V)
+    # bfloat16 heads above 128 (the 125M/350M models' 384, 512): wider state tiles, 128-deep
+    # K-tiles in _fwd_out and _bwd_dqk; float32 keeps its shared-memory-bound tiles
+    h384 = MLSTMKernelConfig.tuned(384, 384, torch.bfloat16)
+    assert (h384.chunk, h384.states_bv, h384.dstates_bv, h384.out_bk, h384.dqk_bk, h384.dqk_warps,
+            h384.dv_bv, h384.recompute_states) == (64, 128, 128, 128, 128, 8, 64, False)
+    assert MLSTMKernelConfig.tuned(512, 512, torch.bfloat16).dv_bv == 128
+    assert MLSTMKernelConfig.tuned(384, 384, torch.float32).out_bk == 64
+    with pytest.raises(ValueError, match="recompute_states"):
+        MLSTMKernelConfig().replace(recompute_states=1)
 
 
 def test_unknown_and_invalid_fields_are_errors():

@@ -22,9 +22,12 @@ def test_chunkwise_fwd_op_passes_opcheck():
     """Schema, fake (meta) implementation, autograd registration and AOT dispatch of
     xlstm_kit::mlstm_chunkwise_fwd, with and without an initial state."""
     xs, st = _inputs(T=5, H=1)
-    key = MLSTMKernelConfig.tuned(16, 16, torch.float32, 16).key()
+    cfg = MLSTMKernelConfig.tuned(16, 16, torch.float32, 16)
     for state in (st, [None, None, None]):
-        torch.library.opcheck(torch.ops.xlstm_kit.mlstm_chunkwise_fwd.default, (*xs, *state, 1e-6, key))
+        torch.library.opcheck(torch.ops.xlstm_kit.mlstm_chunkwise_fwd.default, (*xs, *state, 1e-6, cfg.key()))
+    # without saved chunk states (the backward recomputes them): a 0-chunk cs output
+    key = cfg.replace(recompute_states=True).key()
+    torch.library.opcheck(torch.ops.xlstm_kit.mlstm_chunkwise_fwd.default, (*xs, *st, 1e-6, key))
 
 
 def test_step_op_passes_opcheck():

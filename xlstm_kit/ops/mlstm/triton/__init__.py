@@ -37,7 +37,9 @@ Phases and their modules (all accumulation and states in float32 unless said oth
   config.py    MLSTMKernelConfig (tiles, warps, stages; `tuned(K, V, dtype, chunk)`) and the
                product numerics per dtype
   step.py      one recurrent step (decode), the custom op xlstm_kit::mlstm_step
-The forward saves its chunk states and gate tensors for the backward (no recompute).
+The forward saves its chunk states and gate tensors for the backward; with config
+recompute_states it keeps no chunk states [B,H,NC,K,V] and the backward runs the forward state
+passing again (one more states launch, same values).
 
 The backward holds every stabilizer fixed (the inputs then enter only through q̂ e^{β},
 k e^{ĩ−β}, so the gate gradients are row and column sums of dP ⊙ P plus chunk terms) and

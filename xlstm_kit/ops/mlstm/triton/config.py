@@ -59,6 +59,9 @@ class MLSTMKernelConfig(KernelConfig):
     scan_warps: int = 1
     # steps per block of _gate_tail; 0 = by shape (see gates.gate_tail)
     tail_bt: int = 0
+    # True: the forward keeps no chunk states [B,H,NC,K,V] for the backward, which runs the
+    # forward state passing again (one more _fwd_states launch; same values)
+    recompute_states: bool = False
 
     def __post_init__(self):
         if self.chunk not in CHUNK_SIZES:
@@ -72,6 +75,8 @@ class MLSTMKernelConfig(KernelConfig):
                 raise ValueError(f"{fld.name} must be a power of two, got {val!r}")
             if fld.name.endswith(("_warps", "_stages")) and not (isinstance(val, int) and val >= 1):
                 raise ValueError(f"{fld.name} must be a positive integer, got {val!r}")
+        if not isinstance(self.recompute_states, bool):
+            raise ValueError(f"recompute_states must be True or False, got {self.recompute_states!r}")
         if self.tail_bt and self.tail_bt & (self.tail_bt - 1):
             raise ValueError(f"tail_bt must be 0 or a power of two, got {self.tail_bt!r}")
 
@@ -92,16 +97,28 @@ def _tuned(cls, K: int, V: int, dtype: torch.dtype, chunk: int):
     # at K = 128 and the δv kernel as much at 128-wide V-tiles (the H200 has 227 KiB; ptxas for
     # sm_90): K > 64 takes the K-tiled backward (192 KiB) and δv 64-wide tiles (192 KiB).
     f32_long = dtype == torch.float32 and chunk >= 128
+    # bfloat16 heads above 128 (the paper models' 384, 512: K-tiled backward), measured on the
+    # H200 (benchmarks/results/2026-12-01-h200-mlstm-large-heads.md): 128-wide V-tiles in the
+    # state passing (half the programs re-reading each k/v row), 128-deep K-tiles in _fwd_out
+    # and _bwd_dqk (half the q kᵀ and δh vᵀ recomputation per K-tile), 8 warps with a 2-stage
+    # pipeline in _bwd_dqk; all spill-free for sm_90 (ptxas, Triton 3.6). The tiles before
+    # (_fwd_out 64-deep K-tiles on 4 warps, 64×64 state tiles) gave 6-13x the error in h at
+    # K = V = 384 and 512 on the H200 (not at 128 or 256×512; cause not isolated, see the notes).
+    big = bf16 and K > 128
     return cls(
         chunk=chunk,
-        states_bk=min(64, Kp), states_bv=min(64, Vp), states_warps=4, states_stages=3 if bf16 else 2,
-        out_bk=min(128 if K <= 128 else 64, Kp), out_bv=min(128 if bf16 else 64, Vp),
+        states_bk=min(64, Kp), states_bv=min(128 if big else 64, Vp), states_warps=4,
+        states_stages=3 if bf16 else 2,
+        out_bk=min(128 if K <= 128 or big else 64, Kp), out_bv=min(64 if big else 128 if bf16 else 64, Vp),
         out_warps=4 if bf16 else 8, out_stages=2,
-        dstates_bk=min(64, Kp), dstates_bv=min(64, Vp), dstates_warps=4, dstates_stages=3 if bf16 else 2,
+        dstates_bk=min(64, Kp), dstates_bv=min(128 if big else 64, Vp), dstates_warps=4,
+        dstates_stages=3 if bf16 else 2,
         fused_max_k=64 if f32_long else 128, fused_bv=(64 if bf16 else 32) if Kp <= 128 else 16, fused_warps=8,
         fused_stages=3 if bf16 else 2,
-        dqk_bk=min(64, Kp), dqk_bv=min(32, Vp), dqk_warps=4, dqk_stages=1,
-        dv_bk=min(64, Kp), dv_bv=min(64 if f32_long else 128, Vp), dv_warps=8, dv_stages=2,
+        dqk_bk=min(128 if big else 64, Kp), dqk_bv=min(32, Vp), dqk_warps=8 if big else 4,
+        dqk_stages=2 if big else 1,
+        dv_bk=min(64, Kp), dv_bv=min(64 if f32_long or (big and V <= 384) else 128, Vp),
+        dv_warps=4 if big and V <= 384 else 8, dv_stages=2,
         seq_scan="auto", local_bk=min(64, Kp), local_bv=min(64, Vp), local_warps=4,
         scan_be=128, scan_g=16, scan_warps=1, tail_bt=0,
     )

@@ -24,8 +24,9 @@ def _empty(x: Tensor, *shape, dtype=torch.float32) -> Tensor:
     return torch.empty(shape, device=x.device, dtype=dtype)
 
 
-def _fwd_buffers(q, v, NC, L):
-    """The forward op's outputs up to the gate tensors, unfilled."""
+def _fwd_buffers(q, v, NC, L, saved_nc=None):
+    """The forward op's outputs up to the gate tensors, unfilled; the chunk states cs have
+    saved_nc (default NC) chunks: 0 where the backward recomputes them."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     sd = numerics(q.dtype)[0]
@@ -33,8 +34,18 @@ def _fwd_buffers(q, v, NC, L):
     hlo = torch.empty_like(h) if q.dtype != torch.float32 else _empty(q, 0, dtype=q.dtype)
     final = (_empty(q, B, H, K, V), _empty(q, B, H, K), _empty(q, B, H))
     rows = (_empty(q, B, H, NC * L), _empty(q, B, H, NC * L))                       # n̄, m per row
-    chunk_states = (_empty(q, B, H, NC, K, V, dtype=sd), _empty(q, B, H, NC, K), _empty(q, B, H, NC + 1))
+    cs = _empty(q, B, H, NC if saved_nc is None else saved_nc, K, V, dtype=sd)
+    chunk_states = (cs, _empty(q, B, H, NC, K), _empty(q, B, H, NC + 1))
     return (h, hlo, *final, *rows, *chunk_states)
+
+
+def _pass_states(k, v, beta, blo, ig, u, C0, n0, m0, out, cfg, upd, prec):
+    """The forward state passing into out = (cs, ns, ms, Cf, nf, mf): the scan or the
+    sequential kernel (scan.use_scan)."""
+    B, T, H, K = k.shape
+    NC = out[0].shape[2]
+    use = scan.use_scan(cfg, B * H, K, v.shape[-1], NC, k.device)
+    (scan.fwd_states_scan if use else states.fwd_states)(k, v, beta, blo, ig, u, C0, n0, m0, out, cfg, upd, prec)
 
 
 # Outputs of the forward op, in order: h, hlo (h's rounding residual, empty for float32
@@ -55,11 +66,12 @@ def _forward(
     _, upd, smode, prec = numerics(q.dtype)
     beta, blo, ig, u, xm = gate_tensors = gates.gates_padded(i, f, L)
     NC = xm.shape[2]
-    h, hlo, Cf, nf, mf, nbar, mrow, cs, ns, ms = out = _fwd_buffers(q, v, NC, L)
+    h, hlo, Cf, nf, mf, nbar, mrow, cs, ns, ms = out = _fwd_buffers(q, v, NC, L, 0 if cfg.recompute_states else NC)
     if m0 is None:
         m0 = torch.zeros(B, H, device=q.device, dtype=torch.float32)
-    pass_states = scan.fwd_states_scan if scan.use_scan(cfg, B * H, K, V, NC, q.device) else states.fwd_states
-    pass_states(k, v, beta, blo, ig, u, C0, n0, m0, (cs, ns, ms, Cf, nf, mf), cfg, upd, prec)
+    if cfg.recompute_states:  # used here only; the backward recomputes the same values
+        cs = _empty(q, B, H, NC, K, V, dtype=cs.dtype)
+    _pass_states(k, v, beta, blo, ig, u, C0, n0, m0, (cs, ns, ms, Cf, nf, mf), cfg, upd, prec)
     output.fwd_out(q, k, v, beta, blo, ig, u, cs, ns, ms, h, hlo, nbar, mrow, eps, cfg, smode, prec)
     return out + gate_tensors
 
@@ -69,9 +81,10 @@ mlstm_chunkwise_fwd = torch.library.custom_op("xlstm_kit::mlstm_chunkwise_fwd", 
 
 @mlstm_chunkwise_fwd.register_fake
 def _(q, k, v, i, f, C0, n0, m0, eps, config):
-    L = MLSTMKernelConfig.from_key(config).chunk
+    cfg = MLSTMKernelConfig.from_key(config)
+    L = cfg.chunk
     NC = -(-q.shape[1] // L)
-    return _fwd_buffers(q, v, NC, L) + gates.gate_buffers(i, NC, L)
+    return _fwd_buffers(q, v, NC, L, 0 if cfg.recompute_states else NC) + gates.gate_buffers(i, NC, L)
 
 
 def _backward_impl(
@@ -87,8 +100,16 @@ def _backward_impl(
     cfg = MLSTMKernelConfig.from_key(config)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NC = cs.shape[2]
+    NC = ns.shape[2]
     _, upd, smode, prec = numerics(q.dtype)
+    if cfg.recompute_states:
+        # the forward's chunk states again (same kernels and inputs: the same values); its
+        # other outputs go to scratch, the saved ns, ms, Cf, nf stay as they are
+        cs = _empty(q, B, H, NC, K, V, dtype=cs.dtype)
+        m0 = ms[:, :, 0].contiguous()
+        scratch = (torch.empty_like(ns), torch.empty_like(ms), torch.empty_like(Cf), torch.empty_like(nf),
+                   _empty(q, B, H))
+        _pass_states(k, v, beta, blo, ig, u, C0, n0, m0, (cs, *scratch), cfg, upd, prec)
     r, rd, g = backward.bwd_rows(dh, h, hlo, nbar, mrow, eps)
     if dCf is not None or dnf is not None:
         dCf = torch.zeros_like(Cf) if dCf is None else dCf
