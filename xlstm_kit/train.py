@@ -698,9 +698,10 @@ class _CompileClock:
 
 
 def _compile_failure(e: BaseException) -> XLSTMKitError:
-    first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-    return XLSTMKitError(f"torch.compile failed: {first}. Train without compile (leave out --compile, or "
-                         f"TrainConfig(compile=False))")
+    cause = getattr(e, "inner_exception", None) or e  # a backend's own error, when it raised one
+    first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
+    return XLSTMKitError(f"torch.compile failed: {type(cause).__name__}: {first}. Train without compile "
+                         f"(leave out --compile, or TrainConfig(compile=False))")
 
 
 def _default_device(dist: DistInfo) -> torch.device:
