@@ -673,7 +673,8 @@ def prepare_model(model: nn.Module, config: TrainConfig, device: torch.device | 
             raise XLSTMKitError(f"cannot torch.compile the model: {reason}. Train without compile "
                                 f"(leave out --compile, or TrainConfig(compile=False))")
         if hasattr(model, "compile_blocks"):
-            model.compile_blocks()
+            if not model.is_compiled:  # a second train() call keeps the graphs it has
+                model.compile_blocks()
         else:
             model.compile()
 
