@@ -87,10 +87,12 @@ def test_compiled_blocks_match_eager_for_every_block_type():
     n = graphs()
     with torch.no_grad():
         out = model(tokens[:, :5])
+    text = model.generate(tokens[0, :4], 3, temperature=0)
     assert graphs() == n
     model._compiled = None
     with torch.no_grad():
         torch.testing.assert_close(out, model(tokens[:, :5]), atol=0, rtol=0)
+    assert torch.equal(text, model.generate(tokens[0, :4], 3, temperature=0)) and text.shape == (7,)
 
 
 @pytest.mark.xfail(raises=torch._dynamo.exc.Unsupported, strict=True,
@@ -230,6 +232,7 @@ def test_cli_train_compile_reports_and_saves_a_plain_checkpoint(tmp_path, monkey
     err = capsys.readouterr().err
     assert code == 0, err
     assert "compiled: the first step took" in err and "done: step 3" in err
+    assert ", compiled, recomputing all blocks in the backward" in err
     rows = [json.loads(line) for line in (out / T.METRICS_FILE).read_text().splitlines()]
     timing = [r for r in rows if "compile_s" in r]
     assert len(timing) == 1 and timing[0]["step"] == 2

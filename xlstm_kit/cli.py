@@ -606,6 +606,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         where = f"{dist.world_size} processes" if dist.enabled else str(device)
         if device is not None and device.type == "cpu":
             where += f" ({threads})"
+        if config.compile:
+            where += ", compiled"
+        if config.activation_checkpointing != "none":
+            where += f", recomputing {config.activation_checkpointing} blocks in the backward"
         print(
             f"{'resuming' if args.resume else 'training'} {preset} ({n_params / 1e6:.2f}M parameters) on "
             f"{data_spec} ({len(data.train):,} training tokens, tokenizer {tok_name}) for "
