@@ -95,7 +95,9 @@ def test_compiled_blocks_match_eager_for_every_block_type():
     assert torch.equal(text, model.generate(tokens[0, :4], 3, temperature=0)) and text.shape == (7,)
 
 
-@pytest.mark.xfail(raises=torch._dynamo.exc.Unsupported, strict=True,
+# Only a graph break is tolerated (a wrong result fails); the fused block pieces of the `block`
+# branch trace without one, and with them this test passes: drop the mark once they are merged.
+@pytest.mark.xfail(raises=torch._dynamo.exc.Unsupported, strict=False,
                    reason="the causal convolution's and the head-wise maps' hand-written backwards "
                    "(xlstm_kit/nn/common.py) write through non-contiguous out= views, a Dynamo graph break")
 def test_fullgraph_without_slstm_blocks():
