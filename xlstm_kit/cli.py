@@ -177,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_nonneg_int, default=None, help="seed of initialisation and data order")
     g.add_argument("--precision", choices=["auto", "bf16", "fp32"], default=None,
                    help="auto = bf16 autocast on CUDA, float32 on CPU")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each block for training (faster steps after a first step that "
+                   "compiles; its time is printed; needs a C++ compiler on CPU) (default: off)")
+    g.add_argument("--activation-checkpointing", nargs="?", const="all", default=None, metavar="BLOCKS",
+                   choices=["none", "all", "mlstm", "slstm", "dplr"],
+                   help="recompute the forward of these blocks in the backward instead of storing their "
+                   "activations (less memory, ~1/3 more compute): all (the default when given without "
+                   "a value), mlstm, slstm, dplr or none (default: none)")
     o = t.add_argument_group("evaluation, checkpoints, output")
     o.add_argument("--eval-interval", type=_nonneg_int, default=None, help="validate every N steps (0: at the end only)")
     o.add_argument("--eval-batches", type=_nonneg_int, default=None, help="validation batches per validation (0: all)")
@@ -447,9 +455,13 @@ class _Progress:
             self.bar.write(line, file=self.stream)
 
     def __call__(self, event) -> None:
-        from .train import EvalEvent, StepEvent
+        from .train import CompileEvent, EvalEvent, StepEvent
 
-        if isinstance(event, StepEvent):
+        if isinstance(event, CompileEvent):
+            then = f", then {event.step_s:.2f} s per step" if event.step_s is not None else ""
+            self.write(f"compiled: the first step took {event.first_step_s:.1f} s, about "
+                       f"{event.compile_s:.1f} s of it compiling{then}")
+        elif isinstance(event, StepEvent):
             self.tok_s = event.tokens_per_s if self.tok_s is None else 0.9 * self.tok_s + 0.1 * event.tokens_per_s
             self.bar.set_postfix_str(f"loss {event.loss:.3f}  lr {event.lr:.2e}  {self.tok_s:,.0f} tok/s", refresh=False)
             self.bar.update(event.step - self.bar.n)
@@ -523,7 +535,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr", "warmup_steps",
                   "weight_decay", "grad_clip", "seed", "precision", "eval_interval", "eval_batches",
-                  "checkpoint_interval")
+                  "checkpoint_interval", "compile", "activation_checkpointing")
         if getattr(args, k) is not None
     }
     if args.resume and args.overwrite:
@@ -594,6 +606,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         where = f"{dist.world_size} processes" if dist.enabled else str(device)
         if device is not None and device.type == "cpu":
             where += f" ({threads})"
+        if config.compile:
+            where += ", compiled"
+        if config.activation_checkpointing != "none":
+            where += f", recomputing {config.activation_checkpointing} blocks in the backward"
         print(
             f"{'resuming' if args.resume else 'training'} {preset} ({n_params / 1e6:.2f}M parameters) on "
             f"{data_spec} ({len(data.train):,} training tokens, tokenizer {tok_name}) for "

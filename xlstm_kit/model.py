@@ -16,10 +16,11 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint as _recompute
 
 from . import checkpoint
 from .nn.common import round_up, small_init_
@@ -32,6 +33,20 @@ BlockState = Union[MLSTMState, SLSTMState, DPLRState]
 ModelState = list  # one BlockState per block, in block order
 
 _RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+
+CheckpointBlocks = Literal["none", "all", "mlstm", "slstm", "dplr"]
+CHECKPOINT_BLOCKS: tuple[str, ...] = ("none", "all", "mlstm", "slstm", "dplr")
+_BLOCK_KIND = {"mlstm": "m", "slstm": "s", "dplr": "d"}
+
+
+def checkpoint_blocks(spec: "CheckpointBlocks | bool") -> str:
+    """The activation-checkpointing choice as one of CHECKPOINT_BLOCKS (True: "all", False: "none")."""
+    if spec is True or spec is False:
+        return "all" if spec else "none"
+    if not isinstance(spec, str) or spec.strip().lower() not in CHECKPOINT_BLOCKS:
+        raise XLSTMKitError(f"activation checkpointing must be one of {', '.join(CHECKPOINT_BLOCKS)} "
+                            f"(or True / False), got {spec!r}")
+    return spec.strip().lower()
 
 
 # =============================================================================================
@@ -300,6 +315,8 @@ class XLSTMLanguageModel(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
         self.reset_parameters()
+        self._recomputed: frozenset[int] = frozenset()  # blocks under activation checkpointing
+        self._compiled: tuple | None = None  # (compiled blocks, compiled head) from compile_blocks
 
     def _make_block(self, index: int, kind: str) -> nn.Module:
         cfg = self.config
@@ -329,6 +346,55 @@ class XLSTMLanguageModel(nn.Module):
         small_init_(self.embedding.weight, self.config.d_model)
         if not self.config.tie_embeddings:
             small_init_(self.lm_head.weight, self.config.d_model)
+
+    # ------------------------------------------------------------------ training speed and memory
+    def set_activation_checkpointing(self, blocks: "CheckpointBlocks | bool" = "all") -> None:
+        """Recompute the forward of the chosen blocks during the backward instead of keeping
+        their activations: "all", "mlstm", "slstm", "dplr" (blocks of that type), "none" (or
+        True / False). Each chosen block then keeps only its input [B, T, d_model] for the
+        backward, at the cost of one more forward of it. Gradients are unchanged (dropout masks
+        are replayed: torch's RNG state is restored for the recomputation). Applies only where
+        gradients are recorded; works with autocast and with :meth:`compile_blocks`.
+        """
+        kind = checkpoint_blocks(blocks)
+        self._recomputed = frozenset(
+            t for t, k in enumerate(self.config.block_types) if kind == "all" or _BLOCK_KIND.get(kind) == k)
+
+    @property
+    def activation_checkpointing(self) -> tuple[int, ...]:
+        """Indices of the blocks whose forward is recomputed in the backward."""
+        return tuple(sorted(self._recomputed))
+
+    def compile_blocks(self, **options) -> None:
+        """torch.compile the model for training, one region per block plus one for the head.
+
+        Regional rather than whole-model compilation: blocks of one type are the same code with
+        other parameters, so Dynamo traces and Inductor compiles each block type once and every
+        further block reuses that graph (compile time does not grow with depth, also once the
+        blocks trace without graph breaks, where a whole-model graph would unroll every block),
+        the parameters and state_dict keys stay those of the plain model (checkpoints load into
+        uncompiled models), and activation checkpointing wraps whole compiled blocks. On CPU
+        (aot_eager, a d_model 32 model, 1 and 4 mLSTM blocks) whole-model torch.compile(model) was
+        no better: both reuse their graphs across blocks today (the graph breaks in the blocks'
+        hand-written backwards split the graph per block), with compile times within the noise
+        of a shared 2-core machine (20-35 s). `options` go to torch.compile (e.g.
+        backend="aot_eager", fullgraph=True, mode="max-autotune").
+
+        The compiled blocks are kept beside the plain ones (not `block.compile()` in place) and
+        run where gradients are recorded (training). Under torch.no_grad — validation,
+        `generate`, `step` — the model runs eagerly: other batch shapes, prompt lengths and the
+        recurrent step then cost no recompilation, and compile time goes to the training step
+        only. Compilation itself happens lazily at the first training forward.
+        """
+        blocks = tuple(torch.compile(block, **options) for block in self.blocks)
+        self._compiled = (blocks, torch.compile(self._head, **options))
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled is not None
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
 
     # ------------------------------------------------------------------ state
     def init_state(self, batch: int, device=None) -> ModelState:
@@ -384,15 +450,21 @@ class XLSTMLanguageModel(nn.Module):
         if state is not None:
             self._check_state(state, B)
         x = self.embedding(tokens if tokens.dtype in (torch.int32, torch.int64) else tokens.long())
+        training = torch.is_grad_enabled()
+        blocks, head = self._compiled if training and self._compiled is not None else (self.blocks, self._head)
         new_state = []
-        for t, block in enumerate(self.blocks):
+        for t, block in enumerate(blocks):
             s = None if state is None else state[t]
+            if training and t in self._recomputed:
+                out = _recompute(block, x, s, return_state=return_state, use_reentrant=False)
+            else:
+                out = block(x, s, return_state=return_state)
             if return_state:
-                x, s = block(x, s, return_state=True)
+                x, s = out
                 new_state.append(s)
             else:
-                x = block(x, s)
-        logits = self.lm_head(self.norm(x))
+                x = out
+        logits = head(x)
         return (logits, new_state) if return_state else logits
 
     def step(self, tokens: torch.Tensor, state: ModelState | None = None):

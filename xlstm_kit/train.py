@@ -101,9 +101,26 @@ class TrainConfig:
     """(step, progress): from this step on, the cosine decay goes from `progress` (its fraction
     already done) to 1 at `steps`. Set by :func:`continue_schedule` when a resumed run changes
     `steps`, so the learning rate goes on from where it was instead of jumping."""
+    compile: bool = False
+    """torch.compile the model for training (Inductor). An xLSTM model is compiled per block
+    (``XLSTMLanguageModel.compile_blocks``: each block type is compiled once, however deep the
+    model, and checkpoints keep the plain model's keys); validation runs it eagerly. Any other
+    model is compiled whole (``model.compile()``). The first step pays the compilation; its extra
+    time is reported as a :class:`CompileEvent` and a ``compile_s`` row in metrics.jsonl.
+    Results equal eager training up to floating-point rounding."""
+    activation_checkpointing: str = "none"
+    """Recompute blocks' forward in the backward instead of storing their activations: "none",
+    "all", or one block type "mlstm" | "slstm" | "dplr" (True / False mean "all" / "none").
+    Saves memory at the cost of one more forward of those blocks; gradients are unchanged.
+    Needs a model with ``set_activation_checkpointing`` (XLSTMLanguageModel)."""
 
     def __post_init__(self) -> None:
+        from .model import checkpoint_blocks
+
         self.betas = tuple(self.betas)
+        if not isinstance(self.compile, bool):
+            raise XLSTMKitError(f"TrainConfig.compile must be True or False, got {self.compile!r}")
+        self.activation_checkpointing = checkpoint_blocks(self.activation_checkpointing)
         if self.decay_anchor is not None:
             self.decay_anchor = (int(self.decay_anchor[0]), float(self.decay_anchor[1]))
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "keep_checkpoints"):
@@ -177,7 +194,18 @@ class CheckpointEvent:
     path: Path
 
 
-TrainEvent = Union[StepEvent, EvalEvent, CheckpointEvent]
+@dataclass
+class CompileEvent:
+    """With ``TrainConfig.compile``: the time the first step of this run spent compiling,
+    estimated as its wall time minus the second step's (the whole first step in a one-step run)."""
+
+    step: int  # the step at which the estimate became known
+    compile_s: float
+    first_step_s: float
+    step_s: float | None  # the second step's wall time (None in a one-step run)
+
+
+TrainEvent = Union[StepEvent, EvalEvent, CheckpointEvent, CompileEvent]
 
 
 @dataclass
@@ -606,6 +634,77 @@ class _StopRequest:
             signal.signal(sig, old)
 
 
+def compile_unavailable(device: torch.device | str) -> str | None:
+    """Why torch.compile (Inductor) cannot compile for ``device`` here, or None when it can:
+    an unsupported Python, no C++ compiler (Inductor builds its CPU kernels with one; it looks
+    for ``$CXX`` or g++), or no Triton for CUDA."""
+    device = torch.device(device)
+    try:
+        torch._dynamo.eval_frame.check_if_dynamo_supported()
+    except RuntimeError as e:
+        return str(e)
+    if device.type == "cpu":
+        from torch._inductor import cpp_builder
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except Exception:  # InvalidCxxCompiler, or a failing search
+            return ("Inductor compiles CPU code with a C++ compiler and found none (install g++, or "
+                    "point the CXX environment variable at one)")
+    elif device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "Inductor generates Triton kernels for CUDA and the 'triton' package does not import"
+    return None
+
+
+def prepare_model(model: nn.Module, config: TrainConfig, device: torch.device | str) -> None:
+    """Apply ``config.activation_checkpointing`` and ``config.compile`` to ``model`` (in place;
+    both stay set after training). XLSTMKitError when either cannot be done here."""
+    if config.activation_checkpointing != "none":
+        if not hasattr(model, "set_activation_checkpointing"):
+            raise XLSTMKitError(f"activation_checkpointing={config.activation_checkpointing!r} needs a model with "
+                                f"set_activation_checkpointing (XLSTMLanguageModel); {type(model).__name__} has none")
+        model.set_activation_checkpointing(config.activation_checkpointing)
+    if config.compile:
+        reason = compile_unavailable(device)
+        if reason is not None:
+            raise XLSTMKitError(f"cannot torch.compile the model: {reason}. Train without compile "
+                                f"(leave out --compile, or TrainConfig(compile=False))")
+        if hasattr(model, "compile_blocks"):
+            if not model.is_compiled:  # a second train() call keeps the graphs it has
+                model.compile_blocks()
+        else:
+            model.compile()
+
+
+class _CompileClock:
+    """Times the first two steps of a compiled run: the first one's extra time is compilation."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.times: list[float] = []
+
+    def event(self, step: int, dt: float, last: bool) -> "CompileEvent | None":
+        if not self.enabled or len(self.times) >= 2:
+            return None
+        self.times.append(dt)
+        if len(self.times) == 2:
+            first, then = self.times
+            return CompileEvent(step, max(0.0, first - then), first, then)
+        if last:
+            return CompileEvent(step, dt, dt, None)
+        return None
+
+
+def _compile_failure(e: BaseException) -> XLSTMKitError:
+    cause = getattr(e, "inner_exception", None) or e  # a backend's own error, when it raised one
+    first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
+    return XLSTMKitError(f"torch.compile failed: {type(cause).__name__}: {first}. Train without compile "
+                         f"(leave out --compile, or TrainConfig(compile=False))")
+
+
 def _default_device(dist: DistInfo) -> torch.device:
     return torch.device(f"cuda:{dist.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
 
@@ -779,6 +878,7 @@ def train(
     meta = {"tokenizer": getattr(data.tokenizer, "name", None), **(meta or {})}  # generate(text) after load
     model.to(device)
     model.train()
+    prepare_model(model, config, device)
     run = _Run(model, data, config, out_dir, dist, device, meta, callback)
     if resume:
         run.restore()
@@ -794,6 +894,8 @@ def train(
 
         forward_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     budget = TimeBudget(time_limit_s)
+    compile_clock = _CompileClock(config.compile)
+    compile_errors = (torch._dynamo.exc.TorchDynamoException,) if config.compile else ()
     tokens_per_step = config.batch_size * config.seq_len
     with _StopRequest(handle_signals) as stop:
         try:
@@ -802,9 +904,12 @@ def train(
             while run.step < config.steps:
                 t0 = time.perf_counter()
                 lr = lr_at(run.step, config)
-                out = train_step(forward_model, run.optimizer, run.micro_batches(), lm_loss, lr=lr,
-                                 n_micro=config.grad_accum, precision=config.precision,
-                                 grad_clip=config.grad_clip, before_update=run.start_commit)
+                try:
+                    out = train_step(forward_model, run.optimizer, run.micro_batches(), lm_loss, lr=lr,
+                                     n_micro=config.grad_accum, precision=config.precision,
+                                     grad_clip=config.grad_clip, before_update=run.start_commit)
+                except compile_errors as e:
+                    raise _compile_failure(e) from e
                 run.step += 1
                 run.committing = False
                 step_loss, stop_now, out_of_time = run.agree(out.loss, stop.requested, budget.spent())
@@ -813,6 +918,11 @@ def train(
                 run.log({"step": run.step, "loss": step_loss, "lr": lr})
                 run.emit(StepEvent(run.step, config.steps, step_loss, lr, float(out.grad_norm),
                                   tokens_per_step / max(dt, 1e-9)))
+                compiled = compile_clock.event(run.step, dt, last=run.step == config.steps)
+                if compiled is not None:
+                    run.log({"step": compiled.step, "compile_s": compiled.compile_s,
+                             "first_step_s": compiled.first_step_s, "step_s": compiled.step_s})
+                    run.emit(compiled)
                 at_end = run.step == config.steps
                 if (config.eval_interval and run.step % config.eval_interval == 0) or at_end \
                         or (out_of_time and not stop_now):

@@ -57,7 +57,8 @@ def _to_chunks(x: torch.Tensor, NC: int, L: int, dtype: torch.dtype, fill: float
 
     def put(dst, src, sc):
         src = src.permute(perm)
-        if sc is not None and x.dtype == dtype:
+        # Inductor's functionalization mishandles out= into a strided view: plain ops there.
+        if sc is not None and x.dtype == dtype and not torch.compiler.is_compiling():
             torch.mul(src, sc, out=dst)
         else:
             dst.copy_(src)
@@ -90,7 +91,7 @@ def _from_chunks(xc: torch.Tensor, B: int, T: int, H: int, dtype: torch.dtype,
     nf, r = divmod(T, L)
 
     def put(dst, src, sc):
-        if sc is not None and dst.dtype == src.dtype:
+        if sc is not None and dst.dtype == src.dtype and not torch.compiler.is_compiling():
             torch.mul(src, sc, out=dst)
         else:
             dst.copy_(src if sc is None else src * sc)
@@ -130,6 +131,8 @@ def _can_factor(lift: torch.Tensor) -> bool:
     gates lift by a few units per chunk; only steep in-chunk rises of ĩ − Σlog f (e.g. strongly
     closing forget gates) fail this and take the exact path.
     """
+    if torch.compiler.is_compiling():
+        return False  # the exact path is always valid; a data-dependent branch would break the graph
     limit = 600.0 if lift.dtype == torch.float64 else 60.0
     return bool(lift.max() <= limit)
 

@@ -1,0 +1,250 @@
+"""torch.compile and activation checkpointing for training: XLSTMLanguageModel.compile_blocks and
+set_activation_checkpointing, TrainConfig.compile / activation_checkpointing, `train --compile`.
+
+Compiled runs use backend="aot_eager" (Dynamo and AOTAutograd build the graphs Inductor would
+get and run them eagerly): Inductor's C++ builds of even these tiny models take minutes on a
+2-core CPU, so the one real Inductor test is marked slow. The CPU runs the PyTorch paths of the
+ops; on CUDA the Triton kernels are torch.library custom ops (their opcheck tests are under
+tests/ops/)."""
+import json
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from xlstm_kit import cli
+from xlstm_kit import train as T
+from xlstm_kit.data import load_data
+from xlstm_kit.errors import XLSTMKitError
+from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
+
+TEXT = ("ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"
+        "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\nDeny thy father and refuse thy name.\n\n") * 40
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    # Compiled code is cached per code object: a fresh cache per test keeps each test's
+    # compilations its own (and far from Dynamo's recompile limit, past which it runs eagerly).
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def tiny(seed=0, **kw):
+    torch.manual_seed(seed)
+    base = dict(vocab_size=64, d_model=32, n_blocks=4, n_heads=2, context_length=16, chunk_size=8)
+    return XLSTMLanguageModel(XLSTMConfig(**{**base, **kw}))
+
+
+def loss_and_grads(model, tokens, seed=0, bf16=False):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with T.autocast("cpu", "bf16" if bf16 else "fp32"):
+        logits = model(tokens)
+    loss = T.lm_loss(logits[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same(a, b, atol, rtol):
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(la, lb, atol=atol, rtol=rtol)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], atol=atol, rtol=rtol, msg=name)
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_blocks_match_eager_for_every_block_type():
+    # mLSTM, sLSTM, DPLR and mLSTM again: the last block must reuse the first one's graphs.
+    model = tiny(slstm_at=[1], dplr_at=[2], chunk_size=4)  # 8 steps, 2 chunks: Dynamo unrolls the sLSTM loop
+    assert model.config.block_types == ("m", "s", "d", "m")
+    tokens = torch.randint(0, 64, (2, 8))
+    eager = loss_and_grads(model, tokens)
+    keys = list(model.state_dict())
+
+    model.compile_blocks(backend="aot_eager")
+    assert model.is_compiled and list(model.state_dict()) == keys
+    blocks, _ = model._compiled
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    blocks[0](x).sum().backward()
+    after_first = graphs()
+    assert after_first > 0
+    blocks[3](x).sum().backward()
+    assert graphs() == after_first  # an identical block costs no compilation
+
+    compiled = loss_and_grads(model, tokens)
+    assert_same(compiled, eager, atol=1e-5, rtol=1e-4)
+    assert eager[0] > 1.0 and max(g.abs().max() for g in eager[1].values()) > 1e-3  # not a trivial match
+
+    # Without gradients (validation, generation) the model runs eagerly: no new graphs.
+    n = graphs()
+    with torch.no_grad():
+        out = model(tokens[:, :5])
+    text = model.generate(tokens[0, :4], 3, temperature=0)
+    assert graphs() == n
+    model._compiled = None
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(tokens[:, :5]), atol=0, rtol=0)
+    assert torch.equal(text, model.generate(tokens[0, :4], 3, temperature=0)) and text.shape == (7,)
+
+
+# Only a graph break is tolerated (a wrong result fails); the fused block pieces of the `block`
+# branch trace without one, and with them this test passes: drop the mark once they are merged.
+@pytest.mark.xfail(raises=torch._dynamo.exc.Unsupported, strict=False,
+                   reason="the causal convolution's and the head-wise maps' hand-written backwards "
+                   "(xlstm_kit/nn/common.py) write through non-contiguous out= views, a Dynamo graph break")
+def test_fullgraph_without_slstm_blocks():
+    model = tiny(n_blocks=2, dplr_at=[1])
+    tokens = torch.randint(0, 64, (2, 16))
+    eager = loss_and_grads(model, tokens)
+    model.compile_blocks(backend="aot_eager", fullgraph=True)
+    assert_same(loss_and_grads(model, tokens), eager, atol=1e-5, rtol=1e-4)
+
+
+def saved_bytes(model, tokens):
+    """Bytes of the tensors autograd keeps for the backward of one forward."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens)
+    return total
+
+
+def test_activation_checkpointing_gives_identical_gradients():
+    # Dropout on, so the recomputed forward must replay the same masks.
+    model = tiny(slstm_at=[1], dplr_at=[2], dropout=0.2)
+    tokens = torch.randint(0, 64, (2, 16))
+    plain = loss_and_grads(model, tokens, seed=3)
+    assert not torch.equal(plain[0], loss_and_grads(model, tokens, seed=4)[0])  # the masks matter
+    full = saved_bytes(model, tokens)
+    for which, blocks in (("mlstm", (0, 3)), ("slstm", (1,)), ("dplr", (2,)), ("all", (0, 1, 2, 3))):
+        model.set_activation_checkpointing(which)
+        assert model.activation_checkpointing == blocks
+        assert_same(loss_and_grads(model, tokens, seed=3), plain, atol=1e-7, rtol=0)
+        assert saved_bytes(model, tokens) < full
+    assert saved_bytes(model, tokens) < full / 3  # "all": only the blocks' inputs stay
+    model.set_activation_checkpointing(False)
+    assert model.activation_checkpointing == () and saved_bytes(model, tokens) == full
+    with pytest.raises(XLSTMKitError, match="one of none, all, mlstm, slstm, dplr"):
+        model.set_activation_checkpointing("ffn")
+
+
+def test_activation_checkpointing_with_compile_and_autocast():
+    model = tiny(n_blocks=2, dplr_at=[1], dropout=0.2)
+    tokens = torch.randint(0, 64, (2, 16))
+    model.compile_blocks(backend="aot_eager")
+    plain = loss_and_grads(model, tokens, seed=3, bf16=True)
+    model.set_activation_checkpointing("all")
+    recomputed = loss_and_grads(model, tokens, seed=3, bf16=True)
+    assert_same(recomputed, plain, atol=1e-6, rtol=0)
+    assert plain[1]["blocks.0.layer.up_proj.weight"].abs().max() > 0
+
+
+@pytest.mark.slow  # minutes of C++ builds on 2 CPU cores
+def test_inductor_compiled_training_matches_eager():
+    model = tiny(n_blocks=1)
+    tokens = torch.randint(0, 64, (2, 16))
+    eager = loss_and_grads(model, tokens)
+    model.compile_blocks()
+    compiled = loss_and_grads(model, tokens)
+    assert_same(compiled, eager, atol=1e-5, rtol=1e-4)
+    model.set_activation_checkpointing("all")  # recomputing Inductor's graph in the backward
+    assert_same(loss_and_grads(model, tokens), compiled, atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------------------ train and CLI
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "corpus.txt"
+    f.write_text(TEXT)
+    return load_data(str(f), "byte")
+
+
+def config(**kw):
+    base = dict(steps=2, batch_size=2, seq_len=16, warmup_steps=1, eval_interval=0, eval_batches=1,
+                eval_at_start=False, checkpoint_interval=0, seed=1)
+    return T.TrainConfig(**{**base, **kw})
+
+
+def test_train_config_fields():
+    assert T.TrainConfig().compile is False and T.TrainConfig().activation_checkpointing == "none"
+    assert T.TrainConfig(activation_checkpointing=True).activation_checkpointing == "all"
+    assert T.TrainConfig(activation_checkpointing="SLSTM").activation_checkpointing == "slstm"
+    c = T.TrainConfig(compile=True, activation_checkpointing="mlstm")
+    assert T.TrainConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(XLSTMKitError, match="compile must be True or False"):
+        T.TrainConfig(compile="yes")
+    with pytest.raises(XLSTMKitError, match="activation checkpointing must be one of"):
+        T.TrainConfig(activation_checkpointing="some")
+
+
+def test_compile_refused_in_one_line_without_a_cxx_compiler(data, tmp_path, capsys):
+    import torch._inductor.config as inductor_config
+
+    before = T.compile_unavailable("cpu")
+    # Inductor's config module is patched through its own API (monkeypatch's undo deletes the key).
+    with inductor_config.patch({"cpp.cxx": ("xlstm-kit-no-such-c++",)}):
+        _refused(data, tmp_path, capsys)
+    assert T.compile_unavailable("cpu") == before
+
+
+def _refused(data, tmp_path, capsys):
+    assert "C++ compiler" in T.compile_unavailable("cpu")
+    with pytest.raises(XLSTMKitError, match="found none.*without compile"):
+        T.train(tiny(n_blocks=1, vocab_size=256), data, config(compile=True), device="cpu", handle_signals=False)
+    code = cli.main(["train", "--compile", "--steps", "2", "--out", str(tmp_path / "run"), "--data",
+                     str(tmp_path / "corpus.txt"), "--batch-size", "2", "--seq-len", "16", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "C++ compiler" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "latest").exists()
+
+
+def test_a_failing_compilation_becomes_one_error(data, monkeypatch):
+    def broken(gm, example_inputs):
+        raise RuntimeError("backend exploded")
+
+    original = XLSTMLanguageModel.compile_blocks
+    monkeypatch.setattr(XLSTMLanguageModel, "compile_blocks", lambda self: original(self, backend=broken))
+    with pytest.raises(XLSTMKitError, match="torch.compile failed.*backend exploded.*without compile"):
+        T.train(tiny(n_blocks=1, vocab_size=256), data, config(compile=True), device="cpu", handle_signals=False)
+
+
+def test_cli_train_compile_reports_and_saves_a_plain_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
+    original = XLSTMLanguageModel.compile_blocks
+    monkeypatch.setattr(XLSTMLanguageModel, "compile_blocks", lambda self: original(self, backend="aot_eager"))
+    out = tmp_path / "run"
+    code = cli.main(["train", "--compile", "--activation-checkpointing", "--steps", "3", "--out", str(out),
+                     "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "compiled: the first step took" in err and "done: step 3" in err
+    assert ", compiled, recomputing all blocks in the backward" in err
+    rows = [json.loads(line) for line in (out / T.METRICS_FILE).read_text().splitlines()]
+    timing = [r for r in rows if "compile_s" in r]
+    assert len(timing) == 1 and timing[0]["step"] == 2
+    assert timing[0]["first_step_s"] > timing[0]["step_s"] > 0 and timing[0]["compile_s"] > 0
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    state = T.load_training_state(T.resolve_checkpoint(out))["train_config"]
+    assert state["compile"] is True and state["activation_checkpointing"] == "all"
+
+    model = XLSTMLanguageModel.load(out)  # a plain, uncompiled model
+    assert not model.is_compiled and model.activation_checkpointing == ()
+    tokens = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        assert torch.isfinite(model(tokens)).all()
