@@ -6,8 +6,8 @@ carried path; give the call a limit at least a minute above --budget-s, default 
 
     python3 benchmarks/train_e2e.py --wheels .whl --out $OUT
 
-Options: --compile-mode block|model (how xlstm_kit models are compiled: `block.compile()` on
-every block, the default, or `torch.compile(model)`), --ckpt off|on|both (activation
+Options: --compile-mode block|model (how xlstm_kit models are compiled: `model.compile_blocks()`,
+the library's regional compile and the default, or `torch.compile(model)`), --ckpt off|on|both (activation
 checkpointing of every xLSTM block), --only JOB,... (which jobs, in that order), --budget-s S
 (the whole call ends within S seconds; jobs that no longer fit are skipped with a note),
 --no-profile, --steps N, --quick (a tiny CPU run, used by tests/bench/test_train_e2e.py; its
@@ -44,7 +44,6 @@ the current directory; the tables are printed at the end.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
 import glob
 import json
@@ -234,22 +233,6 @@ def _env_facts(device) -> dict:
     return facts
 
 
-def _checkpointed(block):
-    """`block` recomputed in the backward (non-reentrant activation checkpointing)."""
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    class Checkpointed(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, *args, **kwargs):
-            return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
-
-    return Checkpointed(block)
-
-
 def _logits_only(model):
     """The official model returns (logits, state) with return_last_states=True; train_step wants logits."""
     import torch
@@ -279,10 +262,6 @@ def _build_model(st: dict, quick: bool, device):
 
         ratio = "7:1" if arch == "x71" else "1:0"
         over = {}
-        ck_field = next((f.name for f in dataclasses.fields(XLSTMConfig)
-                         if "checkpoint" in f.name and f.default is False), None)
-        if st.get("ckpt") and ck_field:
-            over[ck_field] = True  # the library's own activation checkpointing, where it has one
         if quick:
             cfg = XLSTMConfig(vocab_size=V, d_model=32, n_blocks=2, n_heads=2,
                               slstm_at=[1] if arch == "x71" else [], context_length=T, **over)
@@ -292,10 +271,9 @@ def _build_model(st: dict, quick: bool, device):
         facts.update(flops_per_token=flops_per_token(cfg), config=f"125M preset, slstm_at {ratio!r}"
                      if not quick else f"tiny d 32, 2 blocks, slstm_at {cfg.slstm_at}",
                      block_types="".join(cfg.block_types))
-        if st.get("ckpt") and not ck_field:
-            for t in range(len(model.blocks)):
-                model.blocks[t] = _checkpointed(model.blocks[t])
-        facts["ckpt"] = bool(st.get("ckpt")) and (f"config.{ck_field}" if ck_field else "torch.utils.checkpoint per block")
+        if st.get("ckpt"):
+            model.set_activation_checkpointing("all")  # the library's own, kept by compile_blocks
+        facts["ckpt"] = bool(st.get("ckpt")) and "model.set_activation_checkpointing('all')"
         counted = model
     elif arch == "tf":
         from xlstm_kit.tasks.baselines import TransformerLM
@@ -341,10 +319,8 @@ def _compile(model, st: dict, mode: str, quick: bool):
 
     kw = dict(backend="eager") if quick else {}
     if st["arch"] in XLSTM_ARCHS and mode == "block":
-        for blk in model.blocks:
-            inner = getattr(blk, "inner", blk)  # a checkpoint wrapper compiles what it wraps
-            inner.compile(**kw)
-        return model, "per block"
+        model.compile_blocks(**kw)  # the library's regional compile (what `train --compile` does)
+        return model, "per block (model.compile_blocks)"
     return torch.compile(model, **kw), "whole model"
 
 
