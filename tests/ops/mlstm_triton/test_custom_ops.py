@@ -110,3 +110,18 @@ def test_gpu_compile_matches_eager_and_opcheck(dtype):
     small = [x.detach().to(dtype).requires_grad_(True) if j < 3 else x for j, x in enumerate(small)]
     key = MLSTMKernelConfig.tuned(64, 64, dtype, 64).key()
     torch.library.opcheck(torch.ops.xlstm_kit.mlstm_chunkwise_fwd.default, (*small, *sst, 1e-6, key))
+
+
+def test_public_recompute_states_gives_the_same_gradients():
+    """mlstm_chunkwise(recompute_states=True) on the Triton path: same h, final state and
+    gradients as keeping the chunk states (the backward recomputes exactly what was kept)."""
+    xs, st = _inputs(T=150)  # three chunks of the kernels' 64
+    results = []
+    for recompute in (False, True):
+        ins = [x.detach().requires_grad_(True) for x in xs + st]
+        h, (C, n, m) = mlstm_chunkwise(*ins[:5], initial_state=tuple(ins[5:]), output_final_state=True,
+                                       backend="triton", recompute_states=recompute)
+        loss = (h * h).sum() + (C * C).sum() + n.sum() + m.sum()
+        results.append([h, C] + list(torch.autograd.grad(loss, ins)))
+    for j, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), j

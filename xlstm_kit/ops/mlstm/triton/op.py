@@ -229,6 +229,7 @@ def mlstm_chunkwise_triton(
     eps: float = 1e-6,
     chunk_size: int | None = None,
     config: MLSTMKernelConfig | None = None,
+    recompute_states: bool = False,
 ):
     """Chunkwise mLSTM on the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -245,6 +246,9 @@ def mlstm_chunkwise_triton(
         raise ValueError(f"the Triton mLSTM kernels take float16, bfloat16 or float32 q, got {dt}")
     if chunk_size is not None and chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size for the Triton backend must be 16, 32, 64 or 128, got {chunk_size}")
+    if recompute_states:
+        config = (config or MLSTMKernelConfig.tuned(q.shape[-1], v.shape[-1], dt, chunk_size or 64)
+                  ).replace(recompute_states=True)
     key = _config_key(q.shape[-1], v.shape[-1], dt, chunk_size, config)
     if initial_state is None:
         C0 = n0 = m0 = None
