@@ -16,6 +16,7 @@ from torch import nn
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
 from .common import PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, small_init_, state_dtype, wang_init_
+from .fused import activation_dtype, conv_silu, conv_state, mlstm_output
 
 
 class MLSTMState(NamedTuple):
@@ -129,12 +130,22 @@ class MLSTMLayer(nn.Module):
         i, f = gates.view(*x_m.shape[:-1], 2 * self.n_heads).chunk(2, dim=-1)
         return q, k, v, i, f
 
+    def _output(self, h: torch.Tensor, x_conv: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """h [..., H, D], x_conv and z [..., inner] -> down((norm(h) + skip * x_conv) * SiLU(z))."""
+        lead = x_conv.shape[:-1]
+        y = mlstm_output(
+            h.reshape(-1, self.n_heads, self.head_dim), x_conv.reshape(-1, self.inner_dim),
+            z.reshape(-1, self.inner_dim), self.out_norm.weight, self.skip,
+            self.down_proj.weight, self.down_proj.bias, self.out_norm.eps,
+        ).view(*lead, self.d_model)
+        return self.dropout(y) if self.dropout.p > 0 else y
+
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
-        x_m, z = self._up(x)  # [B, T, inner] each
-        x_conv, conv_state = self.conv(x_m, None if state is None else state.conv)
-        x_conv = F.silu(x_conv)
+        x_m, z = self._up(x.to(activation_dtype(x)))  # [B, T, inner] each
+        conv_in = None if state is None else state.conv
+        x_conv = conv_silu(x_m, conv_in, self.conv.weight, self.conv.bias)
         q, k, v, i, f = self._qkv_gates(x_m, x_conv)
         h, cell_state = mlstm_chunkwise(
             q.view(B, T, H, D), k.view(B, T, H, D), v.view(B, T, H, D), i, f,
@@ -143,26 +154,24 @@ class MLSTMLayer(nn.Module):
             chunk_size=self.chunk_size,
             backend=self.backend,
         )  # h [B, T, H, D]
-        h = self.out_norm(h).reshape(B, T, -1)
-        y = self.dropout(self.down_proj((h + self.skip * x_conv) * F.silu(z)))
+        y = self._output(h, x_conv, z)
         if not return_state:
             return y
-        return y, MLSTMState(conv_state, *cell_state)
+        new_conv = conv_state(x_m, conv_in, self.conv.kernel_size).to(state_dtype(x_m.dtype))
+        return y, MLSTMState(new_conv, *cell_state)
 
     def step(self, x: torch.Tensor, state: MLSTMState):
         """One token: x [B, d_model] -> (y [B, d_model], new_state)."""
         B = x.shape[0]
         H, D = self.n_heads, self.head_dim
-        x_m, z = self._up(x)  # [B, inner] each
-        x_conv, conv_state = self.conv.step(x_m, state.conv)
-        x_conv = F.silu(x_conv)
+        x_m, z = self._up(x.to(activation_dtype(x)))  # [B, inner] each
+        x_conv = conv_silu(x_m[:, None], state.conv, self.conv.weight, self.conv.bias)[:, 0]
+        new_conv = conv_state(x_m[:, None], state.conv, self.conv.kernel_size).to(state.conv.dtype)
         q, k, v, i, f = self._qkv_gates(x_m, x_conv)
         h, cell_state = mlstm_step(
             q.view(B, H, D), k.view(B, H, D), v.view(B, H, D), i, f, (state.C, state.n, state.m)
         )  # h [B, H, D]
-        h = self.out_norm(h).reshape(B, -1)
-        y = self.dropout(self.down_proj((h + self.skip * x_conv) * F.silu(z)))
-        return y, MLSTMState(conv_state, *cell_state)
+        return self._output(h, x_conv, z), MLSTMState(new_conv, *cell_state)
 
 
 class MLSTMBlock(PreNormResidual):

@@ -1,0 +1,132 @@
+"""The fused layer pieces (xlstm_kit.nn.fused) against the unfused reference path
+(tests/nn/reference_layers.py): float64 forward, every gradient, the carried state; gradcheck of
+each piece; bf16 autocast accuracy; torch.compile(fullgraph=True) of a block."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from tests.helpers import rel_err
+from tests.nn.reference_layers import mlstm_layer, slstm_layer
+from tests.nn.test_layers import randomize_
+from xlstm_kit.nn import MLSTMBlock, MLSTMLayer, SLSTMLayer
+from xlstm_kit.nn.fused import conv_silu, head_norm, mlstm_output, slstm_gates
+
+F64 = torch.float64
+
+
+def make(kind, bias=False):
+    torch.manual_seed(0)
+    if kind == "mlstm":
+        layer = MLSTMLayer(16, 32, 2, chunk_size=4, bias=bias, backend="torch")
+    else:
+        layer = SLSTMLayer(16, 2, backend="torch")
+    return layer
+
+
+def two_calls(fn, x, params, weights=None):
+    """Outputs of fn over x[:, :5] then x[:, 5:] with the state carried, and the gradients of a
+    random linear loss of both outputs and the final state wrt x and params."""
+    y1, s1 = fn(x[:, :5], None)
+    y2, s2 = fn(x[:, 5:], s1)
+    outs = [y1, y2, *s2]
+    if weights is None:
+        g = torch.Generator().manual_seed(1)
+        weights = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
+    loss = sum((o * w).sum() for o, w in zip(outs, weights))
+    grads = torch.autograd.grad(loss, [x, *params])
+    return [o.detach() for o in outs], grads, weights
+
+
+@pytest.mark.parametrize("kind,bias", [("mlstm", False), ("mlstm", True), ("slstm", False)])
+def test_fused_layer_matches_unfused_reference(kind, bias):
+    layer = randomize_(make(kind, bias).double())
+    ref = mlstm_layer if kind == "mlstm" else slstm_layer
+    x = torch.randn(2, 11, 16, dtype=F64, requires_grad=True)
+    params = list(layer.parameters())
+    outs, grads, w = two_calls(lambda x, s: layer(x, s, return_state=True), x, params)
+    r_outs, r_grads, _ = two_calls(lambda x, s: ref(layer, x, s), x, params, w)
+    for o, r in zip(outs, r_outs):
+        assert o.dtype == r.dtype and rel_err(o, r) < 1e-10
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    for n, g, r in zip(names, grads, r_grads):
+        assert g.abs().sum() > 0, n
+        assert rel_err(g, r) < 1e-9, n
+
+
+@pytest.mark.parametrize("kind", ["mlstm", "slstm"])
+def test_fused_layer_step_equals_forward(kind):
+    layer = randomize_(make(kind).double())
+    x = torch.randn(2, 6, 16, dtype=F64)
+    y, state = layer(x, layer.init_state(2), return_state=True)
+    s, ys = layer.init_state(2), []
+    for t in range(6):
+        o, s = layer.step(x[:, t], s)
+        ys.append(o)
+    assert rel_err(torch.stack(ys, 1), y) < 1e-10
+    for a, b in zip(s, state):
+        assert rel_err(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("T", [2, 7])  # shorter and longer than the conv's K-1 = 3 inputs of state
+@pytest.mark.parametrize("act", [True, False])
+def test_conv_silu_gradcheck(T, act):
+    x = torch.randn(2, T, 3, dtype=F64, requires_grad=True)
+    state = torch.randn(2, 3, 3, dtype=F64, requires_grad=True)
+    w = torch.randn(3, 4, dtype=F64, requires_grad=True)
+    b = torch.randn(3, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: conv_silu(*a, act=act), (x, state, w, b))
+    assert torch.autograd.gradcheck(lambda x, w, b: conv_silu(x, None, w, b, act=act), (x, w, b))
+
+
+def test_head_norm_and_mlstm_output_gradcheck():
+    N, H, D, d = 5, 2, 3, 4
+    t = lambda *s: torch.randn(*s, dtype=F64, requires_grad=True)  # noqa: E731
+    assert torch.autograd.gradcheck(lambda x, w: head_norm(x, w, 1e-5), (t(2, N, H, D), t(H * D)))
+    args = (t(N, H, D), t(N, H * D), t(N, H * D), t(H * D), t(H * D), t(d, H * D))
+    assert torch.autograd.gradcheck(lambda *a: mlstm_output(*a, 1e-5), (*args, t(d)))
+    assert torch.autograd.gradcheck(lambda *a: mlstm_output(*a, None, 1e-5), args)
+
+
+def test_slstm_gates_gradcheck():
+    t = lambda *s: torch.randn(*s, dtype=F64, requires_grad=True)  # noqa: E731
+    args = (t(2, 5, 6), t(2, 3, 6), t(6, 4), t(6), t(4, 2, 3, 3))
+    assert torch.autograd.gradcheck(slstm_gates, args)
+    assert torch.autograd.gradcheck(lambda x, *a: slstm_gates(x, None, *a), (args[0], *args[2:]))
+
+
+@pytest.mark.parametrize("kind", ["mlstm", "slstm"])
+def test_bf16_autocast_accuracy(kind):
+    """Under bf16 autocast (float32 parameters) the fused layer is within 2x the unfused path's
+    error against float64, and its output is bf16."""
+    layer = randomize_(make(kind), 0.1)
+    ref = mlstm_layer if kind == "mlstm" else slstm_layer
+    x = torch.randn(2, 16, 16)
+    exact = ref(layer.double(), x.double())[0]
+    layer.float()
+    with torch.autocast("cpu", torch.bfloat16):
+        y = layer(x)
+        y_ref = ref(layer, x)[0]
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y.double(), exact) <= 2 * rel_err(y_ref.double(), exact) + 1e-3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="the mLSTM custom op (Triton) needs CUDA or TRITON_INTERPRET=1")
+def test_mlstm_block_compiles_fullgraph():
+    """One graph (the fused pieces' forward and backward traced, the mLSTM kernel an opaque
+    custom op), with eager's values and gradients."""
+    torch.manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    block = randomize_(MLSTMBlock(16, 32, 2, chunk_size=16, backend="triton"), 0.1).to(dev)
+    x = torch.randn(2, 16, 16, device=dev, requires_grad=True)
+    y = block(x)
+    gx, *gp = torch.autograd.grad(y.square().sum(), [x, *block.parameters()])
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    yc = compiled(x)
+    cx, *cp = torch.autograd.grad(yc.square().sum(), [x, *block.parameters()])
+    assert rel_err(yc, y) < 1e-5 and rel_err(cx, gx) < 1e-4
+    for a, b in zip(cp, gp):
+        assert rel_err(a, b) < 1e-4

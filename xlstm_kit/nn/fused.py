@@ -1,0 +1,284 @@
+"""Memory-lean fused pieces of the mLSTM and sLSTM layers, with hand-written backward passes.
+
+Why: autograd of the plain formulas saves every intermediate, and under bf16 autocast with
+float32 parameters several of them are float32 (the skip product, the head-wise norm). Each
+piece here saves only its inputs (which other ops save anyway) and per-row statistics, and
+recomputes the cheap elementwise intermediates in the backward. Activations stay in the
+layer's activation dtype (the autocast dtype, else the input's); statistics and the arithmetic
+inside run in float32 (float64 for float64 inputs).
+
+- `conv_silu(x, state, w, b, act)`: depthwise causal conv (+ SiLU), saves x (and the state).
+- `head_norm(x, w, eps)`: head-wise LayerNorm times a per-channel scale, saves x and mean/rstd.
+- `mlstm_output(h, x_conv, z, norm_w, skip, down_w, down_b, eps)`: the mLSTM layer's tail
+  down((MultiHeadNorm(h) + skip * x_conv) * SiLU(z)), saves h, x_conv, z and mean/rstd.
+- `slstm_gates(x, state, conv_w, conv_b, gate_w)`: the sLSTM layer's head-wise gate maps of
+  SiLU(conv(x)) (i, f) and x (z, o), saves x (and the conv state).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ops._checks import compute_dtype
+
+
+def activation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a layer's activations take: the autocast dtype where autocast is on, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ b (batched) for a strided `out` view: eager BLAS writes the view directly, while
+    torch.compile cannot trace a non-contiguous out= (there a copy, which Inductor fuses)."""
+    if torch.compiler.is_compiling():
+        out.copy_(torch.bmm(a, b))
+    else:
+        torch.bmm(a, b, out=out)
+
+
+# ----------------------------------------------------------------------------- conv + SiLU
+def _conv(x: torch.Tensor, state: torch.Tensor | None, taps: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """y[:, t] = b + sum_j taps[j] * xp[:, t + j], xp = cat(state, x) [B, T+K-1, C] (state None:
+    zeros), in taps' dtype. Shifted multiply-adds on x itself: no padded copy of the input."""
+    K = taps.shape[0]
+    T = x.shape[1]
+    y = torch.addcmul(b, x, taps[K - 1])
+    for j in range(K - 1):
+        s = K - 1 - j  # x[t - s] feeds y[t]
+        if s < T:
+            y[:, s:].addcmul_(x[:, : T - s], taps[j])
+        if state is not None:
+            n = min(s, T)
+            y[:, :n].addcmul_(state[:, K - 1 - s : K - 1 - s + n], taps[j])
+    return y
+
+
+def _conv_backward(dy: torch.Tensor, x: torch.Tensor, state: torch.Tensor | None, taps: torch.Tensor):
+    """Gradients (dx, dstate | None, dtaps [K, C], db) of `_conv` for dy in taps' dtype."""
+    K = taps.shape[0]
+    T = x.shape[1]
+    xf = x.to(dy.dtype)
+    sf = None if state is None else state.to(dy.dtype)
+    dx = torch.mul(dy, taps[K - 1])
+    dtaps = torch.empty_like(taps)
+    dtaps[K - 1] = torch.einsum("btc,btc->c", dy, xf)
+    dstate = None if state is None else torch.zeros_like(sf)
+    for j in range(K - 1):
+        s = K - 1 - j
+        acc = torch.zeros_like(taps[j])
+        if s < T:
+            dx[:, : T - s].addcmul_(dy[:, s:], taps[j])
+            acc += torch.einsum("btc,btc->c", dy[:, s:], xf[:, : T - s])
+        if state is not None:
+            n = min(s, T)
+            dstate[:, K - 1 - s : K - 1 - s + n].addcmul_(dy[:, :n], taps[j])
+            acc += torch.einsum("btc,btc->c", dy[:, :n], sf[:, K - 1 - s : K - 1 - s + n])
+        dtaps[j] = acc
+    return dx, dstate, dtaps, dy.sum(dim=(0, 1))
+
+
+def _silu_grad(y: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(y)
+    return s * (1 + y * (1 - s))
+
+
+def _conv_act(x, state, w, b, act: bool, cd):
+    """(conv output in cd, pre-activation or None) from the layer's saved inputs."""
+    y = _conv(x, state, w.t().to(cd), b.to(cd))
+    return (F.silu(y), y) if act else (y, None)
+
+
+def _conv_act_backward(dout, x, state, w, b, y_pre, act: bool, cd):
+    """Gradients of _conv_act: (dx, dstate, dw [C, K], db) in cd."""
+    dy = dout.to(cd) * _silu_grad(y_pre) if act else dout.to(cd)
+    dx, dstate, dtaps, db = _conv_backward(dy, x, state, w.t().to(cd))
+    return dx, dstate, dtaps.t(), db
+
+
+class _ConvSiLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, state, w, b, act: bool):
+        cd = compute_dtype(x, w)
+        y, _ = _conv_act(x, state, w, b, act, cd)
+        ctx.save_for_backward(x, state, w, b)
+        ctx.act = act
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, state, w, b = ctx.saved_tensors
+        cd = compute_dtype(x, w)
+        y_pre = _conv(x, state, w.t().to(cd), b.to(cd)) if ctx.act else None
+        dx, dstate, dw, db = _conv_act_backward(dout, x, state, w, b, y_pre, ctx.act, cd)
+        return (dx.to(x.dtype), None if state is None else dstate.to(state.dtype),
+                dw.to(w.dtype), db.to(b.dtype), None)
+
+
+def conv_silu(x: torch.Tensor, state: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor, act: bool = True):
+    """SiLU (act=True) of the depthwise causal convolution of x [B, T, C] with w [C, K], b [C]
+    and the K-1 inputs before x in `state` [B, K-1, C] (None: zeros) -> [B, T, C] in x's dtype.
+    Saves x and the state; the backward recomputes the convolution."""
+    if state is not None:
+        state = state.to(x.dtype)
+    return _ConvSiLUFn.apply(x, state, w, b, act)
+
+
+def conv_state(x: torch.Tensor, state: torch.Tensor | None, kernel_size: int) -> torch.Tensor:
+    """The last K-1 inputs of cat(state, x) [B, K-1, C] (the convolution's state after x)."""
+    K1, T = kernel_size - 1, x.shape[1]
+    if T >= K1:
+        return x[:, T - K1 :]
+    if state is None:
+        state = x.new_zeros(x.shape[0], K1, x.shape[2])
+    return torch.cat([state.to(x.dtype), x], dim=1)[:, T:]
+
+
+# ----------------------------------------------------------------------------- head-wise norm
+def _head_stats(x: torch.Tensor, D: int, eps: float, cd):
+    """x [..., C] -> (x̂ [N, H, D] in cd, mean, rstd [N, H, 1])."""
+    xf = x.reshape(-1, x.shape[-1] // D, D).to(cd)
+    var, mean = torch.var_mean(xf, dim=-1, keepdim=True, correction=0)
+    rstd = torch.rsqrt(var + eps)
+    return (xf - mean) * rstd, mean, rstd
+
+
+def _normed(x, mean, rstd, D: int, cd):
+    return (x.reshape(-1, x.shape[-1] // D, D).to(cd) - mean) * rstd
+
+
+def _head_norm_backward(dxhat: torch.Tensor, xhat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """Input gradient of x̂ = (x - mean) rstd per row from dx̂ (all [N, H, D])."""
+    return rstd * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+
+
+class _HeadNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps: float):
+        cd = compute_dtype(x, w)
+        D = x.shape[-1]
+        xhat, mean, rstd = _head_stats(x.flatten(-2), D, eps, cd)
+        ctx.save_for_backward(x, w, mean, rstd)
+        return (xhat * w.view(-1, D).to(cd)).to(x.dtype).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, mean, rstd = ctx.saved_tensors
+        cd = compute_dtype(x, w)
+        D = x.shape[-1]
+        xhat = _normed(x.flatten(-2), mean, rstd, D, cd)
+        dyf = dy.reshape(xhat.shape).to(cd)
+        dw = (dyf * xhat).sum(0).reshape(-1)
+        dx = _head_norm_backward(dyf * w.view(-1, D).to(cd), xhat, rstd)
+        return dx.to(x.dtype).view(x.shape), dw.to(w.dtype), None
+
+
+def head_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head's features of x [..., H, D] normalised on their own (LayerNorm without bias),
+    times w [H * D] -> [..., H, D] in x's dtype; float32 statistics, saves x and mean/rstd."""
+    return _HeadNormFn.apply(x, w, eps)
+
+
+# ----------------------------------------------------------------------------- mLSTM tail
+class _MLSTMOutputFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, x_conv, z, norm_w, skip, down_w, down_b, eps: float):
+        cd = compute_dtype(h, norm_w)
+        N, H, D = h.shape
+        hhat, mean, rstd = _head_stats(h.view(N, -1), D, eps, cd)
+        a = torch.addcmul(hhat.view(N, -1) * norm_w.to(cd), x_conv, skip.to(cd))
+        u = (a * F.silu(z.to(cd))).to(x_conv.dtype)
+        wd = down_w.to(x_conv.dtype)
+        ctx.save_for_backward(h, x_conv, z, norm_w, skip, wd, mean, rstd)
+        ctx.eps, ctx.has_bias = eps, down_b is not None
+        return F.linear(u, wd, None if down_b is None else down_b.to(u.dtype))
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, x_conv, z, norm_w, skip, wd, mean, rstd = ctx.saved_tensors
+        cd = compute_dtype(h, norm_w)
+        N, H, D = h.shape
+        hhat = _normed(h.view(N, -1), mean, rstd, D, cd).view(N, -1)
+        a = torch.addcmul(hhat * norm_w.to(cd), x_conv, skip.to(cd))
+        zf = z.to(cd)
+        sz = torch.sigmoid(zf)
+        silz = zf * sz
+        u = (a * silz).to(x_conv.dtype)
+        dy = dy.reshape(N, -1).to(wd.dtype)
+        d_down_w = (dy.t() @ u).to(norm_w.dtype)
+        d_down_b = dy.sum(0).to(norm_w.dtype) if ctx.has_bias else None
+        du = (dy @ wd).to(cd)
+        da = du * silz
+        dz = du * a * sz * (1 + zf * (1 - sz))
+        d_skip = (da * x_conv).sum(0)
+        d_norm_w = (da * hhat).sum(0)
+        dx_conv = da * skip.to(cd)
+        dh = _head_norm_backward((da * norm_w.to(cd)).view(N, H, D), hhat.view(N, H, D), rstd)
+        return (dh.to(h.dtype), dx_conv.to(x_conv.dtype), dz.to(z.dtype), d_norm_w.to(norm_w.dtype),
+                d_skip.to(skip.dtype), d_down_w.to(norm_w.dtype), d_down_b, None)
+
+
+def mlstm_output(h: torch.Tensor, x_conv: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor,
+                 skip: torch.Tensor, down_w: torch.Tensor, down_b: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """down((MultiHeadNorm(h) + skip * x_conv) * SiLU(z)) for h [N, H, D], x_conv and z [N, H*D]
+    (one dtype, the activation dtype), norm_w and skip [H*D], down_w [d, H*D], down_b [d] | None
+    -> [N, d] in x_conv's dtype. Saves h, x_conv, z, mean/rstd [N, H, 1] and the cast down_w."""
+    return _MLSTMOutputFn.apply(h, x_conv, z, norm_w, skip, down_w, down_b, eps)
+
+
+# ----------------------------------------------------------------------------- sLSTM gate maps
+def _gate_maps(x, xc, wg, dt):
+    """g[:, gate, h] = src[:, h] @ W[gate, h]ᵀ, src = xc for the i and f gates and x for z and o:
+    one batched matmul per gate over the heads, written straight into the [N, 4, H, D] layout."""
+    N, H, D = x.shape
+    g = torch.empty(N, 4, H, D, device=x.device, dtype=dt)
+    for gate, src in enumerate((xc, xc, x, x)):
+        bmm_into(src.transpose(0, 1), wg[gate].transpose(1, 2), g[:, gate].transpose(0, 1))
+    return g
+
+
+class _SLSTMGatesFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, state, conv_w, conv_b, gate_w):
+        cd = compute_dtype(x, conv_w)
+        N = x.shape[0] * x.shape[1]
+        _, H, D, _ = gate_w.shape
+        xc, _ = _conv_act(x, state, conv_w, conv_b, True, cd)
+        wg = gate_w.to(x.dtype)
+        ctx.save_for_backward(x, state, conv_w, conv_b, wg)
+        return _gate_maps(x.reshape(N, H, D), xc.to(x.dtype).view(N, H, D), wg, x.dtype)
+
+    @staticmethod
+    def backward(ctx, dg):
+        x, state, conv_w, conv_b, wg = ctx.saved_tensors
+        cd = compute_dtype(x, conv_w)
+        B, T, C = x.shape
+        N = B * T
+        _, H, D, _ = wg.shape
+        y_pre = _conv(x, state, conv_w.t().to(cd), conv_b.to(cd))
+        xc = F.silu(y_pre).to(x.dtype).view(N, H, D)
+        xs = x.reshape(N, H, D)
+        dg = dg.reshape(N, 4, H, D).to(x.dtype)
+        dgt = [dg[:, gate].transpose(0, 1) for gate in range(4)]  # [H, N, D]
+        dw = torch.stack([torch.bmm(dgt[gate].transpose(1, 2), src.transpose(0, 1))
+                          for gate, src in enumerate((xc, xc, xs, xs))])  # [4, H, D_out, D_in]
+        dxc = torch.baddbmm(torch.bmm(dgt[0], wg[0]), dgt[1], wg[1])  # [H, N, D]
+        dx_direct = torch.baddbmm(torch.bmm(dgt[2], wg[2]), dgt[3], wg[3])
+        dxc = dxc.transpose(0, 1).reshape(B, T, C)
+        dx, dstate, dcw, dcb = _conv_act_backward(dxc, x, state, conv_w, conv_b, y_pre, True, cd)
+        dx = dx + dx_direct.transpose(0, 1).reshape(B, T, C).to(cd)
+        return (dx.to(x.dtype), None if state is None else dstate.to(state.dtype),
+                dcw.to(conv_w.dtype), dcb.to(conv_b.dtype), dw.to(conv_w.dtype))
+
+
+def slstm_gates(x: torch.Tensor, state: torch.Tensor | None, conv_w: torch.Tensor, conv_b: torch.Tensor,
+                gate_w: torch.Tensor) -> torch.Tensor:
+    """Gate pre-activations [B, T, 4, H, D] in x's dtype (without bias and recurrence) of the
+    sLSTM layer: the i and f gates map SiLU(causal conv of x) head-wise, z and o map x, by
+    gate_w [4, H, D_out, D_in]; x [B, T, H*D], conv state [B, K-1, H*D] | None, conv_w [H*D, K],
+    conv_b [H*D]. Saves x and the state; the backward recomputes the convolution."""
+    if state is not None:
+        state = state.to(x.dtype)
+    B, T, _ = x.shape
+    _, H, D, _ = gate_w.shape
+    return _SLSTMGatesFn.apply(x, state, conv_w, conv_b, gate_w).view(B, T, 4, H, D)
