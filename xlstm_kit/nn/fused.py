@@ -55,27 +55,27 @@ def _conv(x: torch.Tensor, state: torch.Tensor | None, taps: torch.Tensor, b: to
 
 
 def _conv_backward(dy: torch.Tensor, x: torch.Tensor, state: torch.Tensor | None, taps: torch.Tensor):
-    """Gradients (dx, dstate | None, dtaps [K, C], db) of `_conv` for dy in taps' dtype."""
+    """Gradients (dx, dstate | None, dtaps [K, C], db) of `_conv` for dy in taps' dtype (x and
+    state may be narrower: the products promote, no converted copies)."""
     K = taps.shape[0]
     T = x.shape[1]
-    xf = x.to(dy.dtype)
-    sf = None if state is None else state.to(dy.dtype)
     dx = torch.mul(dy, taps[K - 1])
-    dtaps = torch.empty_like(taps)
-    dtaps[K - 1] = torch.einsum("btc,btc->c", dy, xf)
-    dstate = None if state is None else torch.zeros_like(sf)
-    for j in range(K - 1):
+    rows = [(dy * x).sum(dim=(0, 1))]  # dtaps[K-1], then K-2 down to 0
+    dstate = None if state is None else torch.zeros_like(state, dtype=dy.dtype)
+    for j in range(K - 2, -1, -1):
         s = K - 1 - j
-        acc = torch.zeros_like(taps[j])
+        row = None
         if s < T:
             dx[:, : T - s].addcmul_(dy[:, s:], taps[j])
-            acc += torch.einsum("btc,btc->c", dy[:, s:], xf[:, : T - s])
+            row = (dy[:, s:] * x[:, : T - s]).sum(dim=(0, 1))
         if state is not None:
             n = min(s, T)
+            prev = state[:, K - 1 - s : K - 1 - s + n]
             dstate[:, K - 1 - s : K - 1 - s + n].addcmul_(dy[:, :n], taps[j])
-            acc += torch.einsum("btc,btc->c", dy[:, :n], sf[:, K - 1 - s : K - 1 - s + n])
-        dtaps[j] = acc
-    return dx, dstate, dtaps, dy.sum(dim=(0, 1))
+            part = (dy[:, :n] * prev).sum(dim=(0, 1))
+            row = part if row is None else row + part
+        rows.append(torch.zeros_like(taps[j]) if row is None else row)
+    return dx, dstate, torch.stack(rows[::-1]), dy.sum(dim=(0, 1))
 
 
 def _silu_grad(y: torch.Tensor) -> torch.Tensor:
