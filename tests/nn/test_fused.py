@@ -112,9 +112,64 @@ def test_bf16_autocast_accuracy(kind):
     assert rel_err(y.double(), exact) <= 2 * rel_err(y_ref.double(), exact) + 1e-3
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None
-                    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                    reason="the mLSTM custom op (Triton) needs CUDA or TRITON_INTERPRET=1")
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _tail_inputs(N=13, H=2, D=24, d=8, dtype=torch.float32):
+    """D not a power of two and N not a multiple of the rows per tile: the masks are exercised."""
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
+    xs = [r(N, H, D) * 2 + 0.5, r(N, H * D), r(N, H * D), 1 + 0.3 * r(H * D), r(H * D), r(d, H * D) / 5, r(d)]
+    return [x.to(DEV, dtype) for x in xs]
+
+
+@needs_triton
+def test_tail_triton_matches_float64_reference():
+    """The Triton tail (float32) against the torch path in float64: output and every gradient."""
+    xs = _tail_inputs()
+    results = []
+    for dtype, backend in ((F64, "torch"), (torch.float32, "triton")):
+        ins = [x.detach().to(dtype).requires_grad_(True) for x in xs]
+        y = mlstm_output(*ins, 1e-5, backend=backend)
+        g = torch.Generator().manual_seed(4)
+        dy = torch.randn(y.shape, generator=g, dtype=F64).to(y.device, dtype)
+        results.append([y, *torch.autograd.grad(y, ins, dy)])
+    for j, (ref, got) in enumerate(zip(*results)):
+        assert rel_err(got.double(), ref) < 2e-5, j
+
+
+@needs_triton
+def test_tail_triton_backward_sums_over_programs():
+    """Fewer programs than row tiles: each program loops over several tiles and sums dw, dskip."""
+    from xlstm_kit.nn.fused import _tail_bwd_torch, _tail_fwd_torch
+    from xlstm_kit.ops.blocks.triton import TailKernelConfig, mlstm_tail_bwd, mlstm_tail_fwd
+    h, xc, z, w, skip = _tail_inputs(N=37)[:5]
+    key = TailKernelConfig(rows=2, programs=3).key()
+    got_f = mlstm_tail_fwd(h, xc, z, w, skip, 1e-5, key)
+    ref_f = _tail_fwd_torch(*(x.double() for x in (h, xc, z, w, skip)), 1e-5)
+    for a, b in zip(got_f, ref_f):
+        assert rel_err(a.double(), b) < 1e-5
+    du = torch.randn_like(xc)
+    got = mlstm_tail_bwd(h, xc, z, w, skip, got_f[1], got_f[2], du, key)
+    ref = _tail_bwd_torch(*(x.double() for x in (h, xc, z, w, skip, got_f[1], got_f[2], du)))
+    for j, (a, b) in enumerate(zip(got, ref)):
+        assert rel_err(a.double(), b) < 1e-5, j
+
+
+@needs_triton
+def test_tail_ops_pass_opcheck():
+    from xlstm_kit.ops.blocks.triton import config_key
+    h, xc, z, w, skip = _tail_inputs(N=5, D=8)[:5]
+    key = config_key()
+    torch.library.opcheck(torch.ops.xlstm_kit.mlstm_tail_fwd.default, (h, xc, z, w, skip, 1e-5, key))
+    _, mean, rstd = torch.ops.xlstm_kit.mlstm_tail_fwd(h, xc, z, w, skip, 1e-5, key)
+    torch.library.opcheck(torch.ops.xlstm_kit.mlstm_tail_bwd.default, (h, xc, z, w, skip, mean, rstd, torch.randn_like(xc), key))
+
+
+@needs_triton
 def test_mlstm_block_compiles_fullgraph():
     """One graph (the fused pieces' forward and backward traced, the mLSTM kernel an opaque
     custom op), with eager's values and gradients."""

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops._checks import compute_dtype
+from ..ops.backend import choose_backend, kernel_module, on_device
 
 
 def activation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -180,50 +181,77 @@ def head_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- mLSTM tail
+def _tail_fwd_torch(h, x_conv, z, w, skip, eps: float):
+    """u = (norm(h) w + skip x_conv) SiLU(z) [N, C] in x_conv's dtype, mean, rstd [N, H]: the
+    PyTorch twin of xlstm_kit::mlstm_tail_fwd (ops/blocks/triton.py)."""
+    cd = compute_dtype(h, w)
+    N, H, D = h.shape
+    hhat, mean, rstd = _head_stats(h.view(N, -1), D, eps, cd)
+    a = torch.addcmul(hhat.view(N, -1) * w.to(cd), x_conv, skip.to(cd))
+    u = (a * F.silu(z.to(cd))).to(x_conv.dtype)
+    return u, mean.view(N, H), rstd.view(N, H)
+
+
+def _tail_bwd_torch(h, x_conv, z, w, skip, mean, rstd, du):
+    """(u, dh, dx_conv, dz, dw, dskip) from du = ∂L/∂u: the twin of xlstm_kit::mlstm_tail_bwd."""
+    cd = compute_dtype(h, w)
+    N, H, D = h.shape
+    mean, rstd = mean.view(N, H, 1), rstd.view(N, H, 1)
+    hhat = _normed(h.view(N, -1), mean, rstd, D, cd).view(N, -1)
+    a = torch.addcmul(hhat * w.to(cd), x_conv, skip.to(cd))
+    zf = z.to(cd)
+    sz = torch.sigmoid(zf)
+    silz = zf * sz
+    du = du.to(cd)
+    da = du * silz
+    dz = du * a * sz * (1 + zf * (1 - sz))
+    dh = _head_norm_backward((da * w.to(cd)).view(N, H, D), hhat.view(N, H, D), rstd)
+    return ((a * silz).to(x_conv.dtype), dh.to(h.dtype), (da * skip.to(cd)).to(x_conv.dtype), dz.to(z.dtype),
+            (da * hhat).sum(0).to(w.dtype), (da * x_conv).sum(0).to(skip.dtype))
+
+
 class _MLSTMOutputFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, x_conv, z, norm_w, skip, down_w, down_b, eps: float):
-        cd = compute_dtype(h, norm_w)
-        N, H, D = h.shape
-        hhat, mean, rstd = _head_stats(h.view(N, -1), D, eps, cd)
-        a = torch.addcmul(hhat.view(N, -1) * norm_w.to(cd), x_conv, skip.to(cd))
-        u = (a * F.silu(z.to(cd))).to(x_conv.dtype)
+    def forward(ctx, h, x_conv, z, norm_w, skip, down_w, down_b, eps: float, kernels):
+        if kernels is None:
+            u, mean, rstd = _tail_fwd_torch(h, x_conv, z, norm_w, skip, eps)
+        else:
+            with on_device(h):
+                u, mean, rstd = kernels.mlstm_tail_fwd(h, x_conv, z, norm_w, skip, eps, kernels.config_key())
         wd = down_w.to(x_conv.dtype)
         ctx.save_for_backward(h, x_conv, z, norm_w, skip, wd, mean, rstd)
-        ctx.eps, ctx.has_bias = eps, down_b is not None
+        ctx.kernels, ctx.bias_dtype = kernels, None if down_b is None else down_b.dtype
         return F.linear(u, wd, None if down_b is None else down_b.to(u.dtype))
 
     @staticmethod
     def backward(ctx, dy):
         h, x_conv, z, norm_w, skip, wd, mean, rstd = ctx.saved_tensors
-        cd = compute_dtype(h, norm_w)
-        N, H, D = h.shape
-        hhat = _normed(h.view(N, -1), mean, rstd, D, cd).view(N, -1)
-        a = torch.addcmul(hhat * norm_w.to(cd), x_conv, skip.to(cd))
-        zf = z.to(cd)
-        sz = torch.sigmoid(zf)
-        silz = zf * sz
-        u = (a * silz).to(x_conv.dtype)
-        dy = dy.reshape(N, -1).to(wd.dtype)
+        kernels = ctx.kernels
+        dy = dy.reshape(h.shape[0], -1).to(wd.dtype)
+        du = dy @ wd
+        if kernels is None:
+            u, dh, dx_conv, dz, d_norm_w, d_skip = _tail_bwd_torch(h, x_conv, z, norm_w, skip, mean, rstd, du)
+        else:
+            u, dh, dx_conv, dz, d_norm_w, d_skip = kernels.mlstm_tail_bwd(
+                h, x_conv, z, norm_w, skip, mean, rstd, du, kernels.config_key())
         d_down_w = (dy.t() @ u).to(norm_w.dtype)
-        d_down_b = dy.sum(0).to(norm_w.dtype) if ctx.has_bias else None
-        du = (dy @ wd).to(cd)
-        da = du * silz
-        dz = du * a * sz * (1 + zf * (1 - sz))
-        d_skip = (da * x_conv).sum(0)
-        d_norm_w = (da * hhat).sum(0)
-        dx_conv = da * skip.to(cd)
-        dh = _head_norm_backward((da * norm_w.to(cd)).view(N, H, D), hhat.view(N, H, D), rstd)
-        return (dh.to(h.dtype), dx_conv.to(x_conv.dtype), dz.to(z.dtype), d_norm_w.to(norm_w.dtype),
-                d_skip.to(skip.dtype), d_down_w.to(norm_w.dtype), d_down_b, None)
+        d_down_b = None if ctx.bias_dtype is None else dy.sum(0).to(ctx.bias_dtype)
+        return dh, dx_conv, dz, d_norm_w, d_skip, d_down_w, d_down_b, None, None
 
 
 def mlstm_output(h: torch.Tensor, x_conv: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor,
-                 skip: torch.Tensor, down_w: torch.Tensor, down_b: torch.Tensor | None, eps: float) -> torch.Tensor:
+                 skip: torch.Tensor, down_w: torch.Tensor, down_b: torch.Tensor | None, eps: float,
+                 backend: str | None = None) -> torch.Tensor:
     """down((MultiHeadNorm(h) + skip * x_conv) * SiLU(z)) for h [N, H, D], x_conv and z [N, H*D]
     (one dtype, the activation dtype), norm_w and skip [H*D], down_w [d, H*D], down_b [d] | None
-    -> [N, d] in x_conv's dtype. Saves h, x_conv, z, mean/rstd [N, H, 1] and the cast down_w."""
-    return _MLSTMOutputFn.apply(h, x_conv, z, norm_w, skip, down_w, down_b, eps)
+    -> [N, d] in x_conv's dtype. Saves h, x_conv, z, mean/rstd [N, H] and the cast down_w; the
+    backward recomputes the rest. The elementwise part runs as one Triton kernel each way where
+    ops.backend chooses "triton" (CUDA; `backend` as for the sequence ops)."""
+    h, x_conv, z = h.contiguous(), x_conv.contiguous(), z.contiguous()
+    use = choose_backend("mlstm_output", backend, h.device, inputs=(h, x_conv, z),
+                         dtype=h.dtype, head_dim=h.shape[-1])
+    kernels = kernel_module("mlstm_output") if use == "triton" else None
+    return _MLSTMOutputFn.apply(h, x_conv, z, norm_w, skip, down_w, down_b, eps, kernels)
 
 
 # ----------------------------------------------------------------------------- sLSTM gate maps

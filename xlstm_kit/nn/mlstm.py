@@ -136,7 +136,7 @@ class MLSTMLayer(nn.Module):
         y = mlstm_output(
             h.reshape(-1, self.n_heads, self.head_dim), x_conv.reshape(-1, self.inner_dim),
             z.reshape(-1, self.inner_dim), self.out_norm.weight, self.skip,
-            self.down_proj.weight, self.down_proj.bias, self.out_norm.eps,
+            self.down_proj.weight, self.down_proj.bias, self.out_norm.eps, self.backend,
         ).view(*lead, self.d_model)
         return self.dropout(y) if self.dropout.p > 0 else y
 

@@ -37,6 +37,7 @@ KERNEL_MODULES: dict[str, str] = {
     "dplr_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
     "kda_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
     "dplr_step": "xlstm_kit.ops.dplr.triton.step",
+    "mlstm_output": "xlstm_kit.ops.blocks.triton",
 }
 
 
