@@ -160,6 +160,44 @@ def test_tail_triton_backward_sums_over_programs():
 
 
 @needs_triton
+@pytest.mark.parametrize("T,with_state", [(2, True), (45, True), (45, False)])
+@pytest.mark.parametrize("act", [True, False])
+def test_conv_triton_matches_float64_reference(T, with_state, act):
+    """The Triton conv (+ SiLU) in float32 against the torch path in float64: output, dx, the
+    state's gradient, dw, db; T shorter than the state and longer than one 32-step tile, C = 20
+    not a multiple of the channel tile."""
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(2, T, 20, generator=g, dtype=F64), torch.randn(2, 3, 20, generator=g, dtype=F64),
+          torch.randn(20, 4, generator=g, dtype=F64), torch.randn(20, generator=g, dtype=F64)]
+    dy = torch.randn(2, T, 20, generator=g, dtype=F64)
+    results = []
+    for dtype, backend in ((F64, "torch"), (torch.float32, "triton")):
+        ins = [x.to(DEV, dtype).requires_grad_(True) for x in xs]
+        state = ins[1] if with_state else None
+        y = conv_silu(ins[0], state, ins[2], ins[3], act=act, backend=backend)
+        grads = torch.autograd.grad(y, [ins[0], ins[2], ins[3]] + ([state] if with_state else []), dy.to(DEV, dtype))
+        results.append([y, *grads])
+    for j, (ref, got) in enumerate(zip(*results)):
+        assert rel_err(got.double().cpu(), ref.cpu()) < 1e-5, j
+
+
+@needs_triton
+def test_slstm_gates_triton_matches_float64_reference():
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(2, 9, 8, generator=g, dtype=F64), torch.randn(2, 3, 8, generator=g, dtype=F64),
+          torch.randn(8, 4, generator=g, dtype=F64), torch.randn(8, generator=g, dtype=F64),
+          torch.randn(4, 2, 4, 4, generator=g, dtype=F64)]
+    dy = torch.randn(2, 9, 4, 2, 4, generator=g, dtype=F64)
+    results = []
+    for dtype, backend in ((F64, "torch"), (torch.float32, "triton")):
+        ins = [x.to(DEV, dtype).requires_grad_(True) for x in xs]
+        y = slstm_gates(*ins, backend=backend)
+        results.append([y, *torch.autograd.grad(y, ins, dy.to(DEV, dtype))])
+    for j, (ref, got) in enumerate(zip(*results)):
+        assert rel_err(got.double().cpu(), ref.cpu()) < 1e-5, j
+
+
+@needs_triton
 def test_tail_ops_pass_opcheck():
     from xlstm_kit.ops.blocks.triton import config_key
     h, xc, z, w, skip = _tail_inputs(N=5, D=8)[:5]
@@ -167,6 +205,12 @@ def test_tail_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.xlstm_kit.mlstm_tail_fwd.default, (h, xc, z, w, skip, 1e-5, key))
     _, mean, rstd = torch.ops.xlstm_kit.mlstm_tail_fwd(h, xc, z, w, skip, 1e-5, key)
     torch.library.opcheck(torch.ops.xlstm_kit.mlstm_tail_bwd.default, (h, xc, z, w, skip, mean, rstd, torch.randn_like(xc), key))
+    from xlstm_kit.ops.blocks.triton import conv_config_key
+    x, st, dout = torch.randn(2, 5, 6, device=DEV), torch.randn(2, 3, 6, device=DEV), torch.randn(2, 5, 6, device=DEV)
+    cw, cb = torch.randn(6, 4, device=DEV), torch.randn(6, device=DEV)
+    for state in (st, None):
+        torch.library.opcheck(torch.ops.xlstm_kit.conv_fwd.default, (x, state, cw, cb, True, conv_config_key()))
+        torch.library.opcheck(torch.ops.xlstm_kit.conv_bwd.default, (dout, x, state, cw, cb, True, conv_config_key()))
 
 
 @needs_triton

@@ -97,32 +97,55 @@ def _conv_act_backward(dout, x, state, w, b, y_pre, act: bool, cd):
     return dx, dstate, dtaps.t(), db
 
 
+def _conv_fwd(kernels, x, state, w, b, act: bool) -> torch.Tensor:
+    """Conv (+ SiLU) output in x's dtype: the Triton op (kernels = ops.blocks.triton) or torch."""
+    if kernels is not None:
+        with on_device(x):
+            return kernels.conv_fwd(x, state, w, b, act, kernels.conv_config_key())
+    y, _ = _conv_act(x, state, w, b, act, compute_dtype(x, w))
+    return y.to(x.dtype)
+
+
+def _conv_bwd(kernels, dout, x, state, w, b, act: bool):
+    """(dx, dstate | None, dw, db) in the dtypes of x, state, w, b."""
+    if kernels is not None:
+        dx, dstate, dw, db = kernels.conv_bwd(dout.contiguous(), x, state, w, b, act, kernels.conv_config_key())
+        return dx, (None if state is None else dstate), dw, db
+    cd = compute_dtype(x, w)
+    y_pre = _conv(x, state, w.t().to(cd), b.to(cd)) if act else None
+    dx, dstate, dw, db = _conv_act_backward(dout, x, state, w, b, y_pre, act, cd)
+    return dx.to(x.dtype), None if state is None else dstate.to(state.dtype), dw.to(w.dtype), db.to(b.dtype)
+
+
+def _conv_kernels(x: torch.Tensor, backend: str | None):
+    """The Triton kernel module where ops.backend chooses it for the convolution, else None."""
+    use = choose_backend("conv_silu", backend, x.device, inputs=(x,), dtype=x.dtype)
+    return kernel_module("conv_silu") if use == "triton" else None
+
+
 class _ConvSiLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, state, w, b, act: bool):
-        cd = compute_dtype(x, w)
-        y, _ = _conv_act(x, state, w, b, act, cd)
+    def forward(ctx, x, state, w, b, act: bool, kernels):
         ctx.save_for_backward(x, state, w, b)
-        ctx.act = act
-        return y.to(x.dtype)
+        ctx.act, ctx.kernels = act, kernels
+        return _conv_fwd(kernels, x, state, w, b, act)
 
     @staticmethod
     def backward(ctx, dout):
         x, state, w, b = ctx.saved_tensors
-        cd = compute_dtype(x, w)
-        y_pre = _conv(x, state, w.t().to(cd), b.to(cd)) if ctx.act else None
-        dx, dstate, dw, db = _conv_act_backward(dout, x, state, w, b, y_pre, ctx.act, cd)
-        return (dx.to(x.dtype), None if state is None else dstate.to(state.dtype),
-                dw.to(w.dtype), db.to(b.dtype), None)
+        return (*_conv_bwd(ctx.kernels, dout, x, state, w, b, ctx.act), None, None)
 
 
-def conv_silu(x: torch.Tensor, state: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor, act: bool = True):
+def conv_silu(x: torch.Tensor, state: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor, act: bool = True,
+              backend: str | None = None):
     """SiLU (act=True) of the depthwise causal convolution of x [B, T, C] with w [C, K], b [C]
     and the K-1 inputs before x in `state` [B, K-1, C] (None: zeros) -> [B, T, C] in x's dtype.
-    Saves x and the state; the backward recomputes the convolution."""
+    Saves x and the state; the backward recomputes the convolution. One Triton kernel each way
+    where ops.backend chooses "triton" (`backend` as for the sequence ops)."""
+    x = x.contiguous()
     if state is not None:
-        state = state.to(x.dtype)
-    return _ConvSiLUFn.apply(x, state, w, b, act)
+        state = state.to(x.dtype).contiguous()
+    return _ConvSiLUFn.apply(x, state, w.contiguous(), b, act, _conv_kernels(x, backend))
 
 
 def conv_state(x: torch.Tensor, state: torch.Tensor | None, kernel_size: int) -> torch.Tensor:
@@ -267,24 +290,22 @@ def _gate_maps(x, xc, wg, dt):
 
 class _SLSTMGatesFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, state, conv_w, conv_b, gate_w):
-        cd = compute_dtype(x, conv_w)
+    def forward(ctx, x, state, conv_w, conv_b, gate_w, kernels):
         N = x.shape[0] * x.shape[1]
         _, H, D, _ = gate_w.shape
-        xc, _ = _conv_act(x, state, conv_w, conv_b, True, cd)
+        xc = _conv_fwd(kernels, x, state, conv_w, conv_b, True)
         wg = gate_w.to(x.dtype)
         ctx.save_for_backward(x, state, conv_w, conv_b, wg)
-        return _gate_maps(x.reshape(N, H, D), xc.to(x.dtype).view(N, H, D), wg, x.dtype)
+        ctx.kernels, ctx.gate_dtype = kernels, gate_w.dtype
+        return _gate_maps(x.reshape(N, H, D), xc.view(N, H, D), wg, x.dtype)
 
     @staticmethod
     def backward(ctx, dg):
         x, state, conv_w, conv_b, wg = ctx.saved_tensors
-        cd = compute_dtype(x, conv_w)
         B, T, C = x.shape
         N = B * T
         _, H, D, _ = wg.shape
-        y_pre = _conv(x, state, conv_w.t().to(cd), conv_b.to(cd))
-        xc = F.silu(y_pre).to(x.dtype).view(N, H, D)
+        xc = _conv_fwd(ctx.kernels, x, state, conv_w, conv_b, True).view(N, H, D)
         xs = x.reshape(N, H, D)
         dg = dg.reshape(N, 4, H, D).to(x.dtype)
         dgt = [dg[:, gate].transpose(0, 1) for gate in range(4)]  # [H, N, D]
@@ -292,21 +313,23 @@ class _SLSTMGatesFn(torch.autograd.Function):
                           for gate, src in enumerate((xc, xc, xs, xs))])  # [4, H, D_out, D_in]
         dxc = torch.baddbmm(torch.bmm(dgt[0], wg[0]), dgt[1], wg[1])  # [H, N, D]
         dx_direct = torch.baddbmm(torch.bmm(dgt[2], wg[2]), dgt[3], wg[3])
-        dxc = dxc.transpose(0, 1).reshape(B, T, C)
-        dx, dstate, dcw, dcb = _conv_act_backward(dxc, x, state, conv_w, conv_b, y_pre, True, cd)
-        dx = dx + dx_direct.transpose(0, 1).reshape(B, T, C).to(cd)
-        return (dx.to(x.dtype), None if state is None else dstate.to(state.dtype),
-                dcw.to(conv_w.dtype), dcb.to(conv_b.dtype), dw.to(conv_w.dtype))
+        dx, dstate, dcw, dcb = _conv_bwd(ctx.kernels, dxc.transpose(0, 1).reshape(B, T, C), x, state,
+                                         conv_w, conv_b, True)
+        dx = dx + dx_direct.transpose(0, 1).reshape(B, T, C)
+        return dx, dstate, dcw, dcb, dw.to(ctx.gate_dtype), None
 
 
 def slstm_gates(x: torch.Tensor, state: torch.Tensor | None, conv_w: torch.Tensor, conv_b: torch.Tensor,
-                gate_w: torch.Tensor) -> torch.Tensor:
+                gate_w: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """Gate pre-activations [B, T, 4, H, D] in x's dtype (without bias and recurrence) of the
     sLSTM layer: the i and f gates map SiLU(causal conv of x) head-wise, z and o map x, by
     gate_w [4, H, D_out, D_in]; x [B, T, H*D], conv state [B, K-1, H*D] | None, conv_w [H*D, K],
-    conv_b [H*D]. Saves x and the state; the backward recomputes the convolution."""
+    conv_b [H*D]. Saves x and the state; the backward recomputes the convolution (Triton kernels
+as in `conv_silu`)."""
+    x = x.contiguous()
     if state is not None:
-        state = state.to(x.dtype)
+        state = state.to(x.dtype).contiguous()
     B, T, _ = x.shape
     _, H, D, _ = gate_w.shape
-    return _SLSTMGatesFn.apply(x, state, conv_w, conv_b, gate_w).view(B, T, 4, H, D)
+    return _SLSTMGatesFn.apply(x, state, conv_w.contiguous(), conv_b, gate_w,
+                               _conv_kernels(x, backend)).view(B, T, 4, H, D)

@@ -145,7 +145,7 @@ class MLSTMLayer(nn.Module):
         H, D = self.n_heads, self.head_dim
         x_m, z = self._up(x.to(activation_dtype(x)))  # [B, T, inner] each
         conv_in = None if state is None else state.conv
-        x_conv = conv_silu(x_m, conv_in, self.conv.weight, self.conv.bias)
+        x_conv = conv_silu(x_m, conv_in, self.conv.weight, self.conv.bias, backend=self.backend)
         q, k, v, i, f = self._qkv_gates(x_m, x_conv)
         h, cell_state = mlstm_chunkwise(
             q.view(B, T, H, D), k.view(B, T, H, D), v.view(B, T, H, D), i, f,
@@ -165,7 +165,7 @@ class MLSTMLayer(nn.Module):
         B = x.shape[0]
         H, D = self.n_heads, self.head_dim
         x_m, z = self._up(x.to(activation_dtype(x)))  # [B, inner] each
-        x_conv = conv_silu(x_m[:, None], state.conv, self.conv.weight, self.conv.bias)[:, 0]
+        x_conv = conv_silu(x_m[:, None], state.conv, self.conv.weight, self.conv.bias, backend=self.backend)[:, 0]
         new_conv = conv_state(x_m[:, None], state.conv, self.conv.kernel_size).to(state.conv.dtype)
         q, k, v, i, f = self._qkv_gates(x_m, x_conv)
         h, cell_state = mlstm_step(

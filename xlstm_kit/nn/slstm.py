@@ -96,7 +96,7 @@ class SLSTMLayer(nn.Module):
     def forward(self, x: torch.Tensor, state: SLSTMState | None = None, return_state: bool = False):
         x = x.to(activation_dtype(x))
         conv_in = None if state is None else state.conv
-        gates = slstm_gates(x, conv_in, self.conv.weight, self.conv.bias, self.gate_weight)  # [B, T, 4, H, D]
+        gates = slstm_gates(x, conv_in, self.conv.weight, self.conv.bias, self.gate_weight, self.backend)  # [B, T, 4, H, D]
         h, cell_state = slstm_recurrent(
             gates, self.recurrent, self.bias,
             initial_state=None if state is None else (state.h, state.c, state.n, state.m),
@@ -112,7 +112,7 @@ class SLSTMLayer(nn.Module):
     def step(self, x: torch.Tensor, state: SLSTMState):
         """One token: x [B, d_model] -> (y [B, d_model], new_state)."""
         x = x.to(activation_dtype(x))[:, None]
-        gates = slstm_gates(x, state.conv, self.conv.weight, self.conv.bias, self.gate_weight)[:, 0]
+        gates = slstm_gates(x, state.conv, self.conv.weight, self.conv.bias, self.gate_weight, self.backend)[:, 0]
         new_conv = conv_state(x, state.conv, self.conv.kernel_size).to(state.conv.dtype)
         h, cell_state = slstm_step(gates, self.recurrent, self.bias, (state.h, state.c, state.n, state.m))
         y = self.out_norm(self.dropout(h)).flatten(-2)

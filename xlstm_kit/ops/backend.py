@@ -38,6 +38,7 @@ KERNEL_MODULES: dict[str, str] = {
     "kda_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
     "dplr_step": "xlstm_kit.ops.dplr.triton.step",
     "mlstm_output": "xlstm_kit.ops.blocks.triton",
+    "conv_silu": "xlstm_kit.ops.blocks.triton",
 }
 
 

@@ -1,4 +1,7 @@
-"""Triton kernels of the mLSTM output tail u = (norm(h) · w + skip · x_conv) · SiLU(z) (the
+"""Triton kernels of the layers' elementwise parts: the mLSTM output tail (below) and the causal
+conv + SiLU (further down).
+
+The mLSTM output tail u = (norm(h) · w + skip · x_conv) · SiLU(z) (the
 down-projection stays a cuBLAS matmul), as `torch.library` custom ops opaque to torch.compile:
 
 - `xlstm_kit::mlstm_tail_fwd(h, x_conv, z, w, skip, eps, config) -> (u, mean, rstd)`
@@ -12,6 +15,7 @@ arithmetic; dw and dskip are summed per program, then over programs.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 import triton
@@ -30,10 +34,11 @@ class TailKernelConfig(KernelConfig):
     programs: int = 512
 
 
-def supports(op: str, *, dtype: torch.dtype, head_dim: int, **_) -> str | None:
-    """backend.choose_backend's question: do these kernels take this call?"""
+def supports(op: str, *, dtype: torch.dtype, head_dim: int = 0, **_) -> str | None:
+    """backend.choose_backend's question: do these kernels ("mlstm_output", "conv_silu") take
+    this call?"""
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"the Triton tail kernels take float16, bfloat16 or float32 activations, got {dtype}"
+        return f"the Triton {op} kernels take float16, bfloat16 or float32 activations, got {dtype}"
     if head_dim > 4096:
         return f"the Triton tail kernels hold a head in one tile; head_dim {head_dim} > 4096"
     return None
@@ -161,3 +166,166 @@ def config_key() -> str:
 
 
 _DEFAULT_KEY = TailKernelConfig().key()
+
+
+# ----------------------------------------------------------------------------- causal conv + SiLU
+# xlstm_kit::conv_fwd(x, state, w, b, act, config) -> out and xlstm_kit::conv_bwd(dout, x, state,
+# w, b, act, config) -> (dx, dstate, dw, db): the depthwise causal convolution of x [B, T, C]
+# (state [B, K-1, C]: the inputs before x, or None for zeros), w [C, K], b [C], followed by SiLU
+# when `act`. The backward recomputes the pre-activation (K² loads per tile, from cache).
+
+@dataclasses.dataclass(frozen=True)
+class ConvKernelConfig(KernelConfig):
+    """Launch parameters of the conv kernels: tiles of `bt` steps x `bc` channels, `warps`."""
+    bt: int = 32
+    bc: int = 128
+    warps: int = 4
+
+
+@triton.jit
+def _conv_rows(x_ptr, s_ptr, w_ptr, b_ptr, rows, c, cmask, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr):
+    """Pre-activation y[rows, c] (float32) for the batch row that x_ptr, s_ptr point at; rows
+    outside [0, T) give garbage that callers mask."""
+    acc = tl.zeros((rows.shape[0], c.shape[0]), dtype=tl.float32) + \
+        tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    for j in tl.static_range(K):
+        tt = rows - (K - 1 - j)
+        xv = tl.load(x_ptr + tt[:, None] * C + c[None, :], mask=((tt >= 0) & (tt < T))[:, None] & cmask[None, :],
+                     other=0.0).to(tl.float32)
+        if HAS_STATE:
+            sm = (tt < 0) & (tt >= -(K - 1))
+            xv += tl.load(s_ptr + (tt + K - 1)[:, None] * C + c[None, :], mask=sm[:, None] & cmask[None, :],
+                          other=0.0).to(tl.float32)
+        wj = tl.load(w_ptr + c * K + j, mask=cmask, other=0.0).to(tl.float32)
+        acc += xv * wj[None, :]
+    return acc
+
+
+@triton.jit
+def _conv_fwd(x_ptr, s_ptr, w_ptr, b_ptr, out_ptr, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr,
+              ACT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    bi = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = c < C
+    xb = x_ptr + bi * T * C
+    sb = s_ptr + bi * (K - 1) * C
+    y = _conv_rows(xb, sb, w_ptr, b_ptr, rows, c, cmask, T, C, K, HAS_STATE)
+    if ACT:
+        y = y * tl.sigmoid(y)
+    m = (rows < T)[:, None] & cmask[None, :]
+    tl.store(out_ptr + bi * T * C + rows[:, None] * C + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _dpre(xb, sb, w_ptr, b_ptr, gb, rows, c, cmask, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr,
+          ACT: tl.constexpr):
+    """∂L/∂(pre-activation) at rows (0 outside [0, T))."""
+    valid = ((rows >= 0) & (rows < T))[:, None] & cmask[None, :]
+    g = tl.load(gb + rows[:, None] * C + c[None, :], mask=valid, other=0.0).to(tl.float32)
+    if ACT:
+        y = _conv_rows(xb, sb, w_ptr, b_ptr, rows, c, cmask, T, C, K, HAS_STATE)
+        sg = tl.sigmoid(y)
+        g = g * sg * (1.0 + y * (1.0 - sg))
+    return g
+
+
+@triton.jit
+def _conv_bwd(g_ptr, x_ptr, s_ptr, w_ptr, b_ptr, dx_ptr, ds_ptr, dw_part, db_part, T, C, NT,
+              K: tl.constexpr, HAS_STATE: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr,
+              BC: tl.constexpr, KP: tl.constexpr):
+    pid_t = tl.program_id(0)
+    bi = tl.program_id(2).to(tl.int64)
+    rows = pid_t * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = c < C
+    xb = x_ptr + bi * T * C
+    sb = s_ptr + bi * (K - 1) * C
+    gb = g_ptr + bi * T * C
+    part = (bi * NT + pid_t) * (K + 1)
+    dx = tl.zeros((BT, BC), dtype=tl.float32)
+    for s in tl.static_range(K):
+        d = _dpre(xb, sb, w_ptr, b_ptr, gb, rows + s, c, cmask, T, C, K, HAS_STATE, ACT)
+        wj = tl.load(w_ptr + c * K + (K - 1 - s), mask=cmask, other=0.0).to(tl.float32)
+        dx += d * wj[None, :]
+        if s == 0:
+            # tap j reads x[t - (K-1-j)] (the state before x): its gradient sums d[t] times that
+            tl.store(db_part + part * C + c, tl.sum(d, 0), mask=cmask)
+            for j in tl.static_range(K):
+                tt = rows - (K - 1 - j)
+                xv = tl.load(xb + tt[:, None] * C + c[None, :], mask=((tt >= 0) & (tt < T))[:, None] & cmask[None, :],
+                             other=0.0).to(tl.float32)
+                if HAS_STATE:
+                    sm = (tt < 0) & (tt >= -(K - 1))
+                    xv += tl.load(sb + (tt + K - 1)[:, None] * C + c[None, :], mask=sm[:, None] & cmask[None, :],
+                                  other=0.0).to(tl.float32)
+                tl.store(dw_part + (part + 1 + j) * C + c, tl.sum(d * xv, 0), mask=cmask)
+    m = (rows < T)[:, None] & cmask[None, :]
+    tl.store(dx_ptr + bi * T * C + rows[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
+    if HAS_STATE:
+        if pid_t == 0:
+            p = tl.arange(0, KP)
+            pr = p - (K - 1)  # the state's positions, before t = 0
+            dst = tl.zeros((KP, BC), dtype=tl.float32)
+            for s in tl.static_range(K):
+                d = _dpre(xb, sb, w_ptr, b_ptr, gb, pr + s, c, cmask, T, C, K, HAS_STATE, ACT)
+                wj = tl.load(w_ptr + c * K + (K - 1 - s), mask=cmask, other=0.0).to(tl.float32)
+                dst += d * wj[None, :]
+            tl.store(ds_ptr + bi * (K - 1) * C + p[:, None] * C + c[None, :], dst.to(ds_ptr.dtype.element_ty),
+                     mask=(p < K - 1)[:, None] & cmask[None, :])
+
+
+def _conv_grid(x: Tensor, cfg: ConvKernelConfig):
+    B, T, C = x.shape
+    return (triton.cdiv(T, cfg.bt), triton.cdiv(C, cfg.bc), B)
+
+
+@torch.library.custom_op("xlstm_kit::conv_fwd", mutates_args=())
+def conv_fwd(x: Tensor, state: Optional[Tensor], w: Tensor, b: Tensor, act: bool, config: str) -> Tensor:
+    cfg = ConvKernelConfig.from_key(config)
+    B, T, C = x.shape
+    out = torch.empty_like(x)
+    if x.numel():
+        _conv_fwd[_conv_grid(x, cfg)](x, x if state is None else state, w, b, out, T, C, K=w.shape[1],
+                                      HAS_STATE=state is not None, ACT=act, BT=cfg.bt, BC=cfg.bc,
+                                      num_warps=cfg.warps)
+    return out
+
+
+@conv_fwd.register_fake
+def _(x, state, w, b, act, config):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("xlstm_kit::conv_bwd", mutates_args=())
+def conv_bwd(dout: Tensor, x: Tensor, state: Optional[Tensor], w: Tensor, b: Tensor, act: bool,
+             config: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    cfg = ConvKernelConfig.from_key(config)
+    B, T, C = x.shape
+    K = w.shape[1]
+    grid = _conv_grid(x, cfg)
+    dx = torch.empty_like(x)
+    ds = torch.zeros(B, K - 1, C, device=x.device, dtype=x.dtype) if state is not None else x.new_empty(0)
+    parts = torch.empty(B * grid[0], K + 1, C, device=x.device, dtype=torch.float32)  # all written
+    if x.numel():
+        _conv_bwd[grid](dout, x, x if state is None else state, w, b, dx, ds, parts, parts, T, C, grid[0],
+                        K=K, HAS_STATE=state is not None, ACT=act, BT=cfg.bt, BC=cfg.bc,
+                        KP=triton.next_power_of_2(max(K - 1, 1)), num_warps=cfg.warps)
+    sums = parts.sum(0)  # [K + 1, C]: db, then the taps
+    return dx, ds, torch.empty_like(w).copy_(sums[1:].t()), torch.empty_like(b).copy_(sums[0])
+
+
+@conv_bwd.register_fake
+def _(dout, x, state, w, b, act, config):
+    B, T, C = x.shape
+    K = w.shape[1]
+    ds = x.new_empty(B, K - 1, C) if state is not None else x.new_empty(0)
+    return torch.empty_like(x), ds, torch.empty_like(w), torch.empty_like(b)
+
+
+@torch.compiler.assume_constant_result
+def conv_config_key() -> str:
+    return _CONV_KEY
+
+
+_CONV_KEY = ConvKernelConfig().key()
