@@ -183,19 +183,26 @@ class ConvKernelConfig(KernelConfig):
 
 
 @triton.jit
+def _tap_input(xb, sb, rows, c, cmask, T, C, shift, K: tl.constexpr, HAS_STATE: tl.constexpr):
+    """x[rows - shift, c] (float32), reading the state before t = 0 (zeros without a state)."""
+    tt = rows - shift
+    xv = tl.load(xb + tt[:, None] * C + c[None, :], mask=((tt >= 0) & (tt < T))[:, None] & cmask[None, :],
+                 other=0.0).to(tl.float32)
+    if HAS_STATE:
+        sm = (tt < 0) & (tt >= -(K - 1))
+        xv += tl.load(sb + (tt + K - 1)[:, None] * C + c[None, :], mask=sm[:, None] & cmask[None, :],
+                      other=0.0).to(tl.float32)
+    return xv
+
+
+@triton.jit
 def _conv_rows(x_ptr, s_ptr, w_ptr, b_ptr, rows, c, cmask, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr):
     """Pre-activation y[rows, c] (float32) for the batch row that x_ptr, s_ptr point at; rows
     outside [0, T) give garbage that callers mask."""
     acc = tl.zeros((rows.shape[0], c.shape[0]), dtype=tl.float32) + \
         tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
     for j in tl.static_range(K):
-        tt = rows - (K - 1 - j)
-        xv = tl.load(x_ptr + tt[:, None] * C + c[None, :], mask=((tt >= 0) & (tt < T))[:, None] & cmask[None, :],
-                     other=0.0).to(tl.float32)
-        if HAS_STATE:
-            sm = (tt < 0) & (tt >= -(K - 1))
-            xv += tl.load(s_ptr + (tt + K - 1)[:, None] * C + c[None, :], mask=sm[:, None] & cmask[None, :],
-                          other=0.0).to(tl.float32)
+        xv = _tap_input(x_ptr, s_ptr, rows, c, cmask, T, C, K - 1 - j, K, HAS_STATE)
         wj = tl.load(w_ptr + c * K + j, mask=cmask, other=0.0).to(tl.float32)
         acc += xv * wj[None, :]
     return acc
@@ -252,13 +259,7 @@ def _conv_bwd(g_ptr, x_ptr, s_ptr, w_ptr, b_ptr, dx_ptr, ds_ptr, dw_part, db_par
             # tap j reads x[t - (K-1-j)] (the state before x): its gradient sums d[t] times that
             tl.store(db_part + part * C + c, tl.sum(d, 0), mask=cmask)
             for j in tl.static_range(K):
-                tt = rows - (K - 1 - j)
-                xv = tl.load(xb + tt[:, None] * C + c[None, :], mask=((tt >= 0) & (tt < T))[:, None] & cmask[None, :],
-                             other=0.0).to(tl.float32)
-                if HAS_STATE:
-                    sm = (tt < 0) & (tt >= -(K - 1))
-                    xv += tl.load(sb + (tt + K - 1)[:, None] * C + c[None, :], mask=sm[:, None] & cmask[None, :],
-                                  other=0.0).to(tl.float32)
+                xv = _tap_input(xb, sb, rows, c, cmask, T, C, K - 1 - j, K, HAS_STATE)
                 tl.store(dw_part + (part + 1 + j) * C + c, tl.sum(d * xv, 0), mask=cmask)
     m = (rows < T)[:, None] & cmask[None, :]
     tl.store(dx_ptr + bi * T * C + rows[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
