@@ -24,8 +24,8 @@ def head_norm(x, w, eps):
     return F.layer_norm(x, (D,), eps=eps) * w.view(H, D)
 
 
-def mlstm_layer(layer, x, state=None):
-    """MLSTMLayer.forward(x, state, return_state=True), unfused."""
+def mlstm_layer(layer, x, state=None, backend="torch"):
+    """MLSTMLayer.forward(x, state, return_state=True), unfused (`backend` of the sequence op)."""
     B, T, _ = x.shape
     H, D = layer.n_heads, layer.head_dim
     x_m, z = layer.up_proj(x).chunk(2, dim=-1)
@@ -36,14 +36,14 @@ def mlstm_layer(layer, x, state=None):
     i, f = layer.igate(qkv), layer.fgate(qkv)
     h, cell = mlstm_chunkwise(q.view(B, T, H, D), k.view(B, T, H, D), v.view(B, T, H, D), i, f,
                               initial_state=None if state is None else (state.C, state.n, state.m),
-                              output_final_state=True, chunk_size=layer.chunk_size, backend="torch")
+                              output_final_state=True, chunk_size=layer.chunk_size, backend=backend)
     h = head_norm(h, layer.out_norm.weight, layer.out_norm.eps).reshape(B, T, -1)
     out = layer.down_proj((h + layer.skip * x_conv) * F.silu(z))
     return out, MLSTMState(conv_state, *cell)
 
 
-def slstm_layer(layer, x, state=None):
-    """SLSTMLayer.forward(x, state, return_state=True), unfused."""
+def slstm_layer(layer, x, state=None, backend="torch"):
+    """SLSTMLayer.forward(x, state, return_state=True), unfused (`backend` of the sequence op)."""
     B, T, C = x.shape
     H, D = layer.n_heads, layer.head_dim
     y, conv_state = causal_conv(x, None if state is None else state.conv, layer.conv.weight, layer.conv.bias)
@@ -53,5 +53,5 @@ def slstm_layer(layer, x, state=None):
     gates = torch.stack([torch.einsum("bthi,hoi->btho", s, w[g]) for g, s in enumerate(src)], dim=2)
     h, cell = slstm_recurrent(gates, layer.recurrent, layer.bias,
                               initial_state=None if state is None else (state.h, state.c, state.n, state.m),
-                              output_final_state=True, backend="torch")
+                              output_final_state=True, backend=backend)
     return head_norm(h, layer.out_norm.weight, layer.out_norm.eps).reshape(B, T, C), SLSTMState(conv_state, *cell)

@@ -126,6 +126,32 @@ def _tail_inputs(N=13, H=2, D=24, d=8, dtype=torch.float32):
     return [x.to(DEV, dtype) for x in xs]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["mlstm", "slstm"])
+def test_bf16_autocast_accuracy_gpu(kind):
+    """On the GPU (Triton conv, tail and sequence kernels) under bf16 autocast: within 2x the
+    unfused PyTorch path's error against float64, forward and input gradient."""
+    layer = randomize_(make(kind), 0.1).cuda()
+    layer.backend = None
+    ref = mlstm_layer if kind == "mlstm" else slstm_layer
+    x = torch.randn(2, 64, 16, device="cuda")
+    dy = torch.randn(2, 64, 16, device="cuda")
+
+    def run(fn, dtype=None):
+        xi = x.detach().to(dtype or x.dtype).requires_grad_(True)
+        with torch.autocast("cuda", torch.bfloat16, enabled=dtype is None):
+            y = fn(xi)
+        return [y.double(), torch.autograd.grad(y, xi, dy.to(y.dtype))[0].double()]
+
+    exact = run(lambda x: ref(layer.double(), x)[0], F64)
+    layer.float()
+    got = run(layer)
+    base = run(lambda x: ref(layer, x)[0])
+    for g, b, e in zip(got, base, exact):
+        assert rel_err(g, e) <= 2 * rel_err(b, e) + 1e-3
+
+
 @needs_triton
 def test_tail_triton_matches_float64_reference():
     """The Triton tail (float32) against the torch path in float64: output and every gradient."""

@@ -178,7 +178,7 @@ _DEFAULT_KEY = TailKernelConfig().key()
 class ConvKernelConfig(KernelConfig):
     """Launch parameters of the conv kernels: tiles of `bt` steps x `bc` channels, `warps`."""
     bt: int = 32
-    bc: int = 128
+    bc: int = 64
     warps: int = 4
 
 
