@@ -2,6 +2,7 @@
 under bf16 autocast (exact: see xlstm_kit.bench.memory). Run from the repository root:
 
     PYTHONPATH=. python benchmarks/saved_bytes.py
+    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/saved_bytes.py --kernels   # op counts, Triton pieces
 
 "op": what the sequence op (mlstm_chunkwise / slstm_recurrent) saves plus its inputs and outputs
 (the Triton kernels save those); "rest": what the layer adds around it. Op counts: aten ops
@@ -26,6 +27,34 @@ def blocks():
     return cfg, {"mLSTM": (m, (mlstm_mod, "mlstm_chunkwise")), "sLSTM": (s, (slstm_mod, "slstm_recurrent"))}
 
 
+def kernel_counts():
+    """Op counts of the layers around their sequence ops, with the torch and the Triton pieces
+    (on the CPU under TRITON_INTERPRET=1, float32, small widths: counts do not depend on widths).
+    The sequence op is replaced by a one-op stub so that both directions count only the layer;
+    a custom op counts as one."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    print("| block (pieces), sequence op stubbed | autograd nodes | fwd ops | bwd ops |")
+    print("|---|---|---|---|")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cases = {
+        "mLSTM": (MLSTMBlock(64, 128, 4, chunk_size=16, backend="triton"), (mlstm_mod, "mlstm_chunkwise")),
+        "sLSTM": (SLSTMBlock(64, 4, 96, backend="triton"), (slstm_mod, "slstm_recurrent")),
+    }
+    stubs = {"mLSTM": lambda q, k, v, i, f, **_: (v * 1.0, None),
+             "sLSTM": lambda gates, r, b, **_: (gates[:, :, 2] * 1.0, None)}
+    for name, (block, (ns, attr)) in cases.items():
+        real = getattr(ns, attr)
+        setattr(ns, attr, stubs[name])
+        try:
+            for backend in ("torch", "triton"):
+                block.layer.backend = backend
+                c = op_counts(block.to(dev), torch.randn(2, 32, 64, device=dev, requires_grad=True))
+                print(f"| {name} ({backend}) | {c['nodes']} | {c['fwd_ops']} | {c['bwd_ops']} |", flush=True)
+        finally:
+            setattr(ns, attr, real)
+
+
 def main():
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -41,4 +70,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    kernel_counts() if "--kernels" in sys.argv else main()

@@ -141,6 +141,8 @@ def op_counts(module: torch.nn.Module, x: torch.Tensor, *, autocast: torch.dtype
         stack.extend(nxt for nxt, _ in node.next_functions)
     nodes = sum(1 for n in seen if type(n).__name__ != "AccumulateGrad")
     g = torch.randn_like(y)
+    for p in module.parameters():
+        p.grad = None  # accumulating into existing gradients would count extra adds
     Count.n = 0
     with Count():
         y.backward(g)
