@@ -255,3 +255,37 @@ def test_mlstm_block_compiles_fullgraph():
     assert rel_err(yc, y) < 1e-5 and rel_err(cx, gx) < 1e-4
     for a, b in zip(cp, gp):
         assert rel_err(a, b) < 1e-4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_kernels_compile_for_hopper():
+    """The interpreter accepts code the compiler refuses (a variable changing shape inside a
+    runtime branch did): compile every kernel variant for sm_90 (ptxas, no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from xlstm_kit.ops.blocks import triton as kern
+
+    bf, f32 = "*bf16", "*fp32"
+    tail = {"h_ptr": bf, "xc_ptr": bf, "z_ptr": bf, "w_ptr": f32, "s_ptr": f32}
+    cases = [
+        (kern._tail_fwd, {**tail, "u_ptr": bf, "mean_ptr": f32, "rstd_ptr": f32, "N": "i32", "H": "i32", "D": "i32",
+                          "eps": "fp32", "ROWS": "constexpr", "BD": "constexpr"}, {"ROWS": 4, "BD": 512}),
+        (kern._tail_bwd, {**tail, "mean_ptr": f32, "rstd_ptr": f32, "du_ptr": bf, "u_ptr": bf, "dh_ptr": bf,
+                          "dxc_ptr": bf, "dz_ptr": bf, "dw_part": f32, "ds_part": f32, "N": "i32", "H": "i32",
+                          "D": "i32", "ROWS": "constexpr", "BD": "constexpr"}, {"ROWS": 4, "BD": 512}),
+    ]
+    conv = {"K": "constexpr", "HAS_STATE": "constexpr", "ACT": "constexpr", "BT": "constexpr", "BC": "constexpr"}
+    for has_state in (True, False):
+        for act in (True, False):
+            consts = {"K": 4, "HAS_STATE": has_state, "ACT": act, "BT": 32, "BC": 64}
+            cases.append((kern._conv_fwd, {"x_ptr": bf, "s_ptr": bf, "w_ptr": f32, "b_ptr": f32, "out_ptr": bf,
+                                           "T": "i32", "C": "i32", **conv}, consts))
+            cases.append((kern._conv_bwd, {"g_ptr": bf, "x_ptr": bf, "s_ptr": bf, "w_ptr": f32, "b_ptr": f32,
+                                           "dx_ptr": bf, "ds_ptr": bf, "dw_part": f32, "db_part": f32, "T": "i32",
+                                           "C": "i32", "NT": "i32", **conv, "KP": "constexpr"}, {**consts, "KP": 4}))
+    for fn, sig, consts in cases:
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], fn.__name__

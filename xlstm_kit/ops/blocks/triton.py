@@ -27,10 +27,13 @@ from .._config import KernelConfig
 
 @dataclasses.dataclass(frozen=True)
 class TailKernelConfig(KernelConfig):
-    """Launch parameters of the tail kernels: `rows` tokens per tile, `warps`, and at most
-    `programs` programs along the tokens in the backward (each sums its tiles' dw, dskip)."""
+    """Launch parameters of the tail kernels: `rows` tokens per tile, `warps` (forward),
+    `bwd_warps`, and at most `programs` programs along the tokens in the backward (each sums its
+    tiles' dw, dskip). The backward at 4 warps needs ~190 registers a thread at D = 384 (sm_90
+    ptxas), at 8 ~100."""
     rows: int = 4
     warps: int = 4
+    bwd_warps: int = 8
     programs: int = 512
 
 
@@ -149,7 +152,7 @@ def mlstm_tail_bwd(h: Tensor, x_conv: Tensor, z: Tensor, w: Tensor, skip: Tensor
     ds_part = torch.zeros(P, H * D, device=h.device, dtype=torch.float32)
     if N:
         _tail_bwd[(P, H)](h, x_conv, z, w, skip, mean, rstd, du, u, dh, dxc, dz, dw_part, ds_part, N, H, D,
-                          ROWS=cfg.rows, BD=triton.next_power_of_2(D), num_warps=cfg.warps)
+                          ROWS=cfg.rows, BD=triton.next_power_of_2(D), num_warps=cfg.bwd_warps)
     return u, dh, dxc, dz, dw_part.sum(0).to(w.dtype), ds_part.sum(0).to(skip.dtype)
 
 
@@ -176,10 +179,13 @@ _DEFAULT_KEY = TailKernelConfig().key()
 
 @dataclasses.dataclass(frozen=True)
 class ConvKernelConfig(KernelConfig):
-    """Launch parameters of the conv kernels: tiles of `bt` steps x `bc` channels, `warps`."""
+    """Launch parameters of the conv kernels: tiles of `bt` steps x `bc` channels, `warps`
+    (forward), `bwd_warps` (the backward's K² recomputed loads need ~230 registers a thread at 8
+    warps, and spill at 4; sm_90 ptxas)."""
     bt: int = 32
     bc: int = 64
     warps: int = 4
+    bwd_warps: int = 8
 
 
 @triton.jit
@@ -199,9 +205,10 @@ def _tap_input(xb, sb, rows, c, cmask, T, C, shift, K: tl.constexpr, HAS_STATE: 
 def _conv_rows(x_ptr, s_ptr, w_ptr, b_ptr, rows, c, cmask, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr):
     """Pre-activation y[rows, c] (float32) for the batch row that x_ptr, s_ptr point at; rows
     outside [0, T) give garbage that callers mask."""
-    acc = tl.zeros((rows.shape[0], c.shape[0]), dtype=tl.float32) + \
-        tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    for j in tl.static_range(K):
+    bias = tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+    w0 = tl.load(w_ptr + c * K, mask=cmask, other=0.0).to(tl.float32)
+    acc = _tap_input(x_ptr, s_ptr, rows, c, cmask, T, C, K - 1, K, HAS_STATE) * w0[None, :] + bias[None, :]
+    for j in tl.static_range(1, K):
         xv = _tap_input(x_ptr, s_ptr, rows, c, cmask, T, C, K - 1 - j, K, HAS_STATE)
         wj = tl.load(w_ptr + c * K + j, mask=cmask, other=0.0).to(tl.float32)
         acc += xv * wj[None, :]
@@ -269,9 +276,10 @@ def _conv_bwd(g_ptr, x_ptr, s_ptr, w_ptr, b_ptr, dx_ptr, ds_ptr, dw_part, db_par
             pr = p - (K - 1)  # the state's positions, before t = 0
             dst = tl.zeros((KP, BC), dtype=tl.float32)
             for s in tl.static_range(K):
-                d = _dpre(xb, sb, w_ptr, b_ptr, gb, pr + s, c, cmask, T, C, K, HAS_STATE, ACT)
-                wj = tl.load(w_ptr + c * K + (K - 1 - s), mask=cmask, other=0.0).to(tl.float32)
-                dst += d * wj[None, :]
+                # names of their own: a runtime branch may not give a variable another shape
+                d_st = _dpre(xb, sb, w_ptr, b_ptr, gb, pr + s, c, cmask, T, C, K, HAS_STATE, ACT)
+                w_st = tl.load(w_ptr + c * K + (K - 1 - s), mask=cmask, other=0.0).to(tl.float32)
+                dst += d_st * w_st[None, :]
             tl.store(ds_ptr + bi * (K - 1) * C + p[:, None] * C + c[None, :], dst.to(ds_ptr.dtype.element_ty),
                      mask=(p < K - 1)[:, None] & cmask[None, :])
 
@@ -311,7 +319,7 @@ def conv_bwd(dout: Tensor, x: Tensor, state: Optional[Tensor], w: Tensor, b: Ten
     if x.numel():
         _conv_bwd[grid](dout, x, x if state is None else state, w, b, dx, ds, parts, parts, T, C, grid[0],
                         K=K, HAS_STATE=state is not None, ACT=act, BT=cfg.bt, BC=cfg.bc,
-                        KP=triton.next_power_of_2(max(K - 1, 1)), num_warps=cfg.warps)
+                        KP=triton.next_power_of_2(max(K - 1, 1)), num_warps=cfg.bwd_warps)
     sums = parts.sum(0)  # [K + 1, C]: db, then the taps
     return dx, ds, torch.empty_like(w).copy_(sums[1:].t()), torch.empty_like(b).copy_(sums[0])
 
