@@ -168,6 +168,20 @@ def test_tail_triton_matches_float64_reference():
 
 
 @needs_triton
+def test_head_norm_triton_matches_float64_reference():
+    xs = _tail_inputs(N=37)
+    x, w = xs[0].view(37, 2, 24), xs[3]
+    dy = torch.randn_like(x)
+    results = []
+    for dtype, backend in ((F64, "torch"), (torch.float32, "triton")):
+        ins = [t.detach().to(dtype).requires_grad_(True) for t in (x, w)]
+        y = head_norm(ins[0], ins[1], 1e-5, backend=backend)
+        results.append([y, *torch.autograd.grad(y, ins, dy.to(dtype))])
+    for j, (ref, got) in enumerate(zip(*results)):
+        assert rel_err(got.double(), ref) < 2e-5, j
+
+
+@needs_triton
 def test_tail_triton_backward_sums_over_programs():
     """Fewer programs than row tiles: each program loops over several tiles and sums dw, dskip."""
     from xlstm_kit.nn.fused import _tail_bwd_torch, _tail_fwd_torch
@@ -231,6 +245,9 @@ def test_tail_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.xlstm_kit.mlstm_tail_fwd.default, (h, xc, z, w, skip, 1e-5, key))
     _, mean, rstd = torch.ops.xlstm_kit.mlstm_tail_fwd(h, xc, z, w, skip, 1e-5, key)
     torch.library.opcheck(torch.ops.xlstm_kit.mlstm_tail_bwd.default, (h, xc, z, w, skip, mean, rstd, torch.randn_like(xc), key))
+    torch.library.opcheck(torch.ops.xlstm_kit.head_norm_fwd.default, (h, w, 1e-5, key))
+    _, mean, rstd = torch.ops.xlstm_kit.head_norm_fwd(h, w, 1e-5, key)
+    torch.library.opcheck(torch.ops.xlstm_kit.head_norm_bwd.default, (h, w, mean, rstd, torch.randn_like(h), key))
     from xlstm_kit.ops.blocks.triton import conv_config_key
     x, st, dout = torch.randn(2, 5, 6, device=DEV), torch.randn(2, 3, 6, device=DEV), torch.randn(2, 5, 6, device=DEV)
     cw, cb = torch.randn(6, 4, device=DEV), torch.randn(6, device=DEV)
@@ -282,13 +299,16 @@ def compile_kernels():
 
     bf, f32 = "*bf16", "*fp32"
     tail = {"h_ptr": bf, "xc_ptr": bf, "z_ptr": bf, "w_ptr": f32, "s_ptr": f32}
-    cases = [
-        (kern._tail_fwd, {**tail, "u_ptr": bf, "mean_ptr": f32, "rstd_ptr": f32, "N": "i32", "H": "i32", "D": "i32",
-                          "eps": "fp32", "ROWS": "constexpr", "BD": "constexpr"}, {"ROWS": 4, "BD": 512}),
-        (kern._tail_bwd, {**tail, "mean_ptr": f32, "rstd_ptr": f32, "du_ptr": bf, "u_ptr": bf, "dh_ptr": bf,
-                          "dxc_ptr": bf, "dz_ptr": bf, "dw_part": f32, "ds_part": f32, "N": "i32", "H": "i32",
-                          "D": "i32", "ROWS": "constexpr", "BD": "constexpr"}, {"ROWS": 4, "BD": 512}),
-    ]
+    cases = []
+    for gate in (True, False):
+        consts = {"ROWS": 4, "BD": 512, "GATE": gate}
+        cases.append((kern._tail_fwd, {**tail, "u_ptr": bf, "mean_ptr": f32, "rstd_ptr": f32, "N": "i32", "H": "i32",
+                                       "D": "i32", "eps": "fp32", "ROWS": "constexpr", "BD": "constexpr",
+                                       "GATE": "constexpr"}, consts))
+        cases.append((kern._tail_bwd, {**tail, "mean_ptr": f32, "rstd_ptr": f32, "du_ptr": bf, "u_ptr": bf,
+                                       "dh_ptr": bf, "dxc_ptr": bf, "dz_ptr": bf, "dw_part": f32, "ds_part": f32,
+                                       "N": "i32", "H": "i32", "D": "i32", "ROWS": "constexpr", "BD": "constexpr",
+                                       "GATE": "constexpr"}, consts))
     conv = {"K": "constexpr", "HAS_STATE": "constexpr", "ACT": "constexpr", "BT": "constexpr", "BC": "constexpr"}
     for has_state in (True, False):
         for act in (True, False):

@@ -176,31 +176,57 @@ def _head_norm_backward(dxhat: torch.Tensor, xhat: torch.Tensor, rstd: torch.Ten
     return rstd * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True))
 
 
+def _head_norm_fwd_torch(x, w, eps: float):
+    """x [N, H, D] -> (x̂ w in x's dtype, mean, rstd [N, H]): the twin of xlstm_kit::head_norm_fwd."""
+    cd = compute_dtype(x, w)
+    N, H, D = x.shape
+    xhat, mean, rstd = _head_stats(x.view(N, -1), D, eps, cd)
+    return (xhat * w.view(H, D).to(cd)).to(x.dtype), mean.view(N, H), rstd.view(N, H)
+
+
+def _head_norm_bwd_torch(x, w, mean, rstd, dy):
+    """(dx, dw): the twin of xlstm_kit::head_norm_bwd."""
+    cd = compute_dtype(x, w)
+    N, H, D = x.shape
+    rstd = rstd.view(N, H, 1)
+    xhat = _normed(x.view(N, -1), mean.view(N, H, 1), rstd, D, cd)
+    dyf = dy.to(cd)
+    dx = _head_norm_backward(dyf * w.view(H, D).to(cd), xhat, rstd)
+    return dx.to(x.dtype), (dyf * xhat).sum(0).reshape(-1).to(w.dtype)
+
+
 class _HeadNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, eps: float):
-        cd = compute_dtype(x, w)
-        D = x.shape[-1]
-        xhat, mean, rstd = _head_stats(x.flatten(-2), D, eps, cd)
+    def forward(ctx, x, w, eps: float, kernels):
+        if kernels is None:
+            y, mean, rstd = _head_norm_fwd_torch(x, w, eps)
+        else:
+            with on_device(x):
+                y, mean, rstd = kernels.head_norm_fwd(x, w, eps, kernels.config_key())
         ctx.save_for_backward(x, w, mean, rstd)
-        return (xhat * w.view(-1, D).to(cd)).to(x.dtype).view(x.shape)
+        ctx.kernels = kernels
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w, mean, rstd = ctx.saved_tensors
-        cd = compute_dtype(x, w)
-        D = x.shape[-1]
-        xhat = _normed(x.flatten(-2), mean, rstd, D, cd)
-        dyf = dy.reshape(xhat.shape).to(cd)
-        dw = (dyf * xhat).sum(0).reshape(-1)
-        dx = _head_norm_backward(dyf * w.view(-1, D).to(cd), xhat, rstd)
-        return dx.to(x.dtype).view(x.shape), dw.to(w.dtype), None
+        dy = dy.contiguous()
+        if ctx.kernels is None:
+            dx, dw = _head_norm_bwd_torch(x, w, mean, rstd, dy)
+        else:
+            dx, dw = ctx.kernels.head_norm_bwd(x, w, mean, rstd, dy, ctx.kernels.config_key())
+        return dx, dw, None, None
 
 
-def head_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def head_norm(x: torch.Tensor, w: torch.Tensor, eps: float, backend: str | None = None) -> torch.Tensor:
     """Each head's features of x [..., H, D] normalised on their own (LayerNorm without bias),
-    times w [H * D] -> [..., H, D] in x's dtype; float32 statistics, saves x and mean/rstd."""
-    return _HeadNormFn.apply(x, w, eps)
+    times w [H * D] -> [..., H, D] in x's dtype; float32 statistics, saves x and mean/rstd. One
+    Triton kernel each way where ops.backend chooses "triton" (`backend` as for the sequence ops)."""
+    H, D = x.shape[-2:]
+    x3 = x.reshape(-1, H, D).contiguous()
+    use = choose_backend("head_norm", backend, x.device, inputs=(x,), dtype=x.dtype, head_dim=D)
+    kernels = kernel_module("head_norm") if use == "triton" else None
+    return _HeadNormFn.apply(x3, w, eps, kernels).view(x.shape)
 
 
 # ----------------------------------------------------------------------------- mLSTM tail

@@ -14,7 +14,7 @@ from torch import nn
 from xlstm_kit.ops.slstm import slstm_recurrent, slstm_step
 
 from .common import CausalConv1d, GatedFeedForward, MultiHeadNorm, small_init_, state_dtype
-from .fused import activation_dtype, conv_state, slstm_gates
+from .fused import activation_dtype, conv_state, head_norm, slstm_gates
 from ..errors import XLSTMKitError
 
 
@@ -93,6 +93,11 @@ class SLSTMLayer(nn.Module):
         zeros = lambda: torch.zeros(batch, self.n_heads, self.head_dim, device=device, dtype=dtype)  # noqa: E731
         return SLSTMState(self.conv.init_state(batch, device, dtype), zeros(), zeros(), zeros(), zeros())
 
+    def _norm(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H, D] -> out_norm(dropout(h)) [..., H*D] (dropout before the norm, as upstream)."""
+        h = self.dropout(h) if self.dropout.p > 0 else h
+        return head_norm(h, self.out_norm.weight, self.out_norm.eps, self.backend).flatten(-2)
+
     def forward(self, x: torch.Tensor, state: SLSTMState | None = None, return_state: bool = False):
         x = x.to(activation_dtype(x))
         conv_in = None if state is None else state.conv
@@ -103,7 +108,7 @@ class SLSTMLayer(nn.Module):
             output_final_state=return_state,
             backend=self.backend,
         )  # h [B, T, H, D]
-        y = self.out_norm(self.dropout(h)).flatten(-2)  # dropout before the norm, as upstream
+        y = self._norm(h)
         if not return_state:
             return y
         new_conv = conv_state(x, conv_in, self.conv.kernel_size).to(state_dtype(x.dtype))
@@ -115,7 +120,7 @@ class SLSTMLayer(nn.Module):
         gates = slstm_gates(x, state.conv, self.conv.weight, self.conv.bias, self.gate_weight, self.backend)[:, 0]
         new_conv = conv_state(x, state.conv, self.conv.kernel_size).to(state.conv.dtype)
         h, cell_state = slstm_step(gates, self.recurrent, self.bias, (state.h, state.c, state.n, state.m))
-        y = self.out_norm(self.dropout(h)).flatten(-2)
+        y = self._norm(h)
         return y, SLSTMState(new_conv, *cell_state)
 
 

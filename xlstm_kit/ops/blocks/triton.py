@@ -1,5 +1,5 @@
-"""Triton kernels of the layers' elementwise parts: the mLSTM output tail (below) and the causal
-conv + SiLU (further down).
+"""Triton kernels of the layers' elementwise parts: the mLSTM output tail (below), the head-wise
+norm (the same kernels without skip and gate) and the causal conv + SiLU (further down).
 
 The mLSTM output tail u = (norm(h) · w + skip · x_conv) · SiLU(z) (the
 down-projection stays a cuBLAS matmul), as `torch.library` custom ops opaque to torch.compile:
@@ -38,8 +38,8 @@ class TailKernelConfig(KernelConfig):
 
 
 def supports(op: str, *, dtype: torch.dtype, head_dim: int = 0, **_) -> str | None:
-    """backend.choose_backend's question: do these kernels ("mlstm_output", "conv_silu") take
-    this call?"""
+    """backend.choose_backend's question: do these kernels ("mlstm_output", "head_norm",
+    "conv_silu") take this call?"""
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the Triton {op} kernels take float16, bfloat16 or float32 activations, got {dtype}"
     if head_dim > 4096:
@@ -49,7 +49,7 @@ def supports(op: str, *, dtype: torch.dtype, head_dim: int = 0, **_) -> str | No
 
 @triton.jit
 def _tail_fwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, u_ptr, mean_ptr, rstd_ptr, N, H, D, eps,
-              ROWS: tl.constexpr, BD: tl.constexpr):
+              ROWS: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr):
     hh = tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BD)
@@ -62,11 +62,12 @@ def _tail_fwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, u_ptr, mean_ptr, rstd_ptr, N, 
     xm = tl.where(m, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(xm * xm, 1) / D + eps)
     w = tl.load(w_ptr + hh * D + cols, mask=cmask, other=0.0).to(tl.float32)
-    sk = tl.load(s_ptr + hh * D + cols, mask=cmask, other=0.0).to(tl.float32)
-    xc = tl.load(xc_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    a = xm * rstd[:, None] * w[None, :] + sk[None, :] * xc
-    u = a * (z * tl.sigmoid(z))
+    u = xm * rstd[:, None] * w[None, :]
+    if GATE:
+        sk = tl.load(s_ptr + hh * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        xc = tl.load(xc_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        u = (u + sk[None, :] * xc) * (z * tl.sigmoid(z))
     tl.store(u_ptr + offs, u.to(u_ptr.dtype.element_ty), mask=m)
     tl.store(mean_ptr + rows * H + hh, mean, mask=rmask)
     tl.store(rstd_ptr + rows * H + hh, rstd, mask=rmask)
@@ -75,7 +76,7 @@ def _tail_fwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, u_ptr, mean_ptr, rstd_ptr, N, 
 @triton.jit
 def _tail_bwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, mean_ptr, rstd_ptr, du_ptr,
               u_ptr, dh_ptr, dxc_ptr, dz_ptr, dw_part, ds_part, N, H, D,
-              ROWS: tl.constexpr, BD: tl.constexpr):
+              ROWS: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     hh = tl.program_id(1)
@@ -94,25 +95,27 @@ def _tail_bwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, mean_ptr, rstd_ptr, du_ptr,
         rstd = tl.load(rstd_ptr + rows * H + hh, mask=rmask, other=0.0)
         x = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
         xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
-        xc = tl.load(xc_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        du = tl.load(du_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        a = xhat * w[None, :] + sk[None, :] * xc
-        sz = tl.sigmoid(z)
-        silz = z * sz
-        tl.store(u_ptr + offs, (a * silz).to(u_ptr.dtype.element_ty), mask=m)
-        da = du * silz
-        tl.store(dz_ptr + offs, (du * a * sz * (1.0 + z * (1.0 - sz))).to(dz_ptr.dtype.element_ty), mask=m)
-        tl.store(dxc_ptr + offs, (da * sk[None, :]).to(dxc_ptr.dtype.element_ty), mask=m)
+        da = tl.load(du_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if GATE:
+            xc = tl.load(xc_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            a = xhat * w[None, :] + sk[None, :] * xc
+            sz = tl.sigmoid(z)
+            silz = z * sz
+            tl.store(u_ptr + offs, (a * silz).to(u_ptr.dtype.element_ty), mask=m)
+            tl.store(dz_ptr + offs, (da * a * sz * (1.0 + z * (1.0 - sz))).to(dz_ptr.dtype.element_ty), mask=m)
+            da = da * silz
+            tl.store(dxc_ptr + offs, (da * sk[None, :]).to(dxc_ptr.dtype.element_ty), mask=m)
+            acc_s += tl.sum(da * xc, 0)
         acc_w += tl.sum(da * xhat, 0)
-        acc_s += tl.sum(da * xc, 0)
         dxhat = da * w[None, :]
         c1 = tl.sum(dxhat * xhat, 1) / D
         c2 = tl.sum(dxhat, 1) / D
         dh = rstd[:, None] * (dxhat - c2[:, None] - xhat * c1[:, None])
         tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=m)
     tl.store(dw_part + pid * (H * D) + hh * D + cols, acc_w, mask=cmask)
-    tl.store(ds_part + pid * (H * D) + hh * D + cols, acc_s, mask=cmask)
+    if GATE:
+        tl.store(ds_part + pid * (H * D) + hh * D + cols, acc_s, mask=cmask)
 
 
 def _stats(h: Tensor) -> tuple[Tensor, Tensor]:
@@ -131,7 +134,7 @@ def mlstm_tail_fwd(h: Tensor, x_conv: Tensor, z: Tensor, w: Tensor, skip: Tensor
     if N:
         grid = (triton.cdiv(N, cfg.rows), H)
         _tail_fwd[grid](h, x_conv, z, w, skip, u, mean, rstd, N, H, D, eps,
-                        ROWS=cfg.rows, BD=triton.next_power_of_2(D), num_warps=cfg.warps)
+                        ROWS=cfg.rows, BD=triton.next_power_of_2(D), GATE=True, num_warps=cfg.warps)
     return u, mean, rstd
 
 
@@ -152,7 +155,7 @@ def mlstm_tail_bwd(h: Tensor, x_conv: Tensor, z: Tensor, w: Tensor, skip: Tensor
     ds_part = torch.zeros(P, H * D, device=h.device, dtype=torch.float32)
     if N:
         _tail_bwd[(P, H)](h, x_conv, z, w, skip, mean, rstd, du, u, dh, dxc, dz, dw_part, ds_part, N, H, D,
-                          ROWS=cfg.rows, BD=triton.next_power_of_2(D), num_warps=cfg.bwd_warps)
+                          ROWS=cfg.rows, BD=triton.next_power_of_2(D), GATE=True, num_warps=cfg.bwd_warps)
     return u, dh, dxc, dz, dw_part.sum(0).to(w.dtype), ds_part.sum(0).to(skip.dtype)
 
 
@@ -169,6 +172,46 @@ def config_key() -> str:
 
 
 _DEFAULT_KEY = TailKernelConfig().key()
+
+
+# ----------------------------------------------------------------------------- head-wise norm
+# xlstm_kit::head_norm_fwd(x, w, eps, config) -> (y, mean, rstd) and
+# xlstm_kit::head_norm_bwd(x, w, mean, rstd, dy, config) -> (dx, dw): the tail kernels without
+# the skip and the gate (GATE=False), for MultiHeadNorm (x, y [N, H, D]).
+
+@torch.library.custom_op("xlstm_kit::head_norm_fwd", mutates_args=())
+def head_norm_fwd(x: Tensor, w: Tensor, eps: float, config: str) -> tuple[Tensor, Tensor, Tensor]:
+    cfg = TailKernelConfig.from_key(config)
+    N, H, D = x.shape
+    y = torch.empty_like(x)
+    mean, rstd = _stats(x)
+    if N:
+        _tail_fwd[(triton.cdiv(N, cfg.rows), H)](x, x, x, w, w, y, mean, rstd, N, H, D, eps, ROWS=cfg.rows,
+                                                  BD=triton.next_power_of_2(D), GATE=False, num_warps=cfg.warps)
+    return y, mean, rstd
+
+
+@head_norm_fwd.register_fake
+def _(x, w, eps, config):
+    return (torch.empty_like(x), *_stats(x))
+
+
+@torch.library.custom_op("xlstm_kit::head_norm_bwd", mutates_args=())
+def head_norm_bwd(x: Tensor, w: Tensor, mean: Tensor, rstd: Tensor, dy: Tensor, config: str) -> tuple[Tensor, Tensor]:
+    cfg = TailKernelConfig.from_key(config)
+    N, H, D = x.shape
+    dx = torch.empty_like(x)
+    P = max(1, min(cfg.programs, triton.cdiv(N, cfg.rows)))
+    dw_part = torch.zeros(P, H * D, device=x.device, dtype=torch.float32)
+    if N:
+        _tail_bwd[(P, H)](x, x, x, w, w, mean, rstd, dy, x, dx, x, x, dw_part, dw_part, N, H, D, ROWS=cfg.rows,
+                          BD=triton.next_power_of_2(D), GATE=False, num_warps=cfg.bwd_warps)
+    return dx, dw_part.sum(0).to(w.dtype)
+
+
+@head_norm_bwd.register_fake
+def _(x, w, mean, rstd, dy, config):
+    return torch.empty_like(x), torch.empty_like(w)
 
 
 # ----------------------------------------------------------------------------- causal conv + SiLU
