@@ -55,6 +55,27 @@ def test_fused_layer_matches_unfused_reference(kind, bias):
         assert rel_err(g, r) < 1e-9, n
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_mlstm_block_matches_unfused_reference(bias):
+    """The block (its norm fused with the up-projection): forward, state carry, every gradient."""
+    torch.manual_seed(0)
+    block = randomize_(MLSTMBlock(16, 32, 2, chunk_size=4, bias=bias, backend="torch").double())
+    x = torch.randn(2, 11, 16, dtype=F64, requires_grad=True)
+    params = list(block.parameters())
+
+    def ref(x, s):
+        y, s = mlstm_layer(block.layer, block.norm(x), s)
+        return x + y, s
+
+    outs, grads, w = two_calls(lambda x, s: block(x, s, return_state=True), x, params)
+    r_outs, r_grads, _ = two_calls(ref, x, params, w)
+    for o, r in zip(outs, r_outs):
+        assert rel_err(o, r) < 1e-10
+    for n, g, r in zip(["x"] + [n for n, _ in block.named_parameters()], grads, r_grads):
+        assert g.abs().sum() > 0, n
+        assert rel_err(g, r) < 1e-9, n
+
+
 @pytest.mark.parametrize("kind", ["mlstm", "slstm"])
 def test_fused_layer_step_equals_forward(kind):
     layer = randomize_(make(kind).double())

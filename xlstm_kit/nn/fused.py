@@ -7,6 +7,7 @@ recomputes the cheap elementwise intermediates in the backward. Activations stay
 layer's activation dtype (the autocast dtype, else the input's); statistics and the arithmetic
 inside run in float32 (float64 for float64 inputs).
 
+- `norm_up(x, ln_w, eps, w, b)`: the mLSTM block's LayerNorm and up-projection, saves x.
 - `conv_silu(x, state, w, b, act)`: depthwise causal conv (+ SiLU), saves x (and the state).
 - `head_norm(x, w, eps)`: head-wise LayerNorm times a per-channel scale, saves x and mean/rstd.
 - `mlstm_output(h, x_conv, z, norm_w, skip, down_w, down_b, eps)`: the mLSTM layer's tail
@@ -36,6 +37,51 @@ def bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(torch.bmm(a, b))
     else:
         torch.bmm(a, b, out=out)
+
+
+# ----------------------------------------------------------------------------- norm + up-projection
+class _NormUpFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_w, w, b, eps: float, dt):
+        cd = compute_dtype(x, ln_w)
+        d = x.shape[-1]
+        xf = x.reshape(-1, d).to(cd)
+        xn, mean, rstd = torch.native_layer_norm(xf, (d,), ln_w.to(cd), None, eps)
+        xn = xn.to(dt)
+        wd = w.to(dt)
+        w1, w2 = wd.chunk(2, dim=0)
+        b1, b2 = (None, None) if b is None else b.to(dt).chunk(2)
+        ctx.save_for_backward(x, ln_w, wd, mean, rstd)
+        ctx.eps, ctx.has_bias = eps, b is not None
+        lead = x.shape[:-1]
+        # two matmuls on the weight's halves give contiguous outputs
+        return F.linear(xn, w1, b1).view(*lead, -1), F.linear(xn, w2, b2).view(*lead, -1)
+
+    @staticmethod
+    def backward(ctx, d1, d2):
+        x, ln_w, wd, mean, rstd = ctx.saved_tensors
+        cd = compute_dtype(x, ln_w)
+        d = x.shape[-1]
+        xf = x.reshape(-1, d).to(cd)
+        lw = ln_w.to(cd)
+        xn = torch.native_layer_norm(xf, (d,), lw, None, ctx.eps)[0].to(wd.dtype)
+        w1, w2 = wd.chunk(2, dim=0)
+        d1 = d1.reshape(xn.shape[0], -1).to(wd.dtype)
+        d2 = d2.reshape(xn.shape[0], -1).to(wd.dtype)
+        dxn = torch.addmm(d1 @ w1, d2, w2)
+        dw = torch.cat([d1.t() @ xn, d2.t() @ xn]).to(ln_w.dtype)
+        db = torch.cat([d1.sum(0), d2.sum(0)]).to(ln_w.dtype) if ctx.has_bias else None
+        dx, dlw, _ = torch.ops.aten.native_layer_norm_backward(dxn.to(cd), xf, (d,), mean, rstd, lw, None,
+                                                               [True, True, False])
+        return dx.to(x.dtype).view(x.shape), dlw.to(ln_w.dtype), dw, db, None, None
+
+
+def norm_up(x: torch.Tensor, ln_w: torch.Tensor, eps: float, w: torch.Tensor, b: torch.Tensor | None):
+    """LayerNorm (weight ln_w [d], no bias) of x [..., d], then the two halves of the linear map
+    w [2 n, d], b [2 n] | None -> two [..., n] in the activation dtype. Saves x (the block's
+    input, saved anyway) and mean/rstd: the normalised input is recomputed in the backward for the
+    weight gradient instead of being kept in bf16."""
+    return _NormUpFn.apply(x, ln_w, w, b, eps, activation_dtype(x))
 
 
 # ----------------------------------------------------------------------------- conv + SiLU

@@ -16,7 +16,7 @@ from torch import nn
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
 from .common import PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, small_init_, state_dtype, wang_init_
-from .fused import activation_dtype, conv_silu, conv_state, mlstm_output
+from .fused import activation_dtype, conv_silu, conv_state, mlstm_output, norm_up
 
 
 class MLSTMState(NamedTuple):
@@ -140,10 +140,16 @@ class MLSTMLayer(nn.Module):
         ).view(*lead, self.d_model)
         return self.dropout(y) if self.dropout.p > 0 else y
 
-    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
+    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
+                *, norm: nn.LayerNorm | None = None):
+        """`norm`: a bias-free LayerNorm that x passes through first, fused with the
+        up-projection (the block's pre-norm; its normalised output is not kept for backward)."""
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
-        x_m, z = self._up(x.to(activation_dtype(x)))  # [B, T, inner] each
+        if norm is None:
+            x_m, z = self._up(x.to(activation_dtype(x)))  # [B, T, inner] each
+        else:
+            x_m, z = norm_up(x, norm.weight, norm.eps, self.up_proj.weight, self.up_proj.bias)
         conv_in = None if state is None else state.conv
         x_conv = conv_silu(x_m, conv_in, self.conv.weight, self.conv.bias, backend=self.backend)
         q, k, v, i, f = self._qkv_gates(x_m, x_conv)
@@ -179,3 +185,9 @@ class MLSTMBlock(PreNormResidual):
 
     def __init__(self, d_model: int, inner_dim: int, n_heads: int, **layer_kwargs):
         super().__init__(d_model, MLSTMLayer(d_model, inner_dim, n_heads, **layer_kwargs))
+
+    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
+        out = self.layer(x, state, return_state, norm=self.norm)  # the norm fused with the up-projection
+        if not return_state:
+            return x + out
+        return x + out[0], out[1]
