@@ -10,7 +10,7 @@ import torch
 from tests.helpers import rel_err
 from tests.nn.reference_layers import mlstm_layer, slstm_layer
 from tests.nn.test_layers import randomize_
-from xlstm_kit.nn import MLSTMBlock, MLSTMLayer, SLSTMLayer
+from xlstm_kit.nn import MLSTMBlock, MLSTMLayer, SLSTMBlock, SLSTMLayer
 from xlstm_kit.nn.fused import conv_silu, head_norm, mlstm_output, slstm_gates
 
 F64 = torch.float64
@@ -39,41 +39,53 @@ def two_calls(fn, x, params, weights=None):
     return [o.detach() for o in outs], grads, weights
 
 
-@pytest.mark.parametrize("kind,bias", [("mlstm", False), ("mlstm", True), ("slstm", False)])
-def test_fused_layer_matches_unfused_reference(kind, bias):
-    layer = randomize_(make(kind, bias).double())
-    ref = mlstm_layer if kind == "mlstm" else slstm_layer
+def assert_matches(module, ref):
+    """module(x, s, return_state=True) against ref(x, s) over two calls carrying the state, in
+    float64: outputs, states and the gradients wrt x and every parameter (each nonzero)."""
     x = torch.randn(2, 11, 16, dtype=F64, requires_grad=True)
-    params = list(layer.parameters())
-    outs, grads, w = two_calls(lambda x, s: layer(x, s, return_state=True), x, params)
-    r_outs, r_grads, _ = two_calls(lambda x, s: ref(layer, x, s), x, params, w)
+    params = list(module.parameters())
+    outs, grads, w = two_calls(lambda x, s: module(x, s, return_state=True), x, params)
+    r_outs, r_grads, _ = two_calls(ref, x, params, w)
     for o, r in zip(outs, r_outs):
         assert o.dtype == r.dtype and rel_err(o, r) < 1e-10
-    names = ["x"] + [n for n, _ in layer.named_parameters()]
-    for n, g, r in zip(names, grads, r_grads):
+    for n, g, r in zip(["x"] + [n for n, _ in module.named_parameters()], grads, r_grads):
         assert g.abs().sum() > 0, n
         assert rel_err(g, r) < 1e-9, n
 
 
+@pytest.mark.parametrize("kind,bias", [("mlstm", False), ("mlstm", True), ("slstm", False)])
+def test_fused_layer_matches_unfused_reference(kind, bias):
+    layer = randomize_(make(kind, bias).double())
+    ref = mlstm_layer if kind == "mlstm" else slstm_layer
+    assert_matches(layer, lambda x, s: ref(layer, x, s))
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_mlstm_block_matches_unfused_reference(bias):
-    """The block (its norm fused with the up-projection): forward, state carry, every gradient."""
+    """The block (its norm fused with the up-projection)."""
     torch.manual_seed(0)
     block = randomize_(MLSTMBlock(16, 32, 2, chunk_size=4, bias=bias, backend="torch").double())
-    x = torch.randn(2, 11, 16, dtype=F64, requires_grad=True)
-    params = list(block.parameters())
 
     def ref(x, s):
         y, s = mlstm_layer(block.layer, block.norm(x), s)
         return x + y, s
 
-    outs, grads, w = two_calls(lambda x, s: block(x, s, return_state=True), x, params)
-    r_outs, r_grads, _ = two_calls(ref, x, params, w)
-    for o, r in zip(outs, r_outs):
-        assert rel_err(o, r) < 1e-10
-    for n, g, r in zip(["x"] + [n for n, _ in block.named_parameters()], grads, r_grads):
-        assert g.abs().sum() > 0, n
-        assert rel_err(g, r) < 1e-9, n
+    assert_matches(block, ref)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_slstm_block_matches_unfused_reference(bias):
+    """The sLSTM block (feed-forward norm fused with its up-projection, GELU gate recomputed)."""
+    torch.manual_seed(0)
+    block = randomize_(SLSTMBlock(16, 2, 24, bias=bias, backend="torch").double())
+
+    def ref(x, s):
+        y, s = slstm_layer(block.layer, block.norm(x), s)
+        x = x + y
+        g, u = block.ffn.up_proj(block.ffn_norm(x)).chunk(2, dim=-1)
+        return x + block.ffn.down_proj(torch.nn.functional.gelu(g) * u), s
+
+    assert_matches(block, ref)
 
 
 @pytest.mark.parametrize("kind", ["mlstm", "slstm"])

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import XLSTMKitError
-from .fused import activation_dtype, bmm_into, conv_silu, conv_state, head_norm
+from .fused import activation_dtype, bmm_into, conv_silu, conv_state, gelu_mul_linear, head_norm, norm_up
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -203,7 +203,8 @@ class HeadwiseLinear(nn.Module):
 class GatedFeedForward(nn.Module):
     """Gated feed-forward: down(GELU(g) * u) with (g, u) = up(x) split in halves.
 
-    forward(x [..., d_model]) -> [..., d_model]; hidden width `hidden`.
+    forward(x [..., d_model]) -> [..., d_model]; hidden width `hidden`. Saves only x (or its
+    bf16 copy) and the up-projection's output.
     """
 
     def __init__(self, d_model: int, hidden: int, *, n_blocks: int, bias: bool = False, dropout: float = 0.0):
@@ -221,9 +222,18 @@ class GatedFeedForward(nn.Module):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.up_proj(x).chunk(2, dim=-1)
-        return self.dropout(self.down_proj(F.gelu(g) * u))
+    def forward(self, x: torch.Tensor, *, norm: nn.LayerNorm | None = None) -> torch.Tensor:
+        """`norm`: a bias-free LayerNorm that x passes through first, fused with the up-projection
+        (its normalised output is recomputed in the backward instead of kept)."""
+        if norm is None:
+            xa = x.to(activation_dtype(x))
+            w_g, w_u = self.up_proj.weight.chunk(2, dim=0)
+            b_g, b_u = (None, None) if self.up_proj.bias is None else self.up_proj.bias.chunk(2)
+            g, u = F.linear(xa, w_g, b_g), F.linear(xa, w_u, b_u)
+        else:
+            g, u = norm_up(x, norm.weight, norm.eps, self.up_proj.weight, self.up_proj.bias)
+        y = gelu_mul_linear(g, u, self.down_proj.weight, self.down_proj.bias)
+        return self.dropout(y) if self.dropout.p > 0 else y
 
 
 class PreNormResidual(nn.Module):

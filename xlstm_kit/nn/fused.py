@@ -8,6 +8,7 @@ layer's activation dtype (the autocast dtype, else the input's); statistics and 
 inside run in float32 (float64 for float64 inputs).
 
 - `norm_up(x, ln_w, eps, w, b)`: the mLSTM block's LayerNorm and up-projection, saves x.
+- `gelu_mul_linear(g, u, w, b)`: the gated feed-forward's GELU gate and down-projection, saves g, u.
 - `conv_silu(x, state, w, b, act)`: depthwise causal conv (+ SiLU), saves x (and the state).
 - `head_norm(x, w, eps)`: head-wise LayerNorm times a per-channel scale, saves x and mean/rstd.
 - `mlstm_output(h, x_conv, z, norm_w, skip, down_w, down_b, eps)`: the mLSTM layer's tail
@@ -82,6 +83,33 @@ def norm_up(x: torch.Tensor, ln_w: torch.Tensor, eps: float, w: torch.Tensor, b:
     input, saved anyway) and mean/rstd: the normalised input is recomputed in the backward for the
     weight gradient instead of being kept in bf16."""
     return _NormUpFn.apply(x, ln_w, w, b, eps, activation_dtype(x))
+
+
+# ----------------------------------------------------------------------------- gated feed-forward
+class _GeluMulLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, u, w, b):
+        wd = w.to(g.dtype)
+        ctx.save_for_backward(g, u, wd)
+        ctx.grad_dtype, ctx.bias_dtype = w.dtype, None if b is None else b.dtype
+        return F.linear(F.gelu(g) * u, wd, None if b is None else b.to(g.dtype))
+
+    @staticmethod
+    def backward(ctx, dy):
+        g, u, wd = ctx.saved_tensors
+        n = g.numel() // g.shape[-1]
+        dy = dy.reshape(n, -1).to(wd.dtype)
+        a = F.gelu(g)
+        dp = (dy @ wd).view(g.shape)
+        dw = (dy.t() @ (a * u).view(n, -1)).to(ctx.grad_dtype)
+        db = None if ctx.bias_dtype is None else dy.sum(0).to(ctx.bias_dtype)
+        return torch.ops.aten.gelu_backward(dp * u, g), dp * a, dw, db
+
+
+def gelu_mul_linear(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """(GELU(g) * u) @ wᵀ + b for g, u [..., F] (one dtype, the activation dtype), w [d, F],
+    b [d] | None -> [..., d]. Saves g and u; GELU(g) * u is recomputed in the backward."""
+    return _GeluMulLinearFn.apply(g, u, w, b)
 
 
 # ----------------------------------------------------------------------------- conv + SiLU

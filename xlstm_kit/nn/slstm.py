@@ -163,7 +163,7 @@ class SLSTMBlock(nn.Module):
         out = self.layer(self.norm(x), state, return_state=return_state)
         y, state = out if return_state else (out, None)
         x = x + y
-        x = x + self.ffn(self.ffn_norm(x))
+        x = x + self.ffn(x, norm=self.ffn_norm)  # the norm fused with the up-projection
         return (x, state) if return_state else x
 
     def step(self, x: torch.Tensor, state: SLSTMState):
