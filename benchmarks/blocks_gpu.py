@@ -9,11 +9,13 @@ Writes one JSON line per case to $OUT/blocks_gpu.jsonl and prints them.
 import json
 import os
 import sys
+import time
 
 import torch
 
 import xlstm_kit.nn.mlstm as mlstm_mod
 import xlstm_kit.nn.slstm as slstm_mod
+import tests.nn.reference_layers as reference
 from tests.nn.reference_layers import mlstm_layer, slstm_layer
 from xlstm_kit import XLSTMConfig
 from xlstm_kit.bench.memory import saved_bytes
@@ -36,6 +38,10 @@ class Unfused(torch.nn.Module):
 def timed(fn, iters=10):
     for _ in range(3):
         fn()
+    if not torch.cuda.is_available():  # a CPU smoke run: one timed call
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     ev[0].record()
@@ -49,32 +55,35 @@ def timed(fn, iters=10):
 def main():
     B, T = (int(a) for a in sys.argv[1:3]) if len(sys.argv) > 2 else (16, 2048)
     cfg = XLSTMConfig.from_name("125M")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     blocks = {
-        "mLSTM": (MLSTMBlock(cfg.d_model, cfg.mlstm_inner_dim, cfg.n_heads, n_blocks=24).cuda(), mlstm_layer,
+        "mLSTM": (MLSTMBlock(cfg.d_model, cfg.mlstm_inner_dim, cfg.n_heads, n_blocks=24).to(dev), mlstm_layer,
                   (mlstm_mod, "mlstm_chunkwise")),
-        "sLSTM": (SLSTMBlock(cfg.d_model, cfg.slstm_num_heads, cfg.ffn_dim, n_blocks=24).cuda(), slstm_layer,
+        "sLSTM": (SLSTMBlock(cfg.d_model, cfg.slstm_num_heads, cfg.ffn_dim, n_blocks=24).to(dev), slstm_layer,
                   (slstm_mod, "slstm_recurrent")),
     }
     out = open(os.path.join(os.environ.get("OUT", "."), "blocks_gpu.jsonl"), "a")
-    x = torch.randn(B, T, cfg.d_model, device="cuda", requires_grad=True)
+    x = torch.randn(B, T, cfg.d_model, device=dev, requires_grad=True)
     dy = torch.randn_like(x)
     for name, (block, ref, target) in blocks.items():
-        for variant, mod in (("fused", block), ("unfused", Unfused(block, ref))):
+        ref_target = (reference, target[1])  # the reference module's own import of the op
+        for variant, mod, tgt in (("fused", block, target), ("unfused", Unfused(block, ref), ref_target)):
             res = dict(block=name, variant=variant, B=B, T=T)
             try:
                 def step():
-                    with torch.autocast("cuda", torch.bfloat16):
+                    with torch.autocast(dev, torch.bfloat16):
                         y = mod(x)
                     y.backward(dy)
                 res["ms_fwd_bwd"] = timed(step)
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                step()
-                torch.cuda.synchronize()
-                res["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-                sb = saved_bytes(mod, x, autocast=torch.bfloat16, exclude=[target])
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    step()
+                    torch.cuda.synchronize()
+                    res["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                sb = saved_bytes(mod, x, autocast=torch.bfloat16, exclude=[tgt])
                 res.update({f"saved_{k}_B_per_token": v / (B * T) for k, v in sb.items()})
             except Exception as e:  # one failing case does not end the call
                 res["error"] = repr(e)[-800:]
