@@ -153,12 +153,19 @@ class _HeadwiseLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _packed_bmm(dy, _packed_blocks(w, g).transpose(1, 2))
         if ctx.needs_input_grad[1]:
-            N, C = x.shape
-            P, c = H // g, g * d
-            full = torch.bmm(dy.view(N, P, c).permute(1, 2, 0), x.view(N, P, c).transpose(0, 1))  # [P, c, c]
-            # keep the diagonal d x d blocks: [P, a, o, b, i] at a == b -> [P, o, i, a] -> [H, o, i]
-            dw = full.view(P, g, d, g, d).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(H, d, d)
+            dw = headwise_weight_grad(dy, x, H, g)
         return dx, dw, None
+
+
+def headwise_weight_grad(dy: torch.Tensor, x: torch.Tensor, H: int, g: int) -> torch.Tensor:
+    """Gradient [H, d, d] of the head blocks of y = blockdiag(w) x for dy, x [N, C] contiguous,
+    packing g heads per batched matmul (see _HeadwiseLinearFn)."""
+    N, C = x.shape
+    d = C // H
+    P, c = H // g, g * d
+    full = torch.bmm(dy.view(N, P, c).permute(1, 2, 0), x.view(N, P, c).transpose(0, 1))  # [P, c, c]
+    # keep the diagonal d x d blocks: [P, a, o, b, i] at a == b -> [P, o, i, a] -> [H, o, i]
+    return full.view(P, g, d, g, d).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(H, d, d)
 
 
 class HeadwiseLinear(nn.Module):

@@ -210,16 +210,30 @@ class _ConvSiLUFn(torch.autograd.Function):
         return (*_conv_bwd(ctx.kernels, dout, x, state, w, b, ctx.act), None, None)
 
 
+def conv_inputs(x: torch.Tensor, state: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor,
+                backend: str | None = None):
+    """(x, state, w, b, kernels) as `conv_silu` takes them: what a reader of SiLU(conv(x)) keeps
+    to recompute it in its backward (`conv_recompute`) instead of saving it."""
+    x = x.contiguous()
+    if state is not None:
+        state = state.to(x.dtype).contiguous()
+    return x, state, w.contiguous(), b, _conv_kernels(x, backend)
+
+
+def conv_recompute(inputs) -> torch.Tensor:
+    """SiLU(conv(x)) [B, T, C] from `conv_inputs` (no autograd graph)."""
+    x, state, w, b, kernels = inputs
+    return _conv_fwd(kernels, x, state, w, b, True)
+
+
 def conv_silu(x: torch.Tensor, state: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor, act: bool = True,
               backend: str | None = None):
     """SiLU (act=True) of the depthwise causal convolution of x [B, T, C] with w [C, K], b [C]
     and the K-1 inputs before x in `state` [B, K-1, C] (None: zeros) -> [B, T, C] in x's dtype.
     Saves x and the state; the backward recomputes the convolution. One Triton kernel each way
     where ops.backend chooses "triton" (`backend` as for the sequence ops)."""
-    x = x.contiguous()
-    if state is not None:
-        state = state.to(x.dtype).contiguous()
-    return _ConvSiLUFn.apply(x, state, w.contiguous(), b, act, _conv_kernels(x, backend))
+    x, state, w, b, kernels = conv_inputs(x, state, w, b, backend)
+    return _ConvSiLUFn.apply(x, state, w, b, act, kernels)
 
 
 def conv_state(x: torch.Tensor, state: torch.Tensor | None, kernel_size: int) -> torch.Tensor:
@@ -335,20 +349,24 @@ def _tail_bwd_torch(h, x_conv, z, w, skip, mean, rstd, du):
 
 class _MLSTMOutputFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, x_conv, z, norm_w, skip, down_w, down_b, eps: float, kernels):
+    def forward(ctx, h, x_conv, z, norm_w, skip, down_w, down_b, eps: float, kernels, cx, cstate, cw, cb, ckern):
         if kernels is None:
             u, mean, rstd = _tail_fwd_torch(h, x_conv, z, norm_w, skip, eps)
         else:
             with on_device(h):
                 u, mean, rstd = kernels.mlstm_tail_fwd(h, x_conv, z, norm_w, skip, eps, kernels.config_key())
         wd = down_w.to(x_conv.dtype)
-        ctx.save_for_backward(h, x_conv, z, norm_w, skip, wd, mean, rstd)
-        ctx.kernels, ctx.bias_dtype = kernels, None if down_b is None else down_b.dtype
+        # with the conv's inputs (cx, ...) given, x_conv is recomputed in the backward, not kept
+        keep = None if cx is not None else x_conv
+        ctx.save_for_backward(h, keep, z, norm_w, skip, wd, mean, rstd, cx, cstate, cw, cb)
+        ctx.kernels, ctx.ckern, ctx.bias_dtype = kernels, ckern, None if down_b is None else down_b.dtype
         return F.linear(u, wd, None if down_b is None else down_b.to(u.dtype))
 
     @staticmethod
     def backward(ctx, dy):
-        h, x_conv, z, norm_w, skip, wd, mean, rstd = ctx.saved_tensors
+        h, x_conv, z, norm_w, skip, wd, mean, rstd, cx, cstate, cw, cb = ctx.saved_tensors
+        if x_conv is None:
+            x_conv = conv_recompute((cx, cstate, cw, cb, ctx.ckern)).view(z.shape)
         kernels = ctx.kernels
         dy = dy.reshape(h.shape[0], -1).to(wd.dtype)
         du = dy @ wd
@@ -359,22 +377,24 @@ class _MLSTMOutputFn(torch.autograd.Function):
                 h, x_conv, z, norm_w, skip, mean, rstd, du, kernels.config_key())
         d_down_w = (dy.t() @ u).to(norm_w.dtype)
         d_down_b = None if ctx.bias_dtype is None else dy.sum(0).to(ctx.bias_dtype)
-        return dh, dx_conv, dz, d_norm_w, d_skip, d_down_w, d_down_b, None, None
+        return dh, dx_conv, dz, d_norm_w, d_skip, d_down_w, d_down_b, None, None, None, None, None, None, None
 
 
 def mlstm_output(h: torch.Tensor, x_conv: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor,
                  skip: torch.Tensor, down_w: torch.Tensor, down_b: torch.Tensor | None, eps: float,
-                 backend: str | None = None) -> torch.Tensor:
+                 backend: str | None = None, conv=None) -> torch.Tensor:
     """down((MultiHeadNorm(h) + skip * x_conv) * SiLU(z)) for h [N, H, D], x_conv and z [N, H*D]
     (one dtype, the activation dtype), norm_w and skip [H*D], down_w [d, H*D], down_b [d] | None
     -> [N, d] in x_conv's dtype. Saves h, x_conv, z, mean/rstd [N, H] and the cast down_w; the
-    backward recomputes the rest. The elementwise part runs as one Triton kernel each way where
+    backward recomputes the rest. `conv`: x_conv's `conv_inputs`, to recompute x_conv in the
+    backward instead of saving it. The elementwise part runs as one Triton kernel each way where
     ops.backend chooses "triton" (CUDA; `backend` as for the sequence ops)."""
     h, x_conv, z = h.contiguous(), x_conv.contiguous(), z.contiguous()
     use = choose_backend("mlstm_output", backend, h.device, inputs=(h, x_conv, z),
                          dtype=h.dtype, head_dim=h.shape[-1])
     kernels = kernel_module("mlstm_output") if use == "triton" else None
-    return _MLSTMOutputFn.apply(h, x_conv, z, norm_w, skip, down_w, down_b, eps, kernels)
+    return _MLSTMOutputFn.apply(h, x_conv, z, norm_w, skip, down_w, down_b, eps, kernels,
+                                *(conv if conv is not None else (None,) * 5))
 
 
 # ----------------------------------------------------------------------------- sLSTM gate maps
