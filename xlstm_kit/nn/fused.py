@@ -5,14 +5,17 @@ float32 parameters several of them are float32 (the skip product, the head-wise 
 piece here saves only its inputs (which other ops save anyway) and per-row statistics, and
 recomputes the cheap elementwise intermediates in the backward. Activations stay in the
 layer's activation dtype (the autocast dtype, else the input's); statistics and the arithmetic
-inside run in float32 (float64 for float64 inputs).
+inside run in float32 (float64 for float64 inputs). conv_silu, head_norm and mlstm_output run
+Triton kernels (xlstm_kit/ops/blocks/triton.py) where ops.backend chooses "triton".
 
-- `norm_up(x, ln_w, eps, w, b)`: the mLSTM block's LayerNorm and up-projection, saves x.
+- `norm_up(x, ln_w, eps, w, b)`: a block's LayerNorm and up-projection (mLSTM block, sLSTM
+  feed-forward), saves x.
 - `gelu_mul_linear(g, u, w, b)`: the gated feed-forward's GELU gate and down-projection, saves g, u.
 - `conv_silu(x, state, w, b, act)`: depthwise causal conv (+ SiLU), saves x (and the state).
 - `head_norm(x, w, eps)`: head-wise LayerNorm times a per-channel scale, saves x and mean/rstd.
 - `mlstm_output(h, x_conv, z, norm_w, skip, down_w, down_b, eps)`: the mLSTM layer's tail
-  down((MultiHeadNorm(h) + skip * x_conv) * SiLU(z)), saves h, x_conv, z and mean/rstd.
+  down((MultiHeadNorm(h) + skip * x_conv) * SiLU(z)), saves h, x_conv (or, given its
+  `conv_inputs`, recomputes it), z and mean/rstd.
 - `slstm_gates(x, state, conv_w, conv_b, gate_w)`: the sLSTM layer's head-wise gate maps of
   SiLU(conv(x)) (i, f) and x (z, o), saves x (and the conv state).
 """
