@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import XLSTMKitError
+from .fused import activation_dtype, bmm_into, conv_silu, conv_state, gelu_mul_linear, head_norm, norm_up
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -40,8 +41,8 @@ def wang_init_(weight: torch.Tensor, dim: int, n_blocks: int) -> torch.Tensor:
 class MultiHeadNorm(nn.Module):
     """Head-wise LayerNorm (a GroupNorm with one group per head) with a per-channel scale.
 
-    forward(x [..., H, D]) -> [..., H, D]: each head's D features are normalised on their own,
-    then multiplied by `weight` [H * D].
+    forward(x [..., H, D]) -> [..., H, D] in x's dtype: each head's D features are normalised on
+    their own (float32 statistics), then multiplied by `weight` [H * D].
     """
 
     def __init__(self, n_heads: int, head_dim: int, eps: float = 1e-5):
@@ -53,51 +54,10 @@ class MultiHeadNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.layer_norm(x, (self.head_dim,), eps=self.eps)
-        return y * self.weight.view(self.n_heads, self.head_dim)
+        return head_norm(x, self.weight, self.eps)
 
 
 # ----------------------------------------------------------------------------- causal conv
-class _DepthwiseCausalConvFn(torch.autograd.Function):
-    """y[:, t] = b + sum_j w[:, j] * xp[:, t + j] for xp [B, T+K-1, C] (the input with its K-1
-    predecessors in front), w [C, K], b [C].
-
-    Why by hand: K shifted multiply-adds on the contiguous [B, T, C] layout avoid conv1d's
-    transposes to [B, C, T] and its slow depthwise backward; autograd of the same sum would
-    allocate and zero-fill a full-size gradient per tap.
-    """
-
-    @staticmethod
-    def forward(ctx, xp: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        K = w.shape[1]
-        T = xp.shape[1] - (K - 1)
-        taps = w.t().contiguous()  # [K, C]: a strided column would make every broadcast ~5x slower
-        y = torch.addcmul(b, xp[:, 0:T], taps[0])
-        for j in range(1, K):
-            y.addcmul_(xp[:, j : j + T], taps[j])
-        ctx.save_for_backward(xp, taps)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        xp, taps = ctx.saved_tensors
-        K = taps.shape[0]
-        T = dy.shape[1]
-        dy = dy.contiguous()
-        dxp = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dxp = torch.empty_like(xp)
-            torch.mul(dy, taps[K - 1], out=dxp[:, K - 1 :])
-            dxp[:, : K - 1].zero_()
-            for j in range(K - 1):
-                dxp[:, j : j + T].addcmul_(dy, taps[j])
-        if ctx.needs_input_grad[1]:
-            dw = torch.stack([(dy * xp[:, j : j + T]).sum(dim=(0, 1)) for j in range(K)], dim=1)
-        if ctx.needs_input_grad[2]:
-            db = dy.sum(dim=(0, 1))
-        return dxp, dw, db
-
-
 class CausalConv1d(nn.Module):
     """Depthwise causal convolution over time with bias, carrying its last inputs as state.
 
@@ -129,13 +89,8 @@ class CausalConv1d(nn.Module):
         return torch.zeros(batch, self.kernel_size - 1, self.channels, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None):
-        T, K = x.shape[1], self.kernel_size
-        if state is None:
-            xp = F.pad(x, (0, 0, K - 1, 0))  # [B, T+K-1, C]
-        else:
-            xp = torch.cat([state.to(x.dtype), x], dim=1)
-        y = _DepthwiseCausalConvFn.apply(xp, self.weight.to(x.dtype), self.bias.to(x.dtype))
-        return y, xp[:, T:].to(state_dtype(x.dtype))  # the last K-1 inputs
+        y = conv_silu(x, state, self.weight, self.bias, act=False)
+        return y, conv_state(x, state, self.kernel_size).to(state_dtype(x.dtype))
 
     def step(self, x: torch.Tensor, state: torch.Tensor):
         window = torch.cat([state.to(x.dtype), x.unsqueeze(1)], dim=1)  # [B, K, C]
@@ -170,7 +125,7 @@ def _packed_bmm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     N, C = x.shape
     P, c, _ = blocks.shape
     y = torch.empty_like(x)
-    torch.bmm(x.view(N, P, c).transpose(0, 1), blocks.transpose(1, 2), out=y.view(N, P, c).transpose(0, 1))
+    bmm_into(x.view(N, P, c).transpose(0, 1), blocks.transpose(1, 2), y.view(N, P, c).transpose(0, 1))
     return y
 
 
@@ -198,12 +153,19 @@ class _HeadwiseLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _packed_bmm(dy, _packed_blocks(w, g).transpose(1, 2))
         if ctx.needs_input_grad[1]:
-            N, C = x.shape
-            P, c = H // g, g * d
-            full = torch.bmm(dy.view(N, P, c).permute(1, 2, 0), x.view(N, P, c).transpose(0, 1))  # [P, c, c]
-            # keep the diagonal d x d blocks: [P, a, o, b, i] at a == b -> [P, o, i, a] -> [H, o, i]
-            dw = full.view(P, g, d, g, d).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(H, d, d)
+            dw = headwise_weight_grad(dy, x, H, g)
         return dx, dw, None
+
+
+def headwise_weight_grad(dy: torch.Tensor, x: torch.Tensor, H: int, g: int) -> torch.Tensor:
+    """Gradient [H, d, d] of the head blocks of y = blockdiag(w) x for dy, x [N, C] contiguous,
+    packing g heads per batched matmul (see _HeadwiseLinearFn)."""
+    N, C = x.shape
+    d = C // H
+    P, c = H // g, g * d
+    full = torch.bmm(dy.view(N, P, c).permute(1, 2, 0), x.view(N, P, c).transpose(0, 1))  # [P, c, c]
+    # keep the diagonal d x d blocks: [P, a, o, b, i] at a == b -> [P, o, i, a] -> [H, o, i]
+    return full.view(P, g, d, g, d).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(H, d, d)
 
 
 class HeadwiseLinear(nn.Module):
@@ -248,7 +210,8 @@ class HeadwiseLinear(nn.Module):
 class GatedFeedForward(nn.Module):
     """Gated feed-forward: down(GELU(g) * u) with (g, u) = up(x) split in halves.
 
-    forward(x [..., d_model]) -> [..., d_model]; hidden width `hidden`.
+    forward(x [..., d_model]) -> [..., d_model]; hidden width `hidden`. Saves only x (or its
+    bf16 copy) and the up-projection's output.
     """
 
     def __init__(self, d_model: int, hidden: int, *, n_blocks: int, bias: bool = False, dropout: float = 0.0):
@@ -266,9 +229,18 @@ class GatedFeedForward(nn.Module):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.up_proj(x).chunk(2, dim=-1)
-        return self.dropout(self.down_proj(F.gelu(g) * u))
+    def forward(self, x: torch.Tensor, *, norm: nn.LayerNorm | None = None) -> torch.Tensor:
+        """`norm`: a bias-free LayerNorm that x passes through first, fused with the up-projection
+        (its normalised output is recomputed in the backward instead of kept)."""
+        if norm is None:
+            xa = x.to(activation_dtype(x))
+            w_g, w_u = self.up_proj.weight.chunk(2, dim=0)
+            b_g, b_u = (None, None) if self.up_proj.bias is None else self.up_proj.bias.chunk(2)
+            g, u = F.linear(xa, w_g, b_g), F.linear(xa, w_u, b_u)
+        else:
+            g, u = norm_up(x, norm.weight, norm.eps, self.up_proj.weight, self.up_proj.bias)
+        y = gelu_mul_linear(g, u, self.down_proj.weight, self.down_proj.bias)
+        return self.dropout(y) if self.dropout.p > 0 else y
 
 
 class PreNormResidual(nn.Module):
@@ -287,10 +259,15 @@ class PreNormResidual(nn.Module):
     def init_state(self, batch: int, device=None, dtype=None):
         return self.layer.init_state(batch, device, dtype)
 
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        # one cast to the activation dtype: under autocast the layer norm runs in float32, and
+        # each matmul reading the float32 output would save its own bf16 copy
+        return self.norm(x).to(activation_dtype(x))
+
     def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
         if not return_state:
-            return x + self.layer(self.norm(x), state)
-        y, state = self.layer(self.norm(x), state, return_state=True)
+            return x + self.layer(self._normed(x), state)
+        y, state = self.layer(self._normed(x), state, return_state=True)
         return x + y, state
 
     def step(self, x: torch.Tensor, state):

@@ -15,7 +15,41 @@ from torch import nn
 
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
-from .common import PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, small_init_, state_dtype, wang_init_
+from .common import (PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, _packed_blocks, _packed_bmm,
+                     headwise_weight_grad, small_init_, state_dtype, wang_init_)
+from .fused import activation_dtype, conv_inputs, conv_recompute, conv_silu, conv_state, mlstm_output, norm_up
+
+
+class _ConvReadersFn(torch.autograd.Function):
+    """The readers of x_conv = SiLU(conv(x_m)) before the mLSTM: q and k (head-wise maps) and
+    x_conv's part of the gate pre-activations. Saves the conv's inputs (x_m is saved anyway)
+    instead of x_conv and recomputes x_conv in the backward (one pass over [N, inner]).
+
+    forward(x_conv [N, C], wq, wk [C/d, d, d], w_gates [2H, C], b [2H], pack, *conv_inputs)
+        -> q, k [N, C], gates [N, 2H]
+    """
+
+    @staticmethod
+    def forward(ctx, x_conv, wq, wk, w_gates, b, pack: int, cx, cstate, cw, cb, ckern):
+        q = _packed_bmm(x_conv, _packed_blocks(wq, pack))
+        k = _packed_bmm(x_conv, _packed_blocks(wk, pack))
+        gates = torch.addmm(b, x_conv, w_gates.t())
+        ctx.save_for_backward(wq, wk, w_gates, cx, cstate, cw, cb)
+        ctx.pack, ctx.ckern = pack, ckern
+        return q, k, gates
+
+    @staticmethod
+    def backward(ctx, dq, dk, dgates):
+        wq, wk, w_gates, cx, cstate, cw, cb = ctx.saved_tensors
+        g = ctx.pack
+        x_conv = conv_recompute((cx, cstate, cw, cb, ctx.ckern)).view(-1, w_gates.shape[1])
+        dq, dk, dgates = dq.contiguous(), dk.contiguous(), dgates.contiguous()
+        dx = _packed_bmm(dq, _packed_blocks(wq, g).transpose(1, 2))
+        dx += _packed_bmm(dk, _packed_blocks(wk, g).transpose(1, 2))
+        dx.addmm_(dgates, w_gates)
+        H = wq.shape[0]
+        return (dx, headwise_weight_grad(dq, x_conv, H, g), headwise_weight_grad(dk, x_conv, H, g),
+                dgates.t() @ x_conv, dgates.sum(0), None, None, None, None, None, None)
 
 
 class MLSTMState(NamedTuple):
@@ -109,9 +143,9 @@ class MLSTMLayer(nn.Module):
         b_m, b_z = (None, None) if self.up_proj.bias is None else self.up_proj.bias.chunk(2)
         return F.linear(x, w_m, b_m), F.linear(x, w_z, b_z)
 
-    def _qkv_gates(self, x_m: torch.Tensor, x_conv: torch.Tensor):
-        """q, k, v [..., inner] and the gate pre-activations i, f [..., n_heads]."""
-        q, k, v = self.q_proj(x_conv), self.k_proj(x_conv), self.v_proj(x_m)
+    def _qkv_gates(self, x_m: torch.Tensor, x_conv: torch.Tensor, conv):
+        """q, k, v [..., inner] and the gate pre-activations i, f [..., n_heads]; `conv` are
+        x_conv's `conv_inputs` (the readers of x_conv recompute it in their backward)."""
         # The gates are linear in concat(q, k, v), and q, k, v are block-diagonal maps of x_conv
         # and x_m: folding those maps into the (2H x 3 inner) gate matrix reads two inner-wide
         # inputs instead of writing and reading a 3x-wide concatenation.
@@ -124,18 +158,41 @@ class MLSTMLayer(nn.Module):
         for proj, wg in ((self.q_proj, wq), (self.k_proj, wk), (self.v_proj, wv)):
             if proj.bias is not None:
                 b = b + wg @ proj.bias.to(dtype)
-        gates = torch.addmm(b, x_conv.reshape(-1, self.inner_dim), w_conv.t())
+        q, k, gates = _ConvReadersFn.apply(
+            x_conv.reshape(-1, self.inner_dim), self.q_proj.weight.to(dtype), self.k_proj.weight.to(dtype),
+            w_conv, b, self.q_proj.pack, *conv)
         gates = torch.addmm(gates, x_m.reshape(-1, self.inner_dim), w_m.t())
-        i, f = gates.view(*x_m.shape[:-1], 2 * self.n_heads).chunk(2, dim=-1)
-        return q, k, v, i, f
+        lead = x_m.shape[:-1]
+        q, k = q.view(*lead, -1), k.view(*lead, -1)
+        if self.q_proj.bias is not None:
+            q, k = q + self.q_proj.bias, k + self.k_proj.bias
+        i, f = gates.view(*lead, 2 * self.n_heads).chunk(2, dim=-1)
+        return q, k, self.v_proj(x_m), i, f
 
-    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
+    def _output(self, h: torch.Tensor, x_conv: torch.Tensor, z: torch.Tensor, conv) -> torch.Tensor:
+        """h [..., H, D], x_conv and z [..., inner] -> down((norm(h) + skip * x_conv) * SiLU(z))."""
+        lead = x_conv.shape[:-1]
+        y = mlstm_output(
+            h.reshape(-1, self.n_heads, self.head_dim), x_conv.reshape(-1, self.inner_dim),
+            z.reshape(-1, self.inner_dim), self.out_norm.weight, self.skip,
+            self.down_proj.weight, self.down_proj.bias, self.out_norm.eps, self.backend, conv,
+        ).view(*lead, self.d_model)
+        return self.dropout(y) if self.dropout.p > 0 else y
+
+    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
+                *, norm: nn.LayerNorm | None = None):
+        """`norm`: a bias-free LayerNorm that x passes through first, fused with the
+        up-projection (the block's pre-norm; its normalised output is not kept for backward)."""
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
-        x_m, z = self._up(x)  # [B, T, inner] each
-        x_conv, conv_state = self.conv(x_m, None if state is None else state.conv)
-        x_conv = F.silu(x_conv)
-        q, k, v, i, f = self._qkv_gates(x_m, x_conv)
+        if norm is None:
+            x_m, z = self._up(x.to(activation_dtype(x)))  # [B, T, inner] each
+        else:
+            x_m, z = norm_up(x, norm.weight, norm.eps, self.up_proj.weight, self.up_proj.bias)
+        conv_in = None if state is None else state.conv
+        conv = conv_inputs(x_m, conv_in, self.conv.weight, self.conv.bias, self.backend)
+        x_conv = conv_silu(x_m, conv_in, self.conv.weight, self.conv.bias, backend=self.backend)
+        q, k, v, i, f = self._qkv_gates(x_m, x_conv, conv)
         h, cell_state = mlstm_chunkwise(
             q.view(B, T, H, D), k.view(B, T, H, D), v.view(B, T, H, D), i, f,
             initial_state=None if state is None else (state.C, state.n, state.m),
@@ -143,26 +200,25 @@ class MLSTMLayer(nn.Module):
             chunk_size=self.chunk_size,
             backend=self.backend,
         )  # h [B, T, H, D]
-        h = self.out_norm(h).reshape(B, T, -1)
-        y = self.dropout(self.down_proj((h + self.skip * x_conv) * F.silu(z)))
+        y = self._output(h, x_conv, z, conv)
         if not return_state:
             return y
-        return y, MLSTMState(conv_state, *cell_state)
+        new_conv = conv_state(x_m, conv_in, self.conv.kernel_size).to(state_dtype(x_m.dtype))
+        return y, MLSTMState(new_conv, *cell_state)
 
     def step(self, x: torch.Tensor, state: MLSTMState):
         """One token: x [B, d_model] -> (y [B, d_model], new_state)."""
         B = x.shape[0]
         H, D = self.n_heads, self.head_dim
-        x_m, z = self._up(x)  # [B, inner] each
-        x_conv, conv_state = self.conv.step(x_m, state.conv)
-        x_conv = F.silu(x_conv)
-        q, k, v, i, f = self._qkv_gates(x_m, x_conv)
+        x_m, z = self._up(x.to(activation_dtype(x)))  # [B, inner] each
+        conv = conv_inputs(x_m[:, None], state.conv, self.conv.weight, self.conv.bias, self.backend)
+        x_conv = conv_silu(x_m[:, None], state.conv, self.conv.weight, self.conv.bias, backend=self.backend)[:, 0]
+        new_conv = conv_state(x_m[:, None], state.conv, self.conv.kernel_size).to(state.conv.dtype)
+        q, k, v, i, f = self._qkv_gates(x_m, x_conv, conv)
         h, cell_state = mlstm_step(
             q.view(B, H, D), k.view(B, H, D), v.view(B, H, D), i, f, (state.C, state.n, state.m)
         )  # h [B, H, D]
-        h = self.out_norm(h).reshape(B, -1)
-        y = self.dropout(self.down_proj((h + self.skip * x_conv) * F.silu(z)))
-        return y, MLSTMState(conv_state, *cell_state)
+        return self._output(h, x_conv, z, conv), MLSTMState(new_conv, *cell_state)
 
 
 class MLSTMBlock(PreNormResidual):
@@ -170,3 +226,9 @@ class MLSTMBlock(PreNormResidual):
 
     def __init__(self, d_model: int, inner_dim: int, n_heads: int, **layer_kwargs):
         super().__init__(d_model, MLSTMLayer(d_model, inner_dim, n_heads, **layer_kwargs))
+
+    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
+        out = self.layer(x, state, return_state, norm=self.norm)  # the norm fused with the up-projection
+        if not return_state:
+            return x + out
+        return x + out[0], out[1]

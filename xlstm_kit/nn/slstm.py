@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xlstm_kit.ops.slstm import slstm_recurrent, slstm_step
 
 from .common import CausalConv1d, GatedFeedForward, MultiHeadNorm, small_init_, state_dtype
+from .fused import activation_dtype, conv_state, head_norm, slstm_gates
 from ..errors import XLSTMKitError
 
 
@@ -93,41 +93,35 @@ class SLSTMLayer(nn.Module):
         zeros = lambda: torch.zeros(batch, self.n_heads, self.head_dim, device=device, dtype=dtype)  # noqa: E731
         return SLSTMState(self.conv.init_state(batch, device, dtype), zeros(), zeros(), zeros(), zeros())
 
-    def _gates(self, x: torch.Tensor, x_conv: torch.Tensor) -> torch.Tensor:
-        """x, x_conv [N, d_model] -> gate pre-activations without bias and recurrence [N, 4, H, D]."""
-        H, D = self.n_heads, self.head_dim
-        w = self.gate_weight.to(x.dtype)
-        # i and f read the convolved input, z and o the input itself; one batched matmul per pair
-        src = torch.stack([x_conv.reshape(-1, H, D), x.reshape(-1, H, D)], dim=0)  # [2, N, H, D]
-        w_pairs = w.view(2, 2, H, D, D)  # [(if|zo), gate, H, D_out, D_in]
-        g = torch.einsum("pnhi,pghoi->npgho", src, w_pairs)  # [N, 2, 2, H, D]
-        return g.reshape(-1, 4, H, D)
+    def _norm(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H, D] -> out_norm(dropout(h)) [..., H*D] (dropout before the norm, as upstream)."""
+        h = self.dropout(h) if self.dropout.p > 0 else h
+        return head_norm(h, self.out_norm.weight, self.out_norm.eps, self.backend).flatten(-2)
 
     def forward(self, x: torch.Tensor, state: SLSTMState | None = None, return_state: bool = False):
-        B, T, _ = x.shape
-        x_conv, conv_state = self.conv(x, None if state is None else state.conv)
-        x_conv = F.silu(x_conv)
-        gates = self._gates(x, x_conv).view(B, T, 4, self.n_heads, self.head_dim)
+        x = x.to(activation_dtype(x))
+        conv_in = None if state is None else state.conv
+        gates = slstm_gates(x, conv_in, self.conv.weight, self.conv.bias, self.gate_weight, self.backend)  # [B, T, 4, H, D]
         h, cell_state = slstm_recurrent(
             gates, self.recurrent, self.bias,
             initial_state=None if state is None else (state.h, state.c, state.n, state.m),
             output_final_state=return_state,
             backend=self.backend,
         )  # h [B, T, H, D]
-        y = self.out_norm(self.dropout(h)).reshape(B, T, -1)  # dropout before the norm, as upstream
+        y = self._norm(h)
         if not return_state:
             return y
-        return y, SLSTMState(conv_state, *cell_state)
+        new_conv = conv_state(x, conv_in, self.conv.kernel_size).to(state_dtype(x.dtype))
+        return y, SLSTMState(new_conv, *cell_state)
 
     def step(self, x: torch.Tensor, state: SLSTMState):
         """One token: x [B, d_model] -> (y [B, d_model], new_state)."""
-        B = x.shape[0]
-        x_conv, conv_state = self.conv.step(x, state.conv)
-        x_conv = F.silu(x_conv)
-        gates = self._gates(x, x_conv)  # [B, 4, H, D]
+        x = x.to(activation_dtype(x))[:, None]
+        gates = slstm_gates(x, state.conv, self.conv.weight, self.conv.bias, self.gate_weight, self.backend)[:, 0]
+        new_conv = conv_state(x, state.conv, self.conv.kernel_size).to(state.conv.dtype)
         h, cell_state = slstm_step(gates, self.recurrent, self.bias, (state.h, state.c, state.n, state.m))
-        y = self.out_norm(self.dropout(h)).reshape(B, -1)
-        return y, SLSTMState(conv_state, *cell_state)
+        y = self._norm(h)
+        return y, SLSTMState(new_conv, *cell_state)
 
 
 class SLSTMBlock(nn.Module):
@@ -169,7 +163,7 @@ class SLSTMBlock(nn.Module):
         out = self.layer(self.norm(x), state, return_state=return_state)
         y, state = out if return_state else (out, None)
         x = x + y
-        x = x + self.ffn(self.ffn_norm(x))
+        x = x + self.ffn(x, norm=self.ffn_norm)  # the norm fused with the up-projection
         return (x, state) if return_state else x
 
     def step(self, x: torch.Tensor, state: SLSTMState):

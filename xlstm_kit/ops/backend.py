@@ -37,6 +37,9 @@ KERNEL_MODULES: dict[str, str] = {
     "dplr_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
     "kda_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
     "dplr_step": "xlstm_kit.ops.dplr.triton.step",
+    "mlstm_output": "xlstm_kit.ops.blocks.triton",
+    "conv_silu": "xlstm_kit.ops.blocks.triton",
+    "head_norm": "xlstm_kit.ops.blocks.triton",
 }
 
 

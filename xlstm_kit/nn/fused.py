@@ -1,0 +1,458 @@
+"""Memory-lean fused pieces of the mLSTM and sLSTM layers, with hand-written backward passes.
+
+Why: autograd of the plain formulas saves every intermediate, and under bf16 autocast with
+float32 parameters several of them are float32 (the skip product, the head-wise norm). Each
+piece here saves only its inputs (which other ops save anyway) and per-row statistics, and
+recomputes the cheap elementwise intermediates in the backward. Activations stay in the
+layer's activation dtype (the autocast dtype, else the input's); statistics and the arithmetic
+inside run in float32 (float64 for float64 inputs). conv_silu, head_norm and mlstm_output run
+Triton kernels (xlstm_kit/ops/blocks/triton.py) where ops.backend chooses "triton".
+
+- `norm_up(x, ln_w, eps, w, b)`: a block's LayerNorm and up-projection (mLSTM block, sLSTM
+  feed-forward), saves x.
+- `gelu_mul_linear(g, u, w, b)`: the gated feed-forward's GELU gate and down-projection, saves g, u.
+- `conv_silu(x, state, w, b, act)`: depthwise causal conv (+ SiLU), saves x (and the state).
+- `head_norm(x, w, eps)`: head-wise LayerNorm times a per-channel scale, saves x and mean/rstd.
+- `mlstm_output(h, x_conv, z, norm_w, skip, down_w, down_b, eps)`: the mLSTM layer's tail
+  down((MultiHeadNorm(h) + skip * x_conv) * SiLU(z)), saves h, x_conv (or, given its
+  `conv_inputs`, recomputes it), z and mean/rstd.
+- `slstm_gates(x, state, conv_w, conv_b, gate_w)`: the sLSTM layer's head-wise gate maps of
+  SiLU(conv(x)) (i, f) and x (z, o), saves x (and the conv state).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ops._checks import compute_dtype
+from ..ops.backend import choose_backend, kernel_module, on_device
+
+
+def activation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a layer's activations take: the autocast dtype where autocast is on, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ b (batched) for a strided `out` view: eager BLAS writes the view directly, while
+    torch.compile cannot trace a non-contiguous out= (there a copy, which Inductor fuses)."""
+    if torch.compiler.is_compiling():
+        out.copy_(torch.bmm(a, b))
+    else:
+        torch.bmm(a, b, out=out)
+
+
+# ----------------------------------------------------------------------------- norm + up-projection
+class _NormUpFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_w, w, b, eps: float, dt):
+        cd = compute_dtype(x, ln_w)
+        d = x.shape[-1]
+        xf = x.reshape(-1, d).to(cd)
+        xn, mean, rstd = torch.native_layer_norm(xf, (d,), ln_w.to(cd), None, eps)
+        xn = xn.to(dt)
+        wd = w.to(dt)
+        w1, w2 = wd.chunk(2, dim=0)
+        b1, b2 = (None, None) if b is None else b.to(dt).chunk(2)
+        ctx.save_for_backward(x, ln_w, wd, mean, rstd)
+        ctx.eps, ctx.has_bias = eps, b is not None
+        lead = x.shape[:-1]
+        # two matmuls on the weight's halves give contiguous outputs
+        return F.linear(xn, w1, b1).view(*lead, -1), F.linear(xn, w2, b2).view(*lead, -1)
+
+    @staticmethod
+    def backward(ctx, d1, d2):
+        x, ln_w, wd, mean, rstd = ctx.saved_tensors
+        cd = compute_dtype(x, ln_w)
+        d = x.shape[-1]
+        xf = x.reshape(-1, d).to(cd)
+        lw = ln_w.to(cd)
+        xn = torch.native_layer_norm(xf, (d,), lw, None, ctx.eps)[0].to(wd.dtype)
+        w1, w2 = wd.chunk(2, dim=0)
+        d1 = d1.reshape(xn.shape[0], -1).to(wd.dtype)
+        d2 = d2.reshape(xn.shape[0], -1).to(wd.dtype)
+        dxn = torch.addmm(d1 @ w1, d2, w2)
+        dw = torch.cat([d1.t() @ xn, d2.t() @ xn]).to(ln_w.dtype)
+        db = torch.cat([d1.sum(0), d2.sum(0)]).to(ln_w.dtype) if ctx.has_bias else None
+        dx, dlw, _ = torch.ops.aten.native_layer_norm_backward(dxn.to(cd), xf, (d,), mean, rstd, lw, None,
+                                                               [True, True, False])
+        return dx.to(x.dtype).view(x.shape), dlw.to(ln_w.dtype), dw, db, None, None
+
+
+def norm_up(x: torch.Tensor, ln_w: torch.Tensor, eps: float, w: torch.Tensor, b: torch.Tensor | None):
+    """LayerNorm (weight ln_w [d], no bias) of x [..., d], then the two halves of the linear map
+    w [2 n, d], b [2 n] | None -> two [..., n] in the activation dtype. Saves x (the block's
+    input, saved anyway) and mean/rstd: the normalised input is recomputed in the backward for the
+    weight gradient instead of being kept in bf16."""
+    return _NormUpFn.apply(x, ln_w, w, b, eps, activation_dtype(x))
+
+
+# ----------------------------------------------------------------------------- gated feed-forward
+class _GeluMulLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, u, w, b):
+        wd = w.to(g.dtype)
+        ctx.save_for_backward(g, u, wd)
+        ctx.grad_dtype, ctx.bias_dtype = w.dtype, None if b is None else b.dtype
+        return F.linear(F.gelu(g) * u, wd, None if b is None else b.to(g.dtype))
+
+    @staticmethod
+    def backward(ctx, dy):
+        g, u, wd = ctx.saved_tensors
+        n = g.numel() // g.shape[-1]
+        dy = dy.reshape(n, -1).to(wd.dtype)
+        a = F.gelu(g)
+        dp = (dy @ wd).view(g.shape)
+        dw = (dy.t() @ (a * u).view(n, -1)).to(ctx.grad_dtype)
+        db = None if ctx.bias_dtype is None else dy.sum(0).to(ctx.bias_dtype)
+        return torch.ops.aten.gelu_backward(dp * u, g), dp * a, dw, db
+
+
+def gelu_mul_linear(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """(GELU(g) * u) @ wᵀ + b for g, u [..., F] (one dtype, the activation dtype), w [d, F],
+    b [d] | None -> [..., d]. Saves g and u; GELU(g) * u is recomputed in the backward."""
+    return _GeluMulLinearFn.apply(g, u, w, b)
+
+
+# ----------------------------------------------------------------------------- conv + SiLU
+def _conv(x: torch.Tensor, state: torch.Tensor | None, taps: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """y[:, t] = b + sum_j taps[j] * xp[:, t + j], xp = cat(state, x) [B, T+K-1, C] (state None:
+    zeros), in taps' dtype. Shifted multiply-adds on x itself: no padded copy of the input."""
+    K = taps.shape[0]
+    T = x.shape[1]
+    y = torch.addcmul(b, x, taps[K - 1])
+    for j in range(K - 1):
+        s = K - 1 - j  # x[t - s] feeds y[t]
+        if s < T:
+            y[:, s:].addcmul_(x[:, : T - s], taps[j])
+        if state is not None:
+            n = min(s, T)
+            y[:, :n].addcmul_(state[:, K - 1 - s : K - 1 - s + n], taps[j])
+    return y
+
+
+def _conv_backward(dy: torch.Tensor, x: torch.Tensor, state: torch.Tensor | None, taps: torch.Tensor):
+    """Gradients (dx, dstate | None, dtaps [K, C], db) of `_conv` for dy in taps' dtype (x and
+    state may be narrower: the products promote, no converted copies)."""
+    K = taps.shape[0]
+    T = x.shape[1]
+    dx = torch.mul(dy, taps[K - 1])
+    rows = [(dy * x).sum(dim=(0, 1))]  # dtaps[K-1], then K-2 down to 0
+    dstate = None if state is None else torch.zeros_like(state, dtype=dy.dtype)
+    for j in range(K - 2, -1, -1):
+        s = K - 1 - j
+        row = None
+        if s < T:
+            dx[:, : T - s].addcmul_(dy[:, s:], taps[j])
+            row = (dy[:, s:] * x[:, : T - s]).sum(dim=(0, 1))
+        if state is not None:
+            n = min(s, T)
+            prev = state[:, K - 1 - s : K - 1 - s + n]
+            dstate[:, K - 1 - s : K - 1 - s + n].addcmul_(dy[:, :n], taps[j])
+            part = (dy[:, :n] * prev).sum(dim=(0, 1))
+            row = part if row is None else row + part
+        rows.append(torch.zeros_like(taps[j]) if row is None else row)
+    return dx, dstate, torch.stack(rows[::-1]), dy.sum(dim=(0, 1))
+
+
+def _silu_grad(y: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(y)
+    return s * (1 + y * (1 - s))
+
+
+def _conv_act(x, state, w, b, act: bool, cd):
+    """(conv output in cd, pre-activation or None) from the layer's saved inputs."""
+    y = _conv(x, state, w.t().to(cd), b.to(cd))
+    return (F.silu(y), y) if act else (y, None)
+
+
+def _conv_act_backward(dout, x, state, w, b, y_pre, act: bool, cd):
+    """Gradients of _conv_act: (dx, dstate, dw [C, K], db) in cd."""
+    dy = dout.to(cd) * _silu_grad(y_pre) if act else dout.to(cd)
+    dx, dstate, dtaps, db = _conv_backward(dy, x, state, w.t().to(cd))
+    return dx, dstate, dtaps.t(), db
+
+
+def _conv_fwd(kernels, x, state, w, b, act: bool) -> torch.Tensor:
+    """Conv (+ SiLU) output in x's dtype: the Triton op (kernels = ops.blocks.triton) or torch."""
+    if kernels is not None:
+        with on_device(x):
+            return kernels.conv_fwd(x, state, w, b, act, kernels.conv_config_key())
+    y, _ = _conv_act(x, state, w, b, act, compute_dtype(x, w))
+    return y.to(x.dtype)
+
+
+def _conv_bwd(kernels, dout, x, state, w, b, act: bool):
+    """(dx, dstate | None, dw, db) in the dtypes of x, state, w, b."""
+    if kernels is not None:
+        dx, dstate, dw, db = kernels.conv_bwd(dout.contiguous(), x, state, w, b, act, kernels.conv_config_key())
+        return dx, (None if state is None else dstate), dw, db
+    cd = compute_dtype(x, w)
+    y_pre = _conv(x, state, w.t().to(cd), b.to(cd)) if act else None
+    dx, dstate, dw, db = _conv_act_backward(dout, x, state, w, b, y_pre, act, cd)
+    return dx.to(x.dtype), None if state is None else dstate.to(state.dtype), dw.to(w.dtype), db.to(b.dtype)
+
+
+def _conv_kernels(x: torch.Tensor, backend: str | None):
+    """The Triton kernel module where ops.backend chooses it for the convolution, else None."""
+    use = choose_backend("conv_silu", backend, x.device, inputs=(x,), dtype=x.dtype)
+    return kernel_module("conv_silu") if use == "triton" else None
+
+
+class _ConvSiLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, state, w, b, act: bool, kernels):
+        ctx.save_for_backward(x, state, w, b)
+        ctx.act, ctx.kernels = act, kernels
+        return _conv_fwd(kernels, x, state, w, b, act)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, state, w, b = ctx.saved_tensors
+        return (*_conv_bwd(ctx.kernels, dout, x, state, w, b, ctx.act), None, None)
+
+
+def conv_inputs(x: torch.Tensor, state: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor,
+                backend: str | None = None):
+    """(x, state, w, b, kernels) as `conv_silu` takes them: what a reader of SiLU(conv(x)) keeps
+    to recompute it in its backward (`conv_recompute`) instead of saving it."""
+    x = x.contiguous()
+    if state is not None:
+        state = state.to(x.dtype).contiguous()
+    return x, state, w.contiguous(), b, _conv_kernels(x, backend)
+
+
+def conv_recompute(inputs) -> torch.Tensor:
+    """SiLU(conv(x)) [B, T, C] from `conv_inputs` (no autograd graph)."""
+    x, state, w, b, kernels = inputs
+    return _conv_fwd(kernels, x, state, w, b, True)
+
+
+def conv_silu(x: torch.Tensor, state: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor, act: bool = True,
+              backend: str | None = None):
+    """SiLU (act=True) of the depthwise causal convolution of x [B, T, C] with w [C, K], b [C]
+    and the K-1 inputs before x in `state` [B, K-1, C] (None: zeros) -> [B, T, C] in x's dtype.
+    Saves x and the state; the backward recomputes the convolution. One Triton kernel each way
+    where ops.backend chooses "triton" (`backend` as for the sequence ops)."""
+    x, state, w, b, kernels = conv_inputs(x, state, w, b, backend)
+    return _ConvSiLUFn.apply(x, state, w, b, act, kernels)
+
+
+def conv_state(x: torch.Tensor, state: torch.Tensor | None, kernel_size: int) -> torch.Tensor:
+    """The last K-1 inputs of cat(state, x) [B, K-1, C] (the convolution's state after x)."""
+    K1, T = kernel_size - 1, x.shape[1]
+    if T >= K1:
+        return x[:, T - K1 :]
+    if state is None:
+        state = x.new_zeros(x.shape[0], K1, x.shape[2])
+    return torch.cat([state.to(x.dtype), x], dim=1)[:, T:]
+
+
+# ----------------------------------------------------------------------------- head-wise norm
+def _head_stats(x: torch.Tensor, D: int, eps: float, cd):
+    """x [..., C] -> (x̂ [N, H, D] in cd, mean, rstd [N, H, 1])."""
+    xf = x.reshape(-1, x.shape[-1] // D, D).to(cd)
+    var, mean = torch.var_mean(xf, dim=-1, keepdim=True, correction=0)
+    rstd = torch.rsqrt(var + eps)
+    return (xf - mean) * rstd, mean, rstd
+
+
+def _normed(x, mean, rstd, D: int, cd):
+    return (x.reshape(-1, x.shape[-1] // D, D).to(cd) - mean) * rstd
+
+
+def _head_norm_backward(dxhat: torch.Tensor, xhat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """Input gradient of x̂ = (x - mean) rstd per row from dx̂ (all [N, H, D])."""
+    return rstd * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+
+
+def _head_norm_fwd_torch(x, w, eps: float):
+    """x [N, H, D] -> (x̂ w in x's dtype, mean, rstd [N, H]): the twin of xlstm_kit::head_norm_fwd."""
+    cd = compute_dtype(x, w)
+    N, H, D = x.shape
+    xhat, mean, rstd = _head_stats(x.view(N, -1), D, eps, cd)
+    return (xhat * w.view(H, D).to(cd)).to(x.dtype), mean.view(N, H), rstd.view(N, H)
+
+
+def _head_norm_bwd_torch(x, w, mean, rstd, dy):
+    """(dx, dw): the twin of xlstm_kit::head_norm_bwd."""
+    cd = compute_dtype(x, w)
+    N, H, D = x.shape
+    rstd = rstd.view(N, H, 1)
+    xhat = _normed(x.view(N, -1), mean.view(N, H, 1), rstd, D, cd)
+    dyf = dy.to(cd)
+    dx = _head_norm_backward(dyf * w.view(H, D).to(cd), xhat, rstd)
+    return dx.to(x.dtype), (dyf * xhat).sum(0).reshape(-1).to(w.dtype)
+
+
+class _HeadNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps: float, kernels):
+        if kernels is None:
+            y, mean, rstd = _head_norm_fwd_torch(x, w, eps)
+        else:
+            with on_device(x):
+                y, mean, rstd = kernels.head_norm_fwd(x, w, eps, kernels.config_key())
+        ctx.save_for_backward(x, w, mean, rstd)
+        ctx.kernels = kernels
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, mean, rstd = ctx.saved_tensors
+        dy = dy.contiguous()
+        if ctx.kernels is None:
+            dx, dw = _head_norm_bwd_torch(x, w, mean, rstd, dy)
+        else:
+            dx, dw = ctx.kernels.head_norm_bwd(x, w, mean, rstd, dy, ctx.kernels.config_key())
+        return dx, dw, None, None
+
+
+def head_norm(x: torch.Tensor, w: torch.Tensor, eps: float, backend: str | None = None) -> torch.Tensor:
+    """Each head's features of x [..., H, D] normalised on their own (LayerNorm without bias),
+    times w [H * D] -> [..., H, D] in x's dtype; float32 statistics, saves x and mean/rstd. One
+    Triton kernel each way where ops.backend chooses "triton" (`backend` as for the sequence ops)."""
+    H, D = x.shape[-2:]
+    x3 = x.reshape(-1, H, D).contiguous()
+    use = choose_backend("head_norm", backend, x.device, inputs=(x,), dtype=x.dtype, head_dim=D)
+    kernels = kernel_module("head_norm") if use == "triton" else None
+    return _HeadNormFn.apply(x3, w, eps, kernels).view(x.shape)
+
+
+# ----------------------------------------------------------------------------- mLSTM tail
+def _tail_fwd_torch(h, x_conv, z, w, skip, eps: float):
+    """u = (norm(h) w + skip x_conv) SiLU(z) [N, C] in x_conv's dtype, mean, rstd [N, H]: the
+    PyTorch twin of xlstm_kit::mlstm_tail_fwd (ops/blocks/triton.py)."""
+    cd = compute_dtype(h, w)
+    N, H, D = h.shape
+    hhat, mean, rstd = _head_stats(h.view(N, -1), D, eps, cd)
+    a = torch.addcmul(hhat.view(N, -1) * w.to(cd), x_conv, skip.to(cd))
+    u = (a * F.silu(z.to(cd))).to(x_conv.dtype)
+    return u, mean.view(N, H), rstd.view(N, H)
+
+
+def _tail_bwd_torch(h, x_conv, z, w, skip, mean, rstd, du):
+    """(u, dh, dx_conv, dz, dw, dskip) from du = ∂L/∂u: the twin of xlstm_kit::mlstm_tail_bwd."""
+    cd = compute_dtype(h, w)
+    N, H, D = h.shape
+    mean, rstd = mean.view(N, H, 1), rstd.view(N, H, 1)
+    hhat = _normed(h.view(N, -1), mean, rstd, D, cd).view(N, -1)
+    a = torch.addcmul(hhat * w.to(cd), x_conv, skip.to(cd))
+    zf = z.to(cd)
+    sz = torch.sigmoid(zf)
+    silz = zf * sz
+    du = du.to(cd)
+    da = du * silz
+    dz = du * a * sz * (1 + zf * (1 - sz))
+    dh = _head_norm_backward((da * w.to(cd)).view(N, H, D), hhat.view(N, H, D), rstd)
+    return ((a * silz).to(x_conv.dtype), dh.to(h.dtype), (da * skip.to(cd)).to(x_conv.dtype), dz.to(z.dtype),
+            (da * hhat).sum(0).to(w.dtype), (da * x_conv).sum(0).to(skip.dtype))
+
+
+class _MLSTMOutputFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, x_conv, z, norm_w, skip, down_w, down_b, eps: float, kernels, cx, cstate, cw, cb, ckern):
+        if kernels is None:
+            u, mean, rstd = _tail_fwd_torch(h, x_conv, z, norm_w, skip, eps)
+        else:
+            with on_device(h):
+                u, mean, rstd = kernels.mlstm_tail_fwd(h, x_conv, z, norm_w, skip, eps, kernels.config_key())
+        wd = down_w.to(x_conv.dtype)
+        # with the conv's inputs (cx, ...) given, x_conv is recomputed in the backward, not kept
+        keep = None if cx is not None else x_conv
+        ctx.save_for_backward(h, keep, z, norm_w, skip, wd, mean, rstd, cx, cstate, cw, cb)
+        ctx.kernels, ctx.ckern, ctx.bias_dtype = kernels, ckern, None if down_b is None else down_b.dtype
+        return F.linear(u, wd, None if down_b is None else down_b.to(u.dtype))
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, x_conv, z, norm_w, skip, wd, mean, rstd, cx, cstate, cw, cb = ctx.saved_tensors
+        if x_conv is None:
+            x_conv = conv_recompute((cx, cstate, cw, cb, ctx.ckern)).view(z.shape)
+        kernels = ctx.kernels
+        dy = dy.reshape(h.shape[0], -1).to(wd.dtype)
+        du = dy @ wd
+        if kernels is None:
+            u, dh, dx_conv, dz, d_norm_w, d_skip = _tail_bwd_torch(h, x_conv, z, norm_w, skip, mean, rstd, du)
+        else:
+            u, dh, dx_conv, dz, d_norm_w, d_skip = kernels.mlstm_tail_bwd(
+                h, x_conv, z, norm_w, skip, mean, rstd, du, kernels.config_key())
+        d_down_w = (dy.t() @ u).to(norm_w.dtype)
+        d_down_b = None if ctx.bias_dtype is None else dy.sum(0).to(ctx.bias_dtype)
+        return dh, dx_conv, dz, d_norm_w, d_skip, d_down_w, d_down_b, None, None, None, None, None, None, None
+
+
+def mlstm_output(h: torch.Tensor, x_conv: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor,
+                 skip: torch.Tensor, down_w: torch.Tensor, down_b: torch.Tensor | None, eps: float,
+                 backend: str | None = None, conv=None) -> torch.Tensor:
+    """down((MultiHeadNorm(h) + skip * x_conv) * SiLU(z)) for h [N, H, D], x_conv and z [N, H*D]
+    (one dtype, the activation dtype), norm_w and skip [H*D], down_w [d, H*D], down_b [d] | None
+    -> [N, d] in x_conv's dtype. Saves h, x_conv, z, mean/rstd [N, H] and the cast down_w; the
+    backward recomputes the rest. `conv`: x_conv's `conv_inputs`, to recompute x_conv in the
+    backward instead of saving it. The elementwise part runs as one Triton kernel each way where
+    ops.backend chooses "triton" (CUDA; `backend` as for the sequence ops)."""
+    h, x_conv, z = h.contiguous(), x_conv.contiguous(), z.contiguous()
+    use = choose_backend("mlstm_output", backend, h.device, inputs=(h, x_conv, z),
+                         dtype=h.dtype, head_dim=h.shape[-1])
+    kernels = kernel_module("mlstm_output") if use == "triton" else None
+    return _MLSTMOutputFn.apply(h, x_conv, z, norm_w, skip, down_w, down_b, eps, kernels,
+                                *(conv if conv is not None else (None,) * 5))
+
+
+# ----------------------------------------------------------------------------- sLSTM gate maps
+def _gate_maps(x, xc, wg, dt):
+    """g[:, gate, h] = src[:, h] @ W[gate, h]ᵀ, src = xc for the i and f gates and x for z and o:
+    one batched matmul per gate over the heads, written straight into the [N, 4, H, D] layout."""
+    N, H, D = x.shape
+    g = torch.empty(N, 4, H, D, device=x.device, dtype=dt)
+    for gate, src in enumerate((xc, xc, x, x)):
+        bmm_into(src.transpose(0, 1), wg[gate].transpose(1, 2), g[:, gate].transpose(0, 1))
+    return g
+
+
+class _SLSTMGatesFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, state, conv_w, conv_b, gate_w, kernels):
+        N = x.shape[0] * x.shape[1]
+        _, H, D, _ = gate_w.shape
+        xc = _conv_fwd(kernels, x, state, conv_w, conv_b, True)
+        wg = gate_w.to(x.dtype)
+        ctx.save_for_backward(x, state, conv_w, conv_b, wg)
+        ctx.kernels, ctx.gate_dtype = kernels, gate_w.dtype
+        return _gate_maps(x.reshape(N, H, D), xc.view(N, H, D), wg, x.dtype)
+
+    @staticmethod
+    def backward(ctx, dg):
+        x, state, conv_w, conv_b, wg = ctx.saved_tensors
+        B, T, C = x.shape
+        N = B * T
+        _, H, D, _ = wg.shape
+        xc = _conv_fwd(ctx.kernels, x, state, conv_w, conv_b, True).view(N, H, D)
+        xs = x.reshape(N, H, D)
+        dg = dg.reshape(N, 4, H, D).to(x.dtype)
+        dgt = [dg[:, gate].transpose(0, 1) for gate in range(4)]  # [H, N, D]
+        dw = torch.stack([torch.bmm(dgt[gate].transpose(1, 2), src.transpose(0, 1))
+                          for gate, src in enumerate((xc, xc, xs, xs))])  # [4, H, D_out, D_in]
+        dxc = torch.baddbmm(torch.bmm(dgt[0], wg[0]), dgt[1], wg[1])  # [H, N, D]
+        dx_direct = torch.baddbmm(torch.bmm(dgt[2], wg[2]), dgt[3], wg[3])
+        dx, dstate, dcw, dcb = _conv_bwd(ctx.kernels, dxc.transpose(0, 1).reshape(B, T, C), x, state,
+                                         conv_w, conv_b, True)
+        dx = dx + dx_direct.transpose(0, 1).reshape(B, T, C)
+        return dx, dstate, dcw, dcb, dw.to(ctx.gate_dtype), None
+
+
+def slstm_gates(x: torch.Tensor, state: torch.Tensor | None, conv_w: torch.Tensor, conv_b: torch.Tensor,
+                gate_w: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """Gate pre-activations [B, T, 4, H, D] in x's dtype (without bias and recurrence) of the
+    sLSTM layer: the i and f gates map SiLU(causal conv of x) head-wise, z and o map x, by
+    gate_w [4, H, D_out, D_in]; x [B, T, H*D], conv state [B, K-1, H*D] | None, conv_w [H*D, K],
+    conv_b [H*D]. Saves x and the state; the backward recomputes the convolution (Triton kernels
+as in `conv_silu`)."""
+    x = x.contiguous()
+    if state is not None:
+        state = state.to(x.dtype).contiguous()
+    B, T, _ = x.shape
+    _, H, D, _ = gate_w.shape
+    return _SLSTMGatesFn.apply(x, state, conv_w.contiguous(), conv_b, gate_w,
+                               _conv_kernels(x, backend)).view(B, T, 4, H, D)

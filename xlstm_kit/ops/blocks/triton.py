@@ -1,0 +1,383 @@
+"""Triton kernels of the layers' elementwise parts: the mLSTM output tail (below), the head-wise
+norm (the same kernels without skip and gate) and the causal conv + SiLU (further down).
+
+The mLSTM output tail u = (norm(h) · w + skip · x_conv) · SiLU(z) (the
+down-projection stays a cuBLAS matmul), as `torch.library` custom ops opaque to torch.compile:
+
+- `xlstm_kit::mlstm_tail_fwd(h, x_conv, z, w, skip, eps, config) -> (u, mean, rstd)`
+- `xlstm_kit::mlstm_tail_bwd(h, x_conv, z, w, skip, mean, rstd, du, config)
+      -> (u, dh, dx_conv, dz, dw, dskip)`  (u recomputed for the down-projection's weight gradient)
+
+h [N, H, D], x_conv, z, du [N, H·D] in one dtype (float16, bfloat16 or float32), w, skip [H·D]
+(any float dtype), mean, rstd [N, H] float32. One pass over the activations each way, float32
+arithmetic; dw and dskip are summed per program, then over programs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .._config import KernelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TailKernelConfig(KernelConfig):
+    """Launch parameters of the tail kernels: `rows` tokens per tile, `warps` (forward),
+    `bwd_warps`, and at most `programs` programs along the tokens in the backward (each sums its
+    tiles' dw, dskip). The backward at 4 warps needs ~190 registers a thread at D = 384 (sm_90
+    ptxas), at 8 ~100."""
+    rows: int = 4
+    warps: int = 4
+    bwd_warps: int = 8
+    programs: int = 512
+
+
+def supports(op: str, *, dtype: torch.dtype, head_dim: int = 0, **_) -> str | None:
+    """backend.choose_backend's question: do these kernels ("mlstm_output", "head_norm",
+    "conv_silu") take this call?"""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the Triton {op} kernels take float16, bfloat16 or float32 activations, got {dtype}"
+    if head_dim > 4096:
+        return f"the Triton tail kernels hold a head in one tile; head_dim {head_dim} > 4096"
+    return None
+
+
+@triton.jit
+def _tail_fwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, u_ptr, mean_ptr, rstd_ptr, N, H, D, eps,
+              ROWS: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr):
+    hh = tl.program_id(1)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BD)
+    rmask = rows < N
+    cmask = cols < D
+    m = rmask[:, None] & cmask[None, :]
+    offs = rows[:, None].to(tl.int64) * (H * D) + hh * D + cols[None, :]
+    x = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    mean = tl.sum(x, 1) / D
+    xm = tl.where(m, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xm * xm, 1) / D + eps)
+    w = tl.load(w_ptr + hh * D + cols, mask=cmask, other=0.0).to(tl.float32)
+    u = xm * rstd[:, None] * w[None, :]
+    if GATE:
+        sk = tl.load(s_ptr + hh * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        xc = tl.load(xc_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        u = (u + sk[None, :] * xc) * (z * tl.sigmoid(z))
+    tl.store(u_ptr + offs, u.to(u_ptr.dtype.element_ty), mask=m)
+    tl.store(mean_ptr + rows * H + hh, mean, mask=rmask)
+    tl.store(rstd_ptr + rows * H + hh, rstd, mask=rmask)
+
+
+@triton.jit
+def _tail_bwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, mean_ptr, rstd_ptr, du_ptr,
+              u_ptr, dh_ptr, dxc_ptr, dz_ptr, dw_part, ds_part, N, H, D,
+              ROWS: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    hh = tl.program_id(1)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    w = tl.load(w_ptr + hh * D + cols, mask=cmask, other=0.0).to(tl.float32)
+    sk = tl.load(s_ptr + hh * D + cols, mask=cmask, other=0.0).to(tl.float32)
+    acc_w = tl.zeros((BD,), dtype=tl.float32)
+    acc_s = tl.zeros((BD,), dtype=tl.float32)
+    for start in range(pid * ROWS, N, P * ROWS):
+        rows = start + tl.arange(0, ROWS)
+        rmask = rows < N
+        m = rmask[:, None] & cmask[None, :]
+        offs = rows[:, None].to(tl.int64) * (H * D) + hh * D + cols[None, :]
+        mean = tl.load(mean_ptr + rows * H + hh, mask=rmask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows * H + hh, mask=rmask, other=0.0)
+        x = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
+        da = tl.load(du_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if GATE:
+            xc = tl.load(xc_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            a = xhat * w[None, :] + sk[None, :] * xc
+            sz = tl.sigmoid(z)
+            silz = z * sz
+            tl.store(u_ptr + offs, (a * silz).to(u_ptr.dtype.element_ty), mask=m)
+            tl.store(dz_ptr + offs, (da * a * sz * (1.0 + z * (1.0 - sz))).to(dz_ptr.dtype.element_ty), mask=m)
+            da = da * silz
+            tl.store(dxc_ptr + offs, (da * sk[None, :]).to(dxc_ptr.dtype.element_ty), mask=m)
+            acc_s += tl.sum(da * xc, 0)
+        acc_w += tl.sum(da * xhat, 0)
+        dxhat = da * w[None, :]
+        c1 = tl.sum(dxhat * xhat, 1) / D
+        c2 = tl.sum(dxhat, 1) / D
+        dh = rstd[:, None] * (dxhat - c2[:, None] - xhat * c1[:, None])
+        tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=m)
+    tl.store(dw_part + pid * (H * D) + hh * D + cols, acc_w, mask=cmask)
+    if GATE:
+        tl.store(ds_part + pid * (H * D) + hh * D + cols, acc_s, mask=cmask)
+
+
+def _stats(h: Tensor) -> tuple[Tensor, Tensor]:
+    N, H, _ = h.shape
+    return (torch.empty(N, H, device=h.device, dtype=torch.float32),
+            torch.empty(N, H, device=h.device, dtype=torch.float32))
+
+
+@torch.library.custom_op("xlstm_kit::mlstm_tail_fwd", mutates_args=())
+def mlstm_tail_fwd(h: Tensor, x_conv: Tensor, z: Tensor, w: Tensor, skip: Tensor, eps: float,
+                   config: str) -> tuple[Tensor, Tensor, Tensor]:
+    cfg = TailKernelConfig.from_key(config)
+    N, H, D = h.shape
+    u = torch.empty_like(x_conv)
+    mean, rstd = _stats(h)
+    if N:
+        grid = (triton.cdiv(N, cfg.rows), H)
+        _tail_fwd[grid](h, x_conv, z, w, skip, u, mean, rstd, N, H, D, eps,
+                        ROWS=cfg.rows, BD=triton.next_power_of_2(D), GATE=True, num_warps=cfg.warps)
+    return u, mean, rstd
+
+
+@mlstm_tail_fwd.register_fake
+def _(h, x_conv, z, w, skip, eps, config):
+    return (torch.empty_like(x_conv), *_stats(h))
+
+
+@torch.library.custom_op("xlstm_kit::mlstm_tail_bwd", mutates_args=())
+def mlstm_tail_bwd(h: Tensor, x_conv: Tensor, z: Tensor, w: Tensor, skip: Tensor, mean: Tensor, rstd: Tensor,
+                   du: Tensor, config: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    cfg = TailKernelConfig.from_key(config)
+    N, H, D = h.shape
+    u, dxc, dz = torch.empty_like(x_conv), torch.empty_like(x_conv), torch.empty_like(z)
+    dh = torch.empty_like(h)
+    P = max(1, min(cfg.programs, triton.cdiv(N, cfg.rows)))
+    dw_part = torch.zeros(P, H * D, device=h.device, dtype=torch.float32)
+    ds_part = torch.zeros(P, H * D, device=h.device, dtype=torch.float32)
+    if N:
+        _tail_bwd[(P, H)](h, x_conv, z, w, skip, mean, rstd, du, u, dh, dxc, dz, dw_part, ds_part, N, H, D,
+                          ROWS=cfg.rows, BD=triton.next_power_of_2(D), GATE=True, num_warps=cfg.bwd_warps)
+    return u, dh, dxc, dz, dw_part.sum(0).to(w.dtype), ds_part.sum(0).to(skip.dtype)
+
+
+@mlstm_tail_bwd.register_fake
+def _(h, x_conv, z, w, skip, mean, rstd, du, config):
+    return (torch.empty_like(x_conv), torch.empty_like(h), torch.empty_like(x_conv), torch.empty_like(z),
+            torch.empty_like(w), torch.empty_like(skip))
+
+
+@torch.compiler.assume_constant_result
+def config_key() -> str:
+    """The default configuration's key (a constant to torch.compile, which cannot trace json)."""
+    return _DEFAULT_KEY
+
+
+_DEFAULT_KEY = TailKernelConfig().key()
+
+
+# ----------------------------------------------------------------------------- head-wise norm
+# xlstm_kit::head_norm_fwd(x, w, eps, config) -> (y, mean, rstd) and
+# xlstm_kit::head_norm_bwd(x, w, mean, rstd, dy, config) -> (dx, dw): the tail kernels without
+# the skip and the gate (GATE=False), for MultiHeadNorm (x, y [N, H, D]).
+
+@torch.library.custom_op("xlstm_kit::head_norm_fwd", mutates_args=())
+def head_norm_fwd(x: Tensor, w: Tensor, eps: float, config: str) -> tuple[Tensor, Tensor, Tensor]:
+    cfg = TailKernelConfig.from_key(config)
+    N, H, D = x.shape
+    y = torch.empty_like(x)
+    mean, rstd = _stats(x)
+    if N:
+        _tail_fwd[(triton.cdiv(N, cfg.rows), H)](x, x, x, w, w, y, mean, rstd, N, H, D, eps, ROWS=cfg.rows,
+                                                  BD=triton.next_power_of_2(D), GATE=False, num_warps=cfg.warps)
+    return y, mean, rstd
+
+
+@head_norm_fwd.register_fake
+def _(x, w, eps, config):
+    return (torch.empty_like(x), *_stats(x))
+
+
+@torch.library.custom_op("xlstm_kit::head_norm_bwd", mutates_args=())
+def head_norm_bwd(x: Tensor, w: Tensor, mean: Tensor, rstd: Tensor, dy: Tensor, config: str) -> tuple[Tensor, Tensor]:
+    cfg = TailKernelConfig.from_key(config)
+    N, H, D = x.shape
+    dx = torch.empty_like(x)
+    P = max(1, min(cfg.programs, triton.cdiv(N, cfg.rows)))
+    dw_part = torch.zeros(P, H * D, device=x.device, dtype=torch.float32)
+    if N:
+        _tail_bwd[(P, H)](x, x, x, w, w, mean, rstd, dy, x, dx, x, x, dw_part, dw_part, N, H, D, ROWS=cfg.rows,
+                          BD=triton.next_power_of_2(D), GATE=False, num_warps=cfg.bwd_warps)
+    return dx, dw_part.sum(0).to(w.dtype)
+
+
+@head_norm_bwd.register_fake
+def _(x, w, mean, rstd, dy, config):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+# ----------------------------------------------------------------------------- causal conv + SiLU
+# xlstm_kit::conv_fwd(x, state, w, b, act, config) -> out and xlstm_kit::conv_bwd(dout, x, state,
+# w, b, act, config) -> (dx, dstate, dw, db): the depthwise causal convolution of x [B, T, C]
+# (state [B, K-1, C]: the inputs before x, or None for zeros), w [C, K], b [C], followed by SiLU
+# when `act`. The backward recomputes the pre-activation (K² loads per tile, from cache).
+
+@dataclasses.dataclass(frozen=True)
+class ConvKernelConfig(KernelConfig):
+    """Launch parameters of the conv kernels: tiles of `bt` steps x `bc` channels, `warps`
+    (forward), `bwd_warps` (the backward's K² recomputed loads need ~230 registers a thread at 8
+    warps, and spill at 4; sm_90 ptxas)."""
+    bt: int = 32
+    bc: int = 64
+    warps: int = 4
+    bwd_warps: int = 8
+
+
+@triton.jit
+def _tap_input(xb, sb, rows, c, cmask, T, C, shift, K: tl.constexpr, HAS_STATE: tl.constexpr):
+    """x[rows - shift, c] (float32), reading the state before t = 0 (zeros without a state)."""
+    tt = rows - shift
+    xv = tl.load(xb + tt[:, None] * C + c[None, :], mask=((tt >= 0) & (tt < T))[:, None] & cmask[None, :],
+                 other=0.0).to(tl.float32)
+    if HAS_STATE:
+        sm = (tt < 0) & (tt >= -(K - 1))
+        xv += tl.load(sb + (tt + K - 1)[:, None] * C + c[None, :], mask=sm[:, None] & cmask[None, :],
+                      other=0.0).to(tl.float32)
+    return xv
+
+
+@triton.jit
+def _conv_rows(x_ptr, s_ptr, w_ptr, b_ptr, rows, c, cmask, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr):
+    """Pre-activation y[rows, c] (float32) for the batch row that x_ptr, s_ptr point at; rows
+    outside [0, T) give garbage that callers mask."""
+    bias = tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+    w0 = tl.load(w_ptr + c * K, mask=cmask, other=0.0).to(tl.float32)
+    acc = _tap_input(x_ptr, s_ptr, rows, c, cmask, T, C, K - 1, K, HAS_STATE) * w0[None, :] + bias[None, :]
+    for j in tl.static_range(1, K):
+        xv = _tap_input(x_ptr, s_ptr, rows, c, cmask, T, C, K - 1 - j, K, HAS_STATE)
+        wj = tl.load(w_ptr + c * K + j, mask=cmask, other=0.0).to(tl.float32)
+        acc += xv * wj[None, :]
+    return acc
+
+
+@triton.jit
+def _conv_fwd(x_ptr, s_ptr, w_ptr, b_ptr, out_ptr, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr,
+              ACT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    bi = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = c < C
+    xb = x_ptr + bi * T * C
+    sb = s_ptr + bi * (K - 1) * C
+    y = _conv_rows(xb, sb, w_ptr, b_ptr, rows, c, cmask, T, C, K, HAS_STATE)
+    if ACT:
+        y = y * tl.sigmoid(y)
+    m = (rows < T)[:, None] & cmask[None, :]
+    tl.store(out_ptr + bi * T * C + rows[:, None] * C + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _dpre(xb, sb, w_ptr, b_ptr, gb, rows, c, cmask, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr,
+          ACT: tl.constexpr):
+    """∂L/∂(pre-activation) at rows (0 outside [0, T))."""
+    valid = ((rows >= 0) & (rows < T))[:, None] & cmask[None, :]
+    g = tl.load(gb + rows[:, None] * C + c[None, :], mask=valid, other=0.0).to(tl.float32)
+    if ACT:
+        y = _conv_rows(xb, sb, w_ptr, b_ptr, rows, c, cmask, T, C, K, HAS_STATE)
+        sg = tl.sigmoid(y)
+        g = g * sg * (1.0 + y * (1.0 - sg))
+    return g
+
+
+@triton.jit
+def _conv_bwd(g_ptr, x_ptr, s_ptr, w_ptr, b_ptr, dx_ptr, ds_ptr, dw_part, db_part, T, C, NT,
+              K: tl.constexpr, HAS_STATE: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr,
+              BC: tl.constexpr, KP: tl.constexpr):
+    pid_t = tl.program_id(0)
+    bi = tl.program_id(2).to(tl.int64)
+    rows = pid_t * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = c < C
+    xb = x_ptr + bi * T * C
+    sb = s_ptr + bi * (K - 1) * C
+    gb = g_ptr + bi * T * C
+    part = (bi * NT + pid_t) * (K + 1)
+    dx = tl.zeros((BT, BC), dtype=tl.float32)
+    for s in tl.static_range(K):
+        d = _dpre(xb, sb, w_ptr, b_ptr, gb, rows + s, c, cmask, T, C, K, HAS_STATE, ACT)
+        wj = tl.load(w_ptr + c * K + (K - 1 - s), mask=cmask, other=0.0).to(tl.float32)
+        dx += d * wj[None, :]
+        if s == 0:
+            # tap j reads x[t - (K-1-j)] (the state before x): its gradient sums d[t] times that
+            tl.store(db_part + part * C + c, tl.sum(d, 0), mask=cmask)
+            for j in tl.static_range(K):
+                xv = _tap_input(xb, sb, rows, c, cmask, T, C, K - 1 - j, K, HAS_STATE)
+                tl.store(dw_part + (part + 1 + j) * C + c, tl.sum(d * xv, 0), mask=cmask)
+    m = (rows < T)[:, None] & cmask[None, :]
+    tl.store(dx_ptr + bi * T * C + rows[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
+    if HAS_STATE:
+        if pid_t == 0:
+            p = tl.arange(0, KP)
+            pr = p - (K - 1)  # the state's positions, before t = 0
+            dst = tl.zeros((KP, BC), dtype=tl.float32)
+            for s in tl.static_range(K):
+                # names of their own: a runtime branch may not give a variable another shape
+                d_st = _dpre(xb, sb, w_ptr, b_ptr, gb, pr + s, c, cmask, T, C, K, HAS_STATE, ACT)
+                w_st = tl.load(w_ptr + c * K + (K - 1 - s), mask=cmask, other=0.0).to(tl.float32)
+                dst += d_st * w_st[None, :]
+            tl.store(ds_ptr + bi * (K - 1) * C + p[:, None] * C + c[None, :], dst.to(ds_ptr.dtype.element_ty),
+                     mask=(p < K - 1)[:, None] & cmask[None, :])
+
+
+def _conv_grid(x: Tensor, cfg: ConvKernelConfig):
+    B, T, C = x.shape
+    return (triton.cdiv(T, cfg.bt), triton.cdiv(C, cfg.bc), B)
+
+
+@torch.library.custom_op("xlstm_kit::conv_fwd", mutates_args=())
+def conv_fwd(x: Tensor, state: Optional[Tensor], w: Tensor, b: Tensor, act: bool, config: str) -> Tensor:
+    cfg = ConvKernelConfig.from_key(config)
+    B, T, C = x.shape
+    out = torch.empty_like(x)
+    if x.numel():
+        _conv_fwd[_conv_grid(x, cfg)](x, x if state is None else state, w, b, out, T, C, K=w.shape[1],
+                                      HAS_STATE=state is not None, ACT=act, BT=cfg.bt, BC=cfg.bc,
+                                      num_warps=cfg.warps)
+    return out
+
+
+@conv_fwd.register_fake
+def _(x, state, w, b, act, config):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("xlstm_kit::conv_bwd", mutates_args=())
+def conv_bwd(dout: Tensor, x: Tensor, state: Optional[Tensor], w: Tensor, b: Tensor, act: bool,
+             config: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    cfg = ConvKernelConfig.from_key(config)
+    B, T, C = x.shape
+    K = w.shape[1]
+    grid = _conv_grid(x, cfg)
+    dx = torch.empty_like(x)
+    ds = torch.zeros(B, K - 1, C, device=x.device, dtype=x.dtype) if state is not None else x.new_empty(0)
+    parts = torch.empty(B * grid[0], K + 1, C, device=x.device, dtype=torch.float32)  # all written
+    if x.numel():
+        _conv_bwd[grid](dout, x, x if state is None else state, w, b, dx, ds, parts, parts, T, C, grid[0],
+                        K=K, HAS_STATE=state is not None, ACT=act, BT=cfg.bt, BC=cfg.bc,
+                        KP=triton.next_power_of_2(max(K - 1, 1)), num_warps=cfg.bwd_warps)
+    sums = parts.sum(0)  # [K + 1, C]: db, then the taps
+    return dx, ds, torch.empty_like(w).copy_(sums[1:].t()), torch.empty_like(b).copy_(sums[0])
+
+
+@conv_bwd.register_fake
+def _(dout, x, state, w, b, act, config):
+    B, T, C = x.shape
+    K = w.shape[1]
+    ds = x.new_empty(B, K - 1, C) if state is not None else x.new_empty(0)
+    return torch.empty_like(x), ds, torch.empty_like(w), torch.empty_like(b)
+
+
+@torch.compiler.assume_constant_result
+def conv_config_key() -> str:
+    return _CONV_KEY
+
+
+_CONV_KEY = ConvKernelConfig().key()
