@@ -95,11 +95,6 @@ def test_compiled_blocks_match_eager_for_every_block_type():
     assert torch.equal(text, model.generate(tokens[0, :4], 3, temperature=0)) and text.shape == (7,)
 
 
-# Only a graph break is tolerated (a wrong result fails); the fused block pieces of the `block`
-# branch trace without one, and with them this test passes: drop the mark once they are merged.
-@pytest.mark.xfail(raises=torch._dynamo.exc.Unsupported, strict=False,
-                   reason="the causal convolution's and the head-wise maps' hand-written backwards "
-                   "(xlstm_kit/nn/common.py) write through non-contiguous out= views, a Dynamo graph break")
 def test_fullgraph_without_slstm_blocks():
     model = tiny(n_blocks=2, dplr_at=[1])
     tokens = torch.randint(0, 64, (2, 16))

@@ -67,6 +67,8 @@ class MLSTMLayer(nn.Module):
     forward(x [B, T, d_model], state=None, return_state=False) -> y [B, T, d_model]
         (or (y, new_state) with return_state=True); step(x [B, d_model], state) -> (y, new_state).
     The mLSTM runs on `inner_dim` = up-projected width split into `n_heads` heads.
+    `recompute_states`: passed to `mlstm_chunkwise` (the kernels recompute their chunk states
+    in the backward instead of keeping them).
     """
 
     def __init__(
@@ -82,8 +84,10 @@ class MLSTMLayer(nn.Module):
         dropout: float = 0.0,
         chunk_size: int = 64,
         backend: str | None = None,
+        recompute_states: bool = False,
     ):
         super().__init__()
+        self.recompute_states = recompute_states
         self.d_model, self.inner_dim, self.n_heads = d_model, inner_dim, n_heads
         self.head_dim = inner_dim // n_heads
         self.n_blocks, self.chunk_size, self.backend = n_blocks, chunk_size, backend
@@ -199,6 +203,7 @@ class MLSTMLayer(nn.Module):
             output_final_state=return_state,
             chunk_size=self.chunk_size,
             backend=self.backend,
+            recompute_states=self.recompute_states,
         )  # h [B, T, H, D]
         y = self._output(h, x_conv, z, conv)
         if not return_state:

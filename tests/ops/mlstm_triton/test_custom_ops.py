@@ -125,3 +125,34 @@ def test_public_recompute_states_gives_the_same_gradients():
         results.append([h, C] + list(torch.autograd.grad(loss, ins)))
     for j, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), j
+
+
+def test_model_recompute_mlstm_states_saves_less_with_the_same_gradients():
+    """XLSTMConfig.recompute_mlstm_states reaches the kernels: the model keeps fewer bytes for
+    its backward and its gradients do not change."""
+    from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+
+    tokens = torch.randint(0, 64, (2, 130), generator=torch.Generator().manual_seed(1)).to(DEV)
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        cfg = XLSTMConfig(vocab_size=64, d_model=32, n_blocks=1, n_heads=2, backend="triton",
+                          recompute_mlstm_states=recompute)
+        model = XLSTMLanguageModel(cfg).to(DEV)
+        seen, total = set(), [0]
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total[0] += st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens).logsumexp(-1).mean()
+        loss.backward()
+        results.append((total[0], [p.grad for p in model.parameters()]))
+    (kept, g_kept), (lean, g_lean) = results
+    assert lean < kept
+    for a, b in zip(g_kept, g_lean):
+        assert torch.equal(a, b)
