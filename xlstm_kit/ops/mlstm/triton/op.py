@@ -202,18 +202,22 @@ class _EagerChunkwise(torch.autograd.Function):
 
 
 @torch.compiler.assume_constant_result
-def _config_key(K: int, V: int, dtype: torch.dtype, chunk_size: int | None, config: MLSTMKernelConfig | None) -> str:
+def _config_key(K: int, V: int, dtype: torch.dtype, chunk_size: int | None, config: MLSTMKernelConfig | None,
+                recompute_states: bool = False) -> str:
     """The custom ops' configuration string (a constant to torch.compile, which cannot trace
-    json; cached, since the host's time per call matters at the benchmark sizes)."""
-    return _config_key_cached(K, V, dtype, chunk_size, config)
+    json nor build a config; cached, since the host's time per call matters at the benchmark
+    sizes)."""
+    return _config_key_cached(K, V, dtype, chunk_size, config, recompute_states)
 
 
 @functools.lru_cache(maxsize=256)
-def _config_key_cached(K, V, dtype, chunk_size, config) -> str:
+def _config_key_cached(K, V, dtype, chunk_size, config, recompute_states) -> str:
     if config is None:
         config = MLSTMKernelConfig.tuned(K, V, dtype, chunk_size or 64)
     elif chunk_size is not None and chunk_size != config.chunk:
         raise ValueError(f"chunk_size={chunk_size} disagrees with config.chunk={config.chunk}")
+    if recompute_states:
+        config = config.replace(recompute_states=True)
     return config.key()
 
 
@@ -246,10 +250,7 @@ def mlstm_chunkwise_triton(
         raise ValueError(f"the Triton mLSTM kernels take float16, bfloat16 or float32 q, got {dt}")
     if chunk_size is not None and chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size for the Triton backend must be 16, 32, 64 or 128, got {chunk_size}")
-    if recompute_states:
-        config = (config or MLSTMKernelConfig.tuned(q.shape[-1], v.shape[-1], dt, chunk_size or 64)
-                  ).replace(recompute_states=True)
-    key = _config_key(q.shape[-1], v.shape[-1], dt, chunk_size, config)
+    key = _config_key(q.shape[-1], v.shape[-1], dt, chunk_size, config, bool(recompute_states))
     if initial_state is None:
         C0 = n0 = m0 = None
     else:
