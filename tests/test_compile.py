@@ -15,12 +15,10 @@ from torch._dynamo.utils import counters
 
 from xlstm_kit import cli
 from xlstm_kit import train as T
-from xlstm_kit.data import load_data
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
 
-TEXT = ("ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"
-        "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\nDeny thy father and refuse thy name.\n\n") * 40
+from tests.test_train import data  # noqa: F401  (the byte-level corpus fixture)
 
 
 @pytest.fixture(autouse=True)
@@ -162,12 +160,6 @@ def test_inductor_compiled_training_matches_eager():
 # ------------------------------------------------------------------------------ train and CLI
 
 
-@pytest.fixture
-def data(tmp_path, monkeypatch):
-    monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
-    f = tmp_path / "corpus.txt"
-    f.write_text(TEXT)
-    return load_data(str(f), "byte")
 
 
 def config(**kw):

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bench.test_bench import table_rows as all_table_rows
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "train_e2e.py"
 
@@ -26,18 +28,8 @@ e2e = _load()
 
 def table_rows(text: str, title: str) -> list[dict]:
     """The data rows of the markdown table under the heading `## title`."""
-    rows, head, inside = [], None, False
-    for line in text.splitlines():
-        if line.startswith("## "):
-            inside, head = line[3:].startswith(title), None
-            continue
-        if inside and line.startswith("|"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if head is None:
-                head = cells
-            elif not set(line) <= set("|-"):
-                rows.append(dict(zip(head, cells)))
-    return rows
+    section = text.split("\n## " + title, 1)[1].split("\n## ", 1)[0]
+    return all_table_rows(section)
 
 
 def test_child_crash_and_hang_cost_only_their_own_result():
