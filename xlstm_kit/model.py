@@ -123,6 +123,29 @@ class XLSTMConfig:
     for the 125M model at batch 16 x 2048) at ~15 % more mLSTM kernel time. The gradients are
     the same either way."""
 
+    family: str = "neurips"
+    """Block family: "neurips" (the paper's mLSTM / sLSTM / DPLR blocks, LayerNorm) or "large"
+    (the xLSTM-7B architecture of NX-AI's `xlstm_large` and transformers' `xLSTMForCausalLM`:
+    RMSNorm → dense-projection mLSTM layer → residual, RMSNorm → SwiGLU → residual; final RMSNorm,
+    untied head, soft-capped logits). Large models use n_heads, qk_dim_factor, v_dim_factor,
+    ffn_proj_factor, round_proj_to, bias, norm_eps and the soft caps; not slstm_at, dplr_at,
+    mlstm_proj_factor, conv_kernel_size or qkv_block_size."""
+
+    qk_dim_factor: float = 0.5
+    """Large family: q and k width = qk_dim_factor * d_model (split over n_heads)."""
+
+    v_dim_factor: float = 1.0
+    """Large family: v and output-gate width = v_dim_factor * d_model (split over n_heads)."""
+
+    gate_soft_cap: float = 15.0
+    """Large family: input/forget gate pre-activations become cap * tanh(x / cap)."""
+
+    logit_soft_cap: float = 30.0
+    """Large family: logits become cap * tanh(x / cap)."""
+
+    norm_eps: float = 1e-6
+    """Large family: epsilon of the RMSNorms and the per-head LayerNorm."""
+
     dplr_at: list = field(default_factory=list)
     """Which blocks are DPLR (KDA-style, xlstm_kit.nn.dplr) blocks: 0-based positions such as [0, 2],
     none of them in slstm_at. They use n_heads heads of d_model / n_heads. Default: none."""
@@ -146,6 +169,20 @@ class XLSTMConfig:
         for name in ("bias", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise XLSTMKitError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.family not in ("neurips", "large"):
+            raise XLSTMKitError(f"family must be 'neurips' or 'large', got {self.family!r}")
+        for name in ("qk_dim_factor", "v_dim_factor", "gate_soft_cap", "logit_soft_cap", "norm_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise XLSTMKitError(f"{name} must be a positive finite number, got {v!r}")
+        if self.family == "large":
+            if self.slstm_at not in ([], "1:0") or self.dplr_at:
+                raise XLSTMKitError("large-family models have mLSTM blocks only; leave slstm_at and dplr_at empty")
+            for name, factor in (("qk_dim_factor", self.qk_dim_factor), ("v_dim_factor", self.v_dim_factor)):
+                width = factor * self.d_model
+                if width != int(width) or int(width) % self.n_heads:
+                    raise XLSTMKitError(f"{name} * d_model = {width:g} must be an integer divisible by "
+                                        f"n_heads={self.n_heads}")
         if self.chunk_size > 1024:
             raise XLSTMKitError(f"chunk_size must be at most 1024, got {self.chunk_size}; 64 is a good default")
         if self.backend not in (None, "torch", "triton"):
@@ -265,6 +302,10 @@ class XLSTMConfig:
         50257, context 2048, 4 heads; 24 blocks at d_model 768, 48 blocks at 1024 / 1536 / 2048 —
         163.7M / 409.3M / 840.4M / 1420.4M parameters in the paper's count with [7:1]).
         Pass slstm_at="1:0" for the paper's xLSTM[1:0] variants.
+        "xlstm-7b" (or "7b"): the large family with exactly NX-AI/xLSTM-7b's shapes (d_model 4096,
+        32 blocks, 8 heads, vocabulary 50304, qk 0.5, v 1.0, SwiGLU 2.667 → 10944); "large-125M"
+        (d 768, 12 blocks, 4 heads), "large-350M" (d 1024, 24 blocks), "large-1.3B" (d 2048, 24
+        blocks): the same family at the sizes of GPT-2-style Transformers, for experiments.
         """
         key = str(name).strip().lower()
         for prefix in ("xlstm-", "xlstm_"):
@@ -286,12 +327,19 @@ def _check_positive_int(name: str, v) -> None:
 
 
 _PAPER = dict(vocab_size=50257, n_heads=4, slstm_at="7:1", context_length=2048)
+_LARGE = dict(family="large", vocab_size=50304, qk_dim_factor=0.5, v_dim_factor=1.0, ffn_proj_factor=2.667,
+              round_proj_to=64, context_length=2048)
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=256, d_model=128, n_blocks=4, n_heads=4, slstm_at=[1], context_length=256),
     "125m": dict(_PAPER, d_model=768, n_blocks=24),
     "350m": dict(_PAPER, d_model=1024, n_blocks=48),
     "760m": dict(_PAPER, d_model=1536, n_blocks=48),
     "1.3b": dict(_PAPER, d_model=2048, n_blocks=48),
+    # the xLSTM-7B architecture: "7b" has exactly the shapes of NX-AI/xLSTM-7b
+    "7b": dict(_LARGE, d_model=4096, n_blocks=32, n_heads=8, context_length=8192),
+    "large-125m": dict(_LARGE, d_model=768, n_blocks=12, n_heads=4),
+    "large-350m": dict(_LARGE, d_model=1024, n_blocks=24, n_heads=4),
+    "large-1.3b": dict(_LARGE, d_model=2048, n_blocks=24, n_heads=4),
 }
 
 
@@ -313,6 +361,8 @@ class XLSTMLanguageModel(nn.Module):
         if not isinstance(config, XLSTMConfig):
             raise XLSTMKitError(f"config must be an XLSTMConfig, got {type(config).__name__}")
         self.config = cfg = config
+        if cfg.family == "large":  # built on branch "large" (issue 16); merged before this lands in a release
+            raise XLSTMKitError("the large block family is not built yet")
         self.tokenizer_name: str | None = None  # set by load() from the checkpoint
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(self._make_block(t, kind) for t, kind in enumerate(cfg.block_types))
