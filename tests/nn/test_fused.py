@@ -334,7 +334,7 @@ def compile_kernels():
     tail = {"h_ptr": bf, "xc_ptr": bf, "z_ptr": bf, "w_ptr": f32, "s_ptr": f32}
     cases = []
     for gate in (True, False):
-        consts = {"ROWS": 4, "BD": 512, "GATE": gate}
+        consts = {"ROWS": 8, "BD": 512, "GATE": gate}
         cases.append((kern._tail_fwd, {**tail, "u_ptr": bf, "mean_ptr": f32, "rstd_ptr": f32, "N": "i32", "H": "i32",
                                        "D": "i32", "eps": "fp32", "ROWS": "constexpr", "BD": "constexpr",
                                        "GATE": "constexpr"}, consts))
@@ -348,9 +348,13 @@ def compile_kernels():
             consts = {"K": 4, "HAS_STATE": has_state, "ACT": act, "BT": 32, "BC": 64}
             cases.append((kern._conv_fwd, {"x_ptr": bf, "s_ptr": bf, "w_ptr": f32, "b_ptr": f32, "out_ptr": bf,
                                            "T": "i32", "C": "i32", **conv}, consts))
-            cases.append((kern._conv_bwd, {"g_ptr": bf, "x_ptr": bf, "s_ptr": bf, "w_ptr": f32, "b_ptr": f32,
-                                           "dx_ptr": bf, "ds_ptr": bf, "dw_part": f32, "db_part": f32, "T": "i32",
-                                           "C": "i32", "NT": "i32", **conv, "KP": "constexpr"}, {**consts, "KP": 4}))
+            cases.append((kern._conv_dpre, {"g_ptr": bf, "x_ptr": bf, "s_ptr": bf, "w_ptr": f32, "b_ptr": f32,
+                                            "d_ptr": f32, "dw_part": f32, "db_part": f32, "T": "i32", "C": "i32",
+                                            "NT": "i32", **conv}, consts))
+            dx_consts = {k: v for k, v in consts.items() if k != "ACT"}
+            dx_sig = {k: v for k, v in conv.items() if k != "ACT"}
+            cases.append((kern._conv_dx, {"d_ptr": f32, "w_ptr": f32, "dx_ptr": bf, "ds_ptr": bf, "T": "i32",
+                                          "C": "i32", **dx_sig, "KP": "constexpr"}, {**dx_consts, "KP": 4}))
     for fn, sig, consts in cases:
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32))

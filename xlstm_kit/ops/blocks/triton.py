@@ -29,12 +29,13 @@ from .._config import KernelConfig
 class TailKernelConfig(KernelConfig):
     """Launch parameters of the tail kernels: `rows` tokens per tile, `warps` (forward),
     `bwd_warps`, and at most `programs` programs along the tokens in the backward (each sums its
-    tiles' dw, dskip). The backward at 4 warps needs ~190 registers a thread at D = 384 (sm_90
-    ptxas), at 8 ~100."""
-    rows: int = 4
+    tiles' dw, dskip). Defaults: the fastest of benchmarks/blocks_tune.py on the H200 at the
+    125M model's [32768, 4, 384] (backward 0.43 ms, 2.3x its bandwidth time; the former 4 rows
+    on 8 warps took 1.35 ms)."""
+    rows: int = 8
     warps: int = 4
-    bwd_warps: int = 8
-    programs: int = 512
+    bwd_warps: int = 4
+    programs: int = 2048
 
 
 def supports(op: str, *, dtype: torch.dtype, head_dim: int = 0, **_) -> str | None:
@@ -223,12 +224,12 @@ def _(x, w, mean, rstd, dy, config):
 @dataclasses.dataclass(frozen=True)
 class ConvKernelConfig(KernelConfig):
     """Launch parameters of the conv kernels: tiles of `bt` steps x `bc` channels, `warps`
-    (forward), `bwd_warps` (the backward's K² recomputed loads need ~230 registers a thread at 8
-    warps, and spill at 4; sm_90 ptxas)."""
+    (forward), `bwd_warps` (both backward passes). Defaults: the fastest of
+    benchmarks/blocks_tune.py on the H200 at the 125M model's [16, 2048, 1536]."""
     bt: int = 32
-    bc: int = 64
+    bc: int = 128
     warps: int = 4
-    bwd_warps: int = 8
+    bwd_warps: int = 4
 
 
 @triton.jit
@@ -275,22 +276,11 @@ def _conv_fwd(x_ptr, s_ptr, w_ptr, b_ptr, out_ptr, T, C, K: tl.constexpr, HAS_ST
 
 
 @triton.jit
-def _dpre(xb, sb, w_ptr, b_ptr, gb, rows, c, cmask, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr,
-          ACT: tl.constexpr):
-    """∂L/∂(pre-activation) at rows (0 outside [0, T))."""
-    valid = ((rows >= 0) & (rows < T))[:, None] & cmask[None, :]
-    g = tl.load(gb + rows[:, None] * C + c[None, :], mask=valid, other=0.0).to(tl.float32)
-    if ACT:
-        y = _conv_rows(xb, sb, w_ptr, b_ptr, rows, c, cmask, T, C, K, HAS_STATE)
-        sg = tl.sigmoid(y)
-        g = g * sg * (1.0 + y * (1.0 - sg))
-    return g
-
-
-@triton.jit
-def _conv_bwd(g_ptr, x_ptr, s_ptr, w_ptr, b_ptr, dx_ptr, ds_ptr, dw_part, db_part, T, C, NT,
-              K: tl.constexpr, HAS_STATE: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr,
-              BC: tl.constexpr, KP: tl.constexpr):
+def _conv_dpre(g_ptr, x_ptr, s_ptr, w_ptr, b_ptr, d_ptr, dw_part, db_part, T, C, NT,
+               K: tl.constexpr, HAS_STATE: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr,
+               BC: tl.constexpr):
+    """d = ∂L/∂(pre-activation) [B, T, C] float32 (recomputing the pre-activation), and this
+    tile's sums of d (bias) and of d times each tap's input (weights) into the partials."""
     pid_t = tl.program_id(0)
     bi = tl.program_id(2).to(tl.int64)
     rows = pid_t * BT + tl.arange(0, BT)
@@ -298,33 +288,54 @@ def _conv_bwd(g_ptr, x_ptr, s_ptr, w_ptr, b_ptr, dx_ptr, ds_ptr, dw_part, db_par
     cmask = c < C
     xb = x_ptr + bi * T * C
     sb = s_ptr + bi * (K - 1) * C
-    gb = g_ptr + bi * T * C
+    m = (rows < T)[:, None] & cmask[None, :]
+    off = bi * T * C + rows[:, None] * C + c[None, :]
+    d = tl.load(g_ptr + off, mask=m, other=0.0).to(tl.float32)
+    if ACT:
+        y = _conv_rows(xb, sb, w_ptr, b_ptr, rows, c, cmask, T, C, K, HAS_STATE)
+        sg = tl.sigmoid(y)
+        d = d * sg * (1.0 + y * (1.0 - sg))
+    tl.store(d_ptr + off, d, mask=m)
     part = (bi * NT + pid_t) * (K + 1)
+    tl.store(db_part + part * C + c, tl.sum(d, 0), mask=cmask)
+    for j in tl.static_range(K):
+        # tap j reads x[t - (K-1-j)] (the state before x); its tile is in L1 from _conv_rows
+        xv = _tap_input(xb, sb, rows, c, cmask, T, C, K - 1 - j, K, HAS_STATE)
+        tl.store(dw_part + (part + 1 + j) * C + c, tl.sum(d * xv, 0), mask=cmask)
+
+
+@triton.jit
+def _conv_dx(d_ptr, w_ptr, dx_ptr, ds_ptr, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr,
+             BT: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
+    """dx[t] = Σ_s d[t + s] w[K-1-s] (the transposed convolution of _conv_dpre's d), and the
+    state's gradient (the inputs before t = 0) in the first tile of each batch row."""
+    pid_t = tl.program_id(0)
+    bi = tl.program_id(2).to(tl.int64)
+    rows = pid_t * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = c < C
+    db = d_ptr + bi * T * C
     dx = tl.zeros((BT, BC), dtype=tl.float32)
     for s in tl.static_range(K):
-        d = _dpre(xb, sb, w_ptr, b_ptr, gb, rows + s, c, cmask, T, C, K, HAS_STATE, ACT)
+        r = rows + s
+        dv = tl.load(db + r[:, None] * C + c[None, :], mask=(r < T)[:, None] & cmask[None, :], other=0.0)
         wj = tl.load(w_ptr + c * K + (K - 1 - s), mask=cmask, other=0.0).to(tl.float32)
-        dx += d * wj[None, :]
-        if s == 0:
-            # tap j reads x[t - (K-1-j)] (the state before x): its gradient sums d[t] times that
-            tl.store(db_part + part * C + c, tl.sum(d, 0), mask=cmask)
-            for j in tl.static_range(K):
-                xv = _tap_input(xb, sb, rows, c, cmask, T, C, K - 1 - j, K, HAS_STATE)
-                tl.store(dw_part + (part + 1 + j) * C + c, tl.sum(d * xv, 0), mask=cmask)
+        dx += dv * wj[None, :]
     m = (rows < T)[:, None] & cmask[None, :]
     tl.store(dx_ptr + bi * T * C + rows[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
     if HAS_STATE:
         if pid_t == 0:
-            p = tl.arange(0, KP)
-            pr = p - (K - 1)  # the state's positions, before t = 0
+            p = tl.arange(0, KP) - (K - 1)  # the state's positions, before t = 0
             dst = tl.zeros((KP, BC), dtype=tl.float32)
             for s in tl.static_range(K):
-                # names of their own: a runtime branch may not give a variable another shape
-                d_st = _dpre(xb, sb, w_ptr, b_ptr, gb, pr + s, c, cmask, T, C, K, HAS_STATE, ACT)
+                r_st = p + s
+                ok = ((r_st >= 0) & (r_st < T))[:, None] & cmask[None, :]
+                d_st = tl.load(db + r_st[:, None] * C + c[None, :], mask=ok, other=0.0)
                 w_st = tl.load(w_ptr + c * K + (K - 1 - s), mask=cmask, other=0.0).to(tl.float32)
                 dst += d_st * w_st[None, :]
-            tl.store(ds_ptr + bi * (K - 1) * C + p[:, None] * C + c[None, :], dst.to(ds_ptr.dtype.element_ty),
-                     mask=(p < K - 1)[:, None] & cmask[None, :])
+            q = p + (K - 1)
+            tl.store(ds_ptr + bi * (K - 1) * C + q[:, None] * C + c[None, :], dst.to(ds_ptr.dtype.element_ty),
+                     mask=(q < K - 1)[:, None] & cmask[None, :])
 
 
 def _conv_grid(x: Tensor, cfg: ConvKernelConfig):
@@ -360,9 +371,13 @@ def conv_bwd(dout: Tensor, x: Tensor, state: Optional[Tensor], w: Tensor, b: Ten
     ds = torch.zeros(B, K - 1, C, device=x.device, dtype=x.dtype) if state is not None else x.new_empty(0)
     parts = torch.empty(B * grid[0], K + 1, C, device=x.device, dtype=torch.float32)  # all written
     if x.numel():
-        _conv_bwd[grid](dout, x, x if state is None else state, w, b, dx, ds, parts, parts, T, C, grid[0],
-                        K=K, HAS_STATE=state is not None, ACT=act, BT=cfg.bt, BC=cfg.bc,
-                        KP=triton.next_power_of_2(max(K - 1, 1)), num_warps=cfg.bwd_warps)
+        # two passes: ∂L/∂pre-activation once per element (float32 scratch), then its transposed
+        # convolution; one pass recomputing it at the K shifts costed K² loads and ~230 registers
+        d = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
+        _conv_dpre[grid](dout, x, x if state is None else state, w, b, d, parts, parts, T, C, grid[0],
+                         K=K, HAS_STATE=state is not None, ACT=act, BT=cfg.bt, BC=cfg.bc, num_warps=cfg.bwd_warps)
+        _conv_dx[grid](d, w, dx, ds, T, C, K=K, HAS_STATE=state is not None, BT=cfg.bt, BC=cfg.bc,
+                       KP=triton.next_power_of_2(max(K - 1, 1)), num_warps=cfg.bwd_warps)
     sums = parts.sum(0)  # [K + 1, C]: db, then the taps
     return dx, ds, torch.empty_like(w).copy_(sums[1:].t()), torch.empty_like(b).copy_(sums[0])
 
