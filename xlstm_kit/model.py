@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint as _recompute
 from . import checkpoint
 from .nn.common import round_up, small_init_
 from .nn.dplr import DPLRBlock, DPLRState
-from .nn.large import LargeBlock, RMSNorm, soft_cap
+from .nn.large import LargeBlock, RMSNorm, at_least_float32, soft_cap
 from .nn.mlstm import MLSTMBlock, MLSTMState
 from .nn.slstm import SLSTMBlock, SLSTMState
 from .errors import XLSTMKitError
@@ -465,7 +465,7 @@ class XLSTMLanguageModel(nn.Module):
         logits = self.lm_head(self.norm(x))
         if self.config.family != "large":
             return logits
-        return soft_cap(logits.float(), self.config.logit_soft_cap).to(logits.dtype)
+        return soft_cap(at_least_float32(logits), self.config.logit_soft_cap).to(logits.dtype)
 
     # ------------------------------------------------------------------ state
     def init_state(self, batch: int, device=None) -> ModelState:
