@@ -288,3 +288,21 @@ def test_official_xlstm_large_converts_both_ways(mode, weight_mode, bias, T):
         back = to_official_xlstm(ours, weight_mode=weight_mode)
         assert rel_err(_logits(back(tokens)), expected) < 1e-5
     assert type(back) is type(official)
+
+
+def test_trains_through_xlstm_kit_train_and_reloads(tmp_path, monkeypatch):
+    from tests.test_train import TEXT, small_config
+    from xlstm_kit import train as T
+    from xlstm_kit.data import load_data
+
+    monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    data = load_data(str(tmp_path / "corpus.txt"), "byte")
+    model = XLSTMLanguageModel(large_config(d=32, vocab=256, context_length=16))
+    res = T.train(model, data, small_config(steps=12, eval_interval=6, checkpoint_interval=12), tmp_path / "run",
+                  device="cpu")
+    assert res.step == 12 and res.evals[-1][1].loss < res.evals[0][1].loss - 0.3
+    loaded = XLSTMLanguageModel.load(T.resolve_checkpoint(tmp_path / "run"))
+    assert loaded.config.family == "large"
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
