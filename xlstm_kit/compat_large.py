@@ -70,7 +70,7 @@ def config_to_official_large(cfg: XLSTMConfig, **options):
 
 # fused official matrices -> our (single) module names, in their row order
 def _fused_parts(cfg: XLSTMConfig) -> dict[str, list[tuple[str, int]]]:
-    qk, v, H = int(cfg.qk_dim_factor * cfg.d_model), int(cfg.v_dim_factor * cfg.d_model), cfg.n_heads
+    qk, v, H = cfg.qk_dim, cfg.v_dim, cfg.n_heads
     return {
         "mlstm_layer.qkv_opreact": [("mlstm_layer.q", qk), ("mlstm_layer.k", qk), ("mlstm_layer.v", v),
                                     ("mlstm_layer.ogate_preact", v)],
