@@ -217,9 +217,40 @@ def ours_name(hf_name: str) -> str:
     return {"embeddings.weight": "embedding.weight", "out_norm.weight": "norm.weight"}.get(name, name)
 
 
-def hf_twin(model: XLSTMLanguageModel):
+def _transformers_own_modeling():
+    """transformers' xLSTM as it runs where the xlstm package is not installed (its own PyTorch
+    code; with xlstm installed it builds xlstm_large's blocks): modeling_xlstm.py imported a
+    second time, under another module name, with is_xlstm_available() returning False."""
+    import importlib.util
+    import sys
+    from unittest import mock
+
+    import transformers.models.xlstm.modeling_xlstm as installed
+    import transformers.utils
+
+    name = "transformers.models.xlstm._modeling_xlstm_without_xlstm_package"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, installed.__file__)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its docstring decorators look the source file up by module
+        with mock.patch.object(transformers.utils, "is_xlstm_available", lambda: False):
+            spec.loader.exec_module(module)
+        assert not module.external_xlstm
+    return sys.modules[name]
+
+
+@pytest.fixture(params=["as installed", "transformers' own code"])
+def hf_impl(request):
+    pytest.importorskip("transformers")
+    import transformers.models.xlstm.modeling_xlstm as installed
+
+    return installed if request.param == "as installed" else _transformers_own_modeling()
+
+
+def hf_twin(model: XLSTMLanguageModel, impl=None):
     transformers = pytest.importorskip("transformers")
-    hf = transformers.xLSTMForCausalLM(hf_config(model.config)).eval()
+    impl = impl or transformers
+    hf = impl.xLSTMForCausalLM(hf_config(model.config)).eval()
     ours = model.state_dict()
     hf.load_state_dict({k: ours[ours_name(k)] for k in hf.state_dict()}, strict=True)
     assert len(hf.state_dict()) == len(ours)  # every weight has one twin
@@ -236,17 +267,17 @@ HF_CASES = {
 
 
 @pytest.mark.parametrize("case", HF_CASES)
-def test_logits_equal_transformers(case):
+def test_logits_equal_transformers(case, hf_impl):
     model = perturbed(XLSTMLanguageModel(large_config(**HF_CASES[case]))).eval()
-    hf = hf_twin(model)
+    hf = hf_twin(model, hf_impl)
     tokens = torch.randint(0, 96, (2, 40))  # 2 chunks of 16 and 8 steps of its sequence kernel
     with torch.no_grad():
         assert rel_err(model(tokens), hf(tokens).logits) < 1e-5
 
 
-def test_greedy_generation_equals_transformers():
+def test_greedy_generation_equals_transformers(hf_impl):
     model = perturbed(XLSTMLanguageModel(large_config(d=64, qk=1.0)), 0.5).eval()
-    hf = hf_twin(model)
+    hf = hf_twin(model, hf_impl)
     prompt = torch.randint(0, 96, (1, 9))
     with torch.no_grad():
         ours = model.generate(prompt, max_new_tokens=12, temperature=0)
