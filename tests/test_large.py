@@ -138,6 +138,7 @@ def test_step_equals_forward_and_split_sequence_equals_whole():
         a, s = model(tokens[:, :23], return_state=True)
         b, s = model(tokens[:, 23:], state=s, return_state=True)
         assert rel_err(torch.cat([a, b], 1), whole) < 1e-5
+        assert rel_err(model(tokens[1:]), whole[1:]) < 1e-5  # a batch row is the sequence alone
         for x, y in zip(s[1], end[1]):
             assert rel_err(x, y) < 1e-5
         state = model.init_state(2)
