@@ -56,8 +56,7 @@ class RMSNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = at_least_float32(x)
-        y = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        y = F.rms_norm(at_least_float32(x), self.weight.shape, eps=self.eps).to(x.dtype) * self.weight
         return y if self.bias is None else y + self.bias
 
 
