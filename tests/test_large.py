@@ -278,8 +278,9 @@ def test_logits_equal_transformers(case, hf_impl):
         assert rel_err(model(tokens), hf(tokens).logits) < 1e-5
 
 
-def test_greedy_generation_equals_transformers(hf_impl):
-    model = perturbed(XLSTMLanguageModel(large_config(d=64, qk=1.0)), 0.5).eval()
+@pytest.mark.parametrize("case", ["qk = v head dims", "qk head 32 != v head 64"])
+def test_greedy_generation_equals_transformers(case, hf_impl):
+    model = perturbed(XLSTMLanguageModel(large_config(**HF_CASES[case])), 0.5).eval()
     hf = hf_twin(model, hf_impl)
     prompt = torch.randint(0, 96, (1, 9))
     with torch.no_grad():
