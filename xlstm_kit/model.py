@@ -3,6 +3,9 @@
     tokens [B, T] -> embedding -> n_blocks residual blocks (mLSTM or sLSTM, as `slstm_at` says)
                   -> LayerNorm -> LM head -> logits [B, T, vocab_size]
 
+Family "large" (the xLSTM-7B architecture, xlstm_kit.nn.large): large blocks (RMSNorm -> mLSTM
+layer -> residual, RMSNorm -> SwiGLU -> residual) -> RMSNorm -> LM head -> soft-capped logits.
+
 Training runs every block in parallel over time (chunkwise mLSTM, sLSTM time loop); generation
 runs the same weights one token at a time on a state whose size does not grow with the text.
 The architecture and initialisation are those of the official `xlstm` package (2.0.6);
@@ -25,6 +28,7 @@ from torch.utils.checkpoint import checkpoint as _recompute
 from . import checkpoint
 from .nn.common import round_up, small_init_
 from .nn.dplr import DPLRBlock, DPLRState
+from .nn.large import LargeBlock, RMSNorm, at_least_float32, soft_cap
 from .nn.mlstm import MLSTMBlock, MLSTMState
 from .nn.slstm import SLSTMBlock, SLSTMState
 from .errors import XLSTMKitError
@@ -276,6 +280,16 @@ class XLSTMConfig:
         return round_up(self.mlstm_proj_factor * self.d_model, self.round_proj_to)
 
     @property
+    def qk_dim(self) -> int:
+        """Large family: width of q and k (all heads)."""
+        return int(self.qk_dim_factor * self.d_model)
+
+    @property
+    def v_dim(self) -> int:
+        """Large family: width of v and the output gate (all heads)."""
+        return int(self.v_dim_factor * self.d_model)
+
+    @property
     def ffn_dim(self) -> int:
         return round_up(self.ffn_proj_factor * self.d_model, self.round_proj_to)
 
@@ -353,7 +367,8 @@ class XLSTMLanguageModel(nn.Module):
     model(tokens, state=s, return_state=True) -> (logits, state): feed a long text in pieces
     model.step(token [B], state) -> (logits [B, vocab_size], state): one token
     model.generate(prompt, max_new_tokens, temperature, top_k, top_p, eos_token_id)
-    The state is a list with one MLSTMState / SLSTMState / DPLRState per block (`init_state(batch)`).
+    The state is a list with one MLSTMState / SLSTMState / DPLRState per block (`init_state(batch)`;
+    large-family blocks use MLSTMState with an empty conv field).
     """
 
     def __init__(self, config: XLSTMConfig):
@@ -361,12 +376,15 @@ class XLSTMLanguageModel(nn.Module):
         if not isinstance(config, XLSTMConfig):
             raise XLSTMKitError(f"config must be an XLSTMConfig, got {type(config).__name__}")
         self.config = cfg = config
-        if cfg.family == "large":  # built on branch "large" (issue 16); merged before this lands in a release
-            raise XLSTMKitError("the large block family is not built yet")
+        if cfg.family == "large" and cfg.dropout > 0:
+            raise XLSTMKitError("large-family models have no dropout (as the official xLSTM-7B); set dropout=0")
         self.tokenizer_name: str | None = None  # set by load() from the checkpoint
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(self._make_block(t, kind) for t, kind in enumerate(cfg.block_types))
-        self.norm = nn.LayerNorm(cfg.d_model, eps=1e-5, bias=False)
+        if cfg.family == "large":
+            self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        else:
+            self.norm = nn.LayerNorm(cfg.d_model, eps=1e-5, bias=False)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
@@ -376,6 +394,12 @@ class XLSTMLanguageModel(nn.Module):
 
     def _make_block(self, index: int, kind: str) -> nn.Module:
         cfg = self.config
+        if cfg.family == "large":
+            return LargeBlock(
+                cfg.d_model, cfg.n_heads, cfg.qk_dim, cfg.v_dim, cfg.ffn_dim, n_blocks=cfg.n_blocks,
+                bias=cfg.bias, norm_eps=cfg.norm_eps, gate_soft_cap=cfg.gate_soft_cap, chunk_size=cfg.chunk_size, backend=cfg.backend,
+                recompute_states=cfg.recompute_mlstm_states,
+            )
         if kind == "d":
             return DPLRBlock(
                 cfg.d_model, cfg.n_heads, conv_kernel_size=cfg.conv_kernel_size, n_blocks=cfg.n_blocks,
@@ -451,7 +475,10 @@ class XLSTMLanguageModel(nn.Module):
         return self._compiled is not None
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        if self.config.family != "large":
+            return logits
+        return soft_cap(at_least_float32(logits), self.config.logit_soft_cap).to(logits.dtype)
 
     # ------------------------------------------------------------------ state
     def init_state(self, batch: int, device=None) -> ModelState:
@@ -539,7 +566,7 @@ class XLSTMLanguageModel(nn.Module):
         for block, s in zip(self.blocks, state):
             x, s = block.step(x, s)
             new_state.append(s)
-        return self.lm_head(self.norm(x)), new_state
+        return self._head(x), new_state
 
     @torch.no_grad()
     def generate(
