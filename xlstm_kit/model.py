@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint as _recompute
 from . import checkpoint, hub
 from .nn.common import round_up, small_init_
 from .nn.dplr import DPLRBlock, DPLRState
+from .nn.large import LargeBlock, RMSNorm, soft_cap
 from .nn.mlstm import MLSTMBlock, MLSTMState
 from .nn.slstm import SLSTMBlock, SLSTMState
 from .errors import XLSTMKitError
@@ -366,12 +367,15 @@ class XLSTMLanguageModel(nn.Module):
         if not isinstance(config, XLSTMConfig):
             raise XLSTMKitError(f"config must be an XLSTMConfig, got {type(config).__name__}")
         self.config = cfg = config
-        if cfg.family == "large":  # built on branch "large" (issue 16); merged before this lands in a release
-            raise XLSTMKitError("the large block family is not built yet")
+        if cfg.family == "large" and cfg.dropout > 0:
+            raise XLSTMKitError("large-family models have no dropout (as the official xLSTM-7B); set dropout=0")
         self.tokenizer_name: str | None = None  # set by load() from the checkpoint
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(self._make_block(t, kind) for t, kind in enumerate(cfg.block_types))
-        self.norm = nn.LayerNorm(cfg.d_model, eps=1e-5, bias=False)
+        if cfg.family == "large":
+            self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        else:
+            self.norm = nn.LayerNorm(cfg.d_model, eps=1e-5, bias=False)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
@@ -381,6 +385,13 @@ class XLSTMLanguageModel(nn.Module):
 
     def _make_block(self, index: int, kind: str) -> nn.Module:
         cfg = self.config
+        if cfg.family == "large":
+            return LargeBlock(
+                cfg.d_model, cfg.n_heads, int(cfg.qk_dim_factor * cfg.d_model), int(cfg.v_dim_factor * cfg.d_model),
+                cfg.ffn_dim, n_blocks=cfg.n_blocks, bias=cfg.bias, norm_eps=cfg.norm_eps,
+                gate_soft_cap=cfg.gate_soft_cap, chunk_size=cfg.chunk_size, backend=cfg.backend,
+                recompute_states=cfg.recompute_mlstm_states,
+            )
         if kind == "d":
             return DPLRBlock(
                 cfg.d_model, cfg.n_heads, conv_kernel_size=cfg.conv_kernel_size, n_blocks=cfg.n_blocks,
@@ -456,7 +467,10 @@ class XLSTMLanguageModel(nn.Module):
         return self._compiled is not None
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        if self.config.family != "large":
+            return logits
+        return soft_cap(logits.float(), self.config.logit_soft_cap).to(logits.dtype)
 
     # ------------------------------------------------------------------ state
     def init_state(self, batch: int, device=None) -> ModelState:
@@ -544,7 +558,7 @@ class XLSTMLanguageModel(nn.Module):
         for block, s in zip(self.blocks, state):
             x, s = block.step(x, s)
             new_state.append(s)
-        return self.lm_head(self.norm(x)), new_state
+        return self._head(x), new_state
 
     @torch.no_grad()
     def generate(

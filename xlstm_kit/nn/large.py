@@ -1,0 +1,241 @@
+"""The xLSTM-7B ("large") residual block: NX-AI's `xlstm_large` and transformers' `xLSTMForCausalLM`.
+
+    x -> x + mLSTMLayer(RMSNorm(x)) -> x + SwiGLU(RMSNorm(x))
+
+mLSTM layer (post up-projection, no convolution): dense maps of the normalised input give
+q, k [qk_dim], v and the output-gate pre-activation o [v_dim], and per-head input/forget gate
+pre-activations (with bias) soft-capped as cap * tanh(x / cap); the mLSTM cell (q scaled by
+1/sqrt(qk head dim) inside the op, eps 1e-6 in its normaliser max(|q̂·n|, exp(-m)) + eps)
+runs on n_heads heads of qk_dim / n_heads (q, k) and v_dim / n_heads (v); its output goes
+through a per-head LayerNorm (float32 statistics), times sigmoid(o), and out_proj.
+SwiGLU: proj_down(SiLU(proj_up_gate(x)) * proj_up(x)).
+
+Module names are those of transformers' xLSTMForCausalLM with weight_mode="single" (and the
+official xLSTMLarge), so state_dicts map one to one. At run time the six input maps of the
+mLSTM layer are one matmul (their weights concatenated on the fly) and so are the two up
+maps of the feed-forward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
+
+from .common import small_init_, state_dtype, wang_init_
+from .fused import head_norm
+from .mlstm import MLSTMState
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): x unchanged near 0, bounded by ±cap."""
+    return cap * torch.tanh(x / cap)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) (float32 statistics, result in x's dtype) * weight (+ bias).
+
+    forward(x [..., d]) -> [..., d].
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return y if self.bias is None else y + self.bias
+
+
+class MultiHeadLayerNorm(nn.Module):
+    """LayerNorm of each head's features on their own (float32 statistics), times weight [H*D]
+    (+ bias). forward(h [..., H, D]) -> [..., H * D] in h's dtype."""
+
+    def __init__(self, n_heads: int, head_dim: int, eps: float = 1e-6, bias: bool = False, backend: str | None = None):
+        super().__init__()
+        self.eps, self.backend = eps, backend
+        self.weight = nn.Parameter(torch.ones(n_heads * head_dim))
+        self.bias = nn.Parameter(torch.zeros(n_heads * head_dim)) if bias else None
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = head_norm(h, self.weight, self.eps, self.backend).flatten(-2)
+        return y if self.bias is None else y + self.bias
+
+
+class LargeMLSTMLayer(nn.Module):
+    """The mLSTM layer of the large block (without its RMSNorm and residual).
+
+    forward(x [B, T, d_model], state=None, return_state=False) -> y [B, T, d_model]
+        (or (y, MLSTMState) with return_state=True); step(x [B, d_model], state) -> (y, state).
+    The state's C is [B, H, qk_dim/H, v_dim/H], n [B, H, qk_dim/H], m [B, H]; its conv field is
+    empty ([B, 0, 0]: this layer has no convolution).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, qk_dim: int, v_dim: int, *, n_blocks: int = 1,
+                 bias: bool = False, norm_eps: float = 1e-6, gate_soft_cap: float = 15.0, eps: float = 1e-6,
+                 chunk_size: int = 64, backend: str | None = None, recompute_states: bool = False):
+        super().__init__()
+        self.d_model, self.n_heads, self.qk_dim, self.v_dim = d_model, n_heads, qk_dim, v_dim
+        self.n_blocks, self.gate_soft_cap, self.eps = n_blocks, gate_soft_cap, eps
+        self.chunk_size, self.backend, self.recompute_states = chunk_size, backend, recompute_states
+        self.q = nn.Linear(d_model, qk_dim, bias=bias)
+        self.k = nn.Linear(d_model, qk_dim, bias=bias)
+        self.v = nn.Linear(d_model, v_dim, bias=bias)
+        self.ogate_preact = nn.Linear(d_model, v_dim, bias=bias)
+        self.igate_preact = nn.Linear(d_model, n_heads, bias=True)
+        self.fgate_preact = nn.Linear(d_model, n_heads, bias=True)
+        self.multihead_norm = MultiHeadLayerNorm(n_heads, v_dim // n_heads, norm_eps, bias=bias, backend=backend)
+        self.out_proj = nn.Linear(v_dim, d_model, bias=bias)
+        self._splits = (qk_dim, qk_dim, v_dim, v_dim, 2 * n_heads)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """transformers' xLSTM initialisation (`_init_weights`, weight_mode "single")."""
+        d = self.d_model
+        for lin in (self.q, self.k, self.v):
+            small_init_(lin.weight, d)
+        # transformers zeroes every linear map whose name contains "gate": the output gate
+        # starts at sigmoid(0) = 1/2, the input gate at exp(-10), the forget gates open
+        # (sigmoid(3..6)) with a spread of time scales across heads
+        for lin in (self.ogate_preact, self.igate_preact, self.fgate_preact):
+            nn.init.zeros_(lin.weight)
+        wang_init_(self.out_proj.weight, d, self.n_blocks)
+        for lin in (self.q, self.k, self.v, self.ogate_preact, self.out_proj):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+        with torch.no_grad():
+            self.igate_preact.bias.fill_(-10.0)
+            self.fgate_preact.bias.copy_(torch.linspace(3.0, 6.0, self.n_heads))
+        self.multihead_norm.reset_parameters()
+
+    def init_state(self, batch: int, device=None, dtype=None) -> MLSTMState:
+        """Zero state for `batch` sequences (float32, or float64 for a float64 layer)."""
+        device = self.q.weight.device if device is None else device
+        dtype = state_dtype(self.q.weight.dtype) if dtype is None else dtype
+        H, K, V = self.n_heads, self.qk_dim // self.n_heads, self.v_dim // self.n_heads
+        z = lambda *shape: torch.zeros(batch, *shape, device=device, dtype=dtype)  # noqa: E731
+        return MLSTMState(conv=z(0, 0), C=z(H, K, V), n=z(H, K), m=z(H))
+
+    def _inputs(self, x: torch.Tensor):
+        """x [..., d_model] -> q, k [..., qk_dim], v, o [..., v_dim], i, f [..., H] (float32,
+        soft-capped) from one matmul."""
+        maps = (self.q, self.k, self.v, self.ogate_preact, self.igate_preact, self.fgate_preact)
+        w = torch.cat([m.weight for m in maps])
+        b = None
+        if self.q.bias is not None:
+            b = torch.cat([m.bias for m in maps[:4]] + [self.q.bias.new_zeros(2 * self.n_heads)])
+        q, k, v, o, g = F.linear(x, w, b).split(self._splits, dim=-1)
+        # the gates in float32: the op computes them in float32 anyway, and bf16 pre-activations
+        # would put rounding errors of ~0.1 into exponents
+        gb = torch.cat([self.igate_preact.bias, self.fgate_preact.bias]).float()
+        i, f = soft_cap(g.float() + gb, self.gate_soft_cap).chunk(2, dim=-1)
+        return q, k, v, o, i, f
+
+    def _output(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """h [..., H, Dv], o [..., v_dim] -> out_proj(sigmoid(o) * norm(h)) [..., d_model]."""
+        return self.out_proj(torch.sigmoid(o) * self.multihead_norm(h).to(o.dtype))
+
+    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
+        B, T, _ = x.shape
+        H = self.n_heads
+        q, k, v, o, i, f = self._inputs(x)
+        h, cell = mlstm_chunkwise(
+            q.view(B, T, H, -1), k.view(B, T, H, -1), v.view(B, T, H, -1), i, f,
+            initial_state=None if state is None else (state.C, state.n, state.m),
+            output_final_state=return_state, eps=self.eps, chunk_size=self.chunk_size,
+            backend=self.backend, recompute_states=self.recompute_states,
+        )  # h [B, T, H, Dv]
+        y = self._output(h, o)
+        if not return_state:
+            return y
+        conv = cell[0].new_zeros(B, 0, 0) if state is None else state.conv
+        return y, MLSTMState(conv, *cell)
+
+    def step(self, x: torch.Tensor, state: MLSTMState):
+        """One token: x [B, d_model] -> (y [B, d_model], new_state)."""
+        B = x.shape[0]
+        H = self.n_heads
+        q, k, v, o, i, f = self._inputs(x)
+        h, cell = mlstm_step(q.view(B, H, -1), k.view(B, H, -1), v.view(B, H, -1), i, f,
+                             (state.C, state.n, state.m), eps=self.eps)  # h [B, H, Dv]
+        return self._output(h, o), MLSTMState(state.conv, *cell)
+
+
+class SwiGLU(nn.Module):
+    """proj_down(SiLU(proj_up_gate(x)) * proj_up(x)); forward(x [..., d_model]) -> [..., d_model]."""
+
+    def __init__(self, d_model: int, hidden: int, *, n_blocks: int = 1, bias: bool = False):
+        super().__init__()
+        self.d_model, self.hidden, self.n_blocks = d_model, hidden, n_blocks
+        self.proj_up_gate = nn.Linear(d_model, hidden, bias=bias)
+        self.proj_up = nn.Linear(d_model, hidden, bias=bias)
+        self.proj_down = nn.Linear(hidden, d_model, bias=bias)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # as transformers' _init_weights: its "gate" name rule zeroes proj_up_gate too (the
+        # feed-forward starts at 0 and opens through the gate's gradient)
+        nn.init.zeros_(self.proj_up_gate.weight)
+        small_init_(self.proj_up.weight, self.d_model)
+        wang_init_(self.proj_down.weight, self.hidden, self.n_blocks)
+        for lin in (self.proj_up_gate, self.proj_up, self.proj_down):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.cat([self.proj_up_gate.weight, self.proj_up.weight])
+        b = None if self.proj_up.bias is None else torch.cat([self.proj_up_gate.bias, self.proj_up.bias])
+        g, u = F.linear(x, w, b).chunk(2, dim=-1)
+        return self.proj_down(F.silu(g) * u)
+
+
+class LargeBlock(nn.Module):
+    """x + mLSTM(RMSNorm(x)), then + SwiGLU(RMSNorm(x)).
+
+    forward(x [B, T, d_model], state=None, return_state=False) -> y (or (y, MLSTMState));
+    step(x [B, d_model], state) -> (y, state); init_state(batch).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, qk_dim: int, v_dim: int, ffn_dim: int, *,
+                 n_blocks: int = 1, bias: bool = False, norm_eps: float = 1e-6, gate_soft_cap: float = 15.0,
+                 chunk_size: int = 64, backend: str | None = None, recompute_states: bool = False):
+        super().__init__()
+        self.norm_mlstm = RMSNorm(d_model, norm_eps, bias=bias)
+        self.mlstm_layer = LargeMLSTMLayer(
+            d_model, n_heads, qk_dim, v_dim, n_blocks=n_blocks, bias=bias, norm_eps=norm_eps,
+            gate_soft_cap=gate_soft_cap, chunk_size=chunk_size, backend=backend, recompute_states=recompute_states)
+        self.norm_ffn = RMSNorm(d_model, norm_eps, bias=bias)
+        self.ffn = SwiGLU(d_model, ffn_dim, n_blocks=n_blocks, bias=bias)
+
+    def reset_parameters(self) -> None:
+        for m in (self.norm_mlstm, self.mlstm_layer, self.norm_ffn, self.ffn):
+            m.reset_parameters()
+
+    def init_state(self, batch: int, device=None, dtype=None) -> MLSTMState:
+        return self.mlstm_layer.init_state(batch, device, dtype)
+
+    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
+        out = self.mlstm_layer(self.norm_mlstm(x), state, return_state)
+        y, state = out if return_state else (out, None)
+        x = x + y
+        x = x + self.ffn(self.norm_ffn(x))
+        return (x, state) if return_state else x
+
+    def step(self, x: torch.Tensor, state: MLSTMState):
+        y, state = self.mlstm_layer.step(self.norm_mlstm(x), state)
+        x = x + y
+        return x + self.ffn(self.norm_ffn(x)), state
