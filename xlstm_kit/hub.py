@@ -427,13 +427,15 @@ def load_pretrained(cls, path: str | Path, dtype=None, device=None):
         config = dataclasses.replace(config, backend=None)
 
     sources, named = _read_headers(path, hf, config, weight_mode)
+    if hf and config.tie_embeddings and "lm_head.weight" in sources:
+        # transformers' xLSTMForCausalLM never ties its head (it has no tied-weights keys): a
+        # stored head is the one it computes with, whatever tie_word_embeddings says
+        config = dataclasses.replace(config, tie_embeddings=False)
     with torch.device("meta"):  # shapes only: nothing is allocated until a tensor is read
         model = cls(config)
     expected = model.state_dict()
     if config.tie_embeddings:
         expected.pop("lm_head.weight")
-        if "lm_head.weight" in sources:  # transformers may store the tied copy too
-            sources.pop("lm_head.weight")
     _check_sources(sources, expected, named, hf)
     state = dict(_materialise(sources, _target_dtype(sources, dtype), target))
     model.load_state_dict(state, strict=False, assign=True)
@@ -530,9 +532,11 @@ def save_pretrained(model: nn.Module, path: str | Path, format: str = "hf",
     hf_config = config_to_hf(model.config, special, dtypes.pop() if len(dtypes) == 1 else None)
     if tok is None and model.tokenizer_name is not None:
         hf_config[TOKENIZER_NAME_KEY] = model.tokenizer_name
-    if model.config.tie_embeddings:
-        state.pop("lm_head.weight")
     tensors = {our_key_to_hf(k): v for k, v in state.items()}
+    if model.config.tie_embeddings:
+        # transformers' xLSTMForCausalLM does not tie its head: it needs it stored (safetensors
+        # refuses two names for one tensor, hence a copy)
+        tensors["lm_head.weight"] = tensors["lm_head.weight"].clone()
 
     path = Path(path)
     if path.exists() and not path.is_dir():
