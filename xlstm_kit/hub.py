@@ -28,12 +28,14 @@ asks (without it the model generates poorly).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -387,9 +389,6 @@ def _check_device(device) -> torch.device:
 
 def load_pretrained(cls, path: str | Path, dtype=None, device=None):
     """See ``XLSTMLanguageModel.from_pretrained``."""
-    import dataclasses
-    import warnings
-
     from .model import XLSTMConfig
 
     path = Path(path)
