@@ -13,15 +13,9 @@ from safetensors.torch import load_file, save_file
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel, hub
 from xlstm_kit.errors import XLSTMKitError
 
+from .test_checkpoint import _single_thread  # noqa: F401  (autouse: tiny shapes run best on one thread)
+
 VOCAB = 96
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def large_config(**kw):

@@ -13,26 +13,14 @@ import torch
 
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
+from .test_checkpoint import _single_thread  # noqa: F401  (autouse: tiny shapes run best on one thread)
+from .test_hub import noisy as noisy_
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 96
 SHAPE = dict(vocab_size=VOCAB, d_model=64, n_blocks=2, n_heads=2, qk_dim_factor=1.0, v_dim_factor=1.0,
              ffn_proj_factor=1.5, round_proj_to=16)
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def noisy_(m, scale=0.05):
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(scale * torch.randn_like(p))
-    return m
 
 
 def hf_logits(hf, tokens):

@@ -387,6 +387,17 @@ def _check_device(device) -> torch.device:
         raise XLSTMKitError(f"device {device!r} is not a torch device: {e}") from None
 
 
+def _json_object(path: Path) -> dict:
+    """A JSON file holding an object; one-line XLSTMKitError otherwise."""
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise XLSTMKitError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise XLSTMKitError(f"{path} must hold a JSON object")
+    return d
+
+
 def load_pretrained(cls, path: str | Path, dtype=None, device=None):
     """See ``XLSTMLanguageModel.from_pretrained``."""
     from .model import XLSTMConfig
@@ -400,12 +411,7 @@ def load_pretrained(cls, path: str | Path, dtype=None, device=None):
                                 f"an xlstm_kit checkpoint nor a training run folder")
         path = checkpoint.resolve_checkpoint(path)
     cfg_path = path / checkpoint.CONFIG_FILE
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise XLSTMKitError(f"{cfg_path} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise XLSTMKitError(f"{cfg_path} must hold a JSON object")
+    raw = _json_object(cfg_path)
     hf = is_hf_config(raw)
     special, weight_mode = HFSpecialTokens(), "single"
     if hf:
@@ -655,12 +661,7 @@ def _tokenizer_config_id(folder: Path, tok, what: str) -> int | None:
     f = folder / TOKENIZER_CONFIG_FILE
     if not f.is_file():
         return None
-    try:
-        d = json.loads(f.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise XLSTMKitError(f"{f} is not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        return None
+    d = _json_object(f)
     if isinstance(d.get(f"{what}_token_id"), int):
         return d[f"{what}_token_id"]
     token = d.get(f"{what}_token")
