@@ -449,7 +449,8 @@ def load_pretrained(cls, path: str | Path, dtype=None, device=None):
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # a parameter the file does not hold and the check above missed
         raise XLSTMKitError(f"{named} leaves {left[:5]} unset")
-    model.tokenizer_name = raw.get(TOKENIZER_NAME_KEY) if hf else checkpoint.read_tokenizer_name(path)
+    named_tokenizer = raw.get(TOKENIZER_NAME_KEY) if hf else checkpoint.read_tokenizer_name(path)
+    model.tokenizer_name = named_tokenizer if isinstance(named_tokenizer, str) else None
     model.hf_tokenizer = find_tokenizer(path, special)
     model.hf_special_tokens = special
     model.eval()

@@ -611,7 +611,9 @@ class XLSTMLanguageModel(nn.Module):
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str | Path, tokenizer: str | None = None) -> Path:
         """Write `directory`/config.json + model.safetensors, and tokenizer.json naming
-        `tokenizer` (default: `tokenizer_name`, when set). Atomic; see xlstm_kit.checkpoint."""
+        `tokenizer` (default: `tokenizer_name`, when set; a model with `hf_tokenizer` writes that
+        tokenizers-format tokenizer.json and tokenizer_config.json instead). Atomic; see
+        xlstm_kit.checkpoint."""
         return checkpoint.save_model(self, directory, tokenizer=tokenizer or self.tokenizer_name)
 
     @classmethod
