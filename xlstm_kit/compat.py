@@ -1,7 +1,8 @@
 """Conversion to and from the official `xlstm` package (PyPI xlstm 2.0.6, Apache-2.0).
 
-    model = from_official_xlstm(official)      # xlstm.xLSTMLMModel -> XLSTMLanguageModel
-    official = to_official_xlstm(model)        # and back (sLSTM backend "vanilla" by default)
+    model = from_official_xlstm(official)      # xlstm.xLSTMLMModel or xlstm_large xLSTMLarge -> ours
+    official = to_official_xlstm(model)        # and back (sLSTM backend "vanilla" by default;
+                                               # large-family models give an xLSTMLarge)
 
 Both directions copy every weight, so the two models compute the same logits. Layout
 differences handled here:
@@ -193,10 +194,15 @@ def _slstm_cell_from_ours(layer, ours_block) -> None:
 
 @torch.no_grad()
 def from_official_xlstm(official) -> XLSTMLanguageModel:
-    """An XLSTMLanguageModel with the config and weights of an official `xlstm.xLSTMLMModel`."""
+    """An XLSTMLanguageModel with the config and weights of an official `xlstm.xLSTMLMModel`
+    (NeurIPS blocks) or `xlstm.xlstm_large.model.xLSTMLarge` (the xLSTM-7B architecture)."""
     x = _import_xlstm()
+    from .compat_large import from_official_large, is_official_large
+
+    if is_official_large(official):
+        return from_official_large(official)
     if not isinstance(official, x.xLSTMLMModel):
-        raise XLSTMKitError(f"expected an xlstm.xLSTMLMModel, got {type(official).__name__}")
+        raise XLSTMKitError(f"expected an xlstm.xLSTMLMModel or xlstm_large xLSTMLarge, got {type(official).__name__}")
     cfg = config_from_official(official.config)
     model = XLSTMLanguageModel(cfg).to(official.token_embedding.weight.dtype)
     src = official.state_dict()
@@ -223,15 +229,25 @@ def from_official_xlstm(official) -> XLSTMLanguageModel:
 
 
 @torch.no_grad()
-def to_official_xlstm(model: XLSTMLanguageModel, slstm_backend: str = "vanilla"):
-    """An official `xlstm.xLSTMLMModel` with the config and weights of `model`.
+def to_official_xlstm(model: XLSTMLanguageModel, slstm_backend: str = "vanilla", **large_options):
+    """An official `xlstm.xLSTMLMModel` with the config and weights of `model`; for a
+    large-family model an `xlstm_large` `xLSTMLarge`.
 
     slstm_backend "vanilla" runs anywhere; "cuda" needs the official CUDA kernels.
+    large_options (large family only): xLSTMLargeConfig fields to set, e.g. mode="train",
+    chunkwise_kernel="chunkwise--triton_limit_chunk"; the default is the official package's
+    PyTorch kernels in mode "inference" (any length, any device).
     """
     x = _import_xlstm()
     if not isinstance(model, XLSTMLanguageModel):
         raise XLSTMKitError(f"expected an XLSTMLanguageModel, got {type(model).__name__}")
     cfg = model.config
+    if cfg.family == "large":
+        from .compat_large import to_official_large
+
+        return to_official_large(model, **large_options)
+    if large_options:
+        raise XLSTMKitError(f"options {sorted(large_options)} apply to large-family models only")
     official = x.xLSTMLMModel(config_to_official(cfg, slstm_backend))
     official = official.to(device=model.embedding.weight.device, dtype=model.embedding.weight.dtype)
     ours = model.state_dict()

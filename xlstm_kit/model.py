@@ -3,6 +3,9 @@
     tokens [B, T] -> embedding -> n_blocks residual blocks (mLSTM or sLSTM, as `slstm_at` says)
                   -> LayerNorm -> LM head -> logits [B, T, vocab_size]
 
+Family "large" (the xLSTM-7B architecture, xlstm_kit.nn.large): large blocks (RMSNorm -> mLSTM
+layer -> residual, RMSNorm -> SwiGLU -> residual) -> RMSNorm -> LM head -> soft-capped logits.
+
 Training runs every block in parallel over time (chunkwise mLSTM, sLSTM time loop); generation
 runs the same weights one token at a time on a state whose size does not grow with the text.
 The architecture and initialisation are those of the official `xlstm` package (2.0.6);
@@ -25,7 +28,7 @@ from torch.utils.checkpoint import checkpoint as _recompute
 from . import checkpoint, hub
 from .nn.common import round_up, small_init_
 from .nn.dplr import DPLRBlock, DPLRState
-from .nn.large import LargeBlock, RMSNorm, soft_cap
+from .nn.large import LargeBlock, RMSNorm, at_least_float32, soft_cap
 from .nn.mlstm import MLSTMBlock, MLSTMState
 from .nn.slstm import SLSTMBlock, SLSTMState
 from .errors import XLSTMKitError
@@ -277,6 +280,16 @@ class XLSTMConfig:
         return round_up(self.mlstm_proj_factor * self.d_model, self.round_proj_to)
 
     @property
+    def qk_dim(self) -> int:
+        """Large family: width of q and k (all heads)."""
+        return int(self.qk_dim_factor * self.d_model)
+
+    @property
+    def v_dim(self) -> int:
+        """Large family: width of v and the output gate (all heads)."""
+        return int(self.v_dim_factor * self.d_model)
+
+    @property
     def ffn_dim(self) -> int:
         return round_up(self.ffn_proj_factor * self.d_model, self.round_proj_to)
 
@@ -354,7 +367,8 @@ class XLSTMLanguageModel(nn.Module):
     model(tokens, state=s, return_state=True) -> (logits, state): feed a long text in pieces
     model.step(token [B], state) -> (logits [B, vocab_size], state): one token
     model.generate(prompt, max_new_tokens, temperature, top_k, top_p, eos_token_id)
-    The state is a list with one MLSTMState / SLSTMState / DPLRState per block (`init_state(batch)`).
+    The state is a list with one MLSTMState / SLSTMState / DPLRState per block (`init_state(batch)`;
+    large-family blocks use MLSTMState with an empty conv field).
     """
 
     # From the folder a model was loaded from (xlstm_kit.hub): a tokenizers-format tokenizer.json
@@ -387,9 +401,8 @@ class XLSTMLanguageModel(nn.Module):
         cfg = self.config
         if cfg.family == "large":
             return LargeBlock(
-                cfg.d_model, cfg.n_heads, int(cfg.qk_dim_factor * cfg.d_model), int(cfg.v_dim_factor * cfg.d_model),
-                cfg.ffn_dim, n_blocks=cfg.n_blocks, bias=cfg.bias, norm_eps=cfg.norm_eps,
-                gate_soft_cap=cfg.gate_soft_cap, chunk_size=cfg.chunk_size, backend=cfg.backend,
+                cfg.d_model, cfg.n_heads, cfg.qk_dim, cfg.v_dim, cfg.ffn_dim, n_blocks=cfg.n_blocks,
+                bias=cfg.bias, norm_eps=cfg.norm_eps, gate_soft_cap=cfg.gate_soft_cap, chunk_size=cfg.chunk_size, backend=cfg.backend,
                 recompute_states=cfg.recompute_mlstm_states,
             )
         if kind == "d":
@@ -470,7 +483,7 @@ class XLSTMLanguageModel(nn.Module):
         logits = self.lm_head(self.norm(x))
         if self.config.family != "large":
             return logits
-        return soft_cap(logits.float(), self.config.logit_soft_cap).to(logits.dtype)
+        return soft_cap(at_least_float32(logits), self.config.logit_soft_cap).to(logits.dtype)
 
     # ------------------------------------------------------------------ state
     def init_state(self, batch: int, device=None) -> ModelState:

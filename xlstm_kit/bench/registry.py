@@ -379,7 +379,10 @@ def flops_per_token(cfg) -> float:
     if cfg.tie_embeddings:
         n_mm += model.embedding.weight.numel()
     n_mlstm = cfg.block_types.count("m")
-    k = v = cfg.mlstm_inner_dim // cfg.n_heads
+    if cfg.family == "large":
+        k, v = cfg.qk_dim // cfg.n_heads, cfg.v_dim // cfg.n_heads
+    else:
+        k = v = cfg.mlstm_inner_dim // cfg.n_heads
     mixing = 3.0 * n_mlstm * cfg.n_heads * (2 * cfg.chunk_size * (k + v) + 4 * k * v)
     return 6.0 * n_mm + mixing
 

@@ -6,6 +6,7 @@ backend is passed down from the model config.
 """
 from .common import CausalConv1d, GatedFeedForward, HeadwiseLinear, MultiHeadNorm
 from .dplr import DPLRBlock, DPLRLayer, DPLRState
+from .large import LargeBlock, LargeMLSTMLayer, MultiHeadLayerNorm, RMSNorm, SwiGLU
 from .mlstm import MLSTMBlock, MLSTMLayer, MLSTMState
 from .slstm import SLSTMBlock, SLSTMLayer, SLSTMState
 
@@ -16,11 +17,16 @@ __all__ = [
     "DPLRState",
     "GatedFeedForward",
     "HeadwiseLinear",
+    "LargeBlock",
+    "LargeMLSTMLayer",
+    "MultiHeadLayerNorm",
     "MultiHeadNorm",
+    "RMSNorm",
     "MLSTMBlock",
     "MLSTMLayer",
     "MLSTMState",
     "SLSTMBlock",
     "SLSTMLayer",
     "SLSTMState",
+    "SwiGLU",
 ]

@@ -33,6 +33,11 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return cap * torch.tanh(x / cap)
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or float64 if it is float64 (references keep their precision)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) (float32 statistics, result in x's dtype) * weight (+ bias).
 
@@ -51,8 +56,7 @@ class RMSNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        y = F.rms_norm(at_least_float32(x), self.weight.shape, eps=self.eps).to(x.dtype) * self.weight
         return y if self.bias is None else y + self.bias
 
 
@@ -141,8 +145,8 @@ class LargeMLSTMLayer(nn.Module):
         q, k, v, o, g = F.linear(x, w, b).split(self._splits, dim=-1)
         # the gates in float32: the op computes them in float32 anyway, and bf16 pre-activations
         # would put rounding errors of ~0.1 into exponents
-        gb = torch.cat([self.igate_preact.bias, self.fgate_preact.bias]).float()
-        i, f = soft_cap(g.float() + gb, self.gate_soft_cap).chunk(2, dim=-1)
+        gb = torch.cat([self.igate_preact.bias, self.fgate_preact.bias])
+        i, f = soft_cap(at_least_float32(g) + gb, self.gate_soft_cap).chunk(2, dim=-1)
         return q, k, v, o, i, f
 
     def _output(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
