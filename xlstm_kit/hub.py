@@ -234,7 +234,7 @@ def _fused_parts(key: str, shape: list[int], config) -> list[tuple[str, int, int
     m = _BLOCK_KEY.fullmatch(key)
     if not m or m[2] not in _FUSED:
         return None
-    qk, v = int(config.qk_dim_factor * config.d_model), int(config.v_dim_factor * config.d_model)
+    qk, v = config.qk_dim, config.v_dim
     sizes = {"mlstm_layer.qkv_opreact": (qk, qk, v, v),
              "mlstm_layer.ifgate_preact": (config.n_heads,) * 2,
              "ffn.proj_up_gate_z": (config.ffn_dim,) * 2}[m[2]]
