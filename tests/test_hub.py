@@ -70,7 +70,20 @@ def test_config_from_hf_defaults_are_xlstm_7b():
               "gate_soft_cap", "logit_soft_cap", "norm_eps", "bias", "tie_embeddings"):
         assert getattr(cfg, f) == getattr(ref, f), f
     assert special == hub.HFSpecialTokens(None, None, None) and mode == "single"
-    # xLSTM-7b's own config.json spells the sizes embedding_dim / num_blocks and has a fused weight mode
+    # xLSTM-7b's own config.json spells the sizes embedding_dim / num_blocks, names its GPU kernels
+    # and more fields of the official package (ignored: they choose kernels, not the model)
+    nxai = {"model_type": "xlstm", "architectures": ["xLSTMForCausalLM"], "embedding_dim": 4096, "num_blocks": 32,
+            "num_heads": 8, "vocab_size": 50304, "qk_dim_factor": 0.5, "v_dim_factor": 1.0, "ffn_proj_factor": 2.667,
+            "ffn_round_up_to_multiple_of": 64, "chunkwise_kernel": "chunkwise--triton_xl_chunk",
+            "sequence_kernel": "native_sequence__triton", "step_kernel": "triton", "mode": "inference",
+            "autocast_kernel_dtype": "bfloat16", "inference_state_dtype": "float32", "torch_dtype": "bfloat16",
+            "force_bos_token_insert": True, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}
+    cfg, special, _ = hub.config_from_hf(nxai)
+    assert special == hub.HFSpecialTokens(0, 2, 1)
+    with torch.device("meta"):
+        mine, preset = XLSTMLanguageModel(cfg), XLSTMLanguageModel(ref)
+    assert {k: v.shape for k, v in mine.state_dict().items()} == {k: v.shape for k, v in preset.state_dict().items()}
+    assert 6.8e9 < mine.num_parameters() < 7.0e9
     cfg, _, mode = hub.config_from_hf({"model_type": "xlstm", "embedding_dim": 64, "num_blocks": 3,
                                        "num_heads": 4, "weight_mode": "fused", "eos_token_id": [2, 5]})
     assert (cfg.d_model, cfg.n_blocks, mode) == (64, 3, "fused")
