@@ -398,8 +398,25 @@ def test_bos_comes_from_tokenizer_config_when_config_json_has_none(tmp_path):
     assert (tok.bos_token_id, tok.eos_token_id) == (0, 1)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "bos_token_id": 10_000}))
-    with pytest.raises(XLSTMKitError, match="outside its vocabulary"):
+    with pytest.raises(XLSTMKitError, match="bos token id 10000 is not in its vocabulary"):
         XLSTMLanguageModel.from_pretrained(folder)
+
+
+def test_a_folder_loads_without_the_tokenizers_package(tmp_path, monkeypatch):
+    """Only encoding and decoding need `tokenizers` (an extra); they say which one is missing."""
+    from xlstm_kit._extras import MissingExtraError
+
+    folder, m = _hf_folder(tmp_path)
+    make_tokenizer_json(folder / "tokenizer.json")
+
+    def missing(module, feature):
+        raise MissingExtraError(f"{feature} needs the extra: pip install 'xlstm-kit[gpt2]'")
+
+    monkeypatch.setattr(hub, "require", missing)
+    loaded = XLSTMLanguageModel.from_pretrained(folder)
+    assert_same_model(m, loaded)
+    with pytest.raises(MissingExtraError, match=r"tokenizer.json of a model folder needs the extra"):
+        loaded.tokenizer.encode("to be")
 
 
 def test_named_tokenizers_keep_working(tmp_path):

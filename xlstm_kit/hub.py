@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
+from ._extras import require
 from .errors import XLSTMKitError
 
 HF_MODEL_TYPE = "xlstm"
@@ -594,29 +595,60 @@ class HFTokenizer:
     """A ``tokenizers`` tokenizer read from a tokenizer.json, with the BOS token prepended to
     every encoded text (NX-AI/xLSTM-7b generates poorly without it). Same interface as
     ``xlstm_kit.data``'s tokenizers: name, vocab_size, eos_token_id, encode, encode_array,
-    decode, token_byte_lengths."""
+    decode, token_byte_lengths. The ``tokenizers`` package is imported at the first encode or
+    decode: a model folder loads without it."""
 
     def __init__(self, path: str | Path, bos_token_id: int | None = None, eos_token_id: int | None = None):
-        from ._extras import require
-
-        hf = require("tokenizers", "a tokenizer.json")
         self.path = Path(path)
         self._bytes = self.path.read_bytes()
         try:
-            self._tok = hf.Tokenizer.from_str(self._bytes.decode("utf-8"))
-        except Exception as e:  # the tokenizers package raises its own exception type
-            raise XLSTMKitError(f"{self.path} is not a readable tokenizers file: {e}") from None
+            spec = json.loads(self._bytes)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise XLSTMKitError(f"{self.path} is not valid JSON ({e})") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+            raise XLSTMKitError(f"{self.path} is not a tokenizers tokenizer.json (it has no 'model')")
+        self._spec = spec
+        self._tokenizer = None
         self.name = "hf-" + hashlib.sha256(self._bytes).hexdigest()[:16]
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id: int | None = None
         self.eos_token_id: int | None = None
         self.set_special_tokens(bos_token_id, eos_token_id)
 
+    @property
+    def _tok(self):
+        if self._tokenizer is None:
+            hf = require("tokenizers", "the tokenizer.json of a model folder")
+            try:
+                self._tokenizer = hf.Tokenizer.from_str(self._bytes.decode("utf-8"))
+            except Exception as e:  # the tokenizers package raises its own exception type
+                raise XLSTMKitError(f"{self.path} is not a readable tokenizers file: {e}") from None
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def _json_vocab(self) -> dict[str, int]:
+        """token -> id from the file itself: the model's vocabulary (a map, or Unigram's list of
+        [token, score] rows) and the added tokens."""
+        vocab = self._spec["model"].get("vocab")
+        ids = dict(vocab) if isinstance(vocab, dict) else {
+            row[0]: i for i, row in enumerate(vocab) if isinstance(row, list) and row} if isinstance(vocab, list) else {}
+        for t in self._spec.get("added_tokens") or []:
+            if isinstance(t, dict) and isinstance(t.get("content"), str) and isinstance(t.get("id"), int):
+                ids[t["content"]] = t["id"]
+        return ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._json_vocab().get(token)
+
     def set_special_tokens(self, bos_token_id: int | None, eos_token_id: int | None) -> None:
         """Set the BOS id (prepended to every text; None: nothing) and the EOS id (ends texts)."""
+        ids = set(self._json_vocab().values())
         for what, v in (("bos", bos_token_id), ("eos", eos_token_id)):
-            if v is not None and not 0 <= v < self.vocab_size:
-                raise XLSTMKitError(f"{self.path}: {what} token id {v} is outside its vocabulary of {self.vocab_size}")
+            if v is not None and ids and v not in ids:
+                raise XLSTMKitError(f"{self.path}: {what} token id {v} is not in its vocabulary of "
+                                    f"{max(ids) + 1} tokens")
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
 
     def encode(self, text: str) -> list[int]:
@@ -634,8 +666,8 @@ class HFTokenizer:
         """UTF-8 bytes each token stands for (0 for special tokens), for bits per byte."""
         from .data import _gpt2_byte_alphabet
 
-        byte_level = json.loads(self._bytes).get("decoder", None) or {}
-        alphabet = _gpt2_byte_alphabet() if byte_level.get("type") == "ByteLevel" else None
+        decoder = self._spec.get("decoder") or {}
+        alphabet = _gpt2_byte_alphabet() if decoder.get("type") == "ByteLevel" else None
         special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
         lengths = np.zeros(self.vocab_size, dtype=np.int64)
         for token, idx in self._tok.get_vocab(with_added_tokens=True).items():
@@ -650,14 +682,15 @@ class HFTokenizer:
         (folder / checkpoint.TOKENIZER_FILE).write_bytes(self._bytes)
         cfg = {"add_bos_token": self.bos_token_id is not None, "bos_token_id": self.bos_token_id,
                "eos_token_id": self.eos_token_id}
+        names = {i: t for t, i in self._json_vocab().items()}
         for what, v in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id)):
-            if v is not None:
-                cfg[what] = self._tok.id_to_token(v)
+            if v in names:
+                cfg[what] = names[v]
         (folder / TOKENIZER_CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
         return [checkpoint.TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
 
 
-def _tokenizer_config_id(folder: Path, tok, what: str) -> int | None:
+def _tokenizer_config_id(folder: Path, tok: HFTokenizer, what: str) -> int | None:
     """`what`_token_id from tokenizer_config.json (an id, or a token string to look up)."""
     f = folder / TOKENIZER_CONFIG_FILE
     if not f.is_file():
@@ -679,7 +712,7 @@ def find_tokenizer(folder: str | Path, special: HFSpecialTokens | None = None) -
         return None
     special = special or HFSpecialTokens()
     tok = HFTokenizer(f)
-    bos = special.bos_token_id if special.bos_token_id is not None else _tokenizer_config_id(folder, tok._tok, "bos")
-    eos = special.eos_token_id if special.eos_token_id is not None else _tokenizer_config_id(folder, tok._tok, "eos")
+    bos = special.bos_token_id if special.bos_token_id is not None else _tokenizer_config_id(folder, tok, "bos")
+    eos = special.eos_token_id if special.eos_token_id is not None else _tokenizer_config_id(folder, tok, "eos")
     tok.set_special_tokens(bos, eos)
     return tok
