@@ -61,10 +61,14 @@ def test_generate_on_a_huggingface_folder_prepends_bos(hf_folder, capsys):
 
 
 def test_eval_on_a_huggingface_folder(hf_folder, corpus, capsys):
-    assert cli.main(["eval", str(hf_folder), "--data", str(corpus), "--seq-len", "16", "--batch-size", "2",
-                     "--device", "cpu", "--threads", "1"]) == 0
-    line = capsys.readouterr().out
-    assert "val loss" in line and "bits/byte" in line and "tokenizer hf-" in line
+    losses = []
+    for dtype in ("fp32", "bf16"):
+        assert cli.main(["eval", str(hf_folder), "--data", str(corpus), "--seq-len", "16", "--batch-size", "2",
+                         "--device", "cpu", "--threads", "1", "--dtype", dtype]) == 0
+        line = capsys.readouterr().out
+        assert "val loss" in line and "bits/byte" in line and "tokenizer hf-" in line
+        losses.append(float(line.split("val loss ")[1].split()[0]))
+    assert losses[0] != losses[1] and abs(losses[0] - losses[1]) < 0.05 * losses[0]  # bf16 weights: close, not equal
 
 
 def test_train_init_from_a_huggingface_folder_then_resume_and_generate(hf_folder, corpus, tmp_path, capsys):

@@ -43,6 +43,7 @@ _LARGE_DEFAULTS = dict(batch_size=32, seq_len=2048, lr=1e-3, min_lr=1e-4, warmup
 _FINETUNE_DEFAULTS = dict(batch_size=16, seq_len=1024, lr=1e-4, min_lr=1e-5, warmup_steps=100)
 
 
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype of generate / eval
 _THREADS_HELP = ("CPU threads (default: torch's choice, fewer when other processes already keep cores "
                  "busy; OMP_NUM_THREADS, when set, is kept)")
 
@@ -215,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Examples:\n"
         "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --max-new-tokens 200\n"
         "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --temperature 0        # greedy\n"
-        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --top-p 0.9 --seed 1   # reproducible",
+        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --top-p 0.9 --seed 1   # reproducible\n"
+        "  xlstm-kit generate xLSTM-7b/ --prompt 'The capital of France is' --dtype bf16 --temperature 0",
         formatter_class=_Formatter,
     )
     gen.add_argument("checkpoint", metavar="DIR", help="a training output folder (--out of train), a checkpoint "
@@ -227,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=_positive_float, default=None, help="nucleus sampling threshold in (0, 1]")
     gen.add_argument("--seed", type=_nonneg_int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    gen.add_argument("--dtype", choices=list(_DTYPES), default=None, help="weights' dtype (default: the file's)")
     gen.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
     gen.set_defaults(func=cmd_generate)
 
@@ -253,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--val-fraction", type=_positive_float, default=None,
                     help="held-out share of --data (default: training's)")
     ev.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    ev.add_argument("--dtype", choices=list(_DTYPES), default=None, help="weights' dtype (default: the file's)")
     ev.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
     ev.set_defaults(func=cmd_eval)
 
@@ -355,12 +359,13 @@ def _train_defaults(preset: str) -> dict[str, Any]:
     return dict(_TRAIN_DEFAULTS.get(preset.lower(), _LARGE_DEFAULTS))
 
 
-def _load_model(path: str, device):
+def _load_model(path: str, device, dtype: str | None = None):
     from .checkpoint import read_train_meta, resolve_checkpoint
     from .model import XLSTMLanguageModel
 
     ckpt = resolve_checkpoint(path)
-    return ckpt, read_train_meta(ckpt), XLSTMLanguageModel.from_pretrained(ckpt, device=device)
+    model = XLSTMLanguageModel.from_pretrained(ckpt, device=device, dtype=_DTYPES.get(dtype))
+    return ckpt, read_train_meta(ckpt), model
 
 
 def _init_tokenizer(model, requested: str | None, source: str):
@@ -706,7 +711,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     device = _pick_device(args.device)
     _use_threads(args.threads, device)
-    _, meta, model = _load_model(args.checkpoint, device)
+    _, meta, model = _load_model(args.checkpoint, device, args.dtype)
     tok = _tokenizer_for(meta, model)
     prompt = "\n" if args.prompt is None else args.prompt
     text = _generate_text(model, tok, prompt, args.max_new_tokens, args.temperature,
@@ -721,7 +726,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     device = _pick_device(args.device)
     _use_threads(args.threads, device)
-    ckpt, meta, model = _load_model(args.checkpoint, device)
+    ckpt, meta, model = _load_model(args.checkpoint, device, args.dtype)
     tok = _tokenizer_for(meta, model)
     spec = args.data or meta.get("data") or DEFAULT_DATA
     val_fraction = args.val_fraction or meta.get("val_fraction", 0.1)
