@@ -208,6 +208,14 @@ def test_our_checkpoints_and_run_folders_load_too(tmp_path):
     m.save(run / "checkpoints" / "step-00000003")
     (run / "latest").write_text("checkpoints/step-00000003\n")
     assert_same_model(m, XLSTMLanguageModel.from_pretrained(run))
+    tensors = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    save_file({**tensors, "blocks.5.norm.weight": torch.ones(32)}, str(tmp_path / "ours" / "model.safetensors"))
+    with pytest.raises(XLSTMKitError, match="does not match the SHA-256"):  # our checkpoints' checksums count
+        XLSTMLanguageModel.from_pretrained(tmp_path / "ours")
+    (tmp_path / "ours" / "checksums.json").unlink()
+    with pytest.raises(XLSTMKitError, match=r"model.safetensors does not match its config.json: unexpected "
+                                            r"\['blocks.5.norm.weight'\] in model.safetensors"):
+        XLSTMLanguageModel.from_pretrained(tmp_path / "ours")
     with pytest.raises(XLSTMKitError, match="HuggingFace has no model type"):
         m.save_pretrained(tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

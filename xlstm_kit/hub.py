@@ -332,7 +332,9 @@ def _check_sources(sources: dict[str, _Source], expected: dict[str, torch.Tensor
         if missing:
             parts.append(f"missing {[name(k) for k in missing[:5]]}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
         if extra:
-            parts.append(f"unexpected {[sources[k].name for k in extra[:5]]}" + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
+            files = sorted({sources[k].file.name for k in extra})
+            parts.append(f"unexpected {[sources[k].name for k in extra[:5]]}" + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+                         + f" in {', '.join(files)}")
         raise XLSTMKitError(f"{named} does not match its config.json: {', '.join(parts)}")
     for key, src in sources.items():
         want = list(expected[key].shape)
