@@ -8,9 +8,9 @@ import torch
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel, cli
 from xlstm_kit.train import TRAIN_META_FILE, resolve_checkpoint
 
+from .test_cli_inputs import corpus  # noqa: F401  (a small text file)
 from .test_hub import VOCAB, large_model, make_tokenizer_json
 
-TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.\n" * 12
 SMALL = ["--batch-size", "2", "--seq-len", "16", "--eval-batches", "1", "--no-progress", "--device", "cpu",
          "--threads", "1"]
 
@@ -29,13 +29,6 @@ def hf_folder(tmp_path):
     (folder / "config.json").write_text(json.dumps({**cfg, "bos_token_id": 0, "eos_token_id": 1}))
     make_tokenizer_json(folder / "tokenizer.json")
     return folder
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    f = tmp_path / "corpus.txt"
-    f.write_text(TEXT)
-    return f
 
 
 def test_help_mentions_huggingface_folders_and_init_from(capsys):
