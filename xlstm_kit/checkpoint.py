@@ -184,7 +184,10 @@ def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None) ->
     (folder / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     _write_checksums(folder, [WEIGHTS_FILE])
     names = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
-    if tokenizer is not None:
+    hf_tokenizer = getattr(model, "hf_tokenizer", None)  # a tokenizers-format tokenizer.json (xlstm_kit.hub)
+    if hf_tokenizer is not None:
+        names += hf_tokenizer.save(folder)
+    elif tokenizer is not None:
         (folder / TOKENIZER_FILE).write_text(json.dumps({"name": tokenizer}) + "\n")
         names.append(TOKENIZER_FILE)
     return names
@@ -281,9 +284,11 @@ def load_state_checked(model: nn.Module, tensors: dict[str, torch.Tensor], sourc
 
 def read_tokenizer_name(checkpoint: str | Path) -> str | None:
     """The tokenizer a checkpoint was trained with: tokenizer.json, else (checkpoints written
-    before tokenizer.json existed) train_meta.json's "tokenizer"; None when unknown."""
+    before tokenizer.json existed) train_meta.json's "tokenizer"; None when unknown, or when
+    tokenizer.json is a `tokenizers` file rather than a name (xlstm_kit.hub.find_tokenizer)."""
     checkpoint = Path(checkpoint)
-    for name in (TOKENIZER_FILE, TRAIN_META_FILE):
+    names = (TOKENIZER_FILE,) if (checkpoint / TOKENIZER_FILE).is_file() else (TRAIN_META_FILE,)
+    for name in names:
         f = checkpoint / name
         if f.is_file():
             with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):

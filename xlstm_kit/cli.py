@@ -3,8 +3,12 @@
 
     xlstm-kit train    [--preset tiny] [--data builtin:shakespeare|PATH] [--tokenizer byte|gpt2]
                        [--steps N] [--out DIR] [--resume] ...
+    xlstm-kit train    --init-from DIR [--data ...]          (fine-tune a saved or HuggingFace model)
     xlstm-kit generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
     xlstm-kit eval     DIR [--data SPEC]
+
+DIR is a training output folder, an xlstm_kit checkpoint or a HuggingFace xLSTM folder
+(config.json with model_type "xlstm", e.g. NX-AI/xLSTM-7b; its tokenizer.json is used).
     xlstm-kit demo     [--minutes 3]
     xlstm-kit experiment formal --task parity --model "xlstm[0:1]" | mqar --model M | sweep [--jobs N]
 
@@ -35,8 +39,11 @@ _TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": dict(batch_size=16, seq_len=128, lr=3e-3, min_lr=3e-4, warmup_steps=30),
 }
 _LARGE_DEFAULTS = dict(batch_size=32, seq_len=2048, lr=1e-3, min_lr=1e-4, warmup_steps=500)
+# Fine-tuning (--init-from) moves trained weights: a tenth of pretraining's learning rate.
+_FINETUNE_DEFAULTS = dict(batch_size=16, seq_len=1024, lr=1e-4, min_lr=1e-5, warmup_steps=100)
 
 
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype of generate / eval
 _THREADS_HELP = ("CPU threads (default: torch's choice, fewer when other processes already keep cores "
                  "busy; OMP_NUM_THREADS, when set, is kept)")
 
@@ -148,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  xlstm-kit train --out runs/tiny --resume --steps 600     # continue the same run\n"
         "  xlstm-kit train --data notes.txt --out runs/notes        # a text file or a folder\n"
         "  xlstm-kit train --preset 125M --tokenizer gpt2 --data corpus/ --device cuda\n"
+        "  xlstm-kit train --init-from xLSTM-7b/ --data notes.txt --out runs/ft   # fine-tune\n"
         "loss.png needs the [plot] extra and --tokenizer gpt2 the [gpt2] extra; both come with\n"
         "  pip install 'xlstm-kit[all]'",
         formatter_class=_Formatter,
@@ -159,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'builtin:shakespeare', a text file, or a folder searched recursively for UTF-8 text "
                    f"files (others are skipped and listed) (default: {DEFAULT_DATA})")
     t.add_argument("--tokenizer", default=None, metavar="NAME", help="byte (vocabulary 256) or gpt2 (GPT-2's BPE, vocabulary 50257; needs the [gpt2] extra) (default: byte)")
+    t.add_argument("--init-from", default=None, metavar="DIR",
+                   help="fine-tune: start from the weights of DIR (a HuggingFace xLSTM folder such as "
+                   "NX-AI/xLSTM-7b's, an xlstm_kit checkpoint or a training run) with a fresh optimizer; "
+                   "the model's config and tokenizer come from DIR (instead of --preset / --tokenizer)")
     t.add_argument("--steps", type=_positive_int, default=None, metavar="N",
                    help="optimizer steps in total (on --resume: the new total) (default: 1000)")
     t.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/PRESET)")
@@ -204,10 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Examples:\n"
         "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --max-new-tokens 200\n"
         "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --temperature 0        # greedy\n"
-        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --top-p 0.9 --seed 1   # reproducible",
+        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --top-p 0.9 --seed 1   # reproducible\n"
+        "  xlstm-kit generate xLSTM-7b/ --prompt 'The capital of France is' --dtype bf16 --temperature 0",
         formatter_class=_Formatter,
     )
-    gen.add_argument("checkpoint", metavar="DIR", help="a training output folder (--out of train) or a checkpoint folder")
+    gen.add_argument("checkpoint", metavar="DIR", help="a training output folder (--out of train), a checkpoint "
+                     "folder or a HuggingFace xLSTM folder (its tokenizer.json is used, BOS prepended)")
     gen.add_argument("--prompt", default=None, metavar="TEXT", help="text to continue (default: a newline)")
     gen.add_argument("--max-new-tokens", type=_nonneg_int, default=200, help="tokens to generate")
     gen.add_argument("--temperature", type=_nonneg_float, default=0.8, help="sampling temperature (0: greedy)")
@@ -215,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=_positive_float, default=None, help="nucleus sampling threshold in (0, 1]")
     gen.add_argument("--seed", type=_nonneg_int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    gen.add_argument("--dtype", choices=list(_DTYPES), default=None, help="weights' dtype (default: the file's)")
     gen.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
     gen.set_defaults(func=cmd_generate)
 
@@ -226,10 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
         "one it was trained on, split the same way).",
         epilog="Examples:\n"
         "  xlstm-kit eval runs/tiny\n"
-        "  xlstm-kit eval runs/tiny --data other.txt --val-fraction 0.5",
+        "  xlstm-kit eval runs/tiny --data other.txt --val-fraction 0.5\n"
+        "  xlstm-kit eval xLSTM-7b/ --data notes.txt --seq-len 1024",
         formatter_class=_Formatter,
     )
-    ev.add_argument("checkpoint", metavar="DIR", help="a training output folder or a checkpoint folder")
+    ev.add_argument("checkpoint", metavar="DIR", help="a training output folder, a checkpoint folder or a "
+                    "HuggingFace xLSTM folder (then --data is needed)")
     ev.add_argument("--data", default=None, metavar="SPEC", help="corpus to evaluate on (default: the training corpus)")
     ev.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per window (default: training's)")
     ev.add_argument("--batch-size", type=_positive_int, default=16, help="windows per batch")
@@ -239,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--val-fraction", type=_positive_float, default=None,
                     help="held-out share of --data (default: training's)")
     ev.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    ev.add_argument("--dtype", choices=list(_DTYPES), default=None, help="weights' dtype (default: the file's)")
     ev.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
     ev.set_defaults(func=cmd_eval)
 
@@ -341,17 +359,34 @@ def _train_defaults(preset: str) -> dict[str, Any]:
     return dict(_TRAIN_DEFAULTS.get(preset.lower(), _LARGE_DEFAULTS))
 
 
-def _load_model(path: str, device):
+def _load_model(path: str, device, dtype: str | None = None):
     from .checkpoint import read_train_meta, resolve_checkpoint
     from .model import XLSTMLanguageModel
 
     ckpt = resolve_checkpoint(path)
-    return ckpt, read_train_meta(ckpt), XLSTMLanguageModel.load(ckpt, device=device)
+    model = XLSTMLanguageModel.from_pretrained(ckpt, device=device, dtype=_DTYPES.get(dtype))
+    return ckpt, read_train_meta(ckpt), model
+
+
+def _init_tokenizer(model, requested: str | None, source: str):
+    """The tokenizer of a fine-tuning run: the folder's (a tokenizers object or a name), else
+    --tokenizer, else bytes for a 256-token model."""
+    known = model.hf_tokenizer or model.tokenizer_name
+    if requested is not None and known is not None and requested != known:
+        raise UsageError(f"--tokenizer {requested}: {source} comes with its own tokenizer; leave --tokenizer out")
+    if known is None and requested is None and model.config.vocab_size != 256:
+        raise UsageError(f"{source} does not record its tokenizer; pass --tokenizer (byte or gpt2)")
+    return known or requested or "byte"
 
 
 def _tokenizer_for(meta: dict[str, Any], model):
     from .data import get_tokenizer
 
+    if model.hf_tokenizer is not None:  # the folder's own tokenizer.json
+        tok = model.hf_tokenizer
+        if tok.vocab_size > model.config.vocab_size:
+            raise UsageError(f"{tok.path} has {tok.vocab_size} tokens but the model only {model.config.vocab_size}")
+        return tok
     name = meta.get("tokenizer") or model.tokenizer_name
     if name is None:  # a bare model checkpoint: a byte vocabulary is the only safe guess
         if model.config.vocab_size != 256:
@@ -540,6 +575,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     }
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite contradict each other")
+    if args.init_from is not None and (args.resume or args.preset is not None):
+        raise UsageError(f"--init-from starts a new run from its model; leave out "
+                         f"{'--resume' if args.resume else '--preset'}")
 
     if args.resume:
         ckpt = resolve_checkpoint(out)
@@ -561,20 +599,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         preset, data_spec, tok_name = meta.get("preset"), meta["data"], meta["tokenizer"]
         val_fraction = meta.get("val_fraction", args.val_fraction)
         model = XLSTMLanguageModel.load(ckpt)
+        tok_name = model.hf_tokenizer or tok_name  # a tokenizers-format tokenizer.json travels with the checkpoint
         start = int(meta["step"])
+    elif args.init_from is not None:
+        preset = None
+        model = XLSTMLanguageModel.from_pretrained(args.init_from, dtype=torch.float32)  # fp32 master weights
+        tok_name = _init_tokenizer(model, args.tokenizer, args.init_from)
     else:
         preset = (args.preset or DEFAULT_PRESET)
         if preset.lower() not in PRESETS:
             raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
         tok_name = args.tokenizer or "byte"
-        if tok_name not in TOKENIZERS:
+    if not args.resume:
+        if isinstance(tok_name, str) and tok_name not in TOKENIZERS:
             raise UsageError(f"unknown tokenizer {tok_name!r}; choose one of {', '.join(TOKENIZERS)}")
         data_spec = _normalise_data_spec(args.data or DEFAULT_DATA)
         val_fraction = args.val_fraction
         if (out / "latest").exists() and not args.overwrite:
             raise UsageError(f"{out} already holds a training run; add --resume to continue it "
                              f"or --overwrite to start afresh")
-        defaults = {"steps": 1000, **_train_defaults(preset)}
+        defaults = {"steps": 1000, **(_train_defaults(preset) if preset else _FINETUNE_DEFAULTS)}
         steps = overrides.get("steps", defaults["steps"])
         # A short run still needs its cosine decay: warm up for at most a fifth of it.
         defaults["warmup_steps"] = min(defaults["warmup_steps"], steps // 5)
@@ -584,10 +628,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
     if config.steps <= start:
         raise UsageError(f"the checkpoint is already at step {start}; pass --steps larger than that to train on")
-    model_config = model.config if args.resume else XLSTMConfig.from_name(
+    init_from = args.init_from or (meta.get("init_from") if args.resume else None)
+    label = preset or (f"the model of {init_from}" if init_from else "the model")
+    model_config = model.config if args.resume or args.init_from else XLSTMConfig.from_name(
         preset, vocab_size=get_tokenizer(tok_name).vocab_size)
     if device is not None and device.type == "cpu":
-        _check_training_memory(model_config, config, preset)
+        _check_training_memory(model_config, config, label)
     if dist.is_main:
         _check_out_dir(out)
     data = load_data(data_spec, tok_name, val_fraction=val_fraction)
@@ -595,11 +641,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         _report_skipped(data)
     if not args.resume:
         torch.manual_seed(config.seed)
-        model = XLSTMLanguageModel(model_config)
+        if args.init_from is None:
+            model = XLSTMLanguageModel(model_config)
         if args.overwrite and dist.is_main:
             _clear_run(out)
 
-    meta_out = {"preset": preset, "data": data_spec, "tokenizer": tok_name, "val_fraction": val_fraction}
+    tok_label = getattr(tok_name, "name", tok_name)
+    meta_out = {"preset": preset, "data": data_spec, "tokenizer": tok_label, "val_fraction": val_fraction}
+    if init_from is not None:
+        meta_out["init_from"] = str(Path(init_from).resolve())
     progress = None
     if dist.is_main:
         n_params = sum(p.numel() for p in model.parameters())
@@ -611,8 +661,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if config.activation_checkpointing != "none":
             where += f", recomputing {config.activation_checkpointing} blocks in the backward"
         print(
-            f"{'resuming' if args.resume else 'training'} {preset} ({n_params / 1e6:.2f}M parameters) on "
-            f"{data_spec} ({len(data.train):,} training tokens, tokenizer {tok_name}) for "
+            f"{'resuming' if args.resume else 'training'} {label} ({n_params / 1e6:.2f}M parameters) on "
+            f"{data_spec} ({len(data.train):,} training tokens, tokenizer {tok_label}) for "
             f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on {where} -> {out}",
             file=sys.stderr, flush=True,
         )
@@ -661,7 +711,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     device = _pick_device(args.device)
     _use_threads(args.threads, device)
-    _, meta, model = _load_model(args.checkpoint, device)
+    _, meta, model = _load_model(args.checkpoint, device, args.dtype)
     tok = _tokenizer_for(meta, model)
     prompt = "\n" if args.prompt is None else args.prompt
     text = _generate_text(model, tok, prompt, args.max_new_tokens, args.temperature,
@@ -676,7 +726,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     device = _pick_device(args.device)
     _use_threads(args.threads, device)
-    ckpt, meta, model = _load_model(args.checkpoint, device)
+    ckpt, meta, model = _load_model(args.checkpoint, device, args.dtype)
     tok = _tokenizer_for(meta, model)
     spec = args.data or meta.get("data") or DEFAULT_DATA
     val_fraction = args.val_fraction or meta.get("val_fraction", 0.1)
@@ -685,7 +735,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or meta.get("train_config", {}).get("seq_len") or model.config.context_length
     if device.type == "cpu":
         _check_eval_memory(model, args.batch_size, seq_len)
-    data = load_data(spec, tok.name, val_fraction=val_fraction)
+    data = load_data(spec, tok, val_fraction=val_fraction)
     _report_skipped(data)
     max_batches = args.eval_batches
     if max_batches is None:

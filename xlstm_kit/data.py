@@ -360,15 +360,17 @@ class TokenData:
 
 def load_data(
     spec: str,
-    tokenizer: str = "byte",
+    tokenizer="byte",
     *,
     val_fraction: float = 0.1,
     cache_dir: Path | None = None,
 ) -> TokenData:
-    """Read, tokenize (cached) and split a corpus; see :class:`TokenData`."""
+    """Read, tokenize (cached) and split a corpus; see :class:`TokenData`. ``tokenizer``: a
+    name (see :func:`get_tokenizer`) or a tokenizer object such as ``xlstm_kit.hub.HFTokenizer``
+    (its ``name`` keys the token cache)."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    tok = get_tokenizer(tokenizer)
+    tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     listing = list_corpus(spec, cache_dir)
     ids = tokenize_corpus(spec, tok, cache_dir, files=listing.files)
     n_val = int(math.ceil(len(ids) * val_fraction))

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _recompute
 
-from . import checkpoint
+from . import checkpoint, hub
 from .nn.common import round_up, small_init_
 from .nn.dplr import DPLRBlock, DPLRState
 from .nn.large import LargeBlock, RMSNorm, at_least_float32, soft_cap
@@ -371,6 +371,11 @@ class XLSTMLanguageModel(nn.Module):
     large-family blocks use MLSTMState with an empty conv field).
     """
 
+    # From the folder a model was loaded from (xlstm_kit.hub): a tokenizers-format tokenizer.json
+    # (BOS prepended) and the token ids a HuggingFace config.json records.
+    hf_tokenizer = None
+    hf_special_tokens = None
+
     def __init__(self, config: XLSTMConfig):
         super().__init__()
         if not isinstance(config, XLSTMConfig):
@@ -603,7 +608,10 @@ class XLSTMLanguageModel(nn.Module):
 
     @property
     def tokenizer(self):
-        """The tokenizer named by `tokenizer_name` (set by `load` from the checkpoint)."""
+        """The folder's tokenizer.json in the `tokenizers` format (`hf_tokenizer`, BOS prepended),
+        else the tokenizer named by `tokenizer_name` (both set by `load` / `from_pretrained`)."""
+        if self.hf_tokenizer is not None:
+            return self.hf_tokenizer
         if self.tokenizer_name is None:
             raise XLSTMKitError(
                 "this model does not know its tokenizer (its checkpoint records none); set "
@@ -616,7 +624,9 @@ class XLSTMLanguageModel(nn.Module):
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str | Path, tokenizer: str | None = None) -> Path:
         """Write `directory`/config.json + model.safetensors, and tokenizer.json naming
-        `tokenizer` (default: `tokenizer_name`, when set). Atomic; see xlstm_kit.checkpoint."""
+        `tokenizer` (default: `tokenizer_name`, when set; a model with `hf_tokenizer` writes that
+        tokenizers-format tokenizer.json and tokenizer_config.json instead). Atomic; see
+        xlstm_kit.checkpoint."""
         return checkpoint.save_model(self, directory, tokenizer=tokenizer or self.tokenizer_name)
 
     @classmethod
@@ -654,8 +664,33 @@ class XLSTMLanguageModel(nn.Module):
             checkpoint.check_state(cls(config), tensors, source)
         model = checkpoint.load_state_checked(cls(config), tensors, source, checked=True)
         model.tokenizer_name = checkpoint.read_tokenizer_name(path)
+        model.hf_tokenizer = hub.find_tokenizer(path)
         model.eval()
         return model if device is None else model.to(device)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
+                        device: str | torch.device | None = None) -> "XLSTMLanguageModel":
+        """Load a HuggingFace xLSTM folder (config.json with model_type "xlstm", model.safetensors
+        or shards listed in model.safetensors.index.json; NX-AI/xLSTM-7b, transformers'
+        save_pretrained) as a large-family model, or an xlstm_kit checkpoint / `train --out` run.
+
+        Lazy: built on the meta device, then each tensor is read (memory-mapped), converted to
+        `dtype` (default: the file's, float32 if mixed) and placed on `device` (default: cpu) on
+        its own, so a 7B model loads in bf16 without a float32 or second copy. Names and shapes
+        are checked against config.json first. A tokenizer.json in the folder becomes
+        `model.tokenizer`. Returns the model in eval mode. See xlstm_kit.hub.
+        """
+        return hub.load_pretrained(cls, path, dtype=dtype, device=device)
+
+    def save_pretrained(self, path: str | Path, format: str = "hf",
+                        max_shard_size: int | str = hub.DEFAULT_MAX_SHARD_SIZE) -> Path:
+        """format="hf": write a folder transformers' `xLSTMForCausalLM.from_pretrained` loads
+        (config.json, HF weight names, shards of at most `max_shard_size` such as "5GB" with
+        model.safetensors.index.json, the tokenizer when known); large family only.
+        format="xlstm_kit": our checkpoint format (= `save`). Atomic: a new folder appears
+        complete or not at all. Returns the folder."""
+        return hub.save_pretrained(self, path, format=format, max_shard_size=max_shard_size)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
