@@ -20,6 +20,9 @@ or a hang costs its own row only):
 - tf_compile, tf_eager: the Llama-style Transformer of `xlstm_kit.tasks.baselines`
   (TransformerLM(50304, 768, 12 blocks, 12 heads): SwiGLU 2048, RoPE, SDPA), whole-model
   `torch.compile` and eager; the compiled one is the reference of the ratio columns;
+- large_compile, large_8k: the xlstm_kit `large-125M` preset (the xLSTM-7B block family at d 768,
+  12 blocks, 4 heads: qk head 96, v head 192; vocab 50304), `compile_blocks`, at 16 x 2048 and at
+  4 x 8192; tf_compile_8k: the compiled Transformer at 4 x 8192 (the reference of large_8k);
 - official: the official `xlstm.xlstm_large` (xlstm 2.0.6, mlstm_kernels 2.0.6) at d 768, 12
   blocks, with xLSTM-7B's defaults otherwise (8 heads, qk_dim_factor 0.5, v_dim_factor 1.0: qk
   head dim 48, v head dim 96; SwiGLU factor 2.667), `chunkwise--triton_limit_chunk`,
@@ -85,8 +88,11 @@ JOBS: dict[str, tuple[str, dict, float]] = {
     "mlstm_ops": ("mlstm_ops", {}, 150),
     "official": ("model", dict(arch="official", compile=False), 150),
     "tf_eager": ("model", dict(arch="tf", compile=False), 120),
+    "large_compile": ("model", dict(arch="large", compile=True), 200),
+    "tf_compile_8k": ("model", dict(arch="tf", compile=True, batch=4, seq=8192), 200),
+    "large_8k": ("model", dict(arch="large", compile=True, batch=4, seq=8192), 200),
 }
-XLSTM_ARCHS = ("x10", "x71")
+XLSTM_ARCHS = ("x10", "x71", "large")
 MIN_JOB_S = 25.0  # a job that cannot get this long is skipped rather than started (--quick: 3 s)
 
 
@@ -254,7 +260,7 @@ def _build_model(st: dict, quick: bool, device):
     import torch
 
     arch = st["arch"]
-    V, T = (128, 64) if quick else (VOCAB, SEQ)
+    V, T = (128, 64) if quick else (VOCAB, st.get("seq", SEQ))
     facts: dict = {}
     if arch in XLSTM_ARCHS:
         from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
@@ -262,14 +268,18 @@ def _build_model(st: dict, quick: bool, device):
 
         ratio = "7:1" if arch == "x71" else "1:0"
         over = {}
-        if quick:
+        if arch == "large":
+            cfg = XLSTMConfig.from_name("large-125M", vocab_size=V, context_length=T, **(
+                dict(d_model=32, n_blocks=2, n_heads=2) if quick else {}))
+        elif quick:
             cfg = XLSTMConfig(vocab_size=V, d_model=32, n_blocks=2, n_heads=2,
                               slstm_at=[1] if arch == "x71" else [], context_length=T, **over)
         else:
             cfg = XLSTMConfig.from_name("125M", vocab_size=V, slstm_at=ratio, **over)
         model = XLSTMLanguageModel(cfg).to(device)
-        facts.update(flops_per_token=flops_per_token(cfg), config=f"125M preset, slstm_at {ratio!r}"
-                     if not quick else f"tiny d 32, 2 blocks, slstm_at {cfg.slstm_at}",
+        name = "large-125M preset" if arch == "large" else f"125M preset, slstm_at {ratio!r}"
+        facts.update(flops_per_token=flops_per_token(cfg), config=name
+                     if not quick else f"tiny d 32, 2 blocks, family {cfg.family}, slstm_at {cfg.slstm_at}",
                      block_types="".join(cfg.block_types))
         if st.get("ckpt"):
             model.set_activation_checkpointing("all")  # the library's own, kept by compile_blocks
@@ -341,7 +351,7 @@ def child_model(name: str, st: dict, opts: dict) -> None:
         row["compile_mode"] = how + (" (backend eager)" if quick else "")
     from xlstm_kit.train import lm_loss, train_step
 
-    V, B, T = (128, 2, 64) if quick else (VOCAB, BATCH, SEQ)
+    V, B, T = (128, 2, 64) if quick else (VOCAB, st.get("batch", BATCH), st.get("seq", SEQ))
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, V, (B, T + 1), generator=g).to(device)
     x, y = batch[:, :-1], batch[:, 1:]
@@ -571,7 +581,9 @@ def render(rows: list[dict], notes: list[str], header: dict, tables_last: bool =
     models = [r for r in rows if r.get("kind") == "model"]
     ops = [r for r in rows if r.get("kind") == "op"]
     ref = next((r for r in models if r.get("job") == "tf_compile" and r.get("tok_s")), None)
-    ref_note = "tf_compile"
+    ref_note = "tf_compile (rows at another batch x length: the compiled Transformer at theirs)"
+    same_shape = {(r.get("batch"), r.get("seq")): r for r in models
+                  if r.get("arch") == "tf" and r.get("compiled") and r.get("tok_s")}
     if ref is None:
         ref = next((r for r in models if r.get("arch") == "tf" and r.get("tok_s")), None)
         ref_note = "tf_eager (no compiled Transformer in this call)" if ref else "none"
@@ -592,7 +604,9 @@ def render(rows: list[dict], notes: list[str], header: dict, tables_last: bool =
     head = ["job", "model", "params", "tokens/s", "× TF", "step ms", "MFU", "peak GiB", "× TF mem",
             "first step s", "loss ok", "launches/step", "kernel ms/step"] + [f"{c} %" for c in cats]
     lines += ["## Models", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    default_ref = ref
     for r in models:
+        ref = same_shape.get((r.get("batch"), r.get("seq")), default_ref)
         p = r.get("profile") or {}
         share = p.get("category_share") or {}
         if r.get("status") and not r.get("tok_s"):
