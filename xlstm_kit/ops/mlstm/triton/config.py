@@ -105,19 +105,21 @@ def _tuned(cls, K: int, V: int, dtype: torch.dtype, chunk: int):
     # (_fwd_out 64-deep K-tiles on 4 warps, 64×64 state tiles) gave 6-13x the error in h at
     # K = V = 384 and 512 on the H200 (not at 128 or 256×512; cause not isolated, see the notes).
     big = bf16 and K > 128
-    # 16-wide heads: _bwd_fused on 8 warps made an illegal memory access on the H200 with float32
-    # inputs at K = V = 16 (Triton 3.6; 4 warps and the K-tiled backward were right; cause in the
-    # compiler's layout of the 16-wide tiles, not isolated)
+    # 16-wide heads on 8 warps go wrong on the H200 with float32 inputs (Triton 3.6): _bwd_fused
+    # made an illegal memory access at K = V = 16 and gave gradients off by 40-80 % at 16 x 32
+    # and 32 x 16; _fwd_out lost precision at K = V = 16 (h error 1e-4 instead of 4e-7). On 4 or
+    # 2 warps all are right (benchmarks/NOTES-mlstm.md); the cause inside the compiler is not isolated.
+    narrow = min(Kp, Vp) <= 16
     return cls(
         chunk=chunk,
         states_bk=min(64, Kp), states_bv=min(128 if big else 64, Vp), states_warps=4,
         states_stages=3 if bf16 else 2,
         out_bk=min(128 if K <= 128 or big else 64, Kp), out_bv=min(64 if big else 128 if bf16 else 64, Vp),
-        out_warps=4 if bf16 else 8, out_stages=2,
+        out_warps=4 if bf16 or narrow else 8, out_stages=2,
         dstates_bk=min(64, Kp), dstates_bv=min(128 if big else 64, Vp), dstates_warps=4,
         dstates_stages=3 if bf16 else 2,
         fused_max_k=64 if f32_long else 128, fused_bv=(64 if bf16 else 32) if Kp <= 128 else 16,
-        fused_warps=4 if min(Kp, Vp) <= 16 else 8,
+        fused_warps=4 if narrow else 8,
         fused_stages=3 if bf16 else 2,
         dqk_bk=min(128 if big else 64, Kp), dqk_bv=min(32, Vp), dqk_warps=8 if big else 4,
         dqk_stages=2 if big else 1,
