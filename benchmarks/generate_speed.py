@@ -1,0 +1,296 @@
+"""Generation speed on one GPU against its memory-bandwidth floor (issue 17), in one call.
+
+    python3 benchmarks/generate_speed.py --wheels .whl --out $OUT [--only JOB,...] [--quick]
+
+Every job runs in its own child process (a crash or out-of-memory costs its row only), bf16,
+random weights, greedy:
+- x125 (the `125M` preset, xLSTM[7:1]), l13b (`large-1.3B`), x7b (`xlstm-7b`): `model.generate`;
+- off13b, off7b: the official `xlstm.xlstm_large.xLSTMLarge` at the sizes of l13b and x7b, its
+  own `generate` (mode "inference", return_last_states=True, its default kernels);
+- tf125, tf13b: the Llama-style Transformer of `xlstm_kit.tasks.baselines` at d 768 x 12 and
+  d 2048 x 24 (16 heads), decoding with a static KV cache, one step under
+  torch.compile(mode="reduce-overhead") (CUDA graphs).
+Per job: prefill tokens/s at 32 x 2048 (no_grad forward returning the state / filling the
+cache); decode tokens/s at batch 1 and 32 after a 16-token prompt; decode tokens/s at batch 1
+after prompts of 2,048 and 16,384 tokens; time to first token at 1 x 16,384. Decode tokens/s
+come from two runs that differ only in the number of new tokens (n and n + 128): the
+difference excludes the prefill and one-off costs (graph capture). The floor of a decode step
+is (weight bytes + the batch's state or KV-cache bytes read per step) / the copy rate measured
+in the same call; each decode row shows its fraction of the floor's tokens/s.
+
+Writes DIR/generate_speed.jsonl and DIR/generate_speed.md (DIR = --out, else $OUT, else .).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_e2e import install_wheels, run_child  # noqa: E402
+
+JOBS = ("x125", "l13b", "x7b", "tf125", "tf13b", "off13b", "off7b")
+VOCAB = 50304
+EXTRA = 128  # the second run's additional new tokens
+
+
+# ------------------------------------------------------------------------------ models
+def _module_base():
+    import torch
+
+    return torch.nn.Module
+
+
+class KVCacheTransformer(_module_base()):
+    """Greedy decoding of a baselines.TransformerLM with a static KV cache [L, 2, B, H, Tmax, hd]:
+    `prefill(tokens)` fills positions 0..T-1, `step(token, pos)` attends over the cache with a
+    mask beyond `pos` (static shapes, so one CUDA graph serves every position)."""
+
+    def __init__(self, lm, batch: int, max_len: int):
+        import torch
+
+        super().__init__()
+        self.lm, self.B, self.T = lm, batch, max_len
+        blk = lm.blocks[0].attn
+        self.H, self.hd = blk.n_heads, lm.d_model // blk.n_heads
+        w = lm.embedding.weight
+        # a buffer: CUDA graphs keep its address, so the in-place cache writes stay in the graph
+        self.register_buffer("cache", torch.zeros(len(lm.blocks), 2, batch, self.H, max_len, self.hd,
+                                                  device=w.device, dtype=w.dtype))
+        from xlstm_kit.tasks.baselines import rope_tables
+
+        self.cos, self.sin = rope_tables(max_len, self.hd, w.device)
+        self.step = torch.compile(self._step, mode="reduce-overhead", fullgraph=True) \
+            if w.is_cuda else self._step
+
+    def _attend(self, i, x, pos, causal_prefill):
+        import torch.nn.functional as F
+
+        from xlstm_kit.tasks.baselines import apply_rope
+
+        blk = self.lm.blocks[i]
+        B, T, C = x.shape
+        q, k, v = blk.attn.qkv(blk.attn_norm(x)).view(B, T, 3, self.H, self.hd).permute(2, 0, 3, 1, 4)
+        cos, sin = (self.cos[:T], self.sin[:T]) if causal_prefill else (self.cos[pos], self.sin[pos])
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if causal_prefill:
+            self.cache[i, 0, :, :, :T] = k
+            self.cache[i, 1, :, :, :T] = v
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            import torch
+
+            self.cache[i, 0].index_copy_(2, pos, k)
+            self.cache[i, 1].index_copy_(2, pos, v)
+            mask = (torch.arange(self.T, device=x.device) <= pos)[None]  # [1, Tmax]
+            y = F.scaled_dot_product_attention(q, self.cache[i, 0], self.cache[i, 1], attn_mask=mask)
+        x = x + blk.attn.out(y.transpose(1, 2).reshape(B, T, C))
+        return x + blk.ffn(blk.ffn_norm(x))
+
+    def prefill(self, tokens):
+        x = self.lm.embedding(tokens)
+        for i in range(len(self.lm.blocks)):
+            x = self._attend(i, x, None, True)
+        return self.lm.lm_head(self.lm.norm(x[:, -1]))
+
+    def _step(self, token, pos):
+        x = self.lm.embedding(token)[:, None]
+        for i in range(len(self.lm.blocks)):
+            x = self._attend(i, x, pos, False)
+        return self.lm.lm_head(self.lm.norm(x[:, 0]))
+
+    def generate(self, prompt, n):
+        import torch
+
+        T = prompt.shape[1]
+        tok = self.prefill(prompt).argmax(-1)
+        out = [tok]
+        for t in range(T, T + n - 1):
+            tok = self.step(tok, torch.tensor([t], device=prompt.device)).argmax(-1).clone()
+            out.append(tok)
+        return torch.stack(out, 1)
+
+
+def build(job: str, quick: bool):
+    """-> (generate(prompt [B, T], n) -> tokens, prefill(tokens), weight bytes, state bytes per row
+    per step (a function of the context length), label)."""
+    import torch
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the official torch path is float32-only on a CPU
+    V = 256 if quick else VOCAB
+    torch.manual_seed(0)
+    if job in ("x125", "l13b", "x7b"):
+        from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+
+        name = dict(x125="125M", l13b="large-1.3B", x7b="xlstm-7b")[job]
+        over = dict(d_model=64, n_blocks=2) if quick else {}
+        cfg = XLSTMConfig.from_name(name, vocab_size=V, **over)
+        with dev:
+            model = XLSTMLanguageModel(cfg).to(dt).eval()
+        state = sum(t.numel() * t.element_size() for s in model.init_state(1, device=dev) for t in s)
+        return (lambda p, n: model.generate(p, n, temperature=0), lambda p: model(p, return_state=True),
+                _bytes(model), lambda ctx: state, f"xlstm_kit {name}")
+    if job in ("off13b", "off7b"):
+        from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
+
+        d, L, H = (2048, 24, 4) if job == "off13b" else (4096, 32, 8)
+        if quick:
+            d, L, H = 64, 2, 2
+        cpu = {} if dev.type == "cuda" else dict(  # a --quick smoke run on a CPU: the package's torch kernels
+            chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native", step_kernel="native")
+        cfg = xLSTMLargeConfig(embedding_dim=d, num_heads=H, num_blocks=L, vocab_size=V, mode="inference",
+                               return_last_states=True, **cpu)
+        with dev:
+            model = xLSTMLarge(cfg).to(dt).eval()
+        k, v = int(d * cfg.qk_dim_factor) // H, int(d * cfg.v_dim_factor) // H
+        state = L * H * (k * v + k + 1) * 4
+        return (lambda p, n: model.generate(p, max_length=n)[0], lambda p: model(p), _bytes(model),
+                lambda ctx: state, f"official xLSTMLarge d {d}, {L} blocks, {H} heads, {cfg.chunkwise_kernel}")
+    from xlstm_kit.tasks.baselines import TransformerLM
+
+    d, L, H = (768, 12, 12) if job == "tf125" else (2048, 24, 16)
+    if quick:
+        d, L, H = 64, 2, 2
+    with dev:
+        lm = TransformerLM(V, d, L, H).to(dt).eval()
+    cache = {}
+
+    def generate(p, n):
+        key = (p.shape[0], p.shape[1] + n + EXTRA)
+        if key not in cache:  # one cache (and graph) per batch and length bound
+            cache.clear()
+            cache[key] = KVCacheTransformer(lm, *key)
+        return cache[key].generate(p, n)
+
+    def prefill(p):
+        return KVCacheTransformer(lm, p.shape[0], p.shape[1]).prefill(p)
+
+    return (generate, prefill, _bytes(lm), lambda ctx: 2 * L * ctx * d * 2,
+            f"TransformerLM d {d}, {L} layers, {H} heads, static KV cache, reduce-overhead")
+
+
+def _bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _time(fn, reps: int = 3) -> float:
+    """Median seconds of fn() after one warm-up call."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def copy_rate() -> float:
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.empty(1 << (29 if dev == "cuda" else 22), dtype=torch.bfloat16, device=dev)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / _time(lambda: y.copy_(x), 5)
+
+
+def child(job: str, quick: bool) -> None:
+    import torch
+
+    rate = copy_rate()
+    generate, prefill, wbytes, sbytes, label = build(job, quick)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(0)
+    toks = lambda b, t: torch.randint(0, 256 if quick else VOCAB, (b, t), device=dev, generator=g)  # noqa: E731
+    base = dict(job=job, model=label, weight_gib=wbytes / 2**30, copy_tb_s=rate / 1e12,
+                device=torch.cuda.get_device_name() if dev == "cuda" else "cpu")
+    n0 = 8 if quick else 32
+    extra = 8 if quick else EXTRA
+    cases = [("prefill", 32, 2048), ("decode", 1, 16), ("decode", 32, 16), ("decode", 1, 2048),
+             ("decode", 1, 16384), ("ttft", 1, 16384)]
+    if quick:
+        cases = [(k, min(b, 2), min(t, 64)) for k, b, t in cases]
+    for kind, B, T in cases:
+        row = dict(base, case=kind, batch=B, prompt=T)
+        try:
+            p = toks(B, T)
+            with torch.no_grad():
+                if kind == "prefill":
+                    s = _time(lambda: prefill(p))
+                    row.update(ms=s * 1e3, tok_s=B * T / s)
+                elif kind == "ttft":
+                    s = _time(lambda: generate(p, 1))
+                    row.update(ms=s * 1e3)
+                else:
+                    a = _time(lambda: generate(p, n0))
+                    b = _time(lambda: generate(p, n0 + extra))
+                    step = (b - a) / extra
+                    floor = (wbytes + B * sbytes(T + n0)) / rate
+                    row.update(step_ms=step * 1e3, tok_s=B / step, floor_tok_s=B / floor, of_floor=floor / step)
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            row["status"] = f"{type(e).__name__}: {str(e)[:200]}"
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        print("RESULT " + json.dumps(row), flush=True)
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["| job | model | case | batch x prompt | tokens/s | ms | floor tokens/s | of floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "case" not in r:
+            lines.append(f"| {r.get('job')} | {r.get('status', '')[:200]} | | | | | | |")
+            continue
+        ms = r.get("step_ms", r.get("ms"))
+        cells = [r["job"], r["model"], r["case"], f"{r['batch']} x {r['prompt']}",
+                 f"{r['tok_s']:,.0f}" if "tok_s" in r else "—", f"{ms:.3f}" if ms is not None else "—",
+                 f"{r['floor_tok_s']:,.0f}" if "floor_tok_s" in r else "—",
+                 f"{100 * r['of_floor']:.0f} %" if "of_floor" in r else r.get("status", "—")[:120]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--wheels", help="folder with the xlstm and mlstm-kernels wheels (official rows)")
+    ap.add_argument("--only", help="comma-separated jobs of " + ",".join(JOBS))
+    ap.add_argument("--quick", action="store_true", help="tiny models and shapes (a smoke run)")
+    ap.add_argument("--limit-s", type=float, default=120, help="time limit per job")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(a.child, a.quick)
+        return 0
+    env = dict(os.environ)
+    if a.wheels:
+        path, note = install_wheels(a.wheels, sys.stderr)
+        if path:
+            env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
+        print(note, file=sys.stderr)
+    rows = []
+    for job in (a.only.split(",") if a.only else JOBS):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", job] + (["--quick"] if a.quick else [])
+        res = run_child(cmd, a.limit_s, env)
+        rows += res["results"] or [dict(job=job, status=f"failed (rc {res['rc']}): {res['stderr'][-300:]}")]
+        if res["rc"] != 0 and res["results"]:
+            rows.append(dict(job=job, status=f"ended early (rc {res['rc']}): {res['stderr'][-200:]}"))
+    with open(os.path.join(a.out, "generate_speed.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    table = render(rows)
+    with open(os.path.join(a.out, "generate_speed.md"), "w") as f:
+        f.write(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
