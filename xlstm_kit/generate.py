@@ -404,8 +404,7 @@ def complete_texts(model, tokenizer, prompts: Sequence[str], max_new_tokens: int
     o = _options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalty, eos_token_id, stop,
                  seed, generator, streamer, cuda_graph)
     device = _model_device(model)
-    start = [o.eos[0]] if o.eos else tokenizer.encode("\n")
-    ids = [tokenizer.encode(p) or start for p in prompts]
+    ids = [tokenizer.encode(p) or ([o.eos[0]] if o.eos else tokenizer.encode("\n")) for p in prompts]
     rows = _prompt_rows(model, [torch.tensor(i, dtype=torch.long, device=device) for i in ids],
                         getattr(getattr(model, "config", None), "vocab_size", None))
     streamer = o.streamer
