@@ -392,7 +392,7 @@ def complete_texts(model, tokenizer, prompts: Sequence[str], max_new_tokens: int
     """Continue each text of `prompts` as one batch (see `generate` for the options).
 
     `tokenizer` has encode / decode / eos_token_id; the end tokens are eos_token_id, else the
-    tokenizer's. An empty prompt starts from the end-of-text token (or a newline when the
+    tokenizer's (eos_token_id=[]: none). An empty prompt starts from the end-of-text token (or a newline when the
     tokenizer has none). streamer(row, text) receives each row's continuation as it becomes
     final: whole characters only (a multi-byte character split over byte tokens comes out once
     complete), never a stop string; the pieces of a row add up to its `text`.
