@@ -39,7 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     what = gen.add_mutually_exclusive_group()
     what.add_argument("--prompt", default=None, metavar="TEXT", help="text to continue (default: a newline)")
     what.add_argument("--prompts", default=None, metavar="FILE",
-                      help="a UTF-8 file with one prompt per line: generated as one batch, written as JSON lines")
+                      help="a UTF-8 file with one prompt per line (-: stdin): generated as one batch, written as JSON lines")
     gen.add_argument("--output", default=None, metavar="FILE", help="with --prompts: write the JSON lines "
                      "here instead of stdout")
     gen.add_argument("--max-new-tokens", type=_nonneg_int, default=200, help="tokens to generate (per prompt)")
@@ -65,7 +65,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def _read_prompts(path: str) -> list[str]:
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        text = (sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()).decode("utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(f"--prompts {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     prompts = [line for line in text.splitlines() if line.strip()]
