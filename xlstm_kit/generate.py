@@ -160,8 +160,9 @@ def _prefill(model, rows: list[torch.Tensor]):
 
 def _decode(model, rows: list[torch.Tensor], o: _Options, texts: list[TextRow] | None = None) -> list[torch.Tensor]:
     """The continuation of each row (int64 on the model's device, up to o.max_new_tokens ids; with
-    an end token: through it). `texts` (one per row) receive the ids and end rows at stop strings;
-    without them, stop strings need a tokenizer in o (checked by the caller).
+    an end token: through it). `texts` (one per row, built by the caller when there are stop
+    strings or text to stream) receive the new ids, an end token excepted, and end their rows at
+    stop strings.
     """
     B = len(rows)
     device = rows[0].device
