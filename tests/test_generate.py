@@ -76,6 +76,24 @@ def test_batched_mixed_lengths_equal_one_by_one(family, chunk_size):
         assert torch.equal(logits[p.numel() - 1:-1].argmax(-1), out[p.numel():])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["neurips", "large"])
+def test_batched_mixed_lengths_equal_one_by_one_on_cuda(family):
+    """Triton prefill, CUDA-graph decode, the end-token check every few tokens on the device."""
+    model = tiny_model(family, chunk_size=16).cuda()
+    rows = [p.cuda() for p in prompts()]
+    batch = model.generate(rows, max_new_tokens=20, temperature=0)
+    alone = [model.generate(p, max_new_tokens=20, temperature=0, cuda_graph=False) for p in rows]
+    assert all(torch.equal(a, b) for a, b in zip(batch, alone))
+    eos = int(alone[0][rows[0].numel() + 4])  # row 0 ends after 5 tokens
+    ended = model.generate(rows, max_new_tokens=20, temperature=0, eos_token_id=eos)
+    for p, a, e in zip(rows, alone, ended):
+        new = a[p.numel():].tolist()
+        k = new.index(eos) + 1 if eos in new else len(new)
+        assert torch.equal(e, a[: p.numel() + k])
+
+
 def test_equal_lengths_in_a_list_match_the_tensor_form():
     model = tiny_model()
     rows = prompts((6, 6, 6))
