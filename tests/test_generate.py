@@ -1,6 +1,7 @@
 """Generation: batches of prompts of different lengths (equal to one-by-one, both block families),
 end tokens per row, stop strings, seeded sampling, the repetition penalty, argument errors, the
 whole-character text streamer, and `xlstm-kit generate` (--prompts to JSON lines, --stream)."""
+import io
 import json
 import sys
 
@@ -284,7 +285,7 @@ class Terminal:
         return True
 
 
-def test_cli_prompts_file_to_json_lines(byte_model_dir, tmp_path, capsys):
+def test_cli_prompts_file_to_json_lines(byte_model_dir, tmp_path, monkeypatch, capsys):
     model, folder = byte_model_dir
     texts = ["ROMEO:", "a", "Zwölf Boxkämpfer jagen Viktor"]
     (tmp_path / "p.txt").write_text("\n".join(texts[:2]) + "\n\n" + texts[2] + "\n", encoding="utf-8")
@@ -302,6 +303,11 @@ def test_cli_prompts_file_to_json_lines(byte_model_dir, tmp_path, capsys):
     assert cli.main(base + ["--output", str(tmp_path / "out.jsonl")]) == 0
     assert capsys.readouterr().out == ""
     assert [json.loads(x) for x in (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()] == lines
+    # "-": the prompts from stdin
+    stdin = io.TextIOWrapper(io.BytesIO((tmp_path / "p.txt").read_bytes()), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert cli.main([x if x != str(tmp_path / "p.txt") else "-" for x in base]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == lines
     # --stop: each completion cut where its text appears
     stop = lines[2]["completion"][3:5]
     assert cli.main(base + ["--stop", stop, "--stop", "@@@"]) == 0

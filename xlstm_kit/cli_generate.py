@@ -19,8 +19,8 @@ EXAMPLES = """Examples:
   xlstm-kit generate runs/tiny --prompts prompts.txt --temperature 0 --output out.jsonl
   xlstm-kit generate xLSTM-7b/ --prompt 'The capital of France is' --dtype bf16 --temperature 0
 
-With --prompts, each line of the file is a prompt (empty lines are skipped); they run as one batch
-and each gives a JSON line {"prompt": ..., "completion": ..., "tokens": N} (tokens: generated
+With --prompts, each line of the file is a prompt (empty lines are skipped); they run as one batch \
+and each gives a JSON line {"prompt": ..., "completion": ..., "tokens": N} (tokens: generated \
 tokens, an end token not counted). Speed (tokens/s) goes to stderr, so stdout stays clean."""
 
 
