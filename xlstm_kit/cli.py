@@ -4,7 +4,8 @@
     xlstm-kit train    [--preset tiny] [--data builtin:shakespeare|PATH] [--tokenizer byte|gpt2]
                        [--steps N] [--out DIR] [--resume] ...
     xlstm-kit train    --init-from DIR [--data ...]          (fine-tune a saved or HuggingFace model)
-    xlstm-kit generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
+    xlstm-kit generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--stream]
+    xlstm-kit generate DIR --prompts FILE [--output FILE] [--stop STR] ...   (a batch, JSON lines out)
     xlstm-kit eval     DIR [--data SPEC]
 
 DIR is a training output folder, an xlstm_kit checkpoint or a HuggingFace xLSTM folder
@@ -208,30 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     # ---------------------------------------------------------------- generate
-    gen = sub.add_parser(
-        "generate",
-        help="continue a prompt with a trained model",
-        description="Print the prompt and its continuation, sampled token by token from the "
-        "recurrent state (memory does not grow with the length).",
-        epilog="Examples:\n"
-        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --max-new-tokens 200\n"
-        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --temperature 0        # greedy\n"
-        "  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --top-p 0.9 --seed 1   # reproducible\n"
-        "  xlstm-kit generate xLSTM-7b/ --prompt 'The capital of France is' --dtype bf16 --temperature 0",
-        formatter_class=_Formatter,
-    )
-    gen.add_argument("checkpoint", metavar="DIR", help="a training output folder (--out of train), a checkpoint "
-                     "folder or a HuggingFace xLSTM folder (its tokenizer.json is used, BOS prepended)")
-    gen.add_argument("--prompt", default=None, metavar="TEXT", help="text to continue (default: a newline)")
-    gen.add_argument("--max-new-tokens", type=_nonneg_int, default=200, help="tokens to generate")
-    gen.add_argument("--temperature", type=_nonneg_float, default=0.8, help="sampling temperature (0: greedy)")
-    gen.add_argument("--top-k", type=_positive_int, default=None, help="sample among the K most likely tokens")
-    gen.add_argument("--top-p", type=_positive_float, default=None, help="nucleus sampling threshold in (0, 1]")
-    gen.add_argument("--seed", type=_nonneg_int, default=None, help="sampling seed (default: random)")
-    gen.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
-    gen.add_argument("--dtype", choices=list(_DTYPES), default=None, help="weights' dtype (default: the file's)")
-    gen.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
-    gen.set_defaults(func=cmd_generate)
+    from .cli_generate import add_parser as add_generate_parser  # the generate command has its own module
+
+    gen = add_generate_parser(sub)
 
     # ---------------------------------------------------------------- eval
     ev = sub.add_parser(
@@ -693,33 +673,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_text(model, tok, prompt: str, max_new_tokens: int, temperature: float,
-                   top_k: int | None, top_p: float | None, seed: int | None, device) -> str:
-    import torch
-
-    from .generate import generate_text
-
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    return generate_text(model, tok, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, generator=generator)
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    if args.top_p is not None and args.top_p > 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    device = _pick_device(args.device)
-    _use_threads(args.threads, device)
-    _, meta, model = _load_model(args.checkpoint, device, args.dtype)
-    tok = _tokenizer_for(meta, model)
-    prompt = "\n" if args.prompt is None else args.prompt
-    text = _generate_text(model, tok, prompt, args.max_new_tokens, args.temperature,
-                          args.top_k, args.top_p, args.seed, device)
-    sys.stdout.write(text if text.endswith("\n") else text + "\n")
-    return 0
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     from .data import load_data
     from .train import evaluate, val_batch_count
@@ -754,6 +707,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     from .data import get_tokenizer, load_data
+    from .generate import generate_text
     from .model import XLSTMConfig, XLSTMLanguageModel
     from .train import StepEvent, TimeBudget, TrainConfig, train
 
@@ -812,7 +766,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"interrupted; checkpoint in {result.checkpoint}")
         return EXIT_INTERRUPTED
     model.eval()
-    sample = _generate_text(model, get_tokenizer("byte"), args.prompt, args.max_new_tokens, 0.8, 40, None, 0, device)
+    sample = generate_text(model, get_tokenizer("byte"), args.prompt, args.max_new_tokens, temperature=0.8,
+                           top_k=40, seed=0)
     print("\n---- sample (temperature 0.8, top-k 40) ----")
     print(sample.rstrip())
     print("--------------------------------------------")

@@ -1,11 +1,18 @@
 """Sampling from a recurrent language model with a constant-size state.
 
-`generate` reads the prompt with one parallel forward pass (which returns the recurrent state),
-then produces tokens one at a time with `model.step`. Only the state and the list of produced
-ids are kept, so memory does not depend on how many tokens are generated.
+`generate` reads each prompt with a parallel (chunkwise) forward pass that returns the recurrent
+state, then produces tokens one at a time with `model.step`. Only the state and the produced ids
+are kept, so memory does not depend on how many tokens are generated.
+
+Prompts of different lengths (a list of 1-D tensors) are read one length at a time (prompts of
+equal length together), so no padding token ever enters a state; their states are stacked into
+one batch state and decoded together. A row that finished (end token, stop string) is decoded
+along with the others but its tokens are ignored: the batch keeps its shape, which a CUDA graph
+needs.
 
 Works with any model that has `forward(tokens, state=None, return_state=True)` and
-`step(tokens [B], state)` (XLSTMLanguageModel does).
+`step(tokens [B], state)` (XLSTMLanguageModel does), its state being a list of per-block tuples
+of tensors with the batch first.
 
 On CUDA, one decode step of a small model is hundreds of tiny kernel launches, so Python and
 launch overhead (not the GPU) set the speed. `generate` therefore records the step once as a CUDA
@@ -15,56 +22,21 @@ and decodes eagerly.
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
 from .errors import XLSTMKitError
+from .sampling import apply_repetition_penalty, check_sampling, sample_next
+from .textstream import TextRow
 
+__all__ = ["generate", "generate_text", "complete_texts", "Completion", "sample_next", "check_token_ids",
+           "GraphedStep"]
 
-def _check_sampling(temperature, top_k, top_p) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature) or temperature < 0:
-        raise XLSTMKitError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise XLSTMKitError(f"top_k must be None or an integer >= 1, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                              or not 0 < top_p <= 1):
-        raise XLSTMKitError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Pick one token per row of `logits` [B, V] -> [B] (int64).
-
-    temperature 0: argmax. Otherwise softmax(logits / temperature) restricted to the `top_k`
-    most likely tokens and then to the smallest set whose probability reaches `top_p` (nucleus).
-    """
-    _check_sampling(temperature, top_k, top_p)
-    logits = logits.float()
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    # Shifted so that the best logit is 0, and divided in float64: a tiny temperature (1e-45)
-    # then sends the others to -inf (greedy in effect) instead of overflowing to inf - inf = NaN.
-    logits = (logits - logits.amax(dim=-1, keepdim=True)).double() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the tokens ranked above it already reach top_p (the first always stays)
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+_check_sampling = check_sampling  # the old private name
 
 
 # torch has no min/max (nor embedding lookup) for these; their ids would need a lossy cast
@@ -88,74 +60,253 @@ def check_token_ids(tokens: torch.Tensor, vocab: int | None, what: str = "tokens
         raise XLSTMKitError(f"{what} contain ids in [{lo}, {hi}]{known}; ids must lie in {bound}")
 
 
+@dataclass
+class _Options:
+    """Checked generation options (see `generate`)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    repetition_penalty: float
+    eos: tuple[int, ...]
+    stop: tuple[str, ...]
+    seed: int | None
+    generator: torch.Generator | None
+    streamer: Callable | None
+    cuda_graph: bool | None
+
+
+def _options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalty, eos_token_id, stop,
+             seed, generator, streamer, cuda_graph) -> _Options:
+    check_sampling(temperature, top_k, top_p, repetition_penalty)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise XLSTMKitError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    eos = () if eos_token_id is None else (eos_token_id,) if not isinstance(eos_token_id, (list, tuple)) \
+        else tuple(eos_token_id)
+    for e in eos:
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0 or (vocab is not None and e >= vocab):
+            raise XLSTMKitError(f"eos_token_id must be None, a token id in [0, {vocab}) or a list of them, "
+                                f"got {eos_token_id!r}")
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise XLSTMKitError(f"stop must be None, a non-empty str or a list of them, got {stop!r}")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise XLSTMKitError(f"seed must be None or an integer >= 0, got {seed!r}")
+        if generator is not None:
+            raise XLSTMKitError("pass seed or generator, not both")
+    if streamer is not None and not callable(streamer):
+        raise XLSTMKitError(f"streamer must be a callable (row, piece), got {type(streamer).__name__}")
+    return _Options(max_new_tokens, float(temperature), top_k, top_p, float(repetition_penalty), eos,
+                    tuple(stops), seed, generator, streamer, cuda_graph)
+
+
+def _model_device(model) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _prompt_rows(model, prompt, vocab) -> list[torch.Tensor]:
+    """A list of 1-D id tensors (checked, on the model's device) from a list or a [T] / [B, T] tensor."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() not in (1, 2):
+            raise XLSTMKitError(f"prompt must be a tensor of token ids of shape [T] or [B, T], got {list(prompt.shape)}")
+        if prompt.shape[-1] < 1 or prompt.numel() == 0:
+            raise XLSTMKitError(f"prompt must hold at least one token (T >= 1), got shape {list(prompt.shape)}")
+        check_token_ids(prompt, vocab, "prompt ids")
+        return list(prompt.reshape(-1, prompt.shape[-1]).unbind(0))
+    if not isinstance(prompt, (list, tuple)):
+        raise XLSTMKitError(f"prompt must be a tensor of token ids, a list of 1-D tensors or a str, "
+                            f"got {type(prompt).__name__}")
+    if not prompt:
+        raise XLSTMKitError("the list of prompts is empty")
+    device = _model_device(model)
+    rows = []
+    for n, p in enumerate(prompt):
+        if not isinstance(p, torch.Tensor) or p.dim() != 1:
+            got = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise XLSTMKitError(f"prompt {n} of the list must be a 1-D tensor of token ids, got {got}")
+        if p.numel() == 0:
+            raise XLSTMKitError(f"prompt {n} of the list is empty; every prompt needs at least one token")
+        check_token_ids(p, vocab, f"prompt {n} ids")
+        rows.append(p.to(device))
+    return rows
+
+
+def _prefill(model, rows: list[torch.Tensor]):
+    """Read every prompt: (logits of each prompt's last position [B, V], batch state).
+
+    Prompts of one length run as one batch; the states of the groups are stacked along the
+    batch axis (every state field has the batch first) and put back in the prompts' order.
+    """
+    groups: dict[int, list[int]] = {}
+    for b, r in enumerate(rows):
+        groups.setdefault(r.numel(), []).append(b)
+    logits, states, order = [], [], []
+    for idx in groups.values():
+        out, state = model(torch.stack([rows[b].long() for b in idx]), return_state=True)
+        logits.append(out[:, -1])
+        states.append(state)
+        order += idx
+    if len(groups) == 1:
+        return logits[0], states[0]
+    back = torch.argsort(torch.tensor(order, device=logits[0].device))
+    state = [type(parts[0])(*(torch.cat(fields).index_select(0, back) for fields in zip(*parts)))
+             for parts in zip(*states)]
+    return torch.cat(logits).index_select(0, back), state
+
+
+def _decode(model, rows: list[torch.Tensor], o: _Options, texts: list[TextRow] | None = None) -> list[torch.Tensor]:
+    """The continuation of each row (int64 on the model's device, up to o.max_new_tokens ids; with
+    an end token: through it). `texts` (one per row, built by the caller when there are stop
+    strings or text to stream) receive the new ids, an end token excepted, and end their rows at
+    stop strings.
+    """
+    B = len(rows)
+    device = rows[0].device
+    if o.max_new_tokens == 0:
+        return [r.new_empty(0, dtype=torch.long) for r in rows]
+    next_logits, state = _prefill(model, rows)
+    # one check per call, not per token: NaN weights (or an overflow) show here, and sampling
+    # would otherwise fail deep in torch or argmax would pick at random
+    if not bool(torch.isfinite(next_logits).all()):
+        raise XLSTMKitError("the model's logits for the prompt are not finite (NaN or inf); are its weights finite?")
+    generator = o.generator
+    if o.seed is not None and o.temperature > 0:
+        generator = torch.Generator(device=device).manual_seed(o.seed)
+    present = None
+    if o.repetition_penalty != 1:
+        present = torch.zeros(B, next_logits.shape[-1], dtype=torch.bool, device=device)
+        for b, r in enumerate(rows):
+            present[b, r.long()] = True
+    eos = torch.tensor(o.eos, device=device) if o.eos else None
+    # Streaming and stop strings look at every token on the host. Otherwise the ids stay on the
+    # device and the end-token check syncs only every few tokens on a GPU (the rows that finished
+    # in between are masked, so the result is the same).
+    on_host = texts is not None or o.streamer is not None
+    check_every = 1 if on_host or device.type == "cpu" else 8
+    done = [False] * B
+    host_len = [0] * B
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    length = torch.zeros(B, dtype=torch.long, device=device)
+    step = _pick_stepper(model, torch.zeros(B, dtype=torch.long, device=device), state, o.cuda_graph,
+                         o.max_new_tokens)
+    out = []
+    for n in range(o.max_new_tokens):
+        logits = next_logits if present is None else apply_repetition_penalty(next_logits, present, o.repetition_penalty)
+        nxt = sample_next(logits, o.temperature, o.top_k, o.top_p, generator)
+        out.append(nxt)
+        if present is not None:
+            present.scatter_(1, nxt[:, None], True)
+        if on_host:
+            for b, t in enumerate(nxt.tolist()):
+                if done[b]:
+                    continue
+                host_len[b] += 1
+                if o.streamer is not None:
+                    o.streamer(b, t)
+                if t in o.eos:
+                    done[b] = True
+                    if texts is not None:
+                        texts[b].finish()
+                elif texts is not None and texts[b].push(t):
+                    done[b] = True
+            all_done = all(done)
+        else:
+            length += ~finished
+            if eos is not None:
+                finished |= torch.isin(nxt, eos)
+            all_done = eos is not None and (n + 1) % check_every == 0 and bool(finished.all())
+        if n + 1 == o.max_new_tokens or all_done:
+            break
+        next_logits, state = step(nxt, state)
+    new = torch.stack(out, dim=1)
+    lengths = host_len if on_host else length.tolist()
+    if texts is not None:
+        for row in texts:
+            row.finish()
+    return [new[b, : lengths[b]] for b in range(B)]
+
+
 @torch.no_grad()
 def generate(
     model,
-    prompt: torch.Tensor,
+    prompt: torch.Tensor | Sequence[torch.Tensor],
     max_new_tokens: int,
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_token_id: int | None = None,
+    repetition_penalty: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop: str | Sequence[str] | None = None,
+    tokenizer=None,
+    seed: int | None = None,
     generator: torch.Generator | None = None,
+    streamer: Callable[[int, int], None] | None = None,
     cuda_graph: bool | None = None,
-) -> torch.Tensor:
-    """Continue `prompt` ([T] or [B, T] ids, T >= 1) by up to `max_new_tokens` tokens.
+) -> torch.Tensor | list[torch.Tensor]:
+    """Continue token prompts by up to `max_new_tokens` tokens each.
 
-    Returns prompt + continuation, [T + n] or [B, T + n] with n <= max_new_tokens, in the
-    prompt's dtype when that holds every id of the model's vocabulary, else int64. After a
-    sequence emits `eos_token_id` it is padded with it; generation stops once all have.
-    The model runs in eval mode (no dropout) and is restored to its mode afterwards.
+    prompt: [T] or [B, T] ids (T >= 1), or a list of 1-D id tensors of any lengths. Returns
+    prompt + continuation in the same form: [T + n], [B, T + n], or a list of 1-D tensors (on the
+    model's device). New ids keep the prompt's dtype when it holds every id of the vocabulary,
+    else they are int64. Each row of a batch gets exactly the tokens it gets alone (greedy).
+
+    temperature 0 picks the most likely token; otherwise sampling from softmax(logits /
+    temperature) limited to the `top_k` most likely tokens and the `top_p` nucleus.
+    repetition_penalty (> 0, 1 = none): logits of the tokens already in a row (its prompt
+    included) are divided by it when positive, multiplied by it when negative (CTRL).
+    seed: sampling from a torch.Generator seeded for this call (same seed, same tokens);
+    generator: your own instead.
+    eos_token_id (an id or a list of ids): a row ends with the first of them it produces.
+    stop (a str or a list, needs `tokenizer`, default model.tokenizer): a row ends with the token
+    that makes its decoded continuation contain a stop string. A list result then ends each row
+    there; a [B, T] result pads the rows that ended early with eos_token_id. Generation stops
+    once every row has ended.
+    streamer(row, token_id) is called for each new token of each row still running, as soon as
+    it is produced (ids go to the host every step).
     cuda_graph: replay the decode step as a CUDA graph (None: on CUDA when the model allows it;
     True: required, errors if it cannot; False: eager steps).
+    The model runs in eval mode (no dropout) and is restored to its mode afterwards.
     """
-    _check_sampling(temperature, top_k, top_p)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise XLSTMKitError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if not isinstance(prompt, torch.Tensor) or prompt.dim() not in (1, 2):
-        shape = list(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
-        raise XLSTMKitError(f"prompt must be a tensor of token ids of shape [T] or [B, T], got {shape}")
-    if prompt.shape[-1] < 1:
-        raise XLSTMKitError("prompt must hold at least one token (T >= 1)")
+    o = _options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalty, eos_token_id, stop,
+                 seed, generator, streamer, cuda_graph)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    check_token_ids(prompt, vocab, "prompt ids")
-    if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
-                                     or eos_token_id < 0 or (vocab is not None and eos_token_id >= vocab)):
-        raise XLSTMKitError(f"eos_token_id must be None or a token id in [0, {vocab}), got {eos_token_id!r}")
-
-    squeeze = prompt.dim() == 1
-    tokens = prompt.unsqueeze(0) if squeeze else prompt
-    # New ids keep the prompt's dtype only when it can hold every id of the vocabulary (a uint8
-    # prompt of a 300-token model would wrap 299 to 43): otherwise the result is int64.
-    out_dtype = tokens.dtype if vocab is not None and vocab - 1 <= torch.iinfo(tokens.dtype).max else torch.int64
+    rows = _prompt_rows(model, prompt, vocab)
+    is_list = not isinstance(prompt, torch.Tensor)
+    if o.stop and not is_list and prompt.dim() == 2 and not o.eos:
+        raise XLSTMKitError("stop strings with a [B, T] prompt need eos_token_id to pad the rows that stop "
+                            "early; or pass a list of 1-D prompts")
+    texts = None
+    if o.stop:
+        tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        if tok is None:
+            raise XLSTMKitError("stop strings need a tokenizer (pass tokenizer=...)")
+        texts = [TextRow(tok, o.stop) for _ in rows]
     was_training = model.training
     model.eval()
     try:
-        out = []
-        if max_new_tokens > 0:
-            logits, state = model(tokens, return_state=True)  # parallel prefill
-            finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-            next_logits = logits[:, -1]
-            # one check per call, not per token: NaN weights (or an overflow) show here, and
-            # sampling would otherwise fail deep in torch or argmax would pick at random
-            if not bool(torch.isfinite(next_logits).all()):
-                raise XLSTMKitError("the model's logits for the prompt are not finite (NaN or inf); "
-                                    "are its weights finite?")
-            step = _pick_stepper(model, tokens, state, cuda_graph, max_new_tokens)
-            for n in range(max_new_tokens):
-                nxt = sample_next(next_logits, temperature, top_k, top_p, generator).to(out_dtype)
-                if eos_token_id is not None:
-                    nxt = nxt.masked_fill(finished, eos_token_id)
-                    finished |= nxt == eos_token_id
-                out.append(nxt)
-                if n + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
-                    break
-                next_logits, state = step(nxt, state)
+        new = _decode(model, rows, o, texts)
     finally:
         model.train(was_training)
-    result = torch.cat([tokens.to(out_dtype), torch.stack(out, dim=1)], dim=1) if out else tokens.clone()
-    return result.squeeze(0) if squeeze else result
+    results = [torch.cat([r.to(_out_dtype(r, vocab)), c.to(_out_dtype(r, vocab))]) for r, c in zip(rows, new)]
+    if is_list:
+        return results
+    if prompt.dim() == 1:
+        return results[0]
+    width = max(r.numel() for r in results)
+    pad = o.eos[0] if o.eos else 0
+    return torch.stack([torch.cat([r, r.new_full((width - r.numel(),), pad)]) for r in results])
+
+
+def _out_dtype(row: torch.Tensor, vocab: int | None) -> torch.dtype:
+    # A uint8 prompt of a 300-token model would wrap 299 to 43: new ids keep the prompt's dtype
+    # only when it can hold every id of the vocabulary.
+    ok = vocab is not None and vocab - 1 <= torch.iinfo(row.dtype).max
+    return row.dtype if ok else torch.int64
 
 
 class GraphedStep:
@@ -222,22 +373,61 @@ def _pick_stepper(model, tokens: torch.Tensor, state, cuda_graph: bool | None, n
         return model.step
 
 
+@dataclass
+class Completion:
+    """One text prompt's result: `text` is the continuation (cut at the end token or stop string),
+    `tokens` how many tokens it took (an end token not counted)."""
 
-def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, *, temperature: float = 1.0,
-                  top_k: int | None = None, top_p: float | None = None,
-                  generator: torch.Generator | None = None, cuda_graph: bool | None = None) -> str:
-    """Continue the text `prompt` with `tokenizer` (encode/decode/eos_token_id): returns prompt +
-    continuation, cut at the tokenizer's end-of-text token. An empty prompt starts from the
-    end-of-text token (or a newline when the tokenizer has none)."""
-    if not isinstance(prompt, str):
-        raise XLSTMKitError(f"prompt must be a str here, got {type(prompt).__name__}")
-    eos = getattr(tokenizer, "eos_token_id", None)
-    ids = tokenizer.encode(prompt) or ([eos] if eos is not None else tokenizer.encode("\n"))
-    device = next(model.parameters()).device
-    out = generate(model, torch.tensor(ids, dtype=torch.long, device=device), max_new_tokens,
-                   temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos,
-                   generator=generator, cuda_graph=cuda_graph)
-    new = out[len(ids):].tolist()
-    if eos is not None and eos in new:
-        new = new[: new.index(eos)]
-    return prompt + tokenizer.decode(new)
+    prompt: str
+    text: str
+    tokens: int
+
+
+@torch.no_grad()
+def complete_texts(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, *, temperature: float = 1.0,
+                   top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
+                   eos_token_id: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
+                   seed: int | None = None, generator: torch.Generator | None = None,
+                   streamer: Callable[[int, str], None] | None = None,
+                   cuda_graph: bool | None = None) -> list[Completion]:
+    """Continue each text of `prompts` as one batch (see `generate` for the options).
+
+    `tokenizer` has encode / decode / eos_token_id; the end tokens are eos_token_id, else the
+    tokenizer's (eos_token_id=[]: none). An empty prompt starts from the end-of-text token (or a newline when the
+    tokenizer has none). streamer(row, text) receives each row's continuation as it becomes
+    final: whole characters only (a multi-byte character split over byte tokens comes out once
+    complete), never a stop string; the pieces of a row add up to its `text`.
+    """
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts \
+            or not all(isinstance(p, str) for p in prompts):
+        raise XLSTMKitError("prompts must be a non-empty list of str")
+    eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+    o = _options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalty, eos_token_id, stop,
+                 seed, generator, streamer, cuda_graph)
+    device = _model_device(model)
+    ids = [tokenizer.encode(p) or ([o.eos[0]] if o.eos else tokenizer.encode("\n")) for p in prompts]
+    rows = _prompt_rows(model, [torch.tensor(i, dtype=torch.long, device=device) for i in ids],
+                        getattr(getattr(model, "config", None), "vocab_size", None))
+    streamer = o.streamer
+    emit = (lambda b: (lambda piece: streamer(b, piece))) if streamer is not None else (lambda b: None)
+    texts = [TextRow(tokenizer, o.stop, emit(b)) for b in range(len(rows))]
+    o = dataclasses.replace(o, streamer=None)
+    was_training = model.training
+    model.eval()
+    try:
+        new = _decode(model, rows, o, texts)
+    finally:
+        model.train(was_training)
+    return [Completion(p, row.text, sum(1 for t in c.tolist() if t not in o.eos))
+            for p, row, c in zip(prompts, texts, new)]
+
+
+def generate_text(model, tokenizer, prompt: str | Sequence[str], max_new_tokens: int, **options) -> str | list[str]:
+    """Continue the text `prompt` (or each text of a list, as one batch) with `tokenizer`:
+    returns prompt + continuation (a list for a list), cut at the end token or a stop string.
+    Options as in `complete_texts`."""
+    if isinstance(prompt, str):
+        return prompt + complete_texts(model, tokenizer, [prompt], max_new_tokens, **options)[0].text
+    if not isinstance(prompt, (list, tuple)):
+        raise XLSTMKitError(f"prompt must be a str or a list of str here, got {type(prompt).__name__}")
+    return [c.prompt + c.text for c in complete_texts(model, tokenizer, prompt, max_new_tokens, **options)]

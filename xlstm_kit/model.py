@@ -366,7 +366,8 @@ class XLSTMLanguageModel(nn.Module):
     model(tokens [B, T]) -> logits [B, T, vocab_size]
     model(tokens, state=s, return_state=True) -> (logits, state): feed a long text in pieces
     model.step(token [B], state) -> (logits [B, vocab_size], state): one token
-    model.generate(prompt, max_new_tokens, temperature, top_k, top_p, eos_token_id)
+    model.generate(prompt, max_new_tokens, temperature, top_k, top_p, eos_token_id): prompt [T], [B, T],
+        a list of 1-D prompts of any lengths, a str or a list of str
     The state is a list with one MLSTMState / SLSTMState / DPLRState per block (`init_state(batch)`;
     large-family blocks use MLSTMState with an empty conv field).
     """
@@ -576,35 +577,48 @@ class XLSTMLanguageModel(nn.Module):
     @torch.no_grad()
     def generate(
         self,
-        prompt: torch.Tensor | str,
+        prompt: "torch.Tensor | str | list",
         max_new_tokens: int,
         temperature: float = 1.0,
         top_k: int | None = None,
         top_p: float | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: "int | list[int] | None" = None,
         generator: torch.Generator | None = None,
         cuda_graph: bool | None = None,
-    ) -> torch.Tensor | str:
-        """Continue `prompt` ([T] or [B, T] token ids, or a str) by up to `max_new_tokens` tokens.
+        *,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: "str | list[str] | None" = None,
+        streamer=None,
+        tokenizer=None,
+    ):
+        """Continue prompts by up to `max_new_tokens` tokens each.
 
-        The prompt is read in parallel (chunkwise), then tokens are produced one at a time from
+        prompt: [T] or [B, T] token ids, a list of 1-D id tensors of any lengths (one batch; each
+        row gets exactly the tokens it gets alone), a str, or a list of str. Returns prompt +
+        continuation in the same form (a list for a list).
+
+        The prompts are read in parallel (chunkwise), then tokens are produced one at a time from
         the recurrent state, so memory does not grow with the number of generated tokens.
-        temperature 0 picks the most likely token. Token ids in: returns prompt + continuation
-        with the prompt's rank; with `eos_token_id`, a sequence that produced it is padded with
-        it, and generation stops early once every sequence has. Text in (needs `tokenizer`, known
-        when the model was loaded from a checkpoint that records it): returns prompt +
-        continuation as text, ending at the tokenizer's end-of-text token. On CUDA the decode
-        step replays a CUDA graph (cuda_graph=None: when possible). See `xlstm_kit.generate`.
+        temperature 0 picks the most likely token; top_k, top_p, repetition_penalty (CTRL rule)
+        shape the sampling; seed makes it reproducible. A row ends at `eos_token_id` (an id or a
+        list; text prompts: also the tokenizer's end token) or at a stop string (`stop`: cut from
+        text results). streamer(row, piece) receives each new token id (token prompts) or each
+        new piece of text (text prompts: whole characters, never a stop string) as it comes.
+        Text needs `tokenizer` (default: the model's, known when it was loaded from a checkpoint
+        that records it). On CUDA the decode step replays a CUDA graph (cuda_graph=None: when
+        possible). See `xlstm_kit.generate`.
         """
         from .generate import generate, generate_text
 
-        if isinstance(prompt, str):
-            if eos_token_id is not None:
-                raise XLSTMKitError("eos_token_id applies to token prompts; a text prompt stops at the tokenizer's end token")
-            return generate_text(self, self.tokenizer, prompt, max_new_tokens, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, generator=generator, cuda_graph=cuda_graph)
-        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, eos_token_id=eos_token_id, generator=generator, cuda_graph=cuda_graph)
+        options = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                       eos_token_id=eos_token_id, stop=stop, seed=seed, generator=generator, streamer=streamer,
+                       cuda_graph=cuda_graph)
+        if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt
+                                       and all(isinstance(p, str) for p in prompt)):
+            return generate_text(self, tokenizer if tokenizer is not None else self.tokenizer, prompt,
+                                 max_new_tokens, **options)
+        return generate(self, prompt, max_new_tokens, tokenizer=tokenizer, **options)
 
     @property
     def tokenizer(self):
