@@ -207,15 +207,16 @@ def test_cli_module_is_light_and_help_lists_threads():
         assert "--threads" in proc.stdout.split(f"usage: xlstm-kit {command}")[1].split("usage:")[0]
 
 
-def test_early_ctrl_c_is_one_line(model_dir, tmp_path):
+@pytest.mark.parametrize("module", ["xlstm_kit.cli", "torch"])  # in __main__'s import, in main()'s
+def test_early_ctrl_c_is_one_line(model_dir, tmp_path, module):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XLSTM_KIT_CACHE": str(tmp_path / "cache")}
-    # Ctrl-C while `python -m xlstm_kit` imports torch: the child signals itself from an import
-    # hook (a fixed sleep raced with interpreter start-up on a loaded machine)
+    # Ctrl-C while `python -m xlstm_kit` imports `module`: the child signals itself from an
+    # import hook (a fixed sleep raced with interpreter start-up on a loaded machine)
     interrupt_at_torch = (
         "import os, runpy, signal, sys\n"
         "class Hook:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'torch':\n"
+        f"        if name == {module!r}:\n"
         "            sys.meta_path.remove(self)\n"
         "            os.kill(os.getpid(), signal.SIGINT)\n"
         "        return None\n"
