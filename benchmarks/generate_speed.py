@@ -30,7 +30,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_e2e import install_wheels, run_child  # noqa: E402
+from train_e2e import child_env, run_child  # noqa: E402
 
 JOBS = ("x125", "l13b", "x7b", "tf125", "tf13b", "off13b", "off7b")
 VOCAB = 50304
@@ -270,12 +270,7 @@ def main() -> int:
     if a.child:
         child(a.child, a.quick)
         return 0
-    env = dict(os.environ)
-    if a.wheels:
-        path, note = install_wheels(a.wheels, sys.stderr)
-        if path:
-            env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
-        print(note, file=sys.stderr)
+    env = child_env(a.wheels)
     rows = []
     for job in (a.only.split(",") if a.only else JOBS):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", job] + (["--quick"] if a.quick else [])

@@ -22,7 +22,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_e2e import install_wheels, run_child  # noqa: E402
+from train_e2e import child_env, run_child  # noqa: E402
 
 JOBS = ("fit", "prefill", "prefill_official")
 
@@ -108,12 +108,7 @@ def main() -> int:
     if a.child:
         print("RESULT " + json.dumps(child(a.child)), flush=True)
         return 0
-    env = dict(os.environ)
-    if a.wheels:
-        path, note = install_wheels(a.wheels, sys.stderr)
-        if path:
-            env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
-        print(note, file=sys.stderr)
+    env = child_env(a.wheels)
     rows = []
     for job in (a.only.split(",") if a.only else JOBS):
         res = run_child([sys.executable, os.path.abspath(__file__), "--child", job], a.limit_s, env)

@@ -558,6 +558,17 @@ def install_wheels(wheel_dir: str, log) -> tuple[str | None, str]:
                                           for w in wheels)
 
 
+def child_env(wheel_dir: str | None) -> dict:
+    """os.environ for the children, with DIR/*.whl installed on their PYTHONPATH (the note on stderr)."""
+    env = dict(os.environ)
+    if wheel_dir:
+        path, note = install_wheels(wheel_dir, sys.stderr)
+        if path:
+            env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
+        print(note, file=sys.stderr)
+    return env
+
+
 def _fmt(v, spec: str = ",.0f", none: str = "—") -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return none

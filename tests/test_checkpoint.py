@@ -9,13 +9,7 @@ from safetensors.torch import load_file
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    # tiny shapes: a second OpenMP thread only adds barrier waits (10-20x on a busy 2-core box)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny shapes (see tests/conftest.py)
 
 
 def model(**kw):

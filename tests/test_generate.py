@@ -18,13 +18,7 @@ VOCAB = 64
 LENGTHS = (17, 1, 40, 5, 17)  # unsorted, one length twice: the per-length prefill puts rows back in order
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    # tiny shapes: a second OpenMP thread only adds barrier waits on a busy 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny shapes (see tests/conftest.py)
 
 
 def tiny_model(family="neurips", chunk_size=8, vocab=VOCAB, seed=0, scale=0.3):

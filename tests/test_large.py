@@ -14,13 +14,7 @@ from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 from xlstm_kit.nn.large import LargeBlock
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    # tiny shapes: a second OpenMP thread only adds barrier waits on a busy 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny shapes (see tests/conftest.py)
 
 
 def large_config(d=64, heads=2, qk=0.5, v=1.0, bias=False, vocab=96, **kw):

@@ -158,6 +158,16 @@ def _prefill(model, rows: list[torch.Tensor]):
     return torch.cat(logits).index_select(0, back), state
 
 
+def _decode_in_eval(model, rows, o, texts):
+    """_decode with the model in eval mode (dropout off), its mode restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        return _decode(model, rows, o, texts)
+    finally:
+        model.train(was_training)
+
+
 def _decode(model, rows: list[torch.Tensor], o: _Options, texts: list[TextRow] | None = None) -> list[torch.Tensor]:
     """The continuation of each row (int64 on the model's device, up to o.max_new_tokens ids; with
     an end token: through it). `texts` (one per row, built by the caller when there are stop
@@ -286,12 +296,7 @@ def generate(
         if tok is None:
             raise XLSTMKitError("stop strings need a tokenizer (pass tokenizer=...)")
         texts = [TextRow(tok, o.stop) for _ in rows]
-    was_training = model.training
-    model.eval()
-    try:
-        new = _decode(model, rows, o, texts)
-    finally:
-        model.train(was_training)
+    new = _decode_in_eval(model, rows, o, texts)
     results = [torch.cat([r.to(_out_dtype(r, vocab)), c.to(_out_dtype(r, vocab))]) for r, c in zip(rows, new)]
     if is_list:
         return results
@@ -412,12 +417,7 @@ def complete_texts(model, tokenizer, prompts: Sequence[str], max_new_tokens: int
     emit = (lambda b: (lambda piece: streamer(b, piece))) if streamer is not None else (lambda b: None)
     texts = [TextRow(tokenizer, o.stop, emit(b)) for b in range(len(rows))]
     o = dataclasses.replace(o, streamer=None)
-    was_training = model.training
-    model.eval()
-    try:
-        new = _decode(model, rows, o, texts)
-    finally:
-        model.train(was_training)
+    new = _decode_in_eval(model, rows, o, texts)
     return [Completion(p, row.text, sum(1 for t in c.tolist() if t not in o.eos))
             for p, row, c in zip(prompts, texts, new)]
 
