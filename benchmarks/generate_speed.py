@@ -4,7 +4,8 @@
 
 Every job runs in its own child process (a crash or out-of-memory costs its row only), bf16,
 random weights, greedy:
-- x125 (the `125M` preset, xLSTM[7:1]), l13b (`large-1.3B`), x7b (`xlstm-7b`): `model.generate`;
+- x125 (the `125M` preset, xLSTM[7:1]), l13b (`large-1.3B`), x7b (`xlstm-7b`): `model.generate`,
+  the decode rows again after `model.compile_step()` ("decode compiled");
 - off13b, off7b: the official `xlstm.xlstm_large.xLSTMLarge` at the sizes of l13b and x7b, its
   own `generate` (mode "inference", return_last_states=True, its default kernels);
 - tf125, tf13b: the Llama-style Transformer of `xlstm_kit.tasks.baselines` at d 768 x 12 and
@@ -132,8 +133,9 @@ def build(job: str, quick: bool):
         with dev:
             model = XLSTMLanguageModel(cfg).to(dt).eval()
         state = sum(t.numel() * t.element_size() for s in model.init_state(1, device=dev) for t in s)
-        return (lambda p, n: model.generate(p, n, temperature=0), lambda p: model(p, return_state=True),
-                _bytes(model), lambda ctx: state, f"xlstm_kit {name}")
+        gen = lambda p, n: model.generate(p, n, temperature=0)  # noqa: E731
+        gen.compile = lambda: model.compile_step(**({} if dev.type == "cuda" else dict(backend="aot_eager")))
+        return gen, lambda p: model(p, return_state=True), _bytes(model), lambda ctx: state, f"xlstm_kit {name}"
     if job in ("off13b", "off7b"):
         from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
@@ -216,9 +218,15 @@ def child(job: str, quick: bool) -> None:
     extra = 8 if quick else EXTRA
     cases = [("prefill", 32, 2048), ("decode", 1, 16), ("decode", 32, 16), ("decode", 1, 2048),
              ("decode", 1, 16384), ("ttft", 1, 16384)]
+    if hasattr(generate, "compile"):  # ours again with model.compile_step(): fused step kernels
+        cases += [("compile", 0, 0), ("decode compiled", 1, 16), ("decode compiled", 32, 16),
+                  ("decode compiled", 1, 16384)]
     if quick:
         cases = [(k, min(b, 2), min(t, 64)) for k, b, t in cases]
     for kind, B, T in cases:
+        if kind == "compile":
+            generate.compile()
+            continue
         row = dict(base, case=kind, batch=B, prompt=T)
         try:
             p = toks(B, T)
@@ -229,7 +237,7 @@ def child(job: str, quick: bool) -> None:
                 elif kind == "ttft":
                     s = _time(lambda: generate(p, 1))
                     row.update(ms=s * 1e3)
-                else:
+                else:  # "decode", "decode compiled"
                     a = _time(lambda: generate(p, n0))
                     b = _time(lambda: generate(p, n0 + extra))
                     step = (b - a) / extra

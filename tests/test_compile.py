@@ -235,3 +235,24 @@ def test_cli_train_compile_reports_and_saves_a_plain_checkpoint(tmp_path, monkey
     tokens = torch.randint(0, 256, (1, 16))
     with torch.no_grad():
         assert torch.isfinite(model(tokens)).all()
+
+
+@pytest.mark.parametrize("kw", [dict(n_blocks=10, slstm_at=[1, 6], dplr_at=[3]),
+                                dict(family="large", n_blocks=6, n_heads=2)])
+def test_compiled_step_decodes_the_same_tokens_with_graphs_per_block_type(kw):
+    model = tiny(**kw).eval()
+    with torch.no_grad():  # off the initial weights (the large family starts with zero gates)
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    prompt = torch.randint(0, 64, (2, 9))
+    ref = model.generate(prompt, 6, temperature=0)
+    logits_ref, _ = model.step(prompt[:, 0], model.init_state(2))
+    model.compile_step(backend="aot_eager")
+    assert torch.equal(model.generate(prompt, 6, temperature=0), ref)
+    logits, _ = model.step(prompt[:, 0], model.init_state(2))
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
+    graphs = counters["stats"]["unique_graphs"]
+    types = len(set(model.config.block_types))
+    assert graphs <= 2 * (types + 1) < len(model.blocks) + 2  # shared across blocks, not one per block
+    model.generate(prompt, 6, temperature=0)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiles on the next call

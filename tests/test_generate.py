@@ -345,3 +345,26 @@ def test_cli_generate_argument_errors(byte_model_dir, tmp_path, capsys):
         cli.main(["generate", "--help"])
     out = capsys.readouterr().out
     assert "--prompts FILE" in out and "--stream" in out and "JSON" in out
+
+
+def test_cli_compile_decodes_the_same_text(byte_model_dir, monkeypatch, capsys):
+    """--compile goes through model.compile_step (here with Dynamo's aot_eager backend: Inductor's
+    C++ builds take minutes on a CPU) and prints what the eager decode prints."""
+    from xlstm_kit.model import XLSTMLanguageModel
+
+    _, folder = byte_model_dir
+    base = ["generate", str(folder), "--prompt", "To be", "--max-new-tokens", "12", "--temperature", "0",
+            "--no-stream", "--device", "cpu", "--threads", "1"]
+    assert cli.main(base) == 0
+    plain = capsys.readouterr().out
+    calls = []
+    original = XLSTMLanguageModel.compile_step
+
+    def compile_step(self, **options):
+        calls.append(options)
+        original(self, backend="aot_eager", **options)
+
+    monkeypatch.setattr(XLSTMLanguageModel, "compile_step", compile_step)
+    monkeypatch.setattr("xlstm_kit.compiling.compile_unavailable", lambda device: None)
+    assert cli.main(base + ["--compile"]) == 0
+    assert calls == [{}] and capsys.readouterr().out == plain

@@ -18,6 +18,7 @@ EXAMPLES = """Examples:
   xlstm-kit generate runs/tiny --prompt 'ROMEO:' --stop $'\\n\\n' --repetition-penalty 1.2
   xlstm-kit generate runs/tiny --prompts prompts.txt --temperature 0 --output out.jsonl
   xlstm-kit generate xLSTM-7b/ --prompt 'The capital of France is' --dtype bf16 --temperature 0
+  xlstm-kit generate xLSTM-7b/ --prompt 'Once upon a time' --dtype bf16 --compile --max-new-tokens 2000
 
 With --prompts, each line of the file is a prompt (empty lines are skipped); they run as one batch \
 and each gives a JSON line {"prompt": ..., "completion": ..., "tokens": N} (tokens: generated \
@@ -59,6 +60,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
     gen.add_argument("--dtype", choices=list(_DTYPES), default=None, help="weights' dtype (default: the file's)")
     gen.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
+    gen.add_argument("--compile", action="store_true",
+                     help="torch.compile the decode step (model.compile_step: fused kernels per block; "
+                     "compiles once per batch size, so it pays for long generations on a GPU)")
     gen.set_defaults(func=cmd_generate)
     return gen
 
@@ -107,7 +111,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     device = _pick_device(args.device)
     _use_threads(args.threads, device)
+    if args.compile:
+        from .compiling import compile_unavailable
+
+        why = compile_unavailable(device)
+        if why:
+            raise UsageError(f"--compile: torch.compile cannot run here: {why}")
     _, meta, model = _load_model(args.checkpoint, device, args.dtype)
+    if args.compile:
+        model.compile_step()
     tok = _tokenizer_for(meta, model)
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    repetition_penalty=args.repetition_penalty, stop=args.stop, seed=args.seed)

@@ -397,6 +397,7 @@ class XLSTMLanguageModel(nn.Module):
         self.reset_parameters()
         self._recomputed: frozenset[int] = frozenset()  # blocks under activation checkpointing
         self._compiled: tuple | None = None  # (compiled blocks, compiled head) from compile_blocks
+        self._compiled_step: tuple | None = None  # (compiled block steps, compiled head) from compile_step
 
     def _make_block(self, index: int, kind: str) -> nn.Module:
         cfg = self.config
@@ -475,6 +476,17 @@ class XLSTMLanguageModel(nn.Module):
         """
         blocks = tuple(torch.compile(block, **options) for block in self.blocks)
         self._compiled = (blocks, torch.compile(self._head, **options))
+
+    def compile_step(self, **options) -> None:
+        """torch.compile the one-token step (`step`, and so the decode of `generate`), one region
+        per block plus the head, each traced whole: a block's projections, gates, state update and
+        norms become a few fused kernels instead of dozens of small ones, and on CUDA `generate`
+        records those in its CUDA graph. Blocks of one type share one compiled graph (their
+        parameters are its inputs). A new batch size compiles again, once. `options` go to
+        torch.compile over the defaults fullgraph=True, dynamic=False (e.g. backend="aot_eager")."""
+        opts = {"fullgraph": True, "dynamic": False, **options}
+        self._compiled_step = (tuple(torch.compile(block.step, **opts) for block in self.blocks),
+                               torch.compile(self._head, **opts))
 
     @property
     def is_compiled(self) -> bool:
@@ -568,11 +580,12 @@ class XLSTMLanguageModel(nn.Module):
     def _step(self, tokens: torch.Tensor, state: ModelState):
         """step() without the input checks: no host-device sync, so a CUDA graph can capture it."""
         x = self.embedding(tokens if tokens.dtype in (torch.int32, torch.int64) else tokens.long())
+        steps, head = self._compiled_step or ([b.step for b in self.blocks], self._head)
         new_state = []
-        for block, s in zip(self.blocks, state):
-            x, s = block.step(x, s)
+        for block_step, s in zip(steps, state):
+            x, s = block_step(x, s)
             new_state.append(s)
-        return self._head(x), new_state
+        return head(x), new_state
 
     @torch.no_grad()
     def generate(

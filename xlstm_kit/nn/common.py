@@ -95,7 +95,7 @@ class CausalConv1d(nn.Module):
     def step(self, x: torch.Tensor, state: torch.Tensor):
         window = torch.cat([state.to(x.dtype), x.unsqueeze(1)], dim=1)  # [B, K, C]
         y = self.bias.to(x.dtype) + (window * self.weight.to(x.dtype).t()).sum(dim=1)
-        return y, window[:, 1:].to(state.dtype)
+        return y, window[:, 1:].to(state.dtype).contiguous()  # the strides of forward's state
 
 
 # ----------------------------------------------------------------------------- head-wise linear

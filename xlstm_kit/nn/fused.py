@@ -240,13 +240,16 @@ def conv_silu(x: torch.Tensor, state: torch.Tensor | None, w: torch.Tensor, b: t
 
 
 def conv_state(x: torch.Tensor, state: torch.Tensor | None, kernel_size: int) -> torch.Tensor:
-    """The last K-1 inputs of cat(state, x) [B, K-1, C] (the convolution's state after x)."""
+    """The last K-1 inputs of cat(state, x) [B, K-1, C] (the convolution's state after x), in a
+    tensor of its own: a view would keep all of x alive with the state (a whole prompt's
+    activations) and give the state other strides than a step's (a recompilation of a
+    compiled step)."""
     K1, T = kernel_size - 1, x.shape[1]
     if T >= K1:
-        return x[:, T - K1 :]
+        return x[:, T - K1 :].contiguous()
     if state is None:
         state = x.new_zeros(x.shape[0], K1, x.shape[2])
-    return torch.cat([state.to(x.dtype), x], dim=1)[:, T:]
+    return torch.cat([state.to(x.dtype), x], dim=1)[:, T:].contiguous()
 
 
 # ----------------------------------------------------------------------------- head-wise norm
