@@ -1,0 +1,155 @@
+"""Packed sequences (`cu_seqlens`) in the Triton chunkwise mLSTM kernels: h, the final states
+and every gradient equal running each sequence alone through the same op, and the float64
+recurrent reference; nothing crosses a boundary. Tiny float32 shapes under TRITON_INTERPRET=1
+(how `make test` runs them); the lengths cover 1, chunk multiples and not, boundaries inside
+a chunk and a single sequence."""
+import os
+
+import pytest
+import torch
+
+from tests.helpers import rel_err
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from xlstm_kit.errors import XLSTMKitError  # noqa: E402
+from xlstm_kit.ops.mlstm.naive import mlstm_recurrent_naive  # noqa: E402
+from xlstm_kit.ops.mlstm.triton import MLSTMKernelConfig, mlstm_chunkwise_triton  # noqa: E402
+from xlstm_kit.ops.mlstm.triton import op as tri_op  # noqa: E402
+from xlstm_kit.ops.mlstm.triton.varlen import chunk_table  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" else "cpu"
+K = V = 16
+L = 16
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64)
+
+
+def _inputs(lens, H, state, seed, gates="normal"):
+    """float64 inputs [1,T,...], initial states [N,...] (or None) and output weights."""
+    g = torch.Generator().manual_seed(seed)
+    T, N = sum(lens), len(lens)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    scale = 1.0 if gates == "normal" else 8.0
+    xs = [r(1, T, H, K), r(1, T, H, K), r(1, T, H, V), r(1, T, H) * scale,
+          r(1, T, H) * (1.0 if gates == "normal" else 10.0) + (2.0 if gates == "normal" else 0.0)]
+    st = [r(N, H, K, V) * 0.5, r(N, H, K) * 0.5, r(N, H)] if state else None
+    ups = [r(1, T, H, V), r(N, H, K, V), r(N, H, K), r(N, H)]
+    return xs, st, ups
+
+
+def _loss(h, fin, ups):
+    C, n, m = fin
+    return ((h.double() * ups[0]).sum() + (C.double() * ups[1]).sum() + (n.double() * ups[2]).sum()
+            + (m.double() * ups[3]).sum())
+
+
+def _grads(run, xs, st, ups, dtype):
+    """(h, C, n, m) and the gradients of the weighted loss w.r.t. the inputs (and states)."""
+    xs = [x.to(DEV, dtype).requires_grad_(True) for x in xs]
+    st = None if st is None else [s.to(DEV, dtype).requires_grad_(True) for s in st]
+    h, fin = run(xs, st)
+    loss = _loss(h, fin, [u.to(DEV) for u in ups])
+    ins = xs + ([] if st is None else st)
+    return [h, *fin], list(torch.autograd.grad(loss, ins))
+
+
+def _separately(fn, lens, cu):
+    """fn applied to each sequence alone (its rows and its state row), results concatenated."""
+    def run(xs, st):
+        hs, fins = [], []
+        for j in range(len(lens)):
+            a, b = int(cu[j]), int(cu[j + 1])
+            s = None if st is None else [x[j:j + 1] for x in st]
+            h, fin = fn([x[:, a:b] for x in xs], s)
+            hs.append(h)
+            fins.append(fin)
+        return torch.cat(hs, 1), [torch.cat(p, 0) for p in zip(*fins)]
+    return run
+
+
+def _triton(cu=None, **kw):
+    def fn(xs, st):
+        return mlstm_chunkwise_triton(*xs, initial_state=st, output_final_state=True, chunk_size=L,
+                                      cu_seqlens=None if cu is None else cu.to(DEV), **kw)
+    return fn
+
+
+def _reference(xs, st):
+    return mlstm_recurrent_naive(*xs, None if st is None else tuple(st), 1e-6)
+
+
+CASES = [
+    # lengths, heads, initial state, gates, extra op arguments
+    ([5, 16, 1, 23], 2, True, "normal", {}),
+    ([1, 1, 17, 32, 3], 1, False, "extreme", {}),
+    ([33], 2, True, "normal", {"recompute_states": True}),
+    ([16, 9, 20], 1, True, "normal",
+     {"config": MLSTMKernelConfig.tuned(K, V, torch.float32, L).replace(fused_max_k=0)}),
+]
+
+
+@pytest.mark.parametrize("lens,H,state,gates,kw", CASES, ids=["mixed", "len1", "one", "ktiled"])
+def test_packed_equals_each_sequence_alone(lens, H, state, gates, kw):
+    """Packed run == each sequence through the same op alone (float32, the same kernels: equal
+    up to rounding) and == the float64 recurrent reference; h, final states, every gradient."""
+    cu = _cu(lens)
+    xs, st, ups = _inputs(lens, H, state, seed=len(lens), gates=gates)
+    packed = _grads(_triton(cu, **kw), xs, st, ups, torch.float32)
+    alone = _grads(_separately(_triton(**kw), lens, cu), xs, st, ups, torch.float32)
+    ref = _grads(_separately(_reference, lens, cu), xs, st, ups, torch.float64)
+    names = "h C n m".split() + "dq dk dv di df dC0 dn0 dm0".split()
+    for name, a, b, r in zip(names, packed[0] + packed[1], alone[0] + alone[1], ref[0] + ref[1]):
+        assert a.shape == r.shape, (name, a.shape, r.shape)
+        assert rel_err(a.cpu(), b.cpu()) < 1e-6, (name, rel_err(a.cpu(), b.cpu()))
+        assert rel_err(a.cpu(), r) < 1e-4, (name, rel_err(a.cpu(), r))
+
+
+def test_packed_without_final_state_and_single_sequence_equals_unpacked():
+    """One sequence with cu_seqlens = [0, T], no states: the same values and gradients as the
+    unpacked call (cu_seqlens=None), and only h's gradient flowing (no final-state gradient)."""
+    T, H = 37, 2
+    xs, _, ups = _inputs([T], H, False, seed=7)
+
+    def run(cu):
+        ins = [x.to(DEV, torch.float32).requires_grad_(True) for x in xs]
+        h, fin = mlstm_chunkwise_triton(*ins, chunk_size=L, cu_seqlens=cu)
+        assert fin is None
+        return [h] + list(torch.autograd.grad((h.double() * ups[0].to(DEV)).sum(), ins))
+
+    for a, b in zip(run(_cu([T]).to(DEV)), run(None)):
+        assert rel_err(a.cpu(), b.cpu()) < 1e-6
+
+
+def test_chunk_table_splits_each_sequence_into_its_own_chunks():
+    """The table: every real chunk inside one sequence, in order, the last one of each sequence
+    partial; the spare chunks (the shape-only bound) marked −1."""
+    lens = [5, 16, 1, 23, 32]
+    cu = _cu(lens)
+    vl = chunk_table(cu, sum(lens), L)
+    assert vl.nc == -(-sum(lens) // L) + len(lens) - 1
+    want = []
+    for j, n in enumerate(lens):
+        for c0 in range(0, n, L):
+            want.append([j, int(cu[j]) + c0, int(cu[j + 1]), 0])
+    tab = vl.tab.tolist()
+    assert tab[:len(want)] == want
+    assert all(row[0] == -1 for row in tab[len(want):])
+    assert vl.sinfo[:, 3].tolist() == torch.tensor([-(-n // L) for n in lens]).cumsum(0).tolist()
+
+
+def test_packed_rejects_bad_shapes():
+    xs = [torch.randn(2, 8, 1, K), torch.randn(2, 8, 1, K), torch.randn(2, 8, 1, V), torch.randn(2, 8, 1),
+          torch.randn(2, 8, 1)]
+    with pytest.raises(XLSTMKitError, match="batch 1"):
+        mlstm_chunkwise_triton(*xs, cu_seqlens=torch.tensor([0, 3, 8]))
+    one = [x[:1] for x in xs]
+    with pytest.raises(XLSTMKitError, match="int32 or int64"):
+        mlstm_chunkwise_triton(*one, cu_seqlens=torch.tensor([0.0, 3.0, 8.0]))
+    with pytest.raises(XLSTMKitError, match="rows"):
+        mlstm_chunkwise_triton(*one, cu_seqlens=torch.tensor([0, 3, 8]),
+                               initial_state=(torch.zeros(3, 1, K, V), torch.zeros(3, 1, K), torch.zeros(3, 1)))
