@@ -17,6 +17,7 @@ L = 64
 BF16 = {"q_ptr", "k_ptr", "v_ptr", "dh_ptr", "h_ptr", "hlo_ptr", "cs_ptr", "dcs_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
         "i_ptr", "f_ptr", "dio_ptr", "dfo_ptr"}
 FP64 = {"x_ptr", "xm_ptr", "elast_ptr"}
+INT32 = {"tab_ptr", "sinfo_ptr"}
 
 
 def _cases():
@@ -41,7 +42,7 @@ def _cases():
         (scan._state_scan, dict(L=L, BE=c.scan_be, G=c.scan_g, HAS_INIT=True, REVERSE=True), c.scan_warps, 3),
         (output._fwd_out, dict(kv, BK=c.out_bk, BV=c.out_bv, STATE_MODE=smode, PREC=prec, P_SPLIT=True, H_LO=True),
          c.out_warps, c.out_stages),
-        (backward._bwd_rows, dict(V=128, BT=32, BV=128, H_LO=True), 4, 3),
+        (backward._bwd_rows, dict(V=128, L=L, BT=32, BV=128, H_LO=True), 4, 3),
         (backward._bwd_fused, dict(kv, BK=128, BV=c.fused_bv, STATE_MODE=smode, PREC=prec, DS_SPLIT=True,
                                    DC_LAST=True, D_MODE=1), c.fused_warps, c.fused_stages),
         (backward._bwd_dqk, dict(kv2, BK=w.dqk_bk, BV=w.dqk_bv, STATE_MODE=smode, PREC=prec, DS_SPLIT=1,
@@ -63,15 +64,30 @@ def _cases():
     ]
 
 
+def _all_cases():
+    """_cases() unpacked (VARLEN False), and the packed-sequence variants (VARLEN True) of the
+    kernels that take cu_seqlens's chunk table, at their first shape."""
+    out, seen = [], set()
+    for kernel, cx, warps, stages in _cases():
+        varlen = "VARLEN" in kernel.arg_names
+        out.append(pytest.param(kernel, dict(cx, VARLEN=False) if varlen else cx, warps, stages,
+                                id=kernel.__name__))
+        if varlen and kernel.__name__ not in seen:
+            seen.add(kernel.__name__)
+            out.append(pytest.param(kernel, dict(cx, VARLEN=True), warps, stages, id=kernel.__name__ + "-varlen"))
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel,constexprs,warps,stages", _cases(), ids=lambda x: getattr(x, "__name__", None))
+@pytest.mark.parametrize("kernel,constexprs,warps,stages", _all_cases())
 def test_kernel_compiles_for_sm90(kernel, constexprs, warps, stages):
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = "*bf16" if name in BF16 else "*fp64" if name in FP64 else "*fp32"
+            sig[name] = ("*bf16" if name in BF16 else "*fp64" if name in FP64 else "*i32" if name in INT32
+                         else "*fp32")
         else:
             sig[name] = "fp32" if name in ("scale", "eps") else "i32"
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=SM90,

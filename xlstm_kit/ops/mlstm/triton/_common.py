@@ -104,12 +104,12 @@ def _seq_program(pid, sinfo_ptr, T, H, NC, VARLEN: tl.constexpr):
         c0 = tl.load(sinfo_ptr + n * 4 + 2)
         c1 = tl.load(sinfo_ptr + n * 4 + 3)
     else:
-        n = pid * 0
+        n = 0
         hb = pid
-        bos = pid * 0
-        eos = T + pid * 0
-        c0 = pid * 0
-        c1 = NC + pid * 0
+        bos = 0
+        eos = T
+        c0 = 0
+        c1 = NC
     return hb, n, bos, eos, c0, c1
 
 

@@ -339,10 +339,9 @@ def _bwd_fused(
     tl.store(di_ptr + g_base + prow, col_k + dw)
 
 
-def bwd_rows(dh, h, hlo, nbar, mrow, eps, L, vl=None):
+def bwd_rows(dh, h, hlo, nbar, mrow, eps, vl=None):
     """(r, rd, g) [B,H,NC·L] float32 from δh, h (+ hlo, empty for float32) and the forward's
-    nbar, mrow [B,H,NC·L]; chunk length L, vl the varlen.ChunkTable or None; one _bwd_rows
-    launch."""
+    nbar, mrow [B,H,NC·L]; vl the varlen.ChunkTable or None; one _bwd_rows launch."""
     B, T, H, V = dh.shape
     NCL = nbar.shape[-1]
     r = torch.empty_like(nbar)
@@ -351,7 +350,7 @@ def bwd_rows(dh, h, hlo, nbar, mrow, eps, L, vl=None):
     h_lo = hlo.numel() > 0
     _bwd_rows[(triton.cdiv(NCL, BT), B * H)](
         dh, h, hlo if h_lo else h, nbar, mrow, r, rd, g, nbar if vl is None else vl.tab, T, H, NCL, eps,
-        V=V, L=L, BT=BT, BV=min(128, pow2(V)), H_LO=h_lo, VARLEN=vl is not None, num_warps=4,
+        V=V, L=1 if vl is None else vl.chunk, BT=BT, BV=min(128, pow2(V)), H_LO=h_lo, VARLEN=vl is not None, num_warps=4,
     )
     return r, rd, g
 

@@ -131,7 +131,7 @@ def _backward_impl(
         scratch = (torch.empty_like(ns), torch.empty_like(ms), torch.empty_like(Cf), torch.empty_like(nf),
                    _empty(q, S, H))
         _pass_states(k, v, beta, blo, ig, u, C0, n0, m0, (cs, *scratch), cfg, upd, prec, vl)
-    r, rd, g = backward.bwd_rows(dh, h, hlo, nbar, mrow, eps, cfg.chunk, vl)
+    r, rd, g = backward.bwd_rows(dh, h, hlo, nbar, mrow, eps, vl)
     if dCf is not None or dnf is not None:
         dCf = torch.zeros_like(Cf) if dCf is None else dCf
         dnf = torch.zeros_like(nf) if dnf is None else dnf

@@ -22,12 +22,16 @@ def _fwd_out(
     P_SPLIT: P enters P v as two 16-bit parts (hi + lo); H_LO: also writes h's rounding
     residual (float32 h − h) in h's dtype, so the backward's δh·h sees float32 h. Both terms
     enter near-cancelling sums of the backward (δP = δh·(v_s − h_t)/d). VARLEN: chunks from
-    the varlen table (_chunk_program); spare chunks return at once."""
+    the varlen table (_chunk_program); spare chunks write zero n̄ and m (defined outputs) and
+    return."""
     c, bh, bh64, offs_l, rows, rmask, g_base, prow, row0, seq = _chunk_program(0, T, NC, tab_ptr, L, 2, VARLEN)
+    pid_v = tl.program_id(1)
     if VARLEN:
         if seq < 0:
+            zero = tl.zeros([L], dtype=tl.float32)
+            tl.store(nbar_ptr + g_base + prow, zero, mask=(offs_l < L) & (pid_v == 0))
+            tl.store(mrow_ptr + g_base + prow, zero, mask=(offs_l < L) & (pid_v == 0))
             return
-    pid_v = tl.program_id(1)
     offs_v, mv = _span(pid_v, BV, V)
     # 64-bit bases at the chunk's first row, 32-bit offsets within it (packed inputs are long)
     q_base = q_ptr + _seq_base(bh, row0, T, H, K)

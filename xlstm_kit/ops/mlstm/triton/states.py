@@ -66,11 +66,15 @@ def _fwd_states(
     C, n = _load_state(c0_ptr, n0_ptr, sb64, kv_off, mkv, offs_k, mk, K, V, BK, BV, HAS_INIT)
     m = tl.load(m0_ptr + sb).to(tl.float32)
     first_v = pid_v == 0
+    # 64-bit bases at the sequence's first row, 32-bit offsets within it (a sequence's steps ×
+    # H·K stay below 2^31; the packed total need not)
+    kb = k_ptr + _seq_base(hb, bos, T, H, K)
+    vb = v_ptr + _seq_base(hb, bos, T, H, V)
     for c in range(c0, c1):
         _store_state(cs_ptr, ns_ptr, hb64 * NC + c, C, n, kv_off, mkv, offs_k, mk, first_v, K, V)
         tl.store(msb + c, m, mask=first_v & (pid_k == 0))
-        row0 = bos + (c - c0) * L
-        rmask = row0 + offs_l < eos
+        rows = (c - c0) * L + offs_l
+        rmask = rows < eos - bos
         prow = c * L + offs_l
         beta = tl.load(beta_ptr + g_base + prow)
         blo = tl.load(blo_ptr + g_base + prow)
@@ -81,9 +85,8 @@ def _fwd_states(
         m_next = tl.maximum(beta_last + m, u_last)
         decay = tl.exp(beta_last + m - m_next)
         wgt = tl.exp((beta_last - beta) + (blo_last - blo) + ig - m_next)    # [L], ≤ 1
-        # 64-bit base at the chunk's first row, 32-bit offsets within it
-        kt = _load_rows(k_ptr + _seq_base(hb, row0, T, H, K), offs_l, rmask, offs_k, mk, H * K)    # [L, BK]
-        vt = _load_rows(v_ptr + _seq_base(hb, row0, T, H, V), offs_l, rmask, offs_v, mv, H * V)    # [L, BV]
+        kt = _load_rows(kb, rows, rmask, offs_k, mk, H * K)                  # [L, BK]
+        vt = _load_rows(vb, rows, rmask, offs_v, mv, H * V)                  # [L, BV]
         kw = kt.to(tl.float32) * wgt[:, None]
         C = C * decay + _dot_l(tl.trans(kw), vt, UPD_MODE, PREC)
         n = n * decay + tl.sum(kw, axis=0)
@@ -91,6 +94,14 @@ def _fwd_states(
     tl.store(msb + c1, m, mask=first_v & (pid_k == 0))
     tl.store(mf_ptr + sb, m, mask=first_v & (pid_k == 0))
     _store_state(cf_ptr, nf_ptr, sb64, C, n, kv_off, mkv, offs_k, mk, first_v, K, V)
+    if VARLEN:
+        # the spare chunks past the last sequence's get zero states and stabilizers, so that
+        # every output of the forward is defined (nothing reads them)
+        c_end = tl.where(sq == NS - 1, NC, c1)
+        for c in range(c1, c_end):
+            _store_state(cs_ptr, ns_ptr, hb64 * NC + c, tl.zeros([BK, BV], dtype=tl.float32),
+                         tl.zeros([BK], dtype=tl.float32), kv_off, mkv, offs_k, mk, first_v, K, V)
+            tl.store(msb + c + 1, 0.0, mask=first_v & (pid_k == 0))
 
 
 @triton.jit
@@ -114,13 +125,15 @@ def _bwd_dstates(
     dC, dn = _load_state(dcf_ptr, dnf_ptr, sb64, kv_off, mkv, offs_k, mk, K, V, BK, BV, HAS_DFINAL)
     msb = ms_ptr + hb64 * (NC + NS) + sq
     m_next = tl.load(msb + c1)
+    qb = q_ptr + _seq_base(hb, bos, T, H, K)      # as in _fwd_states
+    dhb = dh_ptr + _seq_base(hb, bos, T, H, V)
     for cc in range(c1 - c0):
         c = c1 - 1 - cc
         beta_last = tl.load(beta_ptr + g_base + c * L + L - 1)
         m_prev = tl.load(msb + c)
         _store_state(dcs_ptr, dns_ptr, hb64 * NC + c, dC, dn, kv_off, mkv, offs_k, mk, first_v, K, V)
-        row0 = bos + (c - c0) * L
-        rmask = row0 + offs_l < eos
+        rows = (c - c0) * L + offs_l
+        rmask = rows < eos - bos
         prow = c * L + offs_l
         beta = tl.load(beta_ptr + g_base + prow)
         u = tl.load(u_ptr + g_base + prow)
@@ -129,8 +142,8 @@ def _bwd_dstates(
         m_row = tl.maximum(beta + m_prev, u)
         sea = scale * tl.exp(beta + m_prev - m_row)
         decay = tl.exp(beta_last + m_prev - m_next)
-        qt = _load_rows(q_ptr + _seq_base(hb, row0, T, H, K), offs_l, rmask, offs_k, mk, H * K).to(tl.float32)
-        dht = _load_rows(dh_ptr + _seq_base(hb, row0, T, H, V), offs_l, rmask, offs_v, mv, H * V)
+        qt = _load_rows(qb, rows, rmask, offs_k, mk, H * K).to(tl.float32)
+        dht = _load_rows(dhb, rows, rmask, offs_v, mv, H * V)
         qs = qt * (sea * rd)[:, None]                                        # q̂ e^{a} / d
         dC = dC * decay + _dot_l(tl.trans(qs), dht, UPD_MODE, PREC)
         dn = dn * decay + tl.sum(qt * (sea * gg)[:, None], axis=0)

@@ -37,11 +37,12 @@ class ChunkTable(NamedTuple):
     """tab int32 [nc, 4]: per global chunk (sequence or −1 for a spare chunk, first row, end row
     (exclusive), 0); sinfo int32 [n, 4]: per sequence (first row, end row, first global chunk,
     end global chunk); n sequences; nc = the bound on the number of chunks (see the module
-    docstring)."""
+    docstring); chunk = the chunk length L."""
     tab: torch.Tensor
     sinfo: torch.Tensor
     n: int
     nc: int
+    chunk: int
 
 
 def num_chunks(T: int, n: int, L: int) -> int:
@@ -66,7 +67,7 @@ def chunk_table(cu_seqlens: torch.Tensor, T: int, L: int) -> ChunkTable:
     tab = torch.stack([torch.where(real, s, -1), torch.where(real, row0, zero), torch.where(real, cu[s + 1], zero),
                        zero], 1)
     sinfo = torch.stack([cu[:-1], cu[1:], coff[:-1], coff[1:]], 1)
-    return ChunkTable(tab.to(torch.int32).contiguous(), sinfo.to(torch.int32).contiguous(), n, nc)
+    return ChunkTable(tab.to(torch.int32).contiguous(), sinfo.to(torch.int32).contiguous(), n, nc, L)
 
 
 def first_stabilizers(ms: torch.Tensor, vl: ChunkTable) -> torch.Tensor:
