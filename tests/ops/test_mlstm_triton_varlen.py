@@ -158,9 +158,11 @@ def test_packed_rejects_bad_shapes():
 def test_packed_16bit_stored_states_keep_final_state_gradient(monkeypatch):
     """16-bit stored states (bfloat16's numerics, emulated with float16 storage: the
     interpreter has no bfloat16) with a final-state gradient: packed sequences keep their
-    δ-states in float32 and split them (every sequence has a last chunk), so each packed
-    output and gradient is as close to the float64 reference as running each sequence alone
-    (which takes the last-chunk launch of backward.last_chunk_apart), within 2x."""
+    δ-states in float32 and split them (every sequence has a last chunk; running alone takes
+    the last-chunk launch of backward.last_chunk_apart instead). Each packed output and
+    gradient is within 2x of the alone run's error against the float64 reference. (At these
+    sizes float16 storage does not reproduce the bfloat16 cancellation that motivated the
+    split: this guards the path, the H200 bfloat16 check judges its benefit.)"""
     orig = tri_op.numerics
     monkeypatch.setattr(tri_op, "numerics", lambda dt: (torch.float16, 1, 0, "tf32") if dt == torch.float16
                         else orig(dt))

@@ -9,7 +9,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from xlstm_kit.ops.mlstm.triton import backward, gates, output, scan, states, step  # noqa: E402
+from xlstm_kit.ops.mlstm.triton import backward, gates, output, scan, states, step, varlen  # noqa: E402
 from xlstm_kit.ops.mlstm.triton.config import MLSTMKernelConfig, numerics  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -18,6 +18,7 @@ BF16 = {"q_ptr", "k_ptr", "v_ptr", "dh_ptr", "h_ptr", "hlo_ptr", "cs_ptr", "dcs_
         "i_ptr", "f_ptr", "dio_ptr", "dfo_ptr"}
 FP64 = {"x_ptr", "xm_ptr", "elast_ptr"}
 INT32 = {"tab_ptr", "sinfo_ptr"}
+INT64 = {"cu_ptr"}
 
 
 def _cases():
@@ -50,6 +51,7 @@ def _cases():
         (backward._bwd_dv, dict(kv2, BK=w.dv_bk, BV=w.dv_bv, STATE_MODE=smode, PREC=prec, DC_LAST=False),
          w.dv_warps, w.dv_stages),
         (step._step_kernel, dict(K=128, V=128, BK=128, BV=64, HAS_STATE=True), 4, 3),
+        (varlen._chunk_table, dict(L=L, BN=64, BC=64), 1, 3),
         # the 125M model's heads (K = V = 384): the large-head tiles
         (states._fwd_states, dict(kv3, BK=x.states_bk, BV=x.states_bv, HAS_INIT=True, UPD_MODE=upd, PREC=prec),
          x.states_warps, x.states_stages),
@@ -87,7 +89,7 @@ def test_kernel_compiles_for_sm90(kernel, constexprs, warps, stages):
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = ("*bf16" if name in BF16 else "*fp64" if name in FP64 else "*i32" if name in INT32
-                         else "*fp32")
+                         else "*i64" if name in INT64 else "*fp32")
         else:
             sig[name] = "fp32" if name in ("scale", "eps") else "i32"
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=SM90,

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+import triton.language as tl
 
 
 class ChunkTable(NamedTuple):
@@ -50,24 +51,56 @@ def num_chunks(T: int, n: int, L: int) -> int:
     return max(1, triton.cdiv(T, L) + n - 1)
 
 
+@triton.jit
+def _chunk_table(cu_ptr, tab_ptr, sinfo_ptr, N, NCB, L: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
+    """Program n < N: sequence n's row of sinfo and its chunks' rows of tab, its first global
+    chunk being Σ_{j<n} ⌈len_j / L⌉ (summed here from cu, so the programs are independent);
+    program N: the spare chunks, from the real count up to NCB, marked −1."""
+    n = tl.program_id(0)
+    coff = n * 0
+    for j0 in range(0, n, BN):
+        j = j0 + tl.arange(0, BN)
+        m = j < n
+        a = tl.load(cu_ptr + j, mask=m, other=0).to(tl.int32)
+        b = tl.load(cu_ptr + j + 1, mask=m, other=0).to(tl.int32)
+        coff += tl.sum(tl.where(m, (b - a + L - 1) // L, 0), axis=0)
+    jc = tl.arange(0, BC)
+    if n < N:
+        bos = tl.load(cu_ptr + n).to(tl.int32)
+        eos = tl.load(cu_ptr + n + 1).to(tl.int32)
+        nch = (eos - bos + L - 1) // L
+        i4 = tl.arange(0, 4)
+        tl.store(sinfo_ptr + n * 4 + i4, tl.where(i4 == 0, bos, tl.where(i4 == 1, eos, tl.where(i4 == 2, coff, coff + nch))))
+        for j0 in range(0, nch, BC):
+            j = j0 + jc
+            m = j < nch
+            g = (coff + j).to(tl.int64) * 4
+            tl.store(tab_ptr + g, n + j * 0, mask=m)
+            tl.store(tab_ptr + g + 1, bos + j * L, mask=m)
+            tl.store(tab_ptr + g + 2, eos + j * 0, mask=m)
+            tl.store(tab_ptr + g + 3, j * 0, mask=m)
+    else:
+        for g0 in range(coff, NCB, BC):
+            gi = g0 + jc
+            m = gi < NCB
+            g = gi.to(tl.int64) * 4
+            tl.store(tab_ptr + g, jc * 0 - 1, mask=m)
+            tl.store(tab_ptr + g + 1, jc * 0, mask=m)
+            tl.store(tab_ptr + g + 2, jc * 0, mask=m)
+            tl.store(tab_ptr + g + 3, jc * 0, mask=m)
+
+
 def chunk_table(cu_seqlens: torch.Tensor, T: int, L: int) -> ChunkTable:
-    """The table of cu_seqlens [N+1] (integer, 0 first, strictly increasing, T last: the caller
-    checks) for chunk length L, built on cu_seqlens's device without a host synchronisation."""
-    cu = cu_seqlens.to(torch.int64)
-    n = cu.numel() - 1
+    """The table of cu_seqlens [N+1] (int32 or int64, 0 first, strictly increasing, T last: the
+    caller checks) for chunk length L: one launch on cu_seqlens's device, no host
+    synchronisation."""
+    n = cu_seqlens.numel() - 1
     nc = num_chunks(T, n, L)
-    lens = cu[1:] - cu[:-1]
-    coff = torch.nn.functional.pad(torch.cumsum((lens + L - 1) // L, 0), (1, 0))     # [N+1]
-    g = torch.arange(nc, device=cu.device)
-    seq = torch.searchsorted(coff[1:].contiguous(), g, right=True)                # N past the last
-    real = seq < n
-    s = seq.clamp(max=n - 1)
-    row0 = cu[s] + (g - coff[s]) * L
-    zero = torch.zeros_like(g)
-    tab = torch.stack([torch.where(real, s, -1), torch.where(real, row0, zero), torch.where(real, cu[s + 1], zero),
-                       zero], 1)
-    sinfo = torch.stack([cu[:-1], cu[1:], coff[:-1], coff[1:]], 1)
-    return ChunkTable(tab.to(torch.int32).contiguous(), sinfo.to(torch.int32).contiguous(), n, nc, L)
+    tab = torch.empty(nc, 4, device=cu_seqlens.device, dtype=torch.int32)
+    sinfo = torch.empty(n, 4, device=cu_seqlens.device, dtype=torch.int32)
+    _chunk_table[(n + 1,)](cu_seqlens, tab, sinfo, n, nc, L=L, BN=min(1024, max(16, triton.next_power_of_2(n))),
+                           BC=64, num_warps=1)
+    return ChunkTable(tab, sinfo, n, nc, L)
 
 
 def first_stabilizers(ms: torch.Tensor, vl: ChunkTable) -> torch.Tensor:
