@@ -109,20 +109,26 @@ def test_packed_equals_each_sequence_alone(lens, H, state, gates, kw):
         assert rel_err(a.cpu(), r) < 1e-4, (name, rel_err(a.cpu(), r))
 
 
-def test_packed_without_final_state_and_single_sequence_equals_unpacked():
-    """One sequence with cu_seqlens = [0, T], no states: the same values and gradients as the
-    unpacked call (cu_seqlens=None), and only h's gradient flowing (no final-state gradient)."""
+def test_packed_without_final_state_equals_unpacked():
+    """Without states (no final-state gradient: only h's flows back): one sequence with
+    cu_seqlens = [0, T] gives the unpacked call's values and gradients, and two packed
+    sequences those of each run alone."""
     T, H = 37, 2
     xs, _, ups = _inputs([T], H, False, seed=7)
 
-    def run(cu):
+    def run(lens, cu):
         ins = [x.to(DEV, torch.float32).requires_grad_(True) for x in xs]
-        h, fin = mlstm_chunkwise_triton(*ins, chunk_size=L, cu_seqlens=cu)
-        assert fin is None
+        hs = []
+        for a, b in ([(0, T)] if cu is not None else zip(_cu(lens)[:-1].tolist(), _cu(lens)[1:].tolist())):
+            h, fin = mlstm_chunkwise_triton(*(x[:, a:b] for x in ins), chunk_size=L, cu_seqlens=cu)
+            assert fin is None
+            hs.append(h)
+        h = torch.cat(hs, 1)
         return [h] + list(torch.autograd.grad((h.double() * ups[0].to(DEV)).sum(), ins))
 
-    for a, b in zip(run(_cu([T]).to(DEV)), run(None)):
-        assert rel_err(a.cpu(), b.cpu()) < 1e-6
+    for lens in ([T], [7, 30]):
+        for a, b in zip(run(lens, _cu(lens).to(DEV)), run(lens, None)):
+            assert rel_err(a.cpu(), b.cpu()) < 1e-6
 
 
 def test_chunk_table_splits_each_sequence_into_its_own_chunks():
