@@ -9,7 +9,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from xlstm_kit.ops.mlstm.triton import backward, gates, output, scan, states, step  # noqa: E402
+from xlstm_kit.ops.mlstm.triton import backward, gates, output, scan, states, step, varlen  # noqa: E402
 from xlstm_kit.ops.mlstm.triton.config import MLSTMKernelConfig, numerics  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -17,6 +17,8 @@ L = 64
 BF16 = {"q_ptr", "k_ptr", "v_ptr", "dh_ptr", "h_ptr", "hlo_ptr", "cs_ptr", "dcs_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
         "i_ptr", "f_ptr", "dio_ptr", "dfo_ptr"}
 FP64 = {"x_ptr", "xm_ptr", "elast_ptr"}
+INT32 = {"tab_ptr", "sinfo_ptr"}
+INT64 = {"cu_ptr"}
 
 
 def _cases():
@@ -41,7 +43,7 @@ def _cases():
         (scan._state_scan, dict(L=L, BE=c.scan_be, G=c.scan_g, HAS_INIT=True, REVERSE=True), c.scan_warps, 3),
         (output._fwd_out, dict(kv, BK=c.out_bk, BV=c.out_bv, STATE_MODE=smode, PREC=prec, P_SPLIT=True, H_LO=True),
          c.out_warps, c.out_stages),
-        (backward._bwd_rows, dict(V=128, BT=32, BV=128, H_LO=True), 4, 3),
+        (backward._bwd_rows, dict(V=128, L=L, BT=32, BV=128, H_LO=True), 4, 3),
         (backward._bwd_fused, dict(kv, BK=128, BV=c.fused_bv, STATE_MODE=smode, PREC=prec, DS_SPLIT=True,
                                    DC_LAST=True, D_MODE=1), c.fused_warps, c.fused_stages),
         (backward._bwd_dqk, dict(kv2, BK=w.dqk_bk, BV=w.dqk_bv, STATE_MODE=smode, PREC=prec, DS_SPLIT=1,
@@ -49,6 +51,7 @@ def _cases():
         (backward._bwd_dv, dict(kv2, BK=w.dv_bk, BV=w.dv_bv, STATE_MODE=smode, PREC=prec, DC_LAST=False),
          w.dv_warps, w.dv_stages),
         (step._step_kernel, dict(K=128, V=128, BK=128, BV=64, HAS_STATE=True), 4, 3),
+        (varlen._chunk_table, dict(L=L, BN=64, BC=64), 1, 3),
         # the 125M model's heads (K = V = 384): the large-head tiles
         (states._fwd_states, dict(kv3, BK=x.states_bk, BV=x.states_bv, HAS_INIT=True, UPD_MODE=upd, PREC=prec),
          x.states_warps, x.states_stages),
@@ -63,15 +66,30 @@ def _cases():
     ]
 
 
+def _all_cases():
+    """_cases() unpacked (VARLEN False), and the packed-sequence variants (VARLEN True) of the
+    kernels that take cu_seqlens's chunk table, at their first shape."""
+    out, seen = [], set()
+    for kernel, cx, warps, stages in _cases():
+        varlen = "VARLEN" in kernel.arg_names
+        out.append(pytest.param(kernel, dict(cx, VARLEN=False) if varlen else cx, warps, stages,
+                                id=kernel.__name__))
+        if varlen and kernel.__name__ not in seen:
+            seen.add(kernel.__name__)
+            out.append(pytest.param(kernel, dict(cx, VARLEN=True), warps, stages, id=kernel.__name__ + "-varlen"))
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel,constexprs,warps,stages", _cases(), ids=lambda x: getattr(x, "__name__", None))
+@pytest.mark.parametrize("kernel,constexprs,warps,stages", _all_cases())
 def test_kernel_compiles_for_sm90(kernel, constexprs, warps, stages):
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = "*bf16" if name in BF16 else "*fp64" if name in FP64 else "*fp32"
+            sig[name] = ("*bf16" if name in BF16 else "*fp64" if name in FP64 else "*i32" if name in INT32
+                         else "*i64" if name in INT64 else "*fp32")
         else:
             sig[name] = "fp32" if name in ("scale", "eps") else "i32"
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=SM90,

@@ -156,3 +156,32 @@ def test_model_recompute_mlstm_states_saves_less_with_the_same_gradients():
     assert lean < kept
     for a, b in zip(g_kept, g_lean):
         assert torch.equal(a, b)
+
+
+def test_packed_sequences_opcheck_and_compile():
+    """cu_seqlens through the custom ops: opcheck of the forward op with packed sequences (its
+    fake implementation sizes the buffers from the shapes alone), and torch.compile(fullgraph)
+    of a packed call with initial and final states: one graph, eager's values and gradients."""
+    xs, _ = _inputs(T=21, H=2)
+    cu = torch.tensor([0, 4, 20, 21], dtype=torch.int32, device=DEV)
+    g = torch.Generator().manual_seed(3)
+    st = [torch.randn(3, 2, 16, 16, generator=g), torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, generator=g)]
+    st = [s.to(DEV).requires_grad_(True) for s in st]
+    key = MLSTMKernelConfig.tuned(16, 16, torch.float32, 16).key()
+    torch.library.opcheck(torch.ops.xlstm_kit.mlstm_chunkwise_fwd.default, (*xs, *st, 1e-6, key, cu))
+
+    def fn(q, k, v, i, f, C, n, m):
+        h, (C1, n1, m1) = mlstm_chunkwise_triton(q, k, v, i, f, initial_state=(C, n, m), output_final_state=True,
+                                                 chunk_size=16, cu_seqlens=cu)
+        return (h * h).sum() + (C1 * C1).sum() + n1.sum() + m1.sum(), h
+
+    graph_ops = []
+    compiled = torch.compile(fn, backend=_recording_backend(graph_ops), fullgraph=True)
+    results = []
+    for f in (fn, compiled):
+        ins = [x.detach().requires_grad_(True) for x in xs + st]
+        loss, h = f(*ins)
+        results.append([h] + list(torch.autograd.grad(loss, ins)))
+    for j, (a, b) in enumerate(zip(*results)):
+        assert rel_err(a, b) < 1e-6, j
+    assert "xlstm_kit.mlstm_chunkwise_fwd.default" in graph_ops, graph_ops

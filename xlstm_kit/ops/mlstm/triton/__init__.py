@@ -37,6 +37,10 @@ Phases and their modules (all accumulation and states in float32 unless said oth
   config.py    MLSTMKernelConfig (tiles, warps, stages; `tuned(K, V, dtype, chunk)`) and the
                product numerics per dtype
   step.py      one recurrent step (decode), the custom op xlstm_kit::mlstm_step
+  varlen.py    packed sequences (cu_seqlens, batch 1): the chunk table, one launch per call;
+               every chunk lies inside one sequence, the per-chunk kernels take their rows
+               from it (VARLEN), the state passing and the gate epilogue run one program per
+               sequence and head (the sequential kernels: no scan for packed sequences)
 The forward saves its chunk states and gate tensors for the backward; with config
 recompute_states it keeps no chunk states [B,H,NC,K,V] and the backward runs the forward state
 passing again (one more states launch, same values).

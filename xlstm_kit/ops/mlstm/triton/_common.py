@@ -66,16 +66,51 @@ def _span(i, B: tl.constexpr, N):
 
 
 @triton.jit
-def _chunk_program(c_off, T, NC, L: tl.constexpr, BH_AXIS: tl.constexpr):
-    """Chunk c = program 0 + c_off of b·h = program BH_AXIS: (c, bh, bh64, offs_l [L], rows
-    [L] (its steps), rmask (rows < T), g_base (the b·h's start in the [B,H,NC·L] per-row
-    tensors))."""
+def _chunk_program(c_off, T, NC, tab_ptr, L: tl.constexpr, BH_AXIS: tl.constexpr, VARLEN: tl.constexpr):
+    """Chunk c = program 0 + c_off of b·h = program BH_AXIS: (c, bh, bh64, offs_l [L], rows [L]
+    (its steps in the [B, T, ...] inputs), rmask (rows inside its sequence), g_base (the b·h's
+    start in the [B,H,NC·L] per-row tensors), prow [L] (the chunk's rows there, c·L + offs_l),
+    row0 (its first step), seq (its sequence; −1 for a spare chunk of the varlen table)).
+    VARLEN (batch 1, b·h = h): rows, rmask and seq from the chunk table tab_ptr (varlen.py);
+    else rows = prow, rmask = rows < T, seq = 0."""
     c = tl.program_id(0) + c_off
     bh = tl.program_id(BH_AXIS)
     bh64 = bh.to(tl.int64)
     offs_l = tl.arange(0, L)
-    rows = c * L + offs_l
-    return c, bh, bh64, offs_l, rows, rows < T, bh64 * NC * L
+    prow = c * L + offs_l
+    if VARLEN:
+        seq = tl.load(tab_ptr + c * 4)
+        row0 = tl.load(tab_ptr + c * 4 + 1)
+        end = tl.load(tab_ptr + c * 4 + 2)
+    else:
+        seq = c * 0
+        row0 = c * L
+        end = T
+    rows = row0 + offs_l
+    return c, bh, bh64, offs_l, rows, rows < end, bh64 * NC * L, prow, row0, seq
+
+
+@triton.jit
+def _seq_program(pid, sinfo_ptr, T, H, NC, VARLEN: tl.constexpr):
+    """The sequence walked by program `pid` of a kernel that runs along whole sequences (one
+    program per b·h, or per n·H + h with VARLEN): (hb, n, bos, eos, c0, c1): hb the head's
+    b·h in the [B,T,H,...] inputs and [B,H,...] per-chunk tensors, n its sequence, rows
+    [bos, eos), global chunks [c0, c1). Without VARLEN: (pid, 0, 0, T, 0, NC)."""
+    if VARLEN:
+        n = pid // H
+        hb = pid % H
+        bos = tl.load(sinfo_ptr + n * 4)
+        eos = tl.load(sinfo_ptr + n * 4 + 1)
+        c0 = tl.load(sinfo_ptr + n * 4 + 2)
+        c1 = tl.load(sinfo_ptr + n * 4 + 3)
+    else:
+        n = 0
+        hb = pid
+        bos = 0
+        eos = T
+        c0 = 0
+        c1 = NC
+    return hb, n, bos, eos, c0, c1
 
 
 @triton.jit

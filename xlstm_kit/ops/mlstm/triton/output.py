@@ -12,26 +12,36 @@ from ._common import _NEG, _chunk_program, _dot_l, _dot_r, _load_rows, _seq_base
 @triton.jit
 def _fwd_out(
     q_ptr, k_ptr, v_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, cs_ptr, ns_ptr, ms_ptr,
-    h_ptr, hlo_ptr, nbar_ptr, mrow_ptr,
-    T, H, NC, scale, eps,
+    h_ptr, hlo_ptr, nbar_ptr, mrow_ptr, tab_ptr,
+    T, H, NC, NS, scale, eps,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STATE_MODE: tl.constexpr, PREC: tl.constexpr, P_SPLIT: tl.constexpr, H_LO: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """Outputs of one chunk for one V-tile: intra-chunk quadratic part + inter-chunk q̂ᵀC_c.
     P_SPLIT: P enters P v as two 16-bit parts (hi + lo); H_LO: also writes h's rounding
     residual (float32 h − h) in h's dtype, so the backward's δh·h sees float32 h. Both terms
-    enter near-cancelling sums of the backward (δP = δh·(v_s − h_t)/d)."""
-    c, bh, bh64, offs_l, rows, rmask, g_base = _chunk_program(0, T, NC, L, 2)
+    enter near-cancelling sums of the backward (δP = δh·(v_s − h_t)/d). VARLEN: chunks from
+    the varlen table (_chunk_program); spare chunks write zero n̄ and m (defined outputs) and
+    return."""
+    c, bh, bh64, offs_l, rows, rmask, g_base, prow, row0, seq = _chunk_program(0, T, NC, tab_ptr, L, 2, VARLEN)
     pid_v = tl.program_id(1)
+    if VARLEN:
+        if seq < 0:
+            zero = tl.zeros([L], dtype=tl.float32)
+            tl.store(nbar_ptr + g_base + prow, zero, mask=(offs_l < L) & (pid_v == 0))
+            tl.store(mrow_ptr + g_base + prow, zero, mask=(offs_l < L) & (pid_v == 0))
+            return
     offs_v, mv = _span(pid_v, BV, V)
-    q_base = q_ptr + _seq_base(bh, 0, T, H, K)
-    k_base = k_ptr + _seq_base(bh, 0, T, H, K)
-    v_base = v_ptr + _seq_base(bh, 0, T, H, V)
-    beta = tl.load(beta_ptr + g_base + rows)
-    blo = tl.load(blo_ptr + g_base + rows)
-    ig = tl.load(ig_ptr + g_base + rows)
-    u = tl.load(u_ptr + g_base + rows)
-    m_prev = tl.load(ms_ptr + bh64 * (NC + 1) + c)
+    # 64-bit bases at the chunk's first row, 32-bit offsets within it (packed inputs are long)
+    q_base = q_ptr + _seq_base(bh, row0, T, H, K)
+    k_base = k_ptr + _seq_base(bh, row0, T, H, K)
+    v_base = v_ptr + _seq_base(bh, row0, T, H, V)
+    beta = tl.load(beta_ptr + g_base + prow)
+    blo = tl.load(blo_ptr + g_base + prow)
+    ig = tl.load(ig_ptr + g_base + prow)
+    u = tl.load(u_ptr + g_base + prow)
+    m_prev = tl.load(ms_ptr + bh64 * (NC + NS) + seq + c)
     m_row = tl.maximum(beta + m_prev, u)
 
     S = tl.zeros([L, L], dtype=tl.float32)
@@ -39,8 +49,8 @@ def _fwd_out(
     qn = tl.zeros([L], dtype=tl.float32)
     for kt in range((K + BK - 1) // BK):
         offs_k, mk = _span(kt, BK, K)
-        qt = _load_rows(q_base, rows, rmask, offs_k, mk, H * K)
-        kk = _load_rows(k_base, rows, rmask, offs_k, mk, H * K)
+        qt = _load_rows(q_base, offs_l, rmask, offs_k, mk, H * K)
+        kk = _load_rows(k_base, offs_l, rmask, offs_k, mk, H * K)
         S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
         Ct = tl.load(cs_ptr + (bh64 * NC + c) * K * V + offs_k[:, None] * V + offs_v[None, :],
                      mask=mk[:, None] & mv[None, :], other=0.0)              # [BK, BV]
@@ -53,7 +63,7 @@ def _fwd_out(
     P = S * scale * tl.exp(tl.where(causal, D, _NEG))                        # [L, L]
     ea = tl.exp(beta + m_prev - m_row)
     nbar = ea * qn * scale + tl.sum(P, axis=1)
-    vt = _load_rows(v_base, rows, rmask, offs_v, mv, H * V)
+    vt = _load_rows(v_base, offs_l, rmask, offs_v, mv, H * V)
     if P_SPLIT:
         pv = _dot_l(P, vt, 1, PREC)
     else:
@@ -61,29 +71,29 @@ def _fwd_out(
     num = (ea * scale)[:, None] * inter + pv
     den = tl.maximum(tl.abs(nbar), tl.exp(-m_row)) + eps
     out = num / den[:, None]
-    h_off = _seq_base(bh, 0, T, H, V) + rows[:, None] * (H * V) + offs_v[None, :]
+    h_off = _seq_base(bh, row0, T, H, V) + offs_l[:, None] * (H * V) + offs_v[None, :]
     out_h = out.to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + h_off, out_h, mask=rmask[:, None] & mv[None, :])
     if H_LO:
         tl.store(hlo_ptr + h_off, (out - out_h.to(tl.float32)).to(hlo_ptr.dtype.element_ty),
                  mask=rmask[:, None] & mv[None, :])
     first_v = (offs_l < L) & (pid_v == 0)
-    tl.store(nbar_ptr + g_base + rows, nbar, mask=first_v)
-    tl.store(mrow_ptr + g_base + rows, m_row, mask=first_v)
+    tl.store(nbar_ptr + g_base + prow, nbar, mask=first_v)
+    tl.store(mrow_ptr + g_base + prow, m_row, mask=first_v)
 
 
-def fwd_out(q, k, v, beta, blo, ig, u, cs, ns, ms, h, hlo, nbar, mrow, eps, cfg, smode, prec):
+def fwd_out(q, k, v, beta, blo, ig, u, cs, ns, ms, h, hlo, nbar, mrow, eps, cfg, smode, prec, vl=None):
     """Launch _fwd_out: fills h [B,T,H,V], hlo (h's rounding residual; empty for float32
-    inputs), nbar and mrow [B,H,NC·L] float32."""
+    inputs), nbar and mrow [B,H,NC·L] float32; vl the varlen.ChunkTable or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NC = cs.shape[2]
     lowp = q.dtype != torch.float32
     BV = cfg.out_bv
     _fwd_out[(NC, triton.cdiv(V, BV), B * H)](
-        q, k, v, beta, blo, ig, u, cs, ns, ms, h, hlo if lowp else h, nbar, mrow,
-        T, H, NC, K ** -0.5, eps,
+        q, k, v, beta, blo, ig, u, cs, ns, ms, h, hlo if lowp else h, nbar, mrow, ms if vl is None else vl.tab,
+        T, H, NC, 1 if vl is None else vl.n, K ** -0.5, eps,
         K=K, V=V, L=cfg.chunk, BK=cfg.out_bk, BV=BV,
-        STATE_MODE=smode, PREC=prec, P_SPLIT=lowp, H_LO=lowp,
+        STATE_MODE=smode, PREC=prec, P_SPLIT=lowp, H_LO=lowp, VARLEN=vl is not None,
         num_warps=cfg.out_warps, num_stages=cfg.out_stages,
     )

@@ -51,7 +51,7 @@ def _local_program(T, NC, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK:
                    BV: tl.constexpr):
     """Program (chunk c, K-tile × V-tile flattened, b·h) of _fwd_local/_bwd_local: (c, bh, bh64,
     offs_k, mk, offs_v, mv, pid_v, rows, rmask, g_base) as in _chunk_program / _span."""
-    c, bh, bh64, offs_l, rows, rmask, g_base = _chunk_program(0, T, NC, L, 2)
+    c, bh, bh64, offs_l, rows, rmask, g_base, _, _, _ = _chunk_program(0, T, NC, T, L, 2, False)
     NVT: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(1)
     pid_v = pid % NVT
