@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel, hub
 from xlstm_kit.errors import XLSTMKitError
 
-from .test_checkpoint import _single_thread  # noqa: F401  (autouse: tiny shapes run best on one thread)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny shapes (see tests/conftest.py)
 
 VOCAB = 96
 

@@ -13,8 +13,9 @@ import torch
 
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
-from .test_checkpoint import _single_thread  # noqa: F401  (autouse: tiny shapes run best on one thread)
 from .test_hub import noisy as noisy_
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny shapes (see tests/conftest.py)
 
 transformers = pytest.importorskip("transformers")
 
