@@ -214,6 +214,9 @@ def test_early_ctrl_c_is_one_line(model_dir, tmp_path, module):
     # import hook (a fixed sleep raced with interpreter start-up on a loaded machine)
     interrupt_at_torch = (
         "import os, runpy, signal, sys\n"
+        # as in a terminal: tests run as a background job (nohup, `cmd &` in a script) inherit
+        # SIGINT ignored, and an ignored signal stays ignored across exec
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "class Hook:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         f"        if name == {module!r}:\n"
