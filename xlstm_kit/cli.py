@@ -197,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute the forward of these blocks in the backward instead of storing their "
                    "activations (less memory, ~1/3 more compute): all (the default when given without "
                    "a value), mlstm, slstm, dplr or none (default: none)")
+    g.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
+                   help="train on windows over the corpus's documents (its files, or texts ended by the "
+                   "tokenizer's EOS token) with the state reset at each document start; validation equals "
+                   "evaluating each document alone (default: on where the data have documents)")
     o = t.add_argument_group("evaluation, checkpoints, output")
     o.add_argument("--eval-interval", type=_nonneg_int, default=None, help="validate every N steps (0: at the end only)")
     o.add_argument("--eval-batches", type=_nonneg_int, default=None, help="validation batches per validation (0: all)")
@@ -570,7 +574,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr", "warmup_steps",
                   "weight_decay", "grad_clip", "seed", "precision", "eval_interval", "eval_batches",
-                  "checkpoint_interval", "compile", "activation_checkpointing")
+                  "checkpoint_interval", "compile", "activation_checkpointing", "pack")
         if getattr(args, k) is not None
     }
     if args.resume and args.overwrite:
@@ -636,7 +640,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         _check_training_memory(model_config, config, label)
     if dist.is_main:
         _check_out_dir(out)
-    data = load_data(data_spec, tok_name, val_fraction=val_fraction)
+    data = load_data(data_spec, tok_name, val_fraction=val_fraction, documents=config.pack is not False)
     if dist.is_main:
         _report_skipped(data)
     if not args.resume:
