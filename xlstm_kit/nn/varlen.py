@@ -5,9 +5,12 @@
 the output [1, T, d] and, with return_state, one state row per sequence (N rows). `state` is
 None (every sequence from zeros) or a block state with N rows.
 
-Blocks whose class sets `supports_cu_seqlens` pass cu_seqlens down to their op (nothing but the
-op mixes time steps in them). The others (convolutions in front of the cell) run once per
-sequence here: exact, autograd gives the gradients, at the cost of a Python loop over sequences.
+Blocks whose class sets `supports_cu_seqlens` take cu_seqlens themselves: their ops get it and
+their causal convolutions mask the taps that would reach into an earlier document. Those that
+also set `cu_seqlens_needs_zero_state` (a convolution, whose per-document input state they do
+not read in) do so only from the zero state; continuing N documents from a given state (and any
+other block) runs once per sequence here: exact, autograd gives the gradients, at the cost of a
+Python loop over sequences.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ def block_varlen(block, x: torch.Tensor, state, return_state: bool, bounds: list
                  call):
     """`call(block, x, state, return_state, **kw)` runs the block (plainly, or under activation
     checkpointing); see the module docstring for the rest."""
-    if getattr(block, "supports_cu_seqlens", False):
+    if getattr(block, "supports_cu_seqlens", False) and (
+            state is None or not getattr(block, "cu_seqlens_needs_zero_state", False)):
         return call(block, x, state, return_state, cu_seqlens=cu_seqlens)
     ys, states = [], []
     for n in range(len(bounds) - 1):
