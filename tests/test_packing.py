@@ -153,3 +153,19 @@ def test_train_pack_runs_and_refuses_without_documents(tmp_path):
     plain = load_data(str(corpus), "byte", cache_dir=tmp_path / "cache")
     with pytest.raises(XLSTMKitError, match="needs data with documents"):
         train(model, plain, TrainConfig(**{**cfg.to_dict(), "pack": True}), handle_signals=False)
+
+
+def test_cli_train_packs_a_folder_of_documents(tmp_path, monkeypatch, capsys):
+    from xlstm_kit import cli
+
+    monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    for j in range(5):
+        (corpus / f"{j}.txt").write_text(f"text of document {j}. " * (4 + 3 * j))
+    fast = ["--steps", "1", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
+            "--data", str(corpus)]
+    assert cli.main(["train", "--out", str(tmp_path / "packed"), *fast]) == 0
+    assert "documents packed (state reset at each)" in capsys.readouterr().err
+    assert cli.main(["train", "--out", str(tmp_path / "plain"), "--no-pack", *fast]) == 0
+    assert "documents packed" not in capsys.readouterr().err

@@ -80,7 +80,7 @@ def test_packed_model_continues_per_document_state(kind):
     full1 = model(torch.cat([tokens[:, 4:], more[:, 2:]], 1))
     torch.testing.assert_close(logits[:, :2], full0[:, 4:])
     torch.testing.assert_close(logits[:, 2:], full1[:, 6:])
-    with pytest.raises(XLSTMKitError, match="batch size 2"):
+    with pytest.raises(XLSTMKitError, match="batch size 2 but the tokens have 3 documents"):
         model(more, state=state, cu_seqlens=_cu([1, 1, 3]))
 
 

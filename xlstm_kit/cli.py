@@ -664,6 +664,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             where += ", compiled"
         if config.activation_checkpointing != "none":
             where += f", recomputing {config.activation_checkpointing} blocks in the backward"
+        if data.train_docs is not None and config.pack is not False:
+            where += f", {len(data.train_docs):,} documents packed (state reset at each)"
         print(
             f"{'resuming' if args.resume else 'training'} {label} ({n_params / 1e6:.2f}M parameters) on "
             f"{data_spec} ({len(data.train):,} training tokens, tokenizer {tok_label}) for "

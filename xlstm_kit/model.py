@@ -493,7 +493,7 @@ class XLSTMLanguageModel(nn.Module):
         _check_positive_int("batch", batch)
         return [block.init_state(batch, device=device) for block in self.blocks]
 
-    def _check_state(self, state, batch: int) -> None:
+    def _check_state(self, state, batch: int, packed: bool = False) -> None:
         if not isinstance(state, (list, tuple)) or len(state) != len(self.blocks):
             raise XLSTMKitError(
                 f"state must be a list of {len(self.blocks)} block states from this model's "
@@ -516,8 +516,9 @@ class XLSTMLanguageModel(nn.Module):
                     )
                 if x.shape[0] != batch:
                     raise XLSTMKitError(
-                        f"state[{t}].{name} is for batch size {x.shape[0]} but the tokens have batch "
-                        f"size {batch}; use model.init_state({batch}) or the state of a {batch}-sequence call"
+                        f"state[{t}].{name} is for batch size {x.shape[0]} but the tokens have "
+                        + (f"{batch} documents (cu_seqlens)" if packed else f"batch size {batch}")
+                        + f"; use model.init_state({batch}) or the state of a {batch}-sequence call"
                     )
 
     def _check_tokens(self, tokens, dims: int, what: str) -> None:
@@ -546,7 +547,7 @@ class XLSTMLanguageModel(nn.Module):
             raise XLSTMKitError(f"tokens must have shape [B, T] with B, T >= 1, got {list(tokens.shape)}")
         bounds = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, tokens.device)
         if state is not None:
-            self._check_state(state, B if bounds is None else len(bounds) - 1)
+            self._check_state(state, B if bounds is None else len(bounds) - 1, packed=bounds is not None)
         x = self.embedding(tokens if tokens.dtype in (torch.int32, torch.int64) else tokens.long())
         training = torch.is_grad_enabled()
         # packed documents take the eager blocks: their per-document shapes would recompile
