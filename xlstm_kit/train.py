@@ -693,7 +693,7 @@ class _Run:
             saved = TrainConfig.from_dict(state["train_config"])
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{ckpt / TRAIN_STATE_FILE} holds an invalid train_config: {e}") from None
-        for name in ("batch_size", "seq_len", "seed"):
+        for name in ("batch_size", "seq_len", "seed", "pack"):
             if getattr(saved, name) != getattr(self.config, name):
                 raise CheckpointError(
                     f"cannot resume with {name}={getattr(self.config, name)}: the checkpoint was trained "

@@ -159,3 +159,20 @@ def test_varlen_batch_and_state_rows(name):
         s = _flat_state(make_state(3, g))
         with pytest.raises(XLSTMKitError, match="needs 2 rows"):
             op(*make_inputs(6, g), cu_seqlens=_cu([2, 4]), initial_state=s[0] if len(s) == 1 else tuple(s))
+
+
+def test_cu_seqlens_read_back_once_and_again_after_a_write():
+    """The boundaries are read from the tensor once (the model's layers share it); an in-place
+    write is seen."""
+    from xlstm_kit.ops._checks import check_cu_seqlens
+
+    cu = torch.tensor([0, 2, 6])
+    assert check_cu_seqlens(cu, 1, 6, "cpu") == [0, 2, 6]
+    assert check_cu_seqlens(cu, 1, 6, "cpu") is check_cu_seqlens(cu, 1, 6, "cpu")
+    cu[1] = 4
+    assert check_cu_seqlens(cu, 1, 6, "cpu") == [0, 4, 6]
+    cu[1] = 7
+    with pytest.raises(XLSTMKitError, match="strictly increasing"):
+        check_cu_seqlens(cu, 1, 6, "cpu")
+    with pytest.raises(XLSTMKitError, match="end at the total length"):
+        check_cu_seqlens(torch.tensor([0, 2, 6]), 1, 7, "cpu")

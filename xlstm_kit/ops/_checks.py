@@ -120,7 +120,13 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int, device) -> list[int]:
         raise XLSTMKitError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
     if batch != 1:
         raise XLSTMKitError(f"with cu_seqlens the inputs hold the sequences packed in one batch row (B = 1), got B = {batch}")
-    bounds = [int(x) for x in cu_seqlens.tolist()]
+    # A model passes one cu_seqlens to every layer's ops: read it back (a device sync) once, and
+    # again only if it was written to since.
+    cached = getattr(cu_seqlens, "_xlstm_kit_bounds", None)
+    if cached is not None and cached[0] == cu_seqlens._version:
+        bounds = cached[1]
+    else:
+        bounds = [int(x) for x in cu_seqlens.tolist()]
     if bounds[0] != 0:
         raise XLSTMKitError(f"cu_seqlens must start at 0, got {bounds[0]}")
     bad = next((n for n in range(len(bounds) - 1) if bounds[n + 1] <= bounds[n]), None)
@@ -129,6 +135,8 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int, device) -> list[int]:
                             f"got cu_seqlens[{bad}] = {bounds[bad]} and cu_seqlens[{bad + 1}] = {bounds[bad + 1]}")
     if bounds[-1] != total:
         raise XLSTMKitError(f"cu_seqlens must end at the total length T = {total}, got {bounds[-1]}")
+    if cached is None or cached[1] is not bounds:
+        cu_seqlens._xlstm_kit_bounds = (cu_seqlens._version, bounds)
     return bounds
 
 
