@@ -90,3 +90,30 @@ def test_model_rejects_bad_cu_seqlens():
         model(torch.zeros(1, 6, dtype=torch.long), cu_seqlens=_cu([2, 3]))
     with pytest.raises(XLSTMKitError, match="B = 1"):
         model(torch.zeros(2, 5, dtype=torch.long), cu_seqlens=_cu([2, 3]))
+
+
+def test_packed_model_under_activation_checkpointing():
+    model = make_model("slstm", seed=2)
+    model.set_activation_checkpointing("all")
+    tokens = torch.randint(0, 64, (1, 9))
+    cu = _cu([4, 5])
+    out = model(tokens, cu_seqlens=cu)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = torch.cat([model(tokens[:, :4]), model(tokens[:, 4:])], 1)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
+def test_packed_model_under_bf16_autocast_close_to_float64():
+    model = make_model("mlstm", seed=4)
+    tokens = torch.randint(0, 64, (1, 12))
+    cu = _cu([7, 5])
+    exact = model(tokens, cu_seqlens=cu)
+    model.float()
+    with torch.autocast("cpu", torch.bfloat16):
+        got = model(tokens, cu_seqlens=cu).double()
+    assert (got - exact).abs().max() / exact.abs().max() < 5e-2
