@@ -169,3 +169,8 @@ def test_cli_train_packs_a_folder_of_documents(tmp_path, monkeypatch, capsys):
     assert "documents packed (state reset at each)" in capsys.readouterr().err
     assert cli.main(["train", "--out", str(tmp_path / "plain"), "--no-pack", *fast]) == 0
     assert "documents packed" not in capsys.readouterr().err
+    # eval follows the run: documents alone for the packed run, plain windows for the other
+    assert cli.main(["eval", str(tmp_path / "packed"), "--batch-size", "2"]) == 0
+    assert "each document alone" in capsys.readouterr().out
+    assert cli.main(["eval", str(tmp_path / "plain"), "--batch-size", "2"]) == 0
+    assert "each document alone" not in capsys.readouterr().out

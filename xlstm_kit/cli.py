@@ -741,16 +741,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or meta.get("train_config", {}).get("seq_len") or model.config.context_length
     if device.type == "cpu":
         _check_eval_memory(model, args.batch_size, seq_len)
-    data = load_data(spec, tok, val_fraction=val_fraction)
+    pack = meta.get("train_config", {}).get("pack")  # as the run trained: None packs where there are documents
+    data = load_data(spec, tok, val_fraction=val_fraction, documents=pack is not False)
     _report_skipped(data)
     max_batches = args.eval_batches
     if max_batches is None:
         whole = val_batch_count(len(data.val), seq_len, args.batch_size)
         max_batches = 0 if whole <= EVAL_WHOLE_SPLIT_UP_TO else EVAL_WHOLE_SPLIT_UP_TO
     m = evaluate(model, data.val, seq_len=seq_len, batch_size=args.batch_size,
-                 max_batches=max_batches or None, token_bytes=tok.token_byte_lengths(), device=device)
+                 max_batches=max_batches or None, token_bytes=tok.token_byte_lengths(), device=device,
+                 doc_starts=None if pack is False else data.val_docs)
+    docs = "" if pack is False or data.val_docs is None else ", each document alone"
     print(f"{ckpt}: val loss {m.loss:.4f}  bits/byte {m.bits_per_byte:.4f}  perplexity {m.perplexity:.2f}  "
-          f"({m.describe()}, batches of {args.batch_size}x{seq_len}; {spec}, tokenizer {tok.name})")
+          f"({m.describe()}, batches of {args.batch_size}x{seq_len}{docs}; {spec}, tokenizer {tok.name})")
     return 0
 
 
