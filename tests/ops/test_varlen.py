@@ -3,6 +3,9 @@ gradients (inputs and initial states) equal running each sequence alone; bad cu_
 clearly. float64 on the torch path, tiny shapes."""
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,7 +33,7 @@ def _mlstm_state(N, g):
             torch.randn(N, H, generator=g, dtype=DT))
 
 
-def _dplr_inputs(T, g):
+def _dplr_inputs(T, g, H=H, K=K, V=V):
     q, k = (torch.randn(1, T, H, K, generator=g, dtype=DT) for _ in range(2))
     v = torch.randn(1, T, H, V, generator=g, dtype=DT)
     a = F.normalize(torch.randn(1, T, H, K, generator=g, dtype=DT), dim=-1)
@@ -39,7 +42,7 @@ def _dplr_inputs(T, g):
     return [q, k, v, a, b, gk]
 
 
-def _kda_inputs(T, g):
+def _kda_inputs(T, g, H=H, K=K, V=V):
     q, k = (torch.randn(1, T, H, K, generator=g, dtype=DT) for _ in range(2))
     return [q, F.normalize(k, dim=-1), torch.randn(1, T, H, V, generator=g, dtype=DT),
             -torch.rand(1, T, H, K, generator=g, dtype=DT), torch.rand(1, T, H, generator=g, dtype=DT)]
@@ -176,3 +179,58 @@ def test_cu_seqlens_read_back_once_and_again_after_a_write():
         check_cu_seqlens(cu, 1, 6, "cpu")
     with pytest.raises(XLSTMKitError, match="end at the total length"):
         check_cu_seqlens(torch.tensor([0, 2, 6]), 1, 7, "cpu")
+
+
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", ["mlstm_chunkwise", "dplr_chunkwise", "kda_chunkwise", "slstm_recurrent"])
+def test_packed_triton_matches_each_sequence_alone_in_float64(name):
+    """The Triton backend with cu_seqlens (float32, interpreter) against each sequence alone on
+    the torch path in float64: outputs, final states, gradients of inputs and initial states."""
+    from xlstm_kit.ops._checks import run_varlen
+
+    Hh, D = 1, 16
+    lengths = [1, 6, 17]
+    g = torch.Generator().manual_seed(9)
+    T, N = sum(lengths), len(lengths)
+    if name == "mlstm_chunkwise":
+        xs = [torch.randn(1, T, Hh, D, generator=g, dtype=DT) for _ in range(3)] + \
+             [torch.randn(1, T, Hh, generator=g, dtype=DT), 2 + torch.randn(1, T, Hh, generator=g, dtype=DT)]
+        s0 = (torch.randn(N, Hh, D, D, generator=g, dtype=DT), torch.rand(N, Hh, D, generator=g, dtype=DT),
+              torch.randn(N, Hh, generator=g, dtype=DT))
+        op = mlstm_chunkwise
+    elif name == "slstm_recurrent":
+        xs = [torch.randn(1, T, 4, Hh, D, generator=g, dtype=DT)]
+        r, b = torch.randn(4, Hh, D, D, generator=g, dtype=DT) / 4, torch.randn(4, Hh, D, generator=g, dtype=DT)
+        s0 = tuple(torch.randn(N, Hh, D, generator=g, dtype=DT) for _ in range(4))
+
+        def op(xg, **kw):
+            return slstm_recurrent(xg, r.to(xg.dtype), b.to(xg.dtype), **kw)
+    else:
+        xs = (_dplr_inputs if name == "dplr_chunkwise" else _kda_inputs)(T, g, Hh, D, D)
+        s0 = (torch.randn(N, Hh, D, D, generator=g, dtype=DT),)
+        op = dplr_chunkwise if name == "dplr_chunkwise" else kda_chunkwise
+
+    def run(dtype, backend, packed):
+        ins = [x.to(dtype).requires_grad_() for x in xs]
+        st = tuple(s.to(dtype).requires_grad_() for s in s0)
+        init = st[0] if len(st) == 1 else st
+        fn = lambda *a, **kw: op(*a, backend=backend, **kw)  # noqa: E731
+        if packed:
+            out, fin = fn(*ins, cu_seqlens=_cu(lengths), initial_state=init, output_final_state=True)
+        else:
+            out, fin = run_varlen(fn, ins, _cu(lengths).tolist(), init, True)
+        fin = _flat_state(fin)
+        w = torch.Generator().manual_seed(1)
+        loss = sum((o.double() * torch.randn(o.shape, generator=w, dtype=DT)).sum() for o in [out, *fin])
+        return [out, *fin, *torch.autograd.grad(loss, ins + list(st))]
+
+    got = run(torch.float32, "triton", True)
+    ref = run(DT, "torch", False)
+    for j, (a, b) in enumerate(zip(got, ref)):
+        err = ((a.double() - b).norm() / b.norm().clamp_min(1e-12)).item()
+        assert err < 2e-4, (j, err)
