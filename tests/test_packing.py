@@ -88,7 +88,6 @@ def test_packed_validation_equals_each_document_alone(slstm_at):
     lengths = [7, 1, 12, 3, 9, 5]    # seq_len 4: documents span up to 3 windows
     tokens, starts = stream(lengths, seed=2)
     model = make_model(slstm_at, seed=3)
-    ids = np.arange(VOCAB)
     m = evaluate(model, tokens, seq_len=4, batch_size=2, max_batches=None, token_bytes=np.ones(VOCAB), doc_starts=starts)
     total, count = 0.0, 0
     with torch.no_grad():
@@ -97,7 +96,8 @@ def test_packed_validation_equals_each_document_alone(slstm_at):
             if loss is not None:
                 total += loss.item()
                 count += n - 1
-    assert m.tokens == count and ids.size == VOCAB
+    assert m.tokens == count
+    assert m.batches == m.split_batches == 5    # 9 windows of 4 tokens in batches of 2: all of them
     assert m.loss == pytest.approx(total / count, rel=1e-6)
     plain = evaluate(model, tokens, seq_len=4, batch_size=2, max_batches=None, token_bytes=np.ones(VOCAB))
     assert abs(plain.loss - m.loss) > 1e-4   # the resets matter

@@ -409,6 +409,8 @@ def evaluate(
             sums[1] += y.size
             sums[2] += float(token_bytes[y].sum())
             sums[3] += 1
+        if doc_starts is not None:  # windows one by one (their state carried): count batches of them
+            sums[3] = math.ceil(sums[3] / batch_size)
     finally:
         model.train(was_training)
     if dist.enabled:
