@@ -131,14 +131,20 @@ def evaluate_packed(model, tokens: np.ndarray, doc_starts: np.ndarray, *, seq_le
     device = next(module.parameters()).device
     state = None
     for inputs, targets, continues in val_windows(tokens, doc_starts, seq_len, max_windows, rank, world_size):
+        first = int(inputs.cu_seqlens[1])       # the end of the window's first piece (host copy)
         inputs, targets = inputs.to(device), targets.to(device)
-        init = None
-        if continues and state is not None:
-            zero = module.init_state(inputs.cu_seqlens.numel() - 1, device=device)
-            init = [type(z)(*(torch.cat([c[-1:], zz[1:]]) for c, zz in zip(carried, z)))
-                    for carried, z in zip(state, zero)]
+        x, cu = inputs.tokens, inputs.cu_seqlens
         with autocast():
-            logits, state = module(inputs.tokens, state=init, return_state=True, cu_seqlens=inputs.cu_seqlens)
+            if continues and state is not None:
+                # the first piece continues the last document with its state; the rest start
+                # from zeros (a separate call keeps that one on the packed path)
+                carried = [type(s)(*(t[-1:] for t in s)) for s in state]
+                parts = [module(x[:, :first], state=carried, return_state=True)]
+                if first < x.shape[1]:
+                    parts.append(module(x[:, first:], return_state=True, cu_seqlens=cu[1:] - first))
+                logits, state = torch.cat([p[0] for p in parts], dim=1), parts[-1][1]
+            else:
+                logits, state = module(x, return_state=True, cu_seqlens=cu)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                                reduction="sum")
         yield loss, targets
