@@ -174,3 +174,9 @@ def test_cli_train_packs_a_folder_of_documents(tmp_path, monkeypatch, capsys):
     assert "each document alone" in capsys.readouterr().out
     assert cli.main(["eval", str(tmp_path / "plain"), "--batch-size", "2"]) == 0
     assert "each document alone" not in capsys.readouterr().out
+
+
+def test_train_config_pack_values():
+    assert TrainConfig().pack is None and TrainConfig(pack=False).pack is False
+    with pytest.raises(XLSTMKitError, match="pack must be None, True or False"):
+        TrainConfig(pack="auto")

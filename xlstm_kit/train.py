@@ -127,6 +127,8 @@ class TrainConfig:
         self.betas = tuple(self.betas)
         if not isinstance(self.compile, bool):
             raise XLSTMKitError(f"TrainConfig.compile must be True or False, got {self.compile!r}")
+        if self.pack not in (None, True, False):
+            raise XLSTMKitError(f"TrainConfig.pack must be None, True or False, got {self.pack!r}")
         self.activation_checkpointing = checkpoint_blocks(self.activation_checkpointing)
         if self.decay_anchor is not None:
             self.decay_anchor = (int(self.decay_anchor[0]), float(self.decay_anchor[1]))
