@@ -198,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute the forward of these blocks in the backward instead of storing their "
                    "activations (less memory, ~1/3 more compute): all (the default when given without "
                    "a value), mlstm, slstm, dplr or none (default: none)")
+    g.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
+                   help="train on windows over the corpus's documents (its files, or texts ended by the "
+                   "tokenizer's EOS token) with the state reset at each document start; validation equals "
+                   "evaluating each document alone (default: on where the data have documents)")
     o = t.add_argument_group("evaluation, checkpoints, output")
     o.add_argument("--eval-interval", type=_nonneg_int, default=None, help="validate every N steps (0: at the end only)")
     o.add_argument("--eval-batches", type=_nonneg_int, default=None, help="validation batches per validation (0: all)")
@@ -550,7 +554,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr", "warmup_steps",
                   "weight_decay", "grad_clip", "seed", "precision", "eval_interval", "eval_batches",
-                  "checkpoint_interval", "compile", "activation_checkpointing")
+                  "checkpoint_interval", "compile", "activation_checkpointing", "pack")
         if getattr(args, k) is not None
     }
     if args.resume and args.overwrite:
@@ -616,7 +620,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         _check_training_memory(model_config, config, label)
     if dist.is_main:
         _check_out_dir(out)
-    data = load_data(data_spec, tok_name, val_fraction=val_fraction)
+    data = load_data(data_spec, tok_name, val_fraction=val_fraction, documents=config.pack is not False)
     if dist.is_main:
         _report_skipped(data)
     if not args.resume:
@@ -640,6 +644,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             where += ", compiled"
         if config.activation_checkpointing != "none":
             where += f", recomputing {config.activation_checkpointing} blocks in the backward"
+        if data.train_docs is not None and config.pack is not False:
+            where += f", {len(data.train_docs):,} documents packed (state reset at each)"
         print(
             f"{'resuming' if args.resume else 'training'} {label} ({n_params / 1e6:.2f}M parameters) on "
             f"{data_spec} ({len(data.train):,} training tokens, tokenizer {tok_label}) for "
@@ -688,16 +694,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or meta.get("train_config", {}).get("seq_len") or model.config.context_length
     if device.type == "cpu":
         _check_eval_memory(model, args.batch_size, seq_len)
-    data = load_data(spec, tok, val_fraction=val_fraction)
+    pack = meta.get("train_config", {}).get("pack")  # as the run trained: None packs where there are documents
+    data = load_data(spec, tok, val_fraction=val_fraction, documents=pack is not False)
     _report_skipped(data)
     max_batches = args.eval_batches
     if max_batches is None:
         whole = val_batch_count(len(data.val), seq_len, args.batch_size)
         max_batches = 0 if whole <= EVAL_WHOLE_SPLIT_UP_TO else EVAL_WHOLE_SPLIT_UP_TO
     m = evaluate(model, data.val, seq_len=seq_len, batch_size=args.batch_size,
-                 max_batches=max_batches or None, token_bytes=tok.token_byte_lengths(), device=device)
+                 max_batches=max_batches or None, token_bytes=tok.token_byte_lengths(), device=device,
+                 doc_starts=None if pack is False else data.val_docs)
+    docs = "" if pack is False or data.val_docs is None else ", each document alone"
     print(f"{ckpt}: val loss {m.loss:.4f}  bits/byte {m.bits_per_byte:.4f}  perplexity {m.perplexity:.2f}  "
-          f"({m.describe()}, batches of {args.batch_size}x{seq_len}; {spec}, tokenizer {tok.name})")
+          f"({m.describe()}, batches of {args.batch_size}x{seq_len}{docs}; {spec}, tokenizer {tok.name})")
     return 0
 
 

@@ -339,6 +339,49 @@ def tokenize_corpus(
     return np.load(path, mmap_mode="r")
 
 
+def tokenize_documents(
+    spec: str, tokenizer, cache_dir: Path | None = None, *, files: Sequence[Path]
+) -> tuple[np.ndarray, np.ndarray]:
+    """A corpus of several files as documents: (token ids [N] uint16 memory-mapped, document
+    starts [D] int64, the first 0). Each non-empty file is tokenized on its own (no separator
+    between documents: packing resets the state at each start). Cached like `tokenize_corpus`."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    parts = [p.read_bytes().decode("utf-8", errors="replace").strip("\n") for p in files]
+    parts = [t for t in parts if t.strip()]
+    if not parts:
+        raise DataError(f"corpus {spec!r} is empty")
+    digest = hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()[:20]
+    stem = cache_dir / "tokens" / f"{digest}-{tokenizer.name}-docs-v{_TOKEN_CACHE_FORMAT}"
+    ids_path, starts_path = stem.with_suffix(".npy"), Path(f"{stem}-starts.npy")
+    if not (ids_path.is_file() and starts_path.is_file()):
+        docs = [np.asarray(tokenizer.encode_array(t), dtype=np.uint16) for t in parts]
+        starts = np.cumsum([0] + [len(d) for d in docs[:-1]]).astype(np.int64)
+        atomic_write(starts_path, lambda f: np.save(f, starts))
+        atomic_write(ids_path, lambda f: np.save(f, np.concatenate(docs)))
+    return np.load(ids_path, mmap_mode="r"), np.load(starts_path)
+
+
+def document_starts_from_eos(ids: np.ndarray, eos: int | None) -> np.ndarray | None:
+    """Document starts [D] (first 0) of a token stream whose documents each end with `eos`;
+    None when there is no EOS token or it never ends a document before the stream's end."""
+    if eos is None:
+        return None
+    ends = np.flatnonzero(np.asarray(ids) == eos) + 1
+    ends = ends[ends < len(ids)]
+    return None if len(ends) == 0 else np.concatenate([[0], ends]).astype(np.int64)
+
+
+def split_documents(starts: np.ndarray | None, split: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Document starts of the two parts of a stream cut at token `split` (a document that
+    straddles the cut becomes two)."""
+    if starts is None:
+        return None, None
+    starts = np.asarray(starts, dtype=np.int64)
+    train = starts[starts < split]
+    val = np.concatenate([[0], starts[starts > split] - split]).astype(np.int64)
+    return train, val
+
+
 @dataclass
 class TokenData:
     """A tokenized corpus split into a training and a validation part (both 1-D uint16 arrays).
@@ -352,6 +395,8 @@ class TokenData:
     train: np.ndarray
     val: np.ndarray
     skipped: tuple[Path, ...] = ()  # files of a folder corpus left out: not UTF-8 text
+    train_docs: np.ndarray | None = None  # document starts in train (first 0); None: no documents
+    val_docs: np.ndarray | None = None    # document starts in val (first 0)
 
     @property
     def vocab_size(self) -> int:
@@ -364,18 +409,28 @@ def load_data(
     *,
     val_fraction: float = 0.1,
     cache_dir: Path | None = None,
+    documents: bool = False,
 ) -> TokenData:
     """Read, tokenize (cached) and split a corpus; see :class:`TokenData`. ``tokenizer``: a
     name (see :func:`get_tokenizer`) or a tokenizer object such as ``xlstm_kit.hub.HFTokenizer``
-    (its ``name`` keys the token cache)."""
+    (its ``name`` keys the token cache). ``documents``: find the corpus's documents (its files
+    when there are several, tokenized one by one, else the texts ended by the tokenizer's EOS
+    token) for packed training (`xlstm_kit.packing`); None where it has none."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     listing = list_corpus(spec, cache_dir)
-    ids = tokenize_corpus(spec, tok, cache_dir, files=listing.files)
+    starts = None
+    if documents and len(listing.files) > 1:
+        ids, starts = tokenize_documents(spec, tok, cache_dir, files=listing.files)
+    else:
+        ids = tokenize_corpus(spec, tok, cache_dir, files=listing.files)
+        if documents:
+            starts = document_starts_from_eos(ids, getattr(tok, "eos_token_id", None))
     n_val = int(math.ceil(len(ids) * val_fraction))
+    train_docs, val_docs = split_documents(starts, len(ids) - n_val)
     return TokenData(source=spec, tokenizer=tok, train=ids[: len(ids) - n_val], val=ids[len(ids) - n_val :],
-                     skipped=listing.skipped)
+                     skipped=listing.skipped, train_docs=train_docs, val_docs=val_docs)
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ from .nn.dplr import DPLRBlock, DPLRState
 from .nn.large import LargeBlock, RMSNorm, at_least_float32, soft_cap
 from .nn.mlstm import MLSTMBlock, MLSTMState
 from .nn.slstm import SLSTMBlock, SLSTMState
+from .nn.varlen import block_varlen
+from .ops._checks import check_cu_seqlens
 from .errors import XLSTMKitError
 
 BlockState = Union[MLSTMState, SLSTMState, DPLRState]
@@ -504,7 +506,7 @@ class XLSTMLanguageModel(nn.Module):
         _check_positive_int("batch", batch)
         return [block.init_state(batch, device=device) for block in self.blocks]
 
-    def _check_state(self, state, batch: int) -> None:
+    def _check_state(self, state, batch: int, packed: bool = False) -> None:
         if not isinstance(state, (list, tuple)) or len(state) != len(self.blocks):
             raise XLSTMKitError(
                 f"state must be a list of {len(self.blocks)} block states from this model's "
@@ -527,8 +529,9 @@ class XLSTMLanguageModel(nn.Module):
                     )
                 if x.shape[0] != batch:
                     raise XLSTMKitError(
-                        f"state[{t}].{name} is for batch size {x.shape[0]} but the tokens have batch "
-                        f"size {batch}; use model.init_state({batch}) or the state of a {batch}-sequence call"
+                        f"state[{t}].{name} is for batch size {x.shape[0]} but the tokens have "
+                        + (f"{batch} documents (cu_seqlens)" if packed else f"batch size {batch}")
+                        + f"; use model.init_state({batch}) or the state of a {batch}-sequence call"
                     )
 
     def _check_tokens(self, tokens, dims: int, what: str) -> None:
@@ -542,25 +545,41 @@ class XLSTMLanguageModel(nn.Module):
         check_token_ids(tokens, self.config.vocab_size, what)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, tokens: torch.Tensor, state: ModelState | None = None, return_state: bool = False):
+    def forward(self, tokens: torch.Tensor, state: ModelState | None = None, return_state: bool = False,
+                *, cu_seqlens: torch.Tensor | None = None):
         """tokens [B, T] (T >= 1) -> logits [B, T, vocab] (float in the parameters' dtype),
-        or (logits, state) with return_state=True. `state` continues from an earlier call."""
+        or (logits, state) with return_state=True. `state` continues from an earlier call.
+
+        cu_seqlens: None, or int32/int64 [N+1] (0 = cu[0] < ... < cu[N] = T) with tokens [1, T]:
+        N documents packed in one row, each read as if alone (every block's state, the causal
+        convolutions' included, resets at each boundary). `state` then has N rows (one per
+        document; None: zeros) and so has the returned state."""
         self._check_tokens(tokens, 2, "tokens")
         B, T = tokens.shape
         if T < 1 or B < 1:
             raise XLSTMKitError(f"tokens must have shape [B, T] with B, T >= 1, got {list(tokens.shape)}")
+        bounds = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, tokens.device)
         if state is not None:
-            self._check_state(state, B)
+            self._check_state(state, B if bounds is None else len(bounds) - 1, packed=bounds is not None)
         x = self.embedding(tokens if tokens.dtype in (torch.int32, torch.int64) else tokens.long())
         training = torch.is_grad_enabled()
-        blocks, head = self._compiled if training and self._compiled is not None else (self.blocks, self._head)
+        # packed documents take the eager blocks: their per-document shapes would recompile
+        use_compiled = training and self._compiled is not None and bounds is None
+        blocks, head = self._compiled if use_compiled else (self.blocks, self._head)
         new_state = []
         for t, block in enumerate(blocks):
             s = None if state is None else state[t]
-            if training and t in self._recomputed:
-                out = _recompute(block, x, s, return_state=return_state, use_reentrant=False)
+            recompute = training and t in self._recomputed
+
+            def call(blk, x_, s_, rs, **kw):
+                if recompute:
+                    return _recompute(blk, x_, s_, return_state=rs, use_reentrant=False, **kw)
+                return blk(x_, s_, return_state=rs, **kw)
+
+            if bounds is None:
+                out = call(block, x, s, return_state)
             else:
-                out = block(x, s, return_state=return_state)
+                out = block_varlen(block, x, s, return_state, bounds, cu_seqlens, call)
             if return_state:
                 x, s = out
                 new_state.append(s)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -42,6 +43,7 @@ from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINTS_DIR, LATEST_FILE, TRAIN_
                          load_training_state, load_weights_into, read_train_meta, remove_stale_staging,
                          resolve_checkpoint, restore_rng, save_checkpoint)
 from .data import BatchSampler, TokenData, val_batches
+from .packing import IGNORE, PackedSampler, evaluate_packed, model_forward
 from .compiling import CompileEvent, CompileClock, compile_failure, compile_unavailable, prepare_model  # noqa: F401
 from .errors import XLSTMKitError
 
@@ -114,6 +116,10 @@ class TrainConfig:
     "all", or one block type "mlstm" | "slstm" | "dplr" (True / False mean "all" / "none").
     Saves memory at the cost of one more forward of those blocks; gradients are unchanged.
     Needs a model with ``set_activation_checkpointing`` (XLSTMLanguageModel)."""
+    pack: bool | None = None
+    """Pack documents (``xlstm_kit.packing``): windows over the document stream, the state reset
+    at each document start (the model's ``cu_seqlens``), validation equal to evaluating each
+    document alone. None: where the data have documents and the model takes cu_seqlens."""
 
     def __post_init__(self) -> None:
         from .model import checkpoint_blocks
@@ -121,6 +127,8 @@ class TrainConfig:
         self.betas = tuple(self.betas)
         if not isinstance(self.compile, bool):
             raise XLSTMKitError(f"TrainConfig.compile must be True or False, got {self.compile!r}")
+        if self.pack not in (None, True, False):
+            raise XLSTMKitError(f"TrainConfig.pack must be None, True or False, got {self.pack!r}")
         self.activation_checkpointing = checkpoint_blocks(self.activation_checkpointing)
         if self.decay_anchor is not None:
             self.decay_anchor = (int(self.decay_anchor[0]), float(self.decay_anchor[1]))
@@ -370,8 +378,11 @@ def evaluate(
     device: torch.device | str = "cpu",
     precision: str = "auto",
     dist: DistInfo | None = None,
+    doc_starts: np.ndarray | None = None,
 ) -> EvalMetrics:
-    """Mean next-token loss over fixed validation windows (see ``data.val_batches``).
+    """Mean next-token loss over fixed validation windows (see ``data.val_batches``); with
+    ``doc_starts`` (document starts in ``tokens``) over packed documents, each read as if alone
+    (``packing.evaluate_packed``).
 
     Bits per byte = summed loss (nats) / (ln 2 · UTF-8 bytes of the target tokens), using the
     tokenizer's byte length of each token (``token_bytes`` [vocab]), so byte-level and BPE
@@ -382,17 +393,26 @@ def evaluate(
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64)  # loss nats, tokens, bytes, batches
-    try:
-        for x, y in val_batches(
-            tokens, seq_len, batch_size, max_batches, rank=dist.rank, world_size=dist.world_size
-        ):
+    def plain():
+        for x, y in val_batches(tokens, seq_len, batch_size, max_batches, rank=dist.rank, world_size=dist.world_size):
             x, y = x.to(device), y.to(device)
             with autocast(device, precision):
                 logits = model(x)
-            sums[0] += lm_loss(logits, y, reduction="sum").double().item()
-            sums[1] += y.numel()
-            sums[2] += float(token_bytes[y.cpu().numpy()].sum())
+            yield lm_loss(logits, y, reduction="sum"), y
+
+    try:
+        losses = plain() if doc_starts is None else evaluate_packed(
+            model, tokens, doc_starts, seq_len=seq_len, max_windows=None if max_batches is None else
+            max_batches * batch_size, rank=dist.rank, world_size=dist.world_size,
+            autocast=lambda: autocast(device, precision))
+        for loss, y in losses:
+            y = y[y != IGNORE].cpu().numpy()
+            sums[0] += loss.double().item()
+            sums[1] += y.size
+            sums[2] += float(token_bytes[y].sum())
             sums[3] += 1
+        if doc_starts is not None:  # windows one by one (their state carried): count batches of them
+            sums[3] = math.ceil(sums[3] / batch_size)
     finally:
         model.train(was_training)
     if dist.enabled:
@@ -520,7 +540,7 @@ def train_step(
         last = micro == n_micro - 1
         with (model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext()):
             with autocast(device, precision):
-                logits = model(inputs)
+                logits = model_forward(model, inputs)
             loss = loss_fn(logits, target) / n_micro
             loss.backward()
         loss_sum += loss.detach()
@@ -644,7 +664,13 @@ class _Run:
         self.history: list[dict[str, Any]] = []
         self.metrics_path = out_dir / METRICS_FILE if out_dir is not None else None
         self.token_bytes = data.tokenizer.token_byte_lengths()
-        self.sampler = BatchSampler(data.train, config.seq_len, config.batch_size, seed=config.seed)
+        self.packed = config.pack if config.pack is not None else (
+            data.train_docs is not None and "cu_seqlens" in inspect.signature(model.forward).parameters)
+        if self.packed and data.train_docs is None:
+            raise XLSTMKitError(f"pack=True needs data with documents (several files, or an EOS token in "
+                                f"the text, loaded with documents=True); {data.source!r} has none")
+        self.sampler = (PackedSampler(data.train, data.train_docs, config.seq_len, config.batch_size, seed=config.seed)
+                        if self.packed else BatchSampler(data.train, config.seq_len, config.batch_size, seed=config.seed))
         self.result = TrainResult(step=0, interrupted=False)
 
     def micro_batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
@@ -671,7 +697,7 @@ class _Run:
             saved = TrainConfig.from_dict(state["train_config"])
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{ckpt / TRAIN_STATE_FILE} holds an invalid train_config: {e}") from None
-        for name in ("batch_size", "seq_len", "seed"):
+        for name in ("batch_size", "seq_len", "seed", "pack"):
             if getattr(saved, name) != getattr(self.config, name):
                 raise CheckpointError(
                     f"cannot resume with {name}={getattr(self.config, name)}: the checkpoint was trained "
@@ -713,7 +739,7 @@ class _Run:
         c = self.config
         m = evaluate(self.model, self.data.val, seq_len=c.seq_len, batch_size=c.batch_size,
                      max_batches=c.eval_batches or None, token_bytes=self.token_bytes, device=self.device,
-                     precision=c.precision, dist=self.dist)
+                     precision=c.precision, dist=self.dist, doc_starts=self.data.val_docs if self.packed else None)
         self.result.evals.append((self.step, m))
         self.log({"step": self.step, "val_loss": m.loss, "val_bpb": m.bits_per_byte, "val_ppl": m.perplexity,
                   "val_batches": m.batches, "val_tokens": m.tokens})

@@ -284,9 +284,10 @@ def test_tail_ops_pass_opcheck():
     from xlstm_kit.ops.blocks.triton import conv_config_key
     x, st, dout = torch.randn(2, 5, 6, device=DEV), torch.randn(2, 3, 6, device=DEV), torch.randn(2, 5, 6, device=DEV)
     cw, cb = torch.randn(6, 4, device=DEV), torch.randn(6, device=DEV)
-    for state in (st, None):
-        torch.library.opcheck(torch.ops.xlstm_kit.conv_fwd.default, (x, state, cw, cb, True, conv_config_key()))
-        torch.library.opcheck(torch.ops.xlstm_kit.conv_bwd.default, (dout, x, state, cw, cb, True, conv_config_key()))
+    pos = torch.tensor([0, 1, 0, 0, 1], device=DEV, dtype=torch.int32)   # packed documents of lengths 2, 1, 2
+    for state, p in ((st, None), (None, None), (None, pos)):
+        torch.library.opcheck(torch.ops.xlstm_kit.conv_fwd.default, (x, state, cw, cb, True, conv_config_key(), p))
+        torch.library.opcheck(torch.ops.xlstm_kit.conv_bwd.default, (dout, x, state, cw, cb, True, conv_config_key(), p))
 
 
 @needs_triton
@@ -342,19 +343,21 @@ def compile_kernels():
                                        "dh_ptr": bf, "dxc_ptr": bf, "dz_ptr": bf, "dw_part": f32, "ds_part": f32,
                                        "N": "i32", "H": "i32", "D": "i32", "ROWS": "constexpr", "BD": "constexpr",
                                        "GATE": "constexpr"}, consts))
-    conv = {"K": "constexpr", "HAS_STATE": "constexpr", "ACT": "constexpr", "BT": "constexpr", "BC": "constexpr"}
-    for has_state in (True, False):
+    conv = {"K": "constexpr", "HAS_STATE": "constexpr", "HAS_POS": "constexpr", "ACT": "constexpr",
+            "BT": "constexpr", "BC": "constexpr"}
+    for has_state, has_pos in ((True, False), (False, False), (False, True)):
         for act in (True, False):
-            consts = {"K": 4, "HAS_STATE": has_state, "ACT": act, "BT": 32, "BC": 64}
-            cases.append((kern._conv_fwd, {"x_ptr": bf, "s_ptr": bf, "w_ptr": f32, "b_ptr": f32, "out_ptr": bf,
-                                           "T": "i32", "C": "i32", **conv}, consts))
-            cases.append((kern._conv_dpre, {"g_ptr": bf, "x_ptr": bf, "s_ptr": bf, "w_ptr": f32, "b_ptr": f32,
-                                            "d_ptr": f32, "dw_part": f32, "db_part": f32, "T": "i32", "C": "i32",
-                                            "NT": "i32", **conv}, consts))
+            consts = {"K": 4, "HAS_STATE": has_state, "HAS_POS": has_pos, "ACT": act, "BT": 32, "BC": 64}
+            pos = "*i32" if has_pos else bf
+            cases.append((kern._conv_fwd, {"x_ptr": bf, "s_ptr": bf, "p_ptr": pos, "w_ptr": f32, "b_ptr": f32,
+                                           "out_ptr": bf, "T": "i32", "C": "i32", **conv}, consts))
+            cases.append((kern._conv_dpre, {"g_ptr": bf, "x_ptr": bf, "s_ptr": bf, "p_ptr": pos, "w_ptr": f32,
+                                            "b_ptr": f32, "d_ptr": f32, "dw_part": f32, "db_part": f32, "T": "i32",
+                                            "C": "i32", "NT": "i32", **conv}, consts))
             dx_consts = {k: v for k, v in consts.items() if k != "ACT"}
             dx_sig = {k: v for k, v in conv.items() if k != "ACT"}
-            cases.append((kern._conv_dx, {"d_ptr": f32, "w_ptr": f32, "dx_ptr": bf, "ds_ptr": bf, "T": "i32",
-                                          "C": "i32", **dx_sig, "KP": "constexpr"}, {**dx_consts, "KP": 4}))
+            cases.append((kern._conv_dx, {"d_ptr": f32, "p_ptr": pos, "w_ptr": f32, "dx_ptr": bf, "ds_ptr": bf,
+                                          "T": "i32", "C": "i32", **dx_sig, "KP": "constexpr"}, {**dx_consts, "KP": 4}))
     for fn, sig, consts in cases:
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32))

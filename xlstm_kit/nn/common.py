@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import XLSTMKitError
-from .fused import activation_dtype, bmm_into, conv_silu, conv_state, gelu_mul_linear, head_norm, norm_up
+from .fused import (activation_dtype, bmm_into, conv_silu, conv_state, conv_state_varlen, doc_positions,
+                    gelu_mul_linear, head_norm, norm_up)
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -63,7 +64,8 @@ class CausalConv1d(nn.Module):
 
     y[t, c] = bias[c] + sum_j weight[c, j] * x[t - (K-1) + j, c]   (K = kernel_size; x[<0] = state)
 
-    forward(x [B, T, C], state [B, K-1, C] | None) -> (y [B, T, C], new_state [B, K-1, C])
+    forward(x [B, T, C], state [B, K-1, C] | None, cu_seqlens=None) -> (y [B, T, C], new_state [B, K-1, C])
+        (cu_seqlens [N+1]: documents packed in x [1, T, C] from zeros; new_state [N, K-1, C])
     step(x [B, C], state [B, K-1, C]) -> (y [B, C], new_state)
     """
 
@@ -88,9 +90,12 @@ class CausalConv1d(nn.Module):
         dtype = state_dtype(self.weight.dtype) if dtype is None else dtype
         return torch.zeros(batch, self.kernel_size - 1, self.channels, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None):
-        y = conv_silu(x, state, self.weight, self.bias, act=False)
-        return y, conv_state(x, state, self.kernel_size).to(state_dtype(x.dtype))
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None):
+        if cu_seqlens is None:
+            y = conv_silu(x, state, self.weight, self.bias, act=False)
+            return y, conv_state(x, state, self.kernel_size).to(state_dtype(x.dtype))
+        y = conv_silu(x, state, self.weight, self.bias, act=False, pos=doc_positions(cu_seqlens, x.shape[1]))
+        return y, conv_state_varlen(x, cu_seqlens, self.kernel_size).to(state_dtype(x.dtype))
 
     def step(self, x: torch.Tensor, state: torch.Tensor):
         window = torch.cat([state.to(x.dtype), x.unsqueeze(1)], dim=1)  # [B, K, C]
@@ -264,10 +269,11 @@ class PreNormResidual(nn.Module):
         # each matmul reading the float32 output would save its own bf16 copy
         return self.norm(x).to(activation_dtype(x))
 
-    def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
+    def forward(self, x: torch.Tensor, state=None, return_state: bool = False, cu_seqlens=None):
+        kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         if not return_state:
-            return x + self.layer(self._normed(x), state)
-        y, state = self.layer(self._normed(x), state, return_state=True)
+            return x + self.layer(self._normed(x), state, **kw)
+        y, state = self.layer(self._normed(x), state, return_state=True, **kw)
         return x + y, state
 
     def step(self, x: torch.Tensor, state):

@@ -115,12 +115,15 @@ class DPLRLayer(nn.Module):
         h = self.out_norm(h).flatten(-2)
         return self.dropout(self.out_proj(h * torch.sigmoid(self.gate_proj(x))))
 
-    def forward(self, x: torch.Tensor, state: DPLRState | None = None, return_state: bool = False):
-        qkv, conv_state = self.conv(self.qkv_proj(x), None if state is None else state.conv)
+    def forward(self, x: torch.Tensor, state: DPLRState | None = None, return_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        """`cu_seqlens` [N+1]: documents packed in x [1, T, d], each from the zero state (state
+        None); the returned state has N rows."""
+        qkv, conv_state = self.conv(self.qkv_proj(x), None if state is None else state.conv, cu_seqlens)
         q, k, v, beta, g = self._mix_inputs(x, qkv)
         h, S = kda_chunkwise(q, k, v, g, beta, initial_state=None if state is None else state.S,
                              output_final_state=return_state, chunk_size=self.chunk_size,
-                             backend=self.backend)  # h [B, T, H, D]
+                             backend=self.backend, cu_seqlens=cu_seqlens)  # h [B, T, H, D]
         y = self._out(x, h)
         return (y, DPLRState(conv_state, S)) if return_state else y
 
@@ -137,6 +140,9 @@ class DPLRLayer(nn.Module):
 
 class DPLRBlock(PreNormResidual):
     """Residual DPLR block: x + DPLRLayer(LayerNorm(x)). Same interface as DPLRLayer."""
+
+    supports_cu_seqlens = True
+    cu_seqlens_needs_zero_state = True  # the convolution's per-document state is not read in
 
     def __init__(self, d_model: int, n_heads: int, **layer_kwargs):
         super().__init__(d_model, DPLRLayer(d_model, n_heads, **layer_kwargs))

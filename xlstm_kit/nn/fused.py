@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import XLSTMKitError
 from ..ops._checks import compute_dtype
 from ..ops.backend import choose_backend, kernel_module, on_device
 
@@ -116,23 +117,32 @@ def gelu_mul_linear(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, b: torch.
 
 
 # ----------------------------------------------------------------------------- conv + SiLU
-def _conv(x: torch.Tensor, state: torch.Tensor | None, taps: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _tap_mask(pos: torch.Tensor | None, s: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """[1, T-s, 1]: 1 where step t (t >= s) may read x[t - s], i.e. pos[t] >= s (same document)."""
+    return None if pos is None else (pos[s:] >= s).to(dtype)[None, :, None]
+
+
+def _conv(x: torch.Tensor, state: torch.Tensor | None, taps: torch.Tensor, b: torch.Tensor,
+          pos: torch.Tensor | None = None) -> torch.Tensor:
     """y[:, t] = b + sum_j taps[j] * xp[:, t + j], xp = cat(state, x) [B, T+K-1, C] (state None:
-    zeros), in taps' dtype. Shifted multiply-adds on x itself: no padded copy of the input."""
+    zeros), in taps' dtype. Shifted multiply-adds on x itself: no padded copy of the input.
+    pos [T] (packed documents; state None): step t reads x[t - s] only where pos[t] >= s."""
     K = taps.shape[0]
     T = x.shape[1]
     y = torch.addcmul(b, x, taps[K - 1])
     for j in range(K - 1):
         s = K - 1 - j  # x[t - s] feeds y[t]
         if s < T:
-            y[:, s:].addcmul_(x[:, : T - s], taps[j])
+            src = x[:, : T - s] if pos is None else x[:, : T - s] * _tap_mask(pos, s, taps.dtype)
+            y[:, s:].addcmul_(src, taps[j])
         if state is not None:
             n = min(s, T)
             y[:, :n].addcmul_(state[:, K - 1 - s : K - 1 - s + n], taps[j])
     return y
 
 
-def _conv_backward(dy: torch.Tensor, x: torch.Tensor, state: torch.Tensor | None, taps: torch.Tensor):
+def _conv_backward(dy: torch.Tensor, x: torch.Tensor, state: torch.Tensor | None, taps: torch.Tensor,
+                   pos: torch.Tensor | None = None):
     """Gradients (dx, dstate | None, dtaps [K, C], db) of `_conv` for dy in taps' dtype (x and
     state may be narrower: the products promote, no converted copies)."""
     K = taps.shape[0]
@@ -144,8 +154,9 @@ def _conv_backward(dy: torch.Tensor, x: torch.Tensor, state: torch.Tensor | None
         s = K - 1 - j
         row = None
         if s < T:
-            dx[:, : T - s].addcmul_(dy[:, s:], taps[j])
-            row = (dy[:, s:] * x[:, : T - s]).sum(dim=(0, 1))
+            d = dy[:, s:] if pos is None else dy[:, s:] * _tap_mask(pos, s, dy.dtype)
+            dx[:, : T - s].addcmul_(d, taps[j])
+            row = (d * x[:, : T - s]).sum(dim=(0, 1))
         if state is not None:
             n = min(s, T)
             prev = state[:, K - 1 - s : K - 1 - s + n]
@@ -161,36 +172,36 @@ def _silu_grad(y: torch.Tensor) -> torch.Tensor:
     return s * (1 + y * (1 - s))
 
 
-def _conv_act(x, state, w, b, act: bool, cd):
+def _conv_act(x, state, w, b, act: bool, cd, pos=None):
     """(conv output in cd, pre-activation or None) from the layer's saved inputs."""
-    y = _conv(x, state, w.t().to(cd), b.to(cd))
+    y = _conv(x, state, w.t().to(cd), b.to(cd), pos)
     return (F.silu(y), y) if act else (y, None)
 
 
-def _conv_act_backward(dout, x, state, w, b, y_pre, act: bool, cd):
+def _conv_act_backward(dout, x, state, w, b, y_pre, act: bool, cd, pos=None):
     """Gradients of _conv_act: (dx, dstate, dw [C, K], db) in cd."""
     dy = dout.to(cd) * _silu_grad(y_pre) if act else dout.to(cd)
-    dx, dstate, dtaps, db = _conv_backward(dy, x, state, w.t().to(cd))
+    dx, dstate, dtaps, db = _conv_backward(dy, x, state, w.t().to(cd), pos)
     return dx, dstate, dtaps.t(), db
 
 
-def _conv_fwd(kernels, x, state, w, b, act: bool) -> torch.Tensor:
+def _conv_fwd(kernels, x, state, w, b, act: bool, pos=None) -> torch.Tensor:
     """Conv (+ SiLU) output in x's dtype: the Triton op (kernels = ops.blocks.triton) or torch."""
     if kernels is not None:
         with on_device(x):
-            return kernels.conv_fwd(x, state, w, b, act, kernels.conv_config_key())
-    y, _ = _conv_act(x, state, w, b, act, compute_dtype(x, w))
+            return kernels.conv_fwd(x, state, w, b, act, kernels.conv_config_key(), pos)
+    y, _ = _conv_act(x, state, w, b, act, compute_dtype(x, w), pos)
     return y.to(x.dtype)
 
 
-def _conv_bwd(kernels, dout, x, state, w, b, act: bool):
+def _conv_bwd(kernels, dout, x, state, w, b, act: bool, pos=None):
     """(dx, dstate | None, dw, db) in the dtypes of x, state, w, b."""
     if kernels is not None:
-        dx, dstate, dw, db = kernels.conv_bwd(dout.contiguous(), x, state, w, b, act, kernels.conv_config_key())
+        dx, dstate, dw, db = kernels.conv_bwd(dout.contiguous(), x, state, w, b, act, kernels.conv_config_key(), pos)
         return dx, (None if state is None else dstate), dw, db
     cd = compute_dtype(x, w)
-    y_pre = _conv(x, state, w.t().to(cd), b.to(cd)) if act else None
-    dx, dstate, dw, db = _conv_act_backward(dout, x, state, w, b, y_pre, act, cd)
+    y_pre = _conv(x, state, w.t().to(cd), b.to(cd), pos) if act else None
+    dx, dstate, dw, db = _conv_act_backward(dout, x, state, w, b, y_pre, act, cd, pos)
     return dx.to(x.dtype), None if state is None else dstate.to(state.dtype), dw.to(w.dtype), db.to(b.dtype)
 
 
@@ -202,41 +213,64 @@ def _conv_kernels(x: torch.Tensor, backend: str | None):
 
 class _ConvSiLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, state, w, b, act: bool, kernels):
-        ctx.save_for_backward(x, state, w, b)
+    def forward(ctx, x, state, w, b, act: bool, kernels, pos):
+        ctx.save_for_backward(x, state, w, b, pos)
         ctx.act, ctx.kernels = act, kernels
-        return _conv_fwd(kernels, x, state, w, b, act)
+        return _conv_fwd(kernels, x, state, w, b, act, pos)
 
     @staticmethod
     def backward(ctx, dout):
-        x, state, w, b = ctx.saved_tensors
-        return (*_conv_bwd(ctx.kernels, dout, x, state, w, b, ctx.act), None, None)
+        x, state, w, b, pos = ctx.saved_tensors
+        return (*_conv_bwd(ctx.kernels, dout, x, state, w, b, ctx.act, pos), None, None, None)
+
+
+def doc_positions(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """Each step's position in its document, int32 [T], from cu_seqlens [N+1] (on its device,
+    no host sync): what the convolutions mask their taps with."""
+    t = torch.arange(T, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    seg = torch.searchsorted(cu_seqlens[1:], t, right=True)
+    return (t - cu_seqlens[seg]).to(torch.int32)
 
 
 def conv_inputs(x: torch.Tensor, state: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor,
-                backend: str | None = None):
-    """(x, state, w, b, kernels) as `conv_silu` takes them: what a reader of SiLU(conv(x)) keeps
-    to recompute it in its backward (`conv_recompute`) instead of saving it."""
+                backend: str | None = None, pos: torch.Tensor | None = None):
+    """(x, state, w, b, kernels, pos) as `conv_silu` takes them: what a reader of SiLU(conv(x))
+    keeps to recompute it in its backward (`conv_recompute`) instead of saving it."""
     x = x.contiguous()
     if state is not None:
+        if pos is not None:
+            raise XLSTMKitError("the convolution over packed documents (pos) starts every document from zeros: "
+                                "pass state=None")
         state = state.to(x.dtype).contiguous()
-    return x, state, w.contiguous(), b, _conv_kernels(x, backend)
+    return x, state, w.contiguous(), b, _conv_kernels(x, backend), pos
 
 
 def conv_recompute(inputs) -> torch.Tensor:
     """SiLU(conv(x)) [B, T, C] from `conv_inputs` (no autograd graph)."""
-    x, state, w, b, kernels = inputs
-    return _conv_fwd(kernels, x, state, w, b, True)
+    x, state, w, b, kernels, pos = inputs
+    return _conv_fwd(kernels, x, state, w, b, True, pos)
 
 
 def conv_silu(x: torch.Tensor, state: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor, act: bool = True,
-              backend: str | None = None):
+              backend: str | None = None, pos: torch.Tensor | None = None):
     """SiLU (act=True) of the depthwise causal convolution of x [B, T, C] with w [C, K], b [C]
     and the K-1 inputs before x in `state` [B, K-1, C] (None: zeros) -> [B, T, C] in x's dtype.
     Saves x and the state; the backward recomputes the convolution. One Triton kernel each way
-    where ops.backend chooses "triton" (`backend` as for the sequence ops)."""
-    x, state, w, b, kernels = conv_inputs(x, state, w, b, backend)
-    return _ConvSiLUFn.apply(x, state, w, b, act, kernels)
+    where ops.backend chooses "triton" (`backend` as for the sequence ops). `pos` (int32 [T],
+    `doc_positions`; state None): packed documents, no step reads an earlier document."""
+    x, state, w, b, kernels, pos = conv_inputs(x, state, w, b, backend, pos)
+    return _ConvSiLUFn.apply(x, state, w, b, act, kernels, pos)
+
+
+def conv_state_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """The last K-1 inputs of each packed document of x [1, T, C] (zeros before its start)
+    [N, K-1, C]: the convolution's state after each document."""
+    K1 = kernel_size - 1
+    ends = cu_seqlens[1:, None]                                  # [N, 1]
+    idx = ends - K1 + torch.arange(K1, device=x.device, dtype=ends.dtype)
+    ok = idx >= cu_seqlens[:-1, None]
+    rows = x[0, idx.clamp_min(0).flatten()].view(idx.shape[0], K1, x.shape[2])
+    return rows * ok[..., None].to(x.dtype)
 
 
 def conv_state(x: torch.Tensor, state: torch.Tensor | None, kernel_size: int) -> torch.Tensor:
@@ -355,7 +389,7 @@ def _tail_bwd_torch(h, x_conv, z, w, skip, mean, rstd, du):
 
 class _MLSTMOutputFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, x_conv, z, norm_w, skip, down_w, down_b, eps: float, kernels, cx, cstate, cw, cb, ckern):
+    def forward(ctx, h, x_conv, z, norm_w, skip, down_w, down_b, eps: float, kernels, cx, cstate, cw, cb, ckern, cpos):
         if kernels is None:
             u, mean, rstd = _tail_fwd_torch(h, x_conv, z, norm_w, skip, eps)
         else:
@@ -364,15 +398,15 @@ class _MLSTMOutputFn(torch.autograd.Function):
         wd = down_w.to(x_conv.dtype)
         # with the conv's inputs (cx, ...) given, x_conv is recomputed in the backward, not kept
         keep = None if cx is not None else x_conv
-        ctx.save_for_backward(h, keep, z, norm_w, skip, wd, mean, rstd, cx, cstate, cw, cb)
+        ctx.save_for_backward(h, keep, z, norm_w, skip, wd, mean, rstd, cx, cstate, cw, cb, cpos)
         ctx.kernels, ctx.ckern, ctx.bias_dtype = kernels, ckern, None if down_b is None else down_b.dtype
         return F.linear(u, wd, None if down_b is None else down_b.to(u.dtype))
 
     @staticmethod
     def backward(ctx, dy):
-        h, x_conv, z, norm_w, skip, wd, mean, rstd, cx, cstate, cw, cb = ctx.saved_tensors
+        h, x_conv, z, norm_w, skip, wd, mean, rstd, cx, cstate, cw, cb, cpos = ctx.saved_tensors
         if x_conv is None:
-            x_conv = conv_recompute((cx, cstate, cw, cb, ctx.ckern)).view(z.shape)
+            x_conv = conv_recompute((cx, cstate, cw, cb, ctx.ckern, cpos)).view(z.shape)
         kernels = ctx.kernels
         dy = dy.reshape(h.shape[0], -1).to(wd.dtype)
         du = dy @ wd
@@ -383,7 +417,7 @@ class _MLSTMOutputFn(torch.autograd.Function):
                 h, x_conv, z, norm_w, skip, mean, rstd, du, kernels.config_key())
         d_down_w = (dy.t() @ u).to(norm_w.dtype)
         d_down_b = None if ctx.bias_dtype is None else dy.sum(0).to(ctx.bias_dtype)
-        return dh, dx_conv, dz, d_norm_w, d_skip, d_down_w, d_down_b, None, None, None, None, None, None, None
+        return dh, dx_conv, dz, d_norm_w, d_skip, d_down_w, d_down_b, None, None, None, None, None, None, None, None
 
 
 def mlstm_output(h: torch.Tensor, x_conv: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor,
@@ -400,7 +434,7 @@ def mlstm_output(h: torch.Tensor, x_conv: torch.Tensor, z: torch.Tensor, norm_w:
                          dtype=h.dtype, head_dim=h.shape[-1])
     kernels = kernel_module("mlstm_output") if use == "triton" else None
     return _MLSTMOutputFn.apply(h, x_conv, z, norm_w, skip, down_w, down_b, eps, kernels,
-                                *(conv if conv is not None else (None,) * 5))
+                                *(conv if conv is not None else (None,) * 6))
 
 
 # ----------------------------------------------------------------------------- sLSTM gate maps
@@ -416,22 +450,22 @@ def _gate_maps(x, xc, wg, dt):
 
 class _SLSTMGatesFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, state, conv_w, conv_b, gate_w, kernels):
+    def forward(ctx, x, state, conv_w, conv_b, gate_w, kernels, pos):
         N = x.shape[0] * x.shape[1]
         _, H, D, _ = gate_w.shape
-        xc = _conv_fwd(kernels, x, state, conv_w, conv_b, True)
+        xc = _conv_fwd(kernels, x, state, conv_w, conv_b, True, pos)
         wg = gate_w.to(x.dtype)
-        ctx.save_for_backward(x, state, conv_w, conv_b, wg)
+        ctx.save_for_backward(x, state, conv_w, conv_b, wg, pos)
         ctx.kernels, ctx.gate_dtype = kernels, gate_w.dtype
         return _gate_maps(x.reshape(N, H, D), xc.view(N, H, D), wg, x.dtype)
 
     @staticmethod
     def backward(ctx, dg):
-        x, state, conv_w, conv_b, wg = ctx.saved_tensors
+        x, state, conv_w, conv_b, wg, pos = ctx.saved_tensors
         B, T, C = x.shape
         N = B * T
         _, H, D, _ = wg.shape
-        xc = _conv_fwd(ctx.kernels, x, state, conv_w, conv_b, True).view(N, H, D)
+        xc = _conv_fwd(ctx.kernels, x, state, conv_w, conv_b, True, pos).view(N, H, D)
         xs = x.reshape(N, H, D)
         dg = dg.reshape(N, 4, H, D).to(x.dtype)
         dgt = [dg[:, gate].transpose(0, 1) for gate in range(4)]  # [H, N, D]
@@ -440,22 +474,19 @@ class _SLSTMGatesFn(torch.autograd.Function):
         dxc = torch.baddbmm(torch.bmm(dgt[0], wg[0]), dgt[1], wg[1])  # [H, N, D]
         dx_direct = torch.baddbmm(torch.bmm(dgt[2], wg[2]), dgt[3], wg[3])
         dx, dstate, dcw, dcb = _conv_bwd(ctx.kernels, dxc.transpose(0, 1).reshape(B, T, C), x, state,
-                                         conv_w, conv_b, True)
+                                         conv_w, conv_b, True, pos)
         dx = dx + dx_direct.transpose(0, 1).reshape(B, T, C)
-        return dx, dstate, dcw, dcb, dw.to(ctx.gate_dtype), None
+        return dx, dstate, dcw, dcb, dw.to(ctx.gate_dtype), None, None
 
 
 def slstm_gates(x: torch.Tensor, state: torch.Tensor | None, conv_w: torch.Tensor, conv_b: torch.Tensor,
-                gate_w: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+                gate_w: torch.Tensor, backend: str | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
     """Gate pre-activations [B, T, 4, H, D] in x's dtype (without bias and recurrence) of the
     sLSTM layer: the i and f gates map SiLU(causal conv of x) head-wise, z and o map x, by
     gate_w [4, H, D_out, D_in]; x [B, T, H*D], conv state [B, K-1, H*D] | None, conv_w [H*D, K],
     conv_b [H*D]. Saves x and the state; the backward recomputes the convolution (Triton kernels
-as in `conv_silu`)."""
-    x = x.contiguous()
-    if state is not None:
-        state = state.to(x.dtype).contiguous()
+as in `conv_silu`, and so is `pos`)."""
+    x, state, conv_w, conv_b, kernels, pos = conv_inputs(x, state, conv_w, conv_b, backend, pos)
     B, T, _ = x.shape
     _, H, D, _ = gate_w.shape
-    return _SLSTMGatesFn.apply(x, state, conv_w.contiguous(), conv_b, gate_w,
-                               _conv_kernels(x, backend)).view(B, T, 4, H, D)
+    return _SLSTMGatesFn.apply(x, state, conv_w, conv_b, gate_w, kernels, pos).view(B, T, 4, H, D)

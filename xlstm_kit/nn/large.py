@@ -153,7 +153,10 @@ class LargeMLSTMLayer(nn.Module):
         """h [..., H, Dv], o [..., v_dim] -> out_proj(sigmoid(o) * norm(h)) [..., d_model]."""
         return self.out_proj(torch.sigmoid(o) * self.multihead_norm(h).to(o.dtype))
 
-    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
+    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        """cu_seqlens: packed sequences in x [1, T, d] (see `mlstm_chunkwise`); the state then
+        has one row per sequence."""
         B, T, _ = x.shape
         H = self.n_heads
         q, k, v, o, i, f = self._inputs(x)
@@ -161,12 +164,12 @@ class LargeMLSTMLayer(nn.Module):
             q.view(B, T, H, -1), k.view(B, T, H, -1), v.view(B, T, H, -1), i, f,
             initial_state=None if state is None else (state.C, state.n, state.m),
             output_final_state=return_state, eps=self.eps, chunk_size=self.chunk_size,
-            backend=self.backend, recompute_states=self.recompute_states,
+            backend=self.backend, recompute_states=self.recompute_states, cu_seqlens=cu_seqlens,
         )  # h [B, T, H, Dv]
         y = self._output(h, o)
         if not return_state:
             return y
-        conv = cell[0].new_zeros(B, 0, 0) if state is None else state.conv
+        conv = cell[0].new_zeros(cell[0].shape[0], 0, 0) if state is None else state.conv
         return y, MLSTMState(conv, *cell)
 
     def step(self, x: torch.Tensor, state: MLSTMState):
@@ -232,8 +235,12 @@ class LargeBlock(nn.Module):
     def init_state(self, batch: int, device=None, dtype=None) -> MLSTMState:
         return self.mlstm_layer.init_state(batch, device, dtype)
 
-    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
-        out = self.mlstm_layer(self.norm_mlstm(x), state, return_state)
+    # only the mLSTM mixes time steps here (no convolution): packed sequences go to the op
+    supports_cu_seqlens = True
+
+    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        out = self.mlstm_layer(self.norm_mlstm(x), state, return_state, cu_seqlens)
         y, state = out if return_state else (out, None)
         x = x + y
         x = x + self.ffn(self.norm_ffn(x))

@@ -17,7 +17,8 @@ from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
 from .common import (PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, _packed_blocks, _packed_bmm,
                      headwise_weight_grad, small_init_, state_dtype, wang_init_)
-from .fused import activation_dtype, conv_inputs, conv_recompute, conv_silu, conv_state, mlstm_output, norm_up
+from .fused import (activation_dtype, conv_inputs, conv_recompute, conv_silu, conv_state, conv_state_varlen,
+                    doc_positions, mlstm_output, norm_up)
 
 
 class _ConvReadersFn(torch.autograd.Function):
@@ -30,26 +31,26 @@ class _ConvReadersFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_conv, wq, wk, w_gates, b, pack: int, cx, cstate, cw, cb, ckern):
+    def forward(ctx, x_conv, wq, wk, w_gates, b, pack: int, cx, cstate, cw, cb, ckern, cpos):
         q = _packed_bmm(x_conv, _packed_blocks(wq, pack))
         k = _packed_bmm(x_conv, _packed_blocks(wk, pack))
         gates = torch.addmm(b, x_conv, w_gates.t())
-        ctx.save_for_backward(wq, wk, w_gates, cx, cstate, cw, cb)
+        ctx.save_for_backward(wq, wk, w_gates, cx, cstate, cw, cb, cpos)
         ctx.pack, ctx.ckern = pack, ckern
         return q, k, gates
 
     @staticmethod
     def backward(ctx, dq, dk, dgates):
-        wq, wk, w_gates, cx, cstate, cw, cb = ctx.saved_tensors
+        wq, wk, w_gates, cx, cstate, cw, cb, cpos = ctx.saved_tensors
         g = ctx.pack
-        x_conv = conv_recompute((cx, cstate, cw, cb, ctx.ckern)).view(-1, w_gates.shape[1])
+        x_conv = conv_recompute((cx, cstate, cw, cb, ctx.ckern, cpos)).view(-1, w_gates.shape[1])
         dq, dk, dgates = dq.contiguous(), dk.contiguous(), dgates.contiguous()
         dx = _packed_bmm(dq, _packed_blocks(wq, g).transpose(1, 2))
         dx += _packed_bmm(dk, _packed_blocks(wk, g).transpose(1, 2))
         dx.addmm_(dgates, w_gates)
         H = wq.shape[0]
         return (dx, headwise_weight_grad(dq, x_conv, H, g), headwise_weight_grad(dk, x_conv, H, g),
-                dgates.t() @ x_conv, dgates.sum(0), None, None, None, None, None, None)
+                dgates.t() @ x_conv, dgates.sum(0), None, None, None, None, None, None, None)
 
 
 class MLSTMState(NamedTuple):
@@ -184,9 +185,11 @@ class MLSTMLayer(nn.Module):
         return self.dropout(y) if self.dropout.p > 0 else y
 
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
-                *, norm: nn.LayerNorm | None = None):
+                *, norm: nn.LayerNorm | None = None, cu_seqlens: torch.Tensor | None = None):
         """`norm`: a bias-free LayerNorm that x passes through first, fused with the
-        up-projection (the block's pre-norm; its normalised output is not kept for backward)."""
+        up-projection (the block's pre-norm; its normalised output is not kept for backward).
+        `cu_seqlens` [N+1]: documents packed in x [1, T, d], each from the zero state (state
+        None); the convolution masks its taps at the boundaries, the returned state has N rows."""
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
         if norm is None:
@@ -194,8 +197,9 @@ class MLSTMLayer(nn.Module):
         else:
             x_m, z = norm_up(x, norm.weight, norm.eps, self.up_proj.weight, self.up_proj.bias)
         conv_in = None if state is None else state.conv
-        conv = conv_inputs(x_m, conv_in, self.conv.weight, self.conv.bias, self.backend)
-        x_conv = conv_silu(x_m, conv_in, self.conv.weight, self.conv.bias, backend=self.backend)
+        pos = None if cu_seqlens is None else doc_positions(cu_seqlens, T)
+        conv = conv_inputs(x_m, conv_in, self.conv.weight, self.conv.bias, self.backend, pos)
+        x_conv = conv_silu(x_m, conv_in, self.conv.weight, self.conv.bias, backend=self.backend, pos=pos)
         q, k, v, i, f = self._qkv_gates(x_m, x_conv, conv)
         h, cell_state = mlstm_chunkwise(
             q.view(B, T, H, D), k.view(B, T, H, D), v.view(B, T, H, D), i, f,
@@ -204,11 +208,13 @@ class MLSTMLayer(nn.Module):
             chunk_size=self.chunk_size,
             backend=self.backend,
             recompute_states=self.recompute_states,
+            cu_seqlens=cu_seqlens,
         )  # h [B, T, H, D]
         y = self._output(h, x_conv, z, conv)
         if not return_state:
             return y
-        new_conv = conv_state(x_m, conv_in, self.conv.kernel_size).to(state_dtype(x_m.dtype))
+        new_conv = (conv_state(x_m, conv_in, self.conv.kernel_size) if cu_seqlens is None
+                    else conv_state_varlen(x_m, cu_seqlens, self.conv.kernel_size)).to(state_dtype(x_m.dtype))
         return y, MLSTMState(new_conv, *cell_state)
 
     def step(self, x: torch.Tensor, state: MLSTMState):
@@ -229,11 +235,15 @@ class MLSTMLayer(nn.Module):
 class MLSTMBlock(PreNormResidual):
     """Residual mLSTM block: x + mLSTMLayer(LayerNorm(x)). Same interface as MLSTMLayer."""
 
+    supports_cu_seqlens = True
+    cu_seqlens_needs_zero_state = True  # the convolution's per-document state is not read in
+
     def __init__(self, d_model: int, inner_dim: int, n_heads: int, **layer_kwargs):
         super().__init__(d_model, MLSTMLayer(d_model, inner_dim, n_heads, **layer_kwargs))
 
-    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False):
-        out = self.layer(x, state, return_state, norm=self.norm)  # the norm fused with the up-projection
+    def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        out = self.layer(x, state, return_state, norm=self.norm, cu_seqlens=cu_seqlens)  # the norm fused with the up-projection
         if not return_state:
             return x + out
         return x + out[0], out[1]

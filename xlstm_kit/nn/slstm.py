@@ -14,7 +14,7 @@ from torch import nn
 from xlstm_kit.ops.slstm import slstm_recurrent, slstm_step
 
 from .common import CausalConv1d, GatedFeedForward, MultiHeadNorm, small_init_, state_dtype
-from .fused import activation_dtype, conv_state, head_norm, slstm_gates
+from .fused import activation_dtype, conv_state, conv_state_varlen, doc_positions, head_norm, slstm_gates
 from ..errors import XLSTMKitError
 
 
@@ -98,20 +98,26 @@ class SLSTMLayer(nn.Module):
         h = self.dropout(h) if self.dropout.p > 0 else h
         return head_norm(h, self.out_norm.weight, self.out_norm.eps, self.backend).flatten(-2)
 
-    def forward(self, x: torch.Tensor, state: SLSTMState | None = None, return_state: bool = False):
+    def forward(self, x: torch.Tensor, state: SLSTMState | None = None, return_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        """`cu_seqlens` [N+1]: documents packed in x [1, T, d], each from the zero state (state
+        None); the returned state has N rows."""
         x = x.to(activation_dtype(x))
         conv_in = None if state is None else state.conv
-        gates = slstm_gates(x, conv_in, self.conv.weight, self.conv.bias, self.gate_weight, self.backend)  # [B, T, 4, H, D]
+        pos = None if cu_seqlens is None else doc_positions(cu_seqlens, x.shape[1])
+        gates = slstm_gates(x, conv_in, self.conv.weight, self.conv.bias, self.gate_weight, self.backend,
+                            pos)  # [B, T, 4, H, D]
         h, cell_state = slstm_recurrent(
             gates, self.recurrent, self.bias,
             initial_state=None if state is None else (state.h, state.c, state.n, state.m),
             output_final_state=return_state,
-            backend=self.backend,
+            backend=self.backend, cu_seqlens=cu_seqlens,
         )  # h [B, T, H, D]
         y = self._norm(h)
         if not return_state:
             return y
-        new_conv = conv_state(x, conv_in, self.conv.kernel_size).to(state_dtype(x.dtype))
+        new_conv = (conv_state(x, conv_in, self.conv.kernel_size) if cu_seqlens is None
+                    else conv_state_varlen(x, cu_seqlens, self.conv.kernel_size)).to(state_dtype(x.dtype))
         return y, SLSTMState(new_conv, *cell_state)
 
     def step(self, x: torch.Tensor, state: SLSTMState):
@@ -159,8 +165,12 @@ class SLSTMBlock(nn.Module):
     def init_state(self, batch: int, device=None, dtype=None) -> SLSTMState:
         return self.layer.init_state(batch, device, dtype)
 
-    def forward(self, x: torch.Tensor, state: SLSTMState | None = None, return_state: bool = False):
-        out = self.layer(self.norm(x), state, return_state=return_state)
+    supports_cu_seqlens = True
+    cu_seqlens_needs_zero_state = True  # the convolution's per-document state is not read in
+
+    def forward(self, x: torch.Tensor, state: SLSTMState | None = None, return_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        out = self.layer(self.norm(x), state, return_state=return_state, cu_seqlens=cu_seqlens)
         y, state = out if return_state else (out, None)
         x = x + y
         x = x + self.ffn(x, norm=self.ffn_norm)  # the norm fused with the up-projection

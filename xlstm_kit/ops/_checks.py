@@ -99,3 +99,78 @@ def autocast_off(fn):
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+# ----------------------------------------------------------------------------- varlen (cu_seqlens)
+def check_cu_seqlens(cu_seqlens, batch: int, total: int, device) -> list[int]:
+    """Validate `cu_seqlens` (cumulative sequence lengths, as in FlashAttention's varlen API) for
+    inputs of batch `batch` and length `total`; return the boundaries as Python ints [N+1].
+
+    cu_seqlens: int32/int64 1-D tensor [N+1], 0 = cu[0] < cu[1] < ... < cu[N] = total; sequence n
+    is steps cu[n]:cu[n+1] of the one packed batch row. Reading the values back is one host
+    sync per call (the boundaries decide the work).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise XLSTMKitError(f"cu_seqlens must be a 1-D int32/int64 torch.Tensor [N+1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise XLSTMKitError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise XLSTMKitError(f"cu_seqlens must be 1-D with at least 2 entries [N+1], got shape {shape_str(cu_seqlens.shape)}")
+    if cu_seqlens.device.type != "meta" and torch.device(device).type != cu_seqlens.device.type:
+        raise XLSTMKitError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
+    if batch != 1:
+        raise XLSTMKitError(f"with cu_seqlens the inputs hold the sequences packed in one batch row (B = 1), got B = {batch}")
+    # A model passes one cu_seqlens to every layer's ops: read it back (a device sync) once, and
+    # again only if it was written to since.
+    cached = getattr(cu_seqlens, "_xlstm_kit_bounds", None)
+    if cached is not None and cached[0] == cu_seqlens._version:
+        bounds = cached[1]
+    else:
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+    if bounds[0] != 0:
+        raise XLSTMKitError(f"cu_seqlens must start at 0, got {bounds[0]}")
+    bad = next((n for n in range(len(bounds) - 1) if bounds[n + 1] <= bounds[n]), None)
+    if bad is not None:
+        raise XLSTMKitError(f"cu_seqlens must be strictly increasing (every sequence has length >= 1), "
+                            f"got cu_seqlens[{bad}] = {bounds[bad]} and cu_seqlens[{bad + 1}] = {bounds[bad + 1]}")
+    if bounds[-1] != total:
+        raise XLSTMKitError(f"cu_seqlens must end at the total length T = {total}, got {bounds[-1]}")
+    if cached is None or cached[1] is not bounds:
+        cu_seqlens._xlstm_kit_bounds = (cu_seqlens._version, bounds)
+    return bounds
+
+
+def check_varlen_state(state, n_seq: int, name: str = "initial_state") -> None:
+    """With cu_seqlens, every tensor of a state has one row per sequence: batch N, not 1."""
+    for s in (state if isinstance(state, (tuple, list)) else (state,)):
+        if isinstance(s, torch.Tensor) and (s.dim() == 0 or s.shape[0] != n_seq):
+            raise XLSTMKitError(f"with cu_seqlens of {n_seq} sequences, {name} needs {n_seq} rows (one per "
+                                f"sequence), got a tensor of shape {shape_str(s.shape)}")
+
+
+def run_varlen(op, seqs, bounds: list[int], initial_state, output_final_state: bool):
+    """Run `op(*seq_slices, initial_state=..., output_final_state=...)` on each packed sequence
+    and join: outputs concatenated along T, final states stacked along the batch (N rows).
+
+    seqs: tensors [1, T, ...]; initial_state: None, a tensor [N, ...] or a tuple of such. A
+    Python loop over sequences, so nothing crosses a boundary and autograd gives the exact
+    gradients; the torch path (and the Triton ops without native varlen kernels) use it.
+    """
+    outs, finals = [], []
+    for n in range(len(bounds) - 1):
+        a, b = bounds[n], bounds[n + 1]
+        if initial_state is None:
+            s0 = None
+        elif isinstance(initial_state, torch.Tensor):
+            s0 = initial_state[n:n + 1]
+        else:
+            s0 = tuple(s[n:n + 1] for s in initial_state)
+        out, fin = op(*(x[:, a:b] for x in seqs), initial_state=s0, output_final_state=output_final_state)
+        outs.append(out)
+        finals.append(fin)
+    out = torch.cat(outs, dim=1)
+    if not output_final_state:
+        return out, None
+    if isinstance(finals[0], torch.Tensor):
+        return out, torch.cat(finals, dim=0)
+    return out, tuple(torch.cat(parts, dim=0) for parts in zip(*finals))

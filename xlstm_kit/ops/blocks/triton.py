@@ -220,6 +220,9 @@ def _(x, w, mean, rstd, dy, config):
 # w, b, act, config) -> (dx, dstate, dw, db): the depthwise causal convolution of x [B, T, C]
 # (state [B, K-1, C]: the inputs before x, or None for zeros), w [C, K], b [C], followed by SiLU
 # when `act`. The backward recomputes the pre-activation (K² loads per tile, from cache).
+# pos (int32 [T], or None): each step's position in its document (packed documents, B = 1): tap
+# input x[t - shift] counts only where pos[t] >= shift, so no step sees an earlier document
+# (nor the state: pass None with pos).
 
 @dataclasses.dataclass(frozen=True)
 class ConvKernelConfig(KernelConfig):
@@ -234,10 +237,14 @@ class ConvKernelConfig(KernelConfig):
 
 
 @triton.jit
-def _tap_input(xb, sb, rows, c, cmask, T, C, shift, K: tl.constexpr, HAS_STATE: tl.constexpr):
-    """x[rows - shift, c] (float32), reading the state before t = 0 (zeros without a state)."""
+def _tap_input(xb, sb, rows, c, cmask, T, C, shift, K: tl.constexpr, HAS_STATE: tl.constexpr, pos, HAS_POS: tl.constexpr):
+    """x[rows - shift, c] (float32), reading the state before t = 0 (zeros without a state);
+    with HAS_POS only where pos (the rows' positions in their documents) >= shift."""
     tt = rows - shift
-    xv = tl.load(xb + tt[:, None] * C + c[None, :], mask=((tt >= 0) & (tt < T))[:, None] & cmask[None, :],
+    ok = (tt >= 0) & (tt < T)
+    if HAS_POS:
+        ok = ok & (pos >= shift)
+    xv = tl.load(xb + tt[:, None] * C + c[None, :], mask=ok[:, None] & cmask[None, :],
                  other=0.0).to(tl.float32)
     if HAS_STATE:
         sm = (tt < 0) & (tt >= -(K - 1))
@@ -247,29 +254,39 @@ def _tap_input(xb, sb, rows, c, cmask, T, C, shift, K: tl.constexpr, HAS_STATE: 
 
 
 @triton.jit
-def _conv_rows(x_ptr, s_ptr, w_ptr, b_ptr, rows, c, cmask, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr):
+def _row_pos(p_ptr, rows, T, HAS_POS: tl.constexpr):
+    """The rows' positions in their documents (HAS_POS), else a placeholder."""
+    if HAS_POS:
+        return tl.load(p_ptr + rows, mask=rows < T, other=0)
+    return rows
+
+
+@triton.jit
+def _conv_rows(x_ptr, s_ptr, w_ptr, b_ptr, rows, c, cmask, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr,
+               pos, HAS_POS: tl.constexpr):
     """Pre-activation y[rows, c] (float32) for the batch row that x_ptr, s_ptr point at; rows
     outside [0, T) give garbage that callers mask."""
     bias = tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)
     w0 = tl.load(w_ptr + c * K, mask=cmask, other=0.0).to(tl.float32)
-    acc = _tap_input(x_ptr, s_ptr, rows, c, cmask, T, C, K - 1, K, HAS_STATE) * w0[None, :] + bias[None, :]
+    acc = _tap_input(x_ptr, s_ptr, rows, c, cmask, T, C, K - 1, K, HAS_STATE, pos, HAS_POS) * w0[None, :] + bias[None, :]
     for j in tl.static_range(1, K):
-        xv = _tap_input(x_ptr, s_ptr, rows, c, cmask, T, C, K - 1 - j, K, HAS_STATE)
+        xv = _tap_input(x_ptr, s_ptr, rows, c, cmask, T, C, K - 1 - j, K, HAS_STATE, pos, HAS_POS)
         wj = tl.load(w_ptr + c * K + j, mask=cmask, other=0.0).to(tl.float32)
         acc += xv * wj[None, :]
     return acc
 
 
 @triton.jit
-def _conv_fwd(x_ptr, s_ptr, w_ptr, b_ptr, out_ptr, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr,
-              ACT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _conv_fwd(x_ptr, s_ptr, p_ptr, w_ptr, b_ptr, out_ptr, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr,
+              HAS_POS: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     bi = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = c < C
     xb = x_ptr + bi * T * C
     sb = s_ptr + bi * (K - 1) * C
-    y = _conv_rows(xb, sb, w_ptr, b_ptr, rows, c, cmask, T, C, K, HAS_STATE)
+    pos = _row_pos(p_ptr, rows, T, HAS_POS)
+    y = _conv_rows(xb, sb, w_ptr, b_ptr, rows, c, cmask, T, C, K, HAS_STATE, pos, HAS_POS)
     if ACT:
         y = y * tl.sigmoid(y)
     m = (rows < T)[:, None] & cmask[None, :]
@@ -277,9 +294,9 @@ def _conv_fwd(x_ptr, s_ptr, w_ptr, b_ptr, out_ptr, T, C, K: tl.constexpr, HAS_ST
 
 
 @triton.jit
-def _conv_dpre(g_ptr, x_ptr, s_ptr, w_ptr, b_ptr, d_ptr, dw_part, db_part, T, C, NT,
-               K: tl.constexpr, HAS_STATE: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr,
-               BC: tl.constexpr):
+def _conv_dpre(g_ptr, x_ptr, s_ptr, p_ptr, w_ptr, b_ptr, d_ptr, dw_part, db_part, T, C, NT,
+               K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POS: tl.constexpr, ACT: tl.constexpr,
+               BT: tl.constexpr, BC: tl.constexpr):
     """d = ∂L/∂(pre-activation) [B, T, C] float32 (recomputing the pre-activation), and this
     tile's sums of d (bias) and of d times each tap's input (weights) into the partials."""
     pid_t = tl.program_id(0)
@@ -292,8 +309,9 @@ def _conv_dpre(g_ptr, x_ptr, s_ptr, w_ptr, b_ptr, d_ptr, dw_part, db_part, T, C,
     m = (rows < T)[:, None] & cmask[None, :]
     off = bi * T * C + rows[:, None] * C + c[None, :]
     d = tl.load(g_ptr + off, mask=m, other=0.0).to(tl.float32)
+    pos = _row_pos(p_ptr, rows, T, HAS_POS)
     if ACT:
-        y = _conv_rows(xb, sb, w_ptr, b_ptr, rows, c, cmask, T, C, K, HAS_STATE)
+        y = _conv_rows(xb, sb, w_ptr, b_ptr, rows, c, cmask, T, C, K, HAS_STATE, pos, HAS_POS)
         sg = tl.sigmoid(y)
         d = d * sg * (1.0 + y * (1.0 - sg))
     tl.store(d_ptr + off, d, mask=m)
@@ -301,15 +319,16 @@ def _conv_dpre(g_ptr, x_ptr, s_ptr, w_ptr, b_ptr, d_ptr, dw_part, db_part, T, C,
     tl.store(db_part + part * C + c, tl.sum(d, 0), mask=cmask)
     for j in tl.static_range(K):
         # tap j reads x[t - (K-1-j)] (the state before x); its tile is in L1 from _conv_rows
-        xv = _tap_input(xb, sb, rows, c, cmask, T, C, K - 1 - j, K, HAS_STATE)
+        xv = _tap_input(xb, sb, rows, c, cmask, T, C, K - 1 - j, K, HAS_STATE, pos, HAS_POS)
         tl.store(dw_part + (part + 1 + j) * C + c, tl.sum(d * xv, 0), mask=cmask)
 
 
 @triton.jit
-def _conv_dx(d_ptr, w_ptr, dx_ptr, ds_ptr, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr,
-             BT: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
-    """dx[t] = Σ_s d[t + s] w[K-1-s] (the transposed convolution of _conv_dpre's d), and the
-    state's gradient (the inputs before t = 0) in the first tile of each batch row."""
+def _conv_dx(d_ptr, p_ptr, w_ptr, dx_ptr, ds_ptr, T, C, K: tl.constexpr, HAS_STATE: tl.constexpr,
+             HAS_POS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
+    """dx[t] = Σ_s d[t + s] w[K-1-s] (the transposed convolution of _conv_dpre's d; with HAS_POS
+    only where pos[t + s] >= s), and the state's gradient (the inputs before t = 0) in the first
+    tile of each batch row."""
     pid_t = tl.program_id(0)
     bi = tl.program_id(2).to(tl.int64)
     rows = pid_t * BT + tl.arange(0, BT)
@@ -319,7 +338,10 @@ def _conv_dx(d_ptr, w_ptr, dx_ptr, ds_ptr, T, C, K: tl.constexpr, HAS_STATE: tl.
     dx = tl.zeros((BT, BC), dtype=tl.float32)
     for s in tl.static_range(K):
         r = rows + s
-        dv = tl.load(db + r[:, None] * C + c[None, :], mask=(r < T)[:, None] & cmask[None, :], other=0.0)
+        rok = r < T
+        if HAS_POS:
+            rok = rok & (tl.load(p_ptr + r, mask=r < T, other=0) >= s)
+        dv = tl.load(db + r[:, None] * C + c[None, :], mask=rok[:, None] & cmask[None, :], other=0.0)
         wj = tl.load(w_ptr + c * K + (K - 1 - s), mask=cmask, other=0.0).to(tl.float32)
         dx += dv * wj[None, :]
     m = (rows < T)[:, None] & cmask[None, :]
@@ -345,25 +367,26 @@ def _conv_grid(x: Tensor, cfg: ConvKernelConfig):
 
 
 @torch.library.custom_op("xlstm_kit::conv_fwd", mutates_args=())
-def conv_fwd(x: Tensor, state: Optional[Tensor], w: Tensor, b: Tensor, act: bool, config: str) -> Tensor:
+def conv_fwd(x: Tensor, state: Optional[Tensor], w: Tensor, b: Tensor, act: bool, config: str,
+             pos: Optional[Tensor] = None) -> Tensor:
     cfg = ConvKernelConfig.from_key(config)
     B, T, C = x.shape
     out = torch.empty_like(x)
     if x.numel():
-        _conv_fwd[_conv_grid(x, cfg)](x, x if state is None else state, w, b, out, T, C, K=w.shape[1],
-                                      HAS_STATE=state is not None, ACT=act, BT=cfg.bt, BC=cfg.bc,
-                                      num_warps=cfg.warps)
+        _conv_fwd[_conv_grid(x, cfg)](x, x if state is None else state, x if pos is None else pos, w, b, out, T, C,
+                                      K=w.shape[1], HAS_STATE=state is not None, HAS_POS=pos is not None, ACT=act,
+                                      BT=cfg.bt, BC=cfg.bc, num_warps=cfg.warps)
     return out
 
 
 @conv_fwd.register_fake
-def _(x, state, w, b, act, config):
+def _(x, state, w, b, act, config, pos=None):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("xlstm_kit::conv_bwd", mutates_args=())
 def conv_bwd(dout: Tensor, x: Tensor, state: Optional[Tensor], w: Tensor, b: Tensor, act: bool,
-             config: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             config: str, pos: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     cfg = ConvKernelConfig.from_key(config)
     B, T, C = x.shape
     K = w.shape[1]
@@ -375,16 +398,18 @@ def conv_bwd(dout: Tensor, x: Tensor, state: Optional[Tensor], w: Tensor, b: Ten
         # two passes: ∂L/∂pre-activation once per element (float32 scratch), then its transposed
         # convolution; one pass recomputing it at the K shifts costed K² loads and ~230 registers
         d = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
-        _conv_dpre[grid](dout, x, x if state is None else state, w, b, d, parts, parts, T, C, grid[0],
-                         K=K, HAS_STATE=state is not None, ACT=act, BT=cfg.bt, BC=cfg.bc, num_warps=cfg.bwd_warps)
-        _conv_dx[grid](d, w, dx, ds, T, C, K=K, HAS_STATE=state is not None, BT=cfg.bt, BC=cfg.bc,
-                       KP=triton.next_power_of_2(max(K - 1, 1)), num_warps=cfg.bwd_warps)
+        p = x if pos is None else pos
+        _conv_dpre[grid](dout, x, x if state is None else state, p, w, b, d, parts, parts, T, C, grid[0],
+                         K=K, HAS_STATE=state is not None, HAS_POS=pos is not None, ACT=act, BT=cfg.bt, BC=cfg.bc,
+                         num_warps=cfg.bwd_warps)
+        _conv_dx[grid](d, p, w, dx, ds, T, C, K=K, HAS_STATE=state is not None, HAS_POS=pos is not None,
+                       BT=cfg.bt, BC=cfg.bc, KP=triton.next_power_of_2(max(K - 1, 1)), num_warps=cfg.bwd_warps)
     sums = parts.sum(0)  # [K + 1, C]: db, then the taps
     return dx, ds, torch.empty_like(w).copy_(sums[1:].t()), torch.empty_like(b).copy_(sums[0])
 
 
 @conv_bwd.register_fake
-def _(dout, x, state, w, b, act, config):
+def _(dout, x, state, w, b, act, config, pos=None):
     B, T, C = x.shape
     K = w.shape[1]
     ds = x.new_empty(B, K - 1, C) if state is not None else x.new_empty(0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import autocast_off, compute_dtype, floor_log_gate
+from .._checks import autocast_off, check_cu_seqlens, check_varlen_state, compute_dtype, floor_log_gate, run_varlen
 from ..backend import choose_backend, kernel_module, on_device
 from . import chunkwise as _chunkwise
 from . import kda as _kda
@@ -25,16 +25,32 @@ from .triton.config import DPLRKernelConfig  # no Triton needed to build one
 TRITON_LOG_DECAY_FLOOR = -11.0
 
 
+def _varlen(op, seqs, initial_state, output_final_state, cu_seqlens, check):
+    """Packed sequences (cu_seqlens [N+1], B = 1): validate, then `op` once per sequence (both
+    backends; the Triton kernels have no native varlen path yet) with its own state row."""
+    check(*seqs, None)
+    bounds = check_cu_seqlens(cu_seqlens, seqs[0].shape[0], seqs[0].shape[1], seqs[0].device)
+    if initial_state is not None:
+        check_varlen_state(initial_state, len(bounds) - 1)
+        # the row shapes as the op's own check sees them for one sequence
+        check(*(x[:, :1] for x in seqs), initial_state[:1])
+    return run_varlen(op, seqs, bounds, initial_state, output_final_state)
+
+
 @autocast_off
 def dplr_recurrent(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_final_state=False,
-                   backend=None):
+                   backend=None, cu_seqlens=None):
     """DPLR recurrence, step by step: S_t = S_{t-1} Diag(α_t)(I − b_t a_tᵀ) + v_t k_tᵀ,
     α_t = exp(gk_t), o_t = S_t (scale·q_t). The gate-free form S_t = S_{t-1}(Diag(α_t) − d_t a_tᵀ)
     + v_t k_tᵀ is b_t = d_t / α_t.
 
     q, k, a, b, gk: [B, T, H, K]; v: [B, T, H, V]; initial_state: [B, H, K, V] (= Sᵀ) or None.
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
+    `cu_seqlens` as in `dplr_chunkwise`.
     """
+    if cu_seqlens is not None:
+        return _varlen(lambda *xs, **kw: dplr_recurrent(*xs, scale=scale, backend=backend, **kw),
+                       (q, k, v, a, b, gk), initial_state, output_final_state, cu_seqlens, _naive.check_dplr_inputs)
     _naive.check_dplr_inputs(q, k, v, a, b, gk, initial_state)
     choose_backend("dplr_recurrent", backend, q.device)
     return _naive.dplr_recurrent(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
@@ -43,7 +59,7 @@ def dplr_recurrent(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
 
 @autocast_off
 def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_final_state=False,
-                   chunk_size=64, backend=None, config=None):
+                   chunk_size=64, backend=None, config=None, cu_seqlens=None):
     """DPLR, chunkwise WY algorithm (same maths as `dplr_recurrent`, same shapes), with a
     hand-written backward. S_t = S_{t-1} Diag(α_t)(I − b_t a_tᵀ) + v_t k_tᵀ, α_t = exp(gk_t),
     o_t = S_t (scale·q_t); the gate-free form S_t = S_{t-1}(Diag(α_t) − d_t a_tᵀ) + v_t k_tᵀ is
@@ -54,8 +70,15 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
     `DPLRKernelConfig` (None: the defaults; unused on the
     PyTorch path). gk = −inf is a closed gate (α = 0) on every path; the Triton kernels treat
     log-decays below −11 as −11 (`TRITON_LOG_DECAY_FLOOR`).
+    cu_seqlens: None, or int32/int64 [N+1] (0 = cu[0] < ... < cu[N] = T) with B = 1: N sequences
+    packed along T, each from its own row of initial_state [N, H, K, V] (None: zeros), returning
+    its own final state [N, H, K, V]; nothing crosses a boundary.
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
+    if cu_seqlens is not None:
+        return _varlen(lambda *xs, **kw: dplr_chunkwise(*xs, scale=scale, chunk_size=chunk_size, backend=backend,
+                                                        config=config, **kw),
+                       (q, k, v, a, b, gk), initial_state, output_final_state, cu_seqlens, _naive.check_dplr_inputs)
     _naive.check_dplr_inputs(q, k, v, a, b, gk, initial_state)
     if choose_backend("dplr_chunkwise", backend, q.device, inputs=(q, k, v, a, b, gk, initial_state),
                       K=q.shape[-1], V=v.shape[-1], chunk_size=chunk_size,
@@ -86,14 +109,19 @@ def dplr_step(q, k, v, a, b, gk, state, *, scale=None):
 
 @autocast_off
 def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                  chunk_size=64, backend=None, config=None):
+                  chunk_size=64, backend=None, config=None, cu_seqlens=None):
     """KDA: DPLR with a = k, b = β k, v ← β v, i.e. S_t = S_{t-1} Diag(α_t)(I − β_t k_t k_tᵀ)
     + β_t v_t k_tᵀ with α_t = exp(g_t).
 
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None;
     config: as for `dplr_chunkwise` (also for g = −inf and the Triton floor of −11).
+    cu_seqlens: as for `dplr_chunkwise` (initial_state and the final state then [N, H, K, V]).
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
+    if cu_seqlens is not None:
+        return _varlen(lambda *xs, **kw: kda_chunkwise(*xs, scale=scale, chunk_size=chunk_size, backend=backend,
+                                                       config=config, **kw),
+                       (q, k, v, g, beta), initial_state, output_final_state, cu_seqlens, _kda.check_kda_inputs)
     _kda.check_kda_inputs(q, k, v, g, beta, initial_state)
     if choose_backend("kda_chunkwise", backend, q.device, inputs=(q, k, v, g, beta, initial_state),
                       K=q.shape[-1], V=v.shape[-1], chunk_size=chunk_size,

@@ -10,9 +10,11 @@ float64), keeps states in that precision and returns h in the dtype of q.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-from .._checks import autocast_off, check_chunk_size, check_head_dim, check_same_device, check_tensor, compute_dtype, floor_log_gate
+from .._checks import autocast_off, check_chunk_size, check_cu_seqlens, check_varlen_state, run_varlen, check_head_dim, check_same_device, check_tensor, compute_dtype, floor_log_gate
 from ..backend import choose_backend, on_device
 from .chunkwise import mlstm_chunkwise_torch
 from .naive import mlstm_recurrent_naive, mlstm_step_naive
@@ -49,6 +51,15 @@ def _check_state(state, B: int, H: int, K: int, V: int, device, name: str) -> No
     check_same_device(q=torch.empty(0, device=device), C=C, n=n, m=m)
 
 
+def _varlen_bounds(cu_seqlens, initial_state, B, T, H, K, V, device):
+    """Validate cu_seqlens and the N-row initial state that goes with it; the boundaries [N+1]."""
+    bounds = check_cu_seqlens(cu_seqlens, B, T, device)
+    if initial_state is not None:
+        check_varlen_state(initial_state, len(bounds) - 1)
+        _check_state(initial_state, len(bounds) - 1, H, K, V, device, "initial_state")
+    return bounds
+
+
 def _check_eps(eps) -> float:
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
         raise XLSTMKitError(f"eps must be a non-negative float, got {eps!r}")
@@ -67,14 +78,19 @@ def mlstm_recurrent(
     output_final_state: bool = False,
     eps: float = 1e-6,
     backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, State | None]:
     """Step-by-step mLSTM (the reference; autograd differentiates the loop).
 
     q, k [B,T,H,K]; v [B,T,H,V]; i, f [B,T,H] → h [B,T,H,V], state (C [B,H,K,V], n [B,H,K], m [B,H])
-    or None unless `output_final_state`.
+    or None unless `output_final_state`. `cu_seqlens` as in `mlstm_chunkwise`.
     """
     B, T, H, K, V = _sequence_dims(q, k, v, i, f)
     eps = _check_eps(eps)
+    if cu_seqlens is not None:
+        bounds = _varlen_bounds(cu_seqlens, initial_state, B, T, H, K, V, q.device)
+        return run_varlen(lambda *xs, **kw: mlstm_recurrent(*xs, eps=eps, backend=backend, **kw),
+                          (q, k, v, i, f), bounds, initial_state, output_final_state)
     if initial_state is not None:
         _check_state(initial_state, B, H, K, V, q.device, "initial_state")
     choose_backend("mlstm_recurrent", backend, q.device)
@@ -98,6 +114,7 @@ def mlstm_chunkwise(
     chunk_size: int = 64,
     backend: str | None = None,
     recompute_states: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, State | None]:
     """Chunkwise-parallel mLSTM with a hand-written backward; any T (the last chunk may be partial).
 
@@ -108,11 +125,17 @@ def mlstm_chunkwise(
     `recompute_states`: the Triton kernels keep no per-chunk states [B, H, T/L, K, V] for the
     backward and recompute them there (bitwise the same gradients; at the 125M model's heads
     0.56 GiB less per layer for ~15 % more op time); the torch path ignores it.
+    `cu_seqlens`: int32/int64 [N+1] (0 = cu[0] < ... < cu[N] = T) with B = 1: N sequences packed
+    along T, each starting from its own row of `initial_state` (C [N,H,K,V], n [N,H,K], m [N,H];
+    None: zeros) and returning its own final state (N rows); nothing crosses a boundary.
     """
     B, T, H, K, V = _sequence_dims(q, k, v, i, f)
     eps = _check_eps(eps)
     check_chunk_size(chunk_size)
-    if initial_state is not None:
+    bounds = None
+    if cu_seqlens is not None:
+        bounds = _varlen_bounds(cu_seqlens, initial_state, B, T, H, K, V, q.device)
+    elif initial_state is not None:
         _check_state(initial_state, B, H, K, V, q.device, "initial_state")
     cd = compute_dtype(q, k, v, i, f)
     # f = -inf (a closed gate, log f = -inf) would give -inf - -inf in the cumulative sums
@@ -123,10 +146,21 @@ def mlstm_chunkwise(
                       dtype=cd) == "triton":
         from .triton.op import mlstm_chunkwise_triton
 
+        # Packed sequences go to the kernels when they take cu_seqlens (issue 18, helper
+        # "vkern"); until then, one kernel call per sequence. The lead drops one branch at merge.
+        native = "cu_seqlens" in inspect.signature(mlstm_chunkwise_triton).parameters
+        if bounds is not None and not native:
+            return run_varlen(lambda *xs, **kw: mlstm_chunkwise(
+                *xs, eps=eps, chunk_size=chunk_size, backend="triton", recompute_states=recompute_states, **kw),
+                (q, k, v, i, f), bounds, initial_state, output_final_state)
+        varlen = {} if bounds is None else {"cu_seqlens": cu_seqlens}
         with on_device(q):
             return mlstm_chunkwise_triton(
                 q, k, v, i, f, initial_state=initial_state, output_final_state=output_final_state, eps=eps,
-                recompute_states=bool(recompute_states))
+                recompute_states=bool(recompute_states), **varlen)
+    if bounds is not None:
+        return run_varlen(lambda *xs, **kw: mlstm_chunkwise(*xs, eps=eps, chunk_size=chunk_size, backend="torch", **kw),
+                          (q, k, v, i, f), bounds, initial_state, output_final_state)
     state = (None, None, None) if initial_state is None else tuple(s.to(cd) for s in initial_state)
     h, C, n, m = mlstm_chunkwise_torch(q, k, v, i, f, *state, eps=eps, chunk_size=chunk_size, dtype=cd)
     return h.to(q.dtype), ((C, n, m) if output_final_state else None)
@@ -141,14 +175,20 @@ def mlstm_parallel(
     f: torch.Tensor,
     *,
     eps: float = 1e-6,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
     """Quadratic (parallel) mLSTM, seed eqs. 71–86, with the backward of eqs. 87–105 written by hand.
 
     q, k [B,T,H,K]; v [B,T,H,V]; i, f [B,T,H] → (h [B,T,H,V], None). Starts from the zero state;
     O(T²) memory, meant for short sequences and as a check of the chunkwise form.
+    `cu_seqlens` [N+1] with B = 1: N packed sequences, each from the zero state.
     """
-    _sequence_dims(q, k, v, i, f)
+    B, T = _sequence_dims(q, k, v, i, f)[:2]
     eps = _check_eps(eps)
+    if cu_seqlens is not None:
+        bounds = check_cu_seqlens(cu_seqlens, B, T, q.device)
+        return run_varlen(lambda *xs, initial_state, output_final_state: mlstm_parallel(*xs, eps=eps),
+                          (q, k, v, i, f), bounds, None, False)
     cd = compute_dtype(q, k, v, i, f)
     # f = -inf (a closed gate) would give -inf - -inf in the cumulative sums
     h = mlstm_parallel_torch(q.to(cd), k.to(cd), v.to(cd), i.to(cd), floor_log_gate(f.to(cd)), eps)

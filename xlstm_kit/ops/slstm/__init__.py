@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._checks import check_head_dim, check_same_device, check_tensor, autocast_off
+from .._checks import autocast_off, check_cu_seqlens, check_head_dim, check_same_device, check_tensor, check_varlen_state, run_varlen
 from ..backend import choose_backend, on_device
 from .naive import State, slstm_recurrent_naive, slstm_step_naive
 from .recurrent import slstm_recurrent_torch
@@ -48,7 +48,8 @@ def _check_common(x_gates, r, b, state, state_name: str, forget_gate) -> None:
 def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
                     initial_state: Optional[State] = None, output_final_state: bool = False,
                     forget_gate: str = "sigmoid", recurrent_grad_clip: Optional[float] = None,
-                    backend: Optional[str] = None) -> Tuple[torch.Tensor, Optional[State]]:
+                    backend: Optional[str] = None, cu_seqlens: Optional[torch.Tensor] = None
+                    ) -> Tuple[torch.Tensor, Optional[State]]:
     """sLSTM over a sequence (stabilized exponential gating, per-head memory mixing).
 
     Args:
@@ -62,6 +63,9 @@ def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
             h_{t-1} through r (δh^R, paper eq. 49) is clamped to [−c, c] in the backward pass
             (the paper uses 10). The forward is unchanged.
         backend: None (fastest available), "torch" or "triton".
+        cu_seqlens: None, or int32/int64 [N+1] (0 = cu[0] < ... < cu[N] = T) with B = 1: N
+            sequences packed along T, each from its own row of initial_state (each [N, H, D];
+            None: zeros), returning its own final state (N rows); nothing crosses a boundary.
 
     Returns:
         h [B, T, H, D] in x_gates' dtype; the final state (each [B, H, D], float32, or float64
@@ -70,13 +74,24 @@ def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
     check_tensor("x_gates", x_gates, (None, None, 4, None, None), "B,T,4,H,D")
     if x_gates.shape[1] == 0:
         raise XLSTMKitError("x_gates [B,T,4,H,D] must have at least one time step (T >= 1)")
-    _check_common(x_gates, r, b, initial_state, "initial_state", forget_gate)
+    bounds = None
+    if cu_seqlens is not None:
+        bounds = check_cu_seqlens(cu_seqlens, x_gates.shape[0], x_gates.shape[1], x_gates.device)
+        if initial_state is not None:
+            check_varlen_state(initial_state, len(bounds) - 1)
+    _check_common(x_gates if bounds is None else x_gates.expand(len(bounds) - 1, *x_gates.shape[1:]),
+                  r, b, initial_state, "initial_state", forget_gate)
     if recurrent_grad_clip is not None and (
             isinstance(recurrent_grad_clip, bool) or not isinstance(recurrent_grad_clip, numbers.Real)
             or not recurrent_grad_clip > 0):
         raise XLSTMKitError(f"recurrent_grad_clip must be None or a positive number, got {recurrent_grad_clip!r}")
     chosen = choose_backend("slstm_recurrent", backend, x_gates.device,
                             inputs=(x_gates, r, b, *(initial_state or ())))
+    if bounds is not None:
+        # One call per sequence on both backends (the sLSTM is step-sequential anyway).
+        return run_varlen(lambda xg, **kw: slstm_recurrent(
+            xg, r, b, forget_gate=forget_gate, recurrent_grad_clip=recurrent_grad_clip, backend=chosen, **kw),
+            (x_gates,), bounds, initial_state, output_final_state)
     if chosen == "torch":
         return slstm_recurrent_torch(x_gates, r, b, initial_state=initial_state,
                                      output_final_state=output_final_state, forget_gate=forget_gate,
