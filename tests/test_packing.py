@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
-from xlstm_kit.data import ByteTokenizer, document_starts_from_eos, load_data, split_documents
+from xlstm_kit.data import document_starts_from_eos, load_data, split_documents
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.packing import IGNORE, PackedSampler, PackedTokens, packed_windows
 from xlstm_kit.train import TrainConfig, evaluate, lm_loss, train, train_step
@@ -16,12 +16,7 @@ from xlstm_kit.train import TrainConfig, evaluate, lm_loss, train, train_step
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny shapes (see tests/conftest.py)
 
 
 def make_model(slstm_at=(1,), seed=0, dtype=torch.float64):

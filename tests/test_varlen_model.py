@@ -17,12 +17,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny shapes (see tests/conftest.py)
 
 
 def make_model(kind, seed=0):

@@ -10,8 +10,6 @@ float64), keeps states in that precision and returns h in the dtype of q.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from .._checks import autocast_off, check_chunk_size, check_cu_seqlens, check_varlen_state, run_varlen, check_head_dim, check_same_device, check_tensor, compute_dtype, floor_log_gate
@@ -146,13 +144,7 @@ def mlstm_chunkwise(
                       dtype=cd) == "triton":
         from .triton.op import mlstm_chunkwise_triton
 
-        # Packed sequences go to the kernels when they take cu_seqlens (issue 18, helper
-        # "vkern"); until then, one kernel call per sequence. The lead drops one branch at merge.
-        native = "cu_seqlens" in inspect.signature(mlstm_chunkwise_triton).parameters
-        if bounds is not None and not native:
-            return run_varlen(lambda *xs, **kw: mlstm_chunkwise(
-                *xs, eps=eps, chunk_size=chunk_size, backend="triton", recompute_states=recompute_states, **kw),
-                (q, k, v, i, f), bounds, initial_state, output_final_state)
+        # packed sequences: the kernels walk each sequence's own chunks (triton/varlen.py)
         varlen = {} if bounds is None else {"cu_seqlens": cu_seqlens}
         with on_device(q):
             return mlstm_chunkwise_triton(
