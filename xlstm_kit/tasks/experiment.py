@@ -63,15 +63,47 @@ def check_model_name(name: str) -> str:
     return key
 
 
+SLSTM_PRESETS: dict[str, dict[str, Any]] = {
+    "lm": dict(conv_kernel_size=4, recurrent_init="zeros", bias_init="powerlaw_blockdependent", heads=None),
+    "paper": dict(conv_kernel_size=0, recurrent_init="standard", bias_init="standard", heads=1),
+}
+"""sLSTM block settings of the experiments. "lm": the language-model blocks (kernel-4 convolution
+in front of the i/f gates, zero recurrent weights, power-law forget bias, n_heads heads).
+"paper": the paper's formal-language sLSTM (official parity configuration): no convolution,
+the official "standard" init (recurrent weights and all gate biases uniform(+-1/sqrt(d_model))),
+one head. In an H200 probe only this combination let xLSTM[1:1] extrapolate parity (issue 19)."""
+
+
+def _paper_slstm_blocks(model: XLSTMLanguageModel, preset: dict[str, Any], backend: str | None) -> None:
+    # The preset is an experiment choice, not an XLSTMConfig field: swap the sLSTM layers in place.
+    from ..nn.slstm import SLSTMBlock, SLSTMLayer
+
+    cfg = model.config
+    for index, block in enumerate(model.blocks):
+        if isinstance(block, SLSTMBlock):
+            block.layer = SLSTMLayer(
+                cfg.d_model, cfg.slstm_num_heads, conv_kernel_size=preset["conv_kernel_size"], block_index=index,
+                n_blocks=cfg.n_blocks, dropout=cfg.dropout, backend=backend,
+                recurrent_init=preset["recurrent_init"], bias_init=preset["bias_init"],
+            )
+
+
 def build_model(name: str, vocab_size: int, *, d_model: int = 128, n_heads: int = 4,
-                n_blocks: int = 2, backend: str | None = None) -> nn.Module:
-    """A model called `name` (see MODEL_NAMES): tokens [B, T] -> logits [B, T, vocab_size]."""
+                n_blocks: int = 2, backend: str | None = None, slstm: str = "lm") -> nn.Module:
+    """A model called `name` (see MODEL_NAMES): tokens [B, T] -> logits [B, T, vocab_size].
+    `slstm` names the sLSTM block settings (SLSTM_PRESETS; xLSTM models with sLSTM blocks only)."""
     key = check_model_name(name)
+    if slstm not in SLSTM_PRESETS:
+        raise XLSTMKitError(f"unknown sLSTM preset {slstm!r}; choose one of {', '.join(SLSTM_PRESETS)}")
     match = _XLSTM.match(key)
     if match:
+        preset = SLSTM_PRESETS[slstm]
         cfg = XLSTMConfig(vocab_size=vocab_size, d_model=d_model, n_blocks=n_blocks, n_heads=n_heads,
-                          slstm_at=f"{match[1]}:{match[2]}", backend=backend)
-        return XLSTMLanguageModel(cfg)
+                          slstm_at=f"{match[1]}:{match[2]}", slstm_heads=preset["heads"], backend=backend)
+        model = XLSTMLanguageModel(cfg)
+        if slstm != "lm":
+            _paper_slstm_blocks(model, preset, backend)
+        return model
     if key == "dplr":  # every block a KDA-style DPLR block (xlstm_kit.nn.dplr)
         cfg = XLSTMConfig(vocab_size=vocab_size, d_model=d_model, n_blocks=n_blocks, n_heads=n_heads,
                           dplr_at=list(range(n_blocks)), backend=backend)
@@ -114,6 +146,8 @@ class RunConfig:
     """"fp32" or "bf16" (autocast; see xlstm_kit.train.autocast)."""
     backend: str | None = None
     """xLSTM ops backend: None (the fastest for the device), "torch" or "triton"."""
+    slstm: str = "lm"
+    """sLSTM block settings (SLSTM_PRESETS): "lm" or "paper" (no conv, standard init, 1 head)."""
     train_lengths: tuple[int, int] = (3, 40)
     """Formal tasks: inclusive range of training input lengths."""
     test_lengths: tuple[int, ...] = tuple(range(41, 257))
@@ -141,6 +175,8 @@ class RunConfig:
             raise XLSTMKitError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.backend not in (None, "torch", "triton"):
             raise XLSTMKitError(f"RunConfig.backend must be None, 'torch' or 'triton', got {self.backend!r}")
+        if self.slstm not in SLSTM_PRESETS:
+            raise XLSTMKitError(f"RunConfig.slstm must be one of {', '.join(SLSTM_PRESETS)}, got {self.slstm!r}")
         if self.precision not in ("fp32", "bf16"):
             raise XLSTMKitError(f"RunConfig.precision must be 'fp32' or 'bf16', got {self.precision!r}")
         lo, hi = self.train_lengths if len(self.train_lengths) == 2 else (0, -1)
@@ -324,7 +360,7 @@ def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | P
     model_name = check_model_name(model_name)
     torch.manual_seed(cfg.seed)
     model = build_model(model_name, task.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads,
-                        n_blocks=cfg.n_blocks, backend=cfg.backend).to(cfg.device)
+                        n_blocks=cfg.n_blocks, backend=cfg.backend, slstm=cfg.slstm).to(cfg.device)
     result = _run_header("formal", task.name, model_name, model, cfg)
     log = train_on_task(model, lambda rng: sample_train_batch(task, rng, cfg.batch_size, cfg.train_lengths),
                         cfg, _budget(cfg, 0.85), progress)
@@ -354,7 +390,7 @@ def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None,
     pair_choices = [n for n in (4, 8, 16, 32, 64, 128) if n < N] + [N]
     torch.manual_seed(cfg.seed)
     model = build_model(model_name, V, d_model=cfg.d_model, n_heads=cfg.n_heads, n_blocks=cfg.n_blocks,
-                        backend=cfg.backend).to(cfg.device)
+                        backend=cfg.backend, slstm=cfg.slstm).to(cfg.device)
     result = _run_header("mqar", label or mqar_label(cfg), model_name, model, cfg)
 
     def sample(rng: np.random.Generator) -> TaskBatch:
