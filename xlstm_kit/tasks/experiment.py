@@ -7,7 +7,8 @@ formal-language task or on MQAR within a step and time budget, evaluate, write r
     run_sweep(tasks, models, RunConfig(), out_dir, jobs=4)     -> results + table.md + heatmap.png
 
 Model names: "xlstm[0:1]" (sLSTM blocks only), "xlstm[1:0]" (mLSTM only), "xlstm[1:1]" (one of
-each: mLSTM first), "transformer" (Llama-style), "lstm" (nn.LSTM in the sLSTM block frame).
+each: mLSTM first), "transformer" (Llama-style), "lstm" (nn.LSTM in the sLSTM block frame: the
+paper's "LSTM (Block)"), "lstm-plain" (a plain n_blocks-layer nn.LSTM language model).
 The DPLR block (issue 7) is not wired in yet.
 
 Training: the library's optimizer step (`xlstm_kit.train.train_step`: AdamW with weight-decay
@@ -37,9 +38,9 @@ from torch import nn
 
 from ..model import XLSTMConfig, XLSTMLanguageModel
 from ..train import TimeBudget, TrainConfig, autocast, lr_at, make_optimizer, train_step
-from .baselines import LSTMLM, TransformerLM
+from .baselines import LSTMLM, PlainLSTMLM, TransformerLM
 from .formal import (TASKS, FormalTask, TaskBatch, get_task, make_batch, sample_train_batch,
-                     scaled_accuracy, sequence_accuracy)
+                     scaled_accuracy, sequence_accuracy, task_set)
 from .mqar import VOCAB_SIZE, check_mqar_shape, mqar_batch
 from ..errors import XLSTMKitError
 
@@ -47,7 +48,7 @@ MQAR_LR = 1e-3
 """Default peak learning rate of MQAR runs: in an H200 probe (width 128, T=256, 64 pairs) xLSTM[1:1]
 reached 0.99 accuracy by step ~1300 at 1e-3 and stayed at chance for 2900 steps at 3e-3."""
 
-MODEL_NAMES = ("xlstm[0:1]", "xlstm[1:0]", "xlstm[1:1]", "dplr", "transformer", "lstm")
+MODEL_NAMES = ("xlstm[0:1]", "xlstm[1:0]", "xlstm[1:1]", "dplr", "transformer", "lstm", "lstm-plain")
 _XLSTM = re.compile(r"^xlstm\[(\d+):(\d+)\]$")
 RESULTS_TABLE = "table.md"
 RESULTS_PLOT = "heatmap.png"
@@ -110,6 +111,8 @@ def build_model(name: str, vocab_size: int, *, d_model: int = 128, n_heads: int 
         return XLSTMLanguageModel(cfg)
     if key == "transformer":
         return TransformerLM(vocab_size, d_model=d_model, n_blocks=n_blocks, n_heads=n_heads)
+    if key == "lstm-plain":
+        return PlainLSTMLM(vocab_size, d_model=d_model, n_layers=n_blocks)
     return LSTMLM(vocab_size, d_model=d_model, n_blocks=n_blocks)
 
 
@@ -136,6 +139,8 @@ class RunConfig:
     min_lr: float = 3e-4
     warmup_steps: int = 200
     weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas (the paper's synthetic runs: (0.9, 0.99))."""
     grad_clip: float = 1.0
     d_model: int = 128
     n_heads: int = 4
@@ -148,6 +153,10 @@ class RunConfig:
     """xLSTM ops backend: None (the fastest for the device), "torch" or "triton"."""
     slstm: str = "lm"
     """sLSTM block settings (SLSTM_PRESETS): "lm" or "paper" (no conv, standard init, 1 head)."""
+    tasks: str = "small"
+    """Formal task set (formal.TASK_VARIANTS): "small" vocabularies or the "paper"'s."""
+    teacher_forcing: bool = True
+    """Formal tasks: False is the paper's format (outputs at PAD positions after the action marker)."""
     train_lengths: tuple[int, int] = (3, 40)
     """Formal tasks: inclusive range of training input lengths."""
     test_lengths: tuple[int, ...] = tuple(range(41, 257))
@@ -164,6 +173,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         self.train_lengths = tuple(int(v) for v in self.train_lengths)
         self.test_lengths = tuple(int(v) for v in self.test_lengths)
+        self.betas = tuple(float(b) for b in self.betas)
         for name in ("steps", "batch_size", "d_model", "n_heads", "n_blocks", "eval_samples",
                      "eval_batch_size", "log_every"):
             v = getattr(self, name)
@@ -175,6 +185,7 @@ class RunConfig:
             raise XLSTMKitError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.backend not in (None, "torch", "triton"):
             raise XLSTMKitError(f"RunConfig.backend must be None, 'torch' or 'triton', got {self.backend!r}")
+        task_set(self.tasks)  # checks the name
         if self.slstm not in SLSTM_PRESETS:
             raise XLSTMKitError(f"RunConfig.slstm must be one of {', '.join(SLSTM_PRESETS)}, got {self.slstm!r}")
         if self.precision not in ("fp32", "bf16"):
@@ -189,6 +200,7 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["train_lengths"], d["test_lengths"] = list(self.train_lengths), list(self.test_lengths)
+        d["betas"] = list(self.betas)
         return d
 
 
@@ -229,7 +241,7 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
     """
     device = torch.device(cfg.device)
     rng = np.random.default_rng(cfg.seed)
-    sched = TrainConfig(steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr, betas=(0.9, 0.95),
+    sched = TrainConfig(steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr, betas=cfg.betas,
                         weight_decay=cfg.weight_decay, warmup_steps=min(cfg.warmup_steps, cfg.steps // 5))
     opt = make_optimizer(model, sched)
     log = TrainLog(planned_steps=cfg.steps)
@@ -270,7 +282,8 @@ def _round_up(x: int, m: int) -> int:
 
 @torch.no_grad()
 def evaluate_formal(model: nn.Module, task: FormalTask, lengths: Sequence[int], samples: int, *,
-                    batch_size: int = 256, seed: int = 0, device="cpu", precision: str = "fp32") -> dict[str, Any]:
+                    batch_size: int = 256, seed: int = 0, device="cpu", precision: str = "fp32",
+                    teacher_forcing: bool = True) -> dict[str, Any]:
     """Accuracy of `model` on `samples` fresh sequences per input length.
 
     Returns {"accuracy", "scaled_accuracy"} (means over lengths of the per-length means) and
@@ -286,7 +299,7 @@ def evaluate_formal(model: nn.Module, task: FormalTask, lengths: Sequence[int], 
     for i in range(0, len(todo), batch_size):
         chunk = todo[i : i + batch_size]
         pad = _round_up(task.max_seq_len(chunk[-1]), 64)
-        batch = make_batch(task, rng, chunk, pad_to=pad).to(device)
+        batch = make_batch(task, rng, chunk, pad_to=pad, teacher_forcing=teacher_forcing).to(device)
         with autocast(device, precision):
             logits = model(batch.inputs)
         acc = sequence_accuracy(logits, batch.targets, batch.mask).cpu().tolist()
@@ -356,15 +369,17 @@ def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | P
     """Train `model_name` on formal task `task_name`, evaluate on the test and training lengths,
     and write `out_dir`/formal__TASK__MODEL.json (when out_dir is given). Returns the results."""
     t_start = time.perf_counter()
-    task = get_task(task_name)
+    task = get_task(task_name, cfg.tasks)
     model_name = check_model_name(model_name)
     torch.manual_seed(cfg.seed)
     model = build_model(model_name, task.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads,
                         n_blocks=cfg.n_blocks, backend=cfg.backend, slstm=cfg.slstm).to(cfg.device)
     result = _run_header("formal", task.name, model_name, model, cfg)
-    log = train_on_task(model, lambda rng: sample_train_batch(task, rng, cfg.batch_size, cfg.train_lengths),
+    log = train_on_task(model, lambda rng: sample_train_batch(task, rng, cfg.batch_size, cfg.train_lengths,
+                                                              cfg.teacher_forcing),
                         cfg, _budget(cfg, 0.85), progress)
-    kw = dict(batch_size=cfg.eval_batch_size, device=cfg.device, precision=cfg.precision)
+    kw = dict(batch_size=cfg.eval_batch_size, device=cfg.device, precision=cfg.precision,
+              teacher_forcing=cfg.teacher_forcing)
     test = evaluate_formal(model, task, cfg.test_lengths, cfg.eval_samples, seed=cfg.seed + 1, **kw)
     lo, hi = cfg.train_lengths
     in_dist = evaluate_formal(model, task, range(lo, hi + 1), max(1, cfg.eval_samples // 2), seed=cfg.seed + 2, **kw)
@@ -445,9 +460,9 @@ def run_sweep(tasks: Sequence[str], models: Sequence[str], cfg: RunConfig, out_d
     GPUs, the runs are dealt out over all of them. `on_result(k, n, result)` is called as the
     k-th of n runs finishes; `progress(kind, task, model)` gives the progress function of each
     run (see train_on_task; picklable when jobs > 1). Returns the per-run results in plan order."""
-    tasks = [get_task(t).name for t in tasks]
+    tasks = [get_task(t, cfg.tasks).name for t in tasks]
     models = [check_model_name(m) for m in models]
-    steps_for = {get_task(t).name: n for t, n in (steps_for or {}).items()}
+    steps_for = {get_task(t, cfg.tasks).name: n for t, n in (steps_for or {}).items()}
     for t, n in steps_for.items():
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise XLSTMKitError(f"steps_for[{t!r}] must be a positive integer, got {n!r}")
@@ -513,8 +528,8 @@ def write_report(results: Sequence[dict[str, Any]], out_dir: str | Path, *, comm
     (out_dir / RESULTS_ALL).write_text(json.dumps(summary, indent=1))
 
     models = [m for m in MODEL_NAMES if any(r["model"] == m for r in summary)]
-    columns = []  # (kind, task) in first-seen order, formal tasks in the TASKS order
-    for kind, names in (("formal", list(TASKS)), ("mqar", sorted({r["task"] for r in summary if r["kind"] == "mqar"}))):
+    columns = []  # (kind, task) in first-seen order, formal tasks in Figure 4's task order
+    for kind, names in (("formal", list(task_set("paper"))), ("mqar", sorted({r["task"] for r in summary if r["kind"] == "mqar"}))):
         columns += [(kind, t) for t in names if any(r["kind"] == kind and r["task"] == t for r in summary)]
     cell = {(r["kind"], r["task"], r["model"]): r for r in summary}
 
