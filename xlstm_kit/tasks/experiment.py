@@ -41,7 +41,7 @@ from ..train import TimeBudget, TrainConfig, autocast, lr_at, make_optimizer, tr
 from .baselines import LSTMLM, PlainLSTMLM, TransformerLM
 from .formal import (TASKS, FormalTask, TaskBatch, get_task, make_batch, sample_train_batch,
                      scaled_accuracy, sequence_accuracy, task_set)
-from .mqar import VOCAB_SIZE, check_mqar_shape, mqar_batch
+from .mqar import SPACINGS, VOCAB_SIZE, check_mqar_shape, mqar_batch
 from ..errors import XLSTMKitError
 
 MQAR_LR = 1e-3
@@ -167,6 +167,11 @@ class RunConfig:
     mqar_seq_len: int = 256
     mqar_pairs: int = 64
     mqar_vocab: int = VOCAB_SIZE
+    mqar_spacing: str = "uniform"
+    """MQAR query placement (mqar.SPACINGS): "uniform" or Zoology's "powerlaw"."""
+    mqar_train_mix: bool = True
+    """MQAR training batches: True draws the pairs from 4, 8, ... up to mqar_pairs; False trains
+    at mqar_pairs only (the paper's per-setting runs)."""
     log_every: int = 25
     """Record the training loss every this many steps."""
 
@@ -196,6 +201,8 @@ class RunConfig:
         if not self.test_lengths or min(self.test_lengths) < 2:
             raise XLSTMKitError(f"RunConfig.test_lengths must be lengths >= 2, got {self.test_lengths}")
         check_mqar_shape(self.mqar_seq_len, self.mqar_pairs, self.mqar_vocab)
+        if self.mqar_spacing not in SPACINGS:
+            raise XLSTMKitError(f"RunConfig.mqar_spacing must be one of {', '.join(SPACINGS)}, got {self.mqar_spacing!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -317,7 +324,8 @@ def evaluate_formal(model: nn.Module, task: FormalTask, lengths: Sequence[int], 
 
 @torch.no_grad()
 def evaluate_mqar(model: nn.Module, seq_len: int, num_pairs: int, n_sequences: int, *, vocab_size: int = VOCAB_SIZE,
-                  batch_size: int = 256, seed: int = 0, device="cpu", precision: str = "fp32") -> float:
+                  batch_size: int = 256, seed: int = 0, device="cpu", precision: str = "fp32",
+                  spacing: str = "uniform") -> float:
     """Fraction of MQAR queries answered correctly over `n_sequences` fresh sequences."""
     device = torch.device(device)
     rng = np.random.default_rng(seed)
@@ -325,7 +333,7 @@ def evaluate_mqar(model: nn.Module, seq_len: int, num_pairs: int, n_sequences: i
     model.eval()
     correct = total = 0
     for i in range(0, n_sequences, batch_size):
-        batch = mqar_batch(rng, min(batch_size, n_sequences - i), seq_len, num_pairs, vocab_size).to(device)
+        batch = mqar_batch(rng, min(batch_size, n_sequences - i), seq_len, num_pairs, vocab_size, spacing).to(device)
         with autocast(device, precision):
             logits = model(batch.inputs)
         hit = (logits.argmax(-1) == batch.targets) & batch.mask
@@ -402,18 +410,18 @@ def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None,
     t_start = time.perf_counter()
     model_name = check_model_name(model_name)
     T, N, V = cfg.mqar_seq_len, cfg.mqar_pairs, cfg.mqar_vocab
-    pair_choices = [n for n in (4, 8, 16, 32, 64, 128) if n < N] + [N]
+    pair_choices = ([n for n in (4, 8, 16, 32, 64, 128) if n < N] if cfg.mqar_train_mix else []) + [N]
     torch.manual_seed(cfg.seed)
     model = build_model(model_name, V, d_model=cfg.d_model, n_heads=cfg.n_heads, n_blocks=cfg.n_blocks,
                         backend=cfg.backend, slstm=cfg.slstm).to(cfg.device)
     result = _run_header("mqar", label or mqar_label(cfg), model_name, model, cfg)
 
     def sample(rng: np.random.Generator) -> TaskBatch:
-        return mqar_batch(rng, cfg.batch_size, T, int(rng.choice(pair_choices)), V)
+        return mqar_batch(rng, cfg.batch_size, T, int(rng.choice(pair_choices)), V, cfg.mqar_spacing)
 
     log = train_on_task(model, sample, cfg, _budget(cfg, 0.9), progress)
     acc = evaluate_mqar(model, T, N, 64 * cfg.eval_samples, vocab_size=V, batch_size=cfg.eval_batch_size,
-                        seed=cfg.seed + 1, device=cfg.device, precision=cfg.precision)
+                        seed=cfg.seed + 1, device=cfg.device, precision=cfg.precision, spacing=cfg.mqar_spacing)
     result.update(accuracy=acc, chance=1.0 / (V - V // 2), scaled_accuracy=acc, train_pairs=pair_choices)
     return _finish(result, log, t_start, out_dir)
 
