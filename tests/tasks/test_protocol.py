@@ -98,3 +98,16 @@ def test_cli_protocol_quick_smoke(tmp_path, capsys):
     assert main(["experiment", "sweep", "--report-only", "--protocol", "quick", "--out", out]) == 0
     assert main(["experiment", "mqar", "--model", "lstm-plain", "--protocol", "quick", "--lrs", "x",
                  "--out", out]) == 2
+
+
+def test_cli_protocol_sweep_with_mqar(tmp_path, capsys):
+    out = tmp_path / "sw"
+    assert main(["experiment", "sweep", "--tasks", "parity", "--models", "lstm-plain", "--protocol", "quick",
+                 "--steps", "2", "--seeds", "0", "--lrs", "1e-3", "--widths", "16", "--setting", "zoology",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    ids = sorted(p.stem for p in (out / "runs").glob("*.json"))
+    assert ids == ["formal__parity__lstm-plain__d32__lr0.001__s0", "mqar__T64-N4__lstm-plain__d16__lr0.001__s0"]
+    mq = json.loads((out / "runs" / f"{ids[1]}.json").read_text())
+    assert mq["config"]["mqar_spacing"] == "powerlaw" and mq["config"]["mqar_train_mix"] is False
+    text = (out / "report.md").read_text()
+    assert "## MQAR T64-N4" in text and "| model | width | parity |" in text and "Produced by:" in text
