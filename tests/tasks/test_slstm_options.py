@@ -111,3 +111,34 @@ def test_lm_preset_and_lm_models_unchanged():
     assert a.state_dict().keys() == b.state_dict().keys()
     for k, v in a.state_dict().items():
         assert torch.equal(v, b.state_dict()[k]), k
+
+
+def test_no_conv_layer_equals_the_official_layer_without_conv():
+    """Our conv_kernel_size=0 layer against the official sLSTMLayer(conv1d_kernel_size=0) with the
+    same weights, and the official "standard" init's statistics against ours."""
+    import types
+
+    pytest.importorskip("xlstm")
+    from xlstm.blocks.slstm.layer import sLSTMLayer, sLSTMLayerConfig
+
+    from xlstm_kit.compat import _slstm_cell_from_ours
+
+    torch.manual_seed(0)
+    d = 16
+    ours = SLSTMLayer(d, 2, conv_kernel_size=0, recurrent_init="standard", bias_init="standard", backend="torch")
+    off = sLSTMLayer(sLSTMLayerConfig(embedding_dim=d, num_heads=2, conv1d_kernel_size=0, backend="vanilla",
+                                      recurrent_weight_init="standard", bias_init="standard"))
+    assert not any("conv" in n for n, _ in off.named_parameters())
+    with torch.no_grad():
+        ours.out_norm.weight.add_(0.1 * torch.randn_like(ours.out_norm.weight))
+        _slstm_cell_from_ours(off, types.SimpleNamespace(layer=ours))
+        off.group_norm.weight.copy_(ours.out_norm.weight - 1)  # official: a residual weight
+        x = torch.randn(2, 9, d)
+        torch.testing.assert_close(ours(x), off(x), atol=2e-5, rtol=1e-4)
+    big = 256
+    off = sLSTMLayer(sLSTMLayerConfig(embedding_dim=big, num_heads=1, conv1d_kernel_size=0, backend="vanilla",
+                                      recurrent_weight_init="standard", bias_init="standard"))
+    ours = SLSTMLayer(big, 1, conv_kernel_size=0, recurrent_init="standard", bias_init="standard")
+    for a, b in ((ours.recurrent, off.slstm_cell._recurrent_kernel), (ours.bias, off.slstm_cell._bias)):
+        assert float(a.detach().std()) == pytest.approx(float(b.detach().std()), rel=0.05)
+        assert float(a.detach().abs().max()) == pytest.approx(float(b.detach().abs().max()), rel=0.02)
