@@ -96,6 +96,8 @@ def test_cli_protocol_quick_smoke(tmp_path, capsys):
     assert main(args) == 0
     assert "2 finished before, 0 to run" in capsys.readouterr().err
     assert main(["experiment", "sweep", "--report-only", "--protocol", "quick", "--out", out]) == 0
+    assert main(["experiment", "formal", "--task", "parity", "--model", "lstm", "--protocol", "quick", "--lr", "1e-3",
+                 "--out", out]) == 2
     assert main(["experiment", "mqar", "--model", "lstm-plain", "--protocol", "quick", "--lrs", "x",
                  "--out", out]) == 2
 
@@ -111,3 +113,15 @@ def test_cli_protocol_sweep_with_mqar(tmp_path, capsys):
     assert mq["config"]["mqar_spacing"] == "powerlaw" and mq["config"]["mqar_train_mix"] is False
     text = (out / "report.md").read_text()
     assert "## MQAR T64-N4" in text and "| model | width | parity |" in text and "Produced by:" in text
+
+
+def test_workers_per_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert pr.plan_devices("cuda") == ["cuda:0", "cuda:1", "cuda:2"]
+    assert pr.worker_devices("cuda", 2) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1", "cuda:2", "cuda:2"]
+    assert pr.plan_devices("cuda:1") == ["cuda:1"] and pr.plan_devices("cpu") == ["cpu"]
+    with pytest.raises(XLSTMKitError, match="jobs_per_device"):
+        pr.run_plan([], "unused", jobs_per_device=0)

@@ -55,7 +55,8 @@ def add_parser(sub) -> None:
     sw.add_argument("--tasks", default=None, help="comma-separated formal tasks (default: all)")
     sw.add_argument("--models", default=None, help="comma-separated models (default: all)")
     sw.add_argument("--no-mqar", action="store_true", help="formal tasks only")
-    sw.add_argument("--jobs", type=_positive_int, default=1, metavar="N", help="runs in parallel processes")
+    sw.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                    help="runs in parallel processes (with --protocol: per GPU)")
     sw.add_argument("--mqar-time-limit", type=_positive_float, default=None, metavar="S",
                     help="time limit of each MQAR run (default: --time-limit)")
     sw.add_argument("--mqar-steps", type=_positive_int, default=None, metavar="N",
@@ -94,6 +95,9 @@ def add_parser(sub) -> None:
         p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="CPU threads")
         p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="output folder")
         p.set_defaults(func=cmd_experiment)
+    for p in (fo, mq):
+        p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                       help="with --protocol: grid points run in parallel per GPU")
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,6 +315,10 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
     from .formal import task_set
 
     proto = pr.get_protocol(args.protocol)
+    clash = [o for o, v in (("--lr", args.lr), ("--seed", args.seed), ("--seq-len", args.seq_len),
+                            ("--pairs", args.pairs), ("--quick", args.quick)) if v]
+    if clash:
+        raise UsageError(f"{', '.join(clash)} do not apply with --protocol (it sets them: use --lrs, --seeds, --setting)")
     lrs = _numbers(args.lrs, float, "--lrs")
     seeds = _numbers(args.seeds, int, "--seeds")
     overrides = {k: v for k, v in {"steps": args.steps, "batch_size": args.batch_size, "precision": args.precision,
@@ -332,13 +340,13 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
     todo = [j for j in jobs if not pr.finished(j, out / "runs")]
     gpus = pr.plan_devices(device)
     print(f"protocol {proto.name}: {len(jobs)} grid points, {len(jobs) - len(todo)} finished before, "
-          f"{len(todo)} to run on {', '.join(gpus)} -> {out}", file=sys.stderr, flush=True)
+          f"{len(todo)} to run on {', '.join(gpus)} ({args.jobs} per device) -> {out}", file=sys.stderr, flush=True)
 
     def on_result(k: int, n: int, r: dict[str, Any]) -> None:
         what = r.get("error") or f"{r['scaled_accuracy']:.3f} after {r['steps_done']} steps ({r['train_seconds']:.0f} s)"
         print(f"[{k}/{n}] {r['id']}: {what}", file=sys.stderr, flush=True)
 
-    pr.run_plan(jobs, out, device=device, on_result=on_result)
+    pr.run_plan(jobs, out, device=device, jobs_per_device=args.jobs, on_result=on_result)
     paths = pr.write_protocol_report(pr.load_protocol_results(out / "runs"), out, command=command)
     print(f"report: {paths['report']}" + "".join(f", {paths[k]}" for k in ("figure4", "mqar") if paths[k]))
     return 0

@@ -208,8 +208,11 @@ def run_job(job: Job, runs_dir: str | Path, device: str, progress=None) -> dict[
 _DEVICE = None
 
 
-def _claim_device(queue) -> None:
+def _claim_device(queue, threads: int) -> None:
     global _DEVICE
+    import torch
+
+    torch.set_num_threads(threads)  # the workers share the host's cores
     _DEVICE = queue.get()
 
 
@@ -226,13 +229,21 @@ def plan_devices(device: str) -> list[str]:
     return [device]
 
 
-def run_plan(jobs: Sequence[Job], out_dir: str | Path, *, device: str = "cpu",
+def worker_devices(device: str, jobs_per_device: int = 1) -> list[str]:
+    """The device of each worker process: plan_devices(device), each `jobs_per_device` times."""
+    return [d for d in plan_devices(device) for _ in range(jobs_per_device)]
+
+
+def run_plan(jobs: Sequence[Job], out_dir: str | Path, *, device: str = "cpu", jobs_per_device: int = 1,
              on_result: Callable[[int, int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Run the jobs not finished yet (see `finished`) into out_dir/runs, one worker process per
-    GPU (in this process on the CPU or one GPU), the longest first. Returns the new results."""
+    """Run the jobs not finished yet (see `finished`) into out_dir/runs, the longest first:
+    `jobs_per_device` worker processes per GPU (the small models leave a GPU mostly idle, so
+    several share one well; 1 process in all: in this process). Returns the new results."""
+    if isinstance(jobs_per_device, bool) or not isinstance(jobs_per_device, int) or jobs_per_device < 1:
+        raise XLSTMKitError(f"jobs_per_device must be a positive integer, got {jobs_per_device!r}")
     runs_dir = Path(out_dir) / "runs"
     todo = sorted((j for j in jobs if not finished(j, runs_dir)), key=lambda j: -j.config.get("steps", 0) * j.width)
-    devices = plan_devices(device)
+    devices = worker_devices(device, jobs_per_device)
     results: list[dict[str, Any]] = []
 
     def done(r: dict[str, Any]) -> None:
@@ -249,10 +260,11 @@ def run_plan(jobs: Sequence[Job], out_dir: str | Path, *, device: str = "cpu",
 
     ctx = mp.get_context("spawn")  # CUDA cannot be used in forked children
     with ctx.Manager() as manager:
-        queue = manager.Queue()  # each worker takes one GPU at start and keeps it
+        queue = manager.Queue()  # each worker takes one device slot at start and keeps it
         for d in devices:
             queue.put(d)
-        with ProcessPoolExecutor(len(devices), mp_context=ctx, initializer=_claim_device, initargs=(queue,)) as pool:
+        with ProcessPoolExecutor(len(devices), mp_context=ctx, initializer=_claim_device,
+                                 initargs=(queue, max(1, (os.cpu_count() or 1) // len(devices)))) as pool:
             for f in as_completed([pool.submit(_run_on_claimed, j, str(runs_dir)) for j in todo]):
                 done(f.result())
     return results
