@@ -1,6 +1,7 @@
 """sLSTM options of the paper's formal-language configuration (issue 19): no convolution, the
 official cell's init modes, and the experiment presets that choose them."""
 import math
+import os
 
 import pytest
 import torch
@@ -142,3 +143,20 @@ def test_no_conv_layer_equals_the_official_layer_without_conv():
     for a, b in ((ours.recurrent, off.slstm_cell._recurrent_kernel), (ours.bias, off.slstm_cell._bias)):
         assert float(a.detach().std()) == pytest.approx(float(b.detach().std()), rel=0.05)
         assert float(a.detach().abs().max()) == pytest.approx(float(b.detach().abs().max()), rel=0.02)
+
+
+@pytest.mark.skipif(not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()),
+                    reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+def test_no_conv_layer_triton_matches_torch():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    a = SLSTMLayer(32, 1, conv_kernel_size=0, recurrent_init="standard", bias_init="standard", backend="torch").to(dev)
+    b = SLSTMLayer(32, 1, conv_kernel_size=0, recurrent_init="standard", bias_init="standard", backend="triton").to(dev)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 7, 32, device=dev, requires_grad=True)
+    ya, yb = a(x), b(x)
+    torch.testing.assert_close(yb, ya, atol=1e-4, rtol=1e-4)
+    ga = torch.autograd.grad(ya.square().sum(), [x, a.recurrent, a.gate_weight])
+    gb = torch.autograd.grad(yb.square().sum(), [x, b.recurrent, b.gate_weight])
+    for p, q in zip(gb, ga):
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-3)
