@@ -86,12 +86,13 @@ def test_aggregate_and_report_on_fake_results(tmp_path):
 def test_cli_protocol_quick_smoke(tmp_path, capsys):
     out = str(tmp_path / "ex")
     args = ["experiment", "formal", "--task", "majority_count", "--model", "lstm-plain", "--protocol", "quick",
-            "--steps", "2", "--seeds", "0", "--device", "cpu", "--out", out]
+            "--steps", "2", "--seeds", "0", "--eval-samples", "3", "--device", "cpu", "--out", out]
     assert main(args) == 0
     runs = sorted((tmp_path / "ex" / "runs").glob("*.json"))
     assert len(runs) == 2  # 2 learning rates x 1 seed
     r = json.loads(runs[0].read_text())
     assert r["config"]["tasks"] == "paper" and r["config"]["teacher_forcing"] is False and r["steps_done"] == 2
+    assert r["config"]["eval_samples"] == 3 and r["config"]["betas"] == [0.9, 0.99]
     assert "report:" in capsys.readouterr().out
     assert main(args) == 0
     assert "2 finished before, 0 to run" in capsys.readouterr().err

@@ -89,6 +89,8 @@ def add_parser(sub) -> None:
         p.add_argument("--seq-len", type=_positive_int, default=None, metavar="N", help="MQAR sequence length")
         p.add_argument("--pairs", type=_positive_int, default=None, metavar="N", help="MQAR key-value pairs")
         p.add_argument("--seed", type=_nonneg_int, default=None, metavar="N")
+        p.add_argument("--eval-samples", type=_positive_int, default=None, metavar="N",
+                       help="test sequences per test length (formal; MQAR: 64 x N sequences)")
         p.add_argument("--precision", choices=["fp32", "bf16"], default=None)
         p.add_argument("--backend", choices=["torch", "triton"], default=None, help="xLSTM ops backend (default: by device)")
         p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
@@ -138,7 +140,7 @@ def parse_lrs(text: str | None) -> list[float | None]:
 def _run_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields = {"steps": args.steps, "time_limit_s": args.time_limit, "batch_size": args.batch_size, "lr": args.lr,
               "d_model": args.d_model, "mqar_seq_len": args.seq_len, "mqar_pairs": args.pairs, "seed": args.seed,
-              "precision": args.precision, "backend": args.backend}
+              "precision": args.precision, "backend": args.backend, "eval_samples": args.eval_samples}
     fields = {k: v for k, v in fields.items() if v is not None}
     if "lr" in fields:
         fields["min_lr"] = fields["lr"] / 10
@@ -322,7 +324,8 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
     lrs = _numbers(args.lrs, float, "--lrs")
     seeds = _numbers(args.seeds, int, "--seeds")
     overrides = {k: v for k, v in {"steps": args.steps, "batch_size": args.batch_size, "precision": args.precision,
-                                   "backend": args.backend, "time_limit_s": args.time_limit}.items() if v is not None}
+                                   "backend": args.backend, "time_limit_s": args.time_limit,
+                                   "eval_samples": args.eval_samples}.items() if v is not None}
     models = [args.model] if args.experiment in ("formal", "mqar") else (
         _split(args.models) if args.models else list(ex.MODEL_NAMES))
     jobs = []

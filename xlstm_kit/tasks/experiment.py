@@ -17,7 +17,9 @@ With a time limit, the run first times a few steps (`xlstm_kit.train.TimeBudget`
 shortens its schedule to what fits, so the cosine decay still ends.
 
 Results go to `runs/experiments/` by default (the command line's `--out`); the command-line
-parsing lives in `xlstm_kit.tasks.cli`.
+parsing lives in `xlstm_kit.tasks.cli`. The paper's protocol (learning-rate grid x seeds, its
+task format and optimiser settings, `--protocol paper`) is `xlstm_kit.tasks.protocol`; it runs
+these functions once per grid point.
 """
 from __future__ import annotations
 
