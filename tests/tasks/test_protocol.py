@@ -36,6 +36,7 @@ def test_mqar_grid_expansion():
     np.testing.assert_allclose(sorted({j.lr for j in jobs}), np.logspace(-4, -2, 4), rtol=1e-2)
     c = jobs[0].config
     assert c["mqar_vocab"] == 8192 and c["mqar_spacing"] == "powerlaw" and c["steps"] == 25_000
+    assert "slstm" not in c  # MQAR keeps the language-model sLSTM blocks
     assert {j.task for j in pr.mqar_plan(["lstm"], pr.PROTOCOLS["paper"], "zoology")} == {"T64-N4", "T128-N8", "T256-N16"}
     with pytest.raises(XLSTMKitError, match="setting"):
         pr.mqar_plan(["lstm"], pr.PROTOCOLS["paper"], "fig9")
