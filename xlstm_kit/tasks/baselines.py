@@ -156,3 +156,21 @@ class LSTMLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.norm(x))
+
+
+class PlainLSTMLM(nn.Module):
+    """The classic LSTM language model: embedding -> `n_layers`-layer ``nn.LSTM`` (torch's
+    default init) -> linear head; tokens [B, T] -> logits [B, T, vocab_size]. No residual
+    connections, norms or feed-forward (the paper's "LSTM" row; LSTMLM is its "LSTM (Block)")."""
+
+    def __init__(self, vocab_size: int, d_model: int = 128, n_layers: int = 2):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.embedding = nn.Embedding(vocab_size, d_model)
+        self.lstm = nn.LSTM(d_model, d_model, num_layers=n_layers, batch_first=True)
+        self.lm_head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        _check_tokens(tokens, self.vocab_size)
+        h, _ = self.lstm(self.embedding(tokens.long()))
+        return self.lm_head(h)

@@ -4,6 +4,15 @@
     xlstm-kit experiment mqar --model "xlstm[1:1]"
     xlstm-kit experiment sweep [--tasks ...] [--models ...] [--jobs N]
 
+With ``--protocol paper`` (or ``quick`` for a CPU smoke run) each command runs the paper's grid
+instead (xlstm_kit.tasks.protocol: learning rates x seeds, the paper's task format, optimiser and
+step budgets), skips grid points finished earlier, deals them over the visible GPUs and writes
+report.md, figure4.png and mqar.png:
+
+    xlstm-kit experiment formal --task parity --model "xlstm[1:1]" --protocol paper
+    xlstm-kit experiment mqar --model "xlstm[1:1]" --setting zoology --protocol paper
+    xlstm-kit experiment sweep --tasks parity,majority --models ... --setting fig5 --protocol paper
+
 Results go to ``runs/experiments/`` (gitignored) unless ``--out`` says otherwise. Progress goes
 to stderr: a line when a run starts, a line per ``PROGRESS_EVERY_S`` seconds of training (and
 its first and last step), and a line as each run of a sweep finishes.
@@ -46,7 +55,8 @@ def add_parser(sub) -> None:
     sw.add_argument("--tasks", default=None, help="comma-separated formal tasks (default: all)")
     sw.add_argument("--models", default=None, help="comma-separated models (default: all)")
     sw.add_argument("--no-mqar", action="store_true", help="formal tasks only")
-    sw.add_argument("--jobs", type=_positive_int, default=1, metavar="N", help="runs in parallel processes")
+    sw.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                    help="runs in parallel processes (with --protocol: per GPU)")
     sw.add_argument("--mqar-time-limit", type=_positive_float, default=None, metavar="S",
                     help="time limit of each MQAR run (default: --time-limit)")
     sw.add_argument("--mqar-steps", type=_positive_int, default=None, metavar="N",
@@ -57,7 +67,17 @@ def add_parser(sub) -> None:
     sw.add_argument("--steps-for", default=None, metavar="TASK=N,...",
                     help="per-task step counts for the formal tasks, e.g. parity=4000,majority=1500")
     sw.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT/runs/*.json")
+    for p in (mq, sw):
+        p.add_argument("--setting", choices=["zoology", "fig5"], default=None,
+                       help="with --protocol: the MQAR setting (zoology: (64,4) (128,8) (256,16); fig5: T=2048 "
+                       "with 48, 96, 256 pairs); default zoology")
+        p.add_argument("--widths", default=None, metavar="D[,D...]", help="with --protocol: MQAR widths (default: the setting's)")
     for p in (fo, mq, sw):
+        p.add_argument("--protocol", choices=["paper", "quick"], default=None,
+                       help="run the paper's grid (learning rates x seeds, best lr reported as mean ± std); "
+                       "quick: its tiny CPU version")
+        p.add_argument("--lrs", default=None, metavar="X[,Y...]", help="with --protocol: the learning-rate grid")
+        p.add_argument("--seeds", default=None, metavar="N[,N...]", help="with --protocol: the seeds")
         p.add_argument("--quick", action="store_true", help="tiny CPU smoke run (tests use it)")
         p.add_argument("--steps", type=_positive_int, default=None, metavar="N", help="most optimizer steps")
         p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S",
@@ -69,12 +89,17 @@ def add_parser(sub) -> None:
         p.add_argument("--seq-len", type=_positive_int, default=None, metavar="N", help="MQAR sequence length")
         p.add_argument("--pairs", type=_positive_int, default=None, metavar="N", help="MQAR key-value pairs")
         p.add_argument("--seed", type=_nonneg_int, default=None, metavar="N")
+        p.add_argument("--eval-samples", type=_positive_int, default=None, metavar="N",
+                       help="test sequences per test length (formal; MQAR: 64 x N sequences)")
         p.add_argument("--precision", choices=["fp32", "bf16"], default=None)
         p.add_argument("--backend", choices=["torch", "triton"], default=None, help="xLSTM ops backend (default: by device)")
         p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
         p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="CPU threads")
         p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="output folder")
         p.set_defaults(func=cmd_experiment)
+    for p in (fo, mq):
+        p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                       help="with --protocol: grid points run in parallel per GPU")
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,7 +140,7 @@ def parse_lrs(text: str | None) -> list[float | None]:
 def _run_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields = {"steps": args.steps, "time_limit_s": args.time_limit, "batch_size": args.batch_size, "lr": args.lr,
               "d_model": args.d_model, "mqar_seq_len": args.seq_len, "mqar_pairs": args.pairs, "seed": args.seed,
-              "precision": args.precision, "backend": args.backend}
+              "precision": args.precision, "backend": args.backend, "eval_samples": args.eval_samples}
     fields = {k: v for k, v in fields.items() if v is not None}
     if "lr" in fields:
         fields["min_lr"] = fields["lr"] / 10
@@ -190,13 +215,24 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     from .formal import get_task
 
     if args.experiment == "formal":  # names first: a typo must not cost a training run
-        get_task(args.task)
+        get_task(args.task, "paper" if args.protocol else "small")
     if args.experiment in ("formal", "mqar"):
         ex.check_model_name(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     command = " ".join([PROG] + [shlex.quote(a) for a in sys.argv[1:]])
+    if args.experiment == "sweep" and args.report_only and args.protocol:
+        from . import protocol as pr
+
+        results = pr.load_protocol_results(out / "runs")
+        if not results:
+            raise UsageError(f"--report-only: {out / 'runs'} holds no grid-point results to report")
+        command_file = out / ex.COMMAND_FILE
+        paths = pr.write_protocol_report(results, out, command=command_file.read_text().strip()
+                                         if command_file.exists() else None)
+        print(f"report: {paths['report']}")
+        return 0
     if args.experiment == "sweep" and args.report_only:
         if not any((out / "runs").glob("*.json")):
             raise UsageError(f"--report-only: {out / 'runs'} holds no results (*.json) to report; "
@@ -210,6 +246,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         return 0
     device = _pick_device(args.device)
     _check_out_dir(out)
+    if args.protocol:
+        return cmd_protocol(args, out, str(device), command)
     fields = _run_fields(args)
     make = ex.quick_config if args.quick else ex.RunConfig
 
@@ -253,4 +291,65 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         print(result_line(r))
     print(_report_paths({"table": out / ex.RESULTS_TABLE,
                          "plot": out / ex.RESULTS_PLOT if (out / ex.RESULTS_PLOT).exists() else None}))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# --protocol: the paper's grid
+# --------------------------------------------------------------------------------------------
+
+
+def _numbers(text: str | None, kind, option: str) -> list | None:
+    if not text:
+        return None
+    try:
+        vals = [kind(x) for x in _split(text)]
+    except ValueError:
+        vals = []
+    if not vals or not all(v >= 0 and math.isfinite(v) for v in vals):
+        raise UsageError(f"{option} wants numbers separated by commas, got {text!r}")
+    return vals
+
+
+def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str) -> int:
+    from . import experiment as ex
+    from . import protocol as pr
+    from .formal import task_set
+
+    proto = pr.get_protocol(args.protocol)
+    clash = [o for o, v in (("--lr", args.lr), ("--seed", args.seed), ("--seq-len", args.seq_len),
+                            ("--pairs", args.pairs), ("--quick", args.quick)) if v]
+    if clash:
+        raise UsageError(f"{', '.join(clash)} do not apply with --protocol (it sets them: use --lrs, --seeds, --setting)")
+    lrs = _numbers(args.lrs, float, "--lrs")
+    seeds = _numbers(args.seeds, int, "--seeds")
+    overrides = {k: v for k, v in {"steps": args.steps, "batch_size": args.batch_size, "precision": args.precision,
+                                   "backend": args.backend, "time_limit_s": args.time_limit,
+                                   "eval_samples": args.eval_samples}.items() if v is not None}
+    models = [args.model] if args.experiment in ("formal", "mqar") else (
+        _split(args.models) if args.models else list(ex.MODEL_NAMES))
+    jobs = []
+    if args.experiment in ("formal", "sweep"):
+        tasks = [args.task] if args.experiment == "formal" else (
+            _split(args.tasks) if args.tasks else list(task_set("paper")))
+        f_over = dict(overrides, **({"d_model": args.d_model} if args.d_model else {}))
+        jobs += pr.formal_plan(tasks, models, proto, lrs=lrs, seeds=seeds, overrides=f_over)
+    if args.experiment == "mqar" or (args.experiment == "sweep" and not args.no_mqar):
+        widths = _numbers(args.widths, int, "--widths") or ([args.d_model] if args.d_model else None)
+        jobs += pr.mqar_plan(models, proto, args.setting or "zoology", widths=widths, lrs=lrs, seeds=seeds,
+                             overrides=overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ex.COMMAND_FILE).write_text(command + "\n")
+    todo = [j for j in jobs if not pr.finished(j, out / "runs")]
+    gpus = pr.plan_devices(device)
+    print(f"protocol {proto.name}: {len(jobs)} grid points, {len(jobs) - len(todo)} finished before, "
+          f"{len(todo)} to run on {', '.join(gpus)} ({args.jobs} per device) -> {out}", file=sys.stderr, flush=True)
+
+    def on_result(k: int, n: int, r: dict[str, Any]) -> None:
+        what = r.get("error") or f"{r['scaled_accuracy']:.3f} after {r['steps_done']} steps ({r['train_seconds']:.0f} s)"
+        print(f"[{k}/{n}] {r['id']}: {what}", file=sys.stderr, flush=True)
+
+    pr.run_plan(jobs, out, device=device, jobs_per_device=args.jobs, on_result=on_result)
+    paths = pr.write_protocol_report(pr.load_protocol_results(out / "runs"), out, command=command)
+    print(f"report: {paths['report']}" + "".join(f", {paths[k]}" for k in ("figure4", "mqar") if paths[k]))
     return 0

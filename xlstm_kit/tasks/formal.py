@@ -7,7 +7,9 @@ classification tasks, several for the transduction tasks). A causal model sees
     targets   .  ...  .   y_1  y_2 ... y_m          (only these m positions count: `mask`)
 
 so it answers after reading the whole input and, for several output symbols, gets the correct
-previous symbol (teacher forcing), as in Delétang et al. Token ids: 0 = PAD, 1 = SEP, then the
+previous symbol (teacher forcing). The paper's format (``teacher_forcing=False``) feeds
+``x_1 ... x_n  SEP  PAD ... PAD`` instead: SEP is the action marker and every output symbol is
+predicted at its own padded position, without seeing any previous output. Token ids: 0 = PAD, 1 = SEP, then the
 task's input symbols, then its output symbols (a task's vocabulary is ``2 + n_in + n_out``).
 
 Training uses lengths 3–40 and testing 41–256 (the paper's split). Accuracy is the fraction of
@@ -174,10 +176,12 @@ class FormalTask:
         """Longest model sequence (input + SEP + outputs - 1) for input length n."""
         return n + self.max_output(n)
 
-    def encode(self, x: Sequence[int], y: Sequence[int]) -> tuple[list[int], list[int], list[bool]]:
-        """(inputs, targets, mask) token lists of length len(x) + len(y) (see the module doc)."""
+    def encode(self, x: Sequence[int], y: Sequence[int], teacher_forcing: bool = True
+               ) -> tuple[list[int], list[int], list[bool]]:
+        """(inputs, targets, mask) token lists of length len(x) + len(y) (see the module doc);
+        without teacher forcing the inputs after SEP are PAD."""
         out = [2 + self.n_in + s for s in y]
-        inputs = [2 + s for s in x] + [SEP] + out[:-1]
+        inputs = [2 + s for s in x] + [SEP] + (out[:-1] if teacher_forcing else [PAD] * (len(y) - 1))
         targets = [PAD] * len(x) + out
         mask = [False] * len(x) + [True] * len(y)
         return inputs, targets, mask
@@ -202,12 +206,29 @@ TASKS: dict[str, FormalTask] = {
 }
 
 
-def get_task(name: str) -> FormalTask:
-    """The task called `name` (ValueError listing the known names otherwise)."""
+TASK_VARIANTS = ("small", "paper")
+"""Task sets: "small" (TASKS: small vocabularies) and "paper" (formal_paper.PAPER_TASKS: the
+paper's vocabularies and all twelve Figure 4 tasks)."""
+
+
+def task_set(variant: str = "small") -> dict[str, FormalTask]:
+    """The tasks of `variant` (TASK_VARIANTS) by name."""
+    if variant == "small":
+        return TASKS
+    if variant == "paper":
+        from .formal_paper import PAPER_TASKS
+
+        return PAPER_TASKS
+    raise XLSTMKitError(f"unknown task variant {variant!r}; choose one of {', '.join(TASK_VARIANTS)}")
+
+
+def get_task(name: str, variant: str = "small") -> FormalTask:
+    """The task called `name` in `variant` (ValueError listing the known names otherwise)."""
+    tasks = task_set(variant)
     key = str(name).strip().lower().replace("-", "_")
-    if key not in TASKS:
-        raise XLSTMKitError(f"unknown formal task {name!r}; choose one of {', '.join(TASKS)}")
-    return TASKS[key]
+    if key not in tasks:
+        raise XLSTMKitError(f"unknown formal task {name!r} ({variant} tasks); choose one of {', '.join(tasks)}")
+    return tasks[key]
 
 
 # ---------------------------------------------------------------------------------- batches
@@ -226,10 +247,12 @@ class TaskBatch:
         return TaskBatch(*(t.to(device, non_blocking=True) for t in (self.inputs, self.targets, self.mask, self.lengths)))
 
 
-def make_batch(task: FormalTask, rng: np.random.Generator, lengths: Sequence[int], pad_to: int | None = None) -> TaskBatch:
+def make_batch(task: FormalTask, rng: np.random.Generator, lengths: Sequence[int], pad_to: int | None = None,
+               teacher_forcing: bool = True) -> TaskBatch:
     """One sequence per entry of `lengths` (input lengths), right-padded to `pad_to` (default:
-    the longest sequence). A fixed `pad_to` keeps tensor shapes, hence compiled kernels, fixed."""
-    rows = [task.encode(*task.sample(rng, int(n))) for n in lengths]
+    the longest sequence). A fixed `pad_to` keeps tensor shapes, hence compiled kernels, fixed.
+    teacher_forcing=False: the paper's format (PAD inputs at the output positions)."""
+    rows = [task.encode(*task.sample(rng, int(n)), teacher_forcing=teacher_forcing) for n in lengths]
     if not rows:
         raise XLSTMKitError("lengths must not be empty")
     T = max(len(r[0]) for r in rows)
@@ -251,16 +274,18 @@ def make_batch(task: FormalTask, rng: np.random.Generator, lengths: Sequence[int
 
 
 def sample_train_batch(task: FormalTask, rng: np.random.Generator, batch_size: int,
-                       length_range: tuple[int, int] = TRAIN_LENGTHS) -> TaskBatch:
+                       length_range: tuple[int, int] = TRAIN_LENGTHS, teacher_forcing: bool = True) -> TaskBatch:
     """`batch_size` sequences with input lengths uniform in `length_range` (inclusive), padded
     to the longest possible sequence of the range (one shape for the whole training run)."""
     lo, hi = length_range
     if not 1 <= lo <= hi:
         raise XLSTMKitError(f"length_range must be (lo, hi) with 1 <= lo <= hi, got {length_range}")
-    if task.name in ("stack_manipulation", "modular_arithmetic") and lo < 2:
+    if task.name in ("stack_manipulation", "modular_arithmetic", "missing_duplicate") and lo < 2:
         raise XLSTMKitError(f"{task.name} needs input lengths >= 2, got {length_range}")
+    if task.name == "solve_equation" and hi < 5:  # the shortest equation: X op d = c
+        raise XLSTMKitError(f"solve_equation needs input lengths up to >= 5, got {length_range}")
     lengths = rng.integers(lo, hi + 1, size=batch_size)
-    return make_batch(task, rng, lengths, pad_to=task.max_seq_len(hi))
+    return make_batch(task, rng, lengths, pad_to=task.max_seq_len(hi), teacher_forcing=teacher_forcing)
 
 
 # ---------------------------------------------------------------------------------- metrics

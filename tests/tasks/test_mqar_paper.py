@@ -1,0 +1,49 @@
+"""MQAR in the paper's settings (issue 19): power-law query spacing and the settings table."""
+import numpy as np
+import pytest
+
+from xlstm_kit.errors import XLSTMKitError
+from xlstm_kit.tasks.mqar import MQAR_SETTINGS, POWER_A, check_mqar_shape, mqar_batch, powerlaw_slots
+
+
+def test_powerlaw_slots_follow_the_law():
+    rng = np.random.default_rng(0)
+    s = powerlaw_slots(rng, 20000, 50, 1)[:, 0]
+    w = np.arange(1, 51) ** (POWER_A - 1.0)
+    freq = np.bincount(s, minlength=50) / len(s)
+    np.testing.assert_allclose(freq[:3], (w / w.sum())[:3], rtol=0.05)  # the frequent early slots
+    many = powerlaw_slots(rng, 64, 50, 10)
+    assert all(len(set(r)) == 10 for r in many.tolist())  # distinct
+    with pytest.raises(XLSTMKitError):
+        powerlaw_slots(rng, 1, 5, 6)
+
+
+def test_powerlaw_batch_queries_every_key_once_near_the_pairs():
+    rng = np.random.default_rng(1)
+    T, N, V = 128, 8, 256
+    b = mqar_batch(rng, 200, T, N, V, spacing="powerlaw")
+    u = mqar_batch(rng, 200, T, N, V, spacing="uniform")
+    inp, tgt, mask = b.inputs.numpy(), b.targets.numpy(), b.mask.numpy()
+    for r in range(20):
+        keys, values = inp[r, 0:2 * N:2], inp[r, 1:2 * N:2]
+        pos = np.flatnonzero(mask[r])
+        assert len(pos) == N and all((p - 2 * N) % 2 == 0 for p in pos)  # two-token slots
+        assert sorted(inp[r, pos]) == sorted(keys)
+        lookup = dict(zip(keys, values))
+        assert [lookup[k] for k in inp[r, pos]] == list(tgt[r, pos])
+        assert (inp[r, 2 * N:][~mask[r, 2 * N:]] == 0).all()
+    # power law: queries sit much closer to the pairs than uniformly placed ones
+    mean_pos = lambda m: np.mean(np.nonzero(m)[1])  # noqa: E731
+    assert mean_pos(mask) + 20 < mean_pos(u.mask.numpy())
+    with pytest.raises(XLSTMKitError, match="spacing"):
+        mqar_batch(rng, 2, T, N, V, spacing="zipf")
+
+
+def test_settings_are_valid_shapes():
+    assert MQAR_SETTINGS["zoology"]["shapes"] == ((64, 4), (128, 8), (256, 16))
+    assert MQAR_SETTINGS["fig5"]["shapes"] == ((2048, 48), (2048, 96), (2048, 256))
+    for s in MQAR_SETTINGS.values():
+        for T, N in s["shapes"]:
+            check_mqar_shape(T, N, 8192)
+            assert T >= 4 * N  # power-law slots need T - 2N >= 2N
+        assert len(s["widths"]) >= 3

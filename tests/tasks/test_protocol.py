@@ -1,0 +1,129 @@
+"""The paper's protocol (issue 19): grid expansion, resumability, aggregation and report, CLI."""
+import json
+
+import numpy as np
+import pytest
+
+from xlstm_kit.cli import main
+from xlstm_kit.errors import XLSTMKitError
+from xlstm_kit.tasks import protocol as pr
+
+
+def test_formal_grid_expansion():
+    jobs = pr.formal_plan(["parity", "solve_equation"], ["xlstm[1:1]", "lstm-plain"], pr.PROTOCOLS["paper"])
+    assert len(jobs) == 2 * 2 * 3 * 2 and len({j.id for j in jobs}) == len(jobs)
+    assert {j.lr for j in jobs} == {1e-2, 1e-3, 1e-4} and {j.seed for j in jobs} == {0, 1}
+    for j in jobs:
+        c = j.config
+        assert c["batch_size"] == 256 and tuple(c["betas"]) == (0.9, 0.99) and c["min_lr"] == 1e-5
+        assert c["steps"] == (10_000 if j.task == "parity" else 20_000)
+        assert c["warmup_steps"] == c["steps"] // 10
+        assert c["tasks"] == "paper" and c["teacher_forcing"] is False and c["slstm"] == "paper"
+        assert c["lr"] == j.lr and c["seed"] == j.seed
+    few = pr.formal_plan(["parity"], ["lstm"], pr.PROTOCOLS["paper"], lrs=[3e-3], seeds=[0, 1, 2],
+                         overrides={"steps": 500})
+    assert [(j.lr, j.seed, j.config["steps"], j.config["warmup_steps"]) for j in few] == \
+        [(3e-3, 0, 500, 50), (3e-3, 1, 500, 50), (3e-3, 2, 500, 50)]
+    with pytest.raises(XLSTMKitError):
+        pr.formal_plan(["parity"], ["gpt"], pr.PROTOCOLS["paper"])
+
+
+def test_mqar_grid_expansion():
+    jobs = pr.mqar_plan(["xlstm[1:1]"], pr.PROTOCOLS["paper"], "fig5")
+    assert len(jobs) == 3 * 5 * 4 * 2
+    assert {j.task for j in jobs} == {"T2048-N48", "T2048-N96", "T2048-N256"}
+    assert {j.width for j in jobs} == {32, 64, 128, 256, 512}
+    np.testing.assert_allclose(sorted({j.lr for j in jobs}), np.logspace(-4, -2, 4), rtol=1e-2)
+    c = jobs[0].config
+    assert c["mqar_vocab"] == 8192 and c["mqar_spacing"] == "powerlaw" and c["steps"] == 25_000
+    assert "slstm" not in c  # MQAR keeps the language-model sLSTM blocks
+    assert {j.task for j in pr.mqar_plan(["lstm"], pr.PROTOCOLS["paper"], "zoology")} == {"T64-N4", "T128-N8", "T256-N16"}
+    with pytest.raises(XLSTMKitError, match="setting"):
+        pr.mqar_plan(["lstm"], pr.PROTOCOLS["paper"], "fig9")
+
+
+def test_finished_runs_are_skipped(tmp_path, monkeypatch):
+    jobs = pr.formal_plan(["parity"], ["lstm"], pr.PROTOCOLS["quick"])
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / f"{jobs[0].id}.json").write_text(json.dumps({"id": jobs[0].id, "scaled_accuracy": 1.0}))
+    (runs / f"{jobs[1].id}.json").write_text(json.dumps({"id": jobs[1].id, "error": "boom"}))
+    (runs / f"{jobs[2].id}.json").write_text('{"id": "cut sh')  # killed mid-write
+    ran = []
+    monkeypatch.setattr(pr, "run_job", lambda j, d, dev: ran.append(j.id) or {"id": j.id})
+    pr.run_plan(jobs, tmp_path)
+    assert sorted(ran) == sorted(j.id for j in jobs[1:])
+    assert pr.finished(jobs[0], runs) and not pr.finished(jobs[1], runs)
+
+
+def _fake(kind, task, model, width, lr, seed, score):
+    return {"id": f"{kind}{task}{model}{width}{lr}{seed}", "kind": kind, "task": task, "model": model,
+            "width": width, "lr": lr, "seed": seed, "scaled_accuracy": score}
+
+
+def test_aggregate_and_report_on_fake_results(tmp_path):
+    res = [_fake("formal", "parity", "xlstm[1:1]", 128, 1e-3, 0, 1.0), _fake("formal", "parity", "xlstm[1:1]", 128, 1e-3, 1, 0.5),
+           _fake("formal", "parity", "xlstm[1:1]", 128, 1e-2, 0, 0.9), _fake("formal", "parity", "xlstm[1:1]", 128, 1e-2, 1, 0.2),
+           _fake("formal", "reverse_string", "lstm", 128, 1e-3, 0, 0.3),
+           {**_fake("formal", "reverse_string", "lstm", 128, 1e-2, 0, 0), "error": "RuntimeError: x"},
+           _fake("mqar", "T256-N16", "transformer", 64, 1e-3, 0, 0.9), _fake("mqar", "T256-N16", "transformer", 128, 1e-3, 0, 1.0),
+           _fake("mqar", "T64-N4", "transformer", 64, 1e-3, 0, 0.95)]
+    rows = {(r["task"], r["model"], r["width"]): r for r in pr.aggregate(res)}
+    best = rows[("parity", "xlstm[1:1]", 128)]["best"]
+    assert best["lr"] == 1e-3 and best["mean"] == pytest.approx(0.75) and best["std"] == pytest.approx(0.25)
+    assert rows[("parity", "xlstm[1:1]", 128)]["per_lr"][1e-2]["mean"] == pytest.approx(0.55)
+    assert rows[("reverse_string", "lstm", 128)]["errors"] == 1
+    paths = pr.write_protocol_report(res, tmp_path, command="xlstm-kit experiment sweep --protocol paper")
+    text = paths["report"].read_text()
+    assert "0.75 ± 0.25 (lr 0.001, n=2)" in text
+    assert "| lstm | 0.17 | 0.30 |" in text  # the paper's Figure 12 value next to ours
+    assert "## MQAR T64-N4" in text and text.index("T64-N4") < text.index("T256-N16")
+    assert "| transformer | 0.90 ± 0.00 (lr 0.001, n=1) | 1.00 ± 0.00 (lr 0.001, n=1) |" in text
+    assert json.loads(paths["summary"].read_text())
+    pytest.importorskip("matplotlib")
+    assert paths["figure4"].exists() and paths["mqar"].exists()
+
+
+def test_cli_protocol_quick_smoke(tmp_path, capsys):
+    out = str(tmp_path / "ex")
+    args = ["experiment", "formal", "--task", "majority_count", "--model", "lstm-plain", "--protocol", "quick",
+            "--steps", "2", "--seeds", "0", "--eval-samples", "3", "--device", "cpu", "--out", out]
+    assert main(args) == 0
+    runs = sorted((tmp_path / "ex" / "runs").glob("*.json"))
+    assert len(runs) == 2  # 2 learning rates x 1 seed
+    r = json.loads(runs[0].read_text())
+    assert r["config"]["tasks"] == "paper" and r["config"]["teacher_forcing"] is False and r["steps_done"] == 2
+    assert r["config"]["eval_samples"] == 3 and r["config"]["betas"] == [0.9, 0.99]
+    assert "report:" in capsys.readouterr().out
+    assert main(args) == 0
+    assert "2 finished before, 0 to run" in capsys.readouterr().err
+    assert main(["experiment", "sweep", "--report-only", "--protocol", "quick", "--out", out]) == 0
+    assert main(["experiment", "formal", "--task", "parity", "--model", "lstm", "--protocol", "quick", "--lr", "1e-3",
+                 "--out", out]) == 2
+    assert main(["experiment", "mqar", "--model", "lstm-plain", "--protocol", "quick", "--lrs", "x",
+                 "--out", out]) == 2
+
+
+def test_cli_protocol_sweep_with_mqar(tmp_path, capsys):
+    out = tmp_path / "sw"
+    assert main(["experiment", "sweep", "--tasks", "parity", "--models", "lstm-plain", "--protocol", "quick",
+                 "--steps", "2", "--seeds", "0", "--lrs", "1e-3", "--widths", "16", "--setting", "zoology",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    ids = sorted(p.stem for p in (out / "runs").glob("*.json"))
+    assert ids == ["formal__parity__lstm-plain__d32__lr0.001__s0", "mqar__T64-N4__lstm-plain__d16__lr0.001__s0"]
+    mq = json.loads((out / "runs" / f"{ids[1]}.json").read_text())
+    assert mq["config"]["mqar_spacing"] == "powerlaw" and mq["config"]["mqar_train_mix"] is False
+    text = (out / "report.md").read_text()
+    assert "## MQAR T64-N4" in text and "| model | width | parity |" in text and "Produced by:" in text
+
+
+def test_workers_per_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert pr.plan_devices("cuda") == ["cuda:0", "cuda:1", "cuda:2"]
+    assert pr.worker_devices("cuda", 2) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1", "cuda:2", "cuda:2"]
+    assert pr.plan_devices("cuda:1") == ["cuda:1"] and pr.plan_devices("cpu") == ["cpu"]
+    with pytest.raises(XLSTMKitError, match="jobs_per_device"):
+        pr.run_plan([], "unused", jobs_per_device=0)
