@@ -28,8 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import XLSTMKitError
-from .formal import (CYCLE, MOD, FormalTask, _one, _sample_modular, _sample_stack, _uniform, bucket_sort_label,
-                     cycle_navigation_label, even_pairs_label, parity_label, reverse_string_label)
+from .formal import MOD, TASKS, FormalTask, _one, _uniform, bucket_sort_label, reverse_string_label
 
 PAPER_SYMBOLS = {"majority": 64, "majority_count": 64, "reverse_string": 10, "bucket_sort": 10,
                  "missing_duplicate": 10}
@@ -175,20 +174,17 @@ def _uniform_majority(k: int):
 
 
 PAPER_TASKS: dict[str, FormalTask] = {
-    t.name: t
-    for t in (
-        FormalTask("parity", 2, 2, _uniform(2, parity_label), _one),
-        FormalTask("even_pairs", 2, 2, _uniform(2, even_pairs_label), _one),
-        FormalTask("cycle_navigation", 3, CYCLE, _uniform(3, cycle_navigation_label), _one),
-        FormalTask("modular_arithmetic", MOD + 3, MOD, _sample_modular, _one),
+    # the first tasks as defined already; the others with the paper's vocabularies, or new
+    **{name: TASKS[name] for name in ("parity", "even_pairs", "cycle_navigation", "modular_arithmetic")},
+    **{t.name: t for t in (
         FormalTask("reverse_string", 10, 10, _uniform(10, reverse_string_label), lambda n: n),
-        FormalTask("stack_manipulation", 5, 3, _sample_stack, lambda n: n + 1),
+        TASKS["stack_manipulation"],
         FormalTask("bucket_sort", 10, 10, _uniform(10, bucket_sort_label), lambda n: n),
         FormalTask("majority", 64, 64, _uniform_majority(64), _one),
         FormalTask("majority_count", 64, 64, _uniform(64, majority_count_label), _one),
         FormalTask("missing_duplicate", DUP_SYMBOLS + 1, DUP_SYMBOLS, _sample_missing_duplicate, _one),
         FormalTask("modular_arithmetic_brackets", MOD + 5, MOD, _sample_brackets, _one),
         FormalTask("solve_equation", MOD + 7, MOD, _sample_equation, _one),
-    )
+    )},
 }
 """The twelve Figure 4 tasks with the paper's vocabularies."""
