@@ -22,25 +22,9 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_e2e import child_env, run_child  # noqa: E402
+from train_e2e import child_env, event_ms, run_child  # noqa: E402
 
 JOBS = ("fit", "prefill", "prefill_official")
-
-
-def _timed(fn, n: int) -> list[float]:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ms.append(s.elapsed_time(e))
-    return ms
 
 
 def child(job: str) -> dict:
@@ -80,7 +64,7 @@ def child(job: str) -> dict:
             return loss
 
         torch.cuda.reset_peak_memory_stats(dev)
-        ms = _timed(step, 3)
+        ms = event_ms(step, 3)
         row.update(batch=1, seq=2048, step_ms=statistics.median(ms),
                    peak_gib=torch.cuda.max_memory_allocated(dev) / 2**30,
                    total_gib=torch.cuda.get_device_properties(dev).total_memory / 2**30)
@@ -89,9 +73,9 @@ def child(job: str) -> dict:
     tokens = torch.randint(0, 50304, (8, 2048), device=dev, generator=g)
     with torch.no_grad():
         if job == "prefill":
-            ms = _timed(lambda: model(tokens, return_state=True), 3)
+            ms = event_ms(lambda: model(tokens, return_state=True), 3)
         else:
-            ms = _timed(lambda: model(tokens), 3)
+            ms = event_ms(lambda: model(tokens), 3)
     row.update(batch=8, seq=2048, prefill_ms=statistics.median(ms), tok_s=8 * 2048 / statistics.median(ms) * 1e3,
                peak_gib=torch.cuda.max_memory_allocated(dev) / 2**30)
     return row

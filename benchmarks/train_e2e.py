@@ -558,6 +558,30 @@ def install_wheels(wheel_dir: str, log) -> tuple[str | None, str]:
                                           for w in wheels)
 
 
+def event_ms(fn, reps: int, warmup: int = 1, cuda: bool | None = None) -> list[float]:
+    """ms of each of `reps` calls of fn() after `warmup` calls: CUDA events for GPU work (cuda
+    None: when a GPU is there), else the wall clock."""
+    import torch
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
 def child_env(wheel_dir: str | None) -> dict:
     """os.environ for the children, with DIR/*.whl installed on their PYTHONPATH (the note on stderr)."""
     env = dict(os.environ)

@@ -18,12 +18,15 @@ import argparse
 import importlib.util
 import os
 import statistics
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from xlstm_kit.ops import dplr_chunkwise, mlstm_chunkwise
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_e2e import event_ms  # noqa: E402
 
 
 def lengths(n: int, total: int, lo: int, hi: int) -> list[int]:
@@ -52,22 +55,7 @@ def timed(fn, xs, reps: int, device) -> float:
     def once():
         out = fn(*xs)[0]
         out.backward(torch.ones_like(out))
-    for _ in range(2):
-        once()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            once()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            once()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return statistics.median(event_ms(once, reps, warmup=2, cuda=device.type == "cuda"))
 
 
 def main() -> None:

@@ -18,6 +18,21 @@ def _inputs(B=1, T=20, H=2, K=16, V=16, grad=True):
     return [x.to(DEV).requires_grad_(grad) for x in xs], [s.to(DEV).requires_grad_(grad) for s in st]
 
 
+def _assert_compiled_equals_eager(fn, inputs):
+    """fn(*inputs) -> (loss, h) under torch.compile(fullgraph) equals eager (h and every input
+    gradient), with the mLSTM custom op one node of the graph."""
+    graph_ops = []
+    compiled = torch.compile(fn, backend=_recording_backend(graph_ops), fullgraph=True)
+    results = []
+    for f in (fn, compiled):
+        ins = [x.detach().requires_grad_(True) for x in inputs]
+        loss, h = f(*ins)
+        results.append([h] + list(torch.autograd.grad(loss, ins)))
+    for j, (a, b) in enumerate(zip(*results)):
+        assert rel_err(a, b) < 1e-6, j
+    assert "xlstm_kit.mlstm_chunkwise_fwd.default" in graph_ops, graph_ops
+
+
 def test_chunkwise_fwd_op_passes_opcheck():
     """Schema, fake (meta) implementation, autograd registration and AOT dispatch of
     xlstm_kit::mlstm_chunkwise_fwd, with and without an initial state."""
@@ -46,16 +61,7 @@ def test_compile_fullgraph_matches_eager():
         return (h * h).sum() + (C1 * C1).sum() + n1.sum() + m1.sum(), h
 
     xs, st = _inputs()
-    graph_ops = []
-    compiled = torch.compile(fn, backend=_recording_backend(graph_ops), fullgraph=True)
-    results = []
-    for f in (fn, compiled):
-        ins = [x.detach().requires_grad_(True) for x in xs + st]
-        loss, h = f(*ins)
-        results.append([h] + list(torch.autograd.grad(loss, ins)))
-    for j, (a, b) in enumerate(zip(*results)):
-        assert rel_err(a, b) < 1e-6, j
-    assert "xlstm_kit.mlstm_chunkwise_fwd.default" in graph_ops, graph_ops
+    _assert_compiled_equals_eager(fn, xs + st)
 
 
 def _recording_backend(graph_ops):
@@ -175,13 +181,4 @@ def test_packed_sequences_opcheck_and_compile():
                                                  chunk_size=16, cu_seqlens=cu)
         return (h * h).sum() + (C1 * C1).sum() + n1.sum() + m1.sum(), h
 
-    graph_ops = []
-    compiled = torch.compile(fn, backend=_recording_backend(graph_ops), fullgraph=True)
-    results = []
-    for f in (fn, compiled):
-        ins = [x.detach().requires_grad_(True) for x in xs + st]
-        loss, h = f(*ins)
-        results.append([h] + list(torch.autograd.grad(loss, ins)))
-    for j, (a, b) in enumerate(zip(*results)):
-        assert rel_err(a, b) < 1e-6, j
-    assert "xlstm_kit.mlstm_chunkwise_fwd.default" in graph_ops, graph_ops
+    _assert_compiled_equals_eager(fn, xs + st)
