@@ -71,6 +71,58 @@ def test_batched_mixed_lengths_equal_one_by_one(family, chunk_size):
         assert torch.equal(logits[p.numel() - 1:-1].argmax(-1), out[p.numel():])
 
 
+def test_mixed_lengths_are_read_in_one_packed_call(monkeypatch):
+    """One forward over the prompts packed with cu_seqlens, keeping only each prompt's last
+    logits; a model without packed input (plain forward/step) gets the same tokens per length."""
+    import functools
+
+    from xlstm_kit.generate import generate
+
+    model = tiny_model()
+    rows = prompts()
+    want = model.generate(rows, max_new_tokens=6, temperature=0)
+    calls = []
+    original = XLSTMLanguageModel.forward
+
+    @functools.wraps(original)
+    def spy(self, tokens, *args, **kwargs):
+        out = original(self, tokens, *args, **kwargs)
+        calls.append((list(tokens.shape), kwargs.get("cu_seqlens") is not None, list(out[0].shape)))
+        return out
+
+    monkeypatch.setattr(XLSTMLanguageModel, "forward", spy)
+    got = model.generate(rows, max_new_tokens=6, temperature=0)
+    assert calls == [([1, sum(LENGTHS)], True, [1, len(rows), VOCAB])]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    monkeypatch.setattr(XLSTMLanguageModel, "forward", original)
+
+    class Plain(torch.nn.Module):  # forward(tokens, state, return_state) only
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, tokens, state=None, return_state=False):
+            return self.inner(tokens, state, return_state)
+
+        def step(self, tokens, state):
+            return self.inner.step(tokens, state)
+
+    plain = generate(Plain(model), rows, 6, temperature=0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, want))
+
+
+def test_logits_to_keep_selects_positions():
+    model = tiny_model("large")
+    tokens = torch.randint(0, VOCAB, (2, 9))
+    full = model(tokens)
+    same = lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731 - BLAS blocking
+    assert same(model(tokens, logits_to_keep=1), full[:, -1:])
+    assert same(model(tokens, logits_to_keep=3), full[:, -3:])
+    at = torch.tensor([0, 4, 8])
+    logits, state = model(tokens, return_state=True, logits_to_keep=at)
+    assert same(logits, full[:, at]) and len(state) == len(model.blocks)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["neurips", "large"])
@@ -78,11 +130,12 @@ def test_batched_mixed_lengths_equal_one_by_one_on_cuda(family):
     """Triton prefill, CUDA-graph decode, the end-token check every few tokens on the device."""
     model = tiny_model(family, chunk_size=16).cuda()
     rows = [p.cuda() for p in prompts()]
-    batch = model.generate(rows, max_new_tokens=20, temperature=0)
+    # cuda_graph=True: a step that fails to record raises instead of falling back in silence
+    batch = model.generate(rows, max_new_tokens=20, temperature=0, cuda_graph=True)
     alone = [model.generate(p, max_new_tokens=20, temperature=0, cuda_graph=False) for p in rows]
     assert all(torch.equal(a, b) for a, b in zip(batch, alone))
     eos = int(alone[0][rows[0].numel() + 4])  # row 0 ends after 5 tokens
-    ended = model.generate(rows, max_new_tokens=20, temperature=0, eos_token_id=eos)
+    ended = model.generate(rows, max_new_tokens=20, temperature=0, eos_token_id=eos, cuda_graph=True)
     for p, a, e in zip(rows, alone, ended):
         new = a[p.numel():].tolist()
         k = new.index(eos) + 1 if eos in new else len(new)

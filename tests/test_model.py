@@ -297,6 +297,29 @@ def test_model_step_equals_checked_step():
         model.step(torch.tensor([0, 40]), state)
 
 
+@pytest.mark.parametrize("family", ["neurips", "large"])
+def test_in_place_step_equals_step_and_reuses_the_mlstm_state(family):
+    """_step(inplace=True), what a CUDA graph replays: the same logits and state as step(), the
+    mLSTM blocks' C written into the given tensors (the sLSTM and DPLR blocks' states anew)."""
+    if family == "neurips":
+        model = XLSTMLanguageModel(small_config(d_model=64, n_heads=4, dplr_at=[2])).double()
+    else:
+        model = XLSTMLanguageModel(XLSTMConfig(family="large", vocab_size=40, d_model=64, n_blocks=2,
+                                               n_heads=2)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    _, state = model(torch.randint(0, 40, (2, 6)), return_state=True)
+    tok = torch.randint(0, 40, (2,))
+    a, sa = model.step(tok, state)
+    mine = [type(s)(*(t.clone() for t in s)) for s in state]
+    b, sb = model._step(tok, mine, inplace=True)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for u, v in zip(sa, sb) for x, y in zip(u, v))
+    kinds = [type(s).__name__ for s in mine]
+    reused = [s.C is n.C for s, n, k in zip(mine, sb, kinds) if k == "MLSTMState"]
+    assert reused and all(reused)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -4,9 +4,9 @@
 state, then produces tokens one at a time with `model.step`. Only the state and the produced ids
 are kept, so memory does not depend on how many tokens are generated.
 
-Prompts of different lengths (a list of 1-D tensors) are read one length at a time (prompts of
-equal length together), so no padding token ever enters a state; their states are stacked into
-one batch state and decoded together. A row that finished (end token, stop string) is decoded
+Prompts of different lengths (a list of 1-D tensors) are read in one packed call (`cu_seqlens`:
+each prompt as if alone, one state row each; models without packed input: one call per
+length), so no padding token ever enters a state; the rows are then decoded together. A row that finished (end token, stop string) is decoded
 along with the others but its tokens are ignored: the batch keeps its shape, which a CUDA graph
 needs.
 
@@ -23,6 +23,7 @@ and decodes eagerly.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -138,24 +139,45 @@ def _prompt_rows(model, prompt, vocab) -> list[torch.Tensor]:
 def _prefill(model, rows: list[torch.Tensor]):
     """Read every prompt: (logits of each prompt's last position [B, V], batch state).
 
-    Prompts of one length run as one batch; the states of the groups are stacked along the
-    batch axis (every state field has the batch first) and put back in the prompts' order.
+    Prompts of one length run as one batch. Prompts of different lengths run as one packed
+    call (`cu_seqlens`: each read as if alone, one state row each, no padding token in any
+    state) where the model takes packed documents, else as one batch per length with the
+    states put back in the prompts' order. Only the last positions go through the head.
     """
+    lengths = [r.numel() for r in rows]
+    params = _forward_params(model)
+    last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    if len(set(lengths)) == 1:
+        out, state = model(torch.stack([r.long() for r in rows]), return_state=True, **last)
+        return out[:, -1], state
+    if {"cu_seqlens", "logits_to_keep"} <= params:
+        device = rows[0].device
+        cu = torch.tensor([0] + lengths, device=device).cumsum(0)
+        out, state = model(torch.cat([r.long() for r in rows])[None], return_state=True, cu_seqlens=cu,
+                           logits_to_keep=cu[1:] - 1)
+        return out[0], state
     groups: dict[int, list[int]] = {}
-    for b, r in enumerate(rows):
-        groups.setdefault(r.numel(), []).append(b)
+    for b, n in enumerate(lengths):
+        groups.setdefault(n, []).append(b)
     logits, states, order = [], [], []
     for idx in groups.values():
-        out, state = model(torch.stack([rows[b].long() for b in idx]), return_state=True)
+        out, state = model(torch.stack([rows[b].long() for b in idx]), return_state=True, **last)
         logits.append(out[:, -1])
         states.append(state)
         order += idx
-    if len(groups) == 1:
-        return logits[0], states[0]
     back = torch.argsort(torch.tensor(order, device=logits[0].device))
     state = [type(parts[0])(*(torch.cat(fields).index_select(0, back) for fields in zip(*parts)))
              for parts in zip(*states)]
     return torch.cat(logits).index_select(0, back), state
+
+
+def _forward_params(model) -> set[str]:
+    """The keyword names of model.forward: xlstm_kit's models read packed prompts (`cu_seqlens`)
+    and keep only the logits asked for (`logits_to_keep`); another model may not."""
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def _decode_in_eval(model, rows, o, texts):
@@ -318,7 +340,8 @@ class GraphedStep:
     """`model._step` recorded once as a CUDA graph and replayed per token.
 
     The graph reads the token and the state from fixed buffers and writes the new state back into
-    them, so a replay is one launch whatever the number of blocks. Call it like model.step:
+    them (the mLSTM's C in place: no copy of the largest state), so a replay is one launch
+    whatever the number of blocks. Call it like model.step:
     (tokens [B], state) -> (logits [B, vocab], state); the state it returns is its own buffers
     (valid until the next call), and a state it did not return is first copied in.
     """
@@ -332,18 +355,19 @@ class GraphedStep:
         side.wait_stream(torch.cuda.current_stream(tokens.device))
         with torch.cuda.stream(side):  # warm-up (compiles kernels, lazy allocations) off the capture
             for _ in range(2):
-                model._step(self._tokens, self._state)
+                model._step(self._tokens, self._state, inplace=True)
         torch.cuda.current_stream(tokens.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self._logits, new = model._step(self._tokens, self._state)
+            self._logits, new = model._step(self._tokens, self._state, inplace=True)
             self._load(new)  # recorded: each replay writes the new state into the buffers
         self._load(state)  # the warm-up moved the buffers on
 
     def _load(self, state) -> None:
         for old_s, new_s in zip(self._state, state):
             for o, n in zip(old_s, new_s):
-                o.copy_(n)
+                if o is not n:  # a tensor the step updated in place is its own new value
+                    o.copy_(n)
 
     def __call__(self, tokens: torch.Tensor, state):
         if state is not self._state:
@@ -357,7 +381,8 @@ _warned = False
 
 
 def _pick_stepper(model, tokens: torch.Tensor, state, cuda_graph: bool | None, n_new: int):
-    """model.step, or a GraphedStep when cuda_graph asks for it (None: on CUDA, if it records)."""
+    """model.step, or a GraphedStep when cuda_graph asks for it (None: on CUDA, if it records).
+    tokens: [B], a stand-in for the ids the step will take."""
     global _warned
     if cuda_graph is False or (cuda_graph is None and (not tokens.is_cuda or n_new < 3)):
         return model.step
@@ -368,7 +393,7 @@ def _pick_stepper(model, tokens: torch.Tensor, state, cuda_graph: bool | None, n
     if cuda_graph and not tokens.is_cuda:
         raise XLSTMKitError(f"cuda_graph=True needs a model on a CUDA device, got tokens on {tokens.device}")
     try:
-        return GraphedStep(model, tokens[:, -1], state)
+        return GraphedStep(model, tokens, state)
     except Exception as e:  # a step that cannot be recorded still decodes, just slower
         if cuda_graph:
             raise

@@ -485,8 +485,14 @@ class XLSTMLanguageModel(nn.Module):
         norms become a few fused kernels instead of dozens of small ones, and on CUDA `generate`
         records those in its CUDA graph. Blocks of one type share one compiled graph (their
         parameters are its inputs). A new batch size compiles again, once. `options` go to
-        torch.compile over the defaults fullgraph=True, dynamic=False (e.g. backend="aot_eager")."""
+        torch.compile over the defaults fullgraph=True, dynamic=False (e.g. backend="aot_eager")
+        and, for the default backend without a `mode`, Inductor's coordinate-descent tuning: it
+        turns a one-token matrix product into a reduction fused with its neighbours and tunes
+        it to the memory bandwidth (on an H200: up to 3.6 TB/s, where cuBLAS's one-row kernels
+        reached 1-2.6; benchmarks/results/2026-12-02-h200-generate.md)."""
         opts = {"fullgraph": True, "dynamic": False, **options}
+        if opts.get("backend", "inductor") == "inductor" and "mode" not in opts:
+            opts["options"] = {"coordinate_descent_tuning": True, **opts.get("options", {})}
         self._compiled_step = (tuple(torch.compile(block.step, **opts) for block in self.blocks),
                                torch.compile(self._head, **opts))
 
@@ -546,9 +552,14 @@ class XLSTMLanguageModel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, state: ModelState | None = None, return_state: bool = False,
-                *, cu_seqlens: torch.Tensor | None = None):
+                *, cu_seqlens: torch.Tensor | None = None, logits_to_keep: "int | torch.Tensor" = 0):
         """tokens [B, T] (T >= 1) -> logits [B, T, vocab] (float in the parameters' dtype),
         or (logits, state) with return_state=True. `state` continues from an earlier call.
+
+        logits_to_keep (as in transformers): 0 = every position; an int n > 0 = the last n
+        positions (logits [B, n, vocab]); a 1-D tensor of positions = those (logits
+        [B, len, vocab]). A prefill needs one position per prompt, and the head's output over
+        a long prompt would be the largest tensor of the call (T x vocab).
 
         cu_seqlens: None, or int32/int64 [N+1] (0 = cu[0] < ... < cu[N] = T) with tokens [1, T]:
         N documents packed in one row, each read as if alone (every block's state, the causal
@@ -585,6 +596,10 @@ class XLSTMLanguageModel(nn.Module):
                 new_state.append(s)
             else:
                 x = out
+        if isinstance(logits_to_keep, torch.Tensor):
+            x = x.index_select(1, logits_to_keep.to(x.device))
+        elif logits_to_keep:
+            x = x[:, -logits_to_keep:]
         logits = head(x)
         return (logits, new_state) if return_state else logits
 
@@ -596,13 +611,14 @@ class XLSTMLanguageModel(nn.Module):
         self._check_state(state, B)
         return self._step(tokens, state)
 
-    def _step(self, tokens: torch.Tensor, state: ModelState):
-        """step() without the input checks: no host-device sync, so a CUDA graph can capture it."""
+    def _step(self, tokens: torch.Tensor, state: ModelState, inplace: bool = False):
+        """step() without the input checks: no host-device sync, so a CUDA graph can capture it.
+        inplace: the caller gives `state` up; the blocks may update its large tensors in place."""
         x = self.embedding(tokens if tokens.dtype in (torch.int32, torch.int64) else tokens.long())
         steps, head = self._compiled_step or ([b.step for b in self.blocks], self._head)
         new_state = []
         for block_step, s in zip(steps, state):
-            x, s = block_step(x, s)
+            x, s = block_step(x, s, inplace=inplace)
             new_state.append(s)
         return head(x), new_state
 

@@ -140,6 +140,21 @@ def test_split_in_two_with_state_equals_whole(op):
         assert rel_err(a, b) < TIGHT
 
 
+def test_step_in_place_writes_the_given_c():
+    args = [x.detach() for x in make_inputs(T=1)]
+    xs = [x[:, 0] for x in args]
+    state = tuple(s.detach() for s in make_state())
+    h, new = mlstm_step(*xs, state)
+    mine = tuple(s.clone() for s in state)
+    h2, new2 = mlstm_step(*xs, mine, inplace=True)
+    assert new2[0] is mine[0] and torch.equal(mine[0], new[0])
+    assert torch.equal(h2, h) and all(torch.equal(a, b) for a, b in zip(new2, new))
+    with pytest.raises(ValueError, match="contiguous"):
+        mlstm_step(*xs, (state[0].transpose(-1, -2).contiguous().transpose(-1, -2), *state[1:]), inplace=True)
+    with pytest.raises(ValueError, match="no state"):
+        mlstm_step(*xs, None, inplace=True)
+
+
 def test_step_loop_equals_chunkwise():
     args = [x.detach() for x in make_inputs(T=25)]
     state = tuple(s.detach() for s in make_state())
@@ -327,6 +342,20 @@ def test_triton_backend_unavailable_without_kernel(monkeypatch):
         mlstm_chunkwise(*args, backend="cuda")
     h, _ = mlstm_chunkwise(*args, backend="torch")
     assert torch.isfinite(h).all()
+
+
+def test_triton_refuses_heads_narrower_than_a_dot_tile(monkeypatch):
+    # head dim 8 (make_inputs' default) is below tl.dot's 16: a forced Triton call says so
+    # before compiling, and the automatic choice (a tiny model on CUDA) takes the torch path
+    pytest.importorskip("triton")
+    from xlstm_kit.ops.mlstm.triton.op import supports
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v, i, f = [x.detach().float() for x in make_inputs(T=3)]
+    with pytest.raises(BackendUnavailableError, match="K, V >= 16, got K=8"):
+        mlstm_chunkwise(q, k, v, i, f, backend="triton")
+    assert supports("mlstm_chunkwise", dtype=torch.bfloat16, head_dims=(16, 8)) is not None
+    assert supports("mlstm_chunkwise", dtype=torch.bfloat16, head_dims=(16, 16)) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -293,6 +293,23 @@ def test_step_matches_reference(with_state):
         assert rel_err(a.cpu(), b) < 1e-5
 
 
+@pytest.mark.parametrize("block_v", [16, 0])
+def test_step_in_place_equals_a_new_state(block_v):
+    """inplace=True writes C' into the given C (V-tiles of 16 and the shape's own choice) and
+    gives the same h, C', n', m' as a new state; the given n and m are not touched."""
+    B, H, K, V = 2, 3, 24, 40
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, H, d, generator=g).to(DEV) for d in (K, K, V))
+    i, f = (torch.randn(B, H, generator=g).mul(3).to(DEV) for _ in range(2))
+    st = tuple(torch.randn(*s, generator=g).to(DEV) for s in ((B, H, K, V), (B, H, K), (B, H)))
+    h, new = mlstm_step_triton(q, k, v, i, f, st, block_v=block_v)
+    mine = tuple(s.clone() for s in st)
+    h2, new2 = mlstm_step_triton(q, k, v, i, f, mine, block_v=block_v, inplace=True)
+    assert new2[0] is mine[0]
+    assert torch.equal(h2, h) and all(torch.equal(a, b) for a, b in zip(new2, new))
+    assert torch.equal(mine[1], st[1]) and torch.equal(mine[2], st[2])
+
+
 def test_step_continues_chunkwise():
     """Prefill with the chunkwise kernel, then decode steps: same as one long recurrence."""
     xs, st, rxs, rst = make_inputs(1, 21, 2, 16, 16)

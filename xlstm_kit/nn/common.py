@@ -204,6 +204,14 @@ class HeadwiseLinear(nn.Module):
         folded = torch.einsum("rho,hoi->rhi", w.reshape(R, self.n_heads, d), self.weight.to(w.dtype))
         return folded.reshape(R, self.features)
 
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        """forward for one token x [B, C]: products and a sum over each head's inputs, which
+        torch.compile fuses with their neighbours (a batched matmul of 4 x 4 blocks would be a
+        launch of its own)."""
+        B = x.shape[0]
+        y = (x.view(B, self.n_heads, 1, -1) * self.weight.to(x.dtype)).sum(-1).view(B, self.features)
+        return y if self.bias is None else y + self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = _HeadwiseLinearFn.apply(x.reshape(-1, self.features).contiguous(), self.weight.to(x.dtype), self.pack)
@@ -276,6 +284,6 @@ class PreNormResidual(nn.Module):
         y, state = self.layer(self._normed(x), state, return_state=True, **kw)
         return x + y, state
 
-    def step(self, x: torch.Tensor, state):
-        y, state = self.layer.step(self.norm(x), state)
+    def step(self, x: torch.Tensor, state, inplace: bool = False):
+        y, state = self.layer.step(self.norm(x), state, inplace=inplace)
         return x + y, state

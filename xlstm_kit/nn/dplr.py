@@ -127,8 +127,9 @@ class DPLRLayer(nn.Module):
         y = self._out(x, h)
         return (y, DPLRState(conv_state, S)) if return_state else y
 
-    def step(self, x: torch.Tensor, state: DPLRState):
-        """One token: x [B, d_model] -> (y [B, d_model], new_state)."""
+    def step(self, x: torch.Tensor, state: DPLRState, inplace: bool = False):
+        """One token: x [B, d_model] -> (y [B, d_model], new_state). inplace (the caller gives the
+        old state up) is accepted for a common block interface; S is written anew."""
         qkv, conv_state = self.conv.step(self.qkv_proj(x), state.conv)
         q, k, v, beta, g = self._mix_inputs(x, qkv)
         # the KDA substitution, formed in compute precision as kda_chunkwise does

@@ -24,7 +24,7 @@ from torch import nn
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
 from .common import small_init_, state_dtype, wang_init_
-from .fused import head_norm
+from .fused import _head_norm_fwd_torch, head_norm
 from .mlstm import MLSTMState
 
 
@@ -77,6 +77,12 @@ class MultiHeadLayerNorm(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         y = head_norm(h, self.weight, self.eps, self.backend).flatten(-2)
+        return y if self.bias is None else y + self.bias
+
+    def step(self, h: torch.Tensor) -> torch.Tensor:
+        """forward for one token h [B, H, D] in PyTorch ops, which torch.compile fuses with the
+        gating around them (forward's Triton kernel would be a launch of its own)."""
+        y = _head_norm_fwd_torch(h, self.weight, self.eps)[0].flatten(-2)
         return y if self.bias is None else y + self.bias
 
 
@@ -134,15 +140,21 @@ class LargeMLSTMLayer(nn.Module):
         z = lambda *shape: torch.zeros(batch, *shape, device=device, dtype=dtype)  # noqa: E731
         return MLSTMState(conv=z(0, 0), C=z(H, K, V), n=z(H, K), m=z(H))
 
-    def _inputs(self, x: torch.Tensor):
+    def _inputs(self, x: torch.Tensor, one_matmul: bool = True):
         """x [..., d_model] -> q, k [..., qk_dim], v, o [..., v_dim], i, f [..., H] (float32,
-        soft-capped) from one matmul."""
+        soft-capped). one_matmul: one matmul over the concatenated weights (many tokens: one
+        large GEMM); else one per map (a decode step: concatenating would copy every weight
+        each token, tripling the step's memory traffic)."""
         maps = (self.q, self.k, self.v, self.ogate_preact, self.igate_preact, self.fgate_preact)
-        w = torch.cat([m.weight for m in maps])
-        b = None
-        if self.q.bias is not None:
-            b = torch.cat([m.bias for m in maps[:4]] + [self.q.bias.new_zeros(2 * self.n_heads)])
-        q, k, v, o, g = F.linear(x, w, b).split(self._splits, dim=-1)
+        if one_matmul:
+            w = torch.cat([m.weight for m in maps])
+            b = None
+            if self.q.bias is not None:
+                b = torch.cat([m.bias for m in maps[:4]] + [self.q.bias.new_zeros(2 * self.n_heads)])
+            q, k, v, o, g = F.linear(x, w, b).split(self._splits, dim=-1)
+        else:
+            q, k, v, o = (m(x) for m in maps[:4])
+            g = F.linear(x, torch.cat([self.igate_preact.weight, self.fgate_preact.weight]))
         # the gates in float32: the op computes them in float32 anyway, and bf16 pre-activations
         # would put rounding errors of ~0.1 into exponents
         gb = torch.cat([self.igate_preact.bias, self.fgate_preact.bias])
@@ -172,14 +184,16 @@ class LargeMLSTMLayer(nn.Module):
         conv = cell[0].new_zeros(cell[0].shape[0], 0, 0) if state is None else state.conv
         return y, MLSTMState(conv, *cell)
 
-    def step(self, x: torch.Tensor, state: MLSTMState):
-        """One token: x [B, d_model] -> (y [B, d_model], new_state)."""
+    def step(self, x: torch.Tensor, state: MLSTMState, inplace: bool = False):
+        """One token: x [B, d_model] -> (y [B, d_model], new_state). inplace: the caller gives the
+        old state up (a decode loop): its C is updated in place."""
         B = x.shape[0]
         H = self.n_heads
-        q, k, v, o, i, f = self._inputs(x)
+        q, k, v, o, i, f = self._inputs(x, one_matmul=False)
         h, cell = mlstm_step(q.view(B, H, -1), k.view(B, H, -1), v.view(B, H, -1), i, f,
-                             (state.C, state.n, state.m), eps=self.eps)  # h [B, H, Dv]
-        return self._output(h, o), MLSTMState(state.conv, *cell)
+                             (state.C, state.n, state.m), eps=self.eps, inplace=inplace)  # h [B, H, Dv]
+        y = self.out_proj(torch.sigmoid(o) * self.multihead_norm.step(h).to(o.dtype))
+        return y, MLSTMState(state.conv, *cell)
 
 
 class SwiGLU(nn.Module):
@@ -202,6 +216,11 @@ class SwiGLU(nn.Module):
         for lin in (self.proj_up_gate, self.proj_up, self.proj_down):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        """forward for one token x [B, d_model]: two matrix-vector products read each weight once,
+        where forward's concatenation would copy both every token."""
+        return self.proj_down(F.silu(self.proj_up_gate(x)) * self.proj_up(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = torch.cat([self.proj_up_gate.weight, self.proj_up.weight])
@@ -246,7 +265,7 @@ class LargeBlock(nn.Module):
         x = x + self.ffn(self.norm_ffn(x))
         return (x, state) if return_state else x
 
-    def step(self, x: torch.Tensor, state: MLSTMState):
-        y, state = self.mlstm_layer.step(self.norm_mlstm(x), state)
+    def step(self, x: torch.Tensor, state: MLSTMState, inplace: bool = False):
+        y, state = self.mlstm_layer.step(self.norm_mlstm(x), state, inplace=inplace)
         x = x + y
-        return x + self.ffn(self.norm_ffn(x)), state
+        return x + self.ffn.step(self.norm_ffn(x)), state

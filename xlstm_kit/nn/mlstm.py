@@ -18,7 +18,7 @@ from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 from .common import (PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, _packed_blocks, _packed_bmm,
                      headwise_weight_grad, small_init_, state_dtype, wang_init_)
 from .fused import (activation_dtype, conv_inputs, conv_recompute, conv_silu, conv_state, conv_state_varlen,
-                    doc_positions, mlstm_output, norm_up)
+                    doc_positions, mlstm_output, norm_up, _tail_fwd_torch)
 
 
 class _ConvReadersFn(torch.autograd.Function):
@@ -217,19 +217,31 @@ class MLSTMLayer(nn.Module):
                     else conv_state_varlen(x_m, cu_seqlens, self.conv.kernel_size)).to(state_dtype(x_m.dtype))
         return y, MLSTMState(new_conv, *cell_state)
 
-    def step(self, x: torch.Tensor, state: MLSTMState):
-        """One token: x [B, d_model] -> (y [B, d_model], new_state)."""
+    def step(self, x: torch.Tensor, state: MLSTMState, inplace: bool = False):
+        """One token: x [B, d_model] -> (y [B, d_model], new_state). inplace: the caller gives the
+        old state up (a decode loop): its C is updated in place.
+
+        Plain PyTorch ops around the recurrent step, not forward's fused training kernels: with
+        one token those are launches of a few microseconds each that torch.compile cannot see
+        into, where these fuse (model.compile_step) into a few kernels per block."""
         B = x.shape[0]
         H, D = self.n_heads, self.head_dim
         x_m, z = self._up(x.to(activation_dtype(x)))  # [B, inner] each
-        conv = conv_inputs(x_m[:, None], state.conv, self.conv.weight, self.conv.bias, self.backend)
-        x_conv = conv_silu(x_m[:, None], state.conv, self.conv.weight, self.conv.bias, backend=self.backend)[:, 0]
-        new_conv = conv_state(x_m[:, None], state.conv, self.conv.kernel_size).to(state.conv.dtype)
-        q, k, v, i, f = self._qkv_gates(x_m, x_conv, conv)
+        conv, new_conv = self.conv.step(x_m, state.conv)
+        x_conv = F.silu(conv)
+        q, k, v = self.q_proj.step(x_conv), self.k_proj.step(x_conv), self.v_proj.step(x_m)
+        dtype = x_m.dtype
+        w = torch.cat([self.igate.weight, self.fgate.weight]).to(dtype)
+        b = torch.cat([self.igate.bias, self.fgate.bias]).to(dtype)
+        # bias added apart: torch.compile turns a one-row matmul into a fused reduction, but
+        # hands a matmul with bias (addmm) to cuBLAS as two launches
+        i, f = (F.linear(torch.cat([q, k, v], dim=-1), w) + b).chunk(2, dim=-1)
         h, cell_state = mlstm_step(
-            q.view(B, H, D), k.view(B, H, D), v.view(B, H, D), i, f, (state.C, state.n, state.m)
+            q.view(B, H, D), k.view(B, H, D), v.view(B, H, D), i, f, (state.C, state.n, state.m), inplace=inplace,
         )  # h [B, H, D]
-        return self._output(h, x_conv, z, conv), MLSTMState(new_conv, *cell_state)
+        u = _tail_fwd_torch(h, x_conv, z, self.out_norm.weight, self.skip, self.out_norm.eps)[0]
+        y = self.down_proj(u)
+        return self.dropout(y) if self.dropout.p > 0 else y, MLSTMState(new_conv, *cell_state)
 
 
 class MLSTMBlock(PreNormResidual):

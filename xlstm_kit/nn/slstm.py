@@ -178,8 +178,9 @@ class SLSTMLayer(nn.Module):
             return conv_state_varlen(x, cu_seqlens, self.conv.kernel_size)
         return conv_state(x, conv_in, self.conv.kernel_size)
 
-    def step(self, x: torch.Tensor, state: SLSTMState):
-        """One token: x [B, d_model] -> (y [B, d_model], new_state)."""
+    def step(self, x: torch.Tensor, state: SLSTMState, inplace: bool = False):
+        """One token: x [B, d_model] -> (y [B, d_model], new_state). inplace (the caller gives the
+        old state up) is accepted for a common block interface; the small state is written anew."""
         x = x.to(activation_dtype(x))[:, None]
         gates = self._gates(x, state.conv)[:, 0]
         new_conv = self._conv_state(x, state.conv).to(state.conv.dtype)
@@ -238,7 +239,7 @@ class SLSTMBlock(nn.Module):
         x = x + self.ffn(x, norm=self.ffn_norm)  # the norm fused with the up-projection
         return (x, state) if return_state else x
 
-    def step(self, x: torch.Tensor, state: SLSTMState):
-        y, state = self.layer.step(self.norm(x), state)
+    def step(self, x: torch.Tensor, state: SLSTMState, inplace: bool = False):
+        y, state = self.layer.step(self.norm(x), state, inplace=inplace)
         x = x + y
         return x + self.ffn(self.ffn_norm(x)), state

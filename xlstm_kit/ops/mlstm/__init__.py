@@ -141,7 +141,7 @@ def mlstm_chunkwise(
     # The kernels pick their own chunk length (results do not depend on it); float64 is
     # reference work and stays on the torch path.
     if choose_backend("mlstm_chunkwise", backend, q.device, inputs=(q, k, v, i, f, *(initial_state or ())),
-                      dtype=cd) == "triton":
+                      dtype=cd, head_dims=(K, V)) == "triton":
         from .triton.op import mlstm_chunkwise_triton
 
         # packed sequences: the kernels walk each sequence's own chunks (triton/varlen.py)
@@ -197,11 +197,17 @@ def mlstm_step(
     state: State | None,
     *,
     eps: float = 1e-6,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, State]:
     """One recurrent step (generation).
 
     q, k [B,H,K]; v [B,H,V]; i, f [B,H]; state (C [B,H,K,V], n [B,H,K], m [B,H]) or None for zeros
     → (h [B,H,V], new state).
+    inplace: write C' into the state's C (the caller gives the old state up, as a decode loop
+    does) and return that tensor: the step then reads and writes C once, where a new C and a
+    copy back into a fixed buffer (a CUDA graph's) would move it twice more. n', m' are new
+    tensors either way. Needs a state with a contiguous C in the state dtype (float32; float64
+    for float64 inputs).
     """
     check_tensor("q", q, (None, None, None), "B,H,K")
     B, H, K = q.shape
@@ -218,14 +224,22 @@ def mlstm_step(
     cd = compute_dtype(q, k, v, i, f)
     needs_grad = torch.is_grad_enabled() and any(
         x.requires_grad for x in (q, k, v, i, f, *(state or ())))
+    if inplace:
+        C0 = None if state is None else state[0]
+        if C0 is None or C0.dtype != cd or not C0.is_contiguous():
+            raise XLSTMKitError(
+                f"mlstm_step(inplace=True) needs a state whose C is a contiguous {cd} tensor, got "
+                + ("no state" if C0 is None else f"C {C0.dtype}, contiguous={C0.is_contiguous()}"))
     if choose_backend("mlstm_step", None, q.device, dtype=cd, requires_grad=needs_grad) == "triton":
         from .triton.step import mlstm_step_triton
 
         with on_device(q):
-            return mlstm_step_triton(q, k, v, i, f, state, eps=eps)
+            return mlstm_step_triton(q, k, v, i, f, state, eps=eps, inplace=inplace)
     if state is None:
         z = q.new_zeros((), dtype=cd)
         state = (z.expand(B, H, K, V), z.expand(B, H, K), z.expand(B, H))
     C, n, m = (s.to(cd) for s in state)
-    h, new_state = mlstm_step_naive(q.to(cd), k.to(cd), v.to(cd), i.to(cd), f.to(cd), C, n, m, eps)
-    return h.to(q.dtype), new_state
+    h, (C_new, n_new, m_new) = mlstm_step_naive(q.to(cd), k.to(cd), v.to(cd), i.to(cd), f.to(cd), C, n, m, eps)
+    if inplace:
+        C_new = C.copy_(C_new)
+    return h.to(q.dtype), (C_new, n_new, m_new)

@@ -15,10 +15,12 @@ from .config import CHUNK_SIZES, MLSTMKernelConfig, numerics
 from .varlen import chunk_table, first_stabilizers, num_chunks
 
 
-def supports(op: str, *, dtype: torch.dtype, **_) -> str | None:
-    """backend.choose_backend's question: do these kernels take this call?"""
+def supports(op: str, *, dtype: torch.dtype, head_dims: tuple[int, int] = (16, 16), **_) -> str | None:
+    """backend.choose_backend's question: do these kernels take this call? head_dims: (K, V)."""
     if dtype == torch.float64:
         return "the Triton mLSTM kernels take float16, bfloat16 or float32 inputs, got float64; use backend='torch'"
+    if min(head_dims) < 16:  # tl.dot's smallest tile; a tiny model's heads run on the PyTorch path
+        return f"the Triton mLSTM kernels need head dims K, V >= 16, got K={head_dims[0]}, V={head_dims[1]}"
     return None
 
 

@@ -5,8 +5,10 @@
 
 One launch per step; the state is read once and written once (the step is memory-bound:
 4·K·V bytes each way per head), with the log-sigmoid and the stabilizer inside the kernel so
-that batch-1 decoding pays a single launch. Registered as the custom op xlstm_kit::mlstm_step
-(no autograd: steps that need a gradient run on the PyTorch path).
+that batch-1 decoding pays a single launch. Registered as the custom ops xlstm_kit::mlstm_step
+(a new C) and xlstm_kit::mlstm_step_ (C updated in place: each program reads its C tile before
+it writes it, and no other program touches that tile); no autograd: steps that need a gradient
+run on the PyTorch path.
 """
 from __future__ import annotations
 
@@ -79,28 +81,43 @@ def _step_kernel(
     tl.store(mo_ptr + bh, m_new, mask=first)
 
 
-def _step(
-    q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor,
-    C: Optional[Tensor], n: Optional[Tensor], m: Optional[Tensor], eps: float, block_v: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """q, k [B,H,K]; v [B,H,V]; i, f [B,H] contiguous; C, n, m float32 contiguous or all None;
-    block_v the V-tile (0: by V) → (h [B,H,V] in q's dtype, C', n', m' float32)."""
+def _launch(q, k, v, i, f, C, n, m, h, C_new, n_new, m_new, eps: float, block_v: int) -> None:
     B, H, K = q.shape
     V = v.shape[-1]
-    h, C_new, n_new, m_new = _step_buffers(q, v)
     has_state = C is not None
     if not has_state:
         C = n = m = m_new
-    BV = block_v or min(64, triton.next_power_of_2(V))
+    # V-tiles narrow enough for ~512 programs (a batch-1 step has only B·H heads: too few
+    # loads in flight to stream the state), at least 16 wide (each program re-reads q, k, n)
+    BV = block_v or min(64, triton.next_power_of_2(V), max(16, triton.next_power_of_2(V * B * H // 512)))
     BK = min(triton.next_power_of_2(K), max(16, 8192 // BV))
     _step_kernel[(B * H, triton.cdiv(V, BV))](
         q, k, v, i, f, C, n, m, h, C_new, n_new, m_new, K ** -0.5, eps,
         K=K, V=V, BK=BK, BV=BV, HAS_STATE=has_state, num_warps=4,
     )
+
+
+def _step(
+    q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor,
+    C: Optional[Tensor], n: Optional[Tensor], m: Optional[Tensor], eps: float, block_v: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q, k [B,H,K]; v [B,H,V]; i, f [B,H] contiguous; C, n, m float32 contiguous or all None;
+    block_v the V-tile (0: by shape) → (h [B,H,V] in q's dtype, C', n', m' float32)."""
+    h, C_new, n_new, m_new = _step_buffers(q, v)
+    _launch(q, k, v, i, f, C, n, m, h, C_new, n_new, m_new, eps, block_v)
     return h, C_new, n_new, m_new
 
 
+def _step_(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C: Tensor, n: Tensor, m: Tensor,
+           eps: float, block_v: int) -> tuple[Tensor, Tensor, Tensor]:
+    """_step writing C' into C (float32 contiguous) → (h, n', m')."""
+    h, n_new, m_new = _step_buffers(q, v, with_c=False)
+    _launch(q, k, v, i, f, C, n, m, h, C, n_new, m_new, eps, block_v)
+    return h, n_new, m_new
+
+
 mlstm_step_op = torch.library.custom_op("xlstm_kit::mlstm_step", _step, mutates_args=())
+mlstm_step_inplace_op = torch.library.custom_op("xlstm_kit::mlstm_step_", _step_, mutates_args=("C",))
 
 
 @mlstm_step_op.register_fake
@@ -108,21 +125,34 @@ def _(q, k, v, i, f, C, n, m, eps, block_v):
     return _step_buffers(q, v)
 
 
-def _step_buffers(q, v):
+@mlstm_step_inplace_op.register_fake
+def _(q, k, v, i, f, C, n, m, eps, block_v):
+    return _step_buffers(q, v, with_c=False)
+
+
+def _step_buffers(q, v, with_c: bool = True):
     B, H, K = q.shape
     V = v.shape[-1]
     f32 = dict(device=q.device, dtype=torch.float32)
-    return (torch.empty(B, H, V, device=q.device, dtype=q.dtype), torch.empty(B, H, K, V, **f32),
-            torch.empty(B, H, K, **f32), torch.empty(B, H, **f32))
+    h = torch.empty(B, H, V, device=q.device, dtype=q.dtype)
+    rest = (torch.empty(B, H, K, **f32), torch.empty(B, H, **f32))
+    return (h, torch.empty(B, H, K, V, **f32), *rest) if with_c else (h, *rest)
 
 
-def mlstm_step_triton(q, k, v, i, f, state, *, eps: float = 1e-6, block_v: int | None = None):
+def mlstm_step_triton(q, k, v, i, f, state, *, eps: float = 1e-6, block_v: int | None = None,
+                      inplace: bool = False):
     """One decode step. q, k [B,H,K]; v [B,H,V]; i, f [B,H]; state (C [B,H,K,V], n [B,H,K],
     m [B,H]) or None for zeros → (h [B,H,V] in q's dtype, new float32 state). Inputs are assumed
-    validated by the caller (xlstm_kit.ops.mlstm); the old state is left untouched."""
+    validated by the caller (xlstm_kit.ops.mlstm; inplace: C float32 contiguous); the old state
+    is left untouched unless `inplace`, which writes C' into the state's C and returns it."""
+    inputs = (q.contiguous(), k.contiguous(), v.contiguous(), i.contiguous(), f.contiguous())
+    compiling = torch.compiler.is_compiling()
+    if inplace:
+        C = state[0]
+        # eagerly without the dispatcher (tens of µs per call, a batch-1 step's kernel takes ~11 µs)
+        h, n, m = (mlstm_step_inplace_op if compiling else _step_)(
+            *inputs, C, state[1].float().contiguous(), state[2].float().contiguous(), float(eps), block_v or 0)
+        return h, (C, n, m)
     C, n, m = (None, None, None) if state is None else (s.float().contiguous() for s in state)
-    # eagerly without the dispatcher (tens of µs per call, a batch-1 step's kernel takes ~11 µs)
-    step = mlstm_step_op if torch.compiler.is_compiling() else _step
-    h, C, n, m = step(q.contiguous(), k.contiguous(), v.contiguous(), i.contiguous(), f.contiguous(),
-                      C, n, m, float(eps), block_v or 0)
+    h, C, n, m = (mlstm_step_op if compiling else _step)(*inputs, C, n, m, float(eps), block_v or 0)
     return h, (C, n, m)
