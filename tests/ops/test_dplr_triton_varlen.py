@@ -63,7 +63,7 @@ NAMES = {"dplr": ["o", "S", "q", "k", "v", "a", "b", "gk", "h0"],
 
 
 @pytest.mark.parametrize("kind,lens,H,L,state", [
-    ("dplr", [1, 5, 64, 70], 2, 64, True),     # length 1, a chunk multiple, a partial tail
+    ("dplr", [1, 5, 64, 70], 1, 64, True),     # length 1, a chunk multiple, a partial tail
     ("dplr", [130], 1, 64, False),             # one sequence, no initial state
     ("dplr", [20, 1, 13], 1, 16, False),       # boundaries inside chunks of 16
     ("kda", [1, 5, 64, 70], 1, 64, True),
@@ -97,6 +97,34 @@ def test_packed_path_runs_no_python_loop(monkeypatch):
     o, sT = dplr_chunkwise(*(x.float().to(DEV) for x in xs), initial_state=s0.float().to(DEV),
                            output_final_state=True, chunk_size=16, backend="triton", cu_seqlens=_cu([3, 17]))
     assert launches == [(1, 2 * 2)] and o.shape == (1, 20, 2, 16) and sT.shape == (2, 2, 16, 16)
+
+
+def test_packed_custom_op_passes_opcheck():
+    # schema and fake implementation with cu_seqlens (the unpacked opcheck in test_dplr_triton.py
+    # covers autograd and aot_dispatch of the same op, at a few seconds each in the interpreter)
+    from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig
+    xs, s0, _ = _inputs("dplr", [10, 6], 1, 16, 16, True, seed=4)
+    ys = [x.float().to(DEV).requires_grad_() for x in xs] + [s0.float().to(DEV).requires_grad_()]
+    torch.library.opcheck(tri._fwd_op, (*ys, 0.25, 16, DPLRKernelConfig().key(), _cu([10, 6])),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_packed_compiles_fullgraph_like_eager():
+    # the kernel entry point takes cu_seqlens without a host sync: one graph, eager's values and
+    # gradients (bit-identical: the same kernels run)
+    lens = [4, 16, 1]
+    xs, s0, ws = _inputs("dplr", lens, 2, 16, 16, True, seed=6)
+    cu = _cu(lens)
+
+    def fn(*ys, initial_state, output_final_state, **kw):
+        return dplr_chunkwise_triton(*ys, initial_state=initial_state, output_final_state=output_final_state,
+                                     chunk_size=16, cu_seqlens=cu)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    eager, comp = (_run(f, xs, s0, ws, torch.float32) for f in (fn, compiled))
+    for name, x, y in zip(NAMES["dplr"], eager, comp):
+        assert torch.equal(x, y), name
 
 
 def test_bad_cu_seqlens_raise():
