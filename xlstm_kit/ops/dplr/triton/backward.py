@@ -142,7 +142,7 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
         pd = _offs(bh * NC + n, 0, rows, ci, L, L)                            # [L, S]
         below = rows >= j0 + S
         inblk = (rows >= j0) & (rows < j0 + S)
-        fac = _ref_factors(G, Gc, bh, t0, j0, kr, below, inblk, nv, Tp, K, S, VARLEN)
+        fac = _ref_factors(G, Gc, py, bh, t0, j0, kr, below, inblk, nv, Tp, K, S, VARLEN)
         fx_off, fx_in, fy_off, fy_in = fac
         my = (ci < nv)[:, None]
         yk = _ld(k + py, my, VARLEN).to(tl.float32)

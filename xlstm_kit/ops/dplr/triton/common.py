@@ -97,18 +97,21 @@ def _last(rows, nv, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _ref_factors(G, Gx, bh, t0, j0, kk, below, inblk, nv, Tp, K, S: tl.constexpr,
+def _ref_factors(G, Gx, py, bh, t0, j0, kk, below, inblk, nv, Tp, K, S: tl.constexpr,
                  VARLEN: tl.constexpr):
     """The decay factors of one column block (steps t0 + j0 … t0 + j0 + S − 1) of the pair
     matrices, with the block's two reference points (package docstring, gate safety): rows below
-    the block take G_end, rows inside it G_mid. Gx [L, BK]: the chunk's G (float64); kk: the BK
-    channels; nv: the chunk's valid rows. Returns fx_off, fx_in [L, BK] (0 outside their rows)
+    the block take G_end, rows inside it G_mid. Gx [L, BK]: the chunk's G (float64); py: the
+    offsets of the block's rows [S, BK] in G; kk: the BK channels; nv: the chunk's valid rows. Returns fx_off, fx_in [L, BK] (0 outside their rows)
     and fy_off (≤ 1), fy_in (≤ e^{40}) [S, BK], all float32."""
     g_end = tl.load(G + _row(bh, t0 + _last(j0 + S - 1, nv, VARLEN), kk, Tp, K))
     g_mid = tl.load(G + _row(bh, t0 + _last(j0 + S // 2 - 1, nv, VARLEN), kk, Tp, K))
     fx_off = tl.exp(tl.where(below[:, None], Gx - g_end[None, :], float("-inf")).to(tl.float32))
     fx_in = tl.exp(tl.where(inblk[:, None], Gx - g_mid[None, :], float("-inf")).to(tl.float32))
-    Gy = tl.load(G + _offs(bh, t0, _last(j0 + tl.arange(0, S), nv, VARLEN), kk, Tp, K))
+    if VARLEN:
+        Gy = tl.load(G + _offs(bh, t0, _last(j0 + tl.arange(0, S), nv, VARLEN), kk, Tp, K))
+    else:
+        Gy = tl.load(G + py)
     fy_off = tl.exp((g_end[None, :] - Gy).to(tl.float32))
     fy_in = tl.exp((g_mid[None, :] - Gy).to(tl.float32))
     return fx_off, fx_in, fy_off, fy_in

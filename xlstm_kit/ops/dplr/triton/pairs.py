@@ -36,7 +36,7 @@ def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
         px = _offs(bh, t0, rows, kk, Tp, K)                     # [L, BK]
         py = _offs(bh, t0 + j0, cols, kk, Tp, K)                # [S, BK]
         Gx = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kk, Tp, K))
-        fx_off, fx_in, fy_off, fy_in = _ref_factors(G, Gx, bh, t0, j0, kk, below, inblk, nv, Tp, K, S,
+        fx_off, fx_in, fy_off, fy_in = _ref_factors(G, Gx, py, bh, t0, j0, kk, below, inblk, nv, Tp, K, S,
                                                     VARLEN)
         xq = _ld(q + px, mx, VARLEN).to(tl.float32) * scale
         xb = _ld(b + px, mx, VARLEN).to(tl.float32)
