@@ -25,7 +25,7 @@ from ..naive import check_chunk, check_dplr_inputs, check_scale
 from .backward import _bwd_dk, _bwd_dv
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
-from .pairs import _fwd_pairs
+from .pairs import _fwd_gamma_varlen, _fwd_pairs
 from .state import _bwd_state, _fwd_state
 from .wy import _fwd_wy
 
@@ -73,22 +73,6 @@ def _log_gamma(gk: torch.Tensor, Tp: int, L: int) -> torch.Tensor:
     return g.view(BH, Tp // L, L, K).cumsum(2, dtype=torch.float64).view(BH, Tp, K)
 
 
-def _log_gamma_packed(gk: torch.Tensor, cu_seqlens: torch.Tensor, L: int) -> torch.Tensor:
-    """The same for packed sequences ([1, T, H, K] → [H, T, K], chunks of the varlen table): the
-    float64 cumsum over all of T minus its value before each row's chunk. Each addition rounds
-    at the running sum's magnitude (≤ 11·T at the kernels' gate floor), so G errs by about
-    L · 11·T · 2⁻⁵³ (1e−9 at T = 131072), a relative error of that size on every decay: far
-    below the float32 the kernels compute in."""
-    T = gk.shape[1]
-    C = _chunk_layout(gk, T).cumsum(1, dtype=torch.float64)
-    t = torch.arange(T, device=gk.device, dtype=cu_seqlens.dtype)
-    bos = cu_seqlens[torch.searchsorted(cu_seqlens, t, right=True) - 1]
-    start = bos + (t - bos) // L * L                 # first row of each row's chunk
-    before = C.index_select(1, (start - 1).clamp_min(0))   # one [H, T, K] temporary, in place after
-    before.masked_fill_((start == 0)[None, :, None], 0.0)
-    return C.sub_(before)
-
-
 def _table(cu_seqlens, T: int, L: int, dev, launch: bool):
     """(tab, sinfo, number of table chunks) of the varlen chunk table; empty [0, 4] tables and
     None without cu_seqlens; the fake implementations get the shapes only."""
@@ -124,7 +108,10 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlen
     BH = B * H
     S = sinfo.shape[0] * H if varlen else BH         # rows of the initial and final states
     qc, kc, vc, ac, bc = (_chunk_layout(x, Tp) for x in (q, k, v, a, b))
-    G = _log_gamma_packed(gk, cu_seqlens, L) if varlen else _log_gamma(gk, Tp, L)
+    if varlen:      # the in-chunk cumsum over the table's chunks: a kernel below
+        G = torch.empty(H, T, K, device=q.device, dtype=torch.float64)
+    else:
+        G = _log_gamma(gk, Tp, L)
     h0c = None if h0 is None else h0.to(torch.float32).reshape(S, K, V).contiguous()
     new = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.float32)  # noqa: E731
     Aqk, Aqa, Abk, Aba, E = (new(BH, NC, L, L) for _ in range(5))
@@ -137,6 +124,9 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlen
     if launch:
         c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
         vl = dict(tab=tab, VARLEN=True) if varlen else {}
+        if varlen:
+            _fwd_gamma_varlen[(NC, H, K // min(K, 64))](gk.contiguous(), G, tab, T, H, K=K, L=L,
+                                                        BK=min(K, 64), num_warps=4)
         _fwd_pairs[(NC * (L // SUB), BH)](qc, kc, ac, bc, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
                                           K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, LO=c.lo,
                                           num_warps=c.pairs_warps, num_stages=_STAGES, **vl)

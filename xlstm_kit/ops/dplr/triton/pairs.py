@@ -1,5 +1,6 @@
 """Phase 1 of the forward: the four pair matrices of every chunk (`_fwd_pairs`), and their
-PyTorch reference."""
+PyTorch reference; for packed sequences also its prologue `_fwd_gamma_varlen` (the in-chunk
+cumulative gates G)."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,23 @@ import triton
 import triton.language as tl
 
 from .common import _chunk_rows, _last, _ld, _mm, _offs, _ref_factors, _zeros4
+
+
+
+@triton.jit
+def _fwd_gamma_varlen(gk, G, tab, T, H, K: tl.constexpr, L: tl.constexpr, BK: tl.constexpr):
+    """G = the inclusive cumsum of gk over each chunk of the varlen table (common.py), in
+    float64 like the unpacked path's torch cumsum, for BK channels of one (chunk, head).
+    gk: [1, T, H, K] contiguous (read in its own dtype); G: [H, T, K] float64."""
+    h = tl.program_id(1).to(tl.int64)
+    seq, t0, nv = _chunk_rows(tab, tl.program_id(0), L, True)
+    if seq < 0:
+        return
+    rows = tl.arange(0, L)
+    kk = tl.program_id(2) * BK + tl.arange(0, BK)
+    m = (rows < nv)[:, None]
+    x = tl.load(gk + ((t0 + rows).to(tl.int64) * H + h)[:, None] * K + kk[None, :], mask=m, other=0.0)
+    tl.store(G + _offs(h, t0, rows, kk, T, K), tl.cumsum(x.to(tl.float64), axis=0), mask=m)
 
 
 @triton.jit
