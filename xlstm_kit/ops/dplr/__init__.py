@@ -25,15 +25,21 @@ from .triton.config import DPLRKernelConfig  # no Triton needed to build one
 TRITON_LOG_DECAY_FLOOR = -11.0
 
 
-def _varlen(op, seqs, initial_state, output_final_state, cu_seqlens, check):
-    """Packed sequences (cu_seqlens [N+1], B = 1): validate, then `op` once per sequence (both
-    backends; the Triton kernels have no native varlen path yet) with its own state row."""
+def _check_varlen(seqs, initial_state, cu_seqlens, check):
+    """Packed sequences (cu_seqlens [N+1], B = 1): validate; returns the boundaries [N+1] (for
+    the per-sequence loop of the PyTorch paths; the Triton kernels take cu_seqlens itself)."""
     check(*seqs, None)
     bounds = check_cu_seqlens(cu_seqlens, seqs[0].shape[0], seqs[0].shape[1], seqs[0].device)
     if initial_state is not None:
         check_varlen_state(initial_state, len(bounds) - 1)
         # the row shapes as the op's own check sees them for one sequence
         check(*(x[:, :1] for x in seqs), initial_state[:1])
+    return bounds
+
+
+def _varlen(op, seqs, initial_state, output_final_state, cu_seqlens, check):
+    """Packed sequences: validate, then `op` once per sequence with its own state row."""
+    bounds = _check_varlen(seqs, initial_state, cu_seqlens, check)
     return run_varlen(op, seqs, bounds, initial_state, output_final_state)
 
 
@@ -75,21 +81,26 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
     its own final state [N, H, K, V]; nothing crosses a boundary.
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
+    seqs = (q, k, v, a, b, gk)
     if cu_seqlens is not None:
-        return _varlen(lambda *xs, **kw: dplr_chunkwise(*xs, scale=scale, chunk_size=chunk_size, backend=backend,
-                                                        config=config, **kw),
-                       (q, k, v, a, b, gk), initial_state, output_final_state, cu_seqlens, _naive.check_dplr_inputs)
-    _naive.check_dplr_inputs(q, k, v, a, b, gk, initial_state)
-    if choose_backend("dplr_chunkwise", backend, q.device, inputs=(q, k, v, a, b, gk, initial_state),
+        bounds = _check_varlen(seqs, initial_state, cu_seqlens, _naive.check_dplr_inputs)
+    else:
+        _naive.check_dplr_inputs(*seqs, initial_state)
+    if choose_backend("dplr_chunkwise", backend, q.device, inputs=(*seqs, initial_state),
                       K=q.shape[-1], V=v.shape[-1], chunk_size=chunk_size,
-                      dtype=compute_dtype(q, k, v, a, b, gk)) == "triton":
+                      dtype=compute_dtype(*seqs)) == "triton":
         gk = floor_log_gate(gk, TRITON_LOG_DECAY_FLOOR)
         with on_device(q):
-            return kernel_module("dplr_chunkwise").dplr_chunkwise_triton(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
-                                                 output_final_state=output_final_state, chunk_size=chunk_size, config=config)
+            # packed sequences natively: one launch per phase for all of them
+            return kernel_module("dplr_chunkwise").dplr_chunkwise_triton(
+                q, k, v, a, b, gk, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                chunk_size=chunk_size, config=config, cu_seqlens=cu_seqlens)
     # gk = -inf (a closed gate) would give -inf - -inf in the cumulative sums
-    return _chunkwise.dplr_chunkwise(q, k, v, a, b, floor_log_gate(gk), scale=scale, initial_state=initial_state,
-                                     output_final_state=output_final_state, chunk_size=chunk_size)
+    seqs = (q, k, v, a, b, floor_log_gate(gk))
+    op = lambda *xs, **kw: _chunkwise.dplr_chunkwise(*xs, scale=scale, chunk_size=chunk_size, **kw)  # noqa: E731
+    if cu_seqlens is not None:
+        return run_varlen(op, seqs, bounds, initial_state, output_final_state)
+    return op(*seqs, initial_state=initial_state, output_final_state=output_final_state)
 
 
 @autocast_off
@@ -118,20 +129,24 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     cu_seqlens: as for `dplr_chunkwise` (initial_state and the final state then [N, H, K, V]).
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
+    seqs = (q, k, v, g, beta)
     if cu_seqlens is not None:
-        return _varlen(lambda *xs, **kw: kda_chunkwise(*xs, scale=scale, chunk_size=chunk_size, backend=backend,
-                                                       config=config, **kw),
-                       (q, k, v, g, beta), initial_state, output_final_state, cu_seqlens, _kda.check_kda_inputs)
-    _kda.check_kda_inputs(q, k, v, g, beta, initial_state)
-    if choose_backend("kda_chunkwise", backend, q.device, inputs=(q, k, v, g, beta, initial_state),
+        bounds = _check_varlen(seqs, initial_state, cu_seqlens, _kda.check_kda_inputs)
+    else:
+        _kda.check_kda_inputs(*seqs, initial_state)
+    if choose_backend("kda_chunkwise", backend, q.device, inputs=(*seqs, initial_state),
                       K=q.shape[-1], V=v.shape[-1], chunk_size=chunk_size,
-                      dtype=compute_dtype(q, k, v, g, beta)) == "triton":
+                      dtype=compute_dtype(*seqs)) == "triton":
         g = floor_log_gate(g, TRITON_LOG_DECAY_FLOOR)
         with on_device(q):
-            return kernel_module("kda_chunkwise").kda_chunkwise_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                                output_final_state=output_final_state, chunk_size=chunk_size, config=config)
-    return _kda.kda_chunkwise(q, k, v, floor_log_gate(g), beta, scale=scale, initial_state=initial_state,
-                              output_final_state=output_final_state, chunk_size=chunk_size)
+            return kernel_module("kda_chunkwise").kda_chunkwise_triton(
+                q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                chunk_size=chunk_size, config=config, cu_seqlens=cu_seqlens)
+    seqs = (q, k, v, floor_log_gate(g), beta)
+    op = lambda *xs, **kw: _kda.kda_chunkwise(*xs, scale=scale, chunk_size=chunk_size, **kw)  # noqa: E731
+    if cu_seqlens is not None:
+        return run_varlen(op, seqs, bounds, initial_state, output_final_state)
+    return op(*seqs, initial_state=initial_state, output_final_state=output_final_state)
 
 
 __all__ = ["dplr_recurrent", "dplr_chunkwise", "dplr_step", "kda_chunkwise", "DPLRKernelConfig"]

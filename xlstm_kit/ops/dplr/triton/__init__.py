@@ -28,7 +28,13 @@ holds the phase's PyTorch reference, `*_reference`, which its test compares the 
                               gradients
     backward.py  _bwd_dk      parallel over (chunk, K-tile, b·h): δq, δk, δa, δb and the gate
                               gradient
-  common.py      _mm (the low-precision product), _offs / _row (the one offset rule), SUB
+  common.py      _mm (the low-precision product), _offs / _row (the one offset rule), SUB, and
+                 the row masks of packed sequences
+Packed sequences (cu_seqlens): every kernel above takes the device-side chunk table of the mLSTM
+kernels (mlstm/triton/varlen.py) under VARLEN: chunks never cross a sequence boundary, the rows
+past a sequence's end are masked (no padding in memory), the per-chunk kernels run over the chunks
+of all sequences at once, and the two state kernels walk each sequence from its own initial state
+to its own final state (chunkwise.py, common.py).
   config.py      DPLRKernelConfig (precision mode, tiles, warps) and its resolution per shape
   chunkwise.py   layout glue, launchers, the custom ops xlstm_kit::dplr_chunkwise_fwd/_bwd with
                  their autograd, dplr_chunkwise_triton, kda_chunkwise_triton, supports

@@ -7,22 +7,28 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _mm, _offs, _ref_factors, _row, _zeros4
+from .common import _chunk_rows, _last, _ld, _mm, _offs, _ref_factors, _row, _st, _zeros4
 from .pairs import pairs_reference
 
 
 @triton.jit
 def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv, dqk_d, dqa_d,
             Tp, NC, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
-            BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
+            BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, tab=None,
+            VARLEN: tl.constexpr = False):
     """Backward, V side of one chunk: δv, GC = Eᵀ δC, and the gradients of the four pair matrices
     (strictly lower parts to dA* [BH, NC, L, L]; the diagonals of δA_qk, δA_qa to dqk_d, dqa_d
     [BH, Tp]). With δW = −δC hᵀ (h entering the chunk), Eᵀ δW = −GC hᵀ and W h = Cm − V2, so
-    δF = −(Eᵀ δW Wᵀ + GC Cmᵀ) collapses to δA_ba = −GC V2ᵀ: no K-sized product is needed here."""
+    δF = −(Eᵀ δW Wᵀ + GC Cmᵀ) collapses to δA_ba = −GC V2ᵀ: no K-sized product is needed here.
+    tab: the varlen chunk table with VARLEN (common.py)."""
     n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    t0 = n * L
+    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    if seq < 0:
+        return
     rows = tl.arange(0, L)
+    m1 = rows < nv
+    m = m1[:, None]
     pa = _offs(bh * NC + n, 0, rows, rows, L, L)
     Aqk_ = tl.load(Aqk + pa)
     Abk_ = tl.load(Abk + pa)
@@ -31,18 +37,18 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
     for v0 in range(0, V, BV):
         vv = v0 + tl.arange(0, BV)
         pv = _offs(bh, t0, rows, vv, Tp, V)
-        do = tl.load(dO + pv).to(tl.float32)
-        vt = tl.load(v + pv).to(tl.float32)
-        v2 = tl.load(V2 + pv)
-        GC = _mm(tl.trans(Em), tl.load(dV2 + pv), LO, PREC)   # Eᵀ δC
-        tl.store(GCb + pv, GC)
+        do = _ld(dO + pv, m, VARLEN).to(tl.float32)
+        vt = _ld(v + pv, m, VARLEN).to(tl.float32)
+        v2 = _ld(V2 + pv, m, VARLEN)
+        GC = _mm(tl.trans(Em), _ld(dV2 + pv, m, VARLEN), LO, PREC)   # Eᵀ δC
+        _st(GCb + pv, GC, m, VARLEN)
         dvt = _mm(tl.trans(Aqk_), do, LO, PREC)
         dvt -= _mm(tl.trans(Abk_), GC, LO, PREC)
         for k0 in range(0, K, BK):                                # + (K ⊙ e^{G_L−G}) δh'
             kk = k0 + tl.arange(0, BK)
             dh = tl.load(dH + _offs(bh * NC + n, 0, kk, vv, K, V))
-            dvt += _mm(tl.load(Kd + _offs(bh, t0, rows, kk, Tp, K)), dh, LO, PREC)
-        tl.store(dv + pv, dvt)
+            dvt += _mm(_ld(Kd + _offs(bh, t0, rows, kk, Tp, K), m, VARLEN), dh, LO, PREC)
+        _st(dv + pv, dvt, m, VARLEN)
         dA_qk += _mm(do, tl.trans(vt), LO, PREC)
         dA_qa += _mm(do, tl.trans(v2), LO, PREC)
         dA_bk -= _mm(GC, tl.trans(vt), LO, PREC)
@@ -51,8 +57,8 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
     strict = rows[None, :] < rows[:, None]
     # the diagonal (i = r) of A_qk, A_qa has no decay: it goes straight into δq, δk, δa and stays
     # out of the gate gradient (where it would only cancel)
-    tl.store(dqk_d + _row(bh, t0, rows, Tp, 1), tl.sum(tl.where(eye, dA_qk, 0.0), axis=1))
-    tl.store(dqa_d + _row(bh, t0, rows, Tp, 1), tl.sum(tl.where(eye, dA_qa, 0.0), axis=1))
+    _st(dqk_d + _row(bh, t0, rows, Tp, 1), tl.sum(tl.where(eye, dA_qk, 0.0), axis=1), m1, VARLEN)
+    _st(dqa_d + _row(bh, t0, rows, Tp, 1), tl.sum(tl.where(eye, dA_qa, 0.0), axis=1), m1, VARLEN)
     tl.store(dAqk + pa, tl.where(strict, dA_qk, 0.0))
     tl.store(dAqa + pa, tl.where(strict, dA_qa, 0.0))
     tl.store(dAbk + pa, tl.where(strict, dA_bk, 0.0))
@@ -81,20 +87,26 @@ def _pair_grad(dA, dX, y, x_off, x_in, below, inblk, fac, LO: tl.constexpr, PREC
 def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d, dqa_d,
             dq, dk, da, db, dg, scale, Tp, NC,
             K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
-            BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
+            BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, tab=None,
+            VARLEN: tl.constexpr = False):
     """Backward, K side of one (chunk, K-tile): δq, δk, δa, δb and δgk for BK channels (every
     term is channel-wise in K once the pair-matrix gradients are known). Seed §三 with the
-    notes' typos fixed; same formulas and gate-gradient grouping as chunkwise.py."""
+    notes' typos fixed; same formulas and gate-gradient grouping as chunkwise.py.
+    tab: the varlen chunk table with VARLEN (common.py)."""
     NB: tl.constexpr = L // S
     n = tl.program_id(0)
     kt = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
-    t0 = n * L
+    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    if seq < 0:
+        return
     rows = tl.arange(0, L)
+    m1 = rows < nv
+    m = m1[:, None]
     kr = kt * BK + tl.arange(0, BK)
     pk = _offs(bh, t0, rows, kr, Tp, K)
-    Gc = tl.load(G + pk)                                         # [L, BK] float64
-    g_last = tl.load(G + _row(bh, t0 + L - 1, kr, Tp, K))
+    Gc = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kr, Tp, K))   # [L, BK] float64
+    g_last = tl.load(G + _row(bh, t0 + nv - 1, kr, Tp, K))
     eG = tl.exp(Gc.to(tl.float32))
     dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
     eGl = tl.exp(g_last.to(tl.float32))
@@ -106,15 +118,15 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
         ph = _offs(bh * NC + n, 0, kr, vv, K, V)
         hs = tl.load(Hs + ph)
         dh = tl.load(dH + ph)
-        dKd += _mm(tl.load(v + pv).to(tl.float32), tl.trans(dh), LO, PREC)
-        dAd += _mm(tl.load(V2 + pv), tl.trans(dh), LO, PREC)
-        dQg += _mm(tl.load(dO + pv).to(tl.float32), tl.trans(hs), LO, PREC)
-        GW -= _mm(tl.load(GCb + pv), tl.trans(hs), LO, PREC)
+        dKd += _mm(_ld(v + pv, m, VARLEN).to(tl.float32), tl.trans(dh), LO, PREC)
+        dAd += _mm(_ld(V2 + pv, m, VARLEN), tl.trans(dh), LO, PREC)
+        dQg += _mm(_ld(dO + pv, m, VARLEN).to(tl.float32), tl.trans(hs), LO, PREC)
+        GW -= _mm(_ld(GCb + pv, m, VARLEN), tl.trans(hs), LO, PREC)
         hdh += tl.sum(hs * dh, axis=1)
-    qs = tl.load(q + pk).to(tl.float32) * scale
-    kx = tl.load(k + pk).to(tl.float32)
-    ax = tl.load(a + pk).to(tl.float32)
-    bx = tl.load(b + pk).to(tl.float32)
+    qs = _ld(q + pk, m, VARLEN).to(tl.float32) * scale
+    kx = _ld(k + pk, m, VARLEN).to(tl.float32)
+    ax = _ld(a + pk, m, VARLEN).to(tl.float32)
+    bx = _ld(b + pk, m, VARLEN).to(tl.float32)
     dXq, dXb, dYk, dYa = _zeros4(L, BK)
     cols = tl.arange(0, S)
     # Pair matrices, column sub-chunk by sub-chunk with the forward's reference points (package
@@ -130,10 +142,11 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
         pd = _offs(bh * NC + n, 0, rows, ci, L, L)                            # [L, S]
         below = rows >= j0 + S
         inblk = (rows >= j0) & (rows < j0 + S)
-        fac = _ref_factors(G, Gc, py, bh, t0 + j0, kr, below, inblk, Tp, K, S)
+        fac = _ref_factors(G, Gc, py, bh, t0, j0, kr, below, inblk, nv, Tp, K, S, VARLEN)
         fx_off, fx_in, fy_off, fy_in = fac
-        yk = tl.load(k + py).to(tl.float32)
-        ya = tl.load(a + py).to(tl.float32)
+        my = (ci < nv)[:, None]
+        yk = _ld(k + py, my, VARLEN).to(tl.float32)
+        ya = _ld(a + py, my, VARLEN).to(tl.float32)
         xq_off = qs * fx_off
         xq_in = qs * fx_in
         xb_off = bx * fx_off
@@ -148,12 +161,12 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
         ca += ca_b
         dYk += _mm(place, ck, LO, PREC)
         dYa += _mm(place, ca, LO, PREC)
-    dqk = tl.load(dqk_d + _row(bh, t0, rows, Tp, 1))
-    dqa = tl.load(dqa_d + _row(bh, t0, rows, Tp, 1))
-    tl.store(dq + pk, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale)
-    tl.store(db + pk, GW * eG + dXb)                              # δB = δB← ⊙ Γ (+ pair terms)
-    tl.store(dk + pk, dKd * dec + dYk + dqk[:, None] * qs)
-    tl.store(da + pk, dAd * dec + dYa + dqa[:, None] * qs)
+    dqk = _ld(dqk_d + _row(bh, t0, rows, Tp, 1), m1, VARLEN)
+    dqa = _ld(dqa_d + _row(bh, t0, rows, Tp, 1), m1, VARLEN)
+    _st(dq + pk, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale, m, VARLEN)
+    _st(db + pk, GW * eG + dXb, m, VARLEN)                        # δB = δB← ⊙ Γ (+ pair terms)
+    _st(dk + pk, dKd * dec + dYk + dqk[:, None] * qs, m, VARLEN)
+    _st(da + pk, dAd * dec + dYa + dqa[:, None] * qs, m, VARLEN)
     # Gate gradient, grouped by which gk_j each factor contains (chunkwise.py explains why):
     # e^{G_r} factors → reverse cumsum; e^{G_L − G_r} → exclusive forward cumsum; pairs e^{G_r − G_i}
     # → +at r, −at i, reverse cumsum; Diag(γ_L) h → every row.
@@ -161,7 +174,7 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
     down = kx * dec * dKd + ax * dec * dAd
     dgk = tl.cumsum(up, axis=0, reverse=True) + (tl.cumsum(down, axis=0) - down)
     dgk += (eGl * hdh)[None, :]
-    tl.store(dg + pk, dgk)
+    _st(dg + pk, dgk, m, VARLEN)
 
 
 def bwd_dv_reference(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, L: int):

@@ -1,7 +1,14 @@
 """The chunkwise DPLR/KDA op over the kernels of this package: layout glue, the launchers of the
 forward and backward phases, the `torch.library` custom ops `xlstm_kit::dplr_chunkwise_fwd` /
 `xlstm_kit::dplr_chunkwise_bwd` (so `torch.compile` traces through them), and the entry points
-`dplr_chunkwise_triton`, `kda_chunkwise_triton` and `supports` (backend.py's question)."""
+`dplr_chunkwise_triton`, `kda_chunkwise_triton` and `supports` (backend.py's question).
+
+Packed sequences (cu_seqlens, B = 1): the inputs keep their length T in the chunk layout (no
+padding), the chunks come from the device-side chunk table of the mLSTM kernels
+(mlstm/triton/varlen.py: per sequence ⌈len / L⌉ chunks, the last one partial, at most
+⌈T / L⌉ + N − 1 in all, spare ones idle), every per-chunk kernel runs over the chunks of all
+sequences at once with masked rows (common.py), and the two state kernels run one program per
+(sequence, head, V-tile) from that sequence's initial state to its final state. No host sync."""
 from __future__ import annotations
 
 import functools
@@ -9,13 +16,16 @@ import functools
 import torch
 import torch.nn.functional as nnf
 
+from ....errors import XLSTMKitError
+from ..._checks import check_tensor
 from ...backend import interpreting
+from ...mlstm.triton.varlen import chunk_table, num_chunks
 from ..kda import check_kda_inputs
 from ..naive import check_chunk, check_dplr_inputs, check_scale
 from .backward import _bwd_dk, _bwd_dv
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
-from .pairs import _fwd_pairs
+from .pairs import _fwd_gamma_varlen, _fwd_pairs
 from .state import _bwd_state, _fwd_state
 from .wy import _fwd_wy
 
@@ -26,8 +36,9 @@ _STAGES = 1
 
 # forward scratch the backward reads (it re-runs none of the forward kernels): the inputs in the
 # chunk layout, G, the pair matrices, E, W, V2, the chunk states and the decayed operands
+# and the varlen chunk table (tab, sinfo: empty [0, 4] without cu_seqlens)
 _SAVED = ("qc", "kc", "vc", "ac", "bc", "G", "Aqk", "Aqa", "Abk", "E", "W", "V2", "Hs", "Qg",
-          "Kd", "Ad", "eGl")
+          "Kd", "Ad", "eGl", "tab", "sinfo")
 _GRADS = ("dq", "dk", "dv", "da", "db", "dgk", "dh0")
 
 
@@ -62,23 +73,46 @@ def _log_gamma(gk: torch.Tensor, Tp: int, L: int) -> torch.Tensor:
     return g.view(BH, Tp // L, L, K).cumsum(2, dtype=torch.float64).view(BH, Tp, K)
 
 
+def _table(cu_seqlens, T: int, L: int, dev, launch: bool):
+    """(tab, sinfo, number of table chunks) of the varlen chunk table; empty [0, 4] tables and
+    None without cu_seqlens; the fake implementations get the shapes only."""
+    if cu_seqlens is None:
+        e = torch.empty(0, 4, device=dev, dtype=torch.int32)
+        return e, e.clone(), None
+    N = cu_seqlens.shape[0] - 1
+    NC = num_chunks(T, N, L)
+    if launch:
+        vl = chunk_table(cu_seqlens, T, L)
+        return vl.tab, vl.sinfo, NC
+    new = lambda n: torch.empty(n, 4, device=dev, dtype=torch.int32)  # noqa: E731
+    return new(NC), new(N), NC
+
+
 # ----------------------------------------------------------------------------------------------
 # launchers (launch=False: the same buffers, no kernels — the custom ops' fake implementations)
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, launch: bool = True):
-    """q, k, a, b, gk: [B, T, H, K]; v: [B, T, H, V]; h0: [B, H, K, V] or None; config: a
-    `DPLRKernelConfig.key()` (already through `for_dtypes`).
-    Returns (o [B, T, H, V] in q's dtype, hT [B, H, K, V] float32, *the _SAVED scratch)."""
+def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlens=None,
+             launch: bool = True):
+    """q, k, a, b, gk: [B, T, H, K]; v: [B, T, H, V]; h0: [S, H, K, V] or None; config: a
+    `DPLRKernelConfig.key()` (already through `for_dtypes`); cu_seqlens: [N+1] with B = 1 (S = N
+    packed sequences, module docstring) or None (S = B).
+    Returns (o [B, T, H, V] in q's dtype, hT [S, H, K, V] float32, *the _SAVED scratch)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    Tp = (T + L - 1) // L * L
-    NC = Tp // L
+    tab, sinfo, NCV = _table(cu_seqlens, T, L, q.device, launch)
+    varlen = NCV is not None
+    Tp = T if varlen else (T + L - 1) // L * L
+    NC = NCV if varlen else Tp // L
     BH = B * H
+    S = sinfo.shape[0] * H if varlen else BH         # rows of the initial and final states
     qc, kc, vc, ac, bc = (_chunk_layout(x, Tp) for x in (q, k, v, a, b))
-    G = _log_gamma(gk, Tp, L)
-    h0c = None if h0 is None else h0.to(torch.float32).reshape(BH, K, V).contiguous()
+    if varlen:      # the in-chunk cumsum over the table's chunks: a kernel below
+        G = torch.empty(H, T, K, device=q.device, dtype=torch.float64)
+    else:
+        G = _log_gamma(gk, Tp, L)
+    h0c = None if h0 is None else h0.to(torch.float32).reshape(S, K, V).contiguous()
     new = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.float32)  # noqa: E731
     Aqk, Aqa, Abk, Aba, E = (new(BH, NC, L, L) for _ in range(5))
     W, Qg, Kd, Ad = (new(BH, Tp, K) for _ in range(4))
@@ -86,40 +120,52 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, launch: b
     Cm, V2 = new(BH, Tp, V), new(BH, Tp, V)
     O = torch.empty(BH, Tp, V, device=q.device, dtype=q.dtype)
     Hs = new(BH, NC, K, V)
-    hT = new(BH, K, V)
+    hT = new(S, K, V)
     if launch:
         c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
+        vl = dict(tab=tab, VARLEN=True) if varlen else {}
+        if varlen:
+            _fwd_gamma_varlen[(NC, H, K // min(K, 64))](gk.contiguous(), G, tab, T, H, K=K, L=L,
+                                                        BK=min(K, 64), num_warps=4)
         _fwd_pairs[(NC * (L // SUB), BH)](qc, kc, ac, bc, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
                                           K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, LO=c.lo,
-                                          num_warps=c.pairs_warps, num_stages=_STAGES)
+                                          num_warps=c.pairs_warps, num_stages=_STAGES, **vl)
         _fwd_wy[(NC, BH)](qc, kc, ac, bc, vc, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC,
                           K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
-                          num_warps=c.wy_warps, num_stages=_STAGES)
-        _fwd_state[(V // c.state_bv, BH)](Qg, Kd, Ad, eGl, vc, Aqk, Aqa, W, Cm,
-                                          h0c if h0c is not None else hT, Hs, V2, O, hT, Tp, NC,
-                                          K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
-                                          PREC=c.prec, LO=c.lo, num_warps=c.state_warps,
-                                          num_stages=_STAGES)
-    return (_seq_layout(O, B, H, T), hT.view(B, H, K, V),
-            qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl)
+                          num_warps=c.wy_warps, num_stages=_STAGES, **vl)
+        _fwd_state[(V // c.state_bv, S)](Qg, Kd, Ad, eGl, vc, Aqk, Aqa, W, Cm,
+                                         h0c if h0c is not None else hT, Hs, V2, O, hT, Tp, NC,
+                                         K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
+                                         PREC=c.prec, LO=c.lo, num_warps=c.state_warps,
+                                         num_stages=_STAGES, **_seq_args(vl, sinfo, H))
+    return (_seq_layout(O, B, H, T), hT.view(S // H, H, K, V),
+            qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, tab, sinfo)
 
 
-def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, do, dhT,
-              B: int, T: int, scale: float, L: int, gk_dtype, h0_dtype, config: str,
+def _seq_args(vl: dict, sinfo, H: int) -> dict:
+    """The varlen arguments of the state kernels: the per-chunk ones plus sinfo and H."""
+    return dict(vl, sinfo=sinfo, H=H) if vl else {}
+
+
+def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, tab, sinfo,
+              do, dhT, B: int, T: int, scale: float, L: int, gk_dtype, h0_dtype, config: str,
               launch: bool = True):
-    """The _SAVED scratch of `_forward`; do: [B, T, H, V] or None; dhT: [B, H, K, V] or None.
+    """The _SAVED scratch of `_forward`; do: [B, T, H, V] or None; dhT: [S, H, K, V] or None
+    (S = B, or N packed sequences when the table is not empty).
     Returns dq, dk, dv, da, db, dgk ([B, T, H, ·] in the dtypes of q, k, v, a, b and gk) and dh0
-    ([B, H, K, V] in h0_dtype; empty when h0_dtype is None)."""
+    ([S, H, K, V] in h0_dtype; empty when h0_dtype is None)."""
     BH, Tp, K = qc.shape
     H = BH // B
     V = vc.shape[-1]
-    NC = Tp // L
+    NC = Hs.shape[1]
+    varlen = tab.shape[0] > 0
+    S = sinfo.shape[0] * H if varlen else BH
     dev = qc.device
     new = lambda *shape: torch.empty(*shape, device=dev, dtype=torch.float32)  # noqa: E731
     # dO is read in its own dtype (the kernels widen it on load)
     dO = new(BH, Tp, V).zero_() if do is None else _chunk_layout(do, Tp)
-    dhTc = None if dhT is None else dhT.to(torch.float32).reshape(BH, K, V).contiguous()
-    dH, dV2, dh0 = new(BH, NC, K, V), new(BH, Tp, V), new(BH, K, V)
+    dhTc = None if dhT is None else dhT.to(torch.float32).reshape(S, K, V).contiguous()
+    dH, dV2, dh0 = new(BH, NC, K, V), new(BH, Tp, V), new(S, K, V)
     GC = new(BH, Tp, V)
     dA = [new(BH, NC, L, L) for _ in range(4)]
     dqk_d, dqa_d = new(BH, Tp), new(BH, Tp)
@@ -128,19 +174,21 @@ def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eG
                           for dt in (qc.dtype, kc.dtype, ac.dtype, bc.dtype, gk_dtype))
     if launch:
         c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
-        _bwd_state[(V // c.state_bv, BH)](Qg, Ad, eGl, Aqa, W, dO, dhTc if dhTc is not None else dh0,
-                                          dH, dV2, dh0, Tp, NC, K=K, V=V, L=L, BV=c.state_bv,
-                                          HAS_DHT=dhTc is not None, PREC=c.prec,
-                                          num_warps=c.state_warps, num_stages=_STAGES)
+        vl = dict(tab=tab, VARLEN=True) if varlen else {}
+        _bwd_state[(V // c.state_bv, S)](Qg, Ad, eGl, Aqa, W, dO, dhTc if dhTc is not None else dh0,
+                                         dH, dV2, dh0, Tp, NC, K=K, V=V, L=L, BV=c.state_bv,
+                                         HAS_DHT=dhTc is not None, PREC=c.prec,
+                                         num_warps=c.state_warps, num_stages=_STAGES,
+                                         **_seq_args(vl, sinfo, H))
         _bwd_dv[(NC, BH)](Kd, vc, Aqk, Abk, E, V2, dO, dH, dV2, GC, *dA, dv, dqk_d, dqa_d, Tp, NC,
                           K=K, V=V, L=L, BK=c.dv_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo,
-                          num_warps=c.dv_warps, num_stages=_STAGES)
+                          num_warps=c.dv_warps, num_stages=_STAGES, **vl)
         _bwd_dk[(NC, K // c.dk_bk, BH)](qc, kc, vc, ac, bc, G, V2, Hs, dO, dH, GC, *dA, dqk_d, dqa_d,
                                         dq, dk, da, db, dg, scale, Tp, NC, K=K, V=V, L=L, S=SUB,
                                         BK=c.dk_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo,
-                                        num_warps=c.dk_warps, num_stages=_STAGES)
+                                        num_warps=c.dk_warps, num_stages=_STAGES, **vl)
     grads = tuple(_seq_layout(g, B, H, T) for g in (dq, dk, dv, da, db, dg))
-    dh0 = dh0.new_empty(0) if h0_dtype is None else dh0.view(B, H, K, V).to(h0_dtype)
+    dh0 = dh0.new_empty(0) if h0_dtype is None else dh0.view(S // H, H, K, V).to(h0_dtype)
     return (*grads, dh0)
 
 
@@ -171,7 +219,8 @@ def _bwd_fake(*args):
 
 _fwd_op = torch.library.custom_op(
     "xlstm_kit::dplr_chunkwise_fwd", _fwd_impl, mutates_args=(),
-    schema=f"({_tensors('qkvab')}, Tensor gk, Tensor? h0, float scale, int chunk_size, str config)"
+    schema=f"({_tensors('qkvab')}, Tensor gk, Tensor? h0, float scale, int chunk_size, str config, "
+           f"Tensor? cu_seqlens=None)"
            f" -> ({_tensors(('o', 'hT') + _SAVED)})")
 _fwd_op.register_fake(_fwd_fake)
 
@@ -184,7 +233,7 @@ _bwd_op.register_fake(_bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, a, b, gk, h0, scale, L, config = inputs
+    q, k, v, a, b, gk, h0, scale, L, config, _ = inputs
     ctx.mark_non_differentiable(*output[2:])
     ctx.save_for_backward(*output[2:])
     ctx.meta = (q.shape[0], q.shape[1], scale, L, gk.dtype, None if h0 is None else h0.dtype, config)
@@ -194,7 +243,7 @@ def _setup_context(ctx, inputs, output):
 def _grad(ctx, do, dhT, *_):
     B, T, scale, L, gk_dtype, h0_dtype, config = ctx.meta
     *grads, dh0 = _bwd_op(*ctx.saved_tensors, do, dhT, B, T, scale, L, gk_dtype, h0_dtype, config)
-    return (*grads, None if h0_dtype is None else dh0, None, None, None)
+    return (*grads, None if h0_dtype is None else dh0, None, None, None, None)
 
 
 _fwd_op.register_autograd(_grad, setup_context=_setup_context)
@@ -243,13 +292,32 @@ def _config_key(config: DPLRKernelConfig | None, *dtypes: torch.dtype) -> str:
     return _cached_key(config, dtypes)
 
 
-def _apply(q, k, v, a, b, gk, initial_state, scale, output_final_state, chunk_size, config):
-    o, hT, *_ = _fwd_op(q, k, v, a, b, gk, initial_state, scale, chunk_size, config)
+def _check_packed(q, v, cu_seqlens, initial_state) -> None:
+    """The shape rules of packed sequences that need no host sync (the public ops also check the
+    values of cu_seqlens: `_checks.check_cu_seqlens`)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise XLSTMKitError("cu_seqlens must be an int32 or int64 tensor of shape [N+1] with N >= 1, got "
+                            + (f"{cu_seqlens.dtype} {list(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
+                               else type(cu_seqlens).__name__))
+    if q.shape[0] != 1:
+        raise XLSTMKitError(f"packed sequences (cu_seqlens) take batch 1, got batch {q.shape[0]}")
+    if cu_seqlens.device != q.device:
+        raise XLSTMKitError(f"cu_seqlens is on {cu_seqlens.device}, the inputs on {q.device}")
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state,
+                     (cu_seqlens.shape[0] - 1, q.shape[2], q.shape[3], v.shape[-1]), "N,H,K,V")
+
+
+def _apply(q, k, v, a, b, gk, initial_state, scale, output_final_state, chunk_size, config, cu_seqlens):
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
+    o, hT, *_ = _fwd_op(q, k, v, a, b, gk, initial_state, scale, chunk_size, config, cu_seqlens)
     return o, (hT if output_final_state else None)
 
 
 def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
-                          output_final_state=False, chunk_size=64, config=None):
+                          output_final_state=False, chunk_size=64, config=None, cu_seqlens=None):
     """DPLR chunkwise with the Triton kernels of this package (forward and hand-written backward).
 
     S_t = S_{t-1} Diag(α_t)(I − b_t a_tᵀ) + v_t k_tᵀ, α_t = exp(gk_t), o_t = S_t (scale·q_t).
@@ -262,31 +330,41 @@ def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
         chunk_size: 16, 32 or 64.
         config: a `DPLRKernelConfig`, default `DPLRKernelConfig()`; its low-precision mode
             applies only when all of q, k, v, a, b, gk are bfloat16 (`for_dtypes`).
+        cu_seqlens: None, or int32/int64 [N+1] (0 first, strictly increasing, T last; the
+            caller checks the values) with B = 1: N packed sequences, each from its row of
+            initial_state [N, H, K, V] (None: zeros) to its row of the final state [N, H, K, V].
     Returns:
-        (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32 or None).
+        (o [B, T, H, V] in q's dtype, final state [B or N, H, K, V] float32 or None).
     """
-    B, T, H, K, V = check_dplr_inputs(q, k, v, a, b, gk, initial_state)
+    packed = cu_seqlens is not None
+    B, T, H, K, V = check_dplr_inputs(q, k, v, a, b, gk, None if packed else initial_state)
+    if packed:
+        _check_packed(q, v, cu_seqlens, initial_state)
     _check(q, v, chunk_size, *zip("qkvab", (q, k, v, a, b)), ("gk", gk))
     key = _config_key(config, q.dtype, k.dtype, v.dtype, a.dtype, b.dtype, gk.dtype)
     return _apply(q, k, v, a, b, gk, initial_state, float(check_scale(scale, K)),
-                  output_final_state, chunk_size, key)
+                  output_final_state, chunk_size, key, cu_seqlens)
 
 
 def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                         chunk_size=64, config=None):
+                         chunk_size=64, config=None, cu_seqlens=None):
     """KDA through the DPLR kernels: a = k, b = β k, v ← β v (seed "与KDA的关系"); gradients reach
     k, v, g and β through autograd of the substitution. The low-precision rule of `config`
     looks at the KDA inputs (all bfloat16), not at the float32 substituted ones.
 
-    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None.
-    Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32 or None).
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None;
+    cu_seqlens: as for `dplr_chunkwise_triton` (initial and final state then [N, H, K, V]).
+    Returns (o [B, T, H, V] in q's dtype, final state [B or N, H, K, V] float32 or None).
     """
+    packed = cu_seqlens is not None
     check_kda_inputs(q, k, v, g, beta)
+    if packed:
+        _check_packed(q, v, cu_seqlens, initial_state)
     _check(q, v, chunk_size, *zip("qkvg", (q, k, v, g)), ("beta", beta))
     key = _config_key(config, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
     # products formed in float32 so 16-bit inputs are rounded only once (as kda.py)
     kf, beta_ = k.float(), beta.float().unsqueeze(-1)
     vb = v.float() * beta_
-    check_dplr_inputs(q, kf, vb, kf, kf, g, initial_state)
+    check_dplr_inputs(q, kf, vb, kf, kf, g, None if packed else initial_state)
     return _apply(q, kf, vb, kf, kf * beta_, g, initial_state,
-                  float(check_scale(scale, q.shape[-1])), output_final_state, chunk_size, key)
+                  float(check_scale(scale, q.shape[-1])), output_final_state, chunk_size, key, cu_seqlens)

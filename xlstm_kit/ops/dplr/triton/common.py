@@ -4,6 +4,13 @@ reference-point decay factors of a pair-matrix column block and the accumulator 
 Every tensor the kernels address is a contiguous [N, T, D] array (inputs and scratch in the chunk
 layout [B·H, Tp, D], pair matrices [B·H·NC, L, L], chunk states [B·H·NC, K, V]); `_offs` gives
 the flat offsets of one [rows, cols] tile of it and `_row` those of one row.
+
+Packed sequences (VARLEN, cu_seqlens; B = 1, Tp = T, no padding): chunk n is the table row
+(sequence, first row t0, end row) of mlstm/triton/varlen.py, so a chunk never crosses a boundary.
+Its rows past the sequence's end (nv valid rows) are loaded as zeros and never stored, and G is
+read at the last valid row there: exactly the zero-padded steps (gk = 0, G constant) the last
+chunk of an unpacked sequence has, so the per-chunk maths is unchanged. Without VARLEN chunk n
+is rows n·L … n·L + L − 1 and the helpers below compile to the unmasked forms.
 """
 from __future__ import annotations
 
@@ -28,17 +35,83 @@ def _row(n, t, cols, T, D):
 
 
 @triton.jit
-def _ref_factors(G, Gx, py, bh, t_blk, kk, below, inblk, Tp, K, S: tl.constexpr):
-    """The decay factors of one column block (steps t_blk … t_blk + S − 1) of the pair matrices,
-    with the block's two reference points (package docstring, gate safety): rows below the block
-    take G_end, rows inside it G_mid. Gx [L, BK]: the chunk's G (float64); py: the offsets of the
-    block's rows [S, BK] in G; kk: the BK channels. Returns fx_off, fx_in [L, BK] (0 outside
-    their rows) and fy_off (≤ 1), fy_in (≤ e^{40}) [S, BK], all float32."""
-    g_end = tl.load(G + _row(bh, t_blk + S - 1, kk, Tp, K))
-    g_mid = tl.load(G + _row(bh, t_blk + S // 2 - 1, kk, Tp, K))
+def _chunk_rows(tab, n, L: tl.constexpr, VARLEN: tl.constexpr):
+    """(seq, t0, nv) of chunk n: its sequence (−1: a spare chunk of the varlen table, which does
+    nothing), its first row and its number of valid rows (≤ L)."""
+    if VARLEN:
+        seq = tl.load(tab + n * 4)
+        t0 = tl.load(tab + n * 4 + 1)
+        nv = tl.minimum(tl.load(tab + n * 4 + 2) - t0, L)
+    else:
+        seq = 0
+        t0 = n * L
+        nv = L
+    return seq, t0, nv
+
+
+@triton.jit
+def _seq_chunks(sinfo, H, NC, VARLEN: tl.constexpr):
+    """The program of a sequential state kernel (grid: V-tile, b·h, or n·H + h with VARLEN):
+    (lay, sid, c0, c1): lay the b·h of the chunk-layout tensors (h with VARLEN: batch 1), sid the
+    row of the [B·H or N·H, K, V] initial/final states, [c0, c1) the chunks it walks."""
+    pid = tl.program_id(1)
+    if VARLEN:
+        s = pid // H
+        lay = (pid % H).to(tl.int64)
+        c0 = tl.load(sinfo + s * 4 + 2)
+        c1 = tl.load(sinfo + s * 4 + 3)
+    else:
+        lay = pid.to(tl.int64)
+        c0 = 0
+        c1 = NC
+    return lay, pid.to(tl.int64), c0, c1
+
+
+@triton.jit
+def _ld(p, m, VARLEN: tl.constexpr):
+    """tl.load(p), zeros where the mask m is false with VARLEN (rows past the sequence's end)."""
+    if VARLEN:
+        x = tl.load(p, mask=m, other=0.0)
+    else:
+        x = tl.load(p)
+    return x
+
+
+@triton.jit
+def _st(p, x, m, VARLEN: tl.constexpr):
+    """tl.store(p, x), only where the mask m is true with VARLEN."""
+    if VARLEN:
+        tl.store(p, x, mask=m)
+    else:
+        tl.store(p, x)
+
+
+@triton.jit
+def _last(rows, nv, VARLEN: tl.constexpr):
+    """Rows (of one chunk) clamped to its last valid row: where G is read (module docstring)."""
+    if VARLEN:
+        r = tl.minimum(rows, nv - 1)
+    else:
+        r = rows
+    return r
+
+
+@triton.jit
+def _ref_factors(G, Gx, py, bh, t0, j0, kk, below, inblk, nv, Tp, K, S: tl.constexpr,
+                 VARLEN: tl.constexpr):
+    """The decay factors of one column block (steps t0 + j0 … t0 + j0 + S − 1) of the pair
+    matrices, with the block's two reference points (package docstring, gate safety): rows below
+    the block take G_end, rows inside it G_mid. Gx [L, BK]: the chunk's G (float64); py: the
+    offsets of the block's rows [S, BK] in G; kk: the BK channels; nv: the chunk's valid rows. Returns fx_off, fx_in [L, BK] (0 outside their rows)
+    and fy_off (≤ 1), fy_in (≤ e^{40}) [S, BK], all float32."""
+    g_end = tl.load(G + _row(bh, t0 + _last(j0 + S - 1, nv, VARLEN), kk, Tp, K))
+    g_mid = tl.load(G + _row(bh, t0 + _last(j0 + S // 2 - 1, nv, VARLEN), kk, Tp, K))
     fx_off = tl.exp(tl.where(below[:, None], Gx - g_end[None, :], float("-inf")).to(tl.float32))
     fx_in = tl.exp(tl.where(inblk[:, None], Gx - g_mid[None, :], float("-inf")).to(tl.float32))
-    Gy = tl.load(G + py)
+    if VARLEN:
+        Gy = tl.load(G + _offs(bh, t0, _last(j0 + tl.arange(0, S), nv, VARLEN), kk, Tp, K))
+    else:
+        Gy = tl.load(G + py)
     fy_off = tl.exp((g_end[None, :] - Gy).to(tl.float32))
     fy_in = tl.exp((g_mid[None, :] - Gy).to(tl.float32))
     return fx_off, fx_in, fy_off, fy_in

@@ -1,28 +1,51 @@
 """Phase 1 of the forward: the four pair matrices of every chunk (`_fwd_pairs`), and their
-PyTorch reference."""
+PyTorch reference; for packed sequences also its prologue `_fwd_gamma_varlen` (the in-chunk
+cumulative gates G)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import _mm, _offs, _ref_factors, _zeros4
+from .common import _chunk_rows, _last, _ld, _mm, _offs, _ref_factors, _zeros4
+
+
+
+@triton.jit
+def _fwd_gamma_varlen(gk, G, tab, T, H, K: tl.constexpr, L: tl.constexpr, BK: tl.constexpr):
+    """G = the inclusive cumsum of gk over each chunk of the varlen table (common.py), in
+    float64 like the unpacked path's torch cumsum, for BK channels of one (chunk, head).
+    gk: [1, T, H, K] contiguous (read in its own dtype); G: [H, T, K] float64."""
+    h = tl.program_id(1).to(tl.int64)
+    seq, t0, nv = _chunk_rows(tab, tl.program_id(0), L, True)
+    if seq < 0:
+        return
+    rows = tl.arange(0, L)
+    kk = tl.program_id(2) * BK + tl.arange(0, BK)
+    m = (rows < nv)[:, None]
+    x = tl.load(gk + ((t0 + rows).to(tl.int64) * H + h)[:, None] * K + kk[None, :], mask=m, other=0.0)
+    tl.store(G + _offs(h, t0, rows, kk, T, K), tl.cumsum(x.to(tl.float64), axis=0), mask=m)
 
 
 @triton.jit
 def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
                K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
-               PREC: tl.constexpr, LO: tl.constexpr):
+               PREC: tl.constexpr, LO: tl.constexpr, tab=None, VARLEN: tl.constexpr = False):
     """One [L, S] column block (sub-chunk j) of A_qk, A_qa, A_bk, A_ba of one chunk.
-    q, k, a, b: [BH, Tp, K] (input dtype); G: [BH, Tp, K] float64; A*: [BH, NC, L, L] float32."""
+    q, k, a, b: [BH, Tp, K] (input dtype); G: [BH, Tp, K] float64; A*: [BH, NC, L, L] float32;
+    tab: the varlen chunk table with VARLEN (common.py)."""
     NB: tl.constexpr = L // S
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     n = pid // NB
     j0 = (pid % NB) * S
-    t0 = n * L
+    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    if seq < 0:
+        return
     rows = tl.arange(0, L)
     cols = tl.arange(0, S)
+    mx = (rows < nv)[:, None]
+    my = (j0 + cols < nv)[:, None]
     below = rows >= j0 + S
     inblk = (rows >= j0) & (rows < j0 + S)
     acc_qk, acc_qa, acc_bk, acc_ba = _zeros4(L, S)
@@ -30,12 +53,13 @@ def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
         kk = k0 + tl.arange(0, BK)
         px = _offs(bh, t0, rows, kk, Tp, K)                     # [L, BK]
         py = _offs(bh, t0 + j0, cols, kk, Tp, K)                # [S, BK]
-        Gx = tl.load(G + px)
-        fx_off, fx_in, fy_off, fy_in = _ref_factors(G, Gx, py, bh, t0 + j0, kk, below, inblk, Tp, K, S)
-        xq = tl.load(q + px).to(tl.float32) * scale
-        xb = tl.load(b + px).to(tl.float32)
-        yk = tl.load(k + py).to(tl.float32)
-        ya = tl.load(a + py).to(tl.float32)
+        Gx = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kk, Tp, K))
+        fx_off, fx_in, fy_off, fy_in = _ref_factors(G, Gx, py, bh, t0, j0, kk, below, inblk, nv, Tp, K, S,
+                                                    VARLEN)
+        xq = _ld(q + px, mx, VARLEN).to(tl.float32) * scale
+        xb = _ld(b + px, mx, VARLEN).to(tl.float32)
+        yk = _ld(k + py, my, VARLEN).to(tl.float32)
+        ya = _ld(a + py, my, VARLEN).to(tl.float32)
         yk_off = tl.trans(yk * fy_off)
         yk_in = tl.trans(yk * fy_in)
         ya_off = tl.trans(ya * fy_off)

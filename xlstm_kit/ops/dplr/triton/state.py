@@ -7,79 +7,85 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _mm, _offs, _row
+from .common import _chunk_rows, _ld, _mm, _offs, _row, _seq_chunks, _st
 
 
 @triton.jit
-def _state_start(h_in, HAS_IN: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-                 BV: tl.constexpr):
-    """The program of a sequential state kernel (grid: V-tile, b·h): (bh, rows [L], kr [K],
-    vv [BV], h) with h the [K, BV] float32 tile of h_in [BH, K, V] (zeros without HAS_IN)."""
-    vt_id = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+def _state_start(h_in, sinfo, H, NC, HAS_IN: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 L: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr):
+    """The program of a sequential state kernel (grid: V-tile, b·h or n·H + h, common.py
+    `_seq_chunks`): (lay, sid, c0, c1, rows [L], kr [K], vv [BV], h) with h the [K, BV] float32
+    tile of row sid of h_in [BH or N·H, K, V] (zeros without HAS_IN)."""
+    lay, sid, c0, c1 = _seq_chunks(sinfo, H, NC, VARLEN)
     rows = tl.arange(0, L)
     kr = tl.arange(0, K)
-    vv = vt_id * BV + tl.arange(0, BV)
+    vv = tl.program_id(0) * BV + tl.arange(0, BV)
     if HAS_IN:
-        h = tl.load(h_in + _offs(bh, 0, kr, vv, K, V)).to(tl.float32)
+        h = tl.load(h_in + _offs(sid, 0, kr, vv, K, V)).to(tl.float32)
     else:
         h = tl.zeros([K, BV], dtype=tl.float32)
-    return bh, rows, kr, vv, h
+    return lay, sid, c0, c1, rows, kr, vv, h
 
 
 @triton.jit
-def _chunk_start(Hs, h, bh, n, rows, kr, vv, Tp, NC, K: tl.constexpr, V: tl.constexpr,
-                 L: tl.constexpr):
+def _chunk_start(Hs, h, bh, n, tab, rows, kr, vv, Tp, NC, K: tl.constexpr, V: tl.constexpr,
+                 L: tl.constexpr, VARLEN: tl.constexpr):
     """Stores h as chunk n's entry of Hs [BH, NC, K, V]; returns the offsets of the chunk's rows
-    of the [BH, Tp, K] and [BH, Tp, V] operands and of its [L, L] pair matrix."""
+    of the [BH, Tp, K] and [BH, Tp, V] operands and of its [L, L] pair matrix, and the mask of
+    its valid rows [L, 1]."""
     tl.store(Hs + _offs(bh * NC + n, 0, kr, vv, K, V), h)
-    t0 = n * L
+    _, t0, nv = _chunk_rows(tab, n, L, VARLEN)
     pk = _offs(bh, t0, rows, kr, Tp, K)
     pv = _offs(bh, t0, rows, vv, Tp, V)
-    return pk, pv, _offs(bh * NC + n, 0, rows, rows, L, L)
+    return pk, pv, _offs(bh * NC + n, 0, rows, rows, L, L), (rows < nv)[:, None]
 
 
 @triton.jit
 def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
                K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
-               HAS_H0: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr):
+               HAS_H0: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, tab=None, sinfo=None,
+               H=1, VARLEN: tl.constexpr = False):
     """Sequential over the chunks of one (b·h, V-tile): V2, O and the state h [K, BV].
-    Hs: [BH, NC, K, V] states entering each chunk; V2, O: [BH, Tp, V]; h0, hT: [BH, K, V]."""
-    bh, rows, kr, vv, h = _state_start(h0, HAS_H0, K, V, L, BV)
-    for n in range(0, NC):
-        pk, pv, pa = _chunk_start(Hs, h, bh, n, rows, kr, vv, Tp, NC, K, V, L)
-        vt = tl.load(v + pv).to(tl.float32)
-        v2 = tl.load(Cm + pv) - tl.dot(tl.load(W + pk), h, input_precision=PREC)
-        tl.store(V2 + pv, v2)
-        o = _mm(tl.load(Qg + pk), h, LO, PREC)
+    Hs: [BH, NC, K, V] states entering each chunk; V2, O: [BH, Tp, V]; h0, hT: [BH, K, V].
+    VARLEN (tab, sinfo: the chunk table; H heads): program n·H + h walks sequence n's chunks from
+    row n·H + h of h0 [N·H, K, V] to that row of hT."""
+    bh, sid, c0, c1, rows, kr, vv, h = _state_start(h0, sinfo, H, NC, HAS_H0, K, V, L, BV, VARLEN)
+    for n in range(c0, c1):
+        pk, pv, pa, m = _chunk_start(Hs, h, bh, n, tab, rows, kr, vv, Tp, NC, K, V, L, VARLEN)
+        vt = _ld(v + pv, m, VARLEN).to(tl.float32)
+        v2 = _ld(Cm + pv, m, VARLEN) - tl.dot(_ld(W + pk, m, VARLEN), h, input_precision=PREC)
+        _st(V2 + pv, v2, m, VARLEN)
+        o = _mm(_ld(Qg + pk, m, VARLEN), h, LO, PREC)
         o += _mm(tl.load(Aqk + pa), vt, LO, PREC)
         o += _mm(tl.load(Aqa + pa), v2, LO, PREC)
-        tl.store(O + pv, o)
+        _st(O + pv, o, m, VARLEN)
         h = tl.load(eGl + _row(bh, n, kr, NC, K))[:, None] * h
-        h += tl.dot(tl.trans(tl.load(Kd + pk)), vt, input_precision=PREC)
-        h += tl.dot(tl.trans(tl.load(Ad + pk)), v2, input_precision=PREC)
-    tl.store(hT + _offs(bh, 0, kr, vv, K, V), h)
+        h += tl.dot(tl.trans(_ld(Kd + pk, m, VARLEN)), vt, input_precision=PREC)
+        h += tl.dot(tl.trans(_ld(Ad + pk, m, VARLEN)), v2, input_precision=PREC)
+    tl.store(hT + _offs(sid, 0, kr, vv, K, V), h)
 
 
 @triton.jit
 def _bwd_state(Qg, Ad, eGl, Aqa, W, dO, dhT, dH, dV2, dh0, Tp, NC,
                K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
-               HAS_DHT: tl.constexpr, PREC: tl.constexpr):
+               HAS_DHT: tl.constexpr, PREC: tl.constexpr, tab=None, sinfo=None, H=1,
+               VARLEN: tl.constexpr = False):
     """Reverse-sequential over the chunks of one (b·h, V-tile), seed §三:
         δV2 = (A ⊙ e^{G_L−G}) δh' + A_qaᵀ δO,   δh = Diag(γ_L) δh' + Q←ᵀ δO − Wᵀ δV2.
-    dH: [BH, NC, K, V] δ of the state leaving each chunk; dV2: [BH, Tp, V]; dhT, dh0: [BH, K, V]."""
-    bh, rows, kr, vv, dh = _state_start(dhT, HAS_DHT, K, V, L, BV)
-    for i in range(0, NC):
-        n = NC - 1 - i
-        pk, pv, pa = _chunk_start(dH, dh, bh, n, rows, kr, vv, Tp, NC, K, V, L)
-        do = tl.load(dO + pv).to(tl.float32)
-        dv2 = tl.dot(tl.load(Ad + pk), dh, input_precision=PREC)
+    dH: [BH, NC, K, V] δ of the state leaving each chunk; dV2: [BH, Tp, V]; dhT, dh0: [BH, K, V].
+    VARLEN: as `_fwd_state`, sequence n's chunks in reverse from row n·H + h of dhT [N·H, K, V]."""
+    bh, sid, c0, c1, rows, kr, vv, dh = _state_start(dhT, sinfo, H, NC, HAS_DHT, K, V, L, BV, VARLEN)
+    for i in range(c0, c1):
+        n = c0 + c1 - 1 - i
+        pk, pv, pa, m = _chunk_start(dH, dh, bh, n, tab, rows, kr, vv, Tp, NC, K, V, L, VARLEN)
+        do = _ld(dO + pv, m, VARLEN).to(tl.float32)
+        dv2 = tl.dot(_ld(Ad + pk, m, VARLEN), dh, input_precision=PREC)
         dv2 += tl.dot(tl.trans(tl.load(Aqa + pa)), do, input_precision=PREC)
-        tl.store(dV2 + pv, dv2)
+        _st(dV2 + pv, dv2, m, VARLEN)
         dh = tl.load(eGl + _row(bh, n, kr, NC, K))[:, None] * dh
-        dh += tl.dot(tl.trans(tl.load(Qg + pk)), do, input_precision=PREC)
-        dh -= tl.dot(tl.trans(tl.load(W + pk)), dv2, input_precision=PREC)
-    tl.store(dh0 + _offs(bh, 0, kr, vv, K, V), dh)
+        dh += tl.dot(tl.trans(_ld(Qg + pk, m, VARLEN)), do, input_precision=PREC)
+        dh -= tl.dot(tl.trans(_ld(W + pk, m, VARLEN)), dv2, input_precision=PREC)
+    tl.store(dh0 + _offs(sid, 0, kr, vv, K, V), dh)
 
 
 def _chunks(x, L):
