@@ -26,6 +26,7 @@ import torch
 
 from ..._checks import compute_dtype
 from ..naive import State
+from ....errors import XLSTMKitError
 from . import backward as _backward_phase
 from . import forward as _forward_phase
 from .common import prepare_r
@@ -211,6 +212,8 @@ def slstm_recurrent_triton(x_gates: Tensor, r: Tensor, b: Tensor, *,
     packed call costs about as many steps as its longest sequence.
     """
     h0, c0, n0, m0 = initial_state if initial_state is not None else (None,) * 4
+    if cu_seqlens is not None:
+        _check_packed(x_gates, cu_seqlens, h0)
     clip = None if recurrent_grad_clip is None else float(recurrent_grad_clip)
     tensors = (x_gates, r, b, h0, c0, n0, m0)
     # Inference keeps nothing for a backward.
@@ -218,3 +221,19 @@ def slstm_recurrent_triton(x_gates: Tensor, r: Tensor, b: Tensor, *,
     h, h_T, c_T, n_T, m_T, *_ = torch.ops.xlstm_kit.slstm_recurrent_fwd(
         *tensors, forget_gate, clip, "" if config is None else config.key(), save, cu_seqlens)
     return h, ((h_T, c_T, n_T, m_T) if output_final_state else None)
+
+
+def _check_packed(x_gates: Tensor, cu_seqlens: Tensor, h0: Optional[Tensor]) -> None:
+    """Shape, dtype and device checks of packed inputs (the values need the host: the caller's)."""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise XLSTMKitError(f"cu_seqlens must be an int32 or int64 tensor of shape [N+1] with N >= 1, "
+                            f"got {getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
+                            f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    if x_gates.shape[0] != 1:
+        raise XLSTMKitError(f"packed sequences (cu_seqlens) take batch 1, got batch {x_gates.shape[0]}")
+    if cu_seqlens.device != x_gates.device:
+        raise XLSTMKitError(f"cu_seqlens is on {cu_seqlens.device}, x_gates on {x_gates.device}")
+    if h0 is not None and h0.shape[0] != cu_seqlens.shape[0] - 1:
+        raise XLSTMKitError(f"initial_state has {h0.shape[0]} rows, cu_seqlens {cu_seqlens.shape[0] - 1} "
+                            f"sequences")
