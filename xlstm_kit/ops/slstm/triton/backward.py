@@ -1,7 +1,7 @@
 """sLSTM backward: one launch runs all T steps in reverse.
 
     backward(r_hi, r_lo, mm, saved (hs, g, cs, ns, ms), init, dh_out, d_final, exp_forget,
-             clip, config) -> (δg̃ [B,T,4,H,D], (δh_0, δc_0, δn_0, δm_0) each [B,H,D])
+             clip, config, sms, cu_seqlens) -> (δg̃ [B,T,4,H,D], (δh_0, δc_0, δn_0, δm_0) each [B,H,D])
 
 Maths: DESIGN.md §1 and the stabilized backward of `..recurrent` (paper eqs. 41–51 with the
 adjoints of c and n carried scaled by n_t, and the stabilizer's adjoint routed through the max the
@@ -10,8 +10,9 @@ The kernel writes δg̃ = δx_gates per step in the state dtype. δR = Σ_t h_{t
 δb = Σ_t δg̃_t are plain batched reductions over all (b, t) left to torch (`op.py`): an
 accumulator for δR ([D, 4D] per program) would not fit on chip. A head split over P programs
 (`config.SLSTMKernelConfig.block_u`) exchanges δg̃_t through δx_gates itself and a barrier per
-step, as the forward exchanges h_t. `backward_reference` is the same computation through
-autograd of the PyTorch op.
+step, as the forward exchanges h_t. Packed sequences: as in the forward, one column per
+sequence, each walked back from its own last step with its own final-state gradient.
+`backward_reference` is the same computation through autograd of the PyTorch op.
 """
 from __future__ import annotations
 

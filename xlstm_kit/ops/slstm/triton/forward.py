@@ -1,6 +1,6 @@
 """sLSTM forward: one launch runs all T steps.
 
-    forward(x [B,T,4,H,D], r_hi, r_lo, mm, b [4,H,D], init, exp_forget, save, config)
+    forward(x [B,T,4,H,D], r_hi, r_lo, mm, b [4,H,D], init, exp_forget, save, config, sms, cu_seqlens)
         -> (h [B,T,H,D], final (h, c, n, m) each [B,H,D], saved (hs, g, cs, ns, ms) or None)
 
 Work split: one program per (block of block_u units, tile of block_b batch entries, head); the
@@ -12,6 +12,15 @@ D = 128 in bf16) programs never wait for each other: the recurrence only mixes u
 head. A head split over P programs (D = 192: 3 x 64 units, no padding) spreads the work over
 P times as many SMs; its programs exchange h_t through a global scratch and meet at a barrier
 every step (`common._sync`).
+
+Packed sequences (cu_seqlens [N+1], batch 1): the kernels' batch entries are the N sequences.
+Column j of a tile reads and writes rows cu[j] + t of the packed tensors while t is below its
+length, then keeps its state (its final state) while the tile's longer sequences go on; the
+time loop runs to the tile's longest length, read from cu_seqlens on the device (no host
+sync). A step costs about the same for one column as for sixteen (it is latency-bound), so a
+packed batch costs about as many steps as its longest sequence, not the sum of the lengths.
+The barrier groups of a split head are per (tile, head): the programs of one group hold the
+same sequences, so they run the same number of steps.
 
 Saved for the backward (when `save`), per step: the gate pre-activations g̃ and (c, n, m), and h
 in the state dtype when the output is 16-bit. `forward_reference` is the same computation as a
