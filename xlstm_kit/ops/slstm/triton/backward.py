@@ -20,19 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_ld, _ld_gates, _ld_init, _ld_shared, _load_r, _load_r_chunks, _log_sigmoid, _mm,
-                     _sigmoid, _st, _st_gates, _sync, _tanh, _tile)
+from .common import (_ld, _ld_gates, _ld_init, _ld_shared, _live, _load_r, _load_r_chunks, _log_sigmoid,
+                     _mm, _sigmoid, _st, _st_gates, _sync, _tanh, _tile)
 from .config import SLSTMKernelConfig, flags, grid_of, launch
-
-
-@triton.jit
-def _live_back(mask, lens, t, VARLEN: tl.constexpr):
-    """The mask of step t: VARLEN (t counted back from each column's last step, 0, -1, ...)
-    only the columns whose sequence has that step."""
-    if VARLEN:
-        return mask & (lens - 1 + t >= 0)[None, :]
-    else:
-        return mask
 
 
 @triton.jit
@@ -41,35 +31,23 @@ def _load_step(G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, lens, t, H
     """Everything step t's backward reads that does not depend on the reverse recurrence:
     the gate pre-activations (a tuple i, f, z, o) and δh^ext of step t, and the state (c, n, m)
     before step t (the initial state when t = 0). t < 0 is clamped (a harmless re-read, never
-    used). VARLEN: t is counted back from each column's last step (col_x, col_q point at it);
-    nothing is read for the columns whose sequence has no such step."""
-    if VARLEN:
-        tj = (lens - 1 + t)[None, :]  # the column's own step
-        live = mask & (tj >= 0)
-        t64 = tl.cast(t, tl.int64)
-        g = _ld_gates(G + col_x, (t64 * 4 * HD + ru)[:, None], HD, live, EVEN)
-        if HAS_DH:
-            dh = _ld(DH + col_q + (t64 * HD + ru)[:, None], live, EVEN).to(sdt)
-        else:
-            dh = tl.zeros(g[0].shape, sdt)
-        up = ((t64 - 1) * HD + ru)[:, None]
-        first = tj == 0  # (a finished column reads zeros)
-        c_p = tl.where(first, c0, _ld(CS + col_q + up, mask & (tj >= 1), EVEN))
-        n_p = tl.where(first, n0, _ld(NS + col_q + up, mask & (tj >= 1), EVEN))
-        m_p = tl.where(first, m0, _ld(MS + col_q + up, mask & (tj >= 1), EVEN))
-        return g, dh, c_p, n_p, m_p
+    used). VARLEN: the inputs of step t only for the columns whose sequence has a step t, the
+    state before it also for those whose sequence ends at step t - 1 (their final state, the
+    state after their last step: see the kernel)."""
+    live = _live(mask, lens, t, VARLEN)
     tc = tl.cast(tl.maximum(t, 0), tl.int64)
     ux = (tc * 4 * HD + ru)[:, None]
-    g = _ld_gates(G + col_x, ux, HD, mask, EVEN)
+    g = _ld_gates(G + col_x, ux, HD, live, EVEN)
     if HAS_DH:
-        dh = _ld(DH + col_q + (tc * HD + ru)[:, None], mask, EVEN).to(sdt)
+        dh = _ld(DH + col_q + (tc * HD + ru)[:, None], live, EVEN).to(sdt)
     else:
         dh = tl.zeros(g[0].shape, sdt)
     up = (tl.maximum(tc - 1, 0) * HD + ru)[:, None]
     first = t <= 0
-    c_p = tl.where(first, c0, _ld(CS + col_q + up, mask, EVEN))
-    n_p = tl.where(first, n0, _ld(NS + col_q + up, mask, EVEN))
-    m_p = tl.where(first, m0, _ld(MS + col_q + up, mask, EVEN))
+    before = _live(mask, lens, t - 1, VARLEN)
+    c_p = tl.where(first, c0, _ld(CS + col_q + up, before, EVEN))
+    n_p = tl.where(first, n0, _ld(NS + col_q + up, before, EVEN))
+    m_p = tl.where(first, m0, _ld(MS + col_q + up, before, EVEN))
     return g, dh, c_p, n_p, m_p
 
 
@@ -90,27 +68,26 @@ def _slstm_bwd_kernel(
     # δh^Rᵀ [BU, BT] = Σ_g R_g[units, :] [BU, D] @ δg̃_gᵀ [D, BT]. SCRATCH: every program
     # writes its units' δg̃_t to DG (the output), and after the group's barrier (SYNC) reads
     # the whole δg̃_t back in K chunks; each step has its own place in DG, so no slots.
-    # VARLEN: column j is packed sequence j (see the forward), walked back from its own last
-    # step with its own final-state gradient: t counts back from 0 (col_x and col_q point at
-    # each column's last row), column j's own step being len_j - 1 + t; it stores its
-    # initial-state gradients at its step 0 and then runs on, unstored, on zero inputs (cheaper
-    # in registers than keeping the eight carried tiles of a finished column by selects).
+    # VARLEN: column j is packed sequence j (see the forward). The loop runs t from the tile's
+    # longest length down to 0; a column joins at its own last step, starting from its own
+    # final-state gradient: until then it keeps its adjoints (δh^R, Ĉ, N̂, δm by selects, ρ = 1),
+    # and its state (c, n, m) "after the step" is its final state, read at step len_j (the
+    # state before step t is read up to t = len_j; nothing else is selected: a kept tile lives
+    # across the whole step, in registers). Every column ends at its t = 0, so the
+    # initial-state gradients are those of the last step for all.
     sdt = DG.dtype.element_ty
     hd, grp, ru, rb64, md, mask_b, mask, HD, col_s, col_q, col_x, lens, steps = _tile(
         B, T, NH, D, CU, BT, BU, VARLEN)
-    if VARLEN:
-        col_x = col_x + (lens - 1)[None, :] * 4 * HD
-        col_q = col_q + (lens - 1)[None, :] * HD
-        t_end = 0
-    else:
-        t_end = T - 1
     u0 = ru[:, None]
     c0 = _ld_init(C0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
     n0 = _ld_init(N0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
     m0 = _ld_init(M0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
 
     # State after the last step; padding gets n = 1 so that 1/n stays finite there.
-    ul = (tl.cast(t_end, tl.int64) * HD + ru)[:, None]
+    if VARLEN:
+        ul = (lens - 1)[None, :] * HD + ru[:, None]
+    else:
+        ul = (tl.cast(T - 1, tl.int64) * HD + ru)[:, None]
     c_cur = _ld(CS + col_q + ul, mask, EVEN)
     n_cur = _ld(NS + col_q + ul, mask, EVEN)
     if not EVEN:
@@ -136,19 +113,12 @@ def _slstm_bwd_kernel(
 
     if PREFETCH:
         g, dh_x, c_p, n_p, m_p = _load_step(G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask,
-                                            lens, t_end, HD, HAS_DH, EVEN, sdt, VARLEN)
+                                            lens, steps - 1, HD, HAS_DH, EVEN, sdt, VARLEN)
     for tt in range(steps):
-        t = t_end - tt
-        live = _live_back(mask, lens, t, VARLEN)
-        if VARLEN:
-            # A finished column restarts every step from neutral values (zero adjoints, n = 1,
-            # m = 0), so that it stays finite (selects against constants: no register held).
-            dh_rec = tl.where(live, dh_rec, 0.0)
-            c_hat = tl.where(live, c_hat, 0.0)
-            n_hat = tl.where(live, n_hat, 0.0)
-            dm = tl.where(live, dm, 0.0)
-            n_cur = tl.where(live, n_cur, 1.0)
-            m_cur = tl.where(live, m_cur, 0.0)
+        t = steps - 1 - tt
+        live = _live(mask, lens, t, VARLEN)
+        if VARLEN:  # the adjoints, kept until the column's sequence has a step t
+            held = (dh_rec, c_hat, n_hat, dm)
         if PREFETCH:
             g_next, dh_x_next, c_p_next, n_p_next, m_p_next = _load_step(
                 G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, lens, t - 1, HD, HAS_DH, EVEN,
@@ -205,7 +175,7 @@ def _slstm_bwd_kernel(
         for c in tl.static_range(NKC):
             rk = c * KC + tl.arange(0, KC)
             uk = (tl.cast(t, tl.int64) * 4 * HD + rk)[:, None]
-            lm = (rk < D)[:, None] & _live_back(mask_b, lens, t, VARLEN)
+            lm = (rk < D)[:, None] & _live(mask_b, lens, t, VARLEN)
             for k in tl.static_range(4):
                 if SCRATCH:
                     dg_k = _ld_shared(DG + col_x + k * HD + uk, lm, EVEN_HK, SYNC)
@@ -219,19 +189,19 @@ def _slstm_bwd_kernel(
         if CLIP:
             acc = tl.minimum(tl.maximum(acc, -clip), clip)
         dh_rec = acc
-        if VARLEN:  # the sequences at their step 0: their initial-state gradients (see below)
-            done = mask & (lens - 1 + t == 0)[None, :]
-            _st(DH0 + col_s + u0, dh_rec, done, EVEN)
-            _st(DC0 + col_s + u0, f_over_n * c_hat, done, EVEN)
-            _st(DN0 + col_s + u0, f_over_n * n_hat, done, EVEN)
-            _st(DM0 + col_s + u0, dm, done, EVEN)
 
         c_cur = c_p
         if EVEN:
             n_cur = n_p
-        else:
-            n_cur = tl.where(mask, n_p, 1.0)
+        else:  # (VARLEN: also where nothing was read, so that 1/n stays finite)
+            n_cur = tl.where(_live(mask, lens, t - 1, VARLEN), n_p, 1.0)
         m_cur = m_p
+        if VARLEN:
+            dh_rec = tl.where(live, dh_rec, held[0])
+            c_hat = tl.where(live, c_hat, held[1])
+            n_hat = tl.where(live, n_hat, held[2])
+            dm = tl.where(live, dm, held[3])
+            rho = tl.where(live, rho, 1.0)  # its value before the last step
         if PREFETCH:
             g = g_next
             dh_x = dh_x_next
@@ -239,13 +209,11 @@ def _slstm_bwd_kernel(
             n_p = n_p_next
             m_p = m_p_next
 
-    if not VARLEN:
-        _st(DH0 + col_s + u0, dh_rec, mask, EVEN)
-        # δc_0 = f'_0 δc (after step 0) = (f'_0 / n_0) Ĉ_0: no division by the initial n (0 by
-        # default).
-        _st(DC0 + col_s + u0, f_over_n * c_hat, mask, EVEN)
-        _st(DN0 + col_s + u0, f_over_n * n_hat, mask, EVEN)
-        _st(DM0 + col_s + u0, dm, mask, EVEN)
+    _st(DH0 + col_s + u0, dh_rec, mask, EVEN)
+    # δc_0 = f'_0 δc (after step 0) = (f'_0 / n_0) Ĉ_0: no division by the initial n (0 by default).
+    _st(DC0 + col_s + u0, f_over_n * c_hat, mask, EVEN)
+    _st(DN0 + col_s + u0, f_over_n * n_hat, mask, EVEN)
+    _st(DM0 + col_s + u0, dm, mask, EVEN)
 
 
 def backward(r_hi, r_lo, mm: int, saved, init, dh_out, d_final, exp_forget: bool, clip,

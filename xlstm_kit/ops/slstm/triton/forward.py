@@ -15,8 +15,7 @@ every step (`common._sync`).
 
 Packed sequences (cu_seqlens [N+1], batch 1): the kernels' batch entries are the N sequences.
 Column j of a tile reads and writes rows cu[j] + t of the packed tensors while t is below its
-length and stores its final state at its last step (it runs on, unstored, while the tile's
-longer sequences go on: no per-step select of the state, which would cost registers); the
+length, then keeps its state (its final state) while the tile's longer sequences go on; the
 time loop runs to the tile's longest length, read from cu_seqlens on the device (no host
 sync). A step costs about the same for one column as for sixteen (it is latency-bound), so a
 packed batch costs about as many steps as its longest sequence, not the sum of the lengths.
@@ -85,11 +84,9 @@ def _slstm_fwd_kernel(
     # only after barrier t + 1, which every program reaches after its step-t + 1 reads.
     # Gate quantities are tuples (i, f, z, o) of [BU, BT] tiles.
     # VARLEN: column j is packed sequence j (B = N sequences, X/HOUT/... hold batch 1); it reads
-    # and writes rows CU[j] + t while t < its length and stores its final state at its last
-    # step; after that it runs on zero inputs while the tile's longer sequences go on, and
-    # nothing of it is stored (columns never mix: each is its own right-hand side of the
-    # matmul). All P programs of a group hold the same columns, so they run the same number of
-    # steps and meet at every barrier.
+    # and writes rows CU[j] + t while t < its length; after that its steps keep its state (its
+    # final state) while the tile's longer sequences go on. All P programs of a group hold the
+    # same columns, so they run the same number of steps and meet at every barrier.
     sdt = CT.dtype.element_ty
     hd, grp, ru, rb64, md, mask_b, mask, HD, col_s, col_q, col_x, lens, steps = _tile(
         B, T, NH, D, CU, BT, BU, VARLEN)
@@ -99,6 +96,8 @@ def _slstm_fwd_kernel(
     c = _ld_init(C0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
     n = _ld_init(N0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
     m = _ld_init(M0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
+    if VARLEN:  # padding columns never step: n = 1 keeps their (discarded) h = c / n finite
+        n = tl.where(mask, n, 1.0)
 
     bias = ()
     for k in tl.static_range(4):
@@ -137,13 +136,22 @@ def _slstm_fwd_kernel(
             log_f = g_f
         else:
             log_f = _log_sigmoid(g_f)
+        if VARLEN:
+            # A finished sequence's step is made the identity on (c, n, m): log f = 0 and
+            # ĩ = -inf give m_t = m_{t-1}, f' = 1, i' = 0 exactly (selects against constants
+            # hold no registers); h is kept by a select.
+            log_f = tl.where(live, log_f, 0.0)
+            g_i = tl.where(live, g_i, float("-inf"))
         a = log_f + m
         m = tl.maximum(a, g_i)
         i_p = tl.exp(g_i - m)
         f_p = tl.exp(a - m)
         c = f_p * c + i_p * _tanh(g_z)
         n = f_p * n + i_p
-        h = _sigmoid(g_o) * c / n
+        if VARLEN:
+            h = tl.where(live, _sigmoid(g_o) * c / n, h)
+        else:
+            h = _sigmoid(g_o) * c / n
 
         if SCRATCH:  # the exchanged h first: the barrier's release waits for every store before it
             _st(HX + col_h + (t % 2) * HD + u0, h, mask, EVEN)
@@ -156,22 +164,15 @@ def _slstm_fwd_kernel(
             _st(MS + col_q + uq, m, live, EVEN)
             if SAVE_H:
                 _st(HS + col_q + uq, h, live, EVEN)
-        if VARLEN:  # the sequences ending at step t: their final state
-            last = mask & (t == lens - 1)[None, :]
-            _st(HT + col_s + u0, h, last, EVEN)
-            _st(CT + col_s + u0, c, last, EVEN)
-            _st(NT + col_s + u0, n, last, EVEN)
-            _st(MT + col_s + u0, m, last, EVEN)
         if SCRATCH:
             _sync(CNT + grp, t + 2, P, SYNC)  # h_t visible to the group before step t+1
         if PREFETCH:
             x = x_next
 
-    if not VARLEN:
-        _st(HT + col_s + u0, h, mask, EVEN)
-        _st(CT + col_s + u0, c, mask, EVEN)
-        _st(NT + col_s + u0, n, mask, EVEN)
-        _st(MT + col_s + u0, m, mask, EVEN)
+    _st(HT + col_s + u0, h, mask, EVEN)
+    _st(CT + col_s + u0, c, mask, EVEN)
+    _st(NT + col_s + u0, n, mask, EVEN)
+    _st(MT + col_s + u0, m, mask, EVEN)
 
 
 def forward(x, r_hi, r_lo, mm: int, b, init, exp_forget: bool, save: bool,
