@@ -116,6 +116,21 @@ def test_packed_two_batch_tiles_and_padded_units():
 
 
 @needs_interpreter
+def test_packed_inference_without_saved_tensors():
+    # No gradient needed (a packed prefill): the kernels save nothing; same h and final states.
+    (x, r, b, *init), _ = make_case([2, 5, 1], 1, 16, True, forget_gate="exp")
+    cu = _cu([2, 5, 1])
+    with torch.no_grad():
+        h, state = slstm_recurrent(x, r, b, initial_state=tuple(init), output_final_state=True,
+                                   forget_gate="exp", backend="triton", cu_seqlens=cu)
+        h_ref, state_ref = run_varlen(
+            lambda xg, **k: slstm_recurrent_torch(xg, r.double(), b.double(), forget_gate="exp", **k),
+            (x.double(),), cu.tolist(), tuple(s.double() for s in init), True)
+    for got, ref in zip((h, *state), (h_ref, *state_ref)):
+        assert rel_err(got, ref) < 1e-5
+
+
+@needs_interpreter
 def test_packed_opcheck_and_compile():
     # The forward op's fake sizes the states from cu_seqlens ([N,H,D]); torch.compile
     # (fullgraph) of a packed call: one graph, eager's values and gradients.
