@@ -199,7 +199,7 @@ def test_gpu_compile_fullgraph_matches_eager():
 # ------------------------------------------------------------------ sm_90 compilation (no GPU)
 
 SM90_SCRIPT = r"""
-import os, re, subprocess, tempfile
+import itertools, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from xlstm_kit.ops.slstm.triton.forward import _slstm_fwd_kernel
@@ -207,8 +207,8 @@ from xlstm_kit.ops.slstm.triton.backward import _slstm_bwd_kernel
 from xlstm_kit.ops.slstm.triton.config import default_config, flags, launch
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-FWD_PTRS = "X R RLO BIAS H0 C0 N0 M0 HOUT HS G CS NS MS HT CT NT MT HX CNT".split()
-BWD_PTRS = "R RLO DH G CS NS MS C0 N0 M0 DHT DCT DNT DMT DG DH0 DC0 DN0 DM0 CNT".split()
+FWD_PTRS = "X R RLO BIAS H0 C0 N0 M0 HOUT HS G CS NS MS HT CT NT MT HX CNT CU".split()
+BWD_PTRS = "R RLO DH G CS NS MS C0 N0 M0 DHT DCT DNT DMT DG DH0 DC0 DN0 DM0 CNT CU".split()
 
 def build(fn, ptrs, consts, num_warps, x_type, r_type):
     sig = {}
@@ -216,7 +216,7 @@ def build(fn, ptrs, consts, num_warps, x_type, r_type):
         if name in consts:
             sig[name] = "constexpr"
         elif name in ptrs:
-            sig[name] = ("*i32" if name == "CNT" else x_type if name in ("X", "HOUT", "DH")
+            sig[name] = ("*i32" if name in ("CNT", "CU") else x_type if name in ("X", "HOUT", "DH")
                          else r_type if name in ("R", "RLO") else "*fp32")
         else:
             sig[name] = "fp32" if name == "clip" else "i32"
@@ -228,16 +228,18 @@ def build(fn, ptrs, consts, num_warps, x_type, r_type):
                               os.path.join(d, "k.o")], capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", out).group(1)
     spills = re.search(r"(\d+) bytes spill stores", out).group(1)
-    print(fn.__name__, x_type, "regs", regs, "spill_bytes", spills)
+    print(fn.__name__, x_type, consts["VARLEN"], "regs", regs, "spill_bytes", spills)
 
-# bf16 D = 128 (one program per head), float32 D = 64 (split R), bf16 D = 192 split over 3
-for x_type, dim, mm, cfg in (("*bf16", 128, 1, default_config(128, 1)),
-                             ("*fp32", 64, 2, default_config(64, 2)),
-                             ("*bf16", 192, 1, default_config(192, 1, 16, 4, 132))):
+# bf16 D = 128 (one program per head), float32 D = 64 (split R), bf16 D = 192 split over 3;
+# each unpacked and packed (cu_seqlens)
+for (x_type, dim, mm, cfg), varlen in itertools.product(
+        (("*bf16", 128, 1, default_config(128, 1)), ("*fp32", 64, 2, default_config(64, 2)),
+         ("*bf16", 192, 1, default_config(192, 1, 16, 4, 132))), (False, True)):
     lc = launch(cfg, dim)
-    common = dict(BT=cfg.block_b, BU=lc.bu, KC=lc.kc, NKC=lc.nkc, **flags(16, dim, cfg.block_b, lc),
+    common = dict(BT=cfg.block_b, BU=lc.bu, KC=lc.kc, NKC=lc.nkc,
+                  **flags(16, dim, cfg.block_b, lc, varlen),
                   EXP_FORGET=False, HAS_INIT=True, MM=mm, R_RESIDENT=cfg.r_resident,
-                  PREFETCH=cfg.prefetch, SCRATCH=lc.scratch, SYNC=lc.p > 1)
+                  PREFETCH=cfg.prefetch, SCRATCH=lc.scratch, SYNC=lc.p > 1, VARLEN=varlen)
     build(_slstm_fwd_kernel, FWD_PTRS, dict(common, SAVE=True, SAVE_H=x_type != "*fp32"),
           cfg.num_warps, x_type, "*bf16")
     build(_slstm_bwd_kernel, BWD_PTRS, dict(common, HAS_DH=True, HAS_DFINAL=True, CLIP=True),
@@ -254,4 +256,4 @@ def test_kernels_compile_for_sm90():
     res = subprocess.run([sys.executable, "-c", SM90_SCRIPT], capture_output=True, text=True,
                          env=env, cwd=root, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("regs") == 6, res.stdout
+    assert res.stdout.count("regs") == 12, res.stdout

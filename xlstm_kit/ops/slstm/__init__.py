@@ -87,21 +87,21 @@ def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
         raise XLSTMKitError(f"recurrent_grad_clip must be None or a positive number, got {recurrent_grad_clip!r}")
     chosen = choose_backend("slstm_recurrent", backend, x_gates.device,
                             inputs=(x_gates, r, b, *(initial_state or ())))
-    if bounds is not None:
-        # One call per sequence on both backends (the sLSTM is step-sequential anyway).
-        return run_varlen(lambda xg, **kw: slstm_recurrent(
-            xg, r, b, forget_gate=forget_gate, recurrent_grad_clip=recurrent_grad_clip, backend=chosen, **kw),
-            (x_gates,), bounds, initial_state, output_final_state)
     if chosen == "torch":
+        if bounds is not None:  # the reference: one call per sequence
+            return run_varlen(lambda xg, **kw: slstm_recurrent_torch(
+                xg, r, b, forget_gate=forget_gate, recurrent_grad_clip=recurrent_grad_clip, **kw),
+                (x_gates,), bounds, initial_state, output_final_state)
         return slstm_recurrent_torch(x_gates, r, b, initial_state=initial_state,
                                      output_final_state=output_final_state, forget_gate=forget_gate,
                                      recurrent_grad_clip=recurrent_grad_clip)
     from .triton.op import slstm_recurrent_triton
 
     with on_device(x_gates):
+        # Packed: the kernels run the sequences side by side as a batch (no loop over them).
         return slstm_recurrent_triton(x_gates, r, b, initial_state=initial_state,
                                       output_final_state=output_final_state, forget_gate=forget_gate,
-                                      recurrent_grad_clip=recurrent_grad_clip)
+                                      recurrent_grad_clip=recurrent_grad_clip, cu_seqlens=cu_seqlens)
 
 
 @autocast_off

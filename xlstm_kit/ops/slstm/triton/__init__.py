@@ -2,7 +2,8 @@
 
     config.py    SLSTMKernelConfig (launch choices) and default_config
     common.py    activations, masked loads, the split-precision matmul, per-gate tuple helpers
-    forward.py   the forward kernel (all T steps in one launch) and forward_reference
+    forward.py   the forward kernel (all T steps in one launch; packed sequences as a batch)
+                 and forward_reference
     backward.py  the backward kernel (all T steps in reverse) and backward_reference
     op.py        xlstm_kit::slstm_recurrent_fwd/_bwd custom ops, slstm_recurrent_triton
     step.py      xlstm_kit::slstm_step custom op, slstm_step_triton

@@ -1,7 +1,7 @@
 """sLSTM backward: one launch runs all T steps in reverse.
 
     backward(r_hi, r_lo, mm, saved (hs, g, cs, ns, ms), init, dh_out, d_final, exp_forget,
-             clip, config) -> (δg̃ [B,T,4,H,D], (δh_0, δc_0, δn_0, δm_0) each [B,H,D])
+             clip, config, sms, cu_seqlens) -> (δg̃ [B,T,4,H,D], (δh_0, δc_0, δn_0, δm_0) each [B,H,D])
 
 Maths: DESIGN.md §1 and the stabilized backward of `..recurrent` (paper eqs. 41–51 with the
 adjoints of c and n carried scaled by n_t, and the stabilizer's adjoint routed through the max the
@@ -10,8 +10,9 @@ The kernel writes δg̃ = δx_gates per step in the state dtype. δR = Σ_t h_{t
 δb = Σ_t δg̃_t are plain batched reductions over all (b, t) left to torch (`op.py`): an
 accumulator for δR ([D, 4D] per program) would not fit on chip. A head split over P programs
 (`config.SLSTMKernelConfig.block_u`) exchanges δg̃_t through δx_gates itself and a barrier per
-step, as the forward exchanges h_t. `backward_reference` is the same computation through
-autograd of the PyTorch op.
+step, as the forward exchanges h_t. Packed sequences: as in the forward, one column per
+sequence, each walked back from its own last step with its own final-state gradient.
+`backward_reference` is the same computation through autograd of the PyTorch op.
 """
 from __future__ import annotations
 
@@ -19,30 +20,34 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_ld, _ld_gates, _ld_init, _ld_shared, _load_r, _load_r_chunks, _log_sigmoid, _mm,
-                     _sigmoid, _st, _st_gates, _sync, _tanh, _tile)
+from .common import (_ld, _ld_gates, _ld_init, _ld_shared, _live, _load_r, _load_r_chunks, _log_sigmoid,
+                     _mm, _sigmoid, _st, _st_gates, _sync, _tanh, _tile)
 from .config import SLSTMKernelConfig, flags, grid_of, launch
 
 
 @triton.jit
-def _load_step(G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, t, HD,
-               HAS_DH: tl.constexpr, EVEN: tl.constexpr, sdt: tl.constexpr):
+def _load_step(G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, lens, t, HD,
+               HAS_DH: tl.constexpr, EVEN: tl.constexpr, sdt: tl.constexpr, VARLEN: tl.constexpr):
     """Everything step t's backward reads that does not depend on the reverse recurrence:
     the gate pre-activations (a tuple i, f, z, o) and δh^ext of step t, and the state (c, n, m)
     before step t (the initial state when t = 0). t < 0 is clamped (a harmless re-read, never
-    used)."""
+    used). VARLEN: the inputs of step t only for the columns whose sequence has a step t, the
+    state before it also for those whose sequence ends at step t - 1 (their final state, the
+    state after their last step: see the kernel)."""
+    live = _live(mask, lens, t, VARLEN)
     tc = tl.cast(tl.maximum(t, 0), tl.int64)
     ux = (tc * 4 * HD + ru)[:, None]
-    g = _ld_gates(G + col_x, ux, HD, mask, EVEN)
+    g = _ld_gates(G + col_x, ux, HD, live, EVEN)
     if HAS_DH:
-        dh = _ld(DH + col_q + (tc * HD + ru)[:, None], mask, EVEN).to(sdt)
+        dh = _ld(DH + col_q + (tc * HD + ru)[:, None], live, EVEN).to(sdt)
     else:
         dh = tl.zeros(g[0].shape, sdt)
     up = (tl.maximum(tc - 1, 0) * HD + ru)[:, None]
     first = t <= 0
-    c_p = tl.where(first, c0, _ld(CS + col_q + up, mask, EVEN))
-    n_p = tl.where(first, n0, _ld(NS + col_q + up, mask, EVEN))
-    m_p = tl.where(first, m0, _ld(MS + col_q + up, mask, EVEN))
+    before = _live(mask, lens, t - 1, VARLEN)
+    c_p = tl.where(first, c0, _ld(CS + col_q + up, before, EVEN))
+    n_p = tl.where(first, n0, _ld(NS + col_q + up, before, EVEN))
+    m_p = tl.where(first, m0, _ld(MS + col_q + up, before, EVEN))
     return g, dh, c_p, n_p, m_p
 
 
@@ -51,26 +56,38 @@ def _slstm_bwd_kernel(
     R, RLO, DH, G, CS, NS, MS, C0, N0, M0,   # R: the forward's weights
     DHT, DCT, DNT, DMT,                      # gradients of the final state
     DG, DH0, DC0, DN0, DM0,                  # outputs
-    CNT,                                     # barrier counters [groups]
+    CNT, CU,                                 # barrier counters [groups], cu_seqlens
     B, T, NH, D, P, clip,
     BT: tl.constexpr, BU: tl.constexpr, KC: tl.constexpr, NKC: tl.constexpr, EVEN: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_HK: tl.constexpr, EXP_FORGET: tl.constexpr, HAS_INIT: tl.constexpr,
     HAS_DH: tl.constexpr, HAS_DFINAL: tl.constexpr, CLIP: tl.constexpr, MM: tl.constexpr,
     R_RESIDENT: tl.constexpr, PREFETCH: tl.constexpr, SCRATCH: tl.constexpr, SYNC: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     # Same tiles as the forward ([BU, BT]); the step's matmul is
     # δh^Rᵀ [BU, BT] = Σ_g R_g[units, :] [BU, D] @ δg̃_gᵀ [D, BT]. SCRATCH: every program
     # writes its units' δg̃_t to DG (the output), and after the group's barrier (SYNC) reads
     # the whole δg̃_t back in K chunks; each step has its own place in DG, so no slots.
+    # VARLEN: column j is packed sequence j (see the forward). The loop runs t from the tile's
+    # longest length down to 0; a column joins at its own last step, starting from its own
+    # final-state gradient: until then it keeps its adjoints (δh^R, Ĉ, N̂, δm by selects, ρ = 1),
+    # and its state (c, n, m) "after the step" is its final state, read at step len_j (the
+    # state before step t is read up to t = len_j; nothing else is selected: a kept tile lives
+    # across the whole step, in registers). Every column ends at its t = 0, so the
+    # initial-state gradients are those of the last step for all.
     sdt = DG.dtype.element_ty
-    hd, grp, ru, rb64, md, mask_b, mask, HD, col_s, col_q, col_x = _tile(B, T, NH, D, BT, BU)
+    hd, grp, ru, rb64, md, mask_b, mask, HD, col_s, col_q, col_x, lens, steps = _tile(
+        B, T, NH, D, CU, BT, BU, VARLEN)
     u0 = ru[:, None]
     c0 = _ld_init(C0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
     n0 = _ld_init(N0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
     m0 = _ld_init(M0 + col_s + u0, mask, HAS_INIT, EVEN, sdt, BU, BT)
 
     # State after the last step; padding gets n = 1 so that 1/n stays finite there.
-    ul = (tl.cast(T - 1, tl.int64) * HD + ru)[:, None]
+    if VARLEN:
+        ul = (lens - 1)[None, :] * HD + ru[:, None]
+    else:
+        ul = (tl.cast(T - 1, tl.int64) * HD + ru)[:, None]
     c_cur = _ld(CS + col_q + ul, mask, EVEN)
     n_cur = _ld(NS + col_q + ul, mask, EVEN)
     if not EVEN:
@@ -95,16 +112,20 @@ def _slstm_bwd_kernel(
         rs = _load_r_chunks(R, RLO, hd, NH, D, ru, KC, NKC, EVEN_D, False, MM)
 
     if PREFETCH:
-        g, dh_x, c_p, n_p, m_p = _load_step(
-            G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, T - 1, HD, HAS_DH, EVEN, sdt)
-    for tt in range(T):
-        t = T - 1 - tt
+        g, dh_x, c_p, n_p, m_p = _load_step(G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask,
+                                            lens, steps - 1, HD, HAS_DH, EVEN, sdt, VARLEN)
+    for tt in range(steps):
+        t = steps - 1 - tt
+        live = _live(mask, lens, t, VARLEN)
+        if VARLEN:  # the adjoints, kept until the column's sequence has a step t
+            held = (dh_rec, c_hat, n_hat, dm)
         if PREFETCH:
             g_next, dh_x_next, c_p_next, n_p_next, m_p_next = _load_step(
-                G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, t - 1, HD, HAS_DH, EVEN, sdt)
+                G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, lens, t - 1, HD, HAS_DH, EVEN,
+                sdt, VARLEN)
         else:
-            g, dh_x, c_p, n_p, m_p = _load_step(
-                G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, t, HD, HAS_DH, EVEN, sdt)
+            g, dh_x, c_p, n_p, m_p = _load_step(G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask,
+                                                lens, t, HD, HAS_DH, EVEN, sdt, VARLEN)
 
         g_i, g_f, g_z, g_o = g
         dh = dh_x + dh_rec                                       # (41)
@@ -139,13 +160,13 @@ def _slstm_bwd_kernel(
             d_f = da * _sigmoid(-g_f)
         dm = da
         dg = (d_i, d_f, d_z, d_o)
-        if not EVEN:  # padding must not feed the matmul below
+        if not EVEN:  # padding (and VARLEN: columns without a step t) must not feed the matmul
             masked = ()
             for k in tl.static_range(4):
-                masked = masked + (tl.where(mask, dg[k], 0.0),)
+                masked = masked + (tl.where(live, dg[k], 0.0),)
             dg = masked
         ux = (tl.cast(t, tl.int64) * 4 * HD + ru)[:, None]
-        _st_gates(DG + col_x, ux, HD, dg, mask, EVEN)
+        _st_gates(DG + col_x, ux, HD, dg, live, EVEN)
 
         # (49): δh^R_{t-1} = Σ_g δg̃_g R_gᵀ, here transposed: Σ_g R_g @ δg̃_gᵀ
         if SCRATCH:
@@ -154,7 +175,7 @@ def _slstm_bwd_kernel(
         for c in tl.static_range(NKC):
             rk = c * KC + tl.arange(0, KC)
             uk = (tl.cast(t, tl.int64) * 4 * HD + rk)[:, None]
-            lm = (rk < D)[:, None] & mask_b
+            lm = (rk < D)[:, None] & _live(mask_b, lens, t, VARLEN)
             for k in tl.static_range(4):
                 if SCRATCH:
                     dg_k = _ld_shared(DG + col_x + k * HD + uk, lm, EVEN_HK, SYNC)
@@ -172,9 +193,15 @@ def _slstm_bwd_kernel(
         c_cur = c_p
         if EVEN:
             n_cur = n_p
-        else:
-            n_cur = tl.where(mask, n_p, 1.0)
+        else:  # (VARLEN: also where nothing was read, so that 1/n stays finite)
+            n_cur = tl.where(_live(mask, lens, t - 1, VARLEN), n_p, 1.0)
         m_cur = m_p
+        if VARLEN:
+            dh_rec = tl.where(live, dh_rec, held[0])
+            c_hat = tl.where(live, c_hat, held[1])
+            n_hat = tl.where(live, n_hat, held[2])
+            dm = tl.where(live, dm, held[3])
+            rho = tl.where(live, rho, 1.0)  # its value before the last step
         if PREFETCH:
             g = g_next
             dh_x = dh_x_next
@@ -190,13 +217,17 @@ def _slstm_bwd_kernel(
 
 
 def backward(r_hi, r_lo, mm: int, saved, init, dh_out, d_final, exp_forget: bool, clip,
-             config: SLSTMKernelConfig, sms=None):
+             config: SLSTMKernelConfig, sms=None, cu_seqlens=None):
     """Launch the backward. saved = `forward`'s (hs, g, cs, ns, ms); init (h, c, n, m) as given
     to `forward` or None; dh_out [B,T,H,D] or None; d_final a 4-tuple of [B,H,D] gradients
-    (entries may be None) or None; sms as for `forward.forward`. Returns δg̃ [B,T,4,H,D] and
-    [δh_0, δc_0, δn_0, δm_0] [B,H,D], all in the state dtype."""
+    (entries may be None) or None; sms and cu_seqlens as for `forward.forward` (packed: the
+    states and their gradients [N,H,D]). Returns δg̃ [B,T,4,H,D] and [δh_0, δc_0, δn_0, δm_0]
+    [B,H,D] ([N,H,D] packed), all in the state dtype."""
     hs, g, cs, ns, ms = saved
     batch, steps, _, heads, dim = g.shape
+    varlen = cu_seqlens is not None
+    if varlen:
+        batch = cu_seqlens.shape[0] - 1
     sdt = g.dtype
     dev = g.device
     dg = torch.empty_like(g)
@@ -216,12 +247,12 @@ def backward(r_hi, r_lo, mm: int, saved, init, dh_out, d_final, exp_forget: bool
     cnt = torch.zeros(grid[1] * heads, dtype=torch.int32, device=dev)
     _slstm_bwd_kernel[grid](
         r_hi, r_lo, dh_out, g, cs, ns, ms, c0, n0, m0,
-        *d_final, dg, *d_init, cnt,
+        *d_final, dg, *d_init, cnt, cu_seqlens if varlen else cnt,
         batch, steps, heads, dim, lc.p, float(clip) if clip is not None else 0.0,
-        BT=bt, BU=lc.bu, KC=lc.kc, NKC=lc.nkc, **flags(batch, dim, bt, lc),
+        BT=bt, BU=lc.bu, KC=lc.kc, NKC=lc.nkc, **flags(batch, dim, bt, lc, varlen),
         EXP_FORGET=exp_forget, HAS_INIT=init is not None, HAS_DH=has_dh,
         HAS_DFINAL=has_dfinal, CLIP=clip is not None, MM=mm, R_RESIDENT=config.r_resident,
-        PREFETCH=config.prefetch, SCRATCH=lc.scratch, SYNC=lc.p > 1,
+        PREFETCH=config.prefetch, SCRATCH=lc.scratch, SYNC=lc.p > 1, VARLEN=varlen,
         num_warps=config.num_warps, num_stages=1,
     )
     return dg, d_init

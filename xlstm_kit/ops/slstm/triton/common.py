@@ -71,16 +71,21 @@ def _st(ptr, val, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _tile(B, T, NH, D, BT: tl.constexpr, BU: tl.constexpr):
+def _tile(B, T, NH, D, CU, BT: tl.constexpr, BU: tl.constexpr, VARLEN: tl.constexpr):
     """The program's [BU, BT] tile (grid: unit block, batch tile, head; the unit block fastest,
     so that the P programs of one head and batch tile are launched side by side): (hd, grp, ru
-    [BU], rb64 [BT], md [BU], mask_b [1, BT], mask [BU, BT], HD = NH·D, col_s, col_q, col_x).
-    grp numbers the (batch tile, head) group whose programs share a barrier; ru are the
-    program's units (absolute indices in the head). The col_* are the batch parts of the
-    addresses [1, BT] of a [B, H, D], [B, T, H, D] and [B, T, 4, H, D] tensor (int64:
+    [BU], rb64 [BT], md [BU], mask_b [1, BT], mask [BU, BT], HD = NH·D, col_s, col_q, col_x,
+    lens [BT], steps). grp numbers the (batch tile, head) group whose programs share a barrier;
+    ru are the program's units (absolute indices in the head). The col_* are the batch parts of
+    the addresses [1, BT] of a [B, H, D], [B, T, H, D] and [B, T, 4, H, D] tensor (int64:
     B·T·4·H·D may pass 2^31); the unit part, which carries the time step, is added inside the
     time loop, so that no [BU, BT] address tensor is hoisted out of it and kept live in
-    registers across all steps."""
+    registers across all steps.
+
+    VARLEN (packed sequences, cu_seqlens CU [B+1]): batch entry j is sequence j, rows
+    CU[j]..CU[j+1] of the one packed row; col_q and col_x then point at its first row, lens
+    holds the sequence lengths (0 past the last sequence) and steps, the time loop's bound, is
+    the tile's longest length. Unpacked: lens is unused and steps = T."""
     pid_u = tl.program_id(0)
     pid_b = tl.program_id(1)
     hd = tl.program_id(2)
@@ -93,9 +98,27 @@ def _tile(B, T, NH, D, BT: tl.constexpr, BU: tl.constexpr):
     rb64 = rb.to(tl.int64)
     HD = NH * D
     col_s = rb64[None, :] * HD + hd * D
-    col_q = rb64[None, :] * T * HD + hd * D
-    col_x = rb64[None, :] * T * 4 * HD + hd * D
-    return hd, grp, ru, rb64, md, mask_b, mask, HD, col_s, col_q, col_x
+    if VARLEN:
+        start = tl.load(CU + rb, mask=rb < B, other=0).to(tl.int64)
+        lens = tl.load(CU + rb + 1, mask=rb < B, other=0).to(tl.int64) - start
+        steps = tl.max(lens, axis=0).to(tl.int32)
+        col_q = start[None, :] * HD + hd * D
+        col_x = start[None, :] * 4 * HD + hd * D
+    else:
+        lens = rb64
+        steps = T
+        col_q = rb64[None, :] * T * HD + hd * D
+        col_x = rb64[None, :] * T * 4 * HD + hd * D
+    return hd, grp, ru, rb64, md, mask_b, mask, HD, col_s, col_q, col_x, lens, steps
+
+
+@triton.jit
+def _live(mask, lens, t, VARLEN: tl.constexpr):
+    """The mask of step t: with VARLEN only the columns whose sequence has a step t."""
+    if VARLEN:
+        return mask & (t < lens)[None, :]
+    else:
+        return mask
 
 
 @triton.jit

@@ -83,10 +83,11 @@ def launch(config: SLSTMKernelConfig, dim: int) -> Launch:
     return Launch(bu, p, kc, triton.cdiv(dim, kc), p > 1 or kc < bd)
 
 
-def flags(batch: int, dim: int, bt: int, lc) -> dict:
+def flags(batch: int, dim: int, bt: int, lc, varlen: bool = False) -> dict:
     """The EVEN flags of a launch (`config.Launch` lc): no mask on a state tile (batch and
-    units), on R tiles (units and K), on h / δg̃ K chunks (batch and K)."""
-    even_b, even_u, even_k = batch % bt == 0, dim % lc.bu == 0, dim % lc.kc == 0
+    units), on R tiles (units and K), on h / δg̃ K chunks (batch and K). Packed sequences
+    (varlen) mask every step's tiles by the columns still running: EVEN and EVEN_HK False."""
+    even_b, even_u, even_k = batch % bt == 0 and not varlen, dim % lc.bu == 0, dim % lc.kc == 0
     return dict(EVEN=even_b and even_u, EVEN_D=even_u and even_k, EVEN_HK=even_b and even_k)
 
 
