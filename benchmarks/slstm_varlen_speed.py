@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -25,16 +24,7 @@ from xlstm_kit.ops import slstm_recurrent
 from xlstm_kit.ops._checks import run_varlen
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_e2e import event_ms  # noqa: E402
-from varlen_speed import lengths  # noqa: E402
-
-
-def timed(fn, x, r, b, reps: int, device) -> float:
-    """Median ms of forward + backward of fn(x, r, b) -> (h, _)."""
-    def once():
-        h = fn(x, r, b)[0]
-        h.backward(torch.ones_like(h))
-    return statistics.median(event_ms(once, reps, warmup=2, cuda=device.type == "cuda"))
+from varlen_speed import lengths, timed  # noqa: E402
 
 
 def main() -> None:
@@ -55,14 +45,14 @@ def main() -> None:
     leaf = lambda *s: (torch.randn(*s, device=device) * 0.5).to(dtype).requires_grad_()  # noqa: E731
     r, b = leaf(4, H, D, D), leaf(4, H, D)
     op = lambda x, r, b, **kw: slstm_recurrent(x, r, b, backend="triton", **kw)  # noqa: E731
-    packed = timed(lambda x, r, b: op(x, r, b, cu_seqlens=cu), leaf(1, total, 4, H, D), r, b, args.reps, device)
-    padded = timed(op, leaf(N, max(ls), 4, H, D), r, b, args.reps, device)
+    packed = timed(lambda x, r, b: op(x, r, b, cu_seqlens=cu), (leaf(1, total, 4, H, D), r, b), args.reps, device)
+    padded = timed(op, (leaf(N, max(ls), 4, H, D), r, b), args.reps, device)
     bounds = cu.tolist()
 
     def loop_fn(x, r, b):  # what slstm_recurrent did before the kernels took cu_seqlens
         return run_varlen(lambda xs, **kw: op(xs, r, b, **kw), (x,), bounds, None, False)
 
-    loop = timed(loop_fn, leaf(1, total, 4, H, D), r, b, 1, device)
+    loop = timed(loop_fn, (leaf(1, total, 4, H, D), r, b), 1, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [f"# sLSTM packed sequences, forward + backward ({name}, {dtype}, median of {args.reps})", "",
              f"{N} sequences, lengths {min(ls)}…{max(ls)} (seed 0), total {total:,} tokens, H = {H}, D = {D}.", "",
