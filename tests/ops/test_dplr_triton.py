@@ -141,10 +141,68 @@ def test_config_is_typed_and_follows_the_input_dtypes():
         cfg.replace(state_block_v=24)
     with pytest.raises(ValueError, match="no field"):
         cfg.replace(state_bv=32)
-    assert cfg.for_dtypes(torch.bfloat16, torch.bfloat16) is cfg
-    assert cfg.for_dtypes(torch.bfloat16, torch.float32).lowp == "off"
-    assert cfg.for_dtypes(torch.float16).lowp == "off"
-    assert DPLRKernelConfig(lowp="fp16").for_dtypes(torch.float16).lowp == "fp16"
+    with pytest.raises(ValueError, match="lowp_outputs"):
+        cfg.replace(lowp_outputs="dk,o")
+    bf, f32, f16 = torch.bfloat16, torch.float32, torch.float16
+    assert cfg.for_dtypes(o=(bf,), dv=(bf,), dk=(bf, bf)) is cfg
+    assert cfg.for_dtypes(o=(bf,), dv=(bf,), dk=(bf, f32)).lowp_outputs == "o,dv"
+    assert cfg.for_dtypes(o=(f32,), dv=(f32,), dk=(f32,)).lowp == "off"
+    assert cfg.for_dtypes(o=(f16,), dv=(f16,), dk=(f16,)).lowp == "off"
+    assert DPLRKernelConfig(lowp="fp16").for_dtypes(o=(f16,), dv=(f16,), dk=(f16,)).lowp == "fp16"
+
+
+def test_mixed_dtypes_choose_the_fast_products():
+    # bf16 activations with float32 gates (as models compute them): the output's products stay
+    # fast; a float32 gk keeps only the gate-gradient group accurate; KDA's float32 β joins δv
+    # and the K side (δβ = Σ δ(βv)·v + Σ δ(βk)·k), so only the output group is left there
+    from xlstm_kit.ops.dplr.triton.chunkwise import _config_key
+    from xlstm_kit.ops.dplr.triton.config import resolve
+    bf, f32 = torch.bfloat16, torch.float32
+    dplr = DPLRKernelConfig.from_key(_config_key(None, (bf,), (bf,), (bf, bf, bf, bf, f32)))
+    assert dplr.lowp == "tf32" and dplr.lowp_outputs == "o,dv"
+    c = resolve(dplr, 128, 128, 64, False)
+    assert (c.lo_o, c.lo_qk, c.lo_dv, c.lo_gc, c.lo_dk) == (1, 1, 1, 0, 0)
+    kda = DPLRKernelConfig.from_key(_config_key(None, (bf,), (bf, f32), (bf, bf, f32, f32)))
+    assert kda.lowp == "tf32" and kda.lowp_outputs == "o"
+    kda_bf_beta = DPLRKernelConfig.from_key(_config_key(None, (bf,), (bf, bf), (bf, bf, f32, bf)))
+    assert kda_bf_beta.lowp_outputs == "o,dv"
+    full = resolve(DPLRKernelConfig.from_key(_config_key(None, (bf,), (bf,), (bf,) * 5)), 128, 128, 64, False)
+    assert (full.lo_o, full.lo_qk, full.lo_dv, full.lo_gc, full.lo_dk) == (1,) * 5
+
+
+def _mixed_case(kda: bool):
+    """float16 activations with float32 gates (float16 stands in for bf16 in the interpreter)."""
+    xs, s0 = make_inputs(1, 40, 2, 16, 16, -2.0)
+    if kda:
+        q, k, v, g = xs[0], F.normalize(xs[1], dim=-1), xs[2], xs[5]
+        beta = torch.rand(1, 40, 2, device=DEV)
+        xs = [q.half(), k.half(), v.half(), g, beta]
+    else:
+        xs = [x.half() for x in xs[:5]] + [xs[5]]
+    return xs, s0, torch.randn(1, 40, 2, 16, device=DEV), torch.randn(1, 2, 16, 16, device=DEV)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_mixed_dtypes_keep_the_gate_gradient_exact(kda):
+    # lowp="fp16" (the interpreter's stand-in for tf32 with bf16) on float16 activations and
+    # float32 gates: the groups that reach only 16-bit outputs take the mode (o; DPLR also δv),
+    # everything a float32 output depends on is bit-identical to the float32-accurate run
+    xs, s0, do, dsT = _mixed_case(kda)
+    fn = kda_chunkwise_triton if kda else dplr_chunkwise_triton
+    o_off, sT_off, g_off = run(fn, xs, s0, do, dsT, chunk_size=32, config=DPLRKernelConfig(lowp="off"))
+    o, sT, g = run(fn, xs, s0, do, dsT, chunk_size=32, config=DPLRKernelConfig(lowp="fp16"))
+    assert not torch.equal(o, o_off)                                       # the mode is in effect
+    assert torch.equal(sT, sT_off)
+    fast = {2} if not kda else set()                                       # δv (DPLR)
+    for i, (x, y) in enumerate(zip(g, g_off)):
+        assert torch.equal(x, y) != (i in fast), i
+    if not kda:      # the float64 reference: o, δv within 5x of the PyTorch op (as the fp16 mode
+        # test), the rest (float32-accurate products) within 2x, the gate gradient included
+        p, _, pg = run(torch_chunkwise.dplr_chunkwise, xs, s0, do, dsT, chunk_size=32)
+        ro, _, rg = reference(xs, s0, do, dsT)
+        assert rel_err(o, ro) <= 5 * rel_err(p, ro)
+        for i, (x, y, z) in enumerate(zip(g, pg, rg)):
+            assert rel_err(x, z) <= (5 if i in fast else 2) * rel_err(y, z) + 1e-6, NAMES[i]
 
 
 def test_state_tiles_from_the_config_match_reference():
@@ -302,6 +360,57 @@ def test_gpu_bf16_within_twice_torch_bf16_error(T):
     assert rel_err(o, ro) <= 2 * rel_err(p, ro) + 1e-6
     assert rel_err(sT, rsT) <= 2 * rel_err(psT, rsT) + 1e-6
     for name, x, y, z in zip(NAMES, g, pg, rg):
+        assert rel_err(x, z) <= 2 * rel_err(y, z) + 1e-6, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("T", [100, 2048])
+def test_gpu_bf16_activations_float32_gk_within_twice_torch_error(T):
+    # issue 20: bf16 q, k, v, a, b with a float32 gk take the fast output/δv products and keep the
+    # float32 gate gradient at float32 accuracy: every output within 2x of the PyTorch op's error
+    torch.manual_seed(T)
+    xs, s0 = make_inputs(1, T, 2, 128, 128, -1.0, device="cuda")
+    xs = [x.bfloat16() for x in xs[:5]] + [xs[5]]
+    do = torch.randn(1, T, 2, 128, device="cuda")
+    dsT = torch.randn(1, 2, 128, 128, device="cuda")
+    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT)
+    p, psT, pg = run(torch_chunkwise.dplr_chunkwise, xs, s0, do, dsT)
+    ro, rsT, rg = reference(xs, s0, do, dsT)
+    assert g[5].dtype == torch.float32
+    assert rel_err(o, ro) <= 2 * rel_err(p, ro) + 1e-6
+    assert rel_err(sT, rsT) <= 2 * rel_err(psT, rsT) + 1e-6
+    for name, x, y, z in zip(NAMES, g, pg, rg):
+        assert rel_err(x, z) <= 2 * rel_err(y, z) + 1e-6, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("T", [100, 2048])
+def test_gpu_kda_bf16_qkv_float32_gates_within_twice_torch_error(T):
+    from xlstm_kit.ops.dplr.kda import kda_chunkwise as kda_torch
+    torch.manual_seed(T)
+    H, K, V = 2, 128, 128
+    q = torch.randn(1, T, H, K, device="cuda").bfloat16()
+    k = F.normalize(torch.randn(1, T, H, K, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(1, T, H, V, device="cuda").bfloat16()
+    g = torch.rand(1, T, H, K, device="cuda") * -1.0
+    beta = torch.rand(1, T, H, device="cuda")
+    s0 = torch.randn(1, H, K, V, device="cuda")
+    do = torch.randn(1, T, H, V, device="cuda")
+    dsT = torch.randn(1, H, K, V, device="cuda")
+    xs = [q, k, v, g, beta]
+    o, sT, gr = run(kda_chunkwise_triton, xs, s0, do, dsT)
+    p, psT, pg = run(kda_torch, xs, s0, do, dsT)
+    ys = [x.detach().double().requires_grad_() for x in xs + [s0]]
+    bb = ys[4].unsqueeze(-1)
+    ro, rsT = dplr_recurrent(ys[0], ys[1], ys[2] * bb, ys[1], ys[1] * bb, ys[3], initial_state=ys[5],
+                             output_final_state=True)
+    rg = torch.autograd.grad((ro * do.double()).sum() + (rsT * dsT.double()).sum(), ys)
+    assert gr[3].dtype == torch.float32 and gr[4].dtype == torch.float32
+    assert rel_err(o, ro) <= 2 * rel_err(p, ro) + 1e-6
+    assert rel_err(sT, rsT) <= 2 * rel_err(psT, rsT) + 1e-6
+    for name, x, y, z in zip(["q", "k", "v", "g", "beta", "h0"], gr, pg, rg):
         assert rel_err(x, z) <= 2 * rel_err(y, z) + 1e-6, name
 
 

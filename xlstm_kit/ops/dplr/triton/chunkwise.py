@@ -128,7 +128,7 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlen
             _fwd_gamma_varlen[(NC, H, K // min(K, 64))](gk.contiguous(), G, tab, T, H, K=K, L=L,
                                                         BK=min(K, 64), num_warps=4)
         _fwd_pairs[(NC * (L // SUB), BH)](qc, kc, ac, bc, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
-                                          K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, LO=c.lo,
+                                          K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, LO=c.lo_qk,
                                           num_warps=c.pairs_warps, num_stages=_STAGES, **vl)
         _fwd_wy[(NC, BH)](qc, kc, ac, bc, vc, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC,
                           K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
@@ -136,7 +136,7 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlen
         _fwd_state[(V // c.state_bv, S)](Qg, Kd, Ad, eGl, vc, Aqk, Aqa, W, Cm,
                                          h0c if h0c is not None else hT, Hs, V2, O, hT, Tp, NC,
                                          K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
-                                         PREC=c.prec, LO=c.lo, num_warps=c.state_warps,
+                                         PREC=c.prec, LO=c.lo_o, num_warps=c.state_warps,
                                          num_stages=_STAGES, **_seq_args(vl, sinfo, H))
     return (_seq_layout(O, B, H, T), hT.view(S // H, H, K, V),
             qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, tab, sinfo)
@@ -181,11 +181,12 @@ def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eG
                                          num_warps=c.state_warps, num_stages=_STAGES,
                                          **_seq_args(vl, sinfo, H))
         _bwd_dv[(NC, BH)](Kd, vc, Aqk, Abk, E, V2, dO, dH, dV2, GC, *dA, dv, dqk_d, dqa_d, Tp, NC,
-                          K=K, V=V, L=L, BK=c.dv_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo,
+                          K=K, V=V, L=L, BK=c.dv_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
+                          LV=c.lo_dv, LG=c.lo_gc,
                           num_warps=c.dv_warps, num_stages=_STAGES, **vl)
         _bwd_dk[(NC, K // c.dk_bk, BH)](qc, kc, vc, ac, bc, G, V2, Hs, dO, dH, GC, *dA, dqk_d, dqa_d,
                                         dq, dk, da, db, dg, scale, Tp, NC, K=K, V=V, L=L, S=SUB,
-                                        BK=c.dk_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo,
+                                        BK=c.dk_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
                                         num_warps=c.dk_warps, num_stages=_STAGES, **vl)
     grads = tuple(_seq_layout(g, B, H, T) for g in (dq, dk, dv, da, db, dg))
     dh0 = dh0.new_empty(0) if h0_dtype is None else dh0.view(S // H, H, K, V).to(h0_dtype)
@@ -281,15 +282,16 @@ def _check(q, v, chunk_size, *named):
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_key(config: DPLRKernelConfig | None, dtypes: tuple) -> str:
-    return (config or DPLRKernelConfig()).for_dtypes(*dtypes).key()
+def _cached_key(config: DPLRKernelConfig | None, o: tuple, dv: tuple, dk: tuple) -> str:
+    return (config or DPLRKernelConfig()).for_dtypes(o=o, dv=dv, dk=dk).key()
 
 
 @torch.compiler.assume_constant_result
-def _config_key(config: DPLRKernelConfig | None, *dtypes: torch.dtype) -> str:
-    """The key of `config` (None: the defaults) for inputs of `dtypes` (`for_dtypes`): cached per
-    call site's values, and a constant to torch.compile (which cannot trace json)."""
-    return _cached_key(config, dtypes)
+def _config_key(config: DPLRKernelConfig | None, o: tuple, dv: tuple, dk: tuple) -> str:
+    """The key of `config` (None: the defaults) for outputs of the dtypes o, dv, dk (tuples,
+    `DPLRKernelConfig.for_dtypes`): cached per call site's values, and a constant to
+    torch.compile (which cannot trace json)."""
+    return _cached_key(config, o, dv, dk)
 
 
 def _check_packed(q, v, cu_seqlens, initial_state) -> None:
@@ -329,7 +331,9 @@ def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
         initial_state: [B, H, K, V] (= Sᵀ of the seed) or None for zeros.
         chunk_size: 16, 32 or 64.
         config: a `DPLRKernelConfig`, default `DPLRKernelConfig()`; its low-precision mode
-            applies only when all of q, k, v, a, b, gk are bfloat16 (`for_dtypes`).
+            applies to the products of o when q is bfloat16, of δv when v is, and of δq, δk,
+            δa, δb, δgk when q, k, a, b and gk all are (`for_dtypes`): bf16 activations with a
+            float32 gk keep the fast forward and δv, and a float32-accurate gate gradient.
         cu_seqlens: None, or int32/int64 [N+1] (0 first, strictly increasing, T last; the
             caller checks the values) with B = 1: N packed sequences, each from its row of
             initial_state [N, H, K, V] (None: zeros) to its row of the final state [N, H, K, V].
@@ -341,7 +345,9 @@ def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
     if packed:
         _check_packed(q, v, cu_seqlens, initial_state)
     _check(q, v, chunk_size, *zip("qkvab", (q, k, v, a, b)), ("gk", gk))
-    key = _config_key(config, q.dtype, k.dtype, v.dtype, a.dtype, b.dtype, gk.dtype)
+    # the groups of low-precision products by the outputs they reach: a float32 gk keeps the
+    # gate gradient's products at float32 accuracy, the output and δv stay fast
+    key = _config_key(config, (q.dtype,), (v.dtype,), (q.dtype, k.dtype, a.dtype, b.dtype, gk.dtype))
     return _apply(q, k, v, a, b, gk, initial_state, float(check_scale(scale, K)),
                   output_final_state, chunk_size, key, cu_seqlens)
 
@@ -350,7 +356,8 @@ def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, ou
                          chunk_size=64, config=None, cu_seqlens=None):
     """KDA through the DPLR kernels: a = k, b = β k, v ← β v (seed "与KDA的关系"); gradients reach
     k, v, g and β through autograd of the substitution. The low-precision rule of `config`
-    looks at the KDA inputs (all bfloat16), not at the float32 substituted ones.
+    looks at the KDA inputs, not at the float32 substituted ones: o follows q; δv follows v
+    and β; the K-side group q, k, g and β.
 
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None;
     cu_seqlens: as for `dplr_chunkwise_triton` (initial and final state then [N, H, K, V]).
@@ -361,7 +368,8 @@ def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, ou
     if packed:
         _check_packed(q, v, cu_seqlens, initial_state)
     _check(q, v, chunk_size, *zip("qkvg", (q, k, v, g)), ("beta", beta))
-    key = _config_key(config, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+    # δβ = Σ δ(βv)·v + Σ δ(βk)·k: β's dtype joins both gradient groups
+    key = _config_key(config, (q.dtype,), (v.dtype, beta.dtype), (q.dtype, k.dtype, g.dtype, beta.dtype))
     # products formed in float32 so 16-bit inputs are rounded only once (as kda.py)
     kf, beta_ = k.float(), beta.float().unsqueeze(-1)
     vb = v.float() * beta_
