@@ -23,8 +23,8 @@ from xlstm_kit.ops import dplr_chunkwise, kda_chunkwise  # noqa: E402
 from xlstm_kit.ops.backend import KERNEL_MODULES  # noqa: E402
 from xlstm_kit.ops.dplr import chunkwise as torch_chunkwise  # noqa: E402
 from xlstm_kit.ops.dplr.naive import dplr_recurrent  # noqa: E402
-from xlstm_kit.ops.dplr.triton.chunkwise import (  # noqa: E402
-    dplr_chunkwise_triton, kda_chunkwise_triton)
+from xlstm_kit.ops.dplr.triton.chunkwise import dplr_chunkwise_triton  # noqa: E402
+from xlstm_kit.ops.dplr.triton.kda_op import kda_chunkwise_triton  # noqa: E402
 from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig  # noqa: E402
 
 DEV = "cpu" if INTERPRET else "cuda"

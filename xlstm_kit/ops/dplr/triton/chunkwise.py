@@ -1,7 +1,7 @@
 """The chunkwise DPLR/KDA op over the kernels of this package: layout glue, the launchers of the
 forward and backward phases, the `torch.library` custom ops `xlstm_kit::dplr_chunkwise_fwd` /
 `xlstm_kit::dplr_chunkwise_bwd` (so `torch.compile` traces through them), and the entry points
-`dplr_chunkwise_triton`, `kda_chunkwise_triton` and `supports` (backend.py's question).
+`dplr_chunkwise_triton` and `supports` (backend.py's question); KDA has its own (kda_op.py).
 
 Packed sequences (cu_seqlens, B = 1): the inputs keep their length T in the chunk layout (no
 padding), the chunks come from the device-side chunk table of the mLSTM kernels
@@ -20,7 +20,6 @@ from ....errors import XLSTMKitError
 from ..._checks import check_tensor
 from ...backend import interpreting
 from ...mlstm.triton.varlen import chunk_table, num_chunks
-from ..kda import check_kda_inputs
 from ..naive import check_chunk, check_dplr_inputs, check_scale
 from .backward import _bwd_dk, _bwd_dv
 from .common import SUB
@@ -350,29 +349,3 @@ def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
     key = _config_key(config, (q.dtype,), (v.dtype,), (q.dtype, k.dtype, a.dtype, b.dtype, gk.dtype))
     return _apply(q, k, v, a, b, gk, initial_state, float(check_scale(scale, K)),
                   output_final_state, chunk_size, key, cu_seqlens)
-
-
-def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                         chunk_size=64, config=None, cu_seqlens=None):
-    """KDA through the DPLR kernels: a = k, b = β k, v ← β v (seed "与KDA的关系"); gradients reach
-    k, v, g and β through autograd of the substitution. The low-precision rule of `config`
-    looks at the KDA inputs, not at the float32 substituted ones: o follows q; δv follows v
-    and β; the K-side group q, k, g and β.
-
-    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None;
-    cu_seqlens: as for `dplr_chunkwise_triton` (initial and final state then [N, H, K, V]).
-    Returns (o [B, T, H, V] in q's dtype, final state [B or N, H, K, V] float32 or None).
-    """
-    packed = cu_seqlens is not None
-    check_kda_inputs(q, k, v, g, beta)
-    if packed:
-        _check_packed(q, v, cu_seqlens, initial_state)
-    _check(q, v, chunk_size, *zip("qkvg", (q, k, v, g)), ("beta", beta))
-    # δβ = Σ δ(βv)·v + Σ δ(βk)·k: β's dtype joins both gradient groups
-    key = _config_key(config, (q.dtype,), (v.dtype, beta.dtype), (q.dtype, k.dtype, g.dtype, beta.dtype))
-    # products formed in float32 so 16-bit inputs are rounded only once (as kda.py)
-    kf, beta_ = k.float(), beta.float().unsqueeze(-1)
-    vb = v.float() * beta_
-    check_dplr_inputs(q, kf, vb, kf, kf, g, None if packed else initial_state)
-    return _apply(q, kf, vb, kf, kf * beta_, g, initial_state,
-                  float(check_scale(scale, q.shape[-1])), output_final_state, chunk_size, key, cu_seqlens)
