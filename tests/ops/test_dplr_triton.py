@@ -289,29 +289,49 @@ def test_public_api_routes_triton_and_matches_torch_backend():
     assert rel_err(o_t, o_r) < 2e-6 and rel_err(s_t, s_r) < 2e-6
 
 
-def test_kda_through_the_kernels_matches_reference():
-    B, T, H, K, V = 1, 29, 2, 16, 16
+@pytest.mark.parametrize("T,L,V,gmin,h0", [
+    (29, 16, 16, -3.0, True),        # two chunks, a padded tail
+    (70, 64, 32, -5.0, False),       # L = 64 (4 sub-chunks), the strongest gates, K != V, no h0
+])
+def test_kda_through_the_kernels_matches_reference(T, L, V, gmin, h0):
+    # the KDA kernels (kda.py): every gradient, β's included, from the kernels, against the
+    # float64 recurrence of the substitution a = k, b = β k, v ← β v
+    B, H, K = 1, 2, 16
     q = torch.randn(B, T, H, K, device=DEV)
     k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1)
     v = torch.randn(B, T, H, V, device=DEV)
-    g = torch.rand(B, T, H, K, device=DEV) * -3.0
+    g = torch.rand(B, T, H, K, device=DEV) * gmin
     beta = torch.rand(B, T, H, device=DEV)
-    s0 = torch.randn(B, H, K, V, device=DEV)
+    s0 = torch.randn(B, H, K, V, device=DEV) if h0 else None
     do = torch.randn(B, T, H, V, device=DEV)
-    xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, s0)]
-    o, sT = kda_chunkwise(*xs[:5], initial_state=xs[5], output_final_state=True, chunk_size=16,
-                          backend="triton")
+    xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta) + ((s0,) if h0 else ())]
+    o, sT = kda_chunkwise(*xs[:5], initial_state=xs[5] if h0 else None, output_final_state=True,
+                          chunk_size=L, backend="triton")
     grads = torch.autograd.grad((o * do).sum() + sT.square().sum(), xs)
-    ys = [x.double().requires_grad_() for x in (q, k, v, g, beta, s0)]
+    ys = [x.detach().double().requires_grad_() for x in xs]
     kk, bb = ys[1], ys[4].unsqueeze(-1)
-    ro, rsT = dplr_recurrent(ys[0], kk, ys[2] * bb, kk, kk * bb, ys[3], initial_state=ys[5],
+    ro, rsT = dplr_recurrent(ys[0], kk, ys[2] * bb, kk, kk * bb, ys[3], initial_state=ys[5] if h0 else None,
                              output_final_state=True)
     rgrads = torch.autograd.grad((ro * do.double()).sum() + rsT.square().sum(), ys)
     assert rel_err(o, ro) < 2e-6 and rel_err(sT, rsT) < 2e-6
     for name, x, y in zip(["q", "k", "v", "g", "beta", "h0"], grads, rgrads):
         assert rel_err(x, y) < 1e-5, name
-    o2, _ = kda_chunkwise_triton(q, k, v, g, beta, initial_state=s0, chunk_size=32)
-    assert rel_err(o2, ro) < 2e-6
+
+
+def test_kda_kernels_take_k_v_beta_as_given(monkeypatch):
+    # no float32 substitution on the way in: the custom op receives the caller's tensors
+    import xlstm_kit.ops.dplr.triton.kda_op as kda_op
+    seen = []
+
+    def stub(*args):
+        seen.append(args)
+        raise RuntimeError("stop")
+    monkeypatch.setattr(kda_op, "_fwd_op", stub)
+    q, k, v, g = (torch.randn(1, 5, 2, 16, device=DEV).half() for _ in range(4))
+    beta = torch.rand(1, 5, 2, device=DEV).half()
+    with pytest.raises(RuntimeError, match="stop"):
+        kda_chunkwise_triton(q, k, v, g, beta, chunk_size=16)
+    assert all(x is y for x, y in zip(seen[0][:5], (q, k, v, g, beta)))
 
 
 def test_unsupported_cases_raise_clear_errors():
@@ -486,6 +506,10 @@ def test_custom_ops_pass_opcheck():
     key = DPLRKernelConfig().key()
     torch.library.opcheck(_fwd_op, (*ys, 0.25, 16, key))
     torch.library.opcheck(_fwd_op, (*xs, None, 0.25, 16, key), test_utils="test_faketensor")
+    from xlstm_kit.ops.dplr.triton.kda_op import _fwd_op as kda_op
+    q, k, v, g = xs[0], xs[1], xs[2], xs[5]
+    kys = [x.detach().clone().requires_grad_() for x in (q, k, v, g, xs[4][..., 0].abs(), s0)]
+    torch.library.opcheck(kda_op, (*kys, 0.25, 16, key))
     step = [torch.randn(2, 3, 16, device=DEV) for _ in range(6)]
     torch.library.opcheck(_step_op, (*step, torch.randn(2, 3, 16, 32, device=DEV)[..., :16], 0.3))
     torch.library.opcheck(_step_op, (*step, None, 0.3))

@@ -68,6 +68,7 @@ NAMES = {"dplr": ["o", "S", "q", "k", "v", "a", "b", "gk", "h0"],
     ("dplr", [20, 1, 13], 1, 16, False),       # boundaries inside chunks of 16
     ("kda", [1, 5, 64, 70], 1, 64, True),
     ("kda", [130], 2, 64, False),
+    ("kda", [20, 1, 13], 2, 16, True),         # the KDA kernels with boundaries inside chunks
 ])
 def test_packed_equals_each_sequence_alone(kind, lens, H, L, state):
     xs, s0, ws = _inputs(kind, lens, H, 16, 16, state, seed=len(lens) * 7 + H)
