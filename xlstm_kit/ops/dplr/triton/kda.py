@@ -3,7 +3,8 @@ are read as they are and β k, β v formed at load time, in registers, and every
 the general kernels compute twice is computed once:
 
     A_qa = A_qk (a = k)            A_ba = A_bk = Diag(β) A_kk (strictly lower)
-    Ad = Kd = k ⊙ e^{G_L−G}         U = β v + V2 (the two V-side operands of the state pass)
+    Ad = Kd = k ⊙ e^{G_L−G}         U = β v + V2 = (β v + Cm) − W h (the two V-side operands
+                                    of the state pass; `_fwd_wy` stores β v + Cm)
     O = Q⊙e^G h + A_qk U,   h' = Diag(γ_L) h + Kdᵀ U
 
 and in the backward the gradients of the coinciding matrices are summed before their products:

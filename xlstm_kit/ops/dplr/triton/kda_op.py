@@ -75,8 +75,7 @@ def _forward(q, k, v, g, beta, h0, scale: float, L: int, config: str, cu_seqlens
                                          h0c if h0c is not None else hT, Hs, U, O, hT, Tp, NC,
                                          K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
                                          PREC=c.prec, LO=c.lo_o, num_warps=c.state_warps,
-                                         num_stages=_STAGES, beta=bc, KDA=True,
-                                         **_seq_args(vl, sinfo, H))
+                                         num_stages=_STAGES, KDA=True, **_seq_args(vl, sinfo, H))
     return (_seq_layout(O, B, H, T), hT.view(S // H, H, K, V),
             qc, kc, vc, bc, G, Aqk, Abk, E, W, U, Hs, Qg, Kd, eGl, tab, sinfo)
 

@@ -19,8 +19,9 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
     Ad = a ⊙ e^{G_L−G} [BH, Tp, K], eGl = e^{G_L} [BH, NC, K].
     q, k, a, b: [BH, Tp, K]; v: [BH, Tp, V]; G float64; Abk, Aba, E: [BH, NC, L, L]; W: [BH, Tp, K];
     Cm: [BH, Tp, V] (float32); tab: the varlen chunk table with VARLEN (common.py).
-    KDA (kda.py): a and b are k, beta [BH, Tp] scales b and v at load (b = β k, v ← β v), and
-    Ad (= Kd) is not stored."""
+    KDA (kda.py): a and b are k, beta [BH, Tp] scales b and v at load (b = β k, v ← β v), Ad
+    (= Kd) is not stored, and Cm receives β v + Cm (the state pass's U = β v + V2 is then
+    Cm − W h: `_fwd_state` reads neither v nor β)."""
     n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
@@ -28,8 +29,6 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
         return
     rows = tl.arange(0, L)
     m = (rows < nv)[:, None]
-    if KDA:
-        bt = _ld(beta + _row(bh, t0, rows, Tp, 1), rows < nv, VARLEN).to(tl.float32)[:, None]
     pa = _offs(bh * NC + n, 0, rows, rows, L, L)
     Nm = tl.load(Aba + pa)                                   # strictly lower part of F
     # E = F⁻¹ in two stages (F = I + N, N strictly lower):
@@ -62,8 +61,8 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
         eG = tl.exp(Gc.to(tl.float32))
         dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
         Bg = _ld(b + pk, m, VARLEN).to(tl.float32) * eG
-        if KDA:
-            Bg *= bt
+        if KDA:     # β loaded where it is used: held across the loops it spills (ptxas)
+            Bg *= _ld(beta + _row(bh, t0, rows, Tp, 1), rows < nv, VARLEN).to(tl.float32)[:, None]
         _st(W + pk, tl.dot(Em, Bg, input_precision=PREC), m, VARLEN)
         _st(Qg + pk, _ld(q + pk, m, VARLEN).to(tl.float32) * (eG * scale), m, VARLEN)
         _st(Kd + pk, _ld(k + pk, m, VARLEN).to(tl.float32) * dec, m, VARLEN)
@@ -76,9 +75,12 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
         pv = _offs(bh, t0, rows, vv, Tp, V)
         vt = _ld(v + pv, m, VARLEN).to(tl.float32)
         if KDA:
-            vt *= bt
-        P = tl.dot(Ab, vt, input_precision=PREC)
-        _st(Cm + pv, -tl.dot(Em, P, input_precision=PREC), m, VARLEN)
+            vt *= _ld(beta + _row(bh, t0, rows, Tp, 1), rows < nv, VARLEN).to(tl.float32)[:, None]
+            P = tl.dot(Ab, vt, input_precision=PREC)
+            _st(Cm + pv, vt - tl.dot(Em, P, input_precision=PREC), m, VARLEN)
+        else:
+            P = tl.dot(Ab, vt, input_precision=PREC)
+            _st(Cm + pv, -tl.dot(Em, P, input_precision=PREC), m, VARLEN)
 
 
 def wy_reference(q, k, a, b, v, G, Abk, Aba, scale: float, L: int):
