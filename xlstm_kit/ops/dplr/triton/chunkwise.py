@@ -100,18 +100,9 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlen
     Returns (o [B, T, H, V] in q's dtype, hT [S, H, K, V] float32, *the _SAVED scratch)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    tab, sinfo, NCV = _table(cu_seqlens, T, L, q.device, launch)
-    varlen = NCV is not None
-    Tp = T if varlen else (T + L - 1) // L * L
-    NC = NCV if varlen else Tp // L
     BH = B * H
-    S = sinfo.shape[0] * H if varlen else BH         # rows of the initial and final states
+    tab, sinfo, Tp, NC, S, G, h0c, vl = _prologue(gk, h0, V, L, cu_seqlens, launch)
     qc, kc, vc, ac, bc = (_chunk_layout(x, Tp) for x in (q, k, v, a, b))
-    if varlen:      # the in-chunk cumsum over the table's chunks: a kernel below
-        G = torch.empty(H, T, K, device=q.device, dtype=torch.float64)
-    else:
-        G = _log_gamma(gk, Tp, L)
-    h0c = None if h0 is None else h0.to(torch.float32).reshape(S, K, V).contiguous()
     new = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.float32)  # noqa: E731
     Aqk, Aqa, Abk, Aba, E = (new(BH, NC, L, L) for _ in range(5))
     W, Qg, Kd, Ad = (new(BH, Tp, K) for _ in range(4))
@@ -122,10 +113,6 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlen
     hT = new(S, K, V)
     if launch:
         c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
-        vl = dict(tab=tab, VARLEN=True) if varlen else {}
-        if varlen:
-            _fwd_gamma_varlen[(NC, H, K // min(K, 64))](gk.contiguous(), G, tab, T, H, K=K, L=L,
-                                                        BK=min(K, 64), num_warps=4)
         _fwd_pairs[(NC * (L // SUB), BH)](qc, kc, ac, bc, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
                                           K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, LO=c.lo_qk,
                                           num_warps=c.pairs_warps, num_stages=_STAGES, **vl)
@@ -141,9 +128,50 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlen
             qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, tab, sinfo)
 
 
+def _prologue(gk, h0, V: int, L: int, cu_seqlens, launch: bool):
+    """What both forward launchers (DPLR, KDA) set up first: (tab, sinfo, Tp, NC, S, G, h0c, vl)
+    — the varlen chunk table (empty without cu_seqlens), the padded length Tp (T when packed),
+    the number of chunks NC, the rows S of the initial and final states, the in-chunk cumulative
+    gates G (float64; a kernel over the table's chunks when packed), h0 as float32 [S, K, V]
+    (or None) and the per-chunk kernels' varlen arguments vl."""
+    B, T, H, K = gk.shape
+    tab, sinfo, NCV = _table(cu_seqlens, T, L, gk.device, launch)
+    varlen = NCV is not None
+    Tp = T if varlen else (T + L - 1) // L * L
+    NC = NCV if varlen else Tp // L
+    S = sinfo.shape[0] * H if varlen else B * H
+    if varlen:
+        G = torch.empty(H, T, K, device=gk.device, dtype=torch.float64)
+        if launch:
+            _fwd_gamma_varlen[(NC, H, K // min(K, 64))](gk.contiguous(), G, tab, T, H, K=K, L=L,
+                                                        BK=min(K, 64), num_warps=4)
+    else:
+        G = _log_gamma(gk, Tp, L)
+    h0c = None if h0 is None else h0.to(torch.float32).reshape(S, K, V).contiguous()
+    return tab, sinfo, Tp, NC, S, G, h0c, (dict(tab=tab, VARLEN=True) if varlen else {})
+
+
 def _seq_args(vl: dict, sinfo, H: int) -> dict:
     """The varlen arguments of the state kernels: the per-chunk ones plus sinfo and H."""
     return dict(vl, sinfo=sinfo, H=H) if vl else {}
+
+
+def _bwd_prologue(qc, vc, Hs, tab, sinfo, do, dhT, B: int):
+    """What both backward launchers (DPLR, KDA) set up first: (BH, Tp, K, V, H, NC, S, varlen,
+    new, dO, dhTc, dH, dV2, dh0, GC) — sizes, `new` (an empty float32 tensor), dO in the chunk
+    layout (in its own dtype, widened by the kernels on load; zeros for None), dhT as float32
+    [S, K, V] or None, and the scratch of `_bwd_state` / `_bwd_dv`."""
+    BH, Tp, K = qc.shape
+    H = BH // B
+    V = vc.shape[-1]
+    NC = Hs.shape[1]
+    varlen = tab.shape[0] > 0
+    S = sinfo.shape[0] * H if varlen else BH
+    new = lambda *shape: torch.empty(*shape, device=qc.device, dtype=torch.float32)  # noqa: E731
+    dO = new(BH, Tp, V).zero_() if do is None else _chunk_layout(do, Tp)
+    dhTc = None if dhT is None else dhT.to(torch.float32).reshape(S, K, V).contiguous()
+    return (BH, Tp, K, V, H, NC, S, varlen, new, dO, dhTc, new(BH, NC, K, V), new(BH, Tp, V), new(S, K, V),
+            new(BH, Tp, V))
 
 
 def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, tab, sinfo,
@@ -153,19 +181,9 @@ def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eG
     (S = B, or N packed sequences when the table is not empty).
     Returns dq, dk, dv, da, db, dgk ([B, T, H, ·] in the dtypes of q, k, v, a, b and gk) and dh0
     ([S, H, K, V] in h0_dtype; empty when h0_dtype is None)."""
-    BH, Tp, K = qc.shape
-    H = BH // B
-    V = vc.shape[-1]
-    NC = Hs.shape[1]
-    varlen = tab.shape[0] > 0
-    S = sinfo.shape[0] * H if varlen else BH
+    BH, Tp, K, V, H, NC, S, varlen, new, dO, dhTc, dH, dV2, dh0, GC = _bwd_prologue(qc, vc, Hs, tab, sinfo, do,
+                                                                                   dhT, B)
     dev = qc.device
-    new = lambda *shape: torch.empty(*shape, device=dev, dtype=torch.float32)  # noqa: E731
-    # dO is read in its own dtype (the kernels widen it on load)
-    dO = new(BH, Tp, V).zero_() if do is None else _chunk_layout(do, Tp)
-    dhTc = None if dhT is None else dhT.to(torch.float32).reshape(S, K, V).contiguous()
-    dH, dV2, dh0 = new(BH, NC, K, V), new(BH, Tp, V), new(S, K, V)
-    GC = new(BH, Tp, V)
     dA = [new(BH, NC, L, L) for _ in range(4)]
     dqk_d, dqa_d = new(BH, Tp), new(BH, Tp)
     dv = torch.empty(BH, Tp, V, device=dev, dtype=vc.dtype)

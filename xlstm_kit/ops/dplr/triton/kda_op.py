@@ -10,13 +10,12 @@ import torch
 from ...backend import interpreting
 from ..kda import check_kda_inputs
 from ..naive import check_scale
-from .chunkwise import (_STAGES, _check, _check_packed, _chunk_layout, _config_key, _log_gamma,
-                        _seq_args, _seq_layout, _table, _tensors)
-from .chunkwise import supports  # noqa: F401  (backend.py asks this module for "kda_chunkwise")
+from .chunkwise import (_STAGES, _bwd_prologue, _check, _check_packed, _chunk_layout, _config_key, _prologue,
+                        _seq_args, _seq_layout, _tensors)
+from .chunkwise import supports
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
 from .kda import _bwd_dk_kda, _bwd_dv_kda, _fwd_pairs_kda
-from .pairs import _fwd_gamma_varlen
 from .state import _bwd_state, _fwd_state
 from .wy import _fwd_wy
 
@@ -40,16 +39,10 @@ def _forward(q, k, v, g, beta, h0, scale: float, L: int, config: str, cu_seqlens
     Returns (o [B, T, H, V] in q's dtype, hT [S, H, K, V] float32, *the _SAVED scratch)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    tab, sinfo, NCV = _table(cu_seqlens, T, L, q.device, launch)
-    varlen = NCV is not None
-    Tp = T if varlen else (T + L - 1) // L * L
-    NC = NCV if varlen else Tp // L
     BH = B * H
-    S = sinfo.shape[0] * H if varlen else BH
+    tab, sinfo, Tp, NC, S, G, h0c, vl = _prologue(g, h0, V, L, cu_seqlens, launch)
     qc, kc, vc = (_chunk_layout(x, Tp) for x in (q, k, v))
     bc = _beta_layout(beta, Tp)
-    G = torch.empty(H, T, K, device=q.device, dtype=torch.float64) if varlen else _log_gamma(g, Tp, L)
-    h0c = None if h0 is None else h0.to(torch.float32).reshape(S, K, V).contiguous()
     new = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.float32)  # noqa: E731
     Aqk, Abk, E = (new(BH, NC, L, L) for _ in range(3))
     W, Qg, Kd = (new(BH, Tp, K) for _ in range(3))
@@ -60,10 +53,6 @@ def _forward(q, k, v, g, beta, h0, scale: float, L: int, config: str, cu_seqlens
     hT = new(S, K, V)
     if launch:
         c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
-        vl = dict(tab=tab, VARLEN=True) if varlen else {}
-        if varlen:
-            _fwd_gamma_varlen[(NC, H, K // min(K, 64))](g.contiguous(), G, tab, T, H, K=K, L=L,
-                                                        BK=min(K, 64), num_warps=4)
         _fwd_pairs_kda[(NC * (L // SUB), BH)](qc, kc, bc, G, Aqk, Abk, scale, Tp, NC, K=K, L=L, S=SUB,
                                               BK=c.pairs_bk, PREC=c.prec, num_warps=c.pairs_warps,
                                               num_stages=_STAGES, **vl)
@@ -86,17 +75,9 @@ def _backward(qc, kc, vc, bc, G, Aqk, Abk, E, W, U, Hs, Qg, Kd, eGl, tab, sinfo,
     """The _SAVED scratch of `_forward`; do: [B, T, H, V] or None; dhT: [S, H, K, V] or None.
     Returns dq, dk, dv, dg ([B, T, H, ·] in the dtypes of q, k, v, g), dbeta ([B, T, H] in
     beta_dtype) and dh0 ([S, H, K, V] in h0_dtype; empty when h0_dtype is None)."""
-    BH, Tp, K = qc.shape
-    H = BH // B
-    V = vc.shape[-1]
-    NC = Hs.shape[1]
-    varlen = tab.shape[0] > 0
-    S = sinfo.shape[0] * H if varlen else BH
+    BH, Tp, K, V, H, NC, S, varlen, new, dO, dhTc, dH, dV2, dh0, GC = _bwd_prologue(qc, vc, Hs, tab, sinfo, do,
+                                                                                   dhT, B)
     dev = qc.device
-    new = lambda *shape: torch.empty(*shape, device=dev, dtype=torch.float32)  # noqa: E731
-    dO = new(BH, Tp, V).zero_() if do is None else _chunk_layout(do, Tp)
-    dhTc = None if dhT is None else dhT.to(torch.float32).reshape(S, K, V).contiguous()
-    dH, dV2, dh0, GC = new(BH, NC, K, V), new(BH, Tp, V), new(S, K, V), new(BH, Tp, V)
     dAq, dAb = new(BH, NC, L, L), new(BH, NC, L, L)
     dqd, dbv = new(BH, Tp), new(BH, Tp)
     dv = torch.empty(BH, Tp, V, device=dev, dtype=vc.dtype)
@@ -181,3 +162,7 @@ def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, ou
     o, hT, *_ = _fwd_op(q, k, v, g, beta, initial_state, float(check_scale(scale, q.shape[-1])),
                         chunk_size, key, cu_seqlens)
     return o, (hT if output_final_state else None)
+
+
+# backend.py asks this module (KERNEL_MODULES["kda_chunkwise"]) for `supports` too
+__all__ = ["kda_chunkwise_triton", "supports"]
