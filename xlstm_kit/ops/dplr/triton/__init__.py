@@ -37,7 +37,12 @@ of all sequences at once, and the two state kernels walk each sequence from its 
 to its own final state (chunkwise.py, common.py).
   config.py      DPLRKernelConfig (precision mode, tiles, warps) and its resolution per shape
   chunkwise.py   layout glue, launchers, the custom ops xlstm_kit::dplr_chunkwise_fwd/_bwd with
-                 their autograd, dplr_chunkwise_triton, kda_chunkwise_triton, supports
+                 their autograd, dplr_chunkwise_triton, supports
+  kda.py         the KDA-specialised kernels (a = k, b = β k, v ← β v): k, v, β read as given,
+                 each distinct pair product once (A_qa = A_qk, A_ba = A_bk), U = β v + V2, the β
+                 gradient reduced in the kernels; `_fwd_wy` / `_fwd_state` take KDA as a flag
+  kda_op.py      their launchers, the custom ops xlstm_kit::kda_chunkwise_fwd/_bwd,
+                 kda_chunkwise_triton
   step.py        the decode step (xlstm_kit::dplr_step), a kernel of its own
 Memory: the forward keeps (4 L + 6 K + V) float32 values per token and head (A_qk, A_qa, A_bk, E;
 W, Q⊙e^G, K⊙e^{G_L−G}, A⊙e^{G_L−G}, G in float64; V2) plus one K×V state per chunk: about
