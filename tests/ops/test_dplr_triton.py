@@ -318,6 +318,35 @@ def test_kda_through_the_kernels_matches_reference(T, L, V, gmin, h0):
         assert rel_err(x, y) < 1e-5, name
 
 
+def test_kda_low_precision_products_keep_the_state_exact():
+    # the KDA kernels' three groups of low-precision products (o; δv with δβ's v part; the K side)
+    # under lowp="fp16" with all-float16 inputs: within 5x of the PyTorch op's error (as the DPLR
+    # test above), and the final state and δh0 bit-identical to the float32-accurate run
+    from xlstm_kit.ops.dplr.kda import kda_chunkwise as kda_torch
+    T, H, K, V = 40, 2, 16, 16
+    q = torch.randn(1, T, H, K, device=DEV).half()
+    k = F.normalize(torch.randn(1, T, H, K, device=DEV), dim=-1).half()
+    v = torch.randn(1, T, H, V, device=DEV).half()
+    g = (torch.rand(1, T, H, K, device=DEV) * -1.0).half()
+    beta = torch.rand(1, T, H, device=DEV).half()
+    s0, do, dsT = (torch.randn(*sh, device=DEV) for sh in ((1, H, K, V), (1, T, H, V), (1, H, K, V)))
+    xs = [q, k, v, g, beta]
+    o_off, sT_off, g_off = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=32,
+                               config=DPLRKernelConfig(lowp="off"))
+    o, sT, gr = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=32, config=DPLRKernelConfig(lowp="fp16"))
+    p, _, pg = run(kda_torch, xs, s0, do, dsT, chunk_size=32)
+    ys = [x.detach().double().requires_grad_() for x in xs + [s0]]
+    bb = ys[4].unsqueeze(-1)
+    ro, rsT = dplr_recurrent(ys[0], ys[1], ys[2] * bb, ys[1], ys[1] * bb, ys[3], initial_state=ys[5],
+                             output_final_state=True)
+    rg = torch.autograd.grad((ro * do.double()).sum() + (rsT * dsT.double()).sum(), ys)
+    assert all(not torch.equal(x, y) for x, y in zip([o] + list(gr[:5]), [o_off] + list(g_off[:5])))
+    assert torch.equal(sT, sT_off) and torch.equal(gr[5], g_off[5])
+    assert rel_err(o, ro) <= 5 * rel_err(p, ro)
+    for name, x, y, z in zip(["q", "k", "v", "g", "beta"], gr, pg, rg):
+        assert x.dtype == torch.float16 and rel_err(x, z) <= 5 * rel_err(y, z), name
+
+
 def test_kda_kernels_take_k_v_beta_as_given(monkeypatch):
     # no float32 substitution on the way in: the custom op receives the caller's tensors
     import xlstm_kit.ops.dplr.triton.kda_op as kda_op
