@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_rows, _last, _ld, _mm, _offs, _ref_factors, _row, _st, _zeros4
+from .common import _chunk_prog, _last, _ld, _mm, _offs, _ref_factors, _row, _st, _zeros4
 from .pairs import pairs_reference
 
 
@@ -24,13 +24,9 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
     group), LV the δv products, LG the product GC (it reaches both).
     tab: the varlen chunk table with VARLEN (common.py)."""
     n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(1), L, VARLEN)
     if seq < 0:
         return
-    rows = tl.arange(0, L)
-    m1 = rows < nv
-    m = m1[:, None]
     pa = _offs(bh * NC + n, 0, rows, rows, L, L)
     Aqk_ = tl.load(Aqk + pa)
     Abk_ = tl.load(Abk + pa)
@@ -98,13 +94,9 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
     NB: tl.constexpr = L // S
     n = tl.program_id(0)
     kt = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)
-    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(2), L, VARLEN)
     if seq < 0:
         return
-    rows = tl.arange(0, L)
-    m1 = rows < nv
-    m = m1[:, None]
     kr = kt * BK + tl.arange(0, BK)
     pk = _offs(bh, t0, rows, kr, Tp, K)
     Gc = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kr, Tp, K))   # [L, BK] float64

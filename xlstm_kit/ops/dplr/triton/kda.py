@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .backward import _pair_grad
-from .common import _chunk_rows, _last, _ld, _mm, _offs, _ref_factors, _row, _st
+from .common import _chunk_prog, _last, _ld, _mm, _offs, _pair_block, _ref_factors, _row, _st
 
 
 @triton.jit
@@ -31,20 +31,9 @@ def _fwd_pairs_kda(q, k, beta, G, Aqk, Abk, scale, Tp, NC,
                    PREC: tl.constexpr, tab=None, VARLEN: tl.constexpr = False):
     """One [L, S] column block of A_qk (= A_qa) and A_bk (= A_ba = Diag(β) A_kk) of one chunk;
     `_fwd_pairs` with two products instead of four. q, k: [BH, Tp, K]; beta: [BH, Tp]."""
-    NB: tl.constexpr = L // S
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    n = pid // NB
-    j0 = (pid % NB) * S
-    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    n, j0, bh, seq, t0, nv, rows, cols, mx, my, below, inblk = _pair_block(tab, L, S, VARLEN)
     if seq < 0:
         return
-    rows = tl.arange(0, L)
-    cols = tl.arange(0, S)
-    mx = (rows < nv)[:, None]
-    my = (j0 + cols < nv)[:, None]
-    below = rows >= j0 + S
-    inblk = (rows >= j0) & (rows < j0 + S)
     acc_qk = tl.zeros([L, S], dtype=tl.float32)
     acc_kk = tl.zeros([L, S], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -78,13 +67,9 @@ def _bwd_dv_kda(Kd, v, beta, Aqk, Abk, E, U, dO, dH, dV2, GCb, dAq, dAb, dv, dbv
     (strictly lower, to dAq, dAb [BH, NC, L, L]; δA_q's diagonal to dqd [BH, Tp]).
     U: [BH, Tp, V] (β v + V2, stored by the forward). `_mm` modes as `_bwd_dv`."""
     n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(1), L, VARLEN)
     if seq < 0:
         return
-    rows = tl.arange(0, L)
-    m1 = rows < nv
-    m = m1[:, None]
     pa = _offs(bh * NC + n, 0, rows, rows, L, L)
     Aqk_ = tl.load(Aqk + pa)
     Abk_ = tl.load(Abk + pa)
@@ -130,13 +115,9 @@ def _bwd_dk_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dAq, dAb, dqd, dq, dk, dbk, d
     NB: tl.constexpr = L // S
     n = tl.program_id(0)
     kt = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)
-    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(2), L, VARLEN)
     if seq < 0:
         return
-    rows = tl.arange(0, L)
-    m1 = rows < nv
-    m = m1[:, None]
     kr = kt * BK + tl.arange(0, BK)
     pk = _offs(bh, t0, rows, kr, Tp, K)
     Gc = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kr, Tp, K))

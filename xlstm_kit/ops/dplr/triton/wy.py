@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_rows, _last, _ld, _offs, _row, _st
+from .common import _chunk_prog, _last, _ld, _offs, _row, _st
 
 
 @triton.jit
@@ -23,12 +23,9 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
     (= Kd) is not stored, and Cm receives β v + Cm (the state pass's U = β v + V2 is then
     Cm − W h: `_fwd_state` reads neither v nor β)."""
     n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(1), L, VARLEN)
     if seq < 0:
         return
-    rows = tl.arange(0, L)
-    m = (rows < nv)[:, None]
     pa = _offs(bh * NC + n, 0, rows, rows, L, L)
     Nm = tl.load(Aba + pa)                                   # strictly lower part of F
     # E = F⁻¹ in two stages (F = I + N, N strictly lower):
@@ -62,7 +59,7 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
         dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
         Bg = _ld(b + pk, m, VARLEN).to(tl.float32) * eG
         if KDA:     # β loaded where it is used: held across the loops it spills (ptxas)
-            Bg *= _ld(beta + _row(bh, t0, rows, Tp, 1), rows < nv, VARLEN).to(tl.float32)[:, None]
+            Bg *= _ld(beta + _row(bh, t0, rows, Tp, 1), m1, VARLEN).to(tl.float32)[:, None]
         _st(W + pk, tl.dot(Em, Bg, input_precision=PREC), m, VARLEN)
         _st(Qg + pk, _ld(q + pk, m, VARLEN).to(tl.float32) * (eG * scale), m, VARLEN)
         _st(Kd + pk, _ld(k + pk, m, VARLEN).to(tl.float32) * dec, m, VARLEN)
@@ -75,7 +72,7 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
         pv = _offs(bh, t0, rows, vv, Tp, V)
         vt = _ld(v + pv, m, VARLEN).to(tl.float32)
         if KDA:
-            vt *= _ld(beta + _row(bh, t0, rows, Tp, 1), rows < nv, VARLEN).to(tl.float32)[:, None]
+            vt *= _ld(beta + _row(bh, t0, rows, Tp, 1), m1, VARLEN).to(tl.float32)[:, None]
             P = tl.dot(Ab, vt, input_precision=PREC)
             _st(Cm + pv, vt - tl.dot(Em, P, input_precision=PREC), m, VARLEN)
         else:
