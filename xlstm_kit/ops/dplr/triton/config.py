@@ -67,9 +67,9 @@ class DPLRKernelConfig(KernelConfig):
     def __post_init__(self):
         if self.lowp not in LOWP_MODES:
             raise ValueError(f"DPLRKernelConfig.lowp must be one of {sorted(LOWP_MODES)}, got {self.lowp!r}")
-        parts = self.lowp_outputs.split(",") if self.lowp_outputs else []
-        if not isinstance(self.lowp_outputs, str) or any(p not in LOWP_GROUPS for p in parts) \
-                or parts != [g for g in LOWP_GROUPS if g in parts]:
+        parts = (self.lowp_outputs.split(",") if self.lowp_outputs else []) \
+            if isinstance(self.lowp_outputs, str) else [None]
+        if any(p not in LOWP_GROUPS for p in parts) or parts != [g for g in LOWP_GROUPS if g in parts]:
             raise ValueError("DPLRKernelConfig.lowp_outputs must list groups of "
                              f"{','.join(LOWP_GROUPS)} in that order, comma-separated, got {self.lowp_outputs!r}")
         for f in dataclasses.fields(self):
