@@ -12,7 +12,7 @@ from xlstm_kit.bench import peers, registry, runner, timing
 
 REQUIRED = {
     "ops": {"mlstm_chunkwise", "mlstm_parallel", "mlstm_recurrent", "slstm_recurrent", "dplr_chunkwise",
-            "kda_chunkwise"},
+            "kda_chunkwise", "dplr_chunkwise_f32gates", "kda_chunkwise_f32gates"},
     "model": {"train_step"},
     "generate": {"generate"},
 }

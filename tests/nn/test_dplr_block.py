@@ -126,3 +126,51 @@ def test_bad_config_raises(kw, match):
     base = dict(vocab_size=10, d_model=16, n_blocks=3, n_heads=2)
     with pytest.raises(ValueError, match=match):
         XLSTMConfig(**{**base, **kw})
+
+
+def _spy_dtypes(monkeypatch, run):
+    """Runs `run()` with the block's kda_chunkwise wrapped; returns what reached it each call."""
+    import xlstm_kit.nn.dplr as mod
+    seen, orig = [], mod.kda_chunkwise
+
+    def spy(q, k, v, g, beta, **kw):
+        seen.append(dict(dtypes=[x.dtype for x in (q, k, v, g, beta)], v_is_view=v._is_view()))
+        return orig(q, k, v, g, beta, **kw)
+
+    monkeypatch.setattr(mod, "kda_chunkwise", spy)
+    run()
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["bf16_params", "autocast"])
+def test_activations_and_gates_reach_the_op_in_one_dtype(monkeypatch, mode):
+    # issue 20: one dtype for q, k, v, g, β is the Triton op's fast path (float32 gates would
+    # make its gate-gradient products float32-accurate, a float32 q its output products); v
+    # reaches it as a view of the convolution's output (no copy on the way)
+    block = randomize_(DPLRBlock(32, 2, chunk_size=16))
+    x = torch.randn(2, 20, 32)
+    if mode == "bf16_params":
+        block, x = block.bfloat16(), x.bfloat16()
+        run = lambda: block(x).float().sum().backward()  # noqa: E731
+    else:
+        def run():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                block(x).float().sum().backward()
+    seen = _spy_dtypes(monkeypatch, run)
+    assert len(seen) == 1
+    assert seen[0]["dtypes"] == [torch.bfloat16] * 5 and seen[0]["v_is_view"]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in block.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_autocast_keeps_q_and_k_bf16(monkeypatch):
+    # CUDA autocast runs norms in float32: F.normalize there returned float32 q, k (slow path)
+    block = randomize_(DPLRBlock(256, 2)).cuda()
+    x = torch.randn(2, 100, 256, device="cuda")
+
+    def run():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            block(x).float().sum().backward()
+    seen = _spy_dtypes(monkeypatch, run)
+    assert seen[0]["dtypes"] == [torch.bfloat16] * 5

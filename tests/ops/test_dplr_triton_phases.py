@@ -126,7 +126,7 @@ def test_bwd_dv_phase(chain):
                dAbk=empty(BH, NC, L, L), dAba=empty(BH, NC, L, L), dv=empty(BH, TP, V),
                dqk_d=empty(BH, TP), dqa_d=empty(BH, TP))
     _bwd_dv[(NC, BH)](*(f32(c[n]) for n in ("Kd", "v", "Aqk", "Abk", "E", "V2", "dO", "dH", "dV2")),
-                      *out.values(), TP, NC, K=K, V=V, L=L, BK=16, BV=16, PREC=PREC, LO=0)
+                      *out.values(), TP, NC, K=K, V=V, L=L, BK=16, BV=16, PREC=PREC, LO=0, LV=0, LG=0)
     for name, x in out.items():
         assert rel_err(x.cpu(), c[name]) < 1e-6, name
 

@@ -68,6 +68,7 @@ NAMES = {"dplr": ["o", "S", "q", "k", "v", "a", "b", "gk", "h0"],
     ("dplr", [20, 1, 13], 1, 16, False),       # boundaries inside chunks of 16
     ("kda", [1, 5, 64, 70], 1, 64, True),
     ("kda", [130], 2, 64, False),
+    ("kda", [20, 1, 13], 2, 16, True),         # the KDA kernels with boundaries inside chunks
 ])
 def test_packed_equals_each_sequence_alone(kind, lens, H, L, state):
     xs, s0, ws = _inputs(kind, lens, H, 16, 16, state, seed=len(lens) * 7 + H)
@@ -80,22 +81,25 @@ def test_packed_equals_each_sequence_alone(kind, lens, H, L, state):
         assert rel_err(x.double().cpu(), y.cpu()) < 1e-5, name
 
 
-def test_packed_path_runs_no_python_loop(monkeypatch):
+@pytest.mark.parametrize("kind", ["dplr", "kda"])
+def test_packed_path_runs_no_python_loop(monkeypatch, kind):
     # the Triton path is one pass for all sequences: the per-sequence loop must not run, and the
     # kernels see the chunk table (one _fwd_state launch whose grid has a program per sequence)
     import xlstm_kit.ops.dplr as dplr_pkg
+    import xlstm_kit.ops.dplr.triton.kda_op as kda_op
     monkeypatch.setattr(dplr_pkg, "run_varlen", lambda *a, **k: pytest.fail("Python loop on the Triton path"))
     launches = []
-    real = tri._fwd_state
+    mod = tri if kind == "dplr" else kda_op
+    real = mod._fwd_state
 
     class Spy:
         def __getitem__(self, grid):
             launches.append(grid)
             return real[grid]
-    monkeypatch.setattr(tri, "_fwd_state", Spy())
-    xs, s0, _ = _inputs("dplr", [3, 17], 2, 16, 16, True, seed=1)
-    o, sT = dplr_chunkwise(*(x.float().to(DEV) for x in xs), initial_state=s0.float().to(DEV),
-                           output_final_state=True, chunk_size=16, backend="triton", cu_seqlens=_cu([3, 17]))
+    monkeypatch.setattr(mod, "_fwd_state", Spy())
+    xs, s0, _ = _inputs(kind, [3, 17], 2, 16, 16, True, seed=1)
+    o, sT = OPS[kind](*(x.float().to(DEV) for x in xs), initial_state=s0.float().to(DEV),
+                      output_final_state=True, chunk_size=16, backend="triton", cu_seqlens=_cu([3, 17]))
     assert launches == [(1, 2 * 2)] and o.shape == (1, 20, 2, 16) and sT.shape == (2, 2, 16, 16)
 
 

@@ -146,7 +146,8 @@ def _fla_dplr(case: str, shape: Shape, env: Env) -> Timed:
     unit = F.normalize(torch.randn(B, T, H, K, device=d), dim=-1)
     leaf = lambda x: x.detach().to(env.dtype).clone().requires_grad_()  # noqa: E731
     a, b = leaf(-unit), leaf(unit * torch.rand(B, T, H, 1, device=d))
-    gk = leaf(torch.rand(B, T, H, K, device=d) * -0.1)
+    gk = torch.rand(B, T, H, K, device=d) * -0.1
+    gk = gk.requires_grad_() if case.endswith(registry.F32_GATES) else leaf(gk)
     do = torch.randn(B, T, H, V, device=d).to(env.dtype)
     fwd = lambda: chunk_dplr_delta_rule(q, k, v, a, b, gk)  # noqa: E731
     return Timed(fwd, _fwbw(fwd, do))
@@ -155,7 +156,7 @@ def _fla_dplr(case: str, shape: Shape, env: Env) -> Timed:
 def _fla_kda(case: str, shape: Shape, env: Env) -> Timed:
     from fla.ops.kda import chunk_kda
 
-    xs, do = registry.kda_inputs(shape, env)  # same layout and ranges as ours
+    xs, do = registry.kda_inputs(shape, env, case.endswith(registry.F32_GATES))  # same as ours
     fwd = lambda: chunk_kda(*xs)  # noqa: E731
     return Timed(fwd, _fwbw(fwd, do))
 

@@ -238,9 +238,19 @@ def _slstm_work(shape: Shape, env: Env) -> Work:
 
 
 # ============================================================================================ DPLR
-def dplr_inputs(shape: Shape, env: Env):
+# the "_f32gates" cases: the run's dtype for the activations, float32 gates (as models compute
+# them; issue 20: such mixed inputs used to fall back to the kernels' slow precision path)
+F32_GATES = "_f32gates"
+
+
+def _gate(x: torch.Tensor, env: Env, f32: bool) -> torch.Tensor:
+    return x.detach().clone().requires_grad_() if f32 else _leaf(x, env)
+
+
+def dplr_inputs(shape: Shape, env: Env, f32_gates: bool = False):
     """q, k (scaled 1/√K), v, a (unit rows), b = β a with β ∈ (0, 1) (so I − b aᵀ contracts),
-    gk ∈ (−0.1, 0] (slow decay: long memory, the hard case for the state path)."""
+    gk ∈ (−0.1, 0] (slow decay: long memory, the hard case for the state path); gk float32 with
+    f32_gates."""
     B, T, H, K, V = (shape[x] for x in "BTHKV")
     torch.manual_seed(0)
     dev = env.device
@@ -250,41 +260,36 @@ def dplr_inputs(shape: Shape, env: Env):
     a_ = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1)
     b = _leaf(a_ * torch.rand(B, T, H, 1, device=dev), env)
     a = _leaf(a_, env)
-    gk = _leaf(torch.rand(B, T, H, K, device=dev) * -0.1, env)
+    gk = _gate(torch.rand(B, T, H, K, device=dev) * -0.1, env, f32_gates)
     do = torch.randn(B, T, H, V, device=dev).to(env.dtype)
     return (q, k, v, a, b, gk), do
 
 
-def kda_inputs(shape: Shape, env: Env):
-    """q, k (unit rows), v, g ∈ (−0.1, 0] per channel, beta ∈ (0, 1), upstream gradient."""
+def kda_inputs(shape: Shape, env: Env, f32_gates: bool = False):
+    """q, k (unit rows), v, g ∈ (−0.1, 0] per channel, beta ∈ (0, 1), upstream gradient; g and
+    beta float32 with f32_gates."""
     B, T, H, K, V = (shape[x] for x in "BTHKV")
     torch.manual_seed(0)
     dev = env.device
     q = _randn(B, T, H, K, env=env)
     k = _leaf(F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1), env)
     v = _randn(B, T, H, V, env=env)
-    g = _leaf(torch.rand(B, T, H, K, device=dev) * -0.1, env)
-    beta = _leaf(torch.rand(B, T, H, device=dev), env)
+    g = _gate(torch.rand(B, T, H, K, device=dev) * -0.1, env, f32_gates)
+    beta = _gate(torch.rand(B, T, H, device=dev), env, f32_gates)
     do = torch.randn(B, T, H, V, device=dev).to(env.dtype)
     return (q, k, v, g, beta), do
 
 
-def _build_dplr(shape: Shape, env: Env) -> Timed:
-    from xlstm_kit.ops import dplr_chunkwise
+def _build_delta(op: str, f32_gates: bool = False):
+    def build(shape: Shape, env: Env) -> Timed:
+        import xlstm_kit.ops as ops
 
-    xs, do = dplr_inputs(shape, env)
-    kw = _backend_kw(env)
-    fwd = lambda: dplr_chunkwise(*xs, **kw)  # noqa: E731
-    return Timed(fwd, _backward_of(fwd, do))
+        xs, do = (dplr_inputs if op == "dplr_chunkwise" else kda_inputs)(shape, env, f32_gates)
+        kw = _backend_kw(env)
+        fwd = lambda: getattr(ops, op)(*xs, **kw)  # noqa: E731
+        return Timed(fwd, _backward_of(fwd, do))
 
-
-def _build_kda(shape: Shape, env: Env) -> Timed:
-    from xlstm_kit.ops import kda_chunkwise
-
-    xs, do = kda_inputs(shape, env)
-    kw = _backend_kw(env)
-    fwd = lambda: kda_chunkwise(*xs, **kw)  # noqa: E731
-    return Timed(fwd, _backward_of(fwd, do))
+    return build
 
 
 def _dplr_work(n_k_inputs: int):
@@ -443,11 +448,17 @@ CASES: tuple[Case, ...] = (
          dict(B=2, T=12, H=2, D=8), takes_backend=True,
          peers=("flashrnn_triton_fused", "flashrnn_vanilla")),
     Case("dplr_chunkwise", "ops", "DPLR chunkwise (WY representation, chunk 64)",
-         _build_dplr, _dplr_work(5), _DPLR_GPU, _DPLR_CPU, _TINY_SEQ, takes_backend=True,
+         _build_delta("dplr_chunkwise"), _dplr_work(5), _DPLR_GPU, _DPLR_CPU, _TINY_SEQ, takes_backend=True,
          peers=("fla_dplr",)),
+    Case("dplr_chunkwise" + F32_GATES, "ops", "DPLR chunkwise, float32 gk (q, k, v, a, b in the run's dtype)",
+         _build_delta("dplr_chunkwise", True), _dplr_work(5), _DPLR_GPU, _DPLR_CPU, _TINY_SEQ,
+         takes_backend=True, peers=("fla_dplr",)),
     Case("kda_chunkwise", "ops", "KDA chunkwise (DPLR with a = k, b = β k)",
-         _build_kda, _dplr_work(3), _DPLR_GPU, _DPLR_CPU, _TINY_SEQ, takes_backend=True,
+         _build_delta("kda_chunkwise"), _dplr_work(3), _DPLR_GPU, _DPLR_CPU, _TINY_SEQ, takes_backend=True,
          peers=("fla_kda",)),
+    Case("kda_chunkwise" + F32_GATES, "ops", "KDA chunkwise, float32 g and beta (q, k, v in the run's dtype)",
+         _build_delta("kda_chunkwise", True), _dplr_work(3), _DPLR_GPU, _DPLR_CPU, _TINY_SEQ,
+         takes_backend=True, peers=("fla_kda",)),
     Case("dplr_step", "ops", "DPLR decode step (float32), forward only",
          _build_dplr_step, _step_state_work,
          (dict(B=1, H=16, K=128, V=128), dict(B=64, H=16, K=128, V=128)), (dict(B=1, H=4, K=64, V=64),),

@@ -42,6 +42,14 @@ class DPLRState(NamedTuple):
     S: torch.Tensor  # [B, H, D, D]          memory (the ops' [B, H, K, V] layout)
 
 
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / max(‖x‖, eps) over the last dim, in x's dtype: F.normalize under CUDA autocast returns
+    float32 for bf16 x (its norm is an autocast-to-float32 op); the norm itself is taken in
+    float32 (float64 for float64 x)."""
+    nrm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=state_dtype(x.dtype))
+    return x / nrm.clamp_min(eps).to(x.dtype)
+
+
 class DPLRLayer(nn.Module):
     """KDA-style DPLR layer (without its LayerNorm and residual).
 
@@ -103,12 +111,17 @@ class DPLRLayer(nn.Module):
                          torch.zeros(batch, H, D, D, device=device, dtype=dtype))
 
     def _mix_inputs(self, x: torch.Tensor, qkv: torch.Tensor):
-        """x [..., d_model], conv output qkv [..., 3 inner] -> q, k, v [..., H, D], β [..., H], g [..., H, D]."""
+        """x [..., d_model], conv output qkv [..., 3 inner] -> q, k, v [..., H, D], β [..., H], g [..., H, D],
+        all in the dtype of the activations qkv (v a view of them, no copy).
+
+        One dtype for all five is the kernels' fast path: with bf16 activations and float32 gates
+        the Triton op keeps the gate gradient's products at float32 accuracy (slower; ops/dplr/
+        triton/config.py), and a float32 q would make the output and its products float32."""
         lead, H, D = x.shape[:-1], self.n_heads, self.head_dim
         q, k, v = F.silu(qkv).view(*lead, 3, H, D).unbind(-3)
-        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
-        beta = torch.sigmoid(self.beta_proj(x))
-        g = -G_MAX * torch.sigmoid(self.decay_proj(x)).view(*lead, H, D)
+        q, k = _l2norm(q), _l2norm(k)
+        beta = torch.sigmoid(self.beta_proj(x)).to(v.dtype)
+        g = (-G_MAX * torch.sigmoid(self.decay_proj(x))).view(*lead, H, D).to(v.dtype)
         return q, k, v, beta, g
 
     def _out(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

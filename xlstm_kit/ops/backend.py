@@ -35,7 +35,7 @@ KERNEL_MODULES: dict[str, str] = {
     "slstm_recurrent": "xlstm_kit.ops.slstm.triton.op",
     "slstm_step": "xlstm_kit.ops.slstm.triton.step",
     "dplr_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
-    "kda_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
+    "kda_chunkwise": "xlstm_kit.ops.dplr.triton.kda_op",
     "dplr_step": "xlstm_kit.ops.dplr.triton.step",
     "mlstm_output": "xlstm_kit.ops.blocks.triton",
     "conv_silu": "xlstm_kit.ops.blocks.triton",

@@ -37,7 +37,12 @@ of all sequences at once, and the two state kernels walk each sequence from its 
 to its own final state (chunkwise.py, common.py).
   config.py      DPLRKernelConfig (precision mode, tiles, warps) and its resolution per shape
   chunkwise.py   layout glue, launchers, the custom ops xlstm_kit::dplr_chunkwise_fwd/_bwd with
-                 their autograd, dplr_chunkwise_triton, kda_chunkwise_triton, supports
+                 their autograd, dplr_chunkwise_triton, supports
+  kda.py         the KDA-specialised kernels (a = k, b = β k, v ← β v): k, v, β read as given,
+                 each distinct pair product once (A_qa = A_qk, A_ba = A_bk), U = β v + V2, the β
+                 gradient reduced in the kernels; `_fwd_wy` / `_fwd_state` take KDA as a flag
+  kda_op.py      their launchers, the custom ops xlstm_kit::kda_chunkwise_fwd/_bwd,
+                 kda_chunkwise_triton
   step.py        the decode step (xlstm_kit::dplr_step), a kernel of its own
 Memory: the forward keeps (4 L + 6 K + V) float32 values per token and head (A_qk, A_qa, A_bk, E;
 W, Q⊙e^G, K⊙e^{G_L−G}, A⊙e^{G_L−G}, G in float64; V2) plus one K×V state per chunk: about
@@ -53,10 +58,16 @@ per column sub-chunk J of S = 16 steps with a reference point inside the chunk:
                  the product is e^{G_r − G_i} ≤ 1 for every pair used. The entries above the
                  diagonal of the block (up to e^{80}·|xy|) are replaced by 0 with `where` and
                  never reach a later sum. (Tested at −5; the factors stay finite to about −10.)
-Precision modes. Products run as 3-pass TF32 (≈ float32) except, when every input is bfloat16,
-those whose results reach only bf16 outputs: A_qk, the three output products of _fwd_state
-(Q⊙e^G h, A_qk V, A_qa V2) and all of _bwd_dv and _bwd_dk (δv, δq, δk, δa, δb, δgk). These run
-as single-pass TF32 (`DPLRKernelConfig.lowp` = "tf32", the default). Whatever the final state or δh0
+Precision modes. Products run as 3-pass TF32 (≈ float32) except those whose results reach only
+bf16 outputs, in three groups decided by the dtypes of the outputs they reach (config.py,
+`for_dtypes`; `DPLRKernelConfig.lowp` = "tf32", the default, single-pass TF32 for them):
+"o" the three output products of _fwd_state (Q⊙e^G h, A_qk V, A_qa V2) when o (q's dtype) is
+bf16; "dv" the δv products of _bwd_dv when δv is; "dk" the pair-matrix gradients of _bwd_dv and
+all of _bwd_dk (δq, δk, δa, δb and δgk share every product there) when all of those are. A_qk
+(o and δv) and GC = Eᵀ δV2 (δv and dk) are low when both their groups are. So bf16 activations
+with a float32 gk (as models compute gates) keep the fast forward and δv while the float32 gate
+gradient gets float32-accurate products: its PyTorch reference error is float32-sized, and the
+2x rule leaves single-pass TF32 (2^-11 operand rounding) no room there. KDA: β joins δv and dk. Whatever the final state or δh0
 depends on (A_ba, A_bk, A_qa, E, W, Cm, the state kernels) stays 3-pass: the PyTorch op returns
 the float32 state with ~5e-8 error, and the 2x rule leaves no room there. Operands rounded to
 bf16 ("bf16") are not the default: with operand rounding as coarse as the outputs' own, the gate

@@ -7,28 +7,26 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_rows, _last, _ld, _mm, _offs, _ref_factors, _row, _st, _zeros4
+from .common import _chunk_prog, _last, _ld, _mm, _offs, _ref_factors, _row, _st, _zeros4
 from .pairs import pairs_reference
 
 
 @triton.jit
 def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv, dqk_d, dqa_d,
             Tp, NC, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
-            BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, tab=None,
-            VARLEN: tl.constexpr = False):
+            BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, LV: tl.constexpr,
+            LG: tl.constexpr, tab=None, VARLEN: tl.constexpr = False):
     """Backward, V side of one chunk: δv, GC = Eᵀ δC, and the gradients of the four pair matrices
     (strictly lower parts to dA* [BH, NC, L, L]; the diagonals of δA_qk, δA_qa to dqk_d, dqa_d
     [BH, Tp]). With δW = −δC hᵀ (h entering the chunk), Eᵀ δW = −GC hᵀ and W h = Cm − V2, so
     δF = −(Eᵀ δW Wᵀ + GC Cmᵀ) collapses to δA_ba = −GC V2ᵀ: no K-sized product is needed here.
+    `_mm` modes (config.py, LOWP_GROUPS): LO the pair-matrix gradients (they reach only the dk
+    group), LV the δv products, LG the product GC (it reaches both).
     tab: the varlen chunk table with VARLEN (common.py)."""
     n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(1), L, VARLEN)
     if seq < 0:
         return
-    rows = tl.arange(0, L)
-    m1 = rows < nv
-    m = m1[:, None]
     pa = _offs(bh * NC + n, 0, rows, rows, L, L)
     Aqk_ = tl.load(Aqk + pa)
     Abk_ = tl.load(Abk + pa)
@@ -40,14 +38,14 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
         do = _ld(dO + pv, m, VARLEN).to(tl.float32)
         vt = _ld(v + pv, m, VARLEN).to(tl.float32)
         v2 = _ld(V2 + pv, m, VARLEN)
-        GC = _mm(tl.trans(Em), _ld(dV2 + pv, m, VARLEN), LO, PREC)   # Eᵀ δC
+        GC = _mm(tl.trans(Em), _ld(dV2 + pv, m, VARLEN), LG, PREC)   # Eᵀ δC
         _st(GCb + pv, GC, m, VARLEN)
-        dvt = _mm(tl.trans(Aqk_), do, LO, PREC)
-        dvt -= _mm(tl.trans(Abk_), GC, LO, PREC)
+        dvt = _mm(tl.trans(Aqk_), do, LV, PREC)
+        dvt -= _mm(tl.trans(Abk_), GC, LV, PREC)
         for k0 in range(0, K, BK):                                # + (K ⊙ e^{G_L−G}) δh'
             kk = k0 + tl.arange(0, BK)
             dh = tl.load(dH + _offs(bh * NC + n, 0, kk, vv, K, V))
-            dvt += _mm(_ld(Kd + _offs(bh, t0, rows, kk, Tp, K), m, VARLEN), dh, LO, PREC)
+            dvt += _mm(_ld(Kd + _offs(bh, t0, rows, kk, Tp, K), m, VARLEN), dh, LV, PREC)
         _st(dv + pv, dvt, m, VARLEN)
         dA_qk += _mm(do, tl.trans(vt), LO, PREC)
         dA_qa += _mm(do, tl.trans(v2), LO, PREC)
@@ -96,13 +94,9 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
     NB: tl.constexpr = L // S
     n = tl.program_id(0)
     kt = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)
-    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(2), L, VARLEN)
     if seq < 0:
         return
-    rows = tl.arange(0, L)
-    m1 = rows < nv
-    m = m1[:, None]
     kr = kt * BK + tl.arange(0, BK)
     pk = _offs(bh, t0, rows, kr, Tp, K)
     Gc = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kr, Tp, K))   # [L, BK] float64

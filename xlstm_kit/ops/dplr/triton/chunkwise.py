@@ -1,7 +1,7 @@
 """The chunkwise DPLR/KDA op over the kernels of this package: layout glue, the launchers of the
 forward and backward phases, the `torch.library` custom ops `xlstm_kit::dplr_chunkwise_fwd` /
 `xlstm_kit::dplr_chunkwise_bwd` (so `torch.compile` traces through them), and the entry points
-`dplr_chunkwise_triton`, `kda_chunkwise_triton` and `supports` (backend.py's question).
+`dplr_chunkwise_triton` and `supports` (backend.py's question); KDA has its own (kda_op.py).
 
 Packed sequences (cu_seqlens, B = 1): the inputs keep their length T in the chunk layout (no
 padding), the chunks come from the device-side chunk table of the mLSTM kernels
@@ -20,7 +20,6 @@ from ....errors import XLSTMKitError
 from ..._checks import check_tensor
 from ...backend import interpreting
 from ...mlstm.triton.varlen import chunk_table, num_chunks
-from ..kda import check_kda_inputs
 from ..naive import check_chunk, check_dplr_inputs, check_scale
 from .backward import _bwd_dk, _bwd_dv
 from .common import SUB
@@ -101,18 +100,9 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlen
     Returns (o [B, T, H, V] in q's dtype, hT [S, H, K, V] float32, *the _SAVED scratch)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    tab, sinfo, NCV = _table(cu_seqlens, T, L, q.device, launch)
-    varlen = NCV is not None
-    Tp = T if varlen else (T + L - 1) // L * L
-    NC = NCV if varlen else Tp // L
     BH = B * H
-    S = sinfo.shape[0] * H if varlen else BH         # rows of the initial and final states
+    tab, sinfo, Tp, NC, S, G, h0c, vl = _prologue(gk, h0, V, L, cu_seqlens, launch)
     qc, kc, vc, ac, bc = (_chunk_layout(x, Tp) for x in (q, k, v, a, b))
-    if varlen:      # the in-chunk cumsum over the table's chunks: a kernel below
-        G = torch.empty(H, T, K, device=q.device, dtype=torch.float64)
-    else:
-        G = _log_gamma(gk, Tp, L)
-    h0c = None if h0 is None else h0.to(torch.float32).reshape(S, K, V).contiguous()
     new = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.float32)  # noqa: E731
     Aqk, Aqa, Abk, Aba, E = (new(BH, NC, L, L) for _ in range(5))
     W, Qg, Kd, Ad = (new(BH, Tp, K) for _ in range(4))
@@ -123,12 +113,8 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlen
     hT = new(S, K, V)
     if launch:
         c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
-        vl = dict(tab=tab, VARLEN=True) if varlen else {}
-        if varlen:
-            _fwd_gamma_varlen[(NC, H, K // min(K, 64))](gk.contiguous(), G, tab, T, H, K=K, L=L,
-                                                        BK=min(K, 64), num_warps=4)
         _fwd_pairs[(NC * (L // SUB), BH)](qc, kc, ac, bc, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
-                                          K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, LO=c.lo,
+                                          K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, LO=c.lo_qk,
                                           num_warps=c.pairs_warps, num_stages=_STAGES, **vl)
         _fwd_wy[(NC, BH)](qc, kc, ac, bc, vc, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC,
                           K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
@@ -136,15 +122,56 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlen
         _fwd_state[(V // c.state_bv, S)](Qg, Kd, Ad, eGl, vc, Aqk, Aqa, W, Cm,
                                          h0c if h0c is not None else hT, Hs, V2, O, hT, Tp, NC,
                                          K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
-                                         PREC=c.prec, LO=c.lo, num_warps=c.state_warps,
+                                         PREC=c.prec, LO=c.lo_o, num_warps=c.state_warps,
                                          num_stages=_STAGES, **_seq_args(vl, sinfo, H))
     return (_seq_layout(O, B, H, T), hT.view(S // H, H, K, V),
             qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, tab, sinfo)
 
 
+def _prologue(gk, h0, V: int, L: int, cu_seqlens, launch: bool):
+    """What both forward launchers (DPLR, KDA) set up first: (tab, sinfo, Tp, NC, S, G, h0c, vl)
+    — the varlen chunk table (empty without cu_seqlens), the padded length Tp (T when packed),
+    the number of chunks NC, the rows S of the initial and final states, the in-chunk cumulative
+    gates G (float64; a kernel over the table's chunks when packed), h0 as float32 [S, K, V]
+    (or None) and the per-chunk kernels' varlen arguments vl."""
+    B, T, H, K = gk.shape
+    tab, sinfo, NCV = _table(cu_seqlens, T, L, gk.device, launch)
+    varlen = NCV is not None
+    Tp = T if varlen else (T + L - 1) // L * L
+    NC = NCV if varlen else Tp // L
+    S = sinfo.shape[0] * H if varlen else B * H
+    if varlen:
+        G = torch.empty(H, T, K, device=gk.device, dtype=torch.float64)
+        if launch:
+            _fwd_gamma_varlen[(NC, H, K // min(K, 64))](gk.contiguous(), G, tab, T, H, K=K, L=L,
+                                                        BK=min(K, 64), num_warps=4)
+    else:
+        G = _log_gamma(gk, Tp, L)
+    h0c = None if h0 is None else h0.to(torch.float32).reshape(S, K, V).contiguous()
+    return tab, sinfo, Tp, NC, S, G, h0c, (dict(tab=tab, VARLEN=True) if varlen else {})
+
+
 def _seq_args(vl: dict, sinfo, H: int) -> dict:
     """The varlen arguments of the state kernels: the per-chunk ones plus sinfo and H."""
     return dict(vl, sinfo=sinfo, H=H) if vl else {}
+
+
+def _bwd_prologue(qc, vc, Hs, tab, sinfo, do, dhT, B: int):
+    """What both backward launchers (DPLR, KDA) set up first: (BH, Tp, K, V, H, NC, S, varlen,
+    new, dO, dhTc, dH, dV2, dh0, GC) — sizes, `new` (an empty float32 tensor), dO in the chunk
+    layout (in its own dtype, widened by the kernels on load; zeros for None), dhT as float32
+    [S, K, V] or None, and the scratch of `_bwd_state` / `_bwd_dv`."""
+    BH, Tp, K = qc.shape
+    H = BH // B
+    V = vc.shape[-1]
+    NC = Hs.shape[1]
+    varlen = tab.shape[0] > 0
+    S = sinfo.shape[0] * H if varlen else BH
+    new = lambda *shape: torch.empty(*shape, device=qc.device, dtype=torch.float32)  # noqa: E731
+    dO = new(BH, Tp, V).zero_() if do is None else _chunk_layout(do, Tp)
+    dhTc = None if dhT is None else dhT.to(torch.float32).reshape(S, K, V).contiguous()
+    return (BH, Tp, K, V, H, NC, S, varlen, new, dO, dhTc, new(BH, NC, K, V), new(BH, Tp, V), new(S, K, V),
+            new(BH, Tp, V))
 
 
 def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, tab, sinfo,
@@ -154,19 +181,9 @@ def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eG
     (S = B, or N packed sequences when the table is not empty).
     Returns dq, dk, dv, da, db, dgk ([B, T, H, ·] in the dtypes of q, k, v, a, b and gk) and dh0
     ([S, H, K, V] in h0_dtype; empty when h0_dtype is None)."""
-    BH, Tp, K = qc.shape
-    H = BH // B
-    V = vc.shape[-1]
-    NC = Hs.shape[1]
-    varlen = tab.shape[0] > 0
-    S = sinfo.shape[0] * H if varlen else BH
+    BH, Tp, K, V, H, NC, S, varlen, new, dO, dhTc, dH, dV2, dh0, GC = _bwd_prologue(qc, vc, Hs, tab, sinfo, do,
+                                                                                   dhT, B)
     dev = qc.device
-    new = lambda *shape: torch.empty(*shape, device=dev, dtype=torch.float32)  # noqa: E731
-    # dO is read in its own dtype (the kernels widen it on load)
-    dO = new(BH, Tp, V).zero_() if do is None else _chunk_layout(do, Tp)
-    dhTc = None if dhT is None else dhT.to(torch.float32).reshape(S, K, V).contiguous()
-    dH, dV2, dh0 = new(BH, NC, K, V), new(BH, Tp, V), new(S, K, V)
-    GC = new(BH, Tp, V)
     dA = [new(BH, NC, L, L) for _ in range(4)]
     dqk_d, dqa_d = new(BH, Tp), new(BH, Tp)
     dv = torch.empty(BH, Tp, V, device=dev, dtype=vc.dtype)
@@ -181,11 +198,12 @@ def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eG
                                          num_warps=c.state_warps, num_stages=_STAGES,
                                          **_seq_args(vl, sinfo, H))
         _bwd_dv[(NC, BH)](Kd, vc, Aqk, Abk, E, V2, dO, dH, dV2, GC, *dA, dv, dqk_d, dqa_d, Tp, NC,
-                          K=K, V=V, L=L, BK=c.dv_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo,
+                          K=K, V=V, L=L, BK=c.dv_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
+                          LV=c.lo_dv, LG=c.lo_gc,
                           num_warps=c.dv_warps, num_stages=_STAGES, **vl)
         _bwd_dk[(NC, K // c.dk_bk, BH)](qc, kc, vc, ac, bc, G, V2, Hs, dO, dH, GC, *dA, dqk_d, dqa_d,
                                         dq, dk, da, db, dg, scale, Tp, NC, K=K, V=V, L=L, S=SUB,
-                                        BK=c.dk_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo,
+                                        BK=c.dk_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
                                         num_warps=c.dk_warps, num_stages=_STAGES, **vl)
     grads = tuple(_seq_layout(g, B, H, T) for g in (dq, dk, dv, da, db, dg))
     dh0 = dh0.new_empty(0) if h0_dtype is None else dh0.view(S // H, H, K, V).to(h0_dtype)
@@ -281,15 +299,16 @@ def _check(q, v, chunk_size, *named):
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_key(config: DPLRKernelConfig | None, dtypes: tuple) -> str:
-    return (config or DPLRKernelConfig()).for_dtypes(*dtypes).key()
+def _cached_key(config: DPLRKernelConfig | None, o: tuple, dv: tuple, dk: tuple) -> str:
+    return (config or DPLRKernelConfig()).for_dtypes(o=o, dv=dv, dk=dk).key()
 
 
 @torch.compiler.assume_constant_result
-def _config_key(config: DPLRKernelConfig | None, *dtypes: torch.dtype) -> str:
-    """The key of `config` (None: the defaults) for inputs of `dtypes` (`for_dtypes`): cached per
-    call site's values, and a constant to torch.compile (which cannot trace json)."""
-    return _cached_key(config, dtypes)
+def _config_key(config: DPLRKernelConfig | None, o: tuple, dv: tuple, dk: tuple) -> str:
+    """The key of `config` (None: the defaults) for outputs of the dtypes o, dv, dk (tuples,
+    `DPLRKernelConfig.for_dtypes`): cached per call site's values, and a constant to
+    torch.compile (which cannot trace json)."""
+    return _cached_key(config, o, dv, dk)
 
 
 def _check_packed(q, v, cu_seqlens, initial_state) -> None:
@@ -329,7 +348,9 @@ def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
         initial_state: [B, H, K, V] (= Sᵀ of the seed) or None for zeros.
         chunk_size: 16, 32 or 64.
         config: a `DPLRKernelConfig`, default `DPLRKernelConfig()`; its low-precision mode
-            applies only when all of q, k, v, a, b, gk are bfloat16 (`for_dtypes`).
+            applies to the products of o when q is bfloat16, of δv when v is, and of δq, δk,
+            δa, δb, δgk when q, k, a, b and gk all are (`for_dtypes`): bf16 activations with a
+            float32 gk keep the fast forward and δv, and a float32-accurate gate gradient.
         cu_seqlens: None, or int32/int64 [N+1] (0 first, strictly increasing, T last; the
             caller checks the values) with B = 1: N packed sequences, each from its row of
             initial_state [N, H, K, V] (None: zeros) to its row of the final state [N, H, K, V].
@@ -341,30 +362,8 @@ def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
     if packed:
         _check_packed(q, v, cu_seqlens, initial_state)
     _check(q, v, chunk_size, *zip("qkvab", (q, k, v, a, b)), ("gk", gk))
-    key = _config_key(config, q.dtype, k.dtype, v.dtype, a.dtype, b.dtype, gk.dtype)
+    # the groups of low-precision products by the outputs they reach: a float32 gk keeps the
+    # gate gradient's products at float32 accuracy, the output and δv stay fast
+    key = _config_key(config, (q.dtype,), (v.dtype,), (q.dtype, k.dtype, a.dtype, b.dtype, gk.dtype))
     return _apply(q, k, v, a, b, gk, initial_state, float(check_scale(scale, K)),
                   output_final_state, chunk_size, key, cu_seqlens)
-
-
-def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                         chunk_size=64, config=None, cu_seqlens=None):
-    """KDA through the DPLR kernels: a = k, b = β k, v ← β v (seed "与KDA的关系"); gradients reach
-    k, v, g and β through autograd of the substitution. The low-precision rule of `config`
-    looks at the KDA inputs (all bfloat16), not at the float32 substituted ones.
-
-    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None;
-    cu_seqlens: as for `dplr_chunkwise_triton` (initial and final state then [N, H, K, V]).
-    Returns (o [B, T, H, V] in q's dtype, final state [B or N, H, K, V] float32 or None).
-    """
-    packed = cu_seqlens is not None
-    check_kda_inputs(q, k, v, g, beta)
-    if packed:
-        _check_packed(q, v, cu_seqlens, initial_state)
-    _check(q, v, chunk_size, *zip("qkvg", (q, k, v, g)), ("beta", beta))
-    key = _config_key(config, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
-    # products formed in float32 so 16-bit inputs are rounded only once (as kda.py)
-    kf, beta_ = k.float(), beta.float().unsqueeze(-1)
-    vb = v.float() * beta_
-    check_dplr_inputs(q, kf, vb, kf, kf, g, None if packed else initial_state)
-    return _apply(q, kf, vb, kf, kf * beta_, g, initial_state,
-                  float(check_scale(scale, q.shape[-1])), output_final_state, chunk_size, key, cu_seqlens)

@@ -50,6 +50,33 @@ def _chunk_rows(tab, n, L: tl.constexpr, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _chunk_prog(tab, n, bh, L: tl.constexpr, VARLEN: tl.constexpr):
+    """The prologue of a per-chunk program (chunk n, b·h bh): (bh as int64, seq, t0, nv, rows [L],
+    m1 [L] the valid rows, m = m1 [L, 1]). seq < 0: a spare chunk of the varlen table — the
+    kernel returns."""
+    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    rows = tl.arange(0, L)
+    m1 = rows < nv
+    return bh.to(tl.int64), seq, t0, nv, rows, m1, m1[:, None]
+
+
+@triton.jit
+def _pair_block(tab, L: tl.constexpr, S: tl.constexpr, VARLEN: tl.constexpr):
+    """The prologue of a pair-matrix program (grid: chunk × L/S column blocks, b·h): (n, j0, bh,
+    seq, t0, nv, rows [L], cols [S], mx [L, 1], my [S, 1] the valid rows and block columns, below
+    and inblk [L] the rows below / inside the block)."""
+    pid = tl.program_id(0)
+    n = pid // (L // S)
+    j0 = (pid % (L // S)) * S
+    bh, seq, t0, nv, rows, m1, mx = _chunk_prog(tab, n, tl.program_id(1), L, VARLEN)
+    cols = tl.arange(0, S)
+    my = (j0 + cols < nv)[:, None]
+    below = rows >= j0 + S
+    inblk = (rows >= j0) & (rows < j0 + S)
+    return n, j0, bh, seq, t0, nv, rows, cols, mx, my, below, inblk
+
+
+@triton.jit
 def _seq_chunks(sinfo, H, NC, VARLEN: tl.constexpr):
     """The program of a sequential state kernel (grid: V-tile, b·h, or n·H + h with VARLEN):
     (lay, sid, c0, c1): lay the b·h of the chunk-layout tensors (h with VARLEN: batch 1), sid the

@@ -19,14 +19,25 @@ from ..._config import KernelConfig
 # GPU modes (it has neither TF32 nor bfloat16); "off": 3-pass TF32 like everything else.
 LOWP_MODES = {"off": 0, "tf32": 1, "bf16": 2, "fp16": 3}
 
+# The groups of low-precision products, named by the outputs they reach (package docstring,
+# "Precision modes"): "o" the output's products in `_fwd_state`; "dv" the δv products of
+# `_bwd_dv`; "dk" the products of δq, δk, δa, δb and the gate gradient δgk (`_bwd_dk`, and the
+# pair-matrix gradients of `_bwd_dv` they are built from). A product shared by two groups (A_qk:
+# o and δv; GC = Eᵀ δV2: δv and dk) is low only when both are.
+LOWP_GROUPS = ("o", "dv", "dk")
+
 
 @dataclasses.dataclass(frozen=True)
 class DPLRKernelConfig(KernelConfig):
     """Launch configuration of `dplr_chunkwise_triton` / `kda_chunkwise_triton`.
 
     lowp: precision of the products whose results reach only 16-bit outputs (o and the input
-        gradients; never the state path), one of LOWP_MODES. It applies only when every input
-        is bfloat16 ("fp16": float16); otherwise those products run at float32 accuracy too.
+        gradients; never the state path), one of LOWP_MODES. It applies to a group of products
+        (LOWP_GROUPS) only when every output that group reaches is bfloat16 ("fp16": float16):
+        `for_dtypes` narrows `lowp_outputs` to those groups; the others run at float32 accuracy.
+    lowp_outputs: the groups of LOWP_GROUPS that take `lowp`, comma-separated (default all; set
+        by `for_dtypes`: e.g. bf16 q, k, v, a, b with a float32 gk leave "o,dv", so the gate
+        gradient δgk keeps float32 accuracy while the output and δv take the fast products).
     state_block_v, state_warps: V-tile and warps of `_fwd_state` / `_bwd_state` (the tile is
         capped at V, and at 32 for K > 128 or 64 otherwise: shared memory of one block).
     pairs_block_k, pairs_warps: K-step and warps of `_fwd_pairs` (warps None: 8 at chunk ≤ 32,
@@ -39,6 +50,7 @@ class DPLRKernelConfig(KernelConfig):
     Every block is a power of two ≥ 16 (capped at K or V); warps are 4 or 8.
     """
     lowp: str = "tf32"
+    lowp_outputs: str = "o,dv,dk"
     state_block_v: int = 16
     state_warps: int = 4
     pairs_block_k: int = 32
@@ -55,6 +67,11 @@ class DPLRKernelConfig(KernelConfig):
     def __post_init__(self):
         if self.lowp not in LOWP_MODES:
             raise ValueError(f"DPLRKernelConfig.lowp must be one of {sorted(LOWP_MODES)}, got {self.lowp!r}")
+        parts = (self.lowp_outputs.split(",") if self.lowp_outputs else []) \
+            if isinstance(self.lowp_outputs, str) else [None]
+        if any(p not in LOWP_GROUPS for p in parts) or parts != [g for g in LOWP_GROUPS if g in parts]:
+            raise ValueError("DPLRKernelConfig.lowp_outputs must list groups of "
+                             f"{','.join(LOWP_GROUPS)} in that order, comma-separated, got {self.lowp_outputs!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_warps") and value is not None and value not in (4, 8):
@@ -63,21 +80,29 @@ class DPLRKernelConfig(KernelConfig):
                     not isinstance(value, int) or value < 16 or value & (value - 1)):
                 raise ValueError(f"DPLRKernelConfig.{f.name} must be a power of two >= 16, got {value!r}")
 
-    def for_dtypes(self, *dtypes: torch.dtype) -> "DPLRKernelConfig":
-        """This configuration for inputs of `dtypes`: `lowp` turned "off" unless every input is
-        bfloat16 (float16 for "fp16"). bf16 only: its rounding (2^-8) dwarfs single-pass TF32's
-        operand rounding (2^-11); float16 outputs are as fine as TF32 operands, so the 2x rule
-        would not hold for them (package docstring, "Precision modes")."""
+    def for_dtypes(self, *, o, dv, dk) -> "DPLRKernelConfig":
+        """This configuration for outputs of the given dtypes: o, dv, dk are the dtypes of the
+        outputs each group of LOWP_GROUPS reaches (dplr: o (q,), dv (v,), dk (q, k, a, b, gk);
+        KDA: the gradients of its own inputs). A group keeps `lowp` only when all of them are
+        bfloat16 (float16 for "fp16"): bf16 rounding (2^-8) dwarfs single-pass TF32's operand
+        rounding (2^-11), float16's and float32's do not, so the 2x rule would not hold for
+        them (package docstring, "Precision modes"). No group left: `lowp` "off"."""
         want = torch.float16 if self.lowp == "fp16" else torch.bfloat16
-        if self.lowp == "off" or all(dt == want for dt in dtypes):
-            return self
-        return self.replace(lowp="off")
+        have = set(self.lowp_outputs.split(",")) if self.lowp_outputs else set()
+        keep = [g for g, dts in zip(LOWP_GROUPS, (o, dv, dk)) if g in have and all(dt == want for dt in dts)]
+        if self.lowp == "off" or not keep:
+            return self if self.lowp == "off" else self.replace(lowp="off", lowp_outputs="")
+        return self if keep == sorted(have, key=LOWP_GROUPS.index) else self.replace(lowp_outputs=",".join(keep))
 
 
 class Launch(NamedTuple):
     """A configuration resolved for one shape: everything the launchers pass to the kernels."""
     prec: str              # input_precision of the float32-accurate products
-    lo: int                # LO constexpr of `_mm`
+    lo_o: int              # LO constexpr of `_mm` for the output products of `_fwd_state`,
+    lo_qk: int             # A_qk (reaches o and δv),
+    lo_dv: int             # the δv products of `_bwd_dv`,
+    lo_gc: int             # GC = Eᵀ δV2 (reaches δv and the dk group),
+    lo_dk: int             # the pair-matrix gradients of `_bwd_dv` and all of `_bwd_dk`
     state_bv: int
     state_warps: int
     pairs_bk: int
@@ -101,8 +126,11 @@ def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool
     lo = LOWP_MODES[config.lowp]
     if interpreting and lo == 1:
         lo = 0
+    on = set(config.lowp_outputs.split(",")) if config.lowp_outputs else set()
+    at = lambda *groups: lo if on.issuperset(groups) else 0  # noqa: E731
     return Launch(
-        prec=prec, lo=lo,
+        prec=prec, lo_o=at("o"), lo_qk=at("o", "dv"), lo_dv=at("dv"), lo_gc=at("dv", "dk"),
+        lo_dk=at("dk"),
         # larger V-tiles at K = 256 would not fit the shared memory of one block (NOTES-dplr.md)
         state_bv=min(config.state_block_v, V, 32 if K > 128 else 64),
         state_warps=config.state_warps,

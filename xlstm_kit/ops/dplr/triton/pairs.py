@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_rows, _last, _ld, _mm, _offs, _ref_factors, _zeros4
+from .common import _chunk_rows, _last, _ld, _mm, _offs, _pair_block, _ref_factors, _zeros4
 
 
 
@@ -34,20 +34,9 @@ def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
     """One [L, S] column block (sub-chunk j) of A_qk, A_qa, A_bk, A_ba of one chunk.
     q, k, a, b: [BH, Tp, K] (input dtype); G: [BH, Tp, K] float64; A*: [BH, NC, L, L] float32;
     tab: the varlen chunk table with VARLEN (common.py)."""
-    NB: tl.constexpr = L // S
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    n = pid // NB
-    j0 = (pid % NB) * S
-    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    n, j0, bh, seq, t0, nv, rows, cols, mx, my, below, inblk = _pair_block(tab, L, S, VARLEN)
     if seq < 0:
         return
-    rows = tl.arange(0, L)
-    cols = tl.arange(0, S)
-    mx = (rows < nv)[:, None]
-    my = (j0 + cols < nv)[:, None]
-    below = rows >= j0 + S
-    inblk = (rows >= j0) & (rows < j0 + S)
     acc_qk, acc_qa, acc_bk, acc_ba = _zeros4(L, S)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)

@@ -44,24 +44,37 @@ def _chunk_start(Hs, h, bh, n, tab, rows, kr, vv, Tp, NC, K: tl.constexpr, V: tl
 def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
                K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
                HAS_H0: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, tab=None, sinfo=None,
-               H=1, VARLEN: tl.constexpr = False):
+               H=1, VARLEN: tl.constexpr = False, KDA: tl.constexpr = False):
     """Sequential over the chunks of one (b·h, V-tile): V2, O and the state h [K, BV].
     Hs: [BH, NC, K, V] states entering each chunk; V2, O: [BH, Tp, V]; h0, hT: [BH, K, V].
     VARLEN (tab, sinfo: the chunk table; H heads): program n·H + h walks sequence n's chunks from
-    row n·H + h of h0 [N·H, K, V] to that row of hT."""
+    row n·H + h of h0 [N·H, K, V] to that row of hT.
+    KDA (kda.py): the two V-side operands merged, U = β v + V2 = Cm − W h (`_fwd_wy` stored
+    β v + Cm in Cm) is what V2 receives, O = Qg h + A_qk U, h' = Diag(eGl) h + Kdᵀ U; v, Ad and
+    A_qa are not read."""
     bh, sid, c0, c1, rows, kr, vv, h = _state_start(h0, sinfo, H, NC, HAS_H0, K, V, L, BV, VARLEN)
     for n in range(c0, c1):
         pk, pv, pa, m = _chunk_start(Hs, h, bh, n, tab, rows, kr, vv, Tp, NC, K, V, L, VARLEN)
-        vt = _ld(v + pv, m, VARLEN).to(tl.float32)
-        v2 = _ld(Cm + pv, m, VARLEN) - tl.dot(_ld(W + pk, m, VARLEN), h, input_precision=PREC)
-        _st(V2 + pv, v2, m, VARLEN)
-        o = _mm(_ld(Qg + pk, m, VARLEN), h, LO, PREC)
-        o += _mm(tl.load(Aqk + pa), vt, LO, PREC)
-        o += _mm(tl.load(Aqa + pa), v2, LO, PREC)
-        _st(O + pv, o, m, VARLEN)
-        h = tl.load(eGl + _row(bh, n, kr, NC, K))[:, None] * h
-        h += tl.dot(tl.trans(_ld(Kd + pk, m, VARLEN)), vt, input_precision=PREC)
-        h += tl.dot(tl.trans(_ld(Ad + pk, m, VARLEN)), v2, input_precision=PREC)
+        if KDA:
+            u = _ld(Cm + pv, m, VARLEN) - tl.dot(_ld(W + pk, m, VARLEN), h, input_precision=PREC)
+            _st(V2 + pv, u, m, VARLEN)
+            o = _mm(tl.load(Aqk + pa), u, LO, PREC)
+            hn = tl.load(eGl + _row(bh, n, kr, NC, K))[:, None] * h
+            hn += tl.dot(tl.trans(_ld(Kd + pk, m, VARLEN)), u, input_precision=PREC)
+            o += _mm(_ld(Qg + pk, m, VARLEN), h, LO, PREC)
+            _st(O + pv, o, m, VARLEN)
+            h = hn
+        else:
+            vt = _ld(v + pv, m, VARLEN).to(tl.float32)
+            v2 = _ld(Cm + pv, m, VARLEN) - tl.dot(_ld(W + pk, m, VARLEN), h, input_precision=PREC)
+            _st(V2 + pv, v2, m, VARLEN)
+            o = _mm(_ld(Qg + pk, m, VARLEN), h, LO, PREC)
+            o += _mm(tl.load(Aqk + pa), vt, LO, PREC)
+            o += _mm(tl.load(Aqa + pa), v2, LO, PREC)
+            _st(O + pv, o, m, VARLEN)
+            h = tl.load(eGl + _row(bh, n, kr, NC, K))[:, None] * h
+            h += tl.dot(tl.trans(_ld(Kd + pk, m, VARLEN)), vt, input_precision=PREC)
+            h += tl.dot(tl.trans(_ld(Ad + pk, m, VARLEN)), v2, input_precision=PREC)
     tl.store(hT + _offs(sid, 0, kr, vv, K, V), h)
 
 

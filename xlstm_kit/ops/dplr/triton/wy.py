@@ -6,25 +6,26 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_rows, _last, _ld, _offs, _row, _st
+from .common import _chunk_prog, _last, _ld, _offs, _row, _st
 
 
 @triton.jit
 def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC,
             K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
-            BV: tl.constexpr, PREC: tl.constexpr, tab=None, VARLEN: tl.constexpr = False):
+            BV: tl.constexpr, PREC: tl.constexpr, tab=None, VARLEN: tl.constexpr = False,
+            beta=None, KDA: tl.constexpr = False):
     """E = (I + A_ba)⁻¹, W = E B←, Cm = −E (A_bk V) for one chunk, and the decayed operands of
     the sequential kernels (so those load no float64): Qg = scale·q ⊙ e^G, Kd = k ⊙ e^{G_L−G},
     Ad = a ⊙ e^{G_L−G} [BH, Tp, K], eGl = e^{G_L} [BH, NC, K].
     q, k, a, b: [BH, Tp, K]; v: [BH, Tp, V]; G float64; Abk, Aba, E: [BH, NC, L, L]; W: [BH, Tp, K];
-    Cm: [BH, Tp, V] (float32); tab: the varlen chunk table with VARLEN (common.py)."""
+    Cm: [BH, Tp, V] (float32); tab: the varlen chunk table with VARLEN (common.py).
+    KDA (kda.py): a and b are k, beta [BH, Tp] scales b and v at load (b = β k, v ← β v), Ad
+    (= Kd) is not stored, and Cm receives β v + Cm (the state pass's U = β v + V2 is then
+    Cm − W h: `_fwd_state` reads neither v nor β)."""
     n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    seq, t0, nv = _chunk_rows(tab, n, L, VARLEN)
+    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(1), L, VARLEN)
     if seq < 0:
         return
-    rows = tl.arange(0, L)
-    m = (rows < nv)[:, None]
     pa = _offs(bh * NC + n, 0, rows, rows, L, L)
     Nm = tl.load(Aba + pa)                                   # strictly lower part of F
     # E = F⁻¹ in two stages (F = I + N, N strictly lower):
@@ -57,18 +58,26 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
         eG = tl.exp(Gc.to(tl.float32))
         dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
         Bg = _ld(b + pk, m, VARLEN).to(tl.float32) * eG
+        if KDA:     # β loaded where it is used: held across the loops it spills (ptxas)
+            Bg *= _ld(beta + _row(bh, t0, rows, Tp, 1), m1, VARLEN).to(tl.float32)[:, None]
         _st(W + pk, tl.dot(Em, Bg, input_precision=PREC), m, VARLEN)
         _st(Qg + pk, _ld(q + pk, m, VARLEN).to(tl.float32) * (eG * scale), m, VARLEN)
         _st(Kd + pk, _ld(k + pk, m, VARLEN).to(tl.float32) * dec, m, VARLEN)
-        _st(Ad + pk, _ld(a + pk, m, VARLEN).to(tl.float32) * dec, m, VARLEN)
+        if not KDA:
+            _st(Ad + pk, _ld(a + pk, m, VARLEN).to(tl.float32) * dec, m, VARLEN)
         tl.store(eGl + _row(bh, n, kk, NC, K), tl.exp(g_last.to(tl.float32)))
     Ab = tl.load(Abk + pa)
     for v0 in range(0, V, BV):
         vv = v0 + tl.arange(0, BV)
         pv = _offs(bh, t0, rows, vv, Tp, V)
         vt = _ld(v + pv, m, VARLEN).to(tl.float32)
-        P = tl.dot(Ab, vt, input_precision=PREC)
-        _st(Cm + pv, -tl.dot(Em, P, input_precision=PREC), m, VARLEN)
+        if KDA:
+            vt *= _ld(beta + _row(bh, t0, rows, Tp, 1), m1, VARLEN).to(tl.float32)[:, None]
+            P = tl.dot(Ab, vt, input_precision=PREC)
+            _st(Cm + pv, vt - tl.dot(Em, P, input_precision=PREC), m, VARLEN)
+        else:
+            P = tl.dot(Ab, vt, input_precision=PREC)
+            _st(Cm + pv, -tl.dot(Em, P, input_precision=PREC), m, VARLEN)
 
 
 def wy_reference(q, k, a, b, v, G, Abk, Aba, scale: float, L: int):

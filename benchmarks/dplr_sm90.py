@@ -1,0 +1,82 @@
+"""Registers and spills of the DPLR / KDA kernels for the H200 (sm_90a), no GPU needed: each kernel
+compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` and Triton's
+bundled ptxas, at the default configuration for bf16 inputs. Prints one line per kernel.
+
+    PYTHONPATH=. python benchmarks/dplr_sm90.py [K V L]        (default 128 128 64)
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from xlstm_kit.ops.dplr.triton.backward import _bwd_dk, _bwd_dv
+from xlstm_kit.ops.dplr.triton.common import SUB
+from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig, resolve
+from xlstm_kit.ops.dplr.triton.kda import _bwd_dk_kda, _bwd_dv_kda, _fwd_pairs_kda
+from xlstm_kit.ops.dplr.triton.pairs import _fwd_pairs
+from xlstm_kit.ops.dplr.triton.state import _bwd_state, _fwd_state
+from xlstm_kit.ops.dplr.triton.wy import _fwd_wy
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+BF16 = {"q", "k", "v", "a", "b", "O", "dO", "dv", "dq", "dk", "da", "db", "beta", "dg"}
+SCALARS = {"Tp": "i32", "NC": "i32", "H": "i32", "scale": "fp32"}
+
+
+def build(name, fn, consts, num_warps, gate="*bf16"):
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in consts:
+            sig[arg] = "constexpr"
+        elif arg in SCALARS:
+            sig[arg] = SCALARS[arg]
+        elif arg in ("tab", "sinfo"):
+            sig[arg] = "*i32"
+        elif arg == "G":
+            sig[arg] = "*fp64"
+        elif arg == "dg":
+            sig[arg] = gate
+        else:
+            sig[arg] = "*bf16" if arg in BF16 else "*fp32"
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
+    with tempfile.TemporaryDirectory() as d:
+        open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
+        out = subprocess.run([PTXAS, "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o",
+                              os.path.join(d, "k.o")], capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", out).group(1)
+    st, ld = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out).groups()
+    print(f"{name:28s} regs {regs:>3s}  spill {st}/{ld} B  smem {k.metadata.shared} B", flush=True)
+
+
+def main(K=128, V=128, L=64):
+    # bf16 everything (every group low); "mixed": bf16 activations, float32 gk (dk group 3-pass)
+    full = resolve(DPLRKernelConfig(), K, V, L, False)
+    mixed = resolve(DPLRKernelConfig(lowp_outputs="o,dv"), K, V, L, False)
+    c = full
+    base = dict(K=K, V=V, L=L, S=SUB, PREC=c.prec, VARLEN=False, KDA=False)
+    print(f"K={K} V={V} L={L}")
+    build("_fwd_pairs", _fwd_pairs, dict(base, BK=c.pairs_bk, LO=c.lo_qk), c.pairs_warps)
+    build("_fwd_pairs_kda", _fwd_pairs_kda, dict(base, BK=c.pairs_bk), c.pairs_warps)
+    build("_fwd_wy", _fwd_wy, dict(base, BK=c.wy_bk, BV=c.wy_bv), c.wy_warps)
+    build("_fwd_wy KDA", _fwd_wy, dict(base, BK=c.wy_bk, BV=c.wy_bv, KDA=True), c.wy_warps)
+    st = dict(base, BV=c.state_bv, HAS_H0=True, LO=c.lo_o)
+    build("_fwd_state", _fwd_state, st, c.state_warps)
+    build("_fwd_state KDA", _fwd_state, dict(st, KDA=True), c.state_warps)
+    build("_bwd_state", _bwd_state, dict(base, BV=c.state_bv, HAS_DHT=True), c.state_warps)
+    for tag, x in (("", full), (" mixed", mixed)):
+        dv = dict(base, BK=x.dv_bk, BV=x.bwd_bv, LO=x.lo_dk, LV=x.lo_dv, LG=x.lo_gc)
+        dk = dict(base, BK=x.dk_bk, BV=x.bwd_bv, LO=x.lo_dk)
+        gate = "*fp32" if tag else "*bf16"
+        build("_bwd_dv" + tag, _bwd_dv, dv, x.dv_warps)
+        build("_bwd_dv_kda" + tag, _bwd_dv_kda, dv, x.dv_warps)
+        build("_bwd_dk" + tag, _bwd_dk, dk, x.dk_warps, gate)
+        build("_bwd_dk_kda" + tag, _bwd_dk_kda, dk, x.dk_warps, gate)
+
+
+if __name__ == "__main__":
+    main(*(int(a) for a in sys.argv[1:4]))
