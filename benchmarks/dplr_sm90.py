@@ -4,15 +4,9 @@ bundled ptxas, at the default configuration for bf16 inputs. Prints one line per
 
     PYTHONPATH=. python benchmarks/dplr_sm90.py [K V L]        (default 128 128 64)
 """
-import os
-import re
-import subprocess
 import sys
-import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-
+from xlstm_kit.ops._sm90 import sm90_resources
 from xlstm_kit.ops.dplr.triton.backward import _bwd_dk, _bwd_dv
 from xlstm_kit.ops.dplr.triton.common import SUB
 from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig, resolve
@@ -21,7 +15,6 @@ from xlstm_kit.ops.dplr.triton.pairs import _fwd_pairs
 from xlstm_kit.ops.dplr.triton.state import _bwd_state, _fwd_state
 from xlstm_kit.ops.dplr.triton.wy import _fwd_wy
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 BF16 = {"q", "k", "v", "a", "b", "O", "dO", "dv", "dq", "dk", "da", "db", "beta", "dg"}
 SCALARS = {"Tp": "i32", "NC": "i32", "H": "i32", "scale": "fp32"}
 
@@ -42,15 +35,9 @@ def build(name, fn, consts, num_warps, gate="*bf16"):
         else:
             sig[arg] = "*bf16" if arg in BF16 else "*fp32"
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
-    with tempfile.TemporaryDirectory() as d:
-        open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
-        out = subprocess.run([PTXAS, "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o",
-                              os.path.join(d, "k.o")], capture_output=True, text=True, check=True).stderr
-    regs = re.search(r"Used (\d+) registers", out).group(1)
-    st, ld = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out).groups()
-    print(f"{name:28s} regs {regs:>3s}  spill {st}/{ld} B  smem {k.metadata.shared} B", flush=True)
+    r = sm90_resources(fn, sig, consts, num_warps)
+    print(f"{name:28s} regs {r['regs']:>3d}  spill {r['spill_stores']}/{r['spill_loads']} B  smem {r['smem']} B",
+          flush=True)
 
 
 def main(K=128, V=128, L=64):

@@ -199,14 +199,12 @@ def test_gpu_compile_fullgraph_matches_eager():
 # ------------------------------------------------------------------ sm_90 compilation (no GPU)
 
 SM90_SCRIPT = r"""
-import itertools, os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
+import itertools
+from xlstm_kit.ops._sm90 import sm90_resources
 from xlstm_kit.ops.slstm.triton.forward import _slstm_fwd_kernel
 from xlstm_kit.ops.slstm.triton.backward import _slstm_bwd_kernel
 from xlstm_kit.ops.slstm.triton.config import default_config, flags, launch
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 FWD_PTRS = "X R RLO BIAS H0 C0 N0 M0 HOUT HS G CS NS MS HT CT NT MT HX CNT CU".split()
 BWD_PTRS = "R RLO DH G CS NS MS C0 N0 M0 DHT DCT DNT DMT DG DH0 DC0 DN0 DM0 CNT CU".split()
 
@@ -220,15 +218,8 @@ def build(fn, ptrs, consts, num_warps, x_type, r_type):
                          else r_type if name in ("R", "RLO") else "*fp32")
         else:
             sig[name] = "fp32" if name == "clip" else "i32"
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
-    with tempfile.TemporaryDirectory() as d:
-        open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
-        out = subprocess.run([PTXAS, "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o",
-                              os.path.join(d, "k.o")], capture_output=True, text=True, check=True).stderr
-    regs = re.search(r"Used (\d+) registers", out).group(1)
-    spills = re.search(r"(\d+) bytes spill stores", out).group(1)
-    print(fn.__name__, x_type, consts["VARLEN"], "regs", regs, "spill_bytes", spills)
+    r = sm90_resources(fn, sig, consts, num_warps)
+    print(fn.__name__, x_type, consts["VARLEN"], "regs", r["regs"], "spill_bytes", r["spill_stores"])
 
 # bf16 D = 128 (one program per head), float32 D = 64 (split R), bf16 D = 192 split over 3;
 # each unpacked and packed (cu_seqlens)
