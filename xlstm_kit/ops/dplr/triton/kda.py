@@ -159,7 +159,9 @@ def _bwd_dk_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dAq, dAb, dqd, dq, dk, dbk, d
         yk = _ld(k + py, (ci < nv)[:, None], VARLEN).to(tl.float32)
         dXq, cq = _pair_grad(dAq + pd, dXq, yk, qs * fx_off, qs * fx_in, below, inblk, fac, LO, PREC)
         dXb, cb = _pair_grad(dAb + pd, dXb, yk, bx * fx_off, bx * fx_in, below, inblk, fac, LO, PREC)
-        dY += _mm(tl.where(rows[:, None] == ci[None, :], 1.0, 0.0), cq + cb, LO, PREC)
+        # the 0/1 placement is exact at "ieee"; at PREC = "tf32x3" (float32 gates) Triton 3.6
+        # built this kernel with an out-of-bounds shared-memory read (compute-sanitizer, H200)
+        dY += tl.dot(tl.where(rows[:, None] == ci[None, :], 1.0, 0.0), cq + cb, input_precision="ieee")
     d = _ld(dqd + _row(bh, t0, rows, Tp, 1), m1, VARLEN)
     db = GW * eG + dXb                                                  # δ(β k)
     _st(dq + pk, (dQg * eG + dXq + d[:, None] * kx) * scale, m, VARLEN)
