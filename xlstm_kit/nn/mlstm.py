@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
 from .common import (PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, _packed_blocks, _packed_bmm,
@@ -259,3 +260,25 @@ class MLSTMBlock(PreNormResidual):
         if not return_state:
             return x + out
         return x + out[0], out[1]
+
+    def step(self, x: torch.Tensor, state: MLSTMState, inplace: bool = False):
+        """One token: x [B, d_model] -> (x + layer(norm(x)), new_state); on CUDA at small batch
+        the four launches of ops/blocks/decode.py, else the layer's PyTorch step."""
+        if self._fused_step(x, state):
+            from xlstm_kit.ops.blocks.decode import mlstm_block_step
+
+            return mlstm_block_step(self, x, state, inplace)
+        return super().step(x, state, inplace)
+
+    def _fused_step(self, x: torch.Tensor, state: MLSTMState) -> bool:
+        layer = self.layer
+        if state.C.dtype != torch.float32 or (self.training and layer.dropout.p > 0):
+            return False
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        bias = any(lin.bias is not None for lin in (layer.up_proj, layer.down_proj, layer.q_proj))
+        try:
+            return choose_backend("mlstm_block_step", layer.backend, x.device, (x,), dtype=x.dtype, batch=x.shape[0],
+                                  requires_grad=needs_grad, bias=bias, block_size=layer.q_proj.weight.shape[-1],
+                                  conv_kernel=layer.conv.kernel_size) == "triton"
+        except BackendUnavailableError:
+            return False  # a layer forced to "triton" means its sequence kernels; the step falls back

@@ -35,16 +35,24 @@ def _step_kernel(
     h_ptr, co_ptr, no_ptr, mo_ptr,
     scale, eps,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr,
+    NP: tl.constexpr = 1, NPP: tl.constexpr = 1,
 ):
     """Program (b·h, V-tile): updates C[:, tile] in float32 and writes h[tile]; every program
-    recomputes n' (K values, needed for the denominator); tile 0 stores n' and m'."""
+    recomputes n' (K values, needed for the denominator); tile 0 stores n' and m'. NP > 1: i, f
+    are [B·H, NP] partial sums of the gate pre-activations (the fused block step's, one per
+    channel tile), added here (NPP: NP rounded up to a power of two)."""
     bh = tl.program_id(0)
     pid_v = tl.program_id(1)
     bh64 = bh.to(tl.int64)
     offs_v = pid_v * BV + tl.arange(0, BV)
     mv = offs_v < V
-    ig = tl.load(i_ptr + bh).to(tl.float32)
-    fg = tl.load(f_ptr + bh).to(tl.float32)
+    if NP == 1:
+        ig = tl.load(i_ptr + bh).to(tl.float32)
+        fg = tl.load(f_ptr + bh).to(tl.float32)
+    else:
+        pp = tl.arange(0, NPP)
+        ig = tl.sum(tl.load(i_ptr + bh * NP + pp, mask=pp < NP, other=0.0).to(tl.float32), axis=0)
+        fg = tl.sum(tl.load(f_ptr + bh * NP + pp, mask=pp < NP, other=0.0).to(tl.float32), axis=0)
     log_f = tl.minimum(fg, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(fg)))        # logsigmoid, no overflow
     if HAS_STATE:
         m = tl.load(m_ptr + bh).to(tl.float32)
@@ -91,9 +99,10 @@ def _launch(q, k, v, i, f, C, n, m, h, C_new, n_new, m_new, eps: float, block_v:
     # loads in flight to stream the state), at least 16 wide (each program re-reads q, k, n)
     BV = block_v or min(64, triton.next_power_of_2(V), max(16, triton.next_power_of_2(V * B * H // 512)))
     BK = min(triton.next_power_of_2(K), max(16, 8192 // BV))
+    NP = i.shape[-1] if i.dim() == 3 else 1
     _step_kernel[(B * H, triton.cdiv(V, BV))](
         q, k, v, i, f, C, n, m, h, C_new, n_new, m_new, K ** -0.5, eps,
-        K=K, V=V, BK=BK, BV=BV, HAS_STATE=has_state, num_warps=4,
+        K=K, V=V, BK=BK, BV=BV, HAS_STATE=has_state, NP=NP, NPP=triton.next_power_of_2(NP), num_warps=4,
     )
 
 
