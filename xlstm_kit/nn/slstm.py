@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.slstm import slstm_recurrent, slstm_step
 
 from .common import CausalConv1d, GatedFeedForward, MultiHeadNorm, small_init_, state_dtype
@@ -240,6 +241,25 @@ class SLSTMBlock(nn.Module):
         return (x, state) if return_state else x
 
     def step(self, x: torch.Tensor, state: SLSTMState, inplace: bool = False):
+        """One token: x [B, d_model] -> (x', new_state); on CUDA at small batch the three launches
+        of ops/blocks/slstm_decode.py, else the PyTorch step. The small state is written anew
+        (`inplace` is accepted for the common block interface)."""
+        if self._fused_step(x, state):
+            from xlstm_kit.ops.blocks.slstm_decode import slstm_block_step
+
+            return slstm_block_step(self, x, state)
         y, state = self.layer.step(self.norm(x), state, inplace=inplace)
         x = x + y
         return x + self.ffn(self.ffn_norm(x)), state
+
+    def _fused_step(self, x: torch.Tensor, state: SLSTMState) -> bool:
+        layer = self.layer
+        if state.c.dtype != torch.float32 or (self.training and layer.dropout.p > 0):
+            return False
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        bias = self.ffn.up_proj.bias is not None or self.ffn.down_proj.bias is not None
+        try:
+            return choose_backend("slstm_block_step", layer.backend, x.device, (x,), dtype=x.dtype, batch=x.shape[0],
+                                  requires_grad=needs_grad, bias=bias) == "triton"
+        except BackendUnavailableError:
+            return False  # a layer forced to "triton" means its sequence kernels; the step falls back

@@ -52,22 +52,28 @@ def supports(op: str, *, dtype: torch.dtype, batch: int = 1, requires_grad: bool
 
 
 @triton.jit
+def _row_stats(row_ptr, D: tl.constexpr, BK: tl.constexpr, eps):
+    """(mean, 1/std) of the LayerNorm of row_ptr[0:D], in two passes: the residual stream's mean
+    can dwarf its spread."""
+    s = tl.zeros([BK], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        kk = k0 + tl.arange(0, BK)
+        s += tl.load(row_ptr + kk, mask=kk < D, other=0.0).to(tl.float32)
+    mean = tl.sum(s, axis=0) / D
+    s = tl.zeros([BK], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        kk = k0 + tl.arange(0, BK)
+        dv = tl.where(kk < D, tl.load(row_ptr + kk, mask=kk < D, other=0.0).to(tl.float32) - mean, 0.0)
+        s += dv * dv
+    return mean, 1.0 / tl.sqrt(tl.sum(s, axis=0) / D + eps)
+
+
+@triton.jit
 def _up_kernel(x_ptr, lnw_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, N: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr):
     """Program (row tile, batch row): out[b, rows] = W[rows] @ LayerNorm(x[b]) (no bias)."""
     b = tl.program_id(1).to(tl.int64)
-    s = tl.zeros([BK], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        kk = k0 + tl.arange(0, BK)
-        s += tl.load(x_ptr + b * D + kk, mask=kk < D, other=0.0).to(tl.float32)
-    mean = tl.sum(s, axis=0) / D
-    s = tl.zeros([BK], dtype=tl.float32)
-    for k0 in range(0, D, BK):   # two passes: the residual stream's mean can dwarf its spread
-        kk = k0 + tl.arange(0, BK)
-        xv = tl.load(x_ptr + b * D + kk, mask=kk < D, other=0.0).to(tl.float32)
-        dv = tl.where(kk < D, xv - mean, 0.0)
-        s += dv * dv
-    rstd = 1.0 / tl.sqrt(tl.sum(s, axis=0) / D + eps)
+    mean, rstd = _row_stats(x_ptr + b * D, D, BK, eps)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     mr = rows < N
     acc = tl.zeros([BN, BK], dtype=tl.float32)

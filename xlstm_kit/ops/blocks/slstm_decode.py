@@ -1,0 +1,268 @@
+"""The sLSTM block's one-token step (decode) in three launches.
+
+    x1 = x + norm(h') · w_n,   x' = x1 + down(GELU(g) · u),  (g, u) = up(LayerNorm(x1)),
+    h' = the sLSTM cell on the gates  W_g · in_g + R_g^T h + b_g  of  xn = LayerNorm(x),
+    in_i = in_f = SiLU(conv(xn)) (xn without a convolution),  in_z = in_o = xn
+
+1. `_cell_kernel`, one program per (head, tile of the head's units): the LayerNorm (statistics
+   recomputed from the row), the causal conv + SiLU of the head's channels, the four gates'
+   head-wise input and recurrent products, and the stabilised cell update of the tile's units;
+   the new h, c, n, m and conv state are written to new buffers, since other programs of the
+   head still read the old h and conv state;
+2. `_ffn_up_kernel`: x1 (head norm of h' + residual) and its LayerNorm recomputed as the
+   prologue of the gated up-projection GEMV, GELU(g) · u as its epilogue; program 0 also keeps
+   x1 for the last launch;
+3. `_down_kernel`: the down-projection GEMV plus the residual x1.
+
+Everything is float32 inside (the PyTorch step rounds xn, the gates, x1 and the feed-forward's
+hidden units to the activation dtype), batch <= MAX_BATCH, no feed-forward bias, no gradient.
+The custom op `xlstm_kit::slstm_block_step` keeps the three launches opaque to torch.compile.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .decode import MAX_BATCH, _row_stats
+
+
+def supports(op: str, *, dtype: torch.dtype, batch: int = 1, requires_grad: bool = False,
+             bias: bool = False, **_) -> str | None:
+    """backend.choose_backend's question: does the fused sLSTM block step take this call?"""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the fused sLSTM block step takes float16, bfloat16 or float32, got {dtype}"
+    if requires_grad:
+        return "the fused sLSTM block step has no backward"
+    if batch > MAX_BATCH:
+        return f"the fused sLSTM block step is for decoding at batch <= {MAX_BATCH}, got {batch}"
+    if bias:
+        return "the fused sLSTM block step has no feed-forward biases"
+    return None
+
+
+@triton.jit
+def _cell_kernel(x_ptr, lnw_ptr, cs_ptr, cw_ptr, cb_ptr, gw_ptr, r_ptr, bias_ptr, h_ptr, c_ptr, n_ptr, m_ptr,
+                 cs_new_ptr, h_new_ptr, c_new_ptr, n_new_ptr, m_new_ptr, eps,
+                 DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, KC: tl.constexpr, NT: tl.constexpr,
+                 BO: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr):
+    """Program (head · NT + unit tile, batch row). gw [4, H, D_out, D_in], r [4, H, D_in, D_out],
+    bias [4, H, D]; h, c, n, m [B, H, D] and the conv state [B, KC-1, DM] float32 (KC = 0: no
+    convolution)."""
+    hh = tl.program_id(0) // NT
+    t = tl.program_id(0) % NT
+    b = tl.program_id(1).to(tl.int64)
+    mean, rstd = _row_stats(x_ptr + b * DM, DM, BK, eps)
+    o = t * BO + tl.arange(0, BO)
+    mo = o < D
+    acc_i = tl.zeros([BO, BJ], dtype=tl.float32)
+    acc_f = tl.zeros([BO, BJ], dtype=tl.float32)
+    acc_z = tl.zeros([BO, BJ], dtype=tl.float32)
+    acc_o = tl.zeros([BO, BJ], dtype=tl.float32)
+    GS: tl.constexpr = H * D * D   # one gate's weights
+    for j0 in range(0, D, BJ):
+        j = j0 + tl.arange(0, BJ)
+        mj = j < D
+        ch = hh * D + j
+        xn = (tl.load(x_ptr + b * DM + ch, mask=mj, other=0.0).to(tl.float32) - mean) * rstd \
+            * tl.load(lnw_ptr + ch, mask=mj, other=0.0).to(tl.float32)
+        xn = tl.where(mj, xn, 0.0)
+        if KC > 0:
+            conv = tl.load(cb_ptr + ch, mask=mj, other=0.0).to(tl.float32) \
+                + tl.load(cw_ptr + ch * KC + (KC - 1), mask=mj, other=0.0).to(tl.float32) * xn
+            for s in tl.static_range(KC - 1):
+                conv += tl.load(cw_ptr + ch * KC + s, mask=mj, other=0.0).to(tl.float32) \
+                    * tl.load(cs_ptr + (b * (KC - 1) + s) * DM + ch, mask=mj, other=0.0)
+            xc = conv * tl.sigmoid(conv)
+        else:
+            xc = xn
+        hp = tl.load(h_ptr + (b * H + hh) * D + j, mask=mj, other=0.0)
+        m2 = mo[:, None] & mj[None, :]
+        wo = (hh * D + o[:, None]) * D + j[None, :]      # W[g, hh, o, j]
+        ro = (hh * D + j[None, :]) * D + o[:, None]      # R[g, hh, j, o]
+        acc_i += tl.load(gw_ptr + wo, mask=m2, other=0.0).to(tl.float32) * xc[None, :] \
+            + tl.load(r_ptr + ro, mask=m2, other=0.0).to(tl.float32) * hp[None, :]
+        acc_f += tl.load(gw_ptr + GS + wo, mask=m2, other=0.0).to(tl.float32) * xc[None, :] \
+            + tl.load(r_ptr + GS + ro, mask=m2, other=0.0).to(tl.float32) * hp[None, :]
+        acc_z += tl.load(gw_ptr + 2 * GS + wo, mask=m2, other=0.0).to(tl.float32) * xn[None, :] \
+            + tl.load(r_ptr + 2 * GS + ro, mask=m2, other=0.0).to(tl.float32) * hp[None, :]
+        acc_o += tl.load(gw_ptr + 3 * GS + wo, mask=m2, other=0.0).to(tl.float32) * xn[None, :] \
+            + tl.load(r_ptr + 3 * GS + ro, mask=m2, other=0.0).to(tl.float32) * hp[None, :]
+    bo = hh * D + o
+    gi = tl.sum(acc_i, axis=1) + tl.load(bias_ptr + bo, mask=mo, other=0.0).to(tl.float32)
+    gf = tl.sum(acc_f, axis=1) + tl.load(bias_ptr + H * D + bo, mask=mo, other=0.0).to(tl.float32)
+    gz = tl.sum(acc_z, axis=1) + tl.load(bias_ptr + 2 * H * D + bo, mask=mo, other=0.0).to(tl.float32)
+    go = tl.sum(acc_o, axis=1) + tl.load(bias_ptr + 3 * H * D + bo, mask=mo, other=0.0).to(tl.float32)
+    so = (b * H + hh) * D + o
+    c = tl.load(c_ptr + so, mask=mo, other=0.0)
+    n = tl.load(n_ptr + so, mask=mo, other=0.0)
+    m = tl.load(m_ptr + so, mask=mo, other=0.0)
+    log_f = tl.minimum(gf, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(gf)))   # logsigmoid, stable both ways
+    m_new = tl.maximum(log_f + m, gi)
+    ig = tl.exp(gi - m_new)
+    fg = tl.exp(log_f + m - m_new)
+    tz = 2.0 * tl.sigmoid(2.0 * gz) - 1.0                              # tanh
+    c_new = fg * c + ig * tz
+    n_new = fg * n + ig
+    tl.store(h_new_ptr + so, tl.sigmoid(go) * c_new / n_new, mask=mo)
+    tl.store(c_new_ptr + so, c_new, mask=mo)
+    tl.store(n_new_ptr + so, n_new, mask=mo)
+    tl.store(m_new_ptr + so, m_new, mask=mo)
+    if KC > 1:   # the new conv state of this tile's channels: shifted by one, then xn
+        for s in tl.static_range(KC - 2):
+            tl.store(cs_new_ptr + (b * (KC - 1) + s) * DM + bo,
+                     tl.load(cs_ptr + (b * (KC - 1) + s + 1) * DM + bo, mask=mo, other=0.0), mask=mo)
+        xo = (tl.load(x_ptr + b * DM + bo, mask=mo, other=0.0).to(tl.float32) - mean) * rstd \
+            * tl.load(lnw_ptr + bo, mask=mo, other=0.0).to(tl.float32)
+        tl.store(cs_new_ptr + (b * (KC - 1) + KC - 2) * DM + bo, xo, mask=mo)
+
+
+@triton.jit
+def _head_stats(h_row, D: tl.constexpr, DP: tl.constexpr, eps):
+    """(mean, 1/std) of one head's D features h_row[0:D] (float32)."""
+    dd = tl.arange(0, DP)
+    hv = tl.load(h_row + dd, mask=dd < D, other=0.0)
+    mean = tl.sum(hv, axis=0) / D
+    dv = tl.where(dd < D, hv - mean, 0.0)
+    return mean, 1.0 / tl.sqrt(tl.sum(dv * dv, axis=0) / D + eps)
+
+
+@triton.jit
+def _ffn_up_kernel(x_ptr, h_ptr, nw_ptr, lnw_ptr, w_ptr, x1_ptr, u_ptr, hn_eps, ln_eps,
+                   DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, F: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr):
+    """Program (row tile, batch row): x1 = x + norm(h') · nw (float32, kept by program 0), then
+    u[rows] = GELU(W_g[rows] @ LN(x1)) · (W_u[rows] @ LN(x1)) with W = [W_g; W_u] [2F, DM].
+    x1 is recomputed head by head in each of the three passes (mean, variance, products): it
+    costs DM loads of h and x, the weights of a tile cost BN · DM · 2."""
+    b = tl.program_id(1).to(tl.int64)
+    s = tl.zeros([BK], dtype=tl.float32)
+    for hh in range(H):
+        hm, hr = _head_stats(h_ptr + (b * H + hh) * D, D, DP, hn_eps)
+        for k0 in range(0, D, BK):
+            kk = hh * D + k0 + tl.arange(0, BK)
+            mk = k0 + tl.arange(0, BK) < D
+            x1 = _x1(x_ptr, h_ptr, nw_ptr, b, kk, mk, hm, hr, DM)
+            s += tl.where(mk, x1, 0.0)
+    mean = tl.sum(s, axis=0) / DM
+    s = tl.zeros([BK], dtype=tl.float32)
+    for hh in range(H):
+        hm, hr = _head_stats(h_ptr + (b * H + hh) * D, D, DP, hn_eps)
+        for k0 in range(0, D, BK):
+            kk = hh * D + k0 + tl.arange(0, BK)
+            mk = k0 + tl.arange(0, BK) < D
+            dv = tl.where(mk, _x1(x_ptr, h_ptr, nw_ptr, b, kk, mk, hm, hr, DM) - mean, 0.0)
+            s += dv * dv
+    rstd = 1.0 / tl.sqrt(tl.sum(s, axis=0) / DM + ln_eps)
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    mr = rows < F
+    acc_g = tl.zeros([BN, BK], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BK], dtype=tl.float32)
+    keep = tl.program_id(0) == 0
+    for hh in range(H):
+        hm, hr = _head_stats(h_ptr + (b * H + hh) * D, D, DP, hn_eps)
+        for k0 in range(0, D, BK):
+            kk = hh * D + k0 + tl.arange(0, BK)
+            mk = k0 + tl.arange(0, BK) < D
+            x1 = _x1(x_ptr, h_ptr, nw_ptr, b, kk, mk, hm, hr, DM)
+            tl.store(x1_ptr + b * DM + kk, x1, mask=mk & keep)
+            xn = (x1 - mean) * rstd * tl.load(lnw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
+            m2 = mr[:, None] & mk[None, :]
+            w = w_ptr + rows[:, None].to(tl.int64) * DM + kk[None, :]
+            acc_g += tl.load(w, mask=m2, other=0.0).to(tl.float32) * xn[None, :]
+            acc_u += tl.load(w + F * DM, mask=m2, other=0.0).to(tl.float32) * xn[None, :]
+    g = tl.sum(acc_g, axis=1)
+    u = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * tl.sum(acc_u, axis=1)
+    tl.store(u_ptr + b * F + rows, u, mask=mr)
+
+
+@triton.jit
+def _x1(x_ptr, h_ptr, nw_ptr, b, kk, mk, hm, hr, DM: tl.constexpr):
+    """x1[b, kk] = x + (h' - mean) · rstd · nw for channels kk of one head (float32)."""
+    hv = tl.load(h_ptr + b * DM + kk, mask=mk, other=0.0)
+    return tl.load(x_ptr + b * DM + kk, mask=mk, other=0.0).to(tl.float32) \
+        + (hv - hm) * hr * tl.load(nw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _down_kernel(u_ptr, w_ptr, x1_ptr, out_ptr, F: tl.constexpr, DM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
+    """Program (row tile, batch row): out[b, rows] = x1[b, rows] + W[rows] @ u[b], W [DM, F]."""
+    b = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    mr = rows < DM
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(0, F, BK):
+        kk = k0 + tl.arange(0, BK)
+        mk = kk < F
+        u = tl.load(u_ptr + b * F + kk, mask=mk, other=0.0)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * F + kk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+        acc += w.to(tl.float32) * u[None, :]
+    x1 = tl.load(x1_ptr + b * DM + rows, mask=mr, other=0.0)
+    tl.store(out_ptr + b * DM + rows, (x1 + tl.sum(acc, axis=1)).to(out_ptr.dtype.element_ty), mask=mr)
+
+
+def _head_block(D: int) -> int:
+    """The k-tile of the head-aligned loops: the largest power of two <= 128 dividing D (no
+    masked lanes), or D's power-of-two cover for awkward D."""
+    p = min(128, D & -D)
+    return p if p >= 16 else min(128, triton.next_power_of_2(D))
+
+
+def _block_step(x: Tensor, ln_w: Tensor, conv_w: Tensor, conv_b: Tensor, gate_w: Tensor, r: Tensor, bias: Tensor,
+                norm_w: Tensor, ffn_ln_w: Tensor, up_w: Tensor, down_w: Tensor, conv: Tensor, h: Tensor, c: Tensor,
+                n: Tensor, m: Tensor, conv_kernel: int, ln_eps: float, norm_eps: float, ffn_eps: float
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [B, d]; the block's parameters as `SLSTMBlock` holds them (conv_w [d, KC], conv_b [d];
+    any tensors when conv_kernel KC = 0: no convolution); conv [B, KC-1, d], h, c, n, m
+    [B, H, D] float32 → (x' [B, d] in x's dtype, conv', h', c', n', m') (new tensors)."""
+    B, d = x.shape
+    _, H, D, _ = gate_w.shape
+    KC = conv_kernel
+    F = down_w.shape[1]
+    f32 = dict(device=x.device, dtype=torch.float32)
+    conv_new = torch.empty_like(conv)
+    # an empty tensor's null pointer is refused at launch; the kernel reads no conv state then
+    cs, cs_new = (conv, conv_new) if conv.numel() else (h, h)
+    h_new, c_new, n_new, m_new = (torch.empty(B, H, D, **f32) for _ in range(4))
+    BO = min(8, triton.next_power_of_2(D))   # 125M: 4 heads x 24 tiles of 8 of 192 units, 87 registers
+    NT = triton.cdiv(D, BO)
+    BK = min(256, triton.next_power_of_2(d))
+    _cell_kernel[(H * NT, B)](x, ln_w, cs, conv_w, conv_b, gate_w, r, bias, h, c, n, m,
+                              cs_new, h_new, c_new, n_new, m_new, ln_eps, DM=d, H=H, D=D, KC=KC, NT=NT,
+                              BO=BO, BJ=min(64, triton.next_power_of_2(D)), BK=BK, num_warps=4)
+    x1, u = torch.empty(B, d, **f32), torch.empty(B, F, **f32)
+    _ffn_up_kernel[(triton.cdiv(F, 16), B)](x, h_new, norm_w, ffn_ln_w, up_w, x1, u, norm_eps, ffn_eps, DM=d, H=H,
+                                            D=D, DP=triton.next_power_of_2(D), F=F, BN=16, BK=_head_block(D),
+                                            num_warps=4)
+    out = torch.empty_like(x)
+    _down_kernel[(triton.cdiv(d, 16), B)](u, down_w, x1, out, F=F, DM=d, BN=16,
+                                          BK=min(256, triton.next_power_of_2(F)), num_warps=4)
+    return out, conv_new, h_new, c_new, n_new, m_new
+
+
+block_step_op = torch.library.custom_op("xlstm_kit::slstm_block_step", _block_step, mutates_args=())
+
+
+@block_step_op.register_fake
+def _(x, ln_w, conv_w, conv_b, gate_w, r, bias, norm_w, ffn_ln_w, up_w, down_w, conv, h, c, n, m,
+      conv_kernel, ln_eps, norm_eps, ffn_eps):
+    return (torch.empty_like(x), torch.empty_like(conv), *(torch.empty(h.shape, device=x.device, dtype=torch.float32)
+                                                           for _ in range(4)))
+
+
+def slstm_block_step(block, x: Tensor, state):
+    """`SLSTMBlock.step` in three launches: x [B, d_model] and an `SLSTMState` (float32) →
+    (x' [B, d_model], new state)."""
+    from ...nn.slstm import SLSTMState
+
+    layer = block.layer
+    # without a convolution any tensor stands in for its parameters: the kernel never reads them
+    conv_w, conv_b = (layer.conv.weight, layer.conv.bias) if layer.conv is not None else (layer.bias,) * 2
+    args = (x.contiguous(), block.norm.weight, conv_w, conv_b, layer.gate_weight, layer.recurrent, layer.bias,
+            layer.out_norm.weight, block.ffn_norm.weight, block.ffn.up_proj.weight, block.ffn.down_proj.weight,
+            state.conv.contiguous(), *(s.contiguous() for s in state[1:]),
+            0 if layer.conv is None else layer.conv.kernel_size, float(block.norm.eps), float(layer.out_norm.eps), float(block.ffn_norm.eps))
+    y, *new = (block_step_op if torch.compiler.is_compiling() else _block_step)(*args)
+    return y, SLSTMState(*new)
