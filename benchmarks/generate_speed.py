@@ -6,7 +6,8 @@ Every job runs in its own child process (a crash or out-of-memory costs its row 
 random weights, greedy:
 - x125 (the `125M` preset, xLSTM[7:1]), l13b (`large-1.3B`), x7b (`xlstm-7b`): `model.generate`,
   one decode row as it comes (eager step, CUDA graph), the others after `model.compile_step()`
-  ("decode compiled");
+  ("decode compiled"; on CUDA at batch <= 8 with the fused block-step kernels of
+  ops/blocks/), and an A/B: "decode compiled unfused", the compiled PyTorch block steps;
 - off13b, off7b: the official `xlstm.xlstm_large.xLSTMLarge` at the sizes of l13b and x7b, its
   own `generate` (mode "inference", return_last_states=True, its default kernels);
 - tf125, tf13b: the Llama-style Transformer of `xlstm_kit.tasks.baselines` at d 768 x 12 and
@@ -158,6 +159,7 @@ def build(job: str, quick: bool):
     torch.manual_seed(0)
     if job in ("x125", "l13b", "x7b"):
         from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+        from xlstm_kit.ops.backend import KERNEL_MODULES
 
         name = dict(x125="125M", l13b="large-1.3B", x7b="xlstm-7b")[job]
         over = dict(d_model=64, n_blocks=2) if quick else {}
@@ -167,6 +169,18 @@ def build(job: str, quick: bool):
         state = sum(t.numel() * t.element_size() for s in model.init_state(1, device=dev) for t in s)
         gen = lambda p, n: model.generate(p, n, temperature=0)  # noqa: E731
         gen.compile = lambda: model.compile_step(**({} if dev.type == "cuda" else dict(backend="aot_eager")))
+
+        def unfuse():
+            """The A/B of the fused block steps (ops/blocks/*decode.py): their kernel modules
+            refuse every call, so the compiled step is the blocks' PyTorch step again."""
+            import importlib
+
+            for op in ("mlstm_block_step", "slstm_block_step", "large_block_step"):
+                if op in KERNEL_MODULES:
+                    importlib.import_module(KERNEL_MODULES[op]).supports = lambda op, **_: "unfused A/B"
+            torch._dynamo.reset()   # the kernels' answer is a traced constant: trace anew
+            gen.compile()
+        gen.unfuse = unfuse
         # prefill as generate runs it: the state and the last position's logits (the official
         # forward has no such option and computes every position's)
         return (gen, lambda p: model(p, return_state=True, logits_to_keep=1), _bytes(model), lambda ctx: state,
@@ -266,13 +280,16 @@ def child(job: str, quick: bool, kinds: list[str] | None = None) -> None:
     else:
         kind = "decode"
     cases += [(kind, 1, 16), (kind, 32, 16), (kind, 1, 2048), (kind, 1, 16384)]
+    if hasattr(generate, "unfuse"):  # the same step without the fused block kernels (batch <= 8)
+        cases += [(kind, 4, 16), ("unfuse", 0, 0), ("decode compiled unfused", 1, 16),
+                  ("decode compiled unfused", 4, 16)]
     if kinds:  # "decode" also selects "decode compiled" (and the compilation before it)
-        cases = [c for c in cases if c[0].split()[0] in kinds or (c[0] == "compile" and "decode" in kinds)]
+        cases = [c for c in cases if c[0].split()[0] in kinds or (c[0] in ("compile", "unfuse") and "decode" in kinds)]
     if quick:
         cases = [(k, min(b, 2), min(t, 64)) for k, b, t in cases]
     for kind, B, T in cases:
-        if kind == "compile":
-            generate.compile()
+        if kind in ("compile", "unfuse"):
+            getattr(generate, kind)()
             continue
         row = dict(base, case=kind, batch=B, prompt=T)
         try:
