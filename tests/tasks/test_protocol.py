@@ -50,7 +50,7 @@ def test_finished_runs_are_skipped(tmp_path, monkeypatch):
     (runs / f"{jobs[1].id}.json").write_text(json.dumps({"id": jobs[1].id, "error": "boom"}))
     (runs / f"{jobs[2].id}.json").write_text('{"id": "cut sh')  # killed mid-write
     ran = []
-    monkeypatch.setattr(pr, "run_job", lambda j, d, dev: ran.append(j.id) or {"id": j.id})
+    monkeypatch.setattr(pr, "run_job", lambda j, d, dev, stop_at=None: ran.append(j.id) or {"id": j.id})
     pr.run_plan(jobs, tmp_path)
     assert sorted(ran) == sorted(j.id for j in jobs[1:])
     assert pr.finished(jobs[0], runs) and not pr.finished(jobs[1], runs)
@@ -127,3 +127,46 @@ def test_workers_per_gpu(monkeypatch):
     assert pr.plan_devices("cuda:1") == ["cuda:1"] and pr.plan_devices("cpu") == ["cpu"]
     with pytest.raises(XLSTMKitError, match="jobs_per_device"):
         pr.run_plan([], "unused", jobs_per_device=0)
+
+
+@pytest.mark.parametrize("kind", ["formal", "mqar"])
+def test_a_paused_grid_point_continues_to_the_uninterrupted_result(tmp_path, monkeypatch, kind):
+    """--stop-after: a run stopped mid-way (checkpoint) and continued gives exactly the result of
+    an uninterrupted run: same losses, same accuracy; the checkpoint is gone when it is done."""
+    import itertools
+
+    from xlstm_kit.tasks import experiment as ex
+
+    proto = pr.PROTOCOLS["quick"]
+    plan = (pr.formal_plan(["parity"], ["xlstm[1:1]"], proto, lrs=[1e-2], seeds=[0]) if kind == "formal"
+            else pr.mqar_plan(["xlstm[1:0]"], proto, "zoology", widths=[16], lrs=[1e-2], seeds=[0]))
+    job = plan[0]
+    whole = pr.run_job(job, tmp_path / "a", "cpu")
+    assert "error" not in whole
+    # the clock (read once by run_job, then once per step) says "past stop_at" from its 12th
+    # reading on: the run saves and pauses after step 11
+    ticks = itertools.count()
+    monkeypatch.setattr(ex.time, "time", lambda: 100.0 + (next(ticks) >= 11) * 1e6)
+    first = pr.run_job(job, tmp_path / "b", "cpu", stop_at=1e5)
+    assert first["paused"] and "after step 11 of 30" in first["message"]
+    assert (tmp_path / "b" / f"{job.id}.ckpt").exists() and not (tmp_path / "b" / f"{job.id}.json").exists()
+    assert not pr.finished(job, tmp_path / "b")
+    monkeypatch.undo()
+    rest = pr.run_job(job, tmp_path / "b", "cpu")
+    assert not (tmp_path / "b" / f"{job.id}.ckpt").exists() and pr.finished(job, tmp_path / "b")
+    assert rest["losses"] == whole["losses"] and rest["steps_done"] == whole["steps_done"] == 30
+    assert rest["scaled_accuracy"] == whole["scaled_accuracy"]
+
+
+def test_grid_points_not_started_by_the_stop_time_wait(tmp_path):
+    jobs = pr.formal_plan(["parity"], ["lstm-plain"], pr.PROTOCOLS["quick"])
+    out = pr.run_plan(jobs, tmp_path, stop_after_s=-1.0)
+    assert len(out) == len(jobs) and all(r["paused"] for r in out)
+    assert not list((tmp_path / "runs").glob("*"))
+
+
+def test_cli_stop_after_needs_the_protocol(tmp_path, capsys):
+    args = ["experiment", "formal", "--task", "parity", "--model", "lstm", "--quick", "--stop-after", "10",
+            "--out", str(tmp_path / "x")]
+    assert main(args) == 2
+    assert "--stop-after needs --protocol" in capsys.readouterr().err

@@ -100,6 +100,10 @@ def add_parser(sub) -> None:
     for p in (fo, mq):
         p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
                        help="with --protocol: grid points run in parallel per GPU")
+    for p in (fo, mq, sw):
+        p.add_argument("--stop-after", type=_positive_float, default=None, metavar="SECONDS",
+                       help="with --protocol: after SECONDS the running grid points save a checkpoint and the "
+                            "command ends; the same command later continues them (a machine lent for a while)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,6 +252,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     _check_out_dir(out)
     if args.protocol:
         return cmd_protocol(args, out, str(device), command)
+    if args.stop_after is not None:
+        raise UsageError("--stop-after needs --protocol (its grid points are checkpointed and continued)")
     fields = _run_fields(args)
     make = ex.quick_config if args.quick else ex.RunConfig
 
@@ -346,10 +352,18 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
           f"{len(todo)} to run on {', '.join(gpus)} ({args.jobs} per device) -> {out}", file=sys.stderr, flush=True)
 
     def on_result(k: int, n: int, r: dict[str, Any]) -> None:
-        what = r.get("error") or f"{r['scaled_accuracy']:.3f} after {r['steps_done']} steps ({r['train_seconds']:.0f} s)"
+        if r.get("paused"):
+            what = r.get("message", "not started (--stop-after)")
+        else:
+            what = r.get("error") or f"{r['scaled_accuracy']:.3f} after {r['steps_done']} steps ({r['train_seconds']:.0f} s)"
         print(f"[{k}/{n}] {r['id']}: {what}", file=sys.stderr, flush=True)
 
-    pr.run_plan(jobs, out, device=device, jobs_per_device=args.jobs, on_result=on_result)
+    results = pr.run_plan(jobs, out, device=device, jobs_per_device=args.jobs, on_result=on_result,
+                          stop_after_s=args.stop_after)
+    paused = sum(1 for r in results if r.get("paused"))
+    if paused:
+        print(f"{paused} grid points paused or not started: run the same command again to continue them",
+              file=sys.stderr, flush=True)
     paths = pr.write_protocol_report(pr.load_protocol_results(out / "runs"), out, command=command)
     print(f"report: {paths['report']}" + "".join(f", {paths[k]}" for k in ("figure4", "mqar") if paths[k]))
     return 0

@@ -241,22 +241,58 @@ ProgressFn = Callable[[int, int, float], None]
 """progress(step, planned_steps, loss): called at every logged step of a run."""
 
 
+class RunPaused(Exception):
+    """A run stopped at its `stop_at` time with its training saved to its checkpoint; the same
+    call with the same checkpoint continues it."""
+
+
+CHECKPOINT_EVERY_S = 120.0
+"""Seconds between a run's checkpoints (a killed run loses at most this much training)."""
+
+
+def _save_checkpoint(path: Path, model: nn.Module, opt, rng: np.random.Generator, step: int, sched: TrainConfig,
+                     log: TrainLog, seconds: float) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "numpy_rng": rng.bit_generator.state,
+                "torch_rng": torch.get_rng_state(), "step": step, "steps": sched.steps,
+                "warmup_steps": sched.warmup_steps, "losses": log.losses, "seconds": seconds}, tmp)
+    os.replace(tmp, path)  # a run killed while saving keeps the previous checkpoint
+
+
 def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], TaskBatch], cfg: RunConfig,
-                  time_budget_s: float | None = None, progress: ProgressFn | None = None) -> TrainLog:
+                  time_budget_s: float | None = None, progress: ProgressFn | None = None, *,
+                  checkpoint: str | Path | None = None, stop_at: float | None = None) -> TrainLog:
     """Train `model` (already on cfg.device) on batches from `sample(rng)` with `train_step`.
 
     With `time_budget_s`, steps 6..20 (and 6..200) are timed and the schedule is cut to the
     steps that fit (the first steps carry one-time costs such as kernel compilation).
+    `checkpoint`: a file that the run continues from when it exists (model, optimizer, data and
+    torch random states, step, schedule, losses: the continued run equals an uninterrupted one)
+    and saves to every CHECKPOINT_EVERY_S seconds. `stop_at` (a time.time() value, needs
+    `checkpoint`): past it, the run saves and raises RunPaused.
     """
+    if stop_at is not None and checkpoint is None:
+        raise XLSTMKitError("stop_at needs a checkpoint file to save the run to")
     device = torch.device(cfg.device)
     rng = np.random.default_rng(cfg.seed)
     sched = TrainConfig(steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr, betas=cfg.betas,
                         weight_decay=cfg.weight_decay, warmup_steps=min(cfg.warmup_steps, cfg.steps // 5))
     opt = make_optimizer(model, sched)
     log = TrainLog(planned_steps=cfg.steps)
-    budget = TimeBudget(time_budget_s, skip_steps=5, device=device)
+    step, loss, seconds_before = 0, torch.zeros(()), 0.0
+    checkpoint = None if checkpoint is None else Path(checkpoint)
+    if checkpoint is not None and checkpoint.exists():
+        ck = torch.load(checkpoint, map_location=device, weights_only=True)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        rng.bit_generator.state = ck["numpy_rng"]
+        torch.set_rng_state(ck["torch_rng"])
+        step, log.losses, seconds_before = ck["step"], ck["losses"], ck["seconds"]
+        sched = dataclasses.replace(sched, steps=ck["steps"], warmup_steps=ck["warmup_steps"])
+        time_budget_s = None if time_budget_s is None else max(0.0, time_budget_s - seconds_before)
+    budget = TimeBudget(time_budget_s, skip_steps=step + 5, device=device)
+    last_save = time.monotonic()
     model.train()
-    step, loss = 0, torch.zeros(())
     while step < sched.steps:
         batch = sample(rng).to(device)
         loss = train_step(model, opt, [(batch.inputs, batch)], masked_loss, lr=lr_at(step, sched),
@@ -274,10 +310,17 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
                 sched = dataclasses.replace(sched, steps=fit, warmup_steps=min(cfg.warmup_steps, fit // 5))
             if budget.spent():  # slower than measured: stop here
                 break
+        if checkpoint is not None and step < sched.steps:
+            paused = stop_at is not None and time.time() >= stop_at
+            if paused or time.monotonic() - last_save >= CHECKPOINT_EVERY_S:
+                _save_checkpoint(checkpoint, model, opt, rng, step, sched, log, seconds_before + budget.elapsed())
+                last_save = time.monotonic()
+            if paused:
+                raise RunPaused(f"paused after step {step} of {sched.steps}; saved to {checkpoint}")
     if device.type == "cuda":
         torch.cuda.synchronize()
     log.steps_done, log.planned_steps = step, sched.steps
-    log.seconds = budget.elapsed()
+    log.seconds = seconds_before + budget.elapsed()
     if not log.losses or log.losses[-1][0] != step:
         log.losses.append((step, float(loss)))
         if progress is not None:
@@ -375,9 +418,11 @@ def _budget(cfg: RunConfig, share: float) -> float | None:
 
 
 def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | Path | None = None, *,
-               progress: ProgressFn | None = None) -> dict[str, Any]:
+               progress: ProgressFn | None = None, checkpoint: str | Path | None = None,
+               stop_at: float | None = None) -> dict[str, Any]:
     """Train `model_name` on formal task `task_name`, evaluate on the test and training lengths,
-    and write `out_dir`/formal__TASK__MODEL.json (when out_dir is given). Returns the results."""
+    and write `out_dir`/formal__TASK__MODEL.json (when out_dir is given). Returns the results.
+    `checkpoint`, `stop_at`: as for `train_on_task` (RunPaused when stopped)."""
     t_start = time.perf_counter()
     task = get_task(task_name, cfg.tasks)
     model_name = check_model_name(model_name)
@@ -387,7 +432,7 @@ def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | P
     result = _run_header("formal", task.name, model_name, model, cfg)
     log = train_on_task(model, lambda rng: sample_train_batch(task, rng, cfg.batch_size, cfg.train_lengths,
                                                               cfg.teacher_forcing),
-                        cfg, _budget(cfg, 0.85), progress)
+                        cfg, _budget(cfg, 0.85), progress, checkpoint=checkpoint, stop_at=stop_at)
     kw = dict(batch_size=cfg.eval_batch_size, device=cfg.device, precision=cfg.precision,
               teacher_forcing=cfg.teacher_forcing)
     test = evaluate_formal(model, task, cfg.test_lengths, cfg.eval_samples, seed=cfg.seed + 1, **kw)
@@ -404,11 +449,12 @@ def mqar_label(cfg: RunConfig, with_lr: bool = False) -> str:
 
 
 def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None, *,
-             label: str | None = None, progress: ProgressFn | None = None) -> dict[str, Any]:
+             label: str | None = None, progress: ProgressFn | None = None, checkpoint: str | Path | None = None,
+             stop_at: float | None = None) -> dict[str, Any]:
     """Train `model_name` on MQAR at cfg.mqar_seq_len and evaluate with cfg.mqar_pairs pairs;
     writes `out_dir`/mqar__LABEL__MODEL.json (LABEL: `label` or mqar_label(cfg)). Training batches draw the number of pairs
     from 4, 8, ... up to mqar_pairs (the easier ones teach the lookup faster; Zoology trains on a
-    mix of sizes as well)."""
+    mix of sizes as well). `checkpoint`, `stop_at`: as for `train_on_task`."""
     t_start = time.perf_counter()
     model_name = check_model_name(model_name)
     T, N, V = cfg.mqar_seq_len, cfg.mqar_pairs, cfg.mqar_vocab
@@ -421,7 +467,7 @@ def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None,
     def sample(rng: np.random.Generator) -> TaskBatch:
         return mqar_batch(rng, cfg.batch_size, T, int(rng.choice(pair_choices)), V, cfg.mqar_spacing)
 
-    log = train_on_task(model, sample, cfg, _budget(cfg, 0.9), progress)
+    log = train_on_task(model, sample, cfg, _budget(cfg, 0.9), progress, checkpoint=checkpoint, stop_at=stop_at)
     acc = evaluate_mqar(model, T, N, 64 * cfg.eval_samples, vocab_size=V, batch_size=cfg.eval_batch_size,
                         seed=cfg.seed + 1, device=cfg.device, precision=cfg.precision, spacing=cfg.mqar_spacing)
     result.update(accuracy=acc, chance=1.0 / (V - V // 2), scaled_accuracy=acc, train_pairs=pair_choices)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -179,31 +180,44 @@ def finished(job: Job, runs_dir: str | Path) -> bool:
         return False
 
 
-def run_job(job: Job, runs_dir: str | Path, device: str, progress=None) -> dict[str, Any]:
-    """Run one grid point on `device` and write runs_dir/<job.id>.json (an error is recorded too)."""
+def run_job(job: Job, runs_dir: str | Path, device: str, progress=None, stop_at: float | None = None) -> dict[str, Any]:
+    """Run one grid point on `device` and write runs_dir/<job.id>.json (an error is recorded too).
+
+    Training is checkpointed to runs_dir/<job.id>.ckpt (deleted when the run is done) and
+    continues from there if the file exists. Past `stop_at` (a time.time() value) the run saves
+    its checkpoint and returns {..., "paused": True} without a results file; a grid point not
+    started by then returns that at once."""
     import torch
 
-    from .experiment import RunConfig, run_formal, run_mqar
+    from .experiment import RunConfig, RunPaused, run_formal, run_mqar
 
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     base = {"id": job.id, "kind": job.kind, "task": job.task, "model": job.model, "lr": job.lr, "seed": job.seed,
             "width": job.width}
+    ckpt = runs_dir / f"{job.id}.ckpt"
+    if stop_at is not None and time.time() >= stop_at:
+        return {**base, "paused": True, "steps_done": 0}
     try:
         cfg = RunConfig(**{**job.config, "device": device})
         if device.startswith("cuda:"):
             torch.cuda.set_device(device)
+        kw = dict(progress=progress, checkpoint=ckpt, stop_at=stop_at)
         if job.kind == "mqar":
-            r = run_mqar(job.model, cfg, None, label=job.task, progress=progress)
+            r = run_mqar(job.model, cfg, None, label=job.task, **kw)
         else:
-            r = run_formal(job.task, job.model, cfg, None, progress=progress)
+            r = run_formal(job.task, job.model, cfg, None, **kw)
         r.update(base)
-    except Exception as e:  # one failed grid point must not stop the others
+    except RunPaused as e:
+        return {**base, "paused": True, "message": str(e)}
+    except Exception as e:  # one failed grid point must not stop the others (its checkpoint stays)
         r = {**base, "error": f"{type(e).__name__}: {e}"}
     path = runs_dir / f"{job.id}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(r, indent=1))
     os.replace(tmp, path)
+    if "error" not in r:
+        ckpt.unlink(missing_ok=True)
     return r
 
 
@@ -218,8 +232,8 @@ def _claim_device(queue, threads: int) -> None:
     _DEVICE = queue.get()
 
 
-def _run_on_claimed(job: Job, runs_dir: str) -> dict[str, Any]:
-    return run_job(job, runs_dir, _DEVICE)
+def _run_on_claimed(job: Job, runs_dir: str, stop_at: float | None) -> dict[str, Any]:
+    return run_job(job, runs_dir, _DEVICE, stop_at=stop_at)
 
 
 def plan_devices(device: str) -> list[str]:
@@ -237,10 +251,14 @@ def worker_devices(device: str, jobs_per_device: int = 1) -> list[str]:
 
 
 def run_plan(jobs: Sequence[Job], out_dir: str | Path, *, device: str = "cpu", jobs_per_device: int = 1,
-             on_result: Callable[[int, int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+             on_result: Callable[[int, int, dict[str, Any]], None] | None = None,
+             stop_after_s: float | None = None) -> list[dict[str, Any]]:
     """Run the jobs not finished yet (see `finished`) into out_dir/runs, the longest first:
     `jobs_per_device` worker processes per GPU (the small models leave a GPU mostly idle, so
-    several share one well; 1 process in all: in this process). Returns the new results."""
+    several share one well; 1 process in all: in this process). Returns the new results.
+    `stop_after_s`: after so many seconds the running grid points save their checkpoints and
+    the rest wait (results {"paused": True}); the same call later goes on from there."""
+    stop_at = None if stop_after_s is None else time.time() + stop_after_s
     if isinstance(jobs_per_device, bool) or not isinstance(jobs_per_device, int) or jobs_per_device < 1:
         raise XLSTMKitError(f"jobs_per_device must be a positive integer, got {jobs_per_device!r}")
     runs_dir = Path(out_dir) / "runs"
@@ -255,7 +273,7 @@ def run_plan(jobs: Sequence[Job], out_dir: str | Path, *, device: str = "cpu", j
 
     if len(devices) == 1 or len(todo) <= 1:
         for j in todo:
-            done(run_job(j, runs_dir, devices[0]))
+            done(run_job(j, runs_dir, devices[0], stop_at=stop_at))
         return results
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -267,7 +285,7 @@ def run_plan(jobs: Sequence[Job], out_dir: str | Path, *, device: str = "cpu", j
             queue.put(d)
         with ProcessPoolExecutor(len(devices), mp_context=ctx, initializer=_claim_device,
                                  initargs=(queue, max(1, (os.cpu_count() or 1) // len(devices)))) as pool:
-            for f in as_completed([pool.submit(_run_on_claimed, j, str(runs_dir)) for j in todo]):
+            for f in as_completed([pool.submit(_run_on_claimed, j, str(runs_dir), stop_at) for j in todo]):
                 done(f.result())
     return results
 
