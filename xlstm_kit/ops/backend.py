@@ -41,6 +41,7 @@ KERNEL_MODULES: dict[str, str] = {
     "conv_silu": "xlstm_kit.ops.blocks.triton",
     "head_norm": "xlstm_kit.ops.blocks.triton",
     "mlstm_block_step": "xlstm_kit.ops.blocks.decode",
+    "large_block_step": "xlstm_kit.ops.blocks.large_decode",
 }
 
 
