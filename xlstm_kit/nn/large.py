@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
 from .common import small_init_, state_dtype, wang_init_
@@ -266,6 +267,26 @@ class LargeBlock(nn.Module):
         return (x, state) if return_state else x
 
     def step(self, x: torch.Tensor, state: MLSTMState, inplace: bool = False):
+        """One token: x [B, d_model] -> (x', new_state); on CUDA at small batch the five launches
+        of ops/blocks/large_decode.py, else the layers' PyTorch steps."""
+        if self._fused_step(x, state):
+            from xlstm_kit.ops.blocks.large_decode import large_block_step
+
+            return large_block_step(self, x, state, inplace)
         y, state = self.mlstm_layer.step(self.norm_mlstm(x), state, inplace=inplace)
         x = x + y
         return x + self.ffn.step(self.norm_ffn(x)), state
+
+    def _fused_step(self, x: torch.Tensor, state: MLSTMState) -> bool:
+        layer, ffn = self.mlstm_layer, self.ffn
+        if state.C.dtype != torch.float32:
+            return False
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        bias = any(mod.bias is not None for mod in (
+            self.norm_mlstm, self.norm_ffn, layer.q, layer.k, layer.v, layer.ogate_preact, layer.multihead_norm,
+            layer.out_proj, ffn.proj_up_gate, ffn.proj_up, ffn.proj_down))
+        try:
+            return choose_backend("large_block_step", layer.backend, x.device, (x,), dtype=x.dtype, batch=x.shape[0],
+                                  requires_grad=needs_grad, bias=bias) == "triton"
+        except BackendUnavailableError:
+            return False  # a layer forced to "triton" means its sequence kernels; the step falls back

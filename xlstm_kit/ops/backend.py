@@ -42,6 +42,7 @@ KERNEL_MODULES: dict[str, str] = {
     "head_norm": "xlstm_kit.ops.blocks.triton",
     "mlstm_block_step": "xlstm_kit.ops.blocks.decode",
     "slstm_block_step": "xlstm_kit.ops.blocks.slstm_decode",
+    "large_block_step": "xlstm_kit.ops.blocks.large_decode",
 }
 
 
