@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
-from xlstm_kit.ops.blocks import decode, slstm_decode
+from xlstm_kit.ops.blocks import decode, large_decode, slstm_decode
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None
@@ -15,8 +15,15 @@ pytestmark = pytest.mark.skipif(
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 
 
-def _models():
-    cfg = dict(vocab_size=64, d_model=32, n_blocks=3, n_heads=2, slstm_at=[1], context_length=64)
+FAMILIES = {
+    "xlstm": dict(vocab_size=64, d_model=32, n_blocks=3, n_heads=2, slstm_at=[1], context_length=64),
+    "large": dict(family="large", vocab_size=64, d_model=32, n_blocks=2, n_heads=2, qk_dim_factor=0.5,
+                  context_length=64),
+}
+
+
+def _models(family):
+    cfg = FAMILIES[family]
     ref = XLSTMLanguageModel(XLSTMConfig(**cfg, backend="torch"))
     with torch.no_grad():   # off the init (zero gate and recurrent weights, unit norms)
         for p in ref.parameters():
@@ -26,11 +33,12 @@ def _models():
     return ref.double().eval(), fused.eval()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_model_steps_on_the_fused_blocks_equal_the_float64_steps(monkeypatch, compiled):
-    ref, fused = _models()
+@pytest.mark.parametrize("family,compiled", [("xlstm", False), ("xlstm", True), ("large", False)])
+def test_model_steps_on_the_fused_blocks_equal_the_float64_steps(monkeypatch, family, compiled):
+    ref, fused = _models(family)
     calls = []
-    for mod, name in ((decode, "mlstm_block_step"), (slstm_decode, "slstm_block_step")):
+    for mod, name in ((decode, "mlstm_block_step"), (slstm_decode, "slstm_block_step"),
+                      (large_decode, "large_block_step")):
         fn = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, fn=fn, name=name, **k: calls.append(name) or fn(*a, **k))
     if compiled:
@@ -44,5 +52,7 @@ def test_model_steps_on_the_fused_blocks_equal_the_float64_steps(monkeypatch, co
             want, st = ref._step(tok, st)
             got, st32 = fused._step(tok, st32, inplace=True)
             assert (got.double() - want).norm() / want.norm() < 1e-5
-    if not compiled:   # (compiled, the calls happen at trace time)
+    if family == "large":
+        assert calls == ["large_block_step"] * 6
+    elif not compiled:   # (compiled, the calls happen at trace time)
         assert calls.count("mlstm_block_step") == 6 and calls.count("slstm_block_step") == 3

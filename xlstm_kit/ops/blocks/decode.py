@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..backend import on_device
+
 MAX_BATCH = 8
 
 
@@ -200,19 +202,21 @@ def _block_step_(x: Tensor, ln_w: Tensor, up_w: Tensor, conv_w: Tensor, conv_b: 
     f32 = dict(device=x.device, dtype=torch.float32)
     xz = torch.empty(B, 2 * Cn, **f32)
     BK = min(256, triton.next_power_of_2(d))
-    # 16 rows per program: ~200 programs for the 125M model's 3072 up-projection rows
-    _up_kernel[(triton.cdiv(2 * Cn, 16), B)](x, ln_w, up_w, xz, ln_eps, D=d, N=2 * Cn, BN=16, BK=BK, num_warps=4)
     BC = max(P, min(128, triton.next_power_of_2(Cn)))
     NT = triton.cdiv(Cn, BC)
     q, k, v, xc = (torch.empty(B, Cn, **f32) for _ in range(4))
     ip, fp = torch.empty(B, H, NT, **f32), torch.empty(B, H, NT, **f32)
-    _mix_kernel[(NT, B)](xz, conv, conv_w, conv_b, wq, wk, wv, wi, wf, bi, bf, q, k, v, xc, ip, fp,
-                         C=Cn, KC=KC, P=P, H=H, HP=triton.next_power_of_2(H), BC=BC, num_warps=4)
-    h, n_new, m_new = _step_(q.view(B, H, D), k.view(B, H, D), v.view(B, H, D), ip, fp, C, n, m, eps, 0)
     out = torch.empty_like(x)
-    _out_kernel[(triton.cdiv(d, 16), B)](h, xc, xz, norm_w, skip, down_w, x, out, norm_eps, C=Cn, DM=d, H=H,
-                                         D=D, DP=triton.next_power_of_2(D), BN=16,
-                                         BK=min(128, triton.next_power_of_2(D)), num_warps=4)
+    with on_device(x):   # Triton launches on the current device, which need not be x's
+        # 16 rows per program: ~200 programs for the 125M model's 3072 up-projection rows
+        _up_kernel[(triton.cdiv(2 * Cn, 16), B)](x, ln_w, up_w, xz, ln_eps, D=d, N=2 * Cn, BN=16, BK=BK,
+                                                 num_warps=4)
+        _mix_kernel[(NT, B)](xz, conv, conv_w, conv_b, wq, wk, wv, wi, wf, bi, bf, q, k, v, xc, ip, fp,
+                             C=Cn, KC=KC, P=P, H=H, HP=triton.next_power_of_2(H), BC=BC, num_warps=4)
+        h, n_new, m_new = _step_(q.view(B, H, D), k.view(B, H, D), v.view(B, H, D), ip, fp, C, n, m, eps, 0)
+        _out_kernel[(triton.cdiv(d, 16), B)](h, xc, xz, norm_w, skip, down_w, x, out, norm_eps, C=Cn, DM=d, H=H,
+                                             D=D, DP=triton.next_power_of_2(D), BN=16,
+                                             BK=min(128, triton.next_power_of_2(D)), num_warps=4)
     return out, n_new, m_new
 
 

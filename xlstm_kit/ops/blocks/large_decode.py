@@ -35,8 +35,7 @@ from torch import Tensor
 from ..backend import on_device
 from ..mlstm.triton.step import _step_
 from ..slstm.triton.common import _tanh
-
-MAX_BATCH = 8
+from .decode import MAX_BATCH
 
 
 def supports(op: str, *, dtype: torch.dtype, batch: int = 1, requires_grad: bool = False,

@@ -12,7 +12,7 @@
 2. `_ffn_up_kernel`: x1 (head norm of h' + residual) and its LayerNorm recomputed as the
    prologue of the gated up-projection GEMV, GELU(g) · u as its epilogue; program 0 also keeps
    x1 for the last launch;
-3. `_down_kernel`: the down-projection GEMV plus the residual x1.
+3. the down-projection GEMV plus the residual x1 (large_decode's `_out_kernel`).
 
 Everything is float32 inside (the PyTorch step rounds xn, the gates, x1 and the feed-forward's
 hidden units to the activation dtype), batch <= MAX_BATCH, no feed-forward bias, no gradient.
@@ -25,7 +25,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..backend import on_device
 from .decode import MAX_BATCH, _row_stats
+from .large_decode import _out_kernel, gemv_config
 
 
 def supports(op: str, *, dtype: torch.dtype, batch: int = 1, requires_grad: bool = False,
@@ -185,24 +187,6 @@ def _x1(x_ptr, h_ptr, nw_ptr, b, kk, mk, hm, hr, DM: tl.constexpr):
         + (hv - hm) * hr * tl.load(nw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
 
 
-@triton.jit
-def _down_kernel(u_ptr, w_ptr, x1_ptr, out_ptr, F: tl.constexpr, DM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr):
-    """Program (row tile, batch row): out[b, rows] = x1[b, rows] + W[rows] @ u[b], W [DM, F]."""
-    b = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    mr = rows < DM
-    acc = tl.zeros([BN, BK], dtype=tl.float32)
-    for k0 in range(0, F, BK):
-        kk = k0 + tl.arange(0, BK)
-        mk = kk < F
-        u = tl.load(u_ptr + b * F + kk, mask=mk, other=0.0)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * F + kk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
-        acc += w.to(tl.float32) * u[None, :]
-    x1 = tl.load(x1_ptr + b * DM + rows, mask=mr, other=0.0)
-    tl.store(out_ptr + b * DM + rows, (x1 + tl.sum(acc, axis=1)).to(out_ptr.dtype.element_ty), mask=mr)
-
-
 def _head_block(D: int) -> int:
     """The k-tile of the head-aligned loops: the largest power of two <= 128 dividing D (no
     masked lanes), or D's power-of-two cover for awkward D."""
@@ -229,16 +213,18 @@ def _block_step(x: Tensor, ln_w: Tensor, conv_w: Tensor, conv_b: Tensor, gate_w:
     BO = min(8, triton.next_power_of_2(D))   # 125M: 4 heads x 24 tiles of 8 of 192 units, 87 registers
     NT = triton.cdiv(D, BO)
     BK = min(256, triton.next_power_of_2(d))
-    _cell_kernel[(H * NT, B)](x, ln_w, cs, conv_w, conv_b, gate_w, r, bias, h, c, n, m,
-                              cs_new, h_new, c_new, n_new, m_new, ln_eps, DM=d, H=H, D=D, KC=KC, NT=NT,
-                              BO=BO, BJ=min(64, triton.next_power_of_2(D)), BK=BK, num_warps=4)
-    x1, u = torch.empty(B, d, **f32), torch.empty(B, F, **f32)
-    _ffn_up_kernel[(triton.cdiv(F, 16), B)](x, h_new, norm_w, ffn_ln_w, up_w, x1, u, norm_eps, ffn_eps, DM=d, H=H,
-                                            D=D, DP=triton.next_power_of_2(D), F=F, BN=16, BK=_head_block(D),
-                                            num_warps=4)
-    out = torch.empty_like(x)
-    _down_kernel[(triton.cdiv(d, 16), B)](u, down_w, x1, out, F=F, DM=d, BN=16,
-                                          BK=min(256, triton.next_power_of_2(F)), num_warps=4)
+    with on_device(x):
+        _cell_kernel[(H * NT, B)](x, ln_w, cs, conv_w, conv_b, gate_w, r, bias, h, c, n, m,
+                                  cs_new, h_new, c_new, n_new, m_new, ln_eps, DM=d, H=H, D=D, KC=KC, NT=NT,
+                                  BO=BO, BJ=min(64, triton.next_power_of_2(D)), BK=BK, num_warps=4)
+        x1, u = torch.empty(B, d, **f32), torch.empty(B, F, **f32)
+        _ffn_up_kernel[(triton.cdiv(F, 16), B)](x, h_new, norm_w, ffn_ln_w, up_w, x1, u, norm_eps, ffn_eps, DM=d,
+                                                H=H, D=D, DP=triton.next_power_of_2(D), F=F, BN=16,
+                                                BK=_head_block(D), num_warps=4)
+        out = torch.empty_like(x)
+        g = gemv_config(d, F)
+        _out_kernel[(B, triton.cdiv(d, g.block_n))](u, u, u, down_w, x1, out, 0.0, N=d, K=F, HD=F, HDP=1,
+                                                    NORM=False, BN=g.block_n, BK=g.block_k, num_warps=g.num_warps)
     return out, conv_new, h_new, c_new, n_new, m_new
 
 
