@@ -181,6 +181,13 @@ def build(job: str, quick: bool):
             torch._dynamo.reset()   # the kernels' answer is a traced constant: trace anew
             gen.compile()
         gen.unfuse = unfuse
+
+        def step_inputs(p):
+            """(last tokens [B], the state after p) for profiling `model._step`."""
+            _, st = model(p, return_state=True, logits_to_keep=1)
+            return p[:, -1], st
+        gen.step_inputs = step_inputs
+        gen.step = lambda tok, st: model._step(tok, st, inplace=True)
         # prefill as generate runs it: the state and the last position's logits (the official
         # forward has no such option and computes every position's)
         return (gen, lambda p: model(p, return_state=True, logits_to_keep=1), _bytes(model), lambda ctx: state,
@@ -280,11 +287,14 @@ def child(job: str, quick: bool, kinds: list[str] | None = None) -> None:
     else:
         kind = "decode"
     cases += [(kind, 1, 16), (kind, 32, 16), (kind, 1, 2048), (kind, 1, 16384)]
+    if kinds and "profile" in kinds and hasattr(generate, "step"):  # only when asked: where the time goes
+        cases += [("profile prefill", 32, 2048), ("profile decode", 1, 16)]
     if hasattr(generate, "unfuse"):  # the same step without the fused block kernels (batch <= 8)
         cases += [(kind, 4, 16), ("unfuse", 0, 0), ("decode compiled unfused", 1, 16),
                   ("decode compiled unfused", 4, 16)]
     if kinds:  # "decode" also selects "decode compiled" (and the compilation before it)
-        cases = [c for c in cases if c[0].split()[0] in kinds or (c[0] in ("compile", "unfuse") and "decode" in kinds)]
+        cases = [c for c in cases if c[0].split()[0] in kinds or (c[0] == "compile" and {"decode", "profile"} & set(kinds))
+                 or (c[0] == "unfuse" and "decode" in kinds)]
     if quick:
         cases = [(k, min(b, 2), min(t, 64)) for k, b, t in cases]
     for kind, B, T in cases:
@@ -295,7 +305,9 @@ def child(job: str, quick: bool, kinds: list[str] | None = None) -> None:
         try:
             p = toks(B, T)
             with torch.no_grad():
-                if kind == "prefill":
+                if kind.startswith("profile"):
+                    row.update(kernels=_profile(generate, prefill, p, kind == "profile decode"))
+                elif kind == "prefill":
                     s = _time(lambda: prefill(p))
                     row.update(ms=s * 1e3, tok_s=B * T / s)
                 elif kind == "ttft":
@@ -314,10 +326,39 @@ def child(job: str, quick: bool, kinds: list[str] | None = None) -> None:
         print("RESULT " + json.dumps(row), flush=True)
 
 
+def _profile(generate, prefill, p, decode: bool, top: int = 25) -> list:
+    """The GPU kernels of one prefill of p, or of 16 compiled decode steps after it (not graphed,
+    so each kernel shows): [[name, launches, total ms, % of the kernel time], ...], largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    with torch.no_grad():
+        if decode:
+            tok, state = generate.step_inputs(p)
+            for _ in range(3):   # compile and warm up outside the profile
+                generate.step(tok, state)
+            sync()
+        with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+            if decode:
+                for _ in range(16):
+                    _, state = generate.step(tok, state)
+            else:
+                prefill(p)
+            sync()
+    attr = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"   # (a CPU smoke run)
+    rows = [(e.key, e.count, getattr(e, attr) / 1e3) for e in prof.key_averages() if getattr(e, attr) > 0]
+    total = sum(r[2] for r in rows) or 1.0
+    rows.sort(key=lambda r: -r[2])
+    return [[k[:90], n, round(ms, 3), round(100 * ms / total, 1)] for k, n, ms in rows[:top]]
+
+
 def render(rows: list[dict]) -> str:
     lines = ["| job | model | case | batch x prompt | tokens/s | ms | floor tokens/s | of floor |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "kernels" in r:
+            continue
         if "case" not in r:
             lines.append(f"| {r.get('job')} | {r.get('status', '')[:200]} | | | | | | |")
             continue
@@ -336,7 +377,8 @@ def main() -> int:
     ap.add_argument("--wheels", help="folder with the xlstm and mlstm-kernels wheels (official rows)")
     ap.add_argument("--only", help="comma-separated jobs of " + ",".join(JOBS))
     ap.add_argument("--quick", action="store_true", help="tiny models and shapes (a smoke run)")
-    ap.add_argument("--cases", help="comma-separated kinds to run of prefill,ttft,decode (default: all)")
+    ap.add_argument("--cases", help="comma-separated kinds to run of prefill,ttft,decode,profile (default: all "
+                                    "but profile: the kernels of one prefill and of 16 decode steps, ours only)")
     ap.add_argument("--limit-s", type=float, default=240, help="time limit per job")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -354,6 +396,13 @@ def main() -> int:
             rows.append(dict(job=job, status=f"ended early (rc {res['rc']}): {res['stderr'][-200:]}"))
     with open(os.path.join(a.out, "generate_speed.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
+    profiles = [r for r in rows if "kernels" in r]
+    if profiles:
+        with open(os.path.join(a.out, "generate_profile.md"), "w") as f:
+            for r in profiles:
+                f.write(f"## {r['model']}: {r['case']} {r['batch']} x {r['prompt']}\n\n| kernel | launches | ms | % |\n"
+                        "|---|---|---|---|\n" + "".join(f"| `{k}` | {n} | {ms} | {pc} |\n" for k, n, ms, pc in r["kernels"])
+                        + "\n")
     table = render(rows)
     with open(os.path.join(a.out, "generate_speed.md"), "w") as f:
         f.write(table)
