@@ -1,0 +1,149 @@
+"""DPLR / KDA kernels on the GPU (issue 20): where the forward + backward time goes, and a
+one-field-at-a-time sweep of `DPLRKernelConfig` around its defaults, in one device call.
+
+    PYTHONPATH=. python benchmarks/dplr_tune.py --out $OUT [--quick] [--limit-s 540]
+    (no GPU: TRITON_INTERPRET=1 ... --quick, a smoke run in float32)
+
+For dplr_chunkwise and kda_chunkwise at (8, 2048, 16, 128, 128), bf16 activations with bf16 and
+with float32 gates (the inputs of `xlstm-kit bench`, `xlstm_kit.bench.registry`):
+1. the kernels of one forward + backward with the default config (torch.profiler), each one's
+   share of the GPU time;
+2. fwd+bwd ms of the default and of each variant that changes one field (each checked against
+   the default's o and input gradients: a variant with another result is reported, not timed).
+Rows are written to $OUT/dplr_tune.jsonl as they are measured (a run cut short keeps them);
+$OUT/dplr_tune.md has the tables. fla's times are `xlstm-kit bench --suite ops --case
+dplr_chunkwise --peers` (its first compile takes minutes: another call).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import triton.testing
+
+import xlstm_kit.ops as ops
+from xlstm_kit.bench.registry import Env, dplr_inputs, kda_inputs
+from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig
+
+SHAPE = dict(B=8, T=2048, H=16, K=128, V=128)
+QUICK = dict(B=1, T=256, H=2, K=64, V=64)
+# without a GPU: a smoke run of the script under TRITON_INTERPRET=1 (float32, wall-clock times)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+VARIANTS = [  # one field away from the defaults; ptxas spills in benchmarks/NOTES-dplr.md
+    dict(state_block_v=32), dict(state_block_v=32, state_warps=8), dict(state_warps=8),
+    dict(dk_block_k=16), dict(dk_block_k=64), dict(dk_warps=4),
+    dict(bwd_block_v=16), dict(bwd_block_v=64),
+    dict(dv_block_k=32), dict(dv_warps=4),
+    dict(wy_warps=4), dict(wy_block_k=64), dict(pairs_block_k=64), dict(pairs_warps=8),
+]
+
+
+def run(op: str, f32_gates: bool, shape: dict, config: DPLRKernelConfig | None):
+    """-> (fwd+bwd callable, outputs of one call: o and every input gradient)."""
+    env = Env(device=torch.device(DEV), dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, backend="triton")
+    xs, do = (dplr_inputs if op == "dplr_chunkwise" else kda_inputs)(shape, env, f32_gates)
+    fn = getattr(ops, op)
+
+    def step():
+        for x in xs:
+            x.grad = None
+        o, _ = fn(*xs, backend="triton", config=config)
+        o.backward(do)
+        return o
+
+    o = step()
+    return step, [o.detach().float()] + [x.grad.float() for x in xs]
+
+
+def bench(fn) -> float:
+    if DEV == "cuda":
+        return triton.testing.do_bench(fn, rep=200)
+    t = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t)
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def profile(step) -> list:
+    from torch.profiler import ProfilerActivity, profile as prof_ctx
+
+    cuda = DEV == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step()
+    sync()
+    with prof_ctx(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as p:
+        step()
+        sync()
+    attr = "device_time_total" if cuda else "cpu_time_total"
+    rows = [(e.key, e.count, getattr(e, attr) / 1e3) for e in p.key_averages() if getattr(e, attr) > 0]
+    total = sum(r[2] for r in rows) or 1.0
+    return [[k[:80], n, round(ms, 3), round(100 * ms / total, 1)] for k, n, ms in sorted(rows, key=lambda r: -r[2])]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="a small shape (a smoke run)")
+    ap.add_argument("--limit-s", type=float, default=540, help="start no new measurement after this many seconds")
+    a = ap.parse_args()
+    t0 = time.time()
+    shape = QUICK if a.quick else SHAPE
+    rows = []
+    log = open(os.path.join(a.out, "dplr_tune.jsonl"), "w")
+
+    def emit(row):
+        rows.append(row)
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        print(json.dumps(row)[:300], flush=True)
+
+    for op in ("kda_chunkwise", "dplr_chunkwise"):
+        for f32 in (False, True):
+            case = dict(op=op, f32_gates=f32, shape=shape)
+            step, ref = run(op, f32, shape, None)
+            emit(dict(case, kind="profile", kernels=profile(step)))
+            emit(dict(case, kind="time", config="default", ms=bench(step)))
+            for v in VARIANTS:
+                if time.time() - t0 > a.limit_s:
+                    emit(dict(case, kind="skipped", config=v, why="--limit-s"))
+                    continue
+                try:
+                    cfg = DPLRKernelConfig().replace(**v)
+                    t1 = time.time()
+                    step_v, out = run(op, f32, shape, cfg)
+                    compile_s = time.time() - t1
+                    errs = [rel(x, r) for x, r in zip(out, ref)]
+                    row = dict(case, kind="time", config=v, compile_s=round(compile_s, 1), max_rel_vs_default=max(errs))
+                    if max(errs) > 2e-2:
+                        row["why"] = "result differs from the default's"
+                    else:
+                        row["ms"] = bench(step_v)
+                except Exception as e:  # noqa: BLE001 - reported in the row
+                    row = dict(case, kind="error", config=v, why=f"{type(e).__name__}: {str(e)[:200]}")
+                emit(row)
+    log.close()
+    with open(os.path.join(a.out, "dplr_tune.md"), "w") as f:
+        for op in ("kda_chunkwise", "dplr_chunkwise"):
+            for f32 in (False, True):
+                mine = [r for r in rows if r["op"] == op and r["f32_gates"] == f32]
+                f.write(f"## {op}, {'float32' if f32 else 'bf16'} gates, {shape}\n\n| config | ms | note |\n|---|---|---|\n")
+                for r in mine:
+                    if r["kind"] in ("time", "error", "skipped"):
+                        ms = f"{r['ms']:.3f}" if "ms" in r else "—"
+                        f.write(f"| {r['config']} | {ms} | {r.get('why', '')} |\n")
+                prof = next((r for r in mine if r["kind"] == "profile"), None)
+                if prof:
+                    f.write("\n| kernel (default config) | launches | ms | % |\n|---|---|---|---|\n")
+                    f.writelines(f"| `{k}` | {n} | {ms} | {pc} |\n" for k, n, ms, pc in prof["kernels"][:20])
+                f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
