@@ -373,6 +373,7 @@ def render(rows: list[dict]) -> str:
 
 
 def main() -> int:
+    global EXTRA
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--wheels", help="folder with the xlstm and mlstm-kernels wheels (official rows)")
@@ -387,7 +388,6 @@ def main() -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        global EXTRA
         EXTRA = a.extra
         child(a.child, a.quick, a.cases.split(",") if a.cases else None)
         return 0
