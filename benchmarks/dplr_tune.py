@@ -10,6 +10,10 @@ with float32 gates (the inputs of `xlstm-kit bench`, `xlstm_kit.bench.registry`)
    share of the GPU time;
 2. fwd+bwd ms of the default and of each variant that changes one field (each checked against
    the default's o and input gradients: a variant with another result is reported, not timed).
+3. (KDA, float32 and bf16 gates) the error budget: relative errors of o and every input gradient
+   against the float64 PyTorch path for ours, the PyTorch path in bf16 (the 2x rule's yardstick)
+   and, with --fla (fla importable), fla's chunk_kda on the same inputs: how much precision the
+   products of a faster design may give up (issue 20: "bf16 products where the budget allows").
 Rows are written to $OUT/dplr_tune.jsonl as they are measured (a run cut short keeps them);
 $OUT/dplr_tune.md has the tables. fla's times are `xlstm-kit bench --suite ops --case
 dplr_chunkwise --peers` (its first compile takes minutes: another call).
@@ -86,11 +90,37 @@ def profile(step) -> list:
     return [[k[:80], n, round(ms, 3), round(100 * ms / total, 1)] for k, n, ms in sorted(rows, key=lambda r: -r[2])]
 
 
+def accuracy(shape: dict, f32_gates: bool, use_fla: bool) -> dict:
+    """{name: [rel err of o, dq, dk, dv, dg, dbeta]} against the float64 PyTorch path (KDA)."""
+    env = Env(device=torch.device(DEV), dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, backend="triton")
+    xs, do = kda_inputs(shape, env, f32_gates)
+    x64 = [x.detach().double().requires_grad_() for x in xs]
+    o64, _ = ops.kda_chunkwise(*x64, backend="torch")
+    o64.backward(do.double())
+    want = [o64.detach()] + [x.grad for x in x64]
+    fns = {"ours": lambda *a: ops.kda_chunkwise(*a, backend="triton")[0],
+           "torch (bf16 inputs)": lambda *a: ops.kda_chunkwise(*a, backend="torch")[0]}
+    if use_fla:
+        from fla.ops.kda import chunk_kda
+
+        fns["fla chunk_kda"] = lambda *a: chunk_kda(*a)[0]
+    out = {}
+    for name, fn in fns.items():
+        for x in xs:
+            x.grad = None
+        o = fn(*xs)
+        o.backward(do)
+        got = [o.detach()] + [x.grad for x in xs]
+        out[name] = [rel(g.double(), w) for g, w in zip(got, want)]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="a small shape (a smoke run)")
     ap.add_argument("--limit-s", type=float, default=540, help="start no new measurement after this many seconds")
+    ap.add_argument("--fla", action="store_true", help="fla's chunk_kda in the error table (its first compile: minutes)")
     a = ap.parse_args()
     t0 = time.time()
     shape = QUICK if a.quick else SHAPE
@@ -127,6 +157,16 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 - reported in the row
                     row = dict(case, kind="error", config=v, why=f"{type(e).__name__}: {str(e)[:200]}")
                 emit(row)
+    acc_shape = dict(shape, B=min(shape["B"], 2))
+    for f32 in (False, True):
+        if time.time() - t0 > a.limit_s:
+            break
+        try:
+            emit(dict(op="kda_chunkwise", f32_gates=f32, shape=acc_shape, kind="accuracy",
+                      errors=accuracy(acc_shape, f32, a.fla)))
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            emit(dict(op="kda_chunkwise", f32_gates=f32, shape=acc_shape, kind="error", config="accuracy",
+                      why=f"{type(e).__name__}: {str(e)[:200]}"))
     log.close()
     with open(os.path.join(a.out, "dplr_tune.md"), "w") as f:
         for op in ("kda_chunkwise", "dplr_chunkwise"):
@@ -137,6 +177,12 @@ def main() -> int:
                     if r["kind"] in ("time", "error", "skipped"):
                         ms = f"{r['ms']:.3f}" if "ms" in r else "—"
                         f.write(f"| {r['config']} | {ms} | {r.get('why', '')} |\n")
+                acc = next((r for r in mine if r["kind"] == "accuracy"), None)
+                if acc:
+                    f.write(f"\nErrors vs the float64 PyTorch path at {acc['shape']}:\n\n"
+                            "| implementation | o | dq | dk | dv | dg | dbeta |\n|---|---|---|---|---|---|---|\n")
+                    f.writelines(f"| {n} | " + " | ".join(f"{e:.2e}" for e in errs) + " |\n"
+                                 for n, errs in acc["errors"].items())
                 prof = next((r for r in mine if r["kind"] == "profile"), None)
                 if prof:
                     f.write("\n| kernel (default config) | launches | ms | % |\n|---|---|---|---|\n")
