@@ -47,9 +47,10 @@ def test_quick_run_end_to_end(tmp_path):
     assert {r["job"] for r in rows} == {"l13b", "tf125"}
     for r in rows:
         assert "status" not in r, r
-        assert r["case"] in ("prefill", "decode", "ttft", "decode compiled")
+        assert r["case"] in ("prefill", "decode", "ttft", "decode compiled", "decode compiled unfused")
         assert r.get("ms", r.get("step_ms")) is not None
         if r["case"].startswith("decode"):
             assert r["floor_tok_s"] > 0 and r["of_floor"] == r["of_floor"]
     assert "| l13b |" in (tmp_path / "generate_speed.md").read_text()
     assert any(r["case"] == "decode compiled" for r in rows if r["job"] == "l13b")
+    assert any(r["case"] == "decode compiled unfused" for r in rows if r["job"] == "l13b")
