@@ -35,17 +35,27 @@ from ..backend import on_device
 MAX_BATCH = 8
 
 
+def step_refusal(block: str, *, dtype: torch.dtype, batch: int, requires_grad: bool, bias: bool) -> str | None:
+    """What the fused block steps (this module, slstm_decode, large_decode) share: the reason a
+    call is not theirs, or None."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the fused {block} block step takes float16, bfloat16 or float32, got {dtype}"
+    if requires_grad:
+        return f"the fused {block} block step has no backward"
+    if batch > MAX_BATCH:
+        # each batch row re-reads the weights: beyond a few rows the compiled PyTorch step's GEMMs win
+        return f"the fused {block} block step is for decoding at batch <= {MAX_BATCH}, got {batch}"
+    if bias:
+        return f"the fused {block} block step has no projection biases"
+    return None
+
+
 def supports(op: str, *, dtype: torch.dtype, batch: int = 1, requires_grad: bool = False,
              bias: bool = False, block_size: int = 4, conv_kernel: int = 4, **_) -> str | None:
     """backend.choose_backend's question: does the fused block step take this call?"""
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"the fused mLSTM block step takes float16, bfloat16 or float32, got {dtype}"
-    if requires_grad:
-        return "the fused mLSTM block step has no backward"
-    if batch > MAX_BATCH:
-        return f"the fused mLSTM block step is for decoding at batch <= {MAX_BATCH}, got {batch}"
-    if bias:
-        return "the fused mLSTM block step has no projection biases"
+    why = step_refusal("mLSTM", dtype=dtype, batch=batch, requires_grad=requires_grad, bias=bias)
+    if why:
+        return why
     if conv_kernel < 2:
         return f"the fused mLSTM block step needs a convolution of width >= 2, got {conv_kernel}"
     if block_size & (block_size - 1):
@@ -68,6 +78,16 @@ def _row_stats(row_ptr, D: tl.constexpr, BK: tl.constexpr, eps):
         dv = tl.where(kk < D, tl.load(row_ptr + kk, mask=kk < D, other=0.0).to(tl.float32) - mean, 0.0)
         s += dv * dv
     return mean, 1.0 / tl.sqrt(tl.sum(s, axis=0) / D + eps)
+
+
+@triton.jit
+def _head_stats(h_row, D: tl.constexpr, DP: tl.constexpr, eps):
+    """(mean, 1/std) of one head's D features h_row[0:D] (float32; DP: D's power-of-two cover)."""
+    dd = tl.arange(0, DP)
+    hv = tl.load(h_row + dd, mask=dd < D, other=0.0)
+    mean = tl.sum(hv, axis=0) / D
+    dv = tl.where(dd < D, hv - mean, 0.0)
+    return mean, 1.0 / tl.sqrt(tl.sum(dv * dv, axis=0) / D + eps)
 
 
 @triton.jit
@@ -161,14 +181,10 @@ def _out_kernel(h_ptr, xc_ptr, xz_ptr, nw_ptr, skip_ptr, w_ptr, x_ptr, out_ptr, 
     b = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     mr = rows < DM
-    dd = tl.arange(0, DP)
     acc = tl.zeros([BN, BK], dtype=tl.float32)
     for hh in range(H):
         hrow = h_ptr + (b * H + hh) * D
-        hv = tl.load(hrow + dd, mask=dd < D, other=0.0)
-        mean = tl.sum(hv, axis=0) / D
-        dv = tl.where(dd < D, hv - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(dv * dv, axis=0) / D + eps)
+        mean, rstd = _head_stats(hrow, D, DP, eps)
         for k0 in range(0, D, BK):
             kk = k0 + tl.arange(0, BK)
             mk = kk < D

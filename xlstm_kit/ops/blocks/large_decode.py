@@ -35,21 +35,13 @@ from torch import Tensor
 from ..backend import on_device
 from ..mlstm.triton.step import _step_
 from ..slstm.triton.common import _tanh
-from .decode import MAX_BATCH
+from .decode import _head_stats, step_refusal
 
 
 def supports(op: str, *, dtype: torch.dtype, batch: int = 1, requires_grad: bool = False,
              bias: bool = False, **_) -> str | None:
     """backend.choose_backend's question: does the fused block step take this call?"""
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"the fused large block step takes float16, bfloat16 or float32, got {dtype}"
-    if requires_grad:
-        return "the fused large block step has no backward"
-    if batch > MAX_BATCH:
-        return f"the fused large block step is for decoding at batch <= {MAX_BATCH}, got {batch}"
-    if bias:
-        return "the fused large block step has no projection or norm biases"
-    return None
+    return step_refusal("large", dtype=dtype, batch=batch, requires_grad=requires_grad, bias=bias)
 
 
 @dataclass(frozen=True)
@@ -158,11 +150,7 @@ def _out_kernel(u_ptr, o_ptr, nw_ptr, w_ptr, r_ptr, out_ptr, eps,
     acc = tl.zeros([BN, BK], dtype=tl.float32)
     for hh in range(K // HD):
         if NORM:
-            dd = tl.arange(0, HDP)
-            hv = tl.load(ub + hh * HD + dd, mask=dd < HD, other=0.0)
-            mean = tl.sum(hv, axis=0) / HD
-            dv = tl.where(dd < HD, hv - mean, 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(dv * dv, axis=0) / HD + eps)
+            mean, rstd = _head_stats(ub + hh * HD, HD, HDP, eps)
         for k0 in range(0, HD, BK):
             kk = k0 + tl.arange(0, BK)
             mk = kk < HD

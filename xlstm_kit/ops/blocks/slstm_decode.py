@@ -15,7 +15,7 @@
 3. the down-projection GEMV plus the residual x1 (large_decode's `_out_kernel`).
 
 Everything is float32 inside (the PyTorch step rounds xn, the gates, x1 and the feed-forward's
-hidden units to the activation dtype), batch <= MAX_BATCH, no feed-forward bias, no gradient.
+hidden units to the activation dtype), batch <= 8 (decode.MAX_BATCH), no feed-forward bias, no gradient.
 The custom op `xlstm_kit::slstm_block_step` keeps the three launches opaque to torch.compile.
 """
 from __future__ import annotations
@@ -26,22 +26,14 @@ import triton.language as tl
 from torch import Tensor
 
 from ..backend import on_device
-from .decode import MAX_BATCH, _row_stats
+from .decode import _head_stats, _row_stats, step_refusal
 from .large_decode import _out_kernel, gemv_config
 
 
 def supports(op: str, *, dtype: torch.dtype, batch: int = 1, requires_grad: bool = False,
              bias: bool = False, **_) -> str | None:
     """backend.choose_backend's question: does the fused sLSTM block step take this call?"""
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"the fused sLSTM block step takes float16, bfloat16 or float32, got {dtype}"
-    if requires_grad:
-        return "the fused sLSTM block step has no backward"
-    if batch > MAX_BATCH:
-        return f"the fused sLSTM block step is for decoding at batch <= {MAX_BATCH}, got {batch}"
-    if bias:
-        return "the fused sLSTM block step has no feed-forward biases"
-    return None
+    return step_refusal("sLSTM", dtype=dtype, batch=batch, requires_grad=requires_grad, bias=bias)
 
 
 @triton.jit
@@ -118,16 +110,6 @@ def _cell_kernel(x_ptr, lnw_ptr, cs_ptr, cw_ptr, cb_ptr, gw_ptr, r_ptr, bias_ptr
         xo = (tl.load(x_ptr + b * DM + bo, mask=mo, other=0.0).to(tl.float32) - mean) * rstd \
             * tl.load(lnw_ptr + bo, mask=mo, other=0.0).to(tl.float32)
         tl.store(cs_new_ptr + (b * (KC - 1) + KC - 2) * DM + bo, xo, mask=mo)
-
-
-@triton.jit
-def _head_stats(h_row, D: tl.constexpr, DP: tl.constexpr, eps):
-    """(mean, 1/std) of one head's D features h_row[0:D] (float32)."""
-    dd = tl.arange(0, DP)
-    hv = tl.load(h_row + dd, mask=dd < D, other=0.0)
-    mean = tl.sum(hv, axis=0) / D
-    dv = tl.where(dd < D, hv - mean, 0.0)
-    return mean, 1.0 / tl.sqrt(tl.sum(dv * dv, axis=0) / D + eps)
 
 
 @triton.jit
