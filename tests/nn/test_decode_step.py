@@ -10,15 +10,10 @@ import torch
 
 from xlstm_kit.nn.mlstm import MLSTMBlock, MLSTMState
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None
-    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+from .decode_common import FALLBACKS, check_fallback, needs_kernels, rel_err, steps_after_prefill_error
+
+pytestmark = needs_kernels
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _block(d, inner, H, block_size=4, conv=4, backend="triton"):
@@ -79,35 +74,13 @@ def test_inplace_updates_c_and_conv_and_otherwise_leaves_the_state():
 def test_steps_continue_the_parallel_forward():
     """Prefill with the sequence kernels, then fused steps: the same outputs as one forward."""
     blk = _block(32, 64, 2, backend=None)
-    x = torch.randn(1, 12, 32, dtype=torch.float64)
-    with torch.no_grad():
-        full = blk.double()(x)
-        _, st = blk(x[:, :7], return_state=True)
-        blk.float()
-        st = MLSTMState(*(s.float() for s in st))
-        blk.layer.backend = "triton"
-        ys = []
-        for t in range(7, 12):
-            y, st = blk.step(x[:, t].float(), st, inplace=True)
-            ys.append(y)
-    assert rel_err(torch.stack(ys, 1), full[:, 7:]) < 1e-5
+    assert steps_after_prefill_error(blk, blk.layer, MLSTMState, 32) < 1e-5
 
 
-@pytest.mark.parametrize("why", ["batch", "bias", "float64", "grad", "torch"])
+@pytest.mark.parametrize("why", FALLBACKS)
 def test_unsupported_calls_take_the_pytorch_step(why):
-    blk = _block(32, 64, 2, backend="torch" if why == "torch" else "triton")
-    if why == "bias":
-        blk.layer.up_proj.bias = torch.nn.Parameter(torch.zeros(128))
-    B = 9 if why == "batch" else 1
-    st = _state(blk, B)
-    x = torch.randn(B, 32)
-    if why == "float64":
-        blk.double()
-        st, x = _double(st), x.double()
-    with torch.set_grad_enabled(why == "grad"):
-        assert not blk._fused_step(x, st)
-        y, _ = blk.step(x, st)
-    assert y.shape == x.shape
+    check_fallback(why, lambda backend: _block(32, 64, 2, backend=backend),
+                   lambda blk: setattr(blk.layer.up_proj, "bias", torch.nn.Parameter(torch.zeros(128))), _state, 32)
 
 
 def test_fused_step_is_one_custom_op_under_compile():
