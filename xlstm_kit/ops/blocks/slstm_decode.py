@@ -121,24 +121,8 @@ def _ffn_up_kernel(x_ptr, h_ptr, nw_ptr, lnw_ptr, w_ptr, x1_ptr, u_ptr, hn_eps, 
     x1 is recomputed head by head in each of the three passes (mean, variance, products): it
     costs DM loads of h and x, the weights of a tile cost BN · DM · 2."""
     b = tl.program_id(1).to(tl.int64)
-    s = tl.zeros([BK], dtype=tl.float32)
-    for hh in range(H):
-        hm, hr = _head_stats(h_ptr + (b * H + hh) * D, D, DP, hn_eps)
-        for k0 in range(0, D, BK):
-            kk = hh * D + k0 + tl.arange(0, BK)
-            mk = k0 + tl.arange(0, BK) < D
-            x1 = _x1(x_ptr, h_ptr, nw_ptr, b, kk, mk, hm, hr, DM)
-            s += tl.where(mk, x1, 0.0)
-    mean = tl.sum(s, axis=0) / DM
-    s = tl.zeros([BK], dtype=tl.float32)
-    for hh in range(H):
-        hm, hr = _head_stats(h_ptr + (b * H + hh) * D, D, DP, hn_eps)
-        for k0 in range(0, D, BK):
-            kk = hh * D + k0 + tl.arange(0, BK)
-            mk = k0 + tl.arange(0, BK) < D
-            dv = tl.where(mk, _x1(x_ptr, h_ptr, nw_ptr, b, kk, mk, hm, hr, DM) - mean, 0.0)
-            s += dv * dv
-    rstd = 1.0 / tl.sqrt(tl.sum(s, axis=0) / DM + ln_eps)
+    mean = _x1_moment(x_ptr, h_ptr, nw_ptr, b, 0.0, hn_eps, False, DM, H, D, DP, BK) / DM
+    rstd = 1.0 / tl.sqrt(_x1_moment(x_ptr, h_ptr, nw_ptr, b, mean, hn_eps, True, DM, H, D, DP, BK) / DM + ln_eps)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     mr = rows < F
     acc_g = tl.zeros([BN, BK], dtype=tl.float32)
@@ -159,6 +143,21 @@ def _ffn_up_kernel(x_ptr, h_ptr, nw_ptr, lnw_ptr, w_ptr, x1_ptr, u_ptr, hn_eps, 
     g = tl.sum(acc_g, axis=1)
     u = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * tl.sum(acc_u, axis=1)
     tl.store(u_ptr + b * F + rows, u, mask=mr)
+
+
+@triton.jit
+def _x1_moment(x_ptr, h_ptr, nw_ptr, b, shift, hn_eps, SQUARE: tl.constexpr, DM: tl.constexpr, H: tl.constexpr,
+               D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr):
+    """Σ (x1 - shift) over the row (Σ (x1 - shift)² with SQUARE), x1 recomputed head by head."""
+    s = tl.zeros([BK], dtype=tl.float32)
+    for hh in range(H):
+        hm, hr = _head_stats(h_ptr + (b * H + hh) * D, D, DP, hn_eps)
+        for k0 in range(0, D, BK):
+            kk = hh * D + k0 + tl.arange(0, BK)
+            mk = k0 + tl.arange(0, BK) < D
+            dv = tl.where(mk, _x1(x_ptr, h_ptr, nw_ptr, b, kk, mk, hm, hr, DM) - shift, 0.0)
+            s += dv * dv if SQUARE else dv
+    return tl.sum(s, axis=0)
 
 
 @triton.jit
