@@ -121,7 +121,7 @@ def sm90():
     bf, f32 = "*bf16", "*fp32"
     cases = {
         "up": (decode._up_kernel, {"x_ptr": bf, "lnw_ptr": bf, "w_ptr": bf, "out_ptr": f32, "eps": "fp32"},
-               {"D": 768, "N": 3072, "BN": 16, "BK": 256}),
+               {"D": 768, "DP": 1024, "N": 3072, "BN": 4, "BK": 1024}),
         "mix": (decode._mix_kernel, {**{n: bf for n in ("cw_ptr", "cb_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "wi_ptr",
                                                           "wf_ptr", "bi_ptr", "bf_ptr")},
                                      **{n: f32 for n in ("xz_ptr", "cs_ptr", "q_ptr", "k_ptr", "v_ptr", "xc_ptr",
@@ -129,7 +129,7 @@ def sm90():
                 {"C": 1536, "KC": 4, "P": 4, "H": 4, "HP": 4, "BC": 128}),
         "out": (decode._out_kernel, {"h_ptr": f32, "xc_ptr": f32, "xz_ptr": f32, "nw_ptr": bf, "skip_ptr": bf,
                                      "w_ptr": bf, "x_ptr": bf, "out_ptr": bf, "eps": "fp32"},
-                {"C": 1536, "DM": 768, "H": 4, "D": 384, "DP": 512, "BN": 16, "BK": 128}),
+                {"C": 1536, "DM": 768, "H": 4, "D": 384, "DP": 512, "BN": 4}),
     }
     for name, (fn, sig, consts) in cases.items():
         order = [a for a in fn.arg_names]

@@ -48,6 +48,8 @@ def _small_tiles(monkeypatch):
     (48, 3, 36, 72, 136, 3),    # three heads (the gate tile padded to 4 rows); head dims 12 and 24
 ])
 def test_fused_step_equals_float64_step(d, H, qk, v, ffn, B, tiles, monkeypatch):
+    from xlstm_kit.ops.blocks.large_decode import large_block_step
+
     if tiles == "small":
         _small_tiles(monkeypatch)
     blk = _block(d, H, qk, v, ffn)
@@ -56,8 +58,9 @@ def test_fused_step_equals_float64_step(d, H, qk, v, ffn, B, tiles, monkeypatch)
     with torch.no_grad():
         ref, rst = blk.double().step(x.double(), _double(st))
         blk.float()
-        assert blk._fused_step(x, st)
-        y, new = blk.step(x, MLSTMState(*(s.clone() for s in st)))
+        # the model fuses batch 1 only; the kernels take any batch (called directly here)
+        assert blk._fused_step(x, st) == (B == 1)
+        y, new = large_block_step(blk, x, MLSTMState(*(s.clone() for s in st)))
     assert y.dtype == x.dtype
     assert rel_err(y, ref) < 1e-5
     for a, b in zip(new[1:], rst[1:]):
@@ -86,6 +89,18 @@ def test_steps_continue_the_parallel_forward():
     assert steps_after_prefill_error(blk, blk.mlstm_layer, MLSTMState, 32) < 1e-5
 
 
+def test_batch_of_two_takes_the_compiled_pytorch_step():
+    """The large step is fused at batch 1 only (it lost at batch 4 on the H200): a batch of two
+    is refused, with the reason."""
+    from xlstm_kit.ops.blocks.large_decode import supports
+
+    blk = _block(32, 2, 32, 64, 96)
+    with torch.no_grad():
+        assert blk._fused_step(torch.randn(1, 32), _state(blk, 1))
+        assert not blk._fused_step(torch.randn(2, 32), _state(blk, 2))
+    assert "batch <= 1" in supports("large_block_step", dtype=torch.bfloat16, batch=2)
+
+
 @pytest.mark.parametrize("why", FALLBACKS)
 def test_unsupported_calls_take_the_pytorch_step(why):
     check_fallback(why, lambda backend: _block(32, 2, 32, 64, 96, backend=backend),
@@ -96,8 +111,8 @@ def test_fused_step_is_one_custom_op_under_compile():
     from xlstm_kit.ops.blocks.large_decode import large_block_step_op
 
     blk = _block(32, 2, 32, 64, 96)
-    st = _state(blk, 2)
-    x = torch.randn(2, 32)
+    st = _state(blk, 1)
+    x = torch.randn(1, 32)
     layer, ffn = blk.mlstm_layer, blk.ffn
     args = (x, blk.norm_mlstm.weight, layer.q.weight, layer.k.weight, layer.v.weight, layer.ogate_preact.weight,
             layer.igate_preact.weight, layer.fgate_preact.weight, layer.igate_preact.bias, layer.fgate_preact.bias,
@@ -183,6 +198,8 @@ def sm90(d=4096, H=8, qk=2048, v=4096, ffn=10944):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("B", [1, 4])
 def test_gpu_bf16_fused_step_within_twice_the_pytorch_step_error(B):
+    from xlstm_kit.ops.blocks.large_decode import large_block_step
+
     blk = _block(2048, 4, 1024, 2048, 5504)  # the large-1.3B preset's block
     st = MLSTMState(*(s.cuda() for s in _state(blk, B)))
     blk.cuda()
@@ -190,8 +207,8 @@ def test_gpu_bf16_fused_step_within_twice_the_pytorch_step_error(B):
     with torch.no_grad():
         exact, _ = blk.double().step(x.double(), _double(st))
         blk.bfloat16()
-        assert blk._fused_step(x.bfloat16(), st)
-        y, new = blk.step(x.bfloat16(), MLSTMState(*(s.clone() for s in st)))
+        assert blk._fused_step(x.bfloat16(), st) == (B == 1)   # the model fuses batch 1 only
+        y, new = large_block_step(blk, x.bfloat16(), MLSTMState(*(s.clone() for s in st)))
         blk.mlstm_layer.backend = "torch"
         y_ref, ref = blk.step(x.bfloat16(), MLSTMState(*(s.clone() for s in st)))
     assert rel_err(y, exact) <= 2 * rel_err(y_ref, exact)

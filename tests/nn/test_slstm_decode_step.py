@@ -127,10 +127,10 @@ def sm90():
     cases = {
         "cell": (sd._cell_kernel, {**{n: bf for n in ("x_ptr", "lnw_ptr", "cw_ptr", "cb_ptr", "gw_ptr", "r_ptr",
                                                        "bias_ptr")}, "eps": "fp32"},
-                 {"DM": 768, "H": 4, "D": 192, "KC": 4, "NT": 24, "BO": 8, "BJ": 64, "BK": 256}),
+                 {"DM": 768, "H": 4, "D": 192, "KC": 4, "NT": 24, "BO": 8, "BJ": 64, "BK": 1024}),
         "ffn_up": (sd._ffn_up_kernel, {"x_ptr": bf, "nw_ptr": bf, "lnw_ptr": bf, "w_ptr": bf,
                                        "hn_eps": "fp32", "ln_eps": "fp32"},
-                   {"DM": 768, "H": 4, "D": 192, "DP": 256, "F": 1024, "BN": 16, "BK": 64}),
+                   {"DM": 768, "H": 4, "D": 192, "DMP": 1024, "F": 1024, "BN": 4}),
         "down": (sd._out_kernel, {"w_ptr": bf, "out_ptr": bf, "eps": "fp32"},
                  {"N": 768, "K": 1024, "HD": 1024, "HDP": 1, "NORM": False,
                   "BN": sd.gemv_config(768, 1024).block_n, "BK": sd.gemv_config(768, 1024).block_k}),

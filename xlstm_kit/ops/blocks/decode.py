@@ -35,16 +35,17 @@ from ..backend import on_device
 MAX_BATCH = 8
 
 
-def step_refusal(block: str, *, dtype: torch.dtype, batch: int, requires_grad: bool, bias: bool) -> str | None:
+def step_refusal(block: str, *, dtype: torch.dtype, batch: int, requires_grad: bool, bias: bool,
+                 max_batch: int = MAX_BATCH) -> str | None:
     """What the fused block steps (this module, slstm_decode, large_decode) share: the reason a
     call is not theirs, or None."""
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the fused {block} block step takes float16, bfloat16 or float32, got {dtype}"
     if requires_grad:
         return f"the fused {block} block step has no backward"
-    if batch > MAX_BATCH:
+    if batch > max_batch:
         # each batch row re-reads the weights: beyond a few rows the compiled PyTorch step's GEMMs win
-        return f"the fused {block} block step is for decoding at batch <= {MAX_BATCH}, got {batch}"
+        return f"the fused {block} block step is for decoding at batch <= {max_batch}, got {batch}"
     if bias:
         return f"the fused {block} block step has no projection biases"
     return None
@@ -91,11 +92,13 @@ def _head_stats(h_row, D: tl.constexpr, DP: tl.constexpr, eps):
 
 
 @triton.jit
-def _up_kernel(x_ptr, lnw_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, N: tl.constexpr,
+def _up_kernel(x_ptr, lnw_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, DP: tl.constexpr, N: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr):
-    """Program (row tile, batch row): out[b, rows] = W[rows] @ LayerNorm(x[b]) (no bias)."""
+    """Program (row tile, batch row): out[b, rows] = W[rows] @ LayerNorm(x[b]) (no bias). The
+    statistics come from the whole row in one tile (DP: D's power-of-two cover): each serial
+    round of loads costs a program about a microsecond, which dominates a 125M-sized GEMV."""
     b = tl.program_id(1).to(tl.int64)
-    mean, rstd = _row_stats(x_ptr + b * D, D, BK, eps)
+    mean, rstd = _row_stats(x_ptr + b * D, D, DP, eps)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     mr = rows < N
     acc = tl.zeros([BN, BK], dtype=tl.float32)
@@ -175,28 +178,29 @@ def _mix_kernel(xz_ptr, cs_ptr, cw_ptr, cb_ptr, wq_ptr, wk_ptr, wv_ptr, wi_ptr, 
 @triton.jit
 def _out_kernel(h_ptr, xc_ptr, xz_ptr, nw_ptr, skip_ptr, w_ptr, x_ptr, out_ptr, eps,
                 C: tl.constexpr, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr):
+                BN: tl.constexpr):
     """Program (row tile, batch row): out[b, rows] = x[b, rows] + W[rows] @ u with
-    u = (norm(h) · nw + skip · x_conv) · SiLU(z), each head's statistics recomputed here."""
+    u = (norm(h) · nw + skip · x_conv) · SiLU(z), each head's statistics recomputed here. A head
+    is one tile (DP: D's power-of-two cover), so its statistics and its products share one
+    load, and the head loop is unrolled: the loads of all heads can be in flight together."""
     b = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     mr = rows < DM
-    acc = tl.zeros([BN, BK], dtype=tl.float32)
-    for hh in range(H):
-        hrow = h_ptr + (b * H + hh) * D
-        mean, rstd = _head_stats(hrow, D, DP, eps)
-        for k0 in range(0, D, BK):
-            kk = k0 + tl.arange(0, BK)
-            mk = kk < D
-            ci = hh * D + kk
-            hn = (tl.load(hrow + kk, mask=mk, other=0.0) - mean) * rstd
-            z = tl.load(xz_ptr + b * 2 * C + C + ci, mask=mk, other=0.0)
-            u = (hn * tl.load(nw_ptr + ci, mask=mk, other=0.0).to(tl.float32)
-                 + tl.load(skip_ptr + ci, mask=mk, other=0.0).to(tl.float32)
-                 * tl.load(xc_ptr + b * C + ci, mask=mk, other=0.0)) * (z * tl.sigmoid(z))
-            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * C + ci[None, :], mask=mr[:, None] & mk[None, :],
-                        other=0.0)
-            acc += w.to(tl.float32) * u[None, :]
+    acc = tl.zeros([BN, DP], dtype=tl.float32)
+    kk = tl.arange(0, DP)
+    mk = kk < D
+    for hh in tl.static_range(H):
+        ci = hh * D + kk
+        hv = tl.load(h_ptr + (b * H + hh) * D + kk, mask=mk, other=0.0)
+        mean = tl.sum(hv, axis=0) / D
+        dv = tl.where(mk, hv - mean, 0.0)
+        hn = dv / tl.sqrt(tl.sum(dv * dv, axis=0) / D + eps)
+        z = tl.load(xz_ptr + b * 2 * C + C + ci, mask=mk, other=0.0)
+        u = (hn * tl.load(nw_ptr + ci, mask=mk, other=0.0).to(tl.float32)
+             + tl.load(skip_ptr + ci, mask=mk, other=0.0).to(tl.float32)
+             * tl.load(xc_ptr + b * C + ci, mask=mk, other=0.0)) * (z * tl.sigmoid(z))
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * C + ci[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+        acc += w.to(tl.float32) * u[None, :]
     x = tl.load(x_ptr + b * DM + rows, mask=mr, other=0.0).to(tl.float32)
     tl.store(out_ptr + b * DM + rows, (x + tl.sum(acc, axis=1)).to(out_ptr.dtype.element_ty), mask=mr)
 
@@ -217,22 +221,24 @@ def _block_step_(x: Tensor, ln_w: Tensor, up_w: Tensor, conv_w: Tensor, conv_b: 
     KC = conv_w.shape[-1]
     f32 = dict(device=x.device, dtype=torch.float32)
     xz = torch.empty(B, 2 * Cn, **f32)
-    BK = min(256, triton.next_power_of_2(d))
     BC = max(P, min(128, triton.next_power_of_2(Cn)))
     NT = triton.cdiv(Cn, BC)
     q, k, v, xc = (torch.empty(B, Cn, **f32) for _ in range(4))
     ip, fp = torch.empty(B, H, NT, **f32), torch.empty(B, H, NT, **f32)
     out = torch.empty_like(x)
     with on_device(x):   # Triton launches on the current device, which need not be x's
-        # 16 rows per program: ~200 programs for the 125M model's 3072 up-projection rows
-        _up_kernel[(triton.cdiv(2 * Cn, 16), B)](x, ln_w, up_w, xz, ln_eps, D=d, N=2 * Cn, BN=16, BK=BK,
-                                                 num_warps=4)
+        # 4 rows per program: ~770 programs for the 125M model's 3072 up-projection rows, each
+        # one round of loads for the statistics and one per 1024 columns
+        DP = triton.next_power_of_2(d)
+        _up_kernel[(triton.cdiv(2 * Cn, 4), B)](x, ln_w, up_w, xz, ln_eps, D=d, DP=DP, N=2 * Cn, BN=4,
+                                                BK=min(1024, DP), num_warps=4)
         _mix_kernel[(NT, B)](xz, conv, conv_w, conv_b, wq, wk, wv, wi, wf, bi, bf, q, k, v, xc, ip, fp,
                              C=Cn, KC=KC, P=P, H=H, HP=triton.next_power_of_2(H), BC=BC, num_warps=4)
         h, n_new, m_new = _step_(q.view(B, H, D), k.view(B, H, D), v.view(B, H, D), ip, fp, C, n, m, eps, 0)
-        _out_kernel[(triton.cdiv(d, 16), B)](h, xc, xz, norm_w, skip, down_w, x, out, norm_eps, C=Cn, DM=d, H=H,
-                                             D=D, DP=triton.next_power_of_2(D), BN=16,
-                                             BK=min(128, triton.next_power_of_2(D)), num_warps=4)
+        HP = triton.next_power_of_2(D)   # a head per tile of [BN, HP]: at most 2048 weights (the
+        BN = max(1, min(4, 2048 // HP))  # unrolled heads' loads are in flight together: registers)
+        _out_kernel[(triton.cdiv(d, BN), B)](h, xc, xz, norm_w, skip, down_w, x, out, norm_eps, C=Cn, DM=d, H=H,
+                                             D=D, DP=HP, BN=BN, num_warps=4)
     return out, n_new, m_new
 
 

@@ -41,7 +41,10 @@ from .decode import _head_stats, step_refusal
 def supports(op: str, *, dtype: torch.dtype, batch: int = 1, requires_grad: bool = False,
              bias: bool = False, **_) -> str | None:
     """backend.choose_backend's question: does the fused block step take this call?"""
-    return step_refusal("large", dtype=dtype, batch=batch, requires_grad=requires_grad, bias=bias)
+    # batch 1 only: its programs read a weight tile once per batch row and the rows' programs
+    # do not share it through L2 (H200, 2026-12-02: 7B at batch 4, 445 tokens/s fused against
+    # 690 for the compiled PyTorch step; 1.3B a tie; benchmarks/NOTES-generate.md)
+    return step_refusal("large", dtype=dtype, batch=batch, requires_grad=requires_grad, bias=bias, max_batch=1)
 
 
 @dataclass(frozen=True)
@@ -50,18 +53,20 @@ class GemvConfig:
 
     block_n: int
     block_k: int
-    num_warps: int = 4
+    num_warps: int = 8
 
 
-def gemv_config(rows: int, k: int) -> GemvConfig:
-    """The default for a [rows, k] weight: ~512 programs per batch row where the rows allow (a
-    few hundred keep enough loads in flight to stream the weights at full bandwidth), at least
-    4 rows per program (each program also loads its x and norm tiles), [block_n, block_k]
-    tiles of 4096 elements (32 float32 accumulators per thread at 4 warps)."""
+def gemv_config(rows: int, k: int, programs: int = 512, tile: int = 4096, num_warps: int = 8,
+                min_rows: int = 4) -> GemvConfig:
+    """The launch of one GEMV over a [rows, k] weight: `programs` programs per batch row where
+    the rows allow (a few hundred keep enough loads in flight to stream the weights), 16 down to
+    `min_rows` rows per program (each program also loads its x and norm tiles), [block_n,
+    block_k] tiles of `tile` elements. The defaults are the H200's best of the sweep in
+    benchmarks/large_tune.py (benchmarks/NOTES-generate.md)."""
     bn = 16
-    while bn > 4 and rows < 512 * bn:
+    while bn > min_rows and rows < programs * bn:
         bn //= 2
-    return GemvConfig(bn, min(4096 // bn, triton.next_power_of_2(k)))
+    return GemvConfig(bn, min(tile // bn, triton.next_power_of_2(k)), num_warps)
 
 
 @triton.jit

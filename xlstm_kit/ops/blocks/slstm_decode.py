@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..backend import on_device
-from .decode import _head_stats, _row_stats, step_refusal
+from .decode import _row_stats, step_refusal
 from .large_decode import _out_kernel, gemv_config
 
 
@@ -114,65 +114,39 @@ def _cell_kernel(x_ptr, lnw_ptr, cs_ptr, cw_ptr, cb_ptr, gw_ptr, r_ptr, bias_ptr
 
 @triton.jit
 def _ffn_up_kernel(x_ptr, h_ptr, nw_ptr, lnw_ptr, w_ptr, x1_ptr, u_ptr, hn_eps, ln_eps,
-                   DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, F: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr):
+                   DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DMP: tl.constexpr, F: tl.constexpr,
+                   BN: tl.constexpr):
     """Program (row tile, batch row): x1 = x + norm(h') · nw (float32, kept by program 0), then
     u[rows] = GELU(W_g[rows] @ LN(x1)) · (W_u[rows] @ LN(x1)) with W = [W_g; W_u] [2F, DM].
-    x1 is recomputed head by head in each of the three passes (mean, variance, products): it
-    costs DM loads of h and x, the weights of a tile cost BN · DM · 2."""
+    The whole row is one tile (DMP: DM's power-of-two cover): x1, its statistics and the
+    products come from one round of loads (each round costs a program about a microsecond);
+    a head's statistics are masked sums over the row (D need not be a power of two)."""
     b = tl.program_id(1).to(tl.int64)
-    mean = _x1_moment(x_ptr, h_ptr, nw_ptr, b, 0.0, hn_eps, False, DM, H, D, DP, BK) / DM
-    rstd = 1.0 / tl.sqrt(_x1_moment(x_ptr, h_ptr, nw_ptr, b, mean, hn_eps, True, DM, H, D, DP, BK) / DM + ln_eps)
+    kk = tl.arange(0, DMP)
+    mk = kk < DM
+    hv = tl.load(h_ptr + b * DM + kk, mask=mk, other=0.0)   # h' [B, H, D] is [B, DM]
+    head = kk // D
+    h_mean = tl.zeros([DMP], dtype=tl.float32)
+    h_rstd = tl.zeros([DMP], dtype=tl.float32)
+    for hh in tl.static_range(H):
+        sel = mk & (head == hh)
+        mu = tl.sum(tl.where(sel, hv, 0.0), axis=0) / D
+        dv = tl.where(sel, hv - mu, 0.0)
+        h_mean = tl.where(sel, mu, h_mean)
+        h_rstd = tl.where(sel, 1.0 / tl.sqrt(tl.sum(dv * dv, axis=0) / D + hn_eps), h_rstd)
+    x1 = tl.load(x_ptr + b * DM + kk, mask=mk, other=0.0).to(tl.float32) \
+        + (hv - h_mean) * h_rstd * tl.load(nw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
+    tl.store(x1_ptr + b * DM + kk, x1, mask=mk & (tl.program_id(0) == 0))
+    mean = tl.sum(x1, axis=0) / DM
+    dv = tl.where(mk, x1 - mean, 0.0)
+    xn = dv / tl.sqrt(tl.sum(dv * dv, axis=0) / DM + ln_eps) * tl.load(lnw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     mr = rows < F
-    acc_g = tl.zeros([BN, BK], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BK], dtype=tl.float32)
-    keep = tl.program_id(0) == 0
-    for hh in range(H):
-        hm, hr = _head_stats(h_ptr + (b * H + hh) * D, D, DP, hn_eps)
-        for k0 in range(0, D, BK):
-            kk = hh * D + k0 + tl.arange(0, BK)
-            mk = k0 + tl.arange(0, BK) < D
-            x1 = _x1(x_ptr, h_ptr, nw_ptr, b, kk, mk, hm, hr, DM)
-            tl.store(x1_ptr + b * DM + kk, x1, mask=mk & keep)
-            xn = (x1 - mean) * rstd * tl.load(lnw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
-            m2 = mr[:, None] & mk[None, :]
-            w = w_ptr + rows[:, None].to(tl.int64) * DM + kk[None, :]
-            acc_g += tl.load(w, mask=m2, other=0.0).to(tl.float32) * xn[None, :]
-            acc_u += tl.load(w + F * DM, mask=m2, other=0.0).to(tl.float32) * xn[None, :]
-    g = tl.sum(acc_g, axis=1)
-    u = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * tl.sum(acc_u, axis=1)
-    tl.store(u_ptr + b * F + rows, u, mask=mr)
-
-
-@triton.jit
-def _x1_moment(x_ptr, h_ptr, nw_ptr, b, shift, hn_eps, SQUARE: tl.constexpr, DM: tl.constexpr, H: tl.constexpr,
-               D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr):
-    """Σ (x1 - shift) over the row (Σ (x1 - shift)² with SQUARE), x1 recomputed head by head."""
-    s = tl.zeros([BK], dtype=tl.float32)
-    for hh in range(H):
-        hm, hr = _head_stats(h_ptr + (b * H + hh) * D, D, DP, hn_eps)
-        for k0 in range(0, D, BK):
-            kk = hh * D + k0 + tl.arange(0, BK)
-            mk = k0 + tl.arange(0, BK) < D
-            dv = tl.where(mk, _x1(x_ptr, h_ptr, nw_ptr, b, kk, mk, hm, hr, DM) - shift, 0.0)
-            s += dv * dv if SQUARE else dv
-    return tl.sum(s, axis=0)
-
-
-@triton.jit
-def _x1(x_ptr, h_ptr, nw_ptr, b, kk, mk, hm, hr, DM: tl.constexpr):
-    """x1[b, kk] = x + (h' - mean) · rstd · nw for channels kk of one head (float32)."""
-    hv = tl.load(h_ptr + b * DM + kk, mask=mk, other=0.0)
-    return tl.load(x_ptr + b * DM + kk, mask=mk, other=0.0).to(tl.float32) \
-        + (hv - hm) * hr * tl.load(nw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
-
-
-def _head_block(D: int) -> int:
-    """The k-tile of the head-aligned loops: the largest power of two <= 128 dividing D (no
-    masked lanes), or D's power-of-two cover for awkward D."""
-    p = min(128, D & -D)
-    return p if p >= 16 else min(128, triton.next_power_of_2(D))
+    m2 = mr[:, None] & mk[None, :]
+    w = w_ptr + rows[:, None].to(tl.int64) * DM + kk[None, :]
+    g = tl.sum(tl.load(w, mask=m2, other=0.0).to(tl.float32) * xn[None, :], axis=1)
+    up = tl.sum(tl.load(w + F * DM, mask=m2, other=0.0).to(tl.float32) * xn[None, :], axis=1)
+    tl.store(u_ptr + b * F + rows, 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * up, mask=mr)
 
 
 def _block_step(x: Tensor, ln_w: Tensor, conv_w: Tensor, conv_b: Tensor, gate_w: Tensor, r: Tensor, bias: Tensor,
@@ -193,15 +167,15 @@ def _block_step(x: Tensor, ln_w: Tensor, conv_w: Tensor, conv_b: Tensor, gate_w:
     h_new, c_new, n_new, m_new = (torch.empty(B, H, D, **f32) for _ in range(4))
     BO = min(8, triton.next_power_of_2(D))   # 125M: 4 heads x 24 tiles of 8 of 192 units, 87 registers
     NT = triton.cdiv(D, BO)
-    BK = min(256, triton.next_power_of_2(d))
+    DMP = triton.next_power_of_2(d)   # a row in one tile: the LayerNorm statistics, the up GEMV
     with on_device(x):
         _cell_kernel[(H * NT, B)](x, ln_w, cs, conv_w, conv_b, gate_w, r, bias, h, c, n, m,
                                   cs_new, h_new, c_new, n_new, m_new, ln_eps, DM=d, H=H, D=D, KC=KC, NT=NT,
-                                  BO=BO, BJ=min(64, triton.next_power_of_2(D)), BK=BK, num_warps=4)
+                                  BO=BO, BJ=min(64, triton.next_power_of_2(D)), BK=DMP, num_warps=4)
         x1, u = torch.empty(B, d, **f32), torch.empty(B, F, **f32)
-        _ffn_up_kernel[(triton.cdiv(F, 16), B)](x, h_new, norm_w, ffn_ln_w, up_w, x1, u, norm_eps, ffn_eps, DM=d,
-                                                H=H, D=D, DP=triton.next_power_of_2(D), F=F, BN=16,
-                                                BK=_head_block(D), num_warps=4)
+        BN = max(1, 4096 // DMP)   # 125M: 4 rows x 1024 columns a program, 256 programs
+        _ffn_up_kernel[(triton.cdiv(F, BN), B)](x, h_new, norm_w, ffn_ln_w, up_w, x1, u, norm_eps, ffn_eps, DM=d,
+                                                H=H, D=D, DMP=DMP, F=F, BN=BN, num_warps=4)
         out = torch.empty_like(x)
         g = gemv_config(d, F)
         _out_kernel[(B, triton.cdiv(d, g.block_n))](u, u, u, down_w, x1, out, 0.0, N=d, K=F, HD=F, HDP=1,
