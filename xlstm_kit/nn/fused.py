@@ -6,11 +6,13 @@ piece here saves only its inputs (which other ops save anyway) and per-row stati
 recomputes the cheap elementwise intermediates in the backward. Activations stay in the
 layer's activation dtype (the autocast dtype, else the input's); statistics and the arithmetic
 inside run in float32 (float64 for float64 inputs). conv_silu, head_norm and mlstm_output run
-Triton kernels (xlstm_kit/ops/blocks/triton.py) where ops.backend chooses "triton".
+Triton kernels (xlstm_kit/ops/blocks/triton.py), swiglu those of ops/blocks/swiglu.py, where
+ops.backend chooses "triton".
 
 - `norm_up(x, ln_w, eps, w, b)`: a block's LayerNorm and up-projection (mLSTM block, sLSTM
   feed-forward), saves x.
 - `gelu_mul_linear(g, u, w, b)`: the gated feed-forward's GELU gate and down-projection, saves g, u.
+- `swiglu(gu)`: the large block's SiLU(g) * u from gu = [g, u] (one GEMM's output), saves gu.
 - `conv_silu(x, state, w, b, act)`: depthwise causal conv (+ SiLU), saves x (and the state).
 - `head_norm(x, w, eps)`: head-wise LayerNorm times a per-channel scale, saves x and mean/rstd.
 - `mlstm_output(h, x_conv, z, norm_w, skip, down_w, down_b, eps)`: the mLSTM layer's tail
@@ -114,6 +116,59 @@ def gelu_mul_linear(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor, b: torch.
     """(GELU(g) * u) @ wᵀ + b for g, u [..., F] (one dtype, the activation dtype), w [d, F],
     b [d] | None -> [..., d]. Saves g and u; GELU(g) * u is recomputed in the backward."""
     return _GeluMulLinearFn.apply(g, u, w, b)
+
+
+# ----------------------------------------------------------------------------- SwiGLU activation
+def _swiglu_fwd_torch(gu: torch.Tensor) -> torch.Tensor:
+    """gu [N, 2F] -> SiLU(g) u [N, F] in gu's dtype: the twin of xlstm_kit::swiglu_fwd."""
+    cd = compute_dtype(gu)
+    g, u = gu.to(cd).chunk(2, dim=-1)
+    return (F.silu(g) * u).to(gu.dtype)
+
+
+def _swiglu_bwd_torch(gu: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """dgu [N, 2F] = [dy u SiLU'(g), dy SiLU(g)] in gu's dtype: the twin of xlstm_kit::swiglu_bwd
+    (aten's silu_backward: in float32 and float64 the bits of autograd through F.silu(g) * u)."""
+    cd = compute_dtype(gu)
+    g, u = gu.to(cd).chunk(2, dim=-1)
+    dy = dy.to(cd)
+    return torch.cat([torch.ops.aten.silu_backward(dy * u, g), dy * F.silu(g)], dim=-1).to(gu.dtype)
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu, kernels):
+        ctx.save_for_backward(gu)
+        ctx.kernels = kernels
+        if kernels is None:
+            return _swiglu_fwd_torch(gu)
+        with on_device(gu):
+            return kernels.swiglu_fwd(gu, kernels.config_key())
+
+    @staticmethod
+    def backward(ctx, dy):
+        (gu,) = ctx.saved_tensors
+        dy = dy.to(gu.dtype)
+        if ctx.kernels is None:
+            return _swiglu_bwd_torch(gu, dy), None
+        return ctx.kernels.swiglu_bwd(gu, dy, ctx.kernels.config_key()), None
+
+
+def swiglu(gu: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """SiLU(g) * u for gu = [g, u] [..., 2F] (g its first F columns, u its last F; rows of any
+    stride, e.g. a column slice of a GEMM's output) -> [..., F] in gu's dtype, computed in float32
+    (float64 for float64). Saves gu only (which the up-projection's output is anyway, where the
+    plain formula also kept SiLU(g)); the backward recomputes SiLU(g) and returns a contiguous
+    [..., 2F] gradient. One Triton kernel each way where ops.backend chooses "triton" (`backend` as
+    for the sequence ops), instead of two elementwise kernels on strided halves."""
+    two_f = gu.shape[-1]
+    if two_f % 2:
+        raise XLSTMKitError(f"swiglu takes gu [..., 2F] (g and u side by side), got last dim {two_f}")
+    use = choose_backend("swiglu", backend, gu.device, inputs=(gu,), dtype=gu.dtype)
+    kernels = kernel_module("swiglu") if use == "triton" else None
+    # rows stay a view where the leading dims flatten without a copy (a GEMM's output does)
+    y = _SwiGLUFn.apply(gu.reshape(-1, two_f), kernels)
+    return y.view(*gu.shape[:-1], two_f // 2)
 
 
 # ----------------------------------------------------------------------------- conv + SiLU

@@ -25,7 +25,7 @@ from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
 from .common import small_init_, state_dtype, wang_init_
-from .fused import _head_norm_fwd_torch, head_norm
+from .fused import _head_norm_fwd_torch, head_norm, swiglu
 from .mlstm import MLSTMState
 
 
@@ -204,11 +204,15 @@ class LargeMLSTMLayer(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """proj_down(SiLU(proj_up_gate(x)) * proj_up(x)); forward(x [..., d_model]) -> [..., d_model]."""
+    """proj_down(SiLU(proj_up_gate(x)) * proj_up(x)); forward(x [..., d_model]) -> [..., d_model].
 
-    def __init__(self, d_model: int, hidden: int, *, n_blocks: int = 1, bias: bool = False):
+    forward: one GEMM for both up maps, then SiLU(g) * u as one Triton kernel each way
+    (`fused.swiglu`) where ops.backend chooses "triton" (`backend` as for the sequence ops)."""
+
+    def __init__(self, d_model: int, hidden: int, *, n_blocks: int = 1, bias: bool = False,
+                 backend: str | None = None):
         super().__init__()
-        self.d_model, self.hidden, self.n_blocks = d_model, hidden, n_blocks
+        self.d_model, self.hidden, self.n_blocks, self.backend = d_model, hidden, n_blocks, backend
         self.proj_up_gate = nn.Linear(d_model, hidden, bias=bias)
         self.proj_up = nn.Linear(d_model, hidden, bias=bias)
         self.proj_down = nn.Linear(hidden, d_model, bias=bias)
@@ -232,8 +236,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = torch.cat([self.proj_up_gate.weight, self.proj_up.weight])
         b = None if self.proj_up.bias is None else torch.cat([self.proj_up_gate.bias, self.proj_up.bias])
-        g, u = F.linear(x, w, b).chunk(2, dim=-1)
-        return self.proj_down(F.silu(g) * u)
+        return self.proj_down(swiglu(F.linear(x, w, b), self.backend))
 
 
 class LargeBlock(nn.Module):
@@ -252,7 +255,7 @@ class LargeBlock(nn.Module):
             d_model, n_heads, qk_dim, v_dim, n_blocks=n_blocks, bias=bias, norm_eps=norm_eps,
             gate_soft_cap=gate_soft_cap, chunk_size=chunk_size, backend=backend, recompute_states=recompute_states)
         self.norm_ffn = RMSNorm(d_model, norm_eps, bias=bias)
-        self.ffn = SwiGLU(d_model, ffn_dim, n_blocks=n_blocks, bias=bias)
+        self.ffn = SwiGLU(d_model, ffn_dim, n_blocks=n_blocks, bias=bias, backend=backend)
 
     def reset_parameters(self) -> None:
         for m in (self.norm_mlstm, self.mlstm_layer, self.norm_ffn, self.ffn):

@@ -14,10 +14,14 @@ from triton.backends.compiler import GPUTarget
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def sm90_resources(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
+def sm90_resources(fn, signature: dict, constexprs: dict, num_warps: int, divisible_by_16=()) -> dict:
     """Compile `fn` (a @triton.jit kernel) with `signature` (every argument: a Triton type or
-    "constexpr") and `constexprs` -> {"regs", "spill_stores", "spill_loads", "smem"} (ints)."""
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    "constexpr") and `constexprs` -> {"regs", "spill_stores", "spill_loads", "smem"} (ints).
+    `divisible_by_16`: argument names (pointers, ints) a real launch would find multiples of 16,
+    as Triton's launcher specializes them; the build then vectorizes as that launch's does."""
+    names = list(signature)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible_by_16}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "k.ptx"), "w") as f:
