@@ -19,9 +19,16 @@ def pow2(n: int) -> int:
 def _seq_base(bh, row0, T, H, D):
     """int64 element offset of (b, row0, h, 0) in a contiguous [B, T, H, D] tensor, b·h = bh;
     row t of that head is then + t·(H·D)."""
+    return _row_base(bh, row0, T, H, D, H * D)
+
+
+@triton.jit
+def _row_base(bh, row0, T, H, D, ST):
+    """_seq_base for a [B, T, H, D] tensor whose rows (tokens) are ST elements apart (batch
+    stride T·ST, heads packed): q, k, v as column slices of one projection GEMM's output."""
     b = bh // H
     h = bh % H
-    return (b.to(tl.int64) * T + row0) * (H * D) + h * D
+    return (b.to(tl.int64) * T + row0) * ST + h * D
 
 
 @triton.jit

@@ -46,6 +46,16 @@ def _fwd_buffers(q, v, NC, L, saved_nc=None, NS=None):
     return (h, hlo, *final, *rows, *chunk_states)
 
 
+def _rows(x: Tensor) -> Tensor:
+    """x [B,T,H,D] as the forward kernels read it: heads packed (strides D, 1) and rows evenly
+    spaced (batch stride T times the row stride), as column slices of one projection GEMM's
+    output are, so that the large block's q, k, v need no copies; anything else contiguous."""
+    B, T, H, D = x.shape
+    if x.stride(3) == 1 and x.stride(2) == D and x.stride(1) >= H * D and (B == 1 or x.stride(0) == T * x.stride(1)):
+        return x
+    return x.contiguous()
+
+
 def _table(cu_seqlens: Optional[Tensor], T: int, L: int):
     return None if cu_seqlens is None else chunk_table(cu_seqlens, T, L)
 
@@ -71,11 +81,13 @@ def _forward(
     cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
            Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """q, k [B,T,H,K], v [B,T,H,V] (one dtype, contiguous); i, f [B,T,H] contiguous; C0
+    """q, k [B,T,H,K], v [B,T,H,V] (one dtype; heads packed, rows evenly spaced: see _rows);
+    i, f [B,T,H] contiguous; C0
     [S,H,K,V], n0 [S,H,K], m0 [S,H] float32 contiguous or None; config an
     MLSTMKernelConfig.key(); cu_seqlens [N+1] or None (B = 1 and S = N packed sequences, see
     varlen.py; else S = B)."""
     cfg = MLSTMKernelConfig.from_key(config)
+    q, k, v = _rows(q), _rows(k), _rows(v)   # (a no-op for the callers here; torch.compile may relayout)
     B, T, H, K = q.shape
     V = v.shape[-1]
     L = cfg.chunk
@@ -118,6 +130,8 @@ def _backward_impl(
     """Gradients (δq, δk, δv in the input dtype, δi, δf in i's and f's, δC0, δn0, δm0 float32)
     from δh [B,T,H,V] contiguous and the final state's gradients (float32 or None), given the
     forward op's inputs and outputs."""
+    # the backward kernels read q, k, v contiguous (the forward's may be GEMM column slices)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cfg = MLSTMKernelConfig.from_key(config)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -287,7 +301,7 @@ def mlstm_chunkwise_triton(
         C0 = n0 = m0 = None
     else:
         C0, n0, m0 = (s.float().contiguous() for s in initial_state)
-    args = (q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(), i.contiguous(), f.contiguous(),
+    args = (_rows(q), _rows(k.to(dt)), _rows(v.to(dt)), i.contiguous(), f.contiguous(),
             C0, n0, m0, float(eps), key)
     if cu_seqlens is not None:
         _check_packed(q, cu_seqlens, C0)

@@ -6,14 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _NEG, _chunk_program, _dot_l, _dot_r, _load_rows, _seq_base, _span
+from ._common import _NEG, _chunk_program, _dot_l, _dot_r, _load_rows, _row_base, _seq_base, _span
 
 
 @triton.jit
 def _fwd_out(
     q_ptr, k_ptr, v_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, cs_ptr, ns_ptr, ms_ptr,
     h_ptr, hlo_ptr, nbar_ptr, mrow_ptr, tab_ptr,
-    T, H, NC, NS, scale, eps,
+    T, H, NC, NS, scale, eps, stride_q, stride_k, stride_v,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STATE_MODE: tl.constexpr, PREC: tl.constexpr, P_SPLIT: tl.constexpr, H_LO: tl.constexpr,
     VARLEN: tl.constexpr,
@@ -34,9 +34,9 @@ def _fwd_out(
             return
     offs_v, mv = _span(pid_v, BV, V)
     # 64-bit bases at the chunk's first row, 32-bit offsets within it (packed inputs are long)
-    q_base = q_ptr + _seq_base(bh, row0, T, H, K)
-    k_base = k_ptr + _seq_base(bh, row0, T, H, K)
-    v_base = v_ptr + _seq_base(bh, row0, T, H, V)
+    q_base = q_ptr + _row_base(bh, row0, T, H, K, stride_q)
+    k_base = k_ptr + _row_base(bh, row0, T, H, K, stride_k)
+    v_base = v_ptr + _row_base(bh, row0, T, H, V, stride_v)
     beta = tl.load(beta_ptr + g_base + prow)
     blo = tl.load(blo_ptr + g_base + prow)
     ig = tl.load(ig_ptr + g_base + prow)
@@ -49,8 +49,8 @@ def _fwd_out(
     qn = tl.zeros([L], dtype=tl.float32)
     for kt in range((K + BK - 1) // BK):
         offs_k, mk = _span(kt, BK, K)
-        qt = _load_rows(q_base, offs_l, rmask, offs_k, mk, H * K)
-        kk = _load_rows(k_base, offs_l, rmask, offs_k, mk, H * K)
+        qt = _load_rows(q_base, offs_l, rmask, offs_k, mk, stride_q)
+        kk = _load_rows(k_base, offs_l, rmask, offs_k, mk, stride_k)
         S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
         Ct = tl.load(cs_ptr + (bh64 * NC + c) * K * V + offs_k[:, None] * V + offs_v[None, :],
                      mask=mk[:, None] & mv[None, :], other=0.0)              # [BK, BV]
@@ -63,7 +63,7 @@ def _fwd_out(
     P = S * scale * tl.exp(tl.where(causal, D, _NEG))                        # [L, L]
     ea = tl.exp(beta + m_prev - m_row)
     nbar = ea * qn * scale + tl.sum(P, axis=1)
-    vt = _load_rows(v_base, offs_l, rmask, offs_v, mv, H * V)
+    vt = _load_rows(v_base, offs_l, rmask, offs_v, mv, stride_v)
     if P_SPLIT:
         pv = _dot_l(P, vt, 1, PREC)
     else:
@@ -84,7 +84,8 @@ def _fwd_out(
 
 def fwd_out(q, k, v, beta, blo, ig, u, cs, ns, ms, h, hlo, nbar, mrow, eps, cfg, smode, prec, vl=None):
     """Launch _fwd_out: fills h [B,T,H,V], hlo (h's rounding residual; empty for float32
-    inputs), nbar and mrow [B,H,NC·L] float32; vl the varlen.ChunkTable or None."""
+    inputs), nbar and mrow [B,H,NC·L] float32; vl the varlen.ChunkTable or None. q, k, v
+    [B,T,H,*] with heads packed and evenly spaced rows (op._rows)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NC = cs.shape[2]
@@ -92,7 +93,7 @@ def fwd_out(q, k, v, beta, blo, ig, u, cs, ns, ms, h, hlo, nbar, mrow, eps, cfg,
     BV = cfg.out_bv
     _fwd_out[(NC, triton.cdiv(V, BV), B * H)](
         q, k, v, beta, blo, ig, u, cs, ns, ms, h, hlo if lowp else h, nbar, mrow, ms if vl is None else vl.tab,
-        T, H, NC, 1 if vl is None else vl.n, K ** -0.5, eps,
+        T, H, NC, 1 if vl is None else vl.n, K ** -0.5, eps, q.stride(1), k.stride(1), v.stride(1),
         K=K, V=V, L=cfg.chunk, BK=cfg.out_bk, BV=BV,
         STATE_MODE=smode, PREC=prec, P_SPLIT=lowp, H_LO=lowp, VARLEN=vl is not None,
         num_warps=cfg.out_warps, num_stages=cfg.out_stages,

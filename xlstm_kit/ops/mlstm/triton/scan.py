@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _NEG, _affine_combine, _chunk_program, _dot_l, _load_rows, _seq_base, _span, pow2
+from ._common import _NEG, _affine_combine, _chunk_program, _dot_l, _load_rows, _row_base, _seq_base, _span, pow2
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def _store_local(dc_ptr, dn_ptr, st, dC, dn, offs_k, mk, offs_v, mv, pid_v, K: t
 @triton.jit
 def _fwd_local(
     k_ptr, v_ptr, beta_ptr, blo_ptr, ig_ptr, ms_ptr, dc_ptr, dn_ptr,
-    T, H, NC,
+    T, H, NC, stride_k, stride_v,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     UPD_MODE: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -85,8 +85,8 @@ def _fwd_local(
     blo_last = tl.load(blo_ptr + g_base + c * L + L - 1)
     m_next = tl.load(ms_ptr + bh64 * (NC + 1) + c + 1)
     wgt = tl.exp((beta_last - beta) + (blo_last - blo) + ig - m_next)       # [L], ≤ 1
-    kt = _load_rows(k_ptr + _seq_base(bh, 0, T, H, K), rows, rmask, offs_k, mk, H * K)
-    vt = _load_rows(v_ptr + _seq_base(bh, 0, T, H, V), rows, rmask, offs_v, mv, H * V)
+    kt = _load_rows(k_ptr + _row_base(bh, 0, T, H, K, stride_k), rows, rmask, offs_k, mk, stride_k)
+    vt = _load_rows(v_ptr + _row_base(bh, 0, T, H, V, stride_v), rows, rmask, offs_v, mv, stride_v)
     kw = kt.to(tl.float32) * wgt[:, None]
     _store_local(dc_ptr, dn_ptr, bh64 * NC + c, _dot_l(tl.trans(kw), vt, UPD_MODE, PREC), tl.sum(kw, axis=0),
                  offs_k, mk, offs_v, mv, pid_v, K, V)
@@ -217,7 +217,7 @@ def fwd_states_scan(k, v, beta, blo, ig, u, C0, n0, m0, out, cfg, upd, prec):
     ln = torch.empty(B, H, NC, K, device=k.device, dtype=torch.float32)
     BK, BV = cfg.local_bk, cfg.local_bv
     _fwd_local[(NC, triton.cdiv(K, BK) * triton.cdiv(V, BV), B * H)](
-        k, v, beta, blo, ig, ms, lc, ln, T, H, NC,
+        k, v, beta, blo, ig, ms, lc, ln, T, H, NC, k.stride(1), v.stride(1),
         K=K, V=V, L=L, BK=BK, BV=BV, UPD_MODE=upd, PREC=prec,
         num_warps=cfg.local_warps, num_stages=1,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import _dot_l, _load_rows, _seq_base, _seq_program, _span
+from ._common import _dot_l, _load_rows, _row_base, _seq_base, _seq_program, _span
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def _fwd_states(
     k_ptr, v_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr,
     c0_ptr, n0_ptr, m0_ptr,
     cs_ptr, ns_ptr, ms_ptr, cf_ptr, nf_ptr, mf_ptr, sinfo_ptr,
-    T, H, NC, NS,
+    T, H, NC, NS, stride_k, stride_v,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_INIT: tl.constexpr, UPD_MODE: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
@@ -68,8 +68,8 @@ def _fwd_states(
     first_v = pid_v == 0
     # 64-bit bases at the sequence's first row, 32-bit offsets within it (a sequence's steps ×
     # H·K stay below 2^31; the packed total need not)
-    kb = k_ptr + _seq_base(hb, bos, T, H, K)
-    vb = v_ptr + _seq_base(hb, bos, T, H, V)
+    kb = k_ptr + _row_base(hb, bos, T, H, K, stride_k)
+    vb = v_ptr + _row_base(hb, bos, T, H, V, stride_v)
     for c in range(c0, c1):
         _store_state(cs_ptr, ns_ptr, hb64 * NC + c, C, n, kv_off, mkv, offs_k, mk, first_v, K, V)
         tl.store(msb + c, m, mask=first_v & (pid_k == 0))
@@ -85,8 +85,8 @@ def _fwd_states(
         m_next = tl.maximum(beta_last + m, u_last)
         decay = tl.exp(beta_last + m - m_next)
         wgt = tl.exp((beta_last - beta) + (blo_last - blo) + ig - m_next)    # [L], ≤ 1
-        kt = _load_rows(kb, rows, rmask, offs_k, mk, H * K)                  # [L, BK]
-        vt = _load_rows(vb, rows, rmask, offs_v, mv, H * V)                  # [L, BV]
+        kt = _load_rows(kb, rows, rmask, offs_k, mk, stride_k)               # [L, BK]
+        vt = _load_rows(vb, rows, rmask, offs_v, mv, stride_v)               # [L, BV]
         kw = kt.to(tl.float32) * wgt[:, None]
         C = C * decay + _dot_l(tl.trans(kw), vt, UPD_MODE, PREC)
         n = n * decay + tl.sum(kw, axis=0)
@@ -165,7 +165,7 @@ def fwd_states(k, v, beta, blo, ig, u, C0, n0, m0, out, cfg, upd, prec, vl=None)
         k, v, beta, blo, ig, u,
         C0 if has_init else ms, n0 if has_init else ms, m0,
         cs, ns, ms, cf, nf, mf, ms if vl is None else vl.sinfo,
-        T, H, NC, 1 if vl is None else vl.n,
+        T, H, NC, 1 if vl is None else vl.n, k.stride(1), v.stride(1),
         K=K, V=V, L=cfg.chunk, BK=BK, BV=BV, HAS_INIT=has_init, UPD_MODE=upd, PREC=prec, VARLEN=vl is not None,
         num_warps=cfg.states_warps, num_stages=cfg.states_stages,
     )
