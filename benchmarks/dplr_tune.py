@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -115,17 +117,83 @@ def accuracy(shape: dict, f32_gates: bool, use_fla: bool) -> dict:
     return out
 
 
+FAULT = 3   # a child's exit code after a CUDA fault: the context is lost, the parent starts a new child
+
+
+def _faulted(e: Exception) -> bool:
+    return "illegal memory access" in str(e) or "CUDA error" in str(e) or type(e).__name__ == "AcceleratorError"
+
+
+def child(out: str, op: str, f32: bool, shape: dict, start: int, limit_s: float, t0: float) -> int:
+    """One (op, gate dtype) case from VARIANTS[start] on (the profile and the default first when
+    start is 0), rows appended to dplr_tune.jsonl; exits FAULT after a CUDA fault."""
+    log = open(os.path.join(out, "dplr_tune.jsonl"), "a")
+
+    def emit(row):
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        print(json.dumps(row)[:300], flush=True)
+
+    case = dict(op=op, f32_gates=f32, shape=shape)
+    step, ref = run(op, f32, shape, None)
+    if start == 0:
+        emit(dict(case, kind="profile", kernels=profile(step)))
+        emit(dict(case, kind="time", config="default", ms=bench(step)))
+    for v in VARIANTS[start:]:
+        if time.time() - t0 > limit_s:
+            emit(dict(case, kind="skipped", config=v, why="--limit-s"))
+            continue
+        try:
+            cfg = DPLRKernelConfig().replace(**v)
+            t1 = time.time()
+            step_v, outs = run(op, f32, shape, cfg)
+            compile_s = time.time() - t1
+            errs = [rel(x, r) for x, r in zip(outs, ref)]
+            row = dict(case, kind="time", config=v, compile_s=round(compile_s, 1), max_rel_vs_default=max(errs))
+            if max(errs) > 2e-2:
+                row["why"] = "result differs from the default's"
+            else:
+                row["ms"] = bench(step_v)
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            emit(dict(case, kind="error", config=v, why=f"{type(e).__name__}: {str(e)[:200]}"))
+            if _faulted(e):
+                return FAULT
+            continue
+        emit(row)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="a small shape (a smoke run)")
     ap.add_argument("--limit-s", type=float, default=540, help="start no new measurement after this many seconds")
     ap.add_argument("--fla", action="store_true", help="fla's chunk_kda in the error table (its first compile: minutes)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)   # "op,f32,start,t0": one case in a child process
     a = ap.parse_args()
-    t0 = time.time()
     shape = QUICK if a.quick else SHAPE
-    rows = []
-    log = open(os.path.join(a.out, "dplr_tune.jsonl"), "w")
+    if a.child:
+        op, f32, start, t0 = a.child.split(",")
+        return child(a.out, op, f32 == "1", shape, int(start), a.limit_s, float(t0))
+    t0 = time.time()
+    path = os.path.join(a.out, "dplr_tune.jsonl")
+    open(path, "w").close()
+    # each case in a child process: a variant that faults (illegal memory access) loses the
+    # CUDA context, so the next child goes on from the variant after it
+    for op in ("kda_chunkwise", "dplr_chunkwise"):
+        for f32 in (False, True):
+            start = 0
+            while start <= len(VARIANTS):
+                cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--limit-s", str(a.limit_s),
+                       "--child", f"{op},{int(f32)},{start},{t0}"] + (["--quick"] if a.quick else [])
+                rc = subprocess.run(cmd).returncode
+                if rc != FAULT:
+                    break
+                done = [r for r in map(json.loads, open(path)) if r.get("op") == op and r.get("f32_gates") == f32
+                        and r["kind"] in ("time", "error", "skipped") and r.get("config") != "default"]
+                start = len(done)
+    rows = [json.loads(line) for line in open(path)]
+    log = open(path, "a")
 
     def emit(row):
         rows.append(row)
@@ -133,30 +201,6 @@ def main() -> int:
         log.flush()
         print(json.dumps(row)[:300], flush=True)
 
-    for op in ("kda_chunkwise", "dplr_chunkwise"):
-        for f32 in (False, True):
-            case = dict(op=op, f32_gates=f32, shape=shape)
-            step, ref = run(op, f32, shape, None)
-            emit(dict(case, kind="profile", kernels=profile(step)))
-            emit(dict(case, kind="time", config="default", ms=bench(step)))
-            for v in VARIANTS:
-                if time.time() - t0 > a.limit_s:
-                    emit(dict(case, kind="skipped", config=v, why="--limit-s"))
-                    continue
-                try:
-                    cfg = DPLRKernelConfig().replace(**v)
-                    t1 = time.time()
-                    step_v, out = run(op, f32, shape, cfg)
-                    compile_s = time.time() - t1
-                    errs = [rel(x, r) for x, r in zip(out, ref)]
-                    row = dict(case, kind="time", config=v, compile_s=round(compile_s, 1), max_rel_vs_default=max(errs))
-                    if max(errs) > 2e-2:
-                        row["why"] = "result differs from the default's"
-                    else:
-                        row["ms"] = bench(step_v)
-                except Exception as e:  # noqa: BLE001 - reported in the row
-                    row = dict(case, kind="error", config=v, why=f"{type(e).__name__}: {str(e)[:200]}")
-                emit(row)
     acc_shape = dict(shape, B=min(shape["B"], 2))
     for f32 in (False, True):
         if time.time() - t0 > a.limit_s:

@@ -574,3 +574,14 @@ def test_torch_compile_fullgraph_kda_and_step():
     o, s1 = torch.compile(dplr_step_triton, backend="eager", fullgraph=True)(*xs, s)
     ro, rs1 = dplr_step_triton(*xs, s)
     assert torch.equal(o, ro) and torch.equal(s1, rs1)
+
+
+def test_narrow_state_tiles_run_on_four_warps():
+    """8 warps on a 16-column state tile faulted on the H200 (illegal memory access): such a
+    tile takes 4 warps; 32 columns and wider keep the 8 asked for."""
+    from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig, resolve
+
+    assert resolve(DPLRKernelConfig(state_block_v=16, state_warps=8), 128, 128, 64, False).state_warps == 4
+    assert resolve(DPLRKernelConfig(state_block_v=64, state_warps=8), 128, 16, 64, False).state_warps == 4
+    wide = resolve(DPLRKernelConfig(state_block_v=32, state_warps=8), 128, 128, 64, False)
+    assert (wide.state_bv, wide.state_warps) == (32, 8)

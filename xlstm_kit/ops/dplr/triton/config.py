@@ -39,7 +39,8 @@ class DPLRKernelConfig(KernelConfig):
         by `for_dtypes`: e.g. bf16 q, k, v, a, b with a float32 gk leave "o,dv", so the gate
         gradient δgk keeps float32 accuracy while the output and δv take the fast products).
     state_block_v, state_warps: V-tile and warps of `_fwd_state` / `_bwd_state` (the tile is
-        capped at V, and at 32 for K > 128 or 64 otherwise: shared memory of one block).
+        capped at V, and at 32 for K > 128 or 64 otherwise: shared memory of one block; tiles
+        under 32 columns run on 4 warps: 8 faulted on the H200).
     pairs_block_k, pairs_warps: K-step and warps of `_fwd_pairs` (warps None: 8 at chunk ≤ 32,
         else 4).
     wy_block_k, wy_block_v, wy_warps: K-step, V-step and warps of `_fwd_wy`.
@@ -132,8 +133,11 @@ def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool
         prec=prec, lo_o=at("o"), lo_qk=at("o", "dv"), lo_dv=at("dv"), lo_gc=at("dv", "dk"),
         lo_dk=at("dk"),
         # larger V-tiles at K = 256 would not fit the shared memory of one block (NOTES-dplr.md)
-        state_bv=min(config.state_block_v, V, 32 if K > 128 else 64),
-        state_warps=config.state_warps,
+        state_bv=(bv := min(config.state_block_v, V, 32 if K > 128 else 64)),
+        # 8 warps on 16-column state tiles faulted on the H200 (illegal memory access in the
+        # state kernels, Triton 3.6, KDA at K = V = 128: benchmarks/NOTES-dplr.md); such tiles
+        # take 4 warps until the cause is found
+        state_warps=config.state_warps if bv >= 32 else 4,
         pairs_bk=min(K, config.pairs_block_k),
         pairs_warps=config.pairs_warps or (8 if L <= 32 else 4),
         wy_bk=min(K, config.wy_block_k), wy_bv=min(V, config.wy_block_v), wy_warps=config.wy_warps,
