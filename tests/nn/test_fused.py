@@ -334,15 +334,15 @@ def compile_kernels():
     bf, f32 = "*bf16", "*fp32"
     tail = {"h_ptr": bf, "xc_ptr": bf, "z_ptr": bf, "w_ptr": f32, "s_ptr": f32}
     cases = []
-    for gate in (True, False):
+    for gate in (0, 1, 2):
         consts = {"ROWS": 8, "BD": 512, "GATE": gate}
         cases.append((kern._tail_fwd, {**tail, "u_ptr": bf, "mean_ptr": f32, "rstd_ptr": f32, "N": "i32", "H": "i32",
-                                       "D": "i32", "eps": "fp32", "ROWS": "constexpr", "BD": "constexpr",
-                                       "GATE": "constexpr"}, consts))
+                                       "D": "i32", "eps": "fp32", "stride_z": "i32", "ROWS": "constexpr",
+                                       "BD": "constexpr", "GATE": "constexpr"}, consts))
         cases.append((kern._tail_bwd, {**tail, "mean_ptr": f32, "rstd_ptr": f32, "du_ptr": bf, "u_ptr": bf,
                                        "dh_ptr": bf, "dxc_ptr": bf, "dz_ptr": bf, "dw_part": f32, "ds_part": f32,
-                                       "N": "i32", "H": "i32", "D": "i32", "ROWS": "constexpr", "BD": "constexpr",
-                                       "GATE": "constexpr"}, consts))
+                                       "N": "i32", "H": "i32", "D": "i32", "stride_z": "i32", "ROWS": "constexpr",
+                                       "BD": "constexpr", "GATE": "constexpr"}, consts))
     conv = {"K": "constexpr", "HAS_STATE": "constexpr", "HAS_POS": "constexpr", "ACT": "constexpr",
             "BT": "constexpr", "BC": "constexpr"}
     for has_state, has_pos in ((True, False), (False, False), (False, True)):

@@ -5,9 +5,9 @@ float32 parameters several of them are float32 (the skip product, the head-wise 
 piece here saves only its inputs (which other ops save anyway) and per-row statistics, and
 recomputes the cheap elementwise intermediates in the backward. Activations stay in the
 layer's activation dtype (the autocast dtype, else the input's); statistics and the arithmetic
-inside run in float32 (float64 for float64 inputs). conv_silu, head_norm and mlstm_output run
-Triton kernels (xlstm_kit/ops/blocks/triton.py), swiglu those of ops/blocks/swiglu.py, where
-ops.backend chooses "triton".
+inside run in float32 (float64 for float64 inputs). conv_silu, head_norm, gated_head_norm and
+mlstm_output run Triton kernels (xlstm_kit/ops/blocks/triton.py), swiglu those of
+ops/blocks/swiglu.py, where ops.backend chooses "triton".
 
 - `norm_up(x, ln_w, eps, w, b)`: a block's LayerNorm and up-projection (mLSTM block, sLSTM
   feed-forward), saves x.
@@ -15,6 +15,8 @@ ops.backend chooses "triton".
 - `swiglu(gu)`: the large block's SiLU(g) * u from gu = [g, u] (one GEMM's output), saves gu.
 - `conv_silu(x, state, w, b, act)`: depthwise causal conv (+ SiLU), saves x (and the state).
 - `head_norm(x, w, eps)`: head-wise LayerNorm times a per-channel scale, saves x and mean/rstd.
+- `gated_head_norm(x, o, w, eps)`: the large block's sigmoid(o) · head_norm(x, w, eps), saves x,
+  o (contiguous) and mean/rstd.
 - `mlstm_output(h, x_conv, z, norm_w, skip, down_w, down_b, eps)`: the mLSTM layer's tail
   down((MultiHeadNorm(h) + skip * x_conv) * SiLU(z)), saves h, x_conv (or, given its
   `conv_inputs`, recomputes it), z and mean/rstd.
@@ -410,6 +412,83 @@ def head_norm(x: torch.Tensor, w: torch.Tensor, eps: float, backend: str | None 
     use = choose_backend("head_norm", backend, x.device, inputs=(x,), dtype=x.dtype, head_dim=D)
     kernels = kernel_module("head_norm") if use == "triton" else None
     return _HeadNormFn.apply(x3, w, eps, kernels).view(x.shape)
+
+
+# ----------------------------------------------------------------------------- gated head-wise norm
+def _gated_norm_fwd_torch(x, o, w, eps: float):
+    """x [N, H, D], o [N, H*D] -> (sigmoid(o) x̂ w [N, H*D] in o's dtype, mean, rstd [N, H]): the
+    twin of xlstm_kit::gated_head_norm_fwd."""
+    cd = compute_dtype(x, o, w)
+    N, H, D = x.shape
+    xhat, mean, rstd = _head_stats(x.view(N, -1), D, eps, cd)
+    y = (xhat * w.view(H, D).to(cd)).view(N, -1) * torch.sigmoid(o.to(cd))
+    return y.to(o.dtype), mean.view(N, H), rstd.view(N, H)
+
+
+def _gated_norm_bwd_torch(x, o, w, mean, rstd, dy):
+    """(dx, do, dw) from dy = ∂L/∂y [N, H*D]: the twin of xlstm_kit::gated_head_norm_bwd."""
+    cd = compute_dtype(x, o, w)
+    N, H, D = x.shape
+    rstd = rstd.view(N, H, 1)
+    xhat = _normed(x.view(N, -1), mean.view(N, H, 1), rstd, D, cd).view(N, -1)
+    a = xhat * w.to(cd)
+    so = torch.sigmoid(o.to(cd))
+    dyf = dy.to(cd)
+    da = dyf * so
+    dx = _head_norm_backward((da * w.to(cd)).view(N, H, D), xhat.view(N, H, D), rstd)
+    do = dyf * a * so * (1 - so)
+    return dx.to(x.dtype), do.to(o.dtype), (da * xhat).sum(0).to(w.dtype)
+
+
+class _GatedHeadNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, o, w, eps: float, kernels):
+        if kernels is None:
+            y, mean, rstd = _gated_norm_fwd_torch(x, o, w, eps)
+        else:
+            with on_device(x):
+                y, mean, rstd = kernels.gated_head_norm_fwd(x, o, w, eps, kernels.config_key())
+        # o is usually a column slice of the input GEMM's output, which nothing else keeps for
+        # the backward (the mLSTM ops save contiguous q, k, v): saving the view would keep all
+        # of it (3x o at the 7B). Where a backward will come, a contiguous copy keeps o alone
+        # (the plain formula kept two such tensors, sigmoid(o) and the norm's output).
+        keep = o if o.is_contiguous() or not any(ctx.needs_input_grad[:3]) else o.contiguous()
+        ctx.save_for_backward(x, keep, w, mean, rstd)
+        ctx.kernels = kernels
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, o, w, mean, rstd = ctx.saved_tensors
+        dy = dy.contiguous()
+        if ctx.kernels is None:
+            dx, do, dw = _gated_norm_bwd_torch(x, o, w, mean, rstd, dy)
+        else:
+            dx, do, dw = ctx.kernels.gated_head_norm_bwd(x, o, w, mean, rstd, dy, ctx.kernels.config_key())
+        return dx, do, dw, None, None
+
+
+def gated_head_norm(x: torch.Tensor, o: torch.Tensor, w: torch.Tensor, eps: float,
+                    backend: str | None = None) -> torch.Tensor:
+    """sigmoid(o) · head_norm(x, w, eps) for x [..., H, D], o [..., H * D] (rows of any stride,
+    e.g. a column slice of a GEMM's output), w [H * D] -> [..., H * D] in o's dtype, computed in
+    float32 (float64 for float64) and rounded once. Saves x, o (a contiguous copy where o is a
+    strided view and a backward will come) and mean/rstd [N, H]; the gradient of o comes back
+    contiguous. One Triton kernel each way where ops.backend chooses "triton"
+    (`backend` as for the sequence ops), instead of the norm's kernel plus a strided sigmoid and
+    a multiply."""
+    H, D = x.shape[-2:]
+    if o.shape[-1] != H * D or o.shape[:-1] != x.shape[:-2]:
+        raise XLSTMKitError(f"gated_head_norm takes o [..., H*D] beside x [..., H, D], got {tuple(o.shape)} "
+                            f"and {tuple(x.shape)}")
+    x3 = x.reshape(-1, H, D).contiguous()
+    o2 = o.reshape(-1, H * D)  # a view for a GEMM's column slice: its leading dims merge
+    if o2.stride(-1) != 1:
+        o2 = o2.contiguous()
+    use = choose_backend("gated_head_norm", backend, x.device, inputs=(x, o), dtype=x.dtype, head_dim=D,
+                         gate_dtype=o.dtype)
+    kernels = kernel_module("gated_head_norm") if use == "triton" else None
+    return _GatedHeadNormFn.apply(x3, o2, w, eps, kernels).view(o.shape)
 
 
 # ----------------------------------------------------------------------------- mLSTM tail

@@ -7,7 +7,7 @@ q, k [qk_dim], v and the output-gate pre-activation o [v_dim], and per-head inpu
 pre-activations (with bias) soft-capped as cap * tanh(x / cap); the mLSTM cell (q scaled by
 1/sqrt(qk head dim) inside the op, eps 1e-6 in its normaliser max(|q̂·n|, exp(-m)) + eps)
 runs on n_heads heads of qk_dim / n_heads (q, k) and v_dim / n_heads (v); its output goes
-through a per-head LayerNorm (float32 statistics), times sigmoid(o), and out_proj.
+through a per-head LayerNorm (float32 statistics), times sigmoid(o) (one fused op), and out_proj.
 SwiGLU: proj_down(SiLU(proj_up_gate(x)) * proj_up(x)).
 
 Module names are those of transformers' xLSTMForCausalLM with weight_mode="single" (and the
@@ -25,7 +25,7 @@ from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
 from .common import small_init_, state_dtype, wang_init_
-from .fused import _head_norm_fwd_torch, head_norm, swiglu
+from .fused import _head_norm_fwd_torch, gated_head_norm, head_norm, swiglu
 from .mlstm import MLSTMState
 
 
@@ -169,8 +169,16 @@ class LargeMLSTMLayer(nn.Module):
         return q, k, v, o, i, f
 
     def _output(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """h [..., H, Dv], o [..., v_dim] -> out_proj(sigmoid(o) * norm(h)) [..., d_model]."""
-        return self.out_proj(torch.sigmoid(o) * self.multihead_norm(h).to(o.dtype))
+        """h [..., H, Dv], o [..., v_dim] -> out_proj(sigmoid(o) * norm(h)) [..., d_model].
+
+        Without a norm bias (the 7B) the gate and the norm are one kernel each way
+        (`fused.gated_head_norm`: o read in place from the GEMM's output, float32 arithmetic,
+        one rounding to o's dtype); a strided sigmoid and a multiply beside the norm's kernel
+        cost 4x the norm's time on the H200."""
+        norm = self.multihead_norm
+        if norm.bias is None:
+            return self.out_proj(gated_head_norm(h, o, norm.weight, norm.eps, norm.backend))
+        return self.out_proj(torch.sigmoid(o) * norm(h).to(o.dtype))
 
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
                 cu_seqlens: torch.Tensor | None = None):

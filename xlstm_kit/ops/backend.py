@@ -40,6 +40,7 @@ KERNEL_MODULES: dict[str, str] = {
     "mlstm_output": "xlstm_kit.ops.blocks.triton",
     "conv_silu": "xlstm_kit.ops.blocks.triton",
     "head_norm": "xlstm_kit.ops.blocks.triton",
+    "gated_head_norm": "xlstm_kit.ops.blocks.triton",
     "swiglu": "xlstm_kit.ops.blocks.swiglu",
     "mlstm_block_step": "xlstm_kit.ops.blocks.decode",
     "slstm_block_step": "xlstm_kit.ops.blocks.slstm_decode",

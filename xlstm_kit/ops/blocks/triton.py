@@ -1,5 +1,6 @@
 """Triton kernels of the layers' elementwise parts: the mLSTM output tail (below), the head-wise
-norm (the same kernels without skip and gate) and the causal conv + SiLU (further down).
+norm (the same kernels without skip and gate), the head-wise norm times the large block's
+sigmoid output gate (the same kernels again) and the causal conv + SiLU (further down).
 
 The mLSTM output tail u = (norm(h) · w + skip · x_conv) · SiLU(z) (the
 down-projection stays a cuBLAS matmul), as `torch.library` custom ops opaque to torch.compile:
@@ -38,18 +39,25 @@ class TailKernelConfig(KernelConfig):
     programs: int = 2048
 
 
-def supports(op: str, *, dtype: torch.dtype, head_dim: int = 0, **_) -> str | None:
+def supports(op: str, *, dtype: torch.dtype, head_dim: int = 0, gate_dtype: torch.dtype | None = None,
+             **_) -> str | None:
     """backend.choose_backend's question: do these kernels ("mlstm_output", "head_norm",
-    "conv_silu") take this call?"""
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"the Triton {op} kernels take float16, bfloat16 or float32 activations, got {dtype}"
+    "gated_head_norm" with its gate's `gate_dtype`, "conv_silu") take this call?"""
+    for dt in (dtype, gate_dtype or dtype):
+        if dt not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"the Triton {op} kernels take float16, bfloat16 or float32 activations, got {dt}"
     if head_dim > 4096:
         return f"the Triton tail kernels hold a head in one tile; head_dim {head_dim} > 4096"
     return None
 
 
+# GATE (constexpr) picks what the kernels compute around the norm a = norm(h) · w:
+#   0: a (head_norm), 1: (a + skip · x_conv) · SiLU(z) (the mLSTM tail),
+#   2: a · sigmoid(o) (the large block's output gate; o read through z_ptr with row stride
+#      stride_z, so a column slice of the input GEMM's output needs no copy).
+# Modes 0 and 1 index z at the rows' contiguous offsets and ignore stride_z.
 @triton.jit
-def _tail_fwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, u_ptr, mean_ptr, rstd_ptr, N, H, D, eps,
+def _tail_fwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, u_ptr, mean_ptr, rstd_ptr, N, H, D, eps, stride_z,
               ROWS: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr):
     hh = tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -64,11 +72,15 @@ def _tail_fwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, u_ptr, mean_ptr, rstd_ptr, N, 
     rstd = 1.0 / tl.sqrt(tl.sum(xm * xm, 1) / D + eps)
     w = tl.load(w_ptr + hh * D + cols, mask=cmask, other=0.0).to(tl.float32)
     u = xm * rstd[:, None] * w[None, :]
-    if GATE:
+    if GATE == 1:
         sk = tl.load(s_ptr + hh * D + cols, mask=cmask, other=0.0).to(tl.float32)
         xc = tl.load(xc_ptr + offs, mask=m, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + offs, mask=m, other=0.0).to(tl.float32)
         u = (u + sk[None, :] * xc) * (z * tl.sigmoid(z))
+    elif GATE == 2:
+        o_offs = rows[:, None].to(tl.int64) * stride_z + hh * D + cols[None, :]
+        o = tl.load(z_ptr + o_offs, mask=m, other=0.0).to(tl.float32)
+        u = u * tl.sigmoid(o)
     tl.store(u_ptr + offs, u.to(u_ptr.dtype.element_ty), mask=m)
     tl.store(mean_ptr + rows * H + hh, mean, mask=rmask)
     tl.store(rstd_ptr + rows * H + hh, rstd, mask=rmask)
@@ -76,7 +88,7 @@ def _tail_fwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, u_ptr, mean_ptr, rstd_ptr, N, 
 
 @triton.jit
 def _tail_bwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, mean_ptr, rstd_ptr, du_ptr,
-              u_ptr, dh_ptr, dxc_ptr, dz_ptr, dw_part, ds_part, N, H, D,
+              u_ptr, dh_ptr, dxc_ptr, dz_ptr, dw_part, ds_part, N, H, D, stride_z,
               ROWS: tl.constexpr, BD: tl.constexpr, GATE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -97,7 +109,7 @@ def _tail_bwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, mean_ptr, rstd_ptr, du_ptr,
         x = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
         xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
         da = tl.load(du_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        if GATE:
+        if GATE == 1:
             xc = tl.load(xc_ptr + offs, mask=m, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + offs, mask=m, other=0.0).to(tl.float32)
             a = xhat * w[None, :] + sk[None, :] * xc
@@ -108,6 +120,14 @@ def _tail_bwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, mean_ptr, rstd_ptr, du_ptr,
             da = da * silz
             tl.store(dxc_ptr + offs, (da * sk[None, :]).to(dxc_ptr.dtype.element_ty), mask=m)
             acc_s += tl.sum(da * xc, 0)
+        elif GATE == 2:
+            o = tl.load(z_ptr + rows[:, None].to(tl.int64) * stride_z + hh * D + cols[None, :],
+                        mask=m, other=0.0).to(tl.float32)
+            so = tl.sigmoid(o)
+            # do = dy · a · σ'(o), a = x̂ w; dz_ptr is contiguous [N, H·D] (not o's stride)
+            tl.store(dz_ptr + offs, (da * xhat * w[None, :] * so * (1.0 - so)).to(dz_ptr.dtype.element_ty),
+                     mask=m)
+            da = da * so
         acc_w += tl.sum(da * xhat, 0)
         dxhat = da * w[None, :]
         c1 = tl.sum(dxhat * xhat, 1) / D
@@ -115,7 +135,7 @@ def _tail_bwd(h_ptr, xc_ptr, z_ptr, w_ptr, s_ptr, mean_ptr, rstd_ptr, du_ptr,
         dh = rstd[:, None] * (dxhat - c2[:, None] - xhat * c1[:, None])
         tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=m)
     tl.store(dw_part + pid * (H * D) + hh * D + cols, acc_w, mask=cmask)
-    if GATE:
+    if GATE == 1:
         tl.store(ds_part + pid * (H * D) + hh * D + cols, acc_s, mask=cmask)
 
 
@@ -134,8 +154,8 @@ def mlstm_tail_fwd(h: Tensor, x_conv: Tensor, z: Tensor, w: Tensor, skip: Tensor
     mean, rstd = _stats(h)
     if N:
         grid = (triton.cdiv(N, cfg.rows), H)
-        _tail_fwd[grid](h, x_conv, z, w, skip, u, mean, rstd, N, H, D, eps,
-                        ROWS=cfg.rows, BD=triton.next_power_of_2(D), GATE=True, num_warps=cfg.warps)
+        _tail_fwd[grid](h, x_conv, z, w, skip, u, mean, rstd, N, H, D, eps, H * D,
+                        ROWS=cfg.rows, BD=triton.next_power_of_2(D), GATE=1, num_warps=cfg.warps)
     return u, mean, rstd
 
 
@@ -155,8 +175,8 @@ def mlstm_tail_bwd(h: Tensor, x_conv: Tensor, z: Tensor, w: Tensor, skip: Tensor
     dw_part = torch.zeros(P, H * D, device=h.device, dtype=torch.float32)
     ds_part = torch.zeros(P, H * D, device=h.device, dtype=torch.float32)
     if N:
-        _tail_bwd[(P, H)](h, x_conv, z, w, skip, mean, rstd, du, u, dh, dxc, dz, dw_part, ds_part, N, H, D,
-                          ROWS=cfg.rows, BD=triton.next_power_of_2(D), GATE=True, num_warps=cfg.bwd_warps)
+        _tail_bwd[(P, H)](h, x_conv, z, w, skip, mean, rstd, du, u, dh, dxc, dz, dw_part, ds_part, N, H, D, H * D,
+                          ROWS=cfg.rows, BD=triton.next_power_of_2(D), GATE=1, num_warps=cfg.bwd_warps)
     return u, dh, dxc, dz, dw_part.sum(0).to(w.dtype), ds_part.sum(0).to(skip.dtype)
 
 
@@ -178,7 +198,7 @@ _DEFAULT_KEY = TailKernelConfig().key()
 # ----------------------------------------------------------------------------- head-wise norm
 # xlstm_kit::head_norm_fwd(x, w, eps, config) -> (y, mean, rstd) and
 # xlstm_kit::head_norm_bwd(x, w, mean, rstd, dy, config) -> (dx, dw): the tail kernels without
-# the skip and the gate (GATE=False), for MultiHeadNorm (x, y [N, H, D]).
+# the skip and the gate (GATE=0), for MultiHeadNorm (x, y [N, H, D]).
 
 @torch.library.custom_op("xlstm_kit::head_norm_fwd", mutates_args=())
 def head_norm_fwd(x: Tensor, w: Tensor, eps: float, config: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -187,8 +207,8 @@ def head_norm_fwd(x: Tensor, w: Tensor, eps: float, config: str) -> tuple[Tensor
     y = torch.empty_like(x)
     mean, rstd = _stats(x)
     if N:
-        _tail_fwd[(triton.cdiv(N, cfg.rows), H)](x, x, x, w, w, y, mean, rstd, N, H, D, eps, ROWS=cfg.rows,
-                                                  BD=triton.next_power_of_2(D), GATE=False, num_warps=cfg.warps)
+        _tail_fwd[(triton.cdiv(N, cfg.rows), H)](x, x, x, w, w, y, mean, rstd, N, H, D, eps, H * D,
+                                                  ROWS=cfg.rows, BD=triton.next_power_of_2(D), GATE=0, num_warps=cfg.warps)
     return y, mean, rstd
 
 
@@ -205,14 +225,68 @@ def head_norm_bwd(x: Tensor, w: Tensor, mean: Tensor, rstd: Tensor, dy: Tensor, 
     P = max(1, min(cfg.programs, triton.cdiv(N, cfg.rows)))
     dw_part = torch.zeros(P, H * D, device=x.device, dtype=torch.float32)
     if N:
-        _tail_bwd[(P, H)](x, x, x, w, w, mean, rstd, dy, x, dx, x, x, dw_part, dw_part, N, H, D, ROWS=cfg.rows,
-                          BD=triton.next_power_of_2(D), GATE=False, num_warps=cfg.bwd_warps)
+        _tail_bwd[(P, H)](x, x, x, w, w, mean, rstd, dy, x, dx, x, x, dw_part, dw_part, N, H, D, H * D,
+                          ROWS=cfg.rows, BD=triton.next_power_of_2(D), GATE=0, num_warps=cfg.bwd_warps)
     return dx, dw_part.sum(0).to(w.dtype)
 
 
 @head_norm_bwd.register_fake
 def _(x, w, mean, rstd, dy, config):
     return torch.empty_like(x), torch.empty_like(w)
+
+
+# ----------------------------------------------------------------------------- gated head-wise norm
+# xlstm_kit::gated_head_norm_fwd(x, o, w, eps, config) -> (y, mean, rstd) and
+# xlstm_kit::gated_head_norm_bwd(x, o, w, mean, rstd, dy, config) -> (dx, do, dw): the large
+# block's output gate y = sigmoid(o) · norm(x) · w (GATE=2) for x [N, H, D] contiguous, o [N, H·D]
+# with any row stride (columns contiguous: a column slice of a GEMM's output), y, dy, do
+# [N, H·D] contiguous in o's dtype, dx in x's.
+
+def _gate_rows(o: Tensor) -> Tensor:
+    # the kernels take o's row stride but assume unit column stride
+    return o if o.stride(-1) == 1 else o.contiguous()
+
+
+@torch.library.custom_op("xlstm_kit::gated_head_norm_fwd", mutates_args=())
+def gated_head_norm_fwd(x: Tensor, o: Tensor, w: Tensor, eps: float, config: str) -> tuple[Tensor, Tensor, Tensor]:
+    cfg = TailKernelConfig.from_key(config)
+    N, H, D = x.shape
+    o = _gate_rows(o)
+    y = torch.empty(N, H * D, device=o.device, dtype=o.dtype)
+    mean, rstd = _stats(x)
+    if N:
+        _tail_fwd[(triton.cdiv(N, cfg.rows), H)](x, x, o, w, w, y, mean, rstd, N, H, D, eps, o.stride(0),
+                                                  ROWS=cfg.rows, BD=triton.next_power_of_2(D), GATE=2,
+                                                  num_warps=cfg.warps)
+    return y, mean, rstd
+
+
+@gated_head_norm_fwd.register_fake
+def _(x, o, w, eps, config):
+    N, H, D = x.shape
+    return (o.new_empty(N, H * D), *_stats(x))
+
+
+@torch.library.custom_op("xlstm_kit::gated_head_norm_bwd", mutates_args=())
+def gated_head_norm_bwd(x: Tensor, o: Tensor, w: Tensor, mean: Tensor, rstd: Tensor, dy: Tensor,
+                        config: str) -> tuple[Tensor, Tensor, Tensor]:
+    cfg = TailKernelConfig.from_key(config)
+    N, H, D = x.shape
+    o, dy = _gate_rows(o), dy.contiguous()
+    dx = torch.empty_like(x)
+    do = torch.empty(N, H * D, device=o.device, dtype=o.dtype)
+    P = max(1, min(cfg.programs, triton.cdiv(N, cfg.rows)))
+    dw_part = torch.zeros(P, H * D, device=x.device, dtype=torch.float32)
+    if N:
+        _tail_bwd[(P, H)](x, x, o, w, w, mean, rstd, dy, x, dx, x, do, dw_part, dw_part, N, H, D, o.stride(0),
+                          ROWS=cfg.rows, BD=triton.next_power_of_2(D), GATE=2, num_warps=cfg.bwd_warps)
+    return dx, do, dw_part.sum(0).to(w.dtype)
+
+
+@gated_head_norm_bwd.register_fake
+def _(x, o, w, mean, rstd, dy, config):
+    N, H, D = x.shape
+    return torch.empty_like(x), o.new_empty(N, H * D), torch.empty_like(w)
 
 
 # ----------------------------------------------------------------------------- causal conv + SiLU
