@@ -16,7 +16,7 @@ ops/blocks/swiglu.py, where ops.backend chooses "triton".
 - `conv_silu(x, state, w, b, act)`: depthwise causal conv (+ SiLU), saves x (and the state).
 - `head_norm(x, w, eps)`: head-wise LayerNorm times a per-channel scale, saves x and mean/rstd.
 - `gated_head_norm(x, o, w, eps)`: the large block's sigmoid(o) · head_norm(x, w, eps), saves x,
-  o (contiguous) and mean/rstd.
+  o (a view of a GEMM output kept anyway) and mean/rstd.
 - `mlstm_output(h, x_conv, z, norm_w, skip, down_w, down_b, eps)`: the mLSTM layer's tail
   down((MultiHeadNorm(h) + skip * x_conv) * SiLU(z)), saves h, x_conv (or, given its
   `conv_inputs`, recomputes it), z and mean/rstd.
@@ -448,12 +448,10 @@ class _GatedHeadNormFn(torch.autograd.Function):
         else:
             with on_device(x):
                 y, mean, rstd = kernels.gated_head_norm_fwd(x, o, w, eps, kernels.config_key())
-        # o is usually a column slice of the input GEMM's output, which nothing else keeps for
-        # the backward (the mLSTM ops save contiguous q, k, v): saving the view would keep all
-        # of it (3x o at the 7B). Where a backward will come, a contiguous copy keeps o alone
-        # (the plain formula kept two such tensors, sigmoid(o) and the norm's output).
-        keep = o if o.is_contiguous() or not any(ctx.needs_input_grad[:3]) else o.contiguous()
-        ctx.save_for_backward(x, keep, w, mean, rstd)
+        # o is a view of the input GEMM's output, whose storage the mLSTM op keeps for q, k, v:
+        # saving it costs no memory (sigmoid(o) and the norm's output, which autograd of the
+        # plain formula kept, would)
+        ctx.save_for_backward(x, o, w, mean, rstd)
         ctx.kernels = kernels
         return y
 
@@ -472,9 +470,8 @@ def gated_head_norm(x: torch.Tensor, o: torch.Tensor, w: torch.Tensor, eps: floa
                     backend: str | None = None) -> torch.Tensor:
     """sigmoid(o) · head_norm(x, w, eps) for x [..., H, D], o [..., H * D] (rows of any stride,
     e.g. a column slice of a GEMM's output), w [H * D] -> [..., H * D] in o's dtype, computed in
-    float32 (float64 for float64) and rounded once. Saves x, o (a contiguous copy where o is a
-    strided view and a backward will come) and mean/rstd [N, H]; the gradient of o comes back
-    contiguous. One Triton kernel each way where ops.backend chooses "triton"
+    float32 (float64 for float64) and rounded once. Saves x, o and mean/rstd [N, H]; the gradient
+    of o comes back contiguous. One Triton kernel each way where ops.backend chooses "triton"
     (`backend` as for the sequence ops), instead of the norm's kernel plus a strided sigmoid and
     a multiply."""
     H, D = x.shape[-2:]
