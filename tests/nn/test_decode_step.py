@@ -1,12 +1,11 @@
 """The fused one-token step of the mLSTM block (ops/blocks/decode.py) against the block's
 PyTorch step in float64, under the Triton interpreter on CPU (and in bf16 on the GPU)."""
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.helpers import run_outside_interpreter
 
 from xlstm_kit.nn.mlstm import MLSTMBlock, MLSTMState
 
@@ -103,13 +102,8 @@ def test_fused_step_is_one_custom_op_under_compile():
 def test_decode_kernels_compile_for_hopper_without_spills():
     """Compiled for sm_90 by Triton and ptxas (no GPU; outside the interpreter), at the 125M
     preset's shapes with bf16 weights: no compile error and no register spills."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", "from tests.nn.test_decode_step import sm90; sm90()"],
-                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for line in run.stdout.splitlines():
+    out = run_outside_interpreter("from tests.nn.test_decode_step import sm90; sm90()")
+    for line in out.splitlines():
         name, spills = line.split()
         assert int(spills) == 0, line
 

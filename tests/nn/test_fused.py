@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import rel_err
+from tests.helpers import rel_err, run_outside_interpreter
 from tests.nn.reference_layers import mlstm_layer, slstm_layer
 from tests.nn.test_layers import randomize_
 from xlstm_kit.nn import MLSTMBlock, MLSTMLayer, SLSTMBlock, SLSTMLayer
@@ -313,15 +313,7 @@ def test_kernels_compile_for_hopper():
     """The interpreter accepts code the compiler refuses (a variable changing shape inside a
     runtime branch did): compile every kernel variant for sm_90 (ptxas, no GPU needed), in a
     process without TRITON_INTERPRET (under it the kernels are not compilable objects)."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", "from tests.nn.test_fused import compile_kernels; compile_kernels()"],
-                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_outside_interpreter("from tests.nn.test_fused import compile_kernels; compile_kernels()")
 
 
 def compile_kernels():

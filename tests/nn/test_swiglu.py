@@ -5,14 +5,12 @@ large block's SwiGLU module against the formula it replaced, the sm_90 build's r
 spills at the 7B's F, and (GPU) bf16 accuracy against the plain PyTorch formula."""
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import rel_err
+from tests.helpers import rel_err, run_outside_interpreter
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.nn.fused import swiglu
 from xlstm_kit.nn.large import SwiGLU
@@ -187,14 +185,9 @@ def test_module_triton_path_matches_previous_formula():
 def test_kernels_compile_for_hopper_without_spills():
     """Compiled for sm_90 by Triton and ptxas (no GPU; outside the interpreter) at the 7B's
     F = 10944, bf16, the default config: no compile error, no spills."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", "from tests.nn.test_swiglu import sm90; sm90()"],
-                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
-    assert len(lines) == 2, run.stdout
+    out = run_outside_interpreter("from tests.nn.test_swiglu import sm90; sm90()")
+    lines = out.splitlines()
+    assert len(lines) == 2, out
     for line in lines:
         name, regs, spills = line.split()
         assert int(spills) == 0 and 0 < int(regs) <= 255, line

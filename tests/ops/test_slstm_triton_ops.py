@@ -7,13 +7,11 @@ same values and gradients as eager). `test_kernels_compile_for_sm90` (slow) comp
 kernels for the H200 with Triton's bundled ptxas, no GPU needed.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers import rel_err
+from tests.helpers import rel_err, run_outside_interpreter
 from xlstm_kit.ops.slstm import slstm_recurrent
 
 triton_slstm = pytest.importorskip("xlstm_kit.ops.slstm.triton")
@@ -241,10 +239,5 @@ for (x_type, dim, mm, cfg), varlen in itertools.product(
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
     # The interpreter accepts Python the compiler rejects (e.g. list indexing): compile for real.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", SM90_SCRIPT], capture_output=True, text=True,
-                         env=env, cwd=root, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("regs") == 12, res.stdout
+    out = run_outside_interpreter(SM90_SCRIPT)
+    assert out.count("regs") == 12, out
