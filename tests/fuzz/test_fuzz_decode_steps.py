@@ -324,7 +324,8 @@ def test_the_cases_cover_what_they_claim():
     assert any(c["K"] != c["V"] for c in seen["large"]) and any(c["d"] > 64 for c in seen["large"])
     for k in KINDS:
         cs = seen[k]
-        assert {c["B"] for c in cs} >= {1, 8}, k
+        # the model fuses the large step at batch 1 only (its kernels' batch axis: test_large_decode_step)
+        assert {c["B"] for c in cs} == {1} if k == "large" else {c["B"] for c in cs} >= {1, 8}, k
         assert any(c["offset"] for c in cs) and any(not c["offset"] for c in cs), k
         gates = {c["gates"] for c in cs}
         assert "init" in gates and {"extreme-i", "extreme-both"} & gates and {"extreme-f", "extreme-both"} & gates, k
