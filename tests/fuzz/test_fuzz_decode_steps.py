@@ -103,7 +103,7 @@ def _draw(kind: str, i: int) -> dict:
         H = rng.randint(1, 4)
         # q/k/v block size: a power of two, sometimes not (the fused step refuses: the fallback)
         P = rng.choice([1, 2, 4, 4, 8]) if rng.random() < 0.9 else rng.choice([3, 6])
-        # wide: inner > 128, several channel tiles of the mix kernel and partial gate sums
+        # wide: inner > 128, over 32 channel tiles of the up kernel, as many partial gate sums
         D = rng.randint(129 // H + 1, 260 // H) if wide else rng.randint(1, 32)
         while (H * D) % P:
             D += 1

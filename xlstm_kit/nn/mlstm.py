@@ -263,7 +263,7 @@ class MLSTMBlock(PreNormResidual):
 
     def step(self, x: torch.Tensor, state: MLSTMState, inplace: bool = False):
         """One token: x [B, d_model] -> (x + layer(norm(x)), new_state); on CUDA at small batch
-        the four launches of ops/blocks/decode.py, else the layer's PyTorch step."""
+        the three launches of ops/blocks/decode.py, else the layer's PyTorch step."""
         if self._fused_step(x, state):
             from xlstm_kit.ops.blocks.decode import mlstm_block_step
 

@@ -1,4 +1,4 @@
-"""The NeurIPS mLSTM block's one-token step (decode) in four launches.
+"""The NeurIPS mLSTM block's one-token step (decode) in three launches.
 
     x' = x + down((norm(h) · w + skip · x_conv) · SiLU(z)),  (x_m, z) = up(LayerNorm(x)),
     x_conv = SiLU(conv(x_m)),  q, k = headwise(x_conv),  v = headwise(x_m),
@@ -7,21 +7,20 @@
 At batch 1 a step of a small model is launch-bound: compiled, the block's PyTorch step is about
 13 kernels of a few microseconds each (benchmarks/NOTES-generate.md). Here it is
 
-1. `_up_kernel`: the LayerNorm (statistics recomputed by every program from the d_model-wide
-   row) fused as the prologue of the up-projection GEMV;
-2. `_mix_kernel`, one program per channel tile: the causal conv + SiLU, the head-wise q, k, v
-   (a P-wide block of the conv output is recomputed per channel, so no tile needs another's),
-   the conv state shifted in place, and each tile's partial sums of the gate pre-activations;
-3. the cell step kernel, which adds the partial gate sums (C updated in place);
-4. `_out_kernel`: head norm + skip + SiLU gate fused as the prologue of the down-projection
+1. `_up_mix_kernel`: the LayerNorm (statistics recomputed by every program from the d_model-wide
+   row) fused as the prologue of the up-projection GEMV, whose x_m row tiles (whole P-blocks of
+   channels) go on to the causal conv + SiLU, the head-wise q, k, v, the conv state shifted in
+   place and each tile's partial sums of the gate pre-activations; its z row tiles store z;
+2. the cell step kernel, which adds the partial gate sums (C updated in place);
+3. `_out_kernel`: head norm + skip + SiLU gate fused as the prologue of the down-projection
    GEMV, plus the residual.
 
-Everything is float32 inside; the intermediates (x_m, z, q, k, v, x_conv, h) are float32 too,
-so the step is at least as accurate as the PyTorch step it replaces (which rounds each of them
-to the activation dtype). No bias in the projections (the presets' layout), batch ≤ 8 (each
-batch row re-reads the weights: beyond a few rows the compiled PyTorch step's GEMMs win), no
-gradient. The custom op `xlstm_kit::mlstm_block_step_` (C and the conv state updated in place)
-keeps the four launches opaque to torch.compile.
+Everything is float32 inside; the intermediates (z, q, k, v, x_conv, h) are float32 too, so the
+step is at least as accurate as the PyTorch step it replaces (which rounds each of them to the
+activation dtype). No bias in the projections (the presets' layout), batch ≤ 8 (each batch row
+re-reads the weights: beyond a few rows the compiled PyTorch step's GEMMs win), no gradient.
+The custom op `xlstm_kit::mlstm_block_step_` (C and the conv state updated in place) keeps the
+three launches opaque to torch.compile.
 """
 from __future__ import annotations
 
@@ -92,91 +91,93 @@ def _head_stats(h_row, D: tl.constexpr, DP: tl.constexpr, eps):
 
 
 @triton.jit
-def _up_kernel(x_ptr, lnw_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, DP: tl.constexpr, N: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr):
-    """Program (row tile, batch row): out[b, rows] = W[rows] @ LayerNorm(x[b]) (no bias). The
-    statistics come from the whole row in one tile (DP: D's power-of-two cover): each serial
-    round of loads costs a program about a microsecond, which dominates a 125M-sized GEMV."""
+def _up_mix_kernel(x_ptr, lnw_ptr, w_ptr, cs_ptr, cw_ptr, cb_ptr, wq_ptr, wk_ptr, wv_ptr, wi_ptr, wf_ptr,
+                   bi_ptr, bf_ptr, z_ptr, q_ptr, k_ptr, v_ptr, xc_ptr, ip_ptr, fp_ptr, eps,
+                   D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
+                   P: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (row tile t of 2·NT, batch row b), NT = cdiv(C, BN), BN a multiple of P: the rows
+    of the up-projection W [2C, D] times LayerNorm(x[b]) (no bias). Tiles t < NT own channels
+    c = t·BN + [0, BN) of x_m (whole P-blocks) and go on to the rest of the block's mixing for
+    them: conv + SiLU → x_conv, q, k (from x_conv), v (from x_m) (float32 [B, C]), the conv state
+    [B, KC-1, C] shifted in place, and the tile's partial gate sums to ip, fp [B, H, NT] (tile 0
+    adds the biases). Tiles t >= NT store z (float32 [B, C]) for channels (t - NT)·BN + [0, BN).
+
+    The LayerNorm statistics come from the whole row in one tile (DP: D's power-of-two cover;
+    KCP, HP: those of KC-1 and H): each serial round of loads costs a program about a
+    microsecond, which dominates a 125M-sized GEMV. For the same reason the mixing's weights and
+    the conv state are loaded before the GEMV, so their latency hides behind its loads: the
+    kernel has no branch, the z tiles' mixing is masked off (loads and stores)."""
+    NT: tl.constexpr = (C + BN - 1) // BN
+    t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    is_x = t < NT
+    # channels as [BN/P, P]: a P-block per row, so the block-diagonal products stay in registers
+    j = tl.arange(0, P)
+    c = tl.where(is_x, t, t - NT) * BN + (tl.arange(0, BN // P) * P)[:, None] + j[None, :]
+    mc = c < C
+    mx = mc & is_x
+    cs = cs_ptr + b * (KC - 1) * C
+    s = tl.arange(0, KCP)[:, None, None]                  # conv state slots: [KCP, 1, 1]
+    ms = (s < KC - 1) & mx[None, :, :]
+    old = tl.load(cs + s * C + c[None, :, :], mask=ms, other=0.0)
+    cws = tl.load(cw_ptr + c[None, :, :] * KC + s, mask=ms, other=0.0).to(tl.float32)
+    cwl = tl.load(cw_ptr + c * KC + (KC - 1), mask=mx, other=0.0).to(tl.float32)
+    cb = tl.load(cb_ptr + c, mask=mx, other=0.0).to(tl.float32)
+    wo = c[:, :, None] * P + j[None, None, :]            # weight [C/P, P, P] flat: (c, j)
+    m3 = mx[:, :, None]
+    wq = tl.load(wq_ptr + wo, mask=m3, other=0.0).to(tl.float32)
+    wk = tl.load(wk_ptr + wo, mask=m3, other=0.0).to(tl.float32)
+    wv = tl.load(wv_ptr + wo, mask=m3, other=0.0).to(tl.float32)
+    hr = tl.arange(0, HP)
+    mh = hr < H
+    mg = mh[:, None, None] & mx[None, :, :]
+    g = hr[:, None, None] * (3 * C) + c[None, :, :]       # gate weights [H, 3C]: q | k | v columns
+    wiq = tl.load(wi_ptr + g, mask=mg, other=0.0).to(tl.float32)
+    wik = tl.load(wi_ptr + g + C, mask=mg, other=0.0).to(tl.float32)
+    wiv = tl.load(wi_ptr + g + 2 * C, mask=mg, other=0.0).to(tl.float32)
+    wfq = tl.load(wf_ptr + g, mask=mg, other=0.0).to(tl.float32)
+    wfk = tl.load(wf_ptr + g + C, mask=mg, other=0.0).to(tl.float32)
+    wfv = tl.load(wf_ptr + g + 2 * C, mask=mg, other=0.0).to(tl.float32)
+    first = t == 0
+    bi = tl.load(bi_ptr + hr, mask=mh & first, other=0.0).to(tl.float32)
+    bf = tl.load(bf_ptr + hr, mask=mh & first, other=0.0).to(tl.float32)
+
     mean, rstd = _row_stats(x_ptr + b * D, D, DP, eps)
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    mr = rows < N
-    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    rows = tl.where(is_x, c, C + c).to(tl.int64)
+    acc = tl.zeros([BN // P, P, BK], dtype=tl.float32)
     for k0 in range(0, D, BK):
         kk = k0 + tl.arange(0, BK)
         mk = kk < D
         xv = tl.load(x_ptr + b * D + kk, mask=mk, other=0.0).to(tl.float32)
         xn = (xv - mean) * rstd * tl.load(lnw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * D + kk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
-        acc += w.to(tl.float32) * xn[None, :]
-    tl.store(out_ptr + b * N + rows, tl.sum(acc, axis=1), mask=mr)
+        w = tl.load(w_ptr + rows[:, :, None] * D + kk[None, None, :], mask=mc[:, :, None] & mk[None, None, :],
+                    other=0.0)
+        acc += w.to(tl.float32) * xn[None, None, :]
+    xm = tl.sum(acc, axis=2)
+    tl.store(z_ptr + b * C + c, xm, mask=mc & (t >= NT))
 
-
-@triton.jit
-def _mix_kernel(xz_ptr, cs_ptr, cw_ptr, cb_ptr, wq_ptr, wk_ptr, wv_ptr, wi_ptr, wf_ptr, bi_ptr, bf_ptr,
-                q_ptr, k_ptr, v_ptr, xc_ptr, ip_ptr, fp_ptr,
-                C: tl.constexpr, KC: tl.constexpr, P: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-                BC: tl.constexpr):
-    """Program (channel tile, batch row) over channels c of [0, C): conv + SiLU, q, k, v, x_conv
-    (float32 [B, C]), the conv state [B, KC-1, C] shifted in place, and this tile's partial gate
-    sums to ip, fp [B, H, NT] (tile 0 adds the biases)."""
-    t = tl.program_id(0)
-    NT = tl.num_programs(0)
-    b = tl.program_id(1).to(tl.int64)
-    c = t * BC + tl.arange(0, BC)
-    mc = c < C
-    j = tl.arange(0, P)
-    c2 = (c // P * P)[:, None] + j[None, :]               # [BC, P]: the inputs of channel c's block
-    m2 = c2 < C
-    xz = xz_ptr + b * 2 * C
-    cs = cs_ptr + b * (KC - 1) * C
-    xm2 = tl.load(xz + c2, mask=m2, other=0.0)
-    conv2 = tl.load(cb_ptr + c2, mask=m2, other=0.0).to(tl.float32) \
-        + tl.load(cw_ptr + c2 * KC + (KC - 1), mask=m2, other=0.0).to(tl.float32) * xm2
-    xm = tl.load(xz + c, mask=mc, other=0.0)
-    conv = tl.load(cb_ptr + c, mask=mc, other=0.0).to(tl.float32) \
-        + tl.load(cw_ptr + c * KC + (KC - 1), mask=mc, other=0.0).to(tl.float32) * xm
-    for s in tl.static_range(KC - 1):
-        conv2 += tl.load(cw_ptr + c2 * KC + s, mask=m2, other=0.0).to(tl.float32) \
-            * tl.load(cs + s * C + c2, mask=m2, other=0.0).to(tl.float32)
-        conv += tl.load(cw_ptr + c * KC + s, mask=mc, other=0.0).to(tl.float32) \
-            * tl.load(cs + s * C + c, mask=mc, other=0.0).to(tl.float32)
-    xc2 = conv2 * tl.sigmoid(conv2)
+    conv = cb + cwl * xm + tl.sum(cws * old, axis=0)
     xc = conv * tl.sigmoid(conv)
-    wo = c[:, None] * P + j[None, :]                      # weight [C/P, P, P] flat: (c, j)
-    q = tl.sum(tl.load(wq_ptr + wo, mask=m2, other=0.0).to(tl.float32) * xc2, axis=1)
-    k = tl.sum(tl.load(wk_ptr + wo, mask=m2, other=0.0).to(tl.float32) * xc2, axis=1)
-    v = tl.sum(tl.load(wv_ptr + wo, mask=m2, other=0.0).to(tl.float32) * xm2, axis=1)
-    tl.store(q_ptr + b * C + c, q, mask=mc)
-    tl.store(k_ptr + b * C + c, k, mask=mc)
-    tl.store(v_ptr + b * C + c, v, mask=mc)
-    tl.store(xc_ptr + b * C + c, xc, mask=mc)
-    # every thread of the tile has read the conv state of the tile's channels before any of it
-    # is overwritten (the blocks c2 stay inside the tile: BC is a multiple of P)
+    q = tl.sum(wq * xc[:, None, :], axis=2)
+    k = tl.sum(wk * xc[:, None, :], axis=2)
+    v = tl.sum(wv * xm[:, None, :], axis=2)
+    tl.store(q_ptr + b * C + c, q, mask=mx)
+    tl.store(k_ptr + b * C + c, k, mask=mx)
+    tl.store(v_ptr + b * C + c, v, mask=mx)
+    tl.store(xc_ptr + b * C + c, xc, mask=mx)
+    # the shift writes the old state from registers: once every thread of the program has read
+    # it (no other program touches these channels), slot s moves to s - 1 and x_m fills the last
     tl.debug_barrier()
-    for s in tl.static_range(KC - 2):
-        tl.store(cs + s * C + c, tl.load(cs + (s + 1) * C + c, mask=mc, other=0.0), mask=mc)
-    if KC > 1:
-        tl.store(cs + (KC - 2) * C + c, xm, mask=mc)
-    hr = tl.arange(0, HP)
-    mh = hr < H
-    mg = mh[:, None] & mc[None, :]
-    g = hr[:, None] * (3 * C) + c[None, :]               # gate weights [H, 3C]: q | k | v columns
-    gi = tl.sum(tl.load(wi_ptr + g, mask=mg, other=0.0).to(tl.float32) * q[None, :]
-                + tl.load(wi_ptr + g + C, mask=mg, other=0.0).to(tl.float32) * k[None, :]
-                + tl.load(wi_ptr + g + 2 * C, mask=mg, other=0.0).to(tl.float32) * v[None, :], axis=1)
-    gf = tl.sum(tl.load(wf_ptr + g, mask=mg, other=0.0).to(tl.float32) * q[None, :]
-                + tl.load(wf_ptr + g + C, mask=mg, other=0.0).to(tl.float32) * k[None, :]
-                + tl.load(wf_ptr + g + 2 * C, mask=mg, other=0.0).to(tl.float32) * v[None, :], axis=1)
-    first = t == 0
-    gi += tl.where(first, tl.load(bi_ptr + hr, mask=mh, other=0.0).to(tl.float32), 0.0)
-    gf += tl.where(first, tl.load(bf_ptr + hr, mask=mh, other=0.0).to(tl.float32), 0.0)
-    tl.store(ip_ptr + (b * H + hr) * NT + t, gi, mask=mh)
-    tl.store(fp_ptr + (b * H + hr) * NT + t, gf, mask=mh)
+    tl.store(cs + (s - 1) * C + c[None, :, :], old, mask=ms & (s >= 1))
+    tl.store(cs + (KC - 2) * C + c, xm, mask=mx)
+    gi = tl.sum(tl.sum(wiq * q[None, :, :] + wik * k[None, :, :] + wiv * v[None, :, :], axis=2), axis=1)
+    gf = tl.sum(tl.sum(wfq * q[None, :, :] + wfk * k[None, :, :] + wfv * v[None, :, :], axis=2), axis=1)
+    tl.store(ip_ptr + (b * H + hr) * NT + t, gi + bi, mask=mh & is_x)
+    tl.store(fp_ptr + (b * H + hr) * NT + t, gf + bf, mask=mh & is_x)
 
 
 @triton.jit
-def _out_kernel(h_ptr, xc_ptr, xz_ptr, nw_ptr, skip_ptr, w_ptr, x_ptr, out_ptr, eps,
+def _out_kernel(h_ptr, xc_ptr, z_ptr, nw_ptr, skip_ptr, w_ptr, x_ptr, out_ptr, eps,
                 C: tl.constexpr, DM: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                 BN: tl.constexpr):
     """Program (row tile, batch row): out[b, rows] = x[b, rows] + W[rows] @ u with
@@ -195,7 +196,7 @@ def _out_kernel(h_ptr, xc_ptr, xz_ptr, nw_ptr, skip_ptr, w_ptr, x_ptr, out_ptr, 
         mean = tl.sum(hv, axis=0) / D
         dv = tl.where(mk, hv - mean, 0.0)
         hn = dv / tl.sqrt(tl.sum(dv * dv, axis=0) / D + eps)
-        z = tl.load(xz_ptr + b * 2 * C + C + ci, mask=mk, other=0.0)
+        z = tl.load(z_ptr + b * C + ci, mask=mk, other=0.0)
         u = (hn * tl.load(nw_ptr + ci, mask=mk, other=0.0).to(tl.float32)
              + tl.load(skip_ptr + ci, mask=mk, other=0.0).to(tl.float32)
              * tl.load(xc_ptr + b * C + ci, mask=mk, other=0.0)) * (z * tl.sigmoid(z))
@@ -220,24 +221,24 @@ def _block_step_(x: Tensor, ln_w: Tensor, up_w: Tensor, conv_w: Tensor, conv_b: 
     P = wq.shape[-1]
     KC = conv_w.shape[-1]
     f32 = dict(device=x.device, dtype=torch.float32)
-    xz = torch.empty(B, 2 * Cn, **f32)
-    BC = max(P, min(128, triton.next_power_of_2(Cn)))
-    NT = triton.cdiv(Cn, BC)
-    q, k, v, xc = (torch.empty(B, Cn, **f32) for _ in range(4))
+    # 4 rows per tile (P when wider: a tile owns whole q/k/v blocks): ~770 programs for the 125M
+    # model's 3072 up-projection rows; each program one round of loads for the statistics and
+    # the mixing's weights, then one per BK columns (a [BN, BK] tile of at most 4096 weights)
+    BN = max(4, P)
+    NT = triton.cdiv(Cn, BN)
+    z, q, k, v, xc = (torch.empty(B, Cn, **f32) for _ in range(5))
     ip, fp = torch.empty(B, H, NT, **f32), torch.empty(B, H, NT, **f32)
     out = torch.empty_like(x)
     with on_device(x):   # Triton launches on the current device, which need not be x's
-        # 4 rows per program: ~770 programs for the 125M model's 3072 up-projection rows, each
-        # one round of loads for the statistics and one per 1024 columns
         DP = triton.next_power_of_2(d)
-        _up_kernel[(triton.cdiv(2 * Cn, 4), B)](x, ln_w, up_w, xz, ln_eps, D=d, DP=DP, N=2 * Cn, BN=4,
-                                                BK=min(1024, DP), num_warps=4)
-        _mix_kernel[(NT, B)](xz, conv, conv_w, conv_b, wq, wk, wv, wi, wf, bi, bf, q, k, v, xc, ip, fp,
-                             C=Cn, KC=KC, P=P, H=H, HP=triton.next_power_of_2(H), BC=BC, num_warps=4)
+        _up_mix_kernel[(2 * NT, B)](x, ln_w, up_w, conv, conv_w, conv_b, wq, wk, wv, wi, wf, bi, bf, z, q, k, v,
+                                    xc, ip, fp, ln_eps, D=d, DP=DP, C=Cn, KC=KC,
+                                    KCP=triton.next_power_of_2(KC - 1), P=P, H=H, HP=triton.next_power_of_2(H),
+                                    BN=BN, BK=min(DP, 4096 // BN), num_warps=4)
         h, n_new, m_new = _step_(q.view(B, H, D), k.view(B, H, D), v.view(B, H, D), ip, fp, C, n, m, eps, 0)
         HP = triton.next_power_of_2(D)   # a head per tile of [BN, HP]: at most 2048 weights (the
         BN = max(1, min(4, 2048 // HP))  # unrolled heads' loads are in flight together: registers)
-        _out_kernel[(triton.cdiv(d, BN), B)](h, xc, xz, norm_w, skip, down_w, x, out, norm_eps, C=Cn, DM=d, H=H,
+        _out_kernel[(triton.cdiv(d, BN), B)](h, xc, z, norm_w, skip, down_w, x, out, norm_eps, C=Cn, DM=d, H=H,
                                              D=D, DP=HP, BN=BN, num_warps=4)
     return out, n_new, m_new
 
@@ -253,7 +254,7 @@ def _(x, ln_w, up_w, conv_w, conv_b, wq, wk, wv, wi, wf, bi, bf, norm_w, skip, d
 
 
 def mlstm_block_step(block, x: Tensor, state, inplace: bool = False):
-    """`MLSTMBlock.step` in four launches: x [B, d_model] and an `MLSTMState` (float32) →
+    """`MLSTMBlock.step` in three launches: x [B, d_model] and an `MLSTMState` (float32) →
     (x + layer(norm(x)) [B, d_model], new state). inplace: C and the conv state are updated in
     place (a decode loop); otherwise the old state is left as it was."""
     from ...nn.mlstm import MLSTMState
@@ -267,6 +268,6 @@ def mlstm_block_step(block, x: Tensor, state, inplace: bool = False):
             layer.igate.bias, layer.fgate.bias, layer.out_norm.weight, layer.skip, layer.down_proj.weight,
             conv, C, state.n.contiguous(), state.m.contiguous(),
             float(block.norm.eps), float(layer.out_norm.eps), 1e-6)
-    # eagerly without the dispatcher (tens of microseconds; the four launches take about ten)
+    # eagerly without the dispatcher (tens of microseconds; the three launches take about ten)
     y, n, m = (block_step_op if torch.compiler.is_compiling() else _block_step_)(*args)
     return y, MLSTMState(conv, C, n, m)
