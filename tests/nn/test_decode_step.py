@@ -36,7 +36,7 @@ def _double(st):
 @pytest.mark.parametrize("d,inner,H,B,block_size,conv", [
     (32, 64, 2, 1, 4, 4),     # 16 channel tiles of 4 (a P-block each)
     (40, 80, 1, 2, 4, 4),     # one head; widths not powers of two
-    (48, 288, 4, 3, 4, 4),    # 72 tiles (not a power of two: the step's partial gate sums); D = 72
+    (48, 288, 4, 2, 4, 4),    # 72 tiles (not a power of two: the step's partial gate sums); D = 72
     (24, 48, 2, 1, 2, 3),     # 2-wide q/k/v blocks, two per tile; a 3-wide conv
     (24, 50, 1, 2, 2, 2),     # the last tile partial (one of its two blocks); a 2-wide conv
     (16, 30, 2, 1, 1, 4),     # 1-wide blocks (a diagonal), the last tile partial; D = 15

@@ -51,7 +51,8 @@ def _rows(x: Tensor) -> Tensor:
     spaced (batch stride T times the row stride), as column slices of one projection GEMM's
     output are, so that the large block's q, k, v need no copies; anything else contiguous."""
     B, T, H, D = x.shape
-    if x.stride(3) == 1 and x.stride(2) == D and x.stride(1) >= H * D and (B == 1 or x.stride(0) == T * x.stride(1)):
+    packed = x.stride(3) == 1 and (H == 1 or x.stride(2) == D) and x.stride(1) >= H * D
+    if packed and (B == 1 or x.stride(0) == T * x.stride(1)):
         return x
     return x.contiguous()
 
