@@ -39,6 +39,7 @@ from train_e2e import child_env, run_child  # noqa: E402
 JOBS = ("x125", "l13b", "x7b", "tf125", "tf13b", "off13b", "off7b")
 VOCAB = 50304
 EXTRA = 512  # the second run's additional new tokens (--extra)
+CHUNK = 0  # --chunk-size: the mLSTM chunk length of ours (0: the preset's)
 
 
 # ------------------------------------------------------------------------------ models
@@ -164,6 +165,8 @@ def build(job: str, quick: bool):
 
         name = dict(x125="125M", l13b="large-1.3B", x7b="xlstm-7b")[job]
         over = dict(d_model=64, n_blocks=2) if quick else {}
+        if CHUNK:
+            over["chunk_size"] = CHUNK
         cfg = XLSTMConfig.from_name(name, vocab_size=V, **over)
         with dev:
             model = XLSTMLanguageModel(cfg).to(dt).eval()
@@ -192,7 +195,7 @@ def build(job: str, quick: bool):
         # prefill as generate runs it: the state and the last position's logits (the official
         # forward has no such option and computes every position's)
         return (gen, lambda p: model(p, return_state=True, logits_to_keep=1), _bytes(model), lambda ctx: state,
-                f"xlstm_kit {name}")
+                f"xlstm_kit {name}" + (f", chunk {CHUNK}" if CHUNK else ""))
     if job in ("off13b", "off7b"):
         from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
@@ -373,7 +376,7 @@ def render(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    global EXTRA
+    global EXTRA, CHUNK
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--wheels", help="folder with the xlstm and mlstm-kernels wheels (official rows)")
@@ -385,17 +388,20 @@ def main() -> int:
     ap.add_argument("--extra", type=int, default=EXTRA,
                     help="new tokens by which a decode row's two runs differ (the official 7B decodes at ~30 "
                          "tokens/s: 128 keeps its rows inside a call)")
+    ap.add_argument("--chunk-size", type=int, default=0,
+                    help="the mLSTM chunk length of our models (default: the preset's)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        EXTRA = a.extra
+        EXTRA, CHUNK = a.extra, a.chunk_size
         child(a.child, a.quick, a.cases.split(",") if a.cases else None)
         return 0
+    os.makedirs(a.out, exist_ok=True)
     env = child_env(a.wheels)
     rows = []
     for job in (a.only.split(",") if a.only else JOBS):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", job] + (["--quick"] if a.quick else []) \
-            + (["--cases", a.cases] if a.cases else []) + ["--extra", str(a.extra)]
+            + (["--cases", a.cases] if a.cases else []) + ["--extra", str(a.extra), "--chunk-size", str(a.chunk_size)]
         res = run_child(cmd, a.limit_s, env)
         rows += res["results"] or [dict(job=job, status=f"failed (rc {res['rc']}): {res['stderr'][-300:]}")]
         if res["rc"] != 0 and res["results"]:

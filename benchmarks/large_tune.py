@@ -5,8 +5,9 @@
    timed as a replayed CUDA graph of the step; µs per block step and the rate at which it
    streams the block's weights and state, next to the copy rate measured in the same call;
 2. prefill: one block's no-grad forward at 32 x 2048 tokens as the model runs it, a profile of
-   its kernels (where the time between the GEMMs goes), and the forward with the input maps
-   as separate GEMMs (contiguous q, k, v: no copies before the mLSTM kernels) as an A/B.
+   its kernels (where the time between the GEMMs goes), and the forward at mLSTM chunk
+   lengths 128 and 256 as an A/B (the default is 64; six separate input GEMMs instead of the
+   one fused GEMM lost twice, 52.4 and 53.4 ms against 49.0 and 45.8: benchmarks/NOTES-generate.md).
 
     PYTHONPATH=. python benchmarks/large_tune.py --out $OUT [--sizes 7b,1.3b] [--quick]
 
@@ -105,15 +106,23 @@ def prefill(out: str, size: str, quick: bool) -> None:
         rows = sorted(((e.key[:160], e.count, e.device_time_total / 1e3) for e in prof.key_averages()
                        if e.device_time_total > 0), key=lambda r: -r[2])
         emit(out, dict(part="prefill profile", size=size, kernels=[[k, n, round(t, 3)] for k, n, t in rows[:30]]))
-        inputs = layer._inputs
-        layer._inputs = lambda z, one_matmul=True: inputs(z, one_matmul=False)
+        # the chunk length sets the per-chunk state traffic (B H T/L K V bf16 written by _fwd_states
+        # and read by _fwd_out: ~2 GB per 7B block at L = 64) against L x L intra-chunk work
+        chunk = layer.chunk_size
         try:
-            y = blk(x)
-            ms = triton.testing.do_bench(lambda: blk(x), warmup=2, rep=30)
-            emit(out, dict(part="prefill", size=size, variant="separate input GEMMs", ms=ms, tok_s=B * T / ms * 1e3,
-                           max_abs_vs_as_is=(y.float() - ref.float()).abs().max().item()))
+            for c in (128, 256):
+                layer.chunk_size = c
+                row = dict(part="prefill", size=size, variant=f"chunk {c}")
+                try:
+                    y = blk(x)
+                    ms = triton.testing.do_bench(lambda: blk(x), warmup=2, rep=30)
+                    row.update(ms=ms, tok_s=B * T / ms * 1e3,
+                               max_abs_vs_as_is=(y.float() - ref.float()).abs().max().item())
+                except Exception as e:  # noqa: BLE001 - e.g. a tile past the shared memory: in the row
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                emit(out, row)
         finally:
-            del layer._inputs
+            layer.chunk_size = chunk
 
 
 def render(rows: list[dict], rate: float) -> str:
@@ -123,8 +132,8 @@ def render(rows: list[dict], rate: float) -> str:
         if r["part"] == "decode" and "us" in r:
             out.append(f"| {r['size']} | {r['programs']} | {r['tile']} | {r['num_warps']} | {r['min_rows']} | "
                        f"{r['us']:.1f} | {r['tb_s']:.2f} | {100 * r['of_copy_rate']:.0f} % |")
-    out += ["", "| size | prefill variant | ms / block | tokens/s (one block) |", "|---|---|---|---|"]
-    out += [f"| {r['size']} | {r['variant']} | {r['ms']:.2f} | {r['tok_s']:,.0f} |" for r in rows
+    out += ["", "| size | prefill variant | ms / block | tokens/s (one block) | max abs vs as is |", "|---|---|---|---|---|"]
+    out += [f"| {r['size']} | {r['variant']} | {r['error']} | | |" if "error" in r else f"| {r['size']} | {r['variant']} | {r['ms']:.2f} | {r['tok_s']:,.0f} | {r.get('max_abs_vs_as_is', 0):.3g} |" for r in rows
             if r["part"] == "prefill"]
     for r in rows:
         if r["part"] == "prefill profile":
