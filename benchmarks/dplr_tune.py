@@ -14,6 +14,10 @@ with float32 gates (the inputs of `xlstm-kit bench`, `xlstm_kit.bench.registry`)
    against the float64 PyTorch path for ours, the PyTorch path in bf16 (the 2x rule's yardstick)
    and, with --fla (fla importable), fla's chunk_kda on the same inputs: how much precision the
    products of a faster design may give up (issue 20: "bf16 products where the budget allows").
+4. (--probe-prec, instead of 1-3) how far the precision lever goes, KDA with bf16 gates: fwd+bwd ms and
+   the error table of the default, of every float32-accurate product (the state path: pairs,
+   WY, both state kernels) as single-pass TF32 instead of 3-pass, and of that with the "bf16"
+   low-precision groups; a probe (the launch tuple patched), not a configuration.
 Rows are written to $OUT/dplr_tune.jsonl as they are measured (a run cut short keeps them);
 $OUT/dplr_tune.md has the tables. fla's times are `xlstm-kit bench --suite ops --case
 dplr_chunkwise --peers` (its first compile takes minutes: another call).
@@ -117,6 +121,61 @@ def accuracy(shape: dict, f32_gates: bool, use_fla: bool) -> dict:
     return out
 
 
+PROBES = {"default": {}, "state path 1-pass TF32": dict(prec="tf32"),
+          "state path 1-pass TF32, low groups bf16": dict(prec="tf32", lo_o=2, lo_qk=2, lo_dv=2, lo_gc=2, lo_dk=2)}
+
+
+def probe_prec(out: str, shape: dict, f32_gates: bool) -> list[dict]:
+    """Section 4 of the docstring: [{probe, ms, errors: {o, dq, ...}, torch_errors}], the Launch
+    tuple that kda_op resolves patched per probe."""
+    import xlstm_kit.ops.dplr.triton.kda_op as kda_op
+
+    names = ["o", "dq", "dk", "dv", "dg", "dbeta"]
+    orig = kda_op.resolve
+    rows = []
+    try:
+        for name, patch in PROBES.items():
+            kda_op.resolve = (lambda *a, p=patch: orig(*a)._replace(**p)) if patch else orig
+            row = dict(op="kda_chunkwise", f32_gates=f32_gates, kind="probe", probe=name)
+            try:
+                step, _ = run("kda_chunkwise", f32_gates, shape, None)
+                row["ms"] = bench(step)
+                errs = accuracy(dict(shape, B=min(shape["B"], 2)), f32_gates, False)
+                row["errors"] = dict(zip(names, errs["ours"]))
+                row["torch_errors"] = dict(zip(names, errs["torch (bf16 inputs)"]))
+            except Exception as e:  # noqa: BLE001 - reported in the row
+                row["why"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            with open(os.path.join(out, "dplr_tune.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps(row)[:300], flush=True)
+    finally:
+        kda_op.resolve = orig
+    return rows
+
+
+def render_probe(rows: list[dict]) -> str:
+    out = []
+    for f32 in (False, True):
+        mine = [r for r in rows if r["f32_gates"] == f32]
+        if not mine:
+            continue
+        out += [f"## KDA, {'float32' if f32 else 'bf16'} gates: precision probe", "",
+                "| probe | ms | o | dq | dk | dv | dg | dbeta | worst ÷ torch bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in mine:
+            if "errors" not in r:
+                out.append(f"| {r['probe']} | {r.get('ms', '—')} | {r.get('why', '')} | | | | | | |")
+                continue
+            e, t = r["errors"], r["torch_errors"]
+            worst = max(e[k] / max(t[k], 1e-30) for k in e)
+            out.append(f"| {r['probe']} | {r['ms']:.3f} | " + " | ".join(f"{e[k]:.2e}" for k in e) + f" | {worst:.2f} |")
+        t = mine[0].get("torch_errors")
+        if t:
+            out.append("| torch, bf16 inputs (the 2x rule's yardstick) | | " + " | ".join(f"{t[k]:.2e}" for k in t) + " | 1.00 |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
 FAULT = 3   # a child's exit code after a CUDA fault: the context is lost, the parent starts a new child
 
 
@@ -169,12 +228,19 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a small shape (a smoke run)")
     ap.add_argument("--limit-s", type=float, default=540, help="start no new measurement after this many seconds")
     ap.add_argument("--fla", action="store_true", help="fla's chunk_kda in the error table (its first compile: minutes)")
+    ap.add_argument("--probe-prec", action="store_true", help="only section 4: the precision probe (KDA)")
     ap.add_argument("--child", help=argparse.SUPPRESS)   # "op,f32,start,t0": one case in a child process
     a = ap.parse_args()
     shape = QUICK if a.quick else SHAPE
     if a.child:
         op, f32, start, t0 = a.child.split(",")
         return child(a.out, op, f32 == "1", shape, int(start), a.limit_s, float(t0))
+    os.makedirs(a.out, exist_ok=True)
+    if a.probe_prec:
+        rows = probe_prec(a.out, shape, False)   # bf16 gates: the float32-gate case differs in the dk group only
+        with open(os.path.join(a.out, "dplr_prec.md"), "w") as f:
+            f.write(render_probe(rows))
+        return 0
     t0 = time.time()
     path = os.path.join(a.out, "dplr_tune.jsonl")
     open(path, "w").close()
