@@ -146,3 +146,11 @@ def test_cli_compile_flag(tmp_path, capsys):
                  "--no-compile", "--device", "cpu", "--out", out]) == 0
     r = json.loads((tmp_path / "runs" / "formal__parity__lstm-plain.json").read_text())
     assert r["config"]["compile"] is False and "compile_mode" not in r
+
+
+def test_static_masked_loss_is_the_masked_mean():
+    logits = torch.randn(3, 5, 7)
+    batch = ex.TaskBatch(torch.zeros(3, 5, dtype=torch.long), torch.randint(0, 7, (3, 5)),
+                         torch.rand(3, 5) < 0.4, torch.zeros(3, dtype=torch.long))
+    batch.mask[0, 0] = True
+    torch.testing.assert_close(ex.masked_loss_static(logits, batch), ex.masked_loss(logits, batch))

@@ -242,8 +242,14 @@ def quick_config(**overrides) -> RunConfig:
 # =============================================================================================
 def masked_loss(logits: torch.Tensor, batch: TaskBatch) -> torch.Tensor:
     """Mean cross entropy over the scored positions (logits [B, T, V], float32 inside)."""
-    # weighted by the mask rather than indexed with it: a boolean index has a data-dependent
-    # shape, which reads the mask back to the host and splits a compiled graph
+    return F.cross_entropy(logits[batch.mask].float(), batch.targets[batch.mask])
+
+
+def masked_loss_static(logits: torch.Tensor, batch: TaskBatch) -> torch.Tensor:
+    """masked_loss with static shapes (the compiled step's): every position's cross entropy,
+    weighted by the mask. A boolean index has a data-dependent shape: it reads the mask back to
+    the host and splits a compiled graph. Eagerly this costs float32 copies of all the logits
+    (MQAR: [256, T, 8192]), which Inductor fuses away; so the eager step keeps masked_loss."""
     ce = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="none")
     weight = batch.mask.flatten().to(ce.dtype)
     return (ce * weight).sum() / weight.sum()
@@ -322,7 +328,7 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
         step, log.losses, seconds_before = ck["step"], ck["losses"], ck["seconds"]
         sched = dataclasses.replace(sched, steps=ck["steps"], warmup_steps=ck["warmup_steps"])
         time_budget_s = None if time_budget_s is None else max(0.0, time_budget_s - seconds_before)
-    compiled = CompiledLoss(model, masked_loss, device, hint=NO_COMPILE_HINT) if cfg.compiles else None
+    compiled = CompiledLoss(model, masked_loss_static, device, hint=NO_COMPILE_HINT) if cfg.compiles else None
     clock = CompileClock(compiled is not None)
     budget = TimeBudget(time_budget_s, skip_steps=step + 5, device=device)
     last_save = time.monotonic()
