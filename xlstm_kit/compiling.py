@@ -4,6 +4,7 @@ TrainConfig's choices to a model, and time the compilation (used by ``xlstm_kit.
 CUDA (used by the synthetic experiments, ``xlstm_kit.tasks.experiment``)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -131,6 +132,26 @@ class _ForwardLoss(nn.Module):
         return self.loss_fn(self.model(inputs), target)
 
 
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg not in self.messages:
+            self.messages.append(msg)
+
+
+def _cudagraph_log() -> logging.Logger | None:
+    # where Inductor says why it runs a graph without CUDA graphs (it does not raise)
+    try:
+        from torch._inductor import cudagraph_utils
+    except ImportError:
+        return None
+    return getattr(cudagraph_utils, "cudagraphs_log", None)
+
+
 R = TypeVar("R")
 
 
@@ -149,7 +170,9 @@ class CompiledLoss:
     Dynamo's caches are process-wide and hold one entry per model it has seen: the constructor
     and ``close()`` clear them (``torch._dynamo.reset``), so that a process that trains one
     model after another (a sweep's worker) never reaches Dynamo's recompile limit, past which
-    it would silently run eagerly. Other compiled functions of the process are cleared too."""
+    it would silently run eagerly. Other compiled functions of the process are cleared too.
+    ``cudagraph_skips``: Inductor's reasons for graphs it ran without CUDA graphs (it skips
+    them silently, e.g. for a CPU tensor in the graph), collected until ``close()``."""
 
     SETTLE_CALLS = 3
     """CUDA graph trees record at a graph's second call: failures show up by the second step."""
@@ -164,6 +187,9 @@ class CompiledLoss:
         self.tries = list(training_compile_tries(device))
         self.fallbacks: list[str] = []
         self.calls = 0
+        self._skips, self._log = _Messages(), _cudagraph_log()
+        if self._log is not None:
+            self._log.addHandler(self._skips)
         self._next()
 
     def _next(self) -> None:
@@ -202,6 +228,16 @@ class CompiledLoss:
             self.calls += 1
             return out
 
+    @property
+    def cudagraph_skips(self) -> list[str]:
+        return list(self._skips.messages)
+
+    def summary(self) -> dict[str, Any]:
+        """What a run records: the options that trained, the ones given up, CUDA graph skips."""
+        return {"options": self.description, "fallbacks": list(self.fallbacks), "cudagraph_skips": self.cudagraph_skips}
+
     def close(self) -> None:
         """Clear Dynamo's caches (and CUDA graph trees' memory pool) of this run."""
+        if self._log is not None:
+            self._log.removeHandler(self._skips)
         torch._dynamo.reset()

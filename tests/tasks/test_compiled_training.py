@@ -44,10 +44,10 @@ def losses(r):
 @pytest.mark.parametrize("model,precision", [("xlstm[1:1]", "fp32"), ("transformer", "fp32"), ("transformer", "bf16")])
 def test_compiled_training_equals_eager(model, precision, single_thread):
     eager = run_formal("parity", model, tiny(precision=precision))
-    assert "compile_mode" not in eager and not counters["stats"]
+    assert "compiled" not in eager and not counters["stats"]
     compiled = run_formal("parity", model, tiny(precision=precision, compile=True))
-    assert compiled["compile_mode"] == "aot_eager" and compiled["compile_fallbacks"] == []
-    assert compiled["compile_s"] > 0 and compiled["config"]["compile"] is True
+    assert compiled["compiled"]["options"] == "aot_eager" and compiled["compiled"]["fallbacks"] == []
+    assert compiled["compiled"]["compile_s"] > 0 and compiled["config"]["compile"] is True
     # one graph: forward and loss together, no break (the token check reads nothing back)
     assert counters["stats"]["unique_graphs"] == 1 or model != "transformer"  # (the CPU sLSTM loop breaks)
     rel = 1e-4 if precision == "fp32" else 2e-2
@@ -74,7 +74,7 @@ def test_checkpoint_resume_with_compile_equals_the_uninterrupted_run(tmp_path, m
     assert list(saved) == list(plain.state_dict())  # no "_orig_mod." prefixes
     pause["now"] = False
     rest = run_formal("parity", "transformer", cfg, checkpoint=ckpt)
-    assert rest["steps_done"] == whole["steps_done"] == 8 and rest["compile_mode"] == "aot_eager"
+    assert rest["steps_done"] == whole["steps_done"] == 8 and rest["compiled"]["options"] == "aot_eager"
     assert losses(rest) == pytest.approx(losses(whole), rel=1e-6)
     assert rest["scaled_accuracy"] == whole["scaled_accuracy"]
 
@@ -104,8 +104,8 @@ def test_a_failing_compile_falls_back_then_errors_clearly(monkeypatch, single_th
 
     monkeypatch.setitem(compiling.TRAINING_COMPILE_TRIES, "cpu", ({"backend": broken}, {"backend": "aot_eager"}))
     r = run_formal("parity", "lstm-plain", tiny(steps=3, compile=True))
-    assert r["compile_mode"] == "aot_eager" and r["steps_done"] == 3
-    assert len(r["compile_fallbacks"]) == 1 and "backend exploded" in r["compile_fallbacks"][0]
+    assert r["compiled"]["options"] == "aot_eager" and r["steps_done"] == 3
+    assert len(r["compiled"]["fallbacks"]) == 1 and "backend exploded" in r["compiled"]["fallbacks"][0]
     assert losses(r) == pytest.approx(losses(run_formal("parity", "lstm-plain", tiny(steps=3))), rel=1e-5)
 
     monkeypatch.setitem(compiling.TRAINING_COMPILE_TRIES, "cpu", ({"backend": broken},))
@@ -130,7 +130,7 @@ def test_compile_time_is_not_step_time(monkeypatch, single_thread):
 
     monkeypatch.setattr(ex, "TimeBudget", Budget)
     r = run_formal("parity", "transformer", tiny(steps=25, compile=True, time_limit_s=60.0))
-    assert r["steps_done"] == 25 and r["compile_s"] >= 2.5
+    assert r["steps_done"] == 25 and r["compiled"]["compile_s"] >= 2.5
     assert per_step and per_step[0] < 0.1  # a step of this model takes milliseconds
 
 
@@ -139,13 +139,13 @@ def test_cli_compile_flag(tmp_path, capsys):
     assert main(["experiment", "formal", "--task", "parity", "--model", "lstm-plain", "--quick", "--steps", "2",
                  "--compile", "--device", "cpu", "--out", out]) == 0
     r = json.loads((tmp_path / "runs" / "formal__parity__lstm-plain.json").read_text())
-    assert r["config"]["compile"] is True and r["compile_mode"] == "aot_eager"
+    assert r["config"]["compile"] is True and r["compiled"]["options"] == "aot_eager"
     captured = capsys.readouterr()
     assert "up to 2 steps on cpu, compiled" in captured.err and "of it compiling" in captured.out
     assert main(["experiment", "formal", "--task", "parity", "--model", "lstm-plain", "--quick", "--steps", "2",
                  "--no-compile", "--device", "cpu", "--out", out]) == 0
     r = json.loads((tmp_path / "runs" / "formal__parity__lstm-plain.json").read_text())
-    assert r["config"]["compile"] is False and "compile_mode" not in r
+    assert r["config"]["compile"] is False and "compiled" not in r
 
 
 def test_static_masked_loss_is_the_masked_mean():
@@ -154,3 +154,17 @@ def test_static_masked_loss_is_the_masked_mean():
                          torch.rand(3, 5) < 0.4, torch.zeros(3, dtype=torch.long))
     batch.mask[0, 0] = True
     torch.testing.assert_close(ex.masked_loss_static(logits, batch), ex.masked_loss(logits, batch))
+
+
+def test_cudagraph_skips_are_collected_while_the_run_lasts():
+    # Inductor runs a graph without CUDA graphs when it cannot record it, and only logs why
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    c = compiling.CompiledLoss(torch.nn.Linear(2, 2), lambda out, target: out.sum(), "cpu")
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to a test")
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to a test")
+    assert c.summary() == {"options": "aot_eager", "fallbacks": [],
+                           "cudagraph_skips": ["skipping cudagraphs due to a test"]}
+    c.close()
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to another test")
+    assert c.cudagraph_skips == ["skipping cudagraphs due to a test"]

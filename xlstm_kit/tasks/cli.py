@@ -200,7 +200,7 @@ def result_line(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{r['kind']} {r['task']} {r['model']}: {r['error']}"
     what = "scaled accuracy" if r["kind"] == "formal" else "accuracy"
-    compiled = "" if r.get("compile_mode") is None else f", {r.get('compile_s') or 0:.0f} s of it compiling"
+    compiled = "" if r.get("compiled") is None else f", {r['compiled']['compile_s'] or 0:.0f} s of it compiling"
     return (f"{r['kind']} {r['task']} {r['model']}: {what} {r['scaled_accuracy']:.3f} after "
             f"{r['steps_done']} steps ({r['train_seconds']:.0f} s{compiled}), loss {r['loss_first']:.3f} -> "
             f"{r['loss_last']:.3f}" + (f" -> {r['path']}" if "path" in r else ""))

@@ -268,9 +268,9 @@ class TrainLog:
     planned_steps: int = 0
     seconds: float = 0.0
     losses: list = field(default_factory=list)  # (step, loss)
-    compile_mode: str | None = None  # the torch.compile options of a compiled run
-    compile_s: float | None = None  # the first step's extra time (compilation), as CompileClock
-    compile_fallbacks: list = field(default_factory=list)  # options given up, with their errors
+    compiled: dict | None = None
+    """A compiled run's CompiledLoss.summary() and "compile_s": the first step's extra time
+    (compilation, as CompileClock estimates it; None after a single step)."""
 
 
 ProgressFn = Callable[[int, int, float], None]
@@ -329,7 +329,7 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
         sched = dataclasses.replace(sched, steps=ck["steps"], warmup_steps=ck["warmup_steps"])
         time_budget_s = None if time_budget_s is None else max(0.0, time_budget_s - seconds_before)
     compiled = CompiledLoss(model, masked_loss_static, device, hint=NO_COMPILE_HINT) if cfg.compiles else None
-    clock = CompileClock(compiled is not None)
+    clock, compile_s = CompileClock(compiled is not None), None
     budget = TimeBudget(time_budget_s, skip_steps=step + 5, device=device)
     last_save = time.monotonic()
     model.train()
@@ -347,7 +347,7 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     timed = clock.event(step + 1, time.perf_counter() - t0, last=step + 1 == sched.steps)
-                    log.compile_s = log.compile_s if timed is None else timed.compile_s
+                    compile_s = compile_s if timed is None else round(timed.compile_s, 2)
             step += 1
             if step % cfg.log_every == 0 or step == 1:
                 log.losses.append((step, float(loss)))
@@ -370,7 +370,7 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
                     raise RunPaused(f"paused after step {step} of {sched.steps}; saved to {checkpoint}")
     finally:
         if compiled is not None:  # the options that trained (after any fallback); caches freed
-            log.compile_mode, log.compile_fallbacks = compiled.description, compiled.fallbacks
+            log.compiled = {**compiled.summary(), "compile_s": compile_s}
             compiled.close()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -456,9 +456,8 @@ def _finish(result: dict[str, Any], log: TrainLog, t_start: float, out_dir: str 
     result.update(steps_done=log.steps_done, planned_steps=log.planned_steps, train_seconds=round(log.seconds, 2),
                   total_seconds=round(time.perf_counter() - t_start, 2), losses=log.losses,
                   loss_first=log.losses[0][1], loss_last=log.losses[-1][1])
-    if log.compile_mode is not None:
-        result.update(compile_mode=log.compile_mode, compile_fallbacks=log.compile_fallbacks,
-                      compile_s=None if log.compile_s is None else round(log.compile_s, 2))
+    if log.compiled is not None:
+        result["compiled"] = log.compiled
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
