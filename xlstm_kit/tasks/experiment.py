@@ -335,7 +335,8 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
     model.train()
     try:
         while step < sched.steps:
-            batch = sample(rng).to(device)
+            batch = sample(rng)
+            batch = (batch.pin_memory() if device.type == "cuda" else batch).to(device)
             kw = dict(lr=lr_at(step, sched), precision=cfg.precision, grad_clip=cfg.grad_clip)
             if compiled is None:
                 loss = train_step(model, opt, [(batch.inputs, batch)], masked_loss, **kw).loss
