@@ -41,7 +41,8 @@ def losses(r):
     return [loss for _, loss in r["losses"]]
 
 
-@pytest.mark.parametrize("model,precision", [("xlstm[1:1]", "fp32"), ("transformer", "fp32"), ("transformer", "bf16")])
+@pytest.mark.parametrize("model,precision", [("xlstm[1:1]", "fp32"), ("dplr", "fp32"), ("transformer", "fp32"),
+                                             ("transformer", "bf16")])
 def test_compiled_training_equals_eager(model, precision, single_thread):
     eager = run_formal("parity", model, tiny(precision=precision))
     assert "compiled" not in eager and not counters["stats"]
