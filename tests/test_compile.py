@@ -101,6 +101,20 @@ def test_fullgraph_without_slstm_blocks():
     assert_same(loss_and_grads(model, tokens), eager, atol=1e-5, rtol=1e-4)
 
 
+def test_compiled_forward_checks_token_ids_without_a_graph_break():
+    # Reading the ids back (int()) would sync and split the graph; under compile an asynchronous
+    # device assertion checks them. uint8 ids up to 255 must pass a 256-token vocabulary.
+    from xlstm_kit.tasks.baselines import TransformerLM
+
+    for model in (tiny(n_blocks=1, vocab_size=256), TransformerLM(256, 32, 1, 2)):
+        f = torch.compile(model, backend="aot_eager", fullgraph=True)
+        assert f(torch.full((2, 8), 255, dtype=torch.uint8)).shape == (2, 8, 256)
+        with pytest.raises(RuntimeError, match=r"(outside|lie in) \[0, 255\]"):
+            f(torch.full((2, 8), 256))
+        with pytest.raises(RuntimeError, match=r"(outside|lie in) \[0, 255\]"):
+            f(torch.full((2, 8), -1))
+
+
 def saved_bytes(model, tokens):
     """Bytes of the tensors autograd keeps for the backward of one forward."""
     total = 0

@@ -54,6 +54,15 @@ def check_token_ids(tokens: torch.Tensor, vocab: int | None, what: str = "tokens
                             f"int8 or uint8")
     if tokens.numel() == 0:
         return
+    if torch.compiler.is_compiling():
+        # int() of a device tensor waits for the device and splits the compiled graph (and its
+        # CUDA graph): an asynchronous device-side assertion checks the range instead
+        ok = tokens.min().long() >= 0  # as int64: a uint8 comparison with 256 would wrap
+        if vocab is not None:
+            ok = ok & (tokens.max().long() < vocab)
+        torch._assert_async(ok, f"{what} contain negative ids" if vocab is None else
+                            f"{what} contain ids outside [0, {vocab - 1}]")
+        return
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or (vocab is not None and hi >= vocab):
         bound = f"[0, {vocab - 1}]" if vocab is not None else "[0, vocab_size)"

@@ -20,7 +20,12 @@ def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point:
         raise XLSTMKitError(f"tokens must be an integer tensor [B, T], got "
                          f"{getattr(tokens, 'dtype', type(tokens).__name__)} {list(getattr(tokens, 'shape', []))}")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+    if not tokens.numel():
+        return
+    if torch.compiler.is_compiling():  # no host read under torch.compile (see generate.check_token_ids)
+        torch._assert_async((tokens.min().long() >= 0) & (tokens.max().long() < vocab_size),
+                            f"tokens must lie in [0, {vocab_size - 1}]")
+    elif int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
         raise XLSTMKitError(f"tokens must lie in [0, {vocab_size - 1}]")
 
 

@@ -92,6 +92,10 @@ def add_parser(sub) -> None:
         p.add_argument("--eval-samples", type=_positive_int, default=None, metavar="N",
                        help="test sequences per test length (formal; MQAR: 64 x N sequences)")
         p.add_argument("--precision", choices=["fp32", "bf16"], default=None)
+        p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="train through a compiled step (torch.compile of forward, loss and backward; CUDA "
+                       "graphs on CUDA; evaluation stays eager). Default: on with --protocol paper on CUDA, "
+                       "else off")
         p.add_argument("--backend", choices=["torch", "triton"], default=None, help="xLSTM ops backend (default: by device)")
         p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
         p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="CPU threads")
@@ -144,7 +148,8 @@ def parse_lrs(text: str | None) -> list[float | None]:
 def _run_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields = {"steps": args.steps, "time_limit_s": args.time_limit, "batch_size": args.batch_size, "lr": args.lr,
               "d_model": args.d_model, "mqar_seq_len": args.seq_len, "mqar_pairs": args.pairs, "seed": args.seed,
-              "precision": args.precision, "backend": args.backend, "eval_samples": args.eval_samples}
+              "precision": args.precision, "backend": args.backend, "eval_samples": args.eval_samples,
+              "compile": args.compile}
     fields = {k: v for k, v in fields.items() if v is not None}
     if "lr" in fields:
         fields["min_lr"] = fields["lr"] / 10
@@ -195,8 +200,9 @@ def result_line(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{r['kind']} {r['task']} {r['model']}: {r['error']}"
     what = "scaled accuracy" if r["kind"] == "formal" else "accuracy"
+    compiled = "" if r.get("compiled") is None else f", {r['compiled']['compile_s'] or 0:.0f} s of it compiling"
     return (f"{r['kind']} {r['task']} {r['model']}: {what} {r['scaled_accuracy']:.3f} after "
-            f"{r['steps_done']} steps ({r['train_seconds']:.0f} s), loss {r['loss_first']:.3f} -> "
+            f"{r['steps_done']} steps ({r['train_seconds']:.0f} s{compiled}), loss {r['loss_first']:.3f} -> "
             f"{r['loss_last']:.3f}" + (f" -> {r['path']}" if "path" in r else ""))
 
 
@@ -264,7 +270,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         else:
             cfg = make(device=str(device), **fields)
             label = f"formal {get_task(args.task).name} {args.model}"
-        limit = f", time limit {cfg.time_limit_s:g} s" if cfg.time_limit_s else ""
+        limit = (f", time limit {cfg.time_limit_s:g} s" if cfg.time_limit_s else "") + (", compiled" if cfg.compiles else "")
         print(f"{label}: up to {cfg.steps} steps on {device}{limit} -> {out / 'runs'}", file=sys.stderr, flush=True)
         progress = ProgressLines(label)
         if args.experiment == "mqar":
@@ -331,7 +337,7 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
     seeds = _numbers(args.seeds, int, "--seeds")
     overrides = {k: v for k, v in {"steps": args.steps, "batch_size": args.batch_size, "precision": args.precision,
                                    "backend": args.backend, "time_limit_s": args.time_limit,
-                                   "eval_samples": args.eval_samples}.items() if v is not None}
+                                   "eval_samples": args.eval_samples, "compile": args.compile}.items() if v is not None}
     models = [args.model] if args.experiment in ("formal", "mqar") else (
         _split(args.models) if args.models else list(ex.MODEL_NAMES))
     jobs = []

@@ -14,7 +14,9 @@ The DPLR block (issue 7) is not wired in yet.
 Training: the library's optimizer step (`xlstm_kit.train.train_step`: AdamW with weight-decay
 groups, warmup + cosine schedule, clipping, autocast), cross entropy on the scored tokens only.
 With a time limit, the run first times a few steps (`xlstm_kit.train.TimeBudget`) and then
-shortens its schedule to what fits, so the cosine decay still ends.
+shortens its schedule to what fits, so the cosine decay still ends. With `RunConfig.compile`
+the forward and the loss (hence the backward) run compiled, with CUDA graphs on CUDA
+(`xlstm_kit.compiling.CompiledLoss`); evaluation stays eager (its lengths vary).
 
 Results go to `runs/experiments/` by default (the command line's `--out`); the command-line
 parsing lives in `xlstm_kit.tasks.cli`. The paper's protocol (learning-rate grid x seeds, its
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compiling import CompileClock, CompiledLoss
 from ..model import XLSTMConfig, XLSTMLanguageModel
 from ..train import TimeBudget, TrainConfig, autocast, lr_at, make_optimizer, train_step
 from .baselines import LSTMLM, PlainLSTMLM, TransformerLM
@@ -176,6 +179,12 @@ class RunConfig:
     at mqar_pairs only (the paper's per-setting runs)."""
     log_every: int = 25
     """Record the training loss every this many steps."""
+    compile: bool | str = False
+    """Train through a compiled step: torch.compile of the forward and the loss (the backward
+    through AOTAutograd), Inductor with CUDA graphs on CUDA (xlstm_kit.compiling.CompiledLoss);
+    the optimizer stays eager. True, False, or "auto": compile on CUDA only (the paper
+    protocol's setting; on a CPU, Inductor's C++ builds cost minutes per model). Evaluation
+    runs eagerly either way."""
 
     def __post_init__(self) -> None:
         self.train_lengths = tuple(int(v) for v in self.train_lengths)
@@ -195,6 +204,8 @@ class RunConfig:
         task_set(self.tasks)  # checks the name
         if self.slstm not in SLSTM_PRESETS:
             raise XLSTMKitError(f"RunConfig.slstm must be one of {', '.join(SLSTM_PRESETS)}, got {self.slstm!r}")
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise XLSTMKitError(f"RunConfig.compile must be True, False or 'auto', got {self.compile!r}")
         if self.precision not in ("fp32", "bf16"):
             raise XLSTMKitError(f"RunConfig.precision must be 'fp32' or 'bf16', got {self.precision!r}")
         lo, hi = self.train_lengths if len(self.train_lengths) == 2 else (0, -1)
@@ -205,6 +216,11 @@ class RunConfig:
         check_mqar_shape(self.mqar_seq_len, self.mqar_pairs, self.mqar_vocab)
         if self.mqar_spacing not in SPACINGS:
             raise XLSTMKitError(f"RunConfig.mqar_spacing must be one of {', '.join(SPACINGS)}, got {self.mqar_spacing!r}")
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the training step runs compiled on this config's device."""
+        return self.compile is True or (self.compile == "auto" and torch.device(self.device).type == "cuda")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -229,12 +245,32 @@ def masked_loss(logits: torch.Tensor, batch: TaskBatch) -> torch.Tensor:
     return F.cross_entropy(logits[batch.mask].float(), batch.targets[batch.mask])
 
 
+def masked_loss_static(logits: torch.Tensor, batch: TaskBatch) -> torch.Tensor:
+    """masked_loss with static shapes (the compiled step's): every position's cross entropy,
+    weighted by the mask. A boolean index has a data-dependent shape: it reads the mask back to
+    the host and splits a compiled graph. Eagerly this costs float32 copies of all the logits
+    (MQAR: [256, T, 8192]), which Inductor fuses away; so the eager step keeps masked_loss."""
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="none")
+    weight = batch.mask.flatten().to(ce.dtype)
+    return (ce * weight).sum() / weight.sum()
+
+
+def _loss_itself(loss: torch.Tensor, _target) -> torch.Tensor:
+    return loss  # the compiled step's module returns the loss already
+
+
+NO_COMPILE_HINT = "Run without compile (--no-compile, or RunConfig(compile=False))"
+
+
 @dataclass
 class TrainLog:
     steps_done: int = 0
     planned_steps: int = 0
     seconds: float = 0.0
     losses: list = field(default_factory=list)  # (step, loss)
+    compiled: dict | None = None
+    """A compiled run's CompiledLoss.summary() and "compile_s": the first step's extra time
+    (compilation, as CompileClock estimates it; None after a single step)."""
 
 
 ProgressFn = Callable[[int, int, float], None]
@@ -265,7 +301,9 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
     """Train `model` (already on cfg.device) on batches from `sample(rng)` with `train_step`.
 
     With `time_budget_s`, steps 6..20 (and 6..200) are timed and the schedule is cut to the
-    steps that fit (the first steps carry one-time costs such as kernel compilation).
+    steps that fit (the first steps carry one-time costs such as kernel compilation; with
+    `cfg.compile` the compilation and any fallback happen within the first three steps, so
+    they count against the budget but not as step time).
     `checkpoint`: a file that the run continues from when it exists (model, optimizer, data and
     torch random states, step, schedule, losses: the continued run equals an uninterrupted one)
     and saves to every CHECKPOINT_EVERY_S seconds. `stop_at` (a time.time() value, needs
@@ -290,33 +328,51 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
         step, log.losses, seconds_before = ck["step"], ck["losses"], ck["seconds"]
         sched = dataclasses.replace(sched, steps=ck["steps"], warmup_steps=ck["warmup_steps"])
         time_budget_s = None if time_budget_s is None else max(0.0, time_budget_s - seconds_before)
+    compiled = CompiledLoss(model, masked_loss_static, device, hint=NO_COMPILE_HINT) if cfg.compiles else None
+    clock, compile_s = CompileClock(compiled is not None), None
     budget = TimeBudget(time_budget_s, skip_steps=step + 5, device=device)
     last_save = time.monotonic()
     model.train()
-    while step < sched.steps:
-        batch = sample(rng).to(device)
-        loss = train_step(model, opt, [(batch.inputs, batch)], masked_loss, lr=lr_at(step, sched),
-                          precision=cfg.precision, grad_clip=cfg.grad_clip).loss
-        step += 1
-        if step % cfg.log_every == 0 or step == 1:
-            log.losses.append((step, float(loss)))
-            if progress is not None:
-                progress(step, sched.steps, log.losses[-1][1])
-        if time_budget_s is not None:
-            remeasure = step in (20, 200)  # again at 200: parallel runs sharing a GPU change speed
-            budget.step_done(step, measure=remeasure)
-            if remeasure:
-                fit = budget.steps_that_fit(step, most=cfg.steps)
-                sched = dataclasses.replace(sched, steps=fit, warmup_steps=min(cfg.warmup_steps, fit // 5))
-            if budget.spent():  # slower than measured: stop here
-                break
-        if checkpoint is not None and step < sched.steps:
-            paused = stop_at is not None and time.time() >= stop_at
-            if paused or time.monotonic() - last_save >= CHECKPOINT_EVERY_S:
-                _save_checkpoint(checkpoint, model, opt, rng, step, sched, log, seconds_before + budget.elapsed())
-                last_save = time.monotonic()
-            if paused:
-                raise RunPaused(f"paused after step {step} of {sched.steps}; saved to {checkpoint}")
+    try:
+        while step < sched.steps:
+            batch = sample(rng)
+            batch = (batch.pin_memory() if device.type == "cuda" else batch).to(device)
+            kw = dict(lr=lr_at(step, sched), precision=cfg.precision, grad_clip=cfg.grad_clip)
+            if compiled is None:
+                loss = train_step(model, opt, [(batch.inputs, batch)], masked_loss, **kw).loss
+            else:
+                t0 = time.perf_counter()
+                loss = compiled.run(lambda m: train_step(m, opt, [((batch.inputs, batch), None)], _loss_itself, **kw),
+                                    undo=lambda: opt.zero_grad(set_to_none=True)).loss
+                if len(clock.times) < 2:  # the first two steps, timed to the end of their device work
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    timed = clock.event(step + 1, time.perf_counter() - t0, last=step + 1 == sched.steps)
+                    compile_s = compile_s if timed is None else round(timed.compile_s, 2)
+            step += 1
+            if step % cfg.log_every == 0 or step == 1:
+                log.losses.append((step, float(loss)))
+                if progress is not None:
+                    progress(step, sched.steps, log.losses[-1][1])
+            if time_budget_s is not None:
+                remeasure = step in (20, 200)  # again at 200: parallel runs sharing a GPU change speed
+                budget.step_done(step, measure=remeasure)
+                if remeasure:
+                    fit = budget.steps_that_fit(step, most=cfg.steps)
+                    sched = dataclasses.replace(sched, steps=fit, warmup_steps=min(cfg.warmup_steps, fit // 5))
+                if budget.spent():  # slower than measured: stop here
+                    break
+            if checkpoint is not None and step < sched.steps:
+                paused = stop_at is not None and time.time() >= stop_at
+                if paused or time.monotonic() - last_save >= CHECKPOINT_EVERY_S:
+                    _save_checkpoint(checkpoint, model, opt, rng, step, sched, log, seconds_before + budget.elapsed())
+                    last_save = time.monotonic()
+                if paused:
+                    raise RunPaused(f"paused after step {step} of {sched.steps}; saved to {checkpoint}")
+    finally:
+        if compiled is not None:  # the options that trained (after any fallback); caches freed
+            log.compiled = {**compiled.summary(), "compile_s": compile_s}
+            compiled.close()
     if device.type == "cuda":
         torch.cuda.synchronize()
     log.steps_done, log.planned_steps = step, sched.steps
@@ -401,6 +457,8 @@ def _finish(result: dict[str, Any], log: TrainLog, t_start: float, out_dir: str 
     result.update(steps_done=log.steps_done, planned_steps=log.planned_steps, train_seconds=round(log.seconds, 2),
                   total_seconds=round(time.perf_counter() - t_start, 2), losses=log.losses,
                   loss_first=log.losses[0][1], loss_last=log.losses[-1][1])
+    if log.compiled is not None:
+        result["compiled"] = log.compiled
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

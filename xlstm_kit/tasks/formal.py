@@ -246,6 +246,12 @@ class TaskBatch:
     def to(self, device) -> "TaskBatch":
         return TaskBatch(*(t.to(device, non_blocking=True) for t in (self.inputs, self.targets, self.mask, self.lengths)))
 
+    def pin_memory(self) -> "TaskBatch":
+        """In page-locked host memory: only from there does `to(cuda)` return before the copy
+        is done (from pageable memory it waits for the device's queue), so a training loop
+        without other host reads can prepare the next batch while the device works."""
+        return TaskBatch(*(t.pin_memory() for t in (self.inputs, self.targets, self.mask, self.lengths)))
+
 
 def make_batch(task: FormalTask, rng: np.random.Generator, lengths: Sequence[int], pad_to: int | None = None,
                teacher_forcing: bool = True) -> TaskBatch:

@@ -18,6 +18,8 @@ Protocols:
            in our probes every model that learned a formal task at all did so within 8k steps
            (the LSTM on parity: 1.00 after 8,064 steps; xLSTM[0:1]: by step 2,000), and 100k
            steps x 6 models x 12 tasks x 6 grid points does not fit the device time we have.
+           Runs on CUDA train through the compiled step (RunConfig.compile "auto": forward,
+           loss and backward compiled, CUDA graphs); on a CPU they stay eager.
   "quick"  the CPU smoke version: tiny widths, 30 steps, 2 learning rates x 2 seeds.
 
 Every grid point writes runs/<job id>.json; a finished one (no "error") is skipped when the
@@ -76,9 +78,9 @@ PROTOCOLS: dict[str, Protocol] = {
     "paper": Protocol(
         "paper", PAPER_LRS, MQAR_PAPER_LRS, SEEDS,
         formal=dict(_COMMON, d_model=128, n_heads=4, tasks="paper", teacher_forcing=False, slstm="paper",
-                    eval_samples=40, precision="bf16"),
+                    eval_samples=40, precision="bf16", compile="auto"),
         mqar=dict(_COMMON, steps=MQAR_STEPS, mqar_vocab=8192, mqar_spacing="powerlaw", mqar_train_mix=False,
-                  eval_samples=16, precision="bf16"),
+                  eval_samples=16, precision="bf16", compile="auto"),
     ),
     "quick": Protocol(
         "quick", (1e-2, 1e-3), (1e-2, 1e-3), SEEDS,
