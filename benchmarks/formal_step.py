@@ -300,9 +300,10 @@ def main() -> int:
                                                       f"{a.deadline_s:g} s"))
                 continue
             start_at = time.time() + lead
+            par_env = dict(env, TORCHINDUCTOR_COMPILE_THREADS=str(max(1, cpus // p)))  # as the protocol's workers
             with ThreadPoolExecutor(p) as pool:
                 res = list(pool.map(lambda i: run_child(cmd(model, [mode], start_at, max(1, cpus // p)),
-                                                        lead + window + a.limit_s / 2, env), range(p)))
+                                                        lead + window + a.limit_s / 2, par_env), range(p)))
             for i, r in enumerate(res):
                 rows += rows_of(r, "parallel", model, [mode], parallel=p, rank=i)
             print(f"[{time.time() - t_start:.0f} s] parallel: {mode} x{p}", file=sys.stderr, flush=True)

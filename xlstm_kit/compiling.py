@@ -165,7 +165,8 @@ class CompiledLoss:
     ``run(step)`` calls ``step(self.module)`` (``module((inputs, target))`` gives the loss).
     Should one of the first ``SETTLE_CALLS`` steps fail (compilation, graph recording), the step
     is undone with ``undo()`` and retried with the next options of ``training_compile_tries``
-    (noted in ``fallbacks``); when none is left, or later, the failure is an XLSTMKitError.
+    (noted in ``fallbacks``); when none is left the failure is an XLSTMKitError. Later, a Dynamo
+    failure (a recompilation) becomes an XLSTMKitError and other errors pass as they are.
 
     Dynamo's caches are process-wide and hold one entry per model it has seen: the constructor
     and ``close()`` clear them (``torch._dynamo.reset``), so that a process that trains one

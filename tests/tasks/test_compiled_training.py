@@ -169,3 +169,20 @@ def test_cudagraph_skips_are_collected_while_the_run_lasts():
     c.close()
     log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to another test")
     assert c.cudagraph_skips == ["skipping cudagraphs due to a test"]
+
+
+def test_protocol_workers_share_the_cores_for_compiling_too():
+    import queue
+
+    import torch._inductor.config as inductor_config
+
+    q = queue.Queue()
+    q.put("cuda:3")
+    threads, compile_threads = torch.get_num_threads(), inductor_config.compile_threads
+    try:
+        pr._claim_device(q, 1)
+        assert pr._DEVICE == "cuda:3" and torch.get_num_threads() == 1 and inductor_config.compile_threads == 1
+    finally:
+        torch.set_num_threads(threads)
+        inductor_config.compile_threads = compile_threads
+        pr._DEVICE = None

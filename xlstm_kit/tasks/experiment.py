@@ -330,7 +330,8 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
         time_budget_s = None if time_budget_s is None else max(0.0, time_budget_s - seconds_before)
     compiled = CompiledLoss(model, masked_loss_static, device, hint=NO_COMPILE_HINT) if cfg.compiles else None
     clock, compile_s = CompileClock(compiled is not None), None
-    budget = TimeBudget(time_budget_s, skip_steps=step + 5, device=device)
+    # compilation and any fallback fall in the first SETTLE_CALLS steps: never timed as step time
+    budget = TimeBudget(time_budget_s, skip_steps=step + max(5, CompiledLoss.SETTLE_CALLS + 2), device=device)
     last_save = time.monotonic()
     model.train()
     try:

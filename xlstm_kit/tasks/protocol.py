@@ -231,6 +231,10 @@ def _claim_device(queue, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)  # the workers share the host's cores
+    import torch._inductor.config as inductor_config
+
+    # and so do the Inductor compile workers of their compiled steps (each would start one per core)
+    inductor_config.compile_threads = threads
     _DEVICE = queue.get()
 
 
