@@ -12,7 +12,7 @@ from xlstm_kit.ops.dplr.triton.common import SUB
 from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig, resolve
 from xlstm_kit.ops.dplr.triton.kda import _bwd_dk_kda, _bwd_dv_kda, _fwd_pairs_kda
 from xlstm_kit.ops.dplr.triton.pairs import _fwd_pairs
-from xlstm_kit.ops.dplr.triton.state import _bwd_state, _fwd_state
+from xlstm_kit.ops.dplr.triton.state import _bwd_state, _fwd_o, _fwd_state, _fwd_walk
 from xlstm_kit.ops.dplr.triton.wy import _fwd_wy
 
 BF16 = {"q", "k", "v", "a", "b", "O", "dO", "dv", "dq", "dk", "da", "db", "beta", "dg"}
@@ -54,6 +54,14 @@ def main(K=128, V=128, L=64):
     st = dict(base, BV=c.state_bv, HAS_H0=True, LO=c.lo_o)
     build("_fwd_state", _fwd_state, st, c.state_warps)
     build("_fwd_state KDA", _fwd_state, dict(st, KDA=True), c.state_warps)
+    # split_output: the walk without the output products (`_fwd_walk`), at 16 and 32 columns, and `_fwd_o`
+    walk = dict(base, BV=c.state_bv, HAS_H0=True)
+    build("_fwd_walk", _fwd_walk, walk, c.state_warps)
+    build("_fwd_walk KDA", _fwd_walk, dict(walk, KDA=True), c.state_warps)
+    build("_fwd_walk KDA, V-tile 32, 8 warps", _fwd_walk, dict(walk, KDA=True, BV=32), 8)
+    build("_fwd_walk KDA, V-tile 64, 8 warps", _fwd_walk, dict(walk, KDA=True, BV=64), 8)
+    build("_fwd_o", _fwd_o, dict(base, BK=c.o_bk, BV=c.o_bv, LO=c.lo_o), c.o_warps)
+    build("_fwd_o KDA", _fwd_o, dict(base, BK=c.o_bk, BV=c.o_bv, LO=c.lo_o, KDA=True), c.o_warps)
     build("_bwd_state", _bwd_state, dict(base, BV=c.state_bv, HAS_DHT=True), c.state_warps)
     for tag, x in (("", full), (" mixed", mixed)):
         dv = dict(base, BK=x.dv_bk, BV=x.bwd_bv, LO=x.lo_dk, LV=x.lo_dv, LG=x.lo_gc)

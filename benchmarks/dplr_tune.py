@@ -48,6 +48,10 @@ VARIANTS = [  # one field away from the defaults; ptxas spills in benchmarks/NOT
     dict(bwd_block_v=16), dict(bwd_block_v=64),
     dict(dv_block_k=32), dict(dv_warps=4),
     dict(wy_warps=4), dict(wy_block_k=64), dict(pairs_block_k=64), dict(pairs_warps=8),
+    # issue 20 design study (NOTES-dplr.md): the output products out of the sequential walk
+    # (`_fwd_walk` + `_fwd_o`); the KDA walk spills 0 B at V-tile 32 on 8 warps, 248 B at 64
+    dict(split_output=True), dict(split_output=True, walk_block_v=32, walk_warps=8),
+    dict(split_output=True, walk_block_v=64, walk_warps=8), dict(split_output=True, walk_block_v=32, state_block_v=32),
 ]
 
 

@@ -218,6 +218,32 @@ def test_state_tiles_from_the_config_match_reference():
         assert rel_err(x, y) < 1e-5, name
 
 
+@pytest.mark.parametrize("kda", [False, True])
+def test_split_output_matches_fused_and_reference(kda):
+    # split_output: O from `_fwd_o` after the walk instead of inside it (L = 64, gates to −5, a
+    # padded tail, two V-tiles and two K-steps of `_fwd_o`). Nothing else changes: the final state
+    # and every gradient equal the fused run's; o meets the float64 recurrence at float32 accuracy
+    T, L, H, K, V = 70, 64, 2, 32, 32
+    xs, s0 = make_inputs(1, T, H, K, V, -5.0)
+    if kda:
+        xs = [xs[0], F.normalize(xs[1], dim=-1), xs[2], xs[5], torch.rand(1, T, H, device=DEV)]
+    do = torch.randn(1, T, H, V, device=DEV)
+    dsT = torch.randn(1, H, K, V, device=DEV)
+    fn = kda_chunkwise_triton if kda else dplr_chunkwise_triton
+    cfg = DPLRKernelConfig(split_output=True, o_block_v=16, o_block_k=16, walk_block_v=32, walk_warps=8)
+    o_f, sT_f, g_f = run(fn, xs, s0, do, dsT, chunk_size=L)
+    o, sT, g = run(fn, xs, s0, do, dsT, chunk_size=L, config=cfg)
+    same = torch.equal if INTERPRET else (lambda x, y: rel_err(x, y) < 1e-6)   # GPU: FMA contraction may differ
+    assert same(sT, sT_f) and all(same(x, y) for x, y in zip(g, g_f))
+    if kda:
+        ys = [x.double() for x in xs]
+        bb = ys[4].unsqueeze(-1)
+        ro, _ = dplr_recurrent(ys[0], ys[1], ys[2] * bb, ys[1], ys[1] * bb, ys[3], initial_state=s0.double())
+    else:
+        ro = reference(xs, s0, do, dsT)[0]
+    assert rel_err(o, ro) < 2e-6 and rel_err(o, o_f) < 1e-6
+
+
 @pytest.mark.parametrize("L", [16, 64])
 def test_strongest_gates_keep_relative_accuracy(L):
     # gk = −5 everywhere (the promised bound; e^{±80} across a sub-chunk of 16): no overflow, and
@@ -585,3 +611,7 @@ def test_narrow_state_tiles_run_on_four_warps():
     assert resolve(DPLRKernelConfig(state_block_v=64, state_warps=8), 128, 16, 64, False).state_warps == 4
     wide = resolve(DPLRKernelConfig(state_block_v=32, state_warps=8), 128, 128, 64, False)
     assert (wide.state_bv, wide.state_warps) == (32, 8)
+    # `_fwd_walk` (split_output) follows the state tile unless told, under the same rule
+    assert (wide.walk_bv, wide.walk_warps) == (32, 8)
+    assert resolve(DPLRKernelConfig(walk_block_v=16, walk_warps=8), 128, 128, 64, False).walk_warps == 4
+    assert resolve(DPLRKernelConfig(walk_block_v=64, walk_warps=8), 128, 128, 64, False)[-2:] == (64, 8)

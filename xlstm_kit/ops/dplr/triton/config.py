@@ -48,6 +48,16 @@ class DPLRKernelConfig(KernelConfig):
         `_bwd_dv`; dk_block_k, dk_warps: K-tile (one program each) and warps of `_bwd_dk`
         (dk_block_k None: 64 at chunk ≤ 32, else 32 — ptxas at chunk 32: 64 spills 124 B per
         thread, 32 spills 2.2 KB).
+    split_output: the output products of `_fwd_state` (Qg h and the pair-matrix products) in a
+        kernel of their own, `_fwd_o`, parallel over (V-tile, chunk, b·h) after the sequential
+        walk (`_fwd_walk`, `_fwd_state` without them), instead of inside it: the walk then reads
+        W, Kd (, Ad, v), Cm only — the [L, K] operands it re-reads once per V-tile drop from 3 to
+        2 under KDA, and the [L, L] pair matrices leave it. Same products, same
+        precision; not the default until timed (NOTES-dplr.md, "Issue 20 ... design study").
+    o_block_v, o_block_k, o_warps: V-tile (one program each), K-step and warps of `_fwd_o`.
+    walk_block_v, walk_warps: V-tile and warps of `_fwd_walk` (None: state_block_v, state_warps;
+        capped and limited to 4 warps under 32 columns as those). ptxas at K = V = 128, L = 64:
+        the KDA walk spills 0 B at 32 columns on 8 warps, where `_bwd_state` spills 1.1 KB.
     Every block is a power of two ≥ 16 (capped at K or V); warps are 4 or 8.
     """
     lowp: str = "tf32"
@@ -64,6 +74,12 @@ class DPLRKernelConfig(KernelConfig):
     dv_warps: int = 8
     dk_block_k: int | None = None
     dk_warps: int = 8
+    split_output: bool = False
+    o_block_v: int = 64
+    o_block_k: int = 32
+    o_warps: int = 4
+    walk_block_v: int | None = None
+    walk_warps: int | None = None
 
     def __post_init__(self):
         if self.lowp not in LOWP_MODES:
@@ -73,6 +89,8 @@ class DPLRKernelConfig(KernelConfig):
         if any(p not in LOWP_GROUPS for p in parts) or parts != [g for g in LOWP_GROUPS if g in parts]:
             raise ValueError("DPLRKernelConfig.lowp_outputs must list groups of "
                              f"{','.join(LOWP_GROUPS)} in that order, comma-separated, got {self.lowp_outputs!r}")
+        if not isinstance(self.split_output, bool):
+            raise ValueError(f"DPLRKernelConfig.split_output must be a bool, got {self.split_output!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_warps") and value is not None and value not in (4, 8):
@@ -116,6 +134,12 @@ class Launch(NamedTuple):
     dv_warps: int
     dk_bk: int
     dk_warps: int
+    split_o: bool          # `_fwd_walk` + `_fwd_o` instead of `_fwd_state` (O inside the walk)
+    o_bv: int
+    o_bk: int
+    o_warps: int
+    walk_bv: int
+    walk_warps: int
 
 
 @functools.lru_cache(maxsize=256)
@@ -143,4 +167,8 @@ def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool
         wy_bk=min(K, config.wy_block_k), wy_bv=min(V, config.wy_block_v), wy_warps=config.wy_warps,
         bwd_bv=min(V, config.bwd_block_v),
         dv_bk=min(K, config.dv_block_k), dv_warps=config.dv_warps,
-        dk_bk=min(K, config.dk_block_k or (64 if L <= 32 else 32)), dk_warps=config.dk_warps)
+        dk_bk=min(K, config.dk_block_k or (64 if L <= 32 else 32)), dk_warps=config.dk_warps,
+        split_o=config.split_output, o_bv=min(V, config.o_block_v), o_bk=min(K, config.o_block_k),
+        o_warps=config.o_warps,
+        walk_bv=(wbv := min(config.walk_block_v or config.state_block_v, V, 32 if K > 128 else 64)),
+        walk_warps=(config.walk_warps or config.state_warps) if wbv >= 32 else 4)

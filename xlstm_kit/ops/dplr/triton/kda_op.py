@@ -10,13 +10,13 @@ import torch
 from ...backend import interpreting
 from ..kda import check_kda_inputs
 from ..naive import check_scale
-from .chunkwise import (_STAGES, _bwd_prologue, _check, _check_packed, _chunk_layout, _config_key, _prologue,
-                        _seq_args, _seq_layout, _tensors)
+from .chunkwise import (_STAGES, _bwd_prologue, _check, _check_packed, _chunk_layout, _config_key,
+                        _launch_fwd_o, _prologue, _seq_args, _seq_layout, _tensors)
 from .chunkwise import supports
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
 from .kda import _bwd_dk_kda, _bwd_dv_kda, _fwd_pairs_kda
-from .state import _bwd_state, _fwd_state
+from .state import _bwd_state, _fwd_state, _fwd_walk
 from .wy import _fwd_wy
 
 # forward scratch the backward reads: the inputs in the chunk layout (β as [BH, Tp]), G, the two
@@ -60,11 +60,18 @@ def _forward(q, k, v, g, beta, h0, scale: float, L: int, config: str, cu_seqlens
         _fwd_wy[(NC, BH)](qc, kc, kc, kc, vc, G, Abk, Abk, E, W, Cm, Qg, Kd, Kd, eGl, scale, Tp, NC,
                           K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
                           num_warps=c.wy_warps, num_stages=_STAGES, beta=bc, KDA=True, **vl)
-        _fwd_state[(V // c.state_bv, S)](Qg, Kd, Kd, eGl, vc, Aqk, Aqk, W, Cm,
-                                         h0c if h0c is not None else hT, Hs, U, O, hT, Tp, NC,
-                                         K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
-                                         PREC=c.prec, LO=c.lo_o, num_warps=c.state_warps,
-                                         num_stages=_STAGES, KDA=True, **_seq_args(vl, sinfo, H))
+        h_in = h0c if h0c is not None else hT
+        if c.split_o:   # the walk without the output products, then `_fwd_o` over the chunks
+            _fwd_walk[(V // c.walk_bv, S)](Kd, Kd, eGl, vc, W, Cm, h_in, Hs, U, hT, Tp, NC, K=K, V=V, L=L,
+                                            BV=c.walk_bv, HAS_H0=h0c is not None, PREC=c.prec,
+                                            num_warps=c.walk_warps, num_stages=_STAGES, KDA=True,
+                                            **_seq_args(vl, sinfo, H))
+            _launch_fwd_o(c, Qg, Hs, Aqk, Aqk, vc, U, O, Tp, NC, BH, K, V, L, vl, kda=True)
+        else:
+            _fwd_state[(V // c.state_bv, S)](Qg, Kd, Kd, eGl, vc, Aqk, Aqk, W, Cm, h_in, Hs, U, O, hT, Tp,
+                                             NC, K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
+                                             PREC=c.prec, LO=c.lo_o, num_warps=c.state_warps,
+                                             num_stages=_STAGES, KDA=True, **_seq_args(vl, sinfo, H))
     return (_seq_layout(O, B, H, T), hT.view(S // H, H, K, V),
             qc, kc, vc, bc, G, Aqk, Abk, E, W, U, Hs, Qg, Kd, eGl, tab, sinfo)
 
