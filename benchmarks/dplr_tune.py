@@ -10,8 +10,8 @@ with float32 gates (the inputs of `xlstm-kit bench`, `xlstm_kit.bench.registry`)
    share of the GPU time;
 2. fwd+bwd ms of the default and of each variant that changes one field (each checked against
    the default's o and input gradients: a variant with another result is reported, not timed).
-3. (KDA, float32 and bf16 gates) the error budget: relative errors of o and every input gradient
-   against the float64 PyTorch path for ours, the PyTorch path in bf16 (the 2x rule's yardstick)
+3. (KDA, float32 and bf16 gates) the error budget: relative errors of o, every input gradient
+   and the final state against the float64 PyTorch path for ours, the PyTorch path in bf16 (the 2x rule's yardstick)
    and, with --fla (fla importable), fla's chunk_kda on the same inputs: how much precision the
    products of a faster design may give up (issue 20: "bf16 products where the budget allows").
 4. (--probe-prec, instead of 1-3) how far the precision lever goes, KDA with bf16 gates: fwd+bwd ms and
@@ -42,16 +42,19 @@ SHAPE = dict(B=8, T=2048, H=16, K=128, V=128)
 QUICK = dict(B=1, T=256, H=2, K=64, V=64)
 # without a GPU: a smoke run of the script under TRITON_INTERPRET=1 (float32, wall-clock times)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-VARIANTS = [  # one field away from the defaults; ptxas spills in benchmarks/NOTES-dplr.md
+VARIANTS = [  # ptxas spills in benchmarks/NOTES-dplr.md
+    # first, as --limit-s may cut the tail: the issue 20 design study's split_output (the output
+    # products out of the sequential walk: `_fwd_walk` + `_fwd_o`; the KDA walk spills 0 B at a
+    # V-tile of 32 on 8 warps, 248 B at 64)
+    dict(split_output=True), dict(split_output=True, walk_block_v=32, walk_warps=8),
+    dict(split_output=True, walk_block_v=64, walk_warps=8),
+    dict(split_output=True, walk_block_v=32, walk_warps=8, state_block_v=32),
+    # one field away from the defaults
     dict(state_block_v=32), dict(state_block_v=32, state_warps=8), dict(state_warps=8),
     dict(dk_block_k=16), dict(dk_block_k=64), dict(dk_warps=4),
     dict(bwd_block_v=16), dict(bwd_block_v=64),
     dict(dv_block_k=32), dict(dv_warps=4),
     dict(wy_warps=4), dict(wy_block_k=64), dict(pairs_block_k=64), dict(pairs_warps=8),
-    # issue 20 design study (NOTES-dplr.md): the output products out of the sequential walk
-    # (`_fwd_walk` + `_fwd_o`); the KDA walk spills 0 B at V-tile 32 on 8 warps, 248 B at 64
-    dict(split_output=True), dict(split_output=True, walk_block_v=32, walk_warps=8),
-    dict(split_output=True, walk_block_v=64, walk_warps=8), dict(split_output=True, walk_block_v=32, state_block_v=32),
 ]
 
 
@@ -101,26 +104,27 @@ def profile(step) -> list:
 
 
 def accuracy(shape: dict, f32_gates: bool, use_fla: bool) -> dict:
-    """{name: [rel err of o, dq, dk, dv, dg, dbeta]} against the float64 PyTorch path (KDA)."""
+    """{name: [rel err of o, dq, dk, dv, dg, dbeta, final state]} against the float64 PyTorch
+    path (KDA); the final state's yardstick is float32 (design study, NOTES-dplr.md)."""
     env = Env(device=torch.device(DEV), dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, backend="triton")
     xs, do = kda_inputs(shape, env, f32_gates)
     x64 = [x.detach().double().requires_grad_() for x in xs]
-    o64, _ = ops.kda_chunkwise(*x64, backend="torch")
+    o64, s64 = ops.kda_chunkwise(*x64, backend="torch", output_final_state=True)
     o64.backward(do.double())
-    want = [o64.detach()] + [x.grad for x in x64]
-    fns = {"ours": lambda *a: ops.kda_chunkwise(*a, backend="triton")[0],
-           "torch (bf16 inputs)": lambda *a: ops.kda_chunkwise(*a, backend="torch")[0]}
+    want = [o64.detach()] + [x.grad for x in x64] + [s64.detach()]
+    fns = {"ours": lambda *a: ops.kda_chunkwise(*a, backend="triton", output_final_state=True),
+           "torch (bf16 inputs)": lambda *a: ops.kda_chunkwise(*a, backend="torch", output_final_state=True)}
     if use_fla:
         from fla.ops.kda import chunk_kda
 
-        fns["fla chunk_kda"] = lambda *a: chunk_kda(*a)[0]
+        fns["fla chunk_kda"] = lambda *a: chunk_kda(*a, output_final_state=True)
     out = {}
     for name, fn in fns.items():
         for x in xs:
             x.grad = None
-        o = fn(*xs)
+        o, sT = fn(*xs)
         o.backward(do)
-        got = [o.detach()] + [x.grad for x in xs]
+        got = [o.detach()] + [x.grad for x in xs] + [sT.detach()]
         out[name] = [rel(g.double(), w) for g, w in zip(got, want)]
     return out
 
@@ -294,7 +298,8 @@ def main() -> int:
                 acc = next((r for r in mine if r["kind"] == "accuracy"), None)
                 if acc:
                     f.write(f"\nErrors vs the float64 PyTorch path at {acc['shape']}:\n\n"
-                            "| implementation | o | dq | dk | dv | dg | dbeta |\n|---|---|---|---|---|---|---|\n")
+                            "| implementation | o | dq | dk | dv | dg | dbeta | final state |\n"
+                            "|---|---|---|---|---|---|---|---|\n")
                     f.writelines(f"| {n} | " + " | ".join(f"{e:.2e}" for e in errs) + " |\n"
                                  for n, errs in acc["errors"].items())
                 prof = next((r for r in mine if r["kind"] == "profile"), None)
