@@ -48,12 +48,12 @@ def test_model_steps_on_the_fused_blocks_equal_the_float64_steps(monkeypatch, fa
     with torch.no_grad():
         _, st = ref(prompt, return_state=True)
         st32 = [type(s)(*(t.float() for t in s)) for s in st]
-        tokens = torch.randint(0, 64, (3, B))
+        tokens = torch.randint(0, 64, (2, B))   # two steps: the second reads the first's in-place state
         for tok in tokens:
             want, st = ref._step(tok, st)
             got, st32 = fused._step(tok, st32, inplace=True)
             assert (got.double() - want).norm() / want.norm() < 1e-5
     if family == "large":
-        assert calls == ["large_block_step"] * 6
+        assert calls == ["large_block_step"] * 4
     elif not compiled:   # (compiled, the calls happen at trace time)
-        assert calls.count("mlstm_block_step") == 6 and calls.count("slstm_block_step") == 3
+        assert calls.count("mlstm_block_step") == 4 and calls.count("slstm_block_step") == 2
