@@ -76,6 +76,7 @@ def test_aggregate_and_report_on_fake_results(tmp_path):
     paths = pr.write_protocol_report(res, tmp_path, command="xlstm-kit experiment sweep --protocol paper")
     text = paths["report"].read_text()
     assert "0.75 ± 0.25 (lr 0.001, n=2)" in text
+    assert "| parity | xlstm[1:1] | 128 | 0.01 | 0.90, 0.20 | 1/2 |" in text  # every run, not only the mean
     assert "| lstm | 0.17 | 0.30 |" in text  # the paper's Figure 12 value next to ours
     assert "## MQAR T64-N4" in text and text.index("T64-N4") < text.index("T256-N16")
     assert "| transformer | 0.90 ± 0.00 (lr 0.001, n=1) | 1.00 ± 0.00 (lr 0.001, n=1) |" in text
