@@ -426,7 +426,7 @@ def write_protocol_report(results: Sequence[dict[str, Any]], out_dir: str | Path
                         color="white" if not math.isnan(v) and v > 0.6 else "black")
         ax.set_xticks(range(len(tasks)), [t.replace("_", "\n") for t in tasks], fontsize=7)
         ax.set_yticks(range(len(labels)), labels, fontsize=8)
-        ax.set_title("Scaled accuracy, best lr, mean over seeds (0 = chance, 1 = perfect)", fontsize=9)
+        ax.set_title("Scaled accuracy at the best lr,\nmean over runs (0 = chance, 1 = perfect)", fontsize=9)
         fig.tight_layout()
         fig.savefig(out_dir / "figure4.png", dpi=120)
         plt.close(fig)
