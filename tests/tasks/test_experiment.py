@@ -199,3 +199,20 @@ def test_sweep_report_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     paths = write_report([{"kind": "formal", "task": "parity", "model": "lstm", "error": "x"}], tmp_path)
     assert paths["plot"] is None and paths["table"].exists() and not (tmp_path / "heatmap.png").exists()
+
+
+def test_mqar_run_stops_once_converged():
+    from xlstm_kit.tasks.experiment import CONVERGED_LOGS, RunConfig
+
+    # the loss starts near ln(256) = 5.5 and falls below ln(128) = 4.85 once the model predicts
+    # values from the upper half only: 5.0 is crossed early, 1e-6 never
+    cfg = quick_config(steps=400, lr=1e-2, converged_loss=5.0)
+    r = run_mqar("transformer", cfg)
+    losses = [v for _, v in r["losses"]]
+    assert r["converged_at"] == r["steps_done"] < 400 and r["planned_steps"] == 400
+    assert all(v < 5.0 for v in losses[-CONVERGED_LOGS:]) and max(losses) >= 5.0
+    assert not all(v < 5.0 for v in losses[-CONVERGED_LOGS - 1:])  # it stopped at the first chance
+    r = run_mqar("transformer", quick_config(steps=30, lr=1e-2, converged_loss=1e-6))
+    assert r["steps_done"] == 30 and "converged_at" not in r
+    with pytest.raises(ValueError, match="converged_loss"):
+        RunConfig(converged_loss=0.0)
