@@ -362,6 +362,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 # =============================================================================================
 # Model
 # =============================================================================================
+def keep_positions(x: torch.Tensor, logits_to_keep: "int | torch.Tensor") -> torch.Tensor:
+    """The hidden states [B, T, d] at the positions `logits_to_keep` names (see
+    XLSTMLanguageModel.forward), so that the head runs there only: 0 keeps all, an int n the
+    last n, a 1-D tensor those positions of every row, a 2-D [B, n] tensor n positions per row."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        idx = logits_to_keep.to(x.device)
+        if idx.dim() == 2:
+            return x.gather(1, idx.long()[..., None].expand(-1, -1, x.shape[-1]))
+        return x.index_select(1, idx)
+    return x[:, -logits_to_keep:] if logits_to_keep else x
+
+
 class XLSTMLanguageModel(nn.Module):
     """xLSTM language model.
 
@@ -558,7 +570,7 @@ class XLSTMLanguageModel(nn.Module):
 
         logits_to_keep (as in transformers): 0 = every position; an int n > 0 = the last n
         positions (logits [B, n, vocab]); a 1-D tensor of positions = those (logits
-        [B, len, vocab]). A prefill needs one position per prompt, and the head's output over
+        [B, len, vocab]); a 2-D [B, n] tensor = n positions per row (logits [B, n, vocab]). A prefill needs one position per prompt, and the head's output over
         a long prompt would be the largest tensor of the call (T x vocab).
 
         cu_seqlens: None, or int32/int64 [N+1] (0 = cu[0] < ... < cu[N] = T) with tokens [1, T]:
@@ -596,11 +608,7 @@ class XLSTMLanguageModel(nn.Module):
                 new_state.append(s)
             else:
                 x = out
-        if isinstance(logits_to_keep, torch.Tensor):
-            x = x.index_select(1, logits_to_keep.to(x.device))
-        elif logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        logits = head(x)
+        logits = head(keep_positions(x, logits_to_keep))
         return (logits, new_state) if return_state else logits
 
     def step(self, tokens: torch.Tensor, state: ModelState | None = None):

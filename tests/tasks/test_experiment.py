@@ -216,3 +216,31 @@ def test_mqar_run_stops_once_converged():
     assert r["steps_done"] == 30 and "converged_at" not in r
     with pytest.raises(ValueError, match="converged_loss"):
         RunConfig(converged_loss=0.0)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_mqar_head_at_the_query_positions_only_equals_the_masked_loss(name):
+    import numpy as np
+
+    from xlstm_kit.tasks.experiment import _AtPositions, masked_loss, positions_loss
+    from xlstm_kit.tasks.mqar import mqar_batch
+
+    batch = mqar_batch(np.random.default_rng(3), 3, 32, 4, vocab_size=64, spacing="powerlaw")
+    assert batch.positions.shape == (3, 4) and bool(batch.mask.gather(1, batch.positions).all())
+    assert int(batch.mask.sum()) == 12 and bool((batch.positions.diff(dim=1) > 0).all())
+    torch.manual_seed(0)
+    model = build_model(name, 64, d_model=32, n_heads=4).double()
+    full = model(batch.inputs)
+    at = _AtPositions(model)((batch.inputs, batch.positions))
+    assert at.shape == (3, 4, 64)
+    torch.testing.assert_close(at, full.gather(1, batch.positions[..., None].expand(-1, -1, 64)))
+    ref = masked_loss(full, batch)
+    grads_ref = torch.autograd.grad(ref, list(model.parameters()), allow_unused=True)
+    loss = positions_loss(at, batch)
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    torch.testing.assert_close(loss, ref)
+    for g, r in zip(grads, grads_ref):
+        if r is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, r)

@@ -1,5 +1,6 @@
 """Baseline sequence models for the synthetic experiments, with the xLSTM models' interface
-(tokens [B, T] -> logits [B, T, vocab]) and initialisation scheme.
+(tokens [B, T] -> logits [B, T, vocab], `logits_to_keep` as XLSTMLanguageModel.forward's) and
+initialisation scheme.
 
 - ``TransformerLM``: Llama-style: pre-RMSNorm, causal multi-head attention with rotary position
   embeddings (RoPE) through ``scaled_dot_product_attention``, SwiGLU feed-forward.
@@ -14,6 +15,7 @@ from torch import nn
 
 from ..nn.common import GatedFeedForward, round_up, small_init_, wang_init_
 from ..errors import XLSTMKitError
+from ..model import keep_positions
 
 
 def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
@@ -114,13 +116,13 @@ class TransformerLM(nn.Module):
         small_init_(self.embedding.weight, d_model)
         small_init_(self.lm_head.weight, d_model)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, logits_to_keep: "int | torch.Tensor" = 0) -> torch.Tensor:
         _check_tokens(tokens, self.vocab_size)
         x = self.embedding(tokens.long())
         cos, sin = rope_tables(tokens.shape[1], self.head_dim, tokens.device)
         for block in self.blocks:
             x = block(x, cos, sin)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(keep_positions(x, logits_to_keep)))
 
 
 # ============================================================================ LSTM
@@ -155,12 +157,12 @@ class LSTMLM(nn.Module):
         small_init_(self.embedding.weight, d_model)
         small_init_(self.lm_head.weight, d_model)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, logits_to_keep: "int | torch.Tensor" = 0) -> torch.Tensor:
         _check_tokens(tokens, self.vocab_size)
         x = self.embedding(tokens.long())
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(keep_positions(x, logits_to_keep)))
 
 
 class PlainLSTMLM(nn.Module):
@@ -175,7 +177,7 @@ class PlainLSTMLM(nn.Module):
         self.lstm = nn.LSTM(d_model, d_model, num_layers=n_layers, batch_first=True)
         self.lm_head = nn.Linear(d_model, vocab_size)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, logits_to_keep: "int | torch.Tensor" = 0) -> torch.Tensor:
         _check_tokens(tokens, self.vocab_size)
         h, _ = self.lstm(self.embedding(tokens.long()))
-        return self.lm_head(h)
+        return self.lm_head(keep_positions(h, logits_to_keep))

@@ -262,6 +262,24 @@ def masked_loss_static(logits: torch.Tensor, batch: TaskBatch) -> torch.Tensor:
     return (ce * weight).sum() / weight.sum()
 
 
+def positions_loss(logits: torch.Tensor, batch: TaskBatch) -> torch.Tensor:
+    """masked_loss for logits [B, n, V] taken at batch.positions [B, n] only (static shapes)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.gather(1, batch.positions).flatten())
+
+
+class _AtPositions(nn.Module):
+    # model(tokens, logits_to_keep=positions): MQAR scores 16 of 256 positions per row, and the
+    # output head over its 8192-token vocabulary is most of a small model's step when it runs
+    # at every position (logits [B, T, 8192], their softmax and its gradient)
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens, positions = inputs
+        return self.model(tokens, logits_to_keep=positions)
+
+
 def _loss_itself(loss: torch.Tensor, _target) -> torch.Tensor:
     return loss  # the compiled step's module returns the loss already
 
@@ -340,7 +358,12 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
         step, log.losses, seconds_before = ck["step"], ck["losses"], ck["seconds"]
         sched = dataclasses.replace(sched, steps=ck["steps"], warmup_steps=ck["warmup_steps"])
         time_budget_s = None if time_budget_s is None else max(0.0, time_budget_s - seconds_before)
-    compiled = CompiledLoss(model, masked_loss_static, device, hint=NO_COMPILE_HINT) if cfg.compiles else None
+    # batches with per-row scored positions (MQAR) run the head at those positions only
+    at_positions = sample(np.random.default_rng(0)).positions is not None
+    net = _AtPositions(model) if at_positions else model
+    inputs_of = (lambda b: (b.inputs, b.positions)) if at_positions else (lambda b: b.inputs)  # noqa: E731
+    compiled = (CompiledLoss(net, positions_loss if at_positions else masked_loss_static, device,
+                             hint=NO_COMPILE_HINT) if cfg.compiles else None)
     clock, compile_s = CompileClock(compiled is not None), None
     # compilation and any fallback fall in the first SETTLE_CALLS steps: never timed as step time
     budget = TimeBudget(time_budget_s, skip_steps=step + max(5, CompiledLoss.SETTLE_CALLS + 2), device=device)
@@ -352,10 +375,11 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
             batch = (batch.pin_memory() if device.type == "cuda" else batch).to(device)
             kw = dict(lr=lr_at(step, sched), precision=cfg.precision, grad_clip=cfg.grad_clip)
             if compiled is None:
-                loss = train_step(model, opt, [(batch.inputs, batch)], masked_loss, **kw).loss
+                loss = train_step(net, opt, [(inputs_of(batch), batch)],
+                                  positions_loss if at_positions else masked_loss, **kw).loss
             else:
                 t0 = time.perf_counter()
-                loss = compiled.run(lambda m: train_step(m, opt, [((batch.inputs, batch), None)], _loss_itself, **kw),
+                loss = compiled.run(lambda m: train_step(m, opt, [((inputs_of(batch), batch), None)], _loss_itself, **kw),
                                     undo=lambda: opt.zero_grad(set_to_none=True)).loss
                 if len(clock.times) < 2:  # the first two steps, timed to the end of their device work
                     if device.type == "cuda":

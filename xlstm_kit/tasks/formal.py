@@ -242,15 +242,22 @@ class TaskBatch:
     targets: torch.Tensor
     mask: torch.Tensor
     lengths: torch.Tensor
+    positions: torch.Tensor | None = None
+    """[B, n] long: the scored positions of each row in order, where every row has n of them
+    (MQAR), else None. The training step then runs the output head there only."""
+
+    def _map(self, fn) -> "TaskBatch":
+        return TaskBatch(*(None if t is None else fn(t)
+                           for t in (self.inputs, self.targets, self.mask, self.lengths, self.positions)))
 
     def to(self, device) -> "TaskBatch":
-        return TaskBatch(*(t.to(device, non_blocking=True) for t in (self.inputs, self.targets, self.mask, self.lengths)))
+        return self._map(lambda t: t.to(device, non_blocking=True))
 
     def pin_memory(self) -> "TaskBatch":
         """In page-locked host memory: only from there does `to(cuda)` return before the copy
         is done (from pageable memory it waits for the device's queue), so a training loop
         without other host reads can prepare the next batch while the device works."""
-        return TaskBatch(*(t.pin_memory() for t in (self.inputs, self.targets, self.mask, self.lengths)))
+        return self._map(torch.Tensor.pin_memory)
 
 
 def make_batch(task: FormalTask, rng: np.random.Generator, lengths: Sequence[int], pad_to: int | None = None,

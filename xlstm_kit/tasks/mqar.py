@@ -62,7 +62,8 @@ def check_mqar_shape(seq_len: int, num_pairs: int, vocab_size: int = VOCAB_SIZE)
 def mqar_batch(rng: np.random.Generator, batch_size: int, seq_len: int, num_pairs: int,
                vocab_size: int = VOCAB_SIZE, spacing: str = "uniform") -> TaskBatch:
     """A batch of MQAR sequences: inputs, targets [B, seq_len] long, mask [B, seq_len] bool
-    (the query positions), lengths [B] (= seq_len). `spacing`: see the module doc."""
+    (the query positions), lengths [B] (= seq_len), positions [B, num_pairs] (the query
+    positions, ascending). `spacing`: see the module doc."""
     check_mqar_shape(seq_len, num_pairs, vocab_size)
     if spacing not in SPACINGS:
         raise XLSTMKitError(f"spacing must be one of {', '.join(SPACINGS)}, got {spacing!r}")
@@ -87,4 +88,4 @@ def mqar_batch(rng: np.random.Generator, batch_size: int, seq_len: int, num_pair
     targets[rows, slots] = values[rows, order]
     mask[rows, slots] = True
     return TaskBatch(torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(mask),
-                     torch.full((B,), T, dtype=torch.long))
+                     torch.full((B,), T, dtype=torch.long), torch.from_numpy(slots.astype(np.int64)))
