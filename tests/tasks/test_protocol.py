@@ -40,6 +40,11 @@ def test_mqar_grid_expansion():
     assert {j.task for j in pr.mqar_plan(["lstm"], pr.PROTOCOLS["paper"], "zoology")} == {"T64-N4", "T128-N8", "T256-N16"}
     with pytest.raises(XLSTMKitError, match="setting"):
         pr.mqar_plan(["lstm"], pr.PROTOCOLS["paper"], "fig9")
+    one = pr.mqar_plan(["lstm"], pr.PROTOCOLS["paper"], "zoology", shapes=[(256, 16)], widths=[128])
+    assert {j.task for j in one} == {"T256-N16"} and len(one) == 4 * 2
+    assert one[0].config["converged_loss"] == pr.MQAR_CONVERGED_LOSS
+    with pytest.raises(XLSTMKitError, match="too short"):
+        pr.mqar_plan(["lstm"], pr.PROTOCOLS["paper"], "zoology", shapes=[(32, 16)])
 
 
 def test_finished_runs_are_skipped(tmp_path, monkeypatch):
@@ -171,3 +176,13 @@ def test_cli_stop_after_needs_the_protocol(tmp_path, capsys):
             "--out", str(tmp_path / "x")]
     assert main(args) == 2
     assert "--stop-after needs --protocol" in capsys.readouterr().err
+
+
+def test_cli_protocol_one_mqar_shape(tmp_path, capsys):
+    base = ["experiment", "mqar", "--model", "lstm-plain", "--protocol", "quick", "--steps", "2", "--seeds", "0",
+            "--lrs", "1e-3", "--widths", "16", "--device", "cpu"]
+    out = tmp_path / "one"
+    assert main(base + ["--seq-len", "48", "--pairs", "6", "--out", str(out)]) == 0
+    assert [p.stem for p in (out / "runs").glob("*.json")] == ["mqar__T48-N6__lstm-plain__d16__lr0.001__s0"]
+    assert main(base + ["--pairs", "6", "--out", str(tmp_path / "x")]) == 2
+    assert "--seq-len and --pairs go together" in capsys.readouterr().err

@@ -86,7 +86,9 @@ def add_parser(sub) -> None:
         p.add_argument("--lr", type=_positive_float, default=None, metavar="X",
                        help="peak learning rate (default: 3e-3 formal, 1e-3 MQAR)")
         p.add_argument("--d-model", type=_positive_int, default=None, metavar="N", help="width of every model")
-        p.add_argument("--seq-len", type=_positive_int, default=None, metavar="N", help="MQAR sequence length")
+        p.add_argument("--seq-len", type=_positive_int, default=None, metavar="N",
+                       help="MQAR sequence length (with --protocol and --pairs: the one shape to run, "
+                            "instead of every shape of the setting)")
         p.add_argument("--pairs", type=_positive_int, default=None, metavar="N", help="MQAR key-value pairs")
         p.add_argument("--seed", type=_nonneg_int, default=None, metavar="N")
         p.add_argument("--eval-samples", type=_positive_int, default=None, metavar="N",
@@ -329,10 +331,12 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
     from .formal import task_set
 
     proto = pr.get_protocol(args.protocol)
-    clash = [o for o, v in (("--lr", args.lr), ("--seed", args.seed), ("--seq-len", args.seq_len),
-                            ("--pairs", args.pairs), ("--quick", args.quick)) if v]
+    clash = [o for o, v in (("--lr", args.lr), ("--seed", args.seed), ("--quick", args.quick)) if v]
     if clash:
         raise UsageError(f"{', '.join(clash)} do not apply with --protocol (it sets them: use --lrs, --seeds, --setting)")
+    if (args.seq_len is None) != (args.pairs is None):
+        raise UsageError("with --protocol, --seq-len and --pairs go together (the one MQAR shape to run)")
+    shapes = None if args.seq_len is None else [(args.seq_len, args.pairs)]
     lrs = _numbers(args.lrs, float, "--lrs")
     seeds = _numbers(args.seeds, int, "--seeds")
     overrides = {k: v for k, v in {"steps": args.steps, "batch_size": args.batch_size, "precision": args.precision,
@@ -349,7 +353,7 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
     if args.experiment == "mqar" or (args.experiment == "sweep" and not args.no_mqar):
         widths = _numbers(args.widths, int, "--widths") or ([args.d_model] if args.d_model else None)
         jobs += pr.mqar_plan(models, proto, args.setting or "zoology", widths=widths, lrs=lrs, seeds=seeds,
-                             overrides=overrides)
+                             overrides=overrides, shapes=shapes)
     out.mkdir(parents=True, exist_ok=True)
     (out / ex.COMMAND_FILE).write_text(command + "\n")
     todo = [j for j in jobs if not pr.finished(j, out / "runs")]

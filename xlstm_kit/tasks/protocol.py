@@ -157,16 +157,19 @@ def formal_plan(tasks: Sequence[str], models: Sequence[str], protocol: Protocol,
 
 def mqar_plan(models: Sequence[str], protocol: Protocol, setting: str, *, widths: Sequence[int] | None = None,
               lrs: Sequence[float] | None = None, seeds: Sequence[int] | None = None,
-              overrides: dict[str, Any] | None = None) -> list[Job]:
-    """Jobs of an MQAR setting (mqar.MQAR_SETTINGS): shapes x widths x models x lrs x seeds."""
+              overrides: dict[str, Any] | None = None,
+              shapes: Sequence[tuple[int, int]] | None = None) -> list[Job]:
+    """Jobs of an MQAR setting (mqar.MQAR_SETTINGS): shapes x widths x models x lrs x seeds;
+    `shapes`: (seq_len, pairs) pairs to run instead of the setting's (and the protocol's)."""
     from .experiment import check_model_name
-    from .mqar import MQAR_SETTINGS
+    from .mqar import MQAR_SETTINGS, check_mqar_shape
 
     if setting not in MQAR_SETTINGS:
         raise XLSTMKitError(f"unknown MQAR setting {setting!r}; choose one of {', '.join(MQAR_SETTINGS)}")
     s = MQAR_SETTINGS[setting]
     jobs = []
-    for T, N in protocol.mqar_shapes or s["shapes"]:
+    for T, N in shapes or protocol.mqar_shapes or s["shapes"]:
+        check_mqar_shape(int(T), int(N), int(protocol.mqar.get("mqar_vocab", 8192)))
         for d in widths or protocol.mqar_widths or s["widths"]:
             for m in models:
                 for lr in lrs or protocol.mqar_lrs:
