@@ -19,8 +19,9 @@ with float32 gates (the inputs of `xlstm-kit bench`, `xlstm_kit.bench.registry`)
    WY, both state kernels) as single-pass TF32 instead of 3-pass, and of that with the "bf16"
    low-precision groups; a probe (the launch tuple patched), not a configuration.
 Rows are written to $OUT/dplr_tune.jsonl as they are measured (a run cut short keeps them);
-$OUT/dplr_tune.md has the tables. fla's times are `xlstm-kit bench --suite ops --case
-dplr_chunkwise --peers` (its first compile takes minutes: another call).
+$OUT/dplr_tune.md has the tables. With --fla, each case also profiles and times fla's
+counterpart (chunk_kda, chunk_dplr_delta_rule) on the same inputs, right after our default;
+its first compile takes minutes.
 """
 from __future__ import annotations
 
@@ -191,9 +192,29 @@ def _faulted(e: Exception) -> bool:
     return "illegal memory access" in str(e) or "CUDA error" in str(e) or type(e).__name__ == "AcceleratorError"
 
 
-def child(out: str, op: str, f32: bool, shape: dict, start: int, limit_s: float, t0: float) -> int:
+def fla_rows(op: str, f32: bool, shape: dict) -> list[dict]:
+    """fla's counterpart of `op` on the same inputs (`xlstm_kit.bench.peers`): its kernels of one
+    forward + backward (torch.profiler, as `profile`) and its fwd+bwd ms, so that every kernel
+    of ours has a target measured in the same call. The first call compiles (minutes)."""
+    from xlstm_kit.bench import peers, registry
+
+    env = Env(device=torch.device(DEV), dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, backend="triton")
+    build = peers._fla_kda if op == "kda_chunkwise" else peers._fla_dplr
+    timed = build(op + (registry.F32_GATES if f32 else ""), shape, env)
+    t1 = time.time()
+    timed.fwbw()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    first_s = round(time.time() - t1, 1)
+    return [dict(kind="profile", who="fla", kernels=profile(timed.fwbw)),
+            dict(kind="time", config="fla", ms=bench(timed.fwbw), compile_s=first_s)]
+
+
+def child(out: str, op: str, f32: bool, shape: dict, start: int, limit_s: float, t0: float,
+          use_fla: bool = False) -> int:
     """One (op, gate dtype) case from VARIANTS[start] on (the profile and the default first when
-    start is 0), rows appended to dplr_tune.jsonl; exits FAULT after a CUDA fault."""
+    start is 0, and with `use_fla` fla's profile and time), rows appended to dplr_tune.jsonl;
+    exits FAULT after a CUDA fault."""
     log = open(os.path.join(out, "dplr_tune.jsonl"), "a")
 
     def emit(row):
@@ -206,6 +227,12 @@ def child(out: str, op: str, f32: bool, shape: dict, start: int, limit_s: float,
     if start == 0:
         emit(dict(case, kind="profile", kernels=profile(step)))
         emit(dict(case, kind="time", config="default", ms=bench(step)))
+        if use_fla:
+            try:
+                for row in fla_rows(op, f32, shape):
+                    emit(dict(case, **row))
+            except Exception as e:  # noqa: BLE001 - reported in the row (not installed, say)
+                emit(dict(case, kind="error", config="fla", why=f"{type(e).__name__}: {str(e)[:200]}"))
     for v in VARIANTS[start:]:
         if time.time() - t0 > limit_s:
             emit(dict(case, kind="skipped", config=v, why="--limit-s"))
@@ -235,14 +262,15 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="a small shape (a smoke run)")
     ap.add_argument("--limit-s", type=float, default=540, help="start no new measurement after this many seconds")
-    ap.add_argument("--fla", action="store_true", help="fla's chunk_kda in the error table (its first compile: minutes)")
+    ap.add_argument("--fla", action="store_true", help="fla in the same call: its kernels' profile and fwd+bwd ms per "
+                    "case, and chunk_kda in the error table (its first compile: minutes)")
     ap.add_argument("--probe-prec", action="store_true", help="only section 4: the precision probe (KDA)")
     ap.add_argument("--child", help=argparse.SUPPRESS)   # "op,f32,start,t0": one case in a child process
     a = ap.parse_args()
     shape = QUICK if a.quick else SHAPE
     if a.child:
         op, f32, start, t0 = a.child.split(",")
-        return child(a.out, op, f32 == "1", shape, int(start), a.limit_s, float(t0))
+        return child(a.out, op, f32 == "1", shape, int(start), a.limit_s, float(t0), a.fla)
     os.makedirs(a.out, exist_ok=True)
     if a.probe_prec:
         rows = probe_prec(a.out, shape, False)   # bf16 gates: the float32-gate case differs in the dk group only
@@ -259,7 +287,8 @@ def main() -> int:
             start = 0
             while start <= len(VARIANTS):
                 cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--limit-s", str(a.limit_s),
-                       "--child", f"{op},{int(f32)},{start},{t0}"] + (["--quick"] if a.quick else [])
+                       "--child", f"{op},{int(f32)},{start},{t0}"] + (["--quick"] if a.quick else []) \
+                    + (["--fla"] if a.fla and start == 0 else [])
                 rc = subprocess.run(cmd).returncode
                 if rc != FAULT:
                     break
@@ -302,9 +331,9 @@ def main() -> int:
                             "|---|---|---|---|---|---|---|---|\n")
                     f.writelines(f"| {n} | " + " | ".join(f"{e:.2e}" for e in errs) + " |\n"
                                  for n, errs in acc["errors"].items())
-                prof = next((r for r in mine if r["kind"] == "profile"), None)
-                if prof:
-                    f.write("\n| kernel (default config) | launches | ms | % |\n|---|---|---|---|\n")
+                for prof in (r for r in mine if r["kind"] == "profile"):
+                    who = "fla" if prof.get("who") == "fla" else "ours, default config"
+                    f.write(f"\n| kernel ({who}) | launches | ms | % |\n|---|---|---|---|\n")
                     f.writelines(f"| `{k}` | {n} | {ms} | {pc} |\n" for k, n, ms, pc in prof["kernels"][:20])
                 f.write("\n")
     return 0
