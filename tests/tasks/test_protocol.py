@@ -186,3 +186,11 @@ def test_cli_protocol_one_mqar_shape(tmp_path, capsys):
     assert [p.stem for p in (out / "runs").glob("*.json")] == ["mqar__T48-N6__lstm-plain__d16__lr0.001__s0"]
     assert main(base + ["--pairs", "6", "--out", str(tmp_path / "x")]) == 2
     assert "--seq-len and --pairs go together" in capsys.readouterr().err
+
+
+def test_cli_protocol_sweep_mqar_only(tmp_path):
+    out = tmp_path / "mq"
+    assert main(["experiment", "sweep", "--tasks", "none", "--models", "lstm-plain", "--protocol", "quick",
+                 "--steps", "2", "--seeds", "0", "--lrs", "1e-3", "--widths", "16", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    assert [p.stem for p in (out / "runs").glob("*.json")] == ["mqar__T64-N4__lstm-plain__d16__lr0.001__s0"]

@@ -52,7 +52,7 @@ def add_parser(sub) -> None:
     mq = kinds.add_parser("mqar", help="one model on multi-query associative recall", formatter_class=_Formatter)
     mq.add_argument("--model", required=True, help="xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer or lstm")
     sw = kinds.add_parser("sweep", help="every task x model; writes table.md and heatmap.png", formatter_class=_Formatter)
-    sw.add_argument("--tasks", default=None, help="comma-separated formal tasks (default: all)")
+    sw.add_argument("--tasks", default=None, help="comma-separated formal tasks (default: all; 'none': MQAR only)")
     sw.add_argument("--models", default=None, help="comma-separated models (default: all)")
     sw.add_argument("--no-mqar", action="store_true", help="formal tasks only")
     sw.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
@@ -282,7 +282,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         print(result_line(r))
         return 0
 
-    tasks = _split(args.tasks) if args.tasks else list(ex.TASKS)
+    tasks = _tasks(args.tasks, ex.TASKS)
     models = _split(args.models) if args.models else list(ex.MODEL_NAMES)
     for t in tasks:
         get_task(t)
@@ -311,6 +311,13 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 # --protocol: the paper's grid
 # --------------------------------------------------------------------------------------------
+
+
+def _tasks(text: str | None, default) -> list[str]:
+    """--tasks: the names given, every task of `default` without it, none for "none"."""
+    if text is not None and text.strip().lower() == "none":
+        return []
+    return _split(text) if text else list(default)
 
 
 def _numbers(text: str | None, kind, option: str) -> list | None:
@@ -346,8 +353,7 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
         _split(args.models) if args.models else list(ex.MODEL_NAMES))
     jobs = []
     if args.experiment in ("formal", "sweep"):
-        tasks = [args.task] if args.experiment == "formal" else (
-            _split(args.tasks) if args.tasks else list(task_set("paper")))
+        tasks = [args.task] if args.experiment == "formal" else _tasks(args.tasks, task_set("paper"))
         f_over = dict(overrides, **({"d_model": args.d_model} if args.d_model else {}))
         jobs += pr.formal_plan(tasks, models, proto, lrs=lrs, seeds=seeds, overrides=f_over)
     if args.experiment == "mqar" or (args.experiment == "sweep" and not args.no_mqar):
