@@ -1,9 +1,13 @@
 """Helpers shared by the DPLR kernels: the low-precision product `_mm`, the one offset rule, the
 reference-point decay factors of a pair-matrix column block and the accumulator set `_zeros4`.
 
-Every tensor the kernels address is a contiguous [N, T, D] array (inputs and scratch in the chunk
-layout [B·H, Tp, D], pair matrices [B·H·NC, L, L], chunk states [B·H·NC, K, V]); `_offs` gives
-the flat offsets of one [rows, cols] tile of it and `_row` those of one row.
+Every tensor the kernels address is a contiguous [N, T, D] array (scratch in the chunk layout
+[B·H, Tp, D], pair matrices [B·H·NC, L, L], chunk states [B·H·NC, K, V]); `_offs` gives the flat
+offsets of one [rows, cols] tile of it and `_row` those of one row. The inputs and outputs of the
+KDA op stay in the caller's contiguous [B, T, H, D] layout (row stride H·D; β [B, T, H]) and are
+addressed by the second rule `_x_offs` / `_x_row`: no layout copies around the kernels, and the
+steps ≥ T of the last, padded chunk are masked on load (read as the zeros the chunk layout's
+padding held) and on store. The general DPLR op still passes the chunk layout (`SEQ` off).
 
 Packed sequences (VARLEN, cu_seqlens; B = 1, Tp = T, no padding): chunk n is the table row
 (sequence, first row t0, end row) of mlstm/triton/varlen.py, so a chunk never crosses a boundary.
@@ -32,6 +36,62 @@ def _offs(n, t0, rows, cols, T, D):
 def _row(n, t, cols, T, D):
     """Offsets of row t, columns `cols`, of item n of a contiguous [N, T, D] array."""
     return (n * T + t) * D + cols
+
+
+@triton.jit
+def _x_row(bh, t0, rows, T, H):
+    """Flat row indices of steps t0 + rows of head bh % H, batch bh // H, in a contiguous
+    [B, T, H, ·] array (the caller's layout)."""
+    return (bh // H * T + t0 + rows) * H + bh % H
+
+
+@triton.jit
+def _x_offs(bh, t0, rows, cols, T, H, D):
+    """Offsets of the tile [t0 + rows, cols] of head b·h of a contiguous [B, T, H, D] array."""
+    return _x_row(bh, t0, rows, T, H)[:, None] * D + cols[None, :]
+
+
+@triton.jit
+def _x_ld(x, bh, t0, rows, cols, nv, T, H, D):
+    """That tile, zeros at rows ≥ nv (past a packed sequence's end) and steps ≥ T (the padded
+    last chunk)."""
+    m = (rows < nv) & (t0 + rows < T)
+    return tl.load(x + _x_offs(bh, t0, rows, cols, T, H, D), mask=m[:, None], other=0.0)
+
+
+@triton.jit
+def _x_ld1(x, bh, t0, rows, nv, T, H):
+    """Steps t0 + rows of head b·h of a contiguous [B, T, H] array (β), masked as `_x_ld`."""
+    return tl.load(x + _x_row(bh, t0, rows, T, H), mask=(rows < nv) & (t0 + rows < T), other=0.0)
+
+
+@triton.jit
+def _x_st(x, val, bh, t0, rows, cols, nv, T, H, D):
+    """Stores the tile `val` at [t0 + rows, cols] of head b·h of a contiguous [B, T, H, D] array
+    (cast to its dtype), only at valid rows and steps < T."""
+    m = (rows < nv) & (t0 + rows < T)
+    tl.store(x + _x_offs(bh, t0, rows, cols, T, H, D), val, mask=m[:, None])
+
+
+@triton.jit
+def _ld_io(x, p, m, bh, t0, rows, cols, nv, T, H, D, VARLEN: tl.constexpr, SEQ: tl.constexpr):
+    """An input tile of a kernel shared with the general op: in the caller's layout with SEQ
+    (`_x_ld`), else `_ld(x + p, m)` at the chunk-layout offsets p (the general op's code as it was:
+    the same offsets serve its scratch)."""
+    if SEQ:
+        r = _x_ld(x, bh, t0, rows, cols, nv, T, H, D)
+    else:
+        r = _ld(x + p, m, VARLEN)
+    return r
+
+
+@triton.jit
+def _st_io(x, val, p, m, bh, t0, rows, cols, nv, T, H, D, VARLEN: tl.constexpr, SEQ: tl.constexpr):
+    """An output tile of a kernel shared with the general op, placed as `_ld_io` reads."""
+    if SEQ:
+        _x_st(x, val, bh, t0, rows, cols, nv, T, H, D)
+    else:
+        _st(x + p, val, m, VARLEN)
 
 
 @triton.jit
