@@ -16,7 +16,7 @@ is reduced inside the kernels: δβ = Σ_v δ(βv)·v (`_bwd_dv_kda`, all of V i
 differs in two loads and one product); `_bwd_state` runs with Kd for Ad and A_qk for A_qa. A_qk feeds the state path here (as A_qa), so it is built at float32 accuracy, not LO.
 
 q, k, v, β and δO are read, and δq, δk, δv, δg written, in the caller's [B, T, H, ·] layout
-(`_x_offs`, common.py: T, H the caller's sizes); the scratch stays in the chunk layout.
+(`_x_ld`, common.py: T, H the caller's sizes); the scratch stays in the chunk layout.
 """
 from __future__ import annotations
 

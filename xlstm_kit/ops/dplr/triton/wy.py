@@ -23,7 +23,7 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
     (= Kd) is not stored, and Cm receives β v + Cm (the state pass's U = β v + V2 is then
     Cm − W h: `_fwd_state` reads neither v nor β).
     SEQ (the KDA op): q, k, a, b, v [B, T, H, ·] and beta [B, T, H] in the caller's layout
-    (common.py, `_x_offs`; T, H its sizes)."""
+    (common.py, `_x_ld`; T, H its sizes)."""
     n = tl.program_id(0)
     bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(1), L, VARLEN)
     if seq < 0:
