@@ -123,8 +123,8 @@ _fwd_op.register_fake(lambda *a: _forward(*a, launch=False))
 
 _bwd_op = torch.library.custom_op(
     "xlstm_kit::kda_chunkwise_bwd", lambda *a: _backward(*a), mutates_args=(),
-    schema=f"({_tensors(('q', 'k', 'v', 'beta') + _SAVED)}, Tensor? do, Tensor? dhT, int B, int T, float scale, "
-           f"int chunk_size, ScalarType g_dtype, ScalarType beta_dtype, ScalarType? h0_dtype, "
+    schema=f"({_tensors(('q', 'k', 'v', 'beta') + _SAVED)}, Tensor? do, Tensor? dhT, int B, int T, "
+           f"float scale, int chunk_size, ScalarType g_dtype, ScalarType beta_dtype, ScalarType? h0_dtype, "
            f"str config) -> ({_tensors(_GRADS)})")
 _bwd_op.register_fake(lambda *a: _backward(*a, launch=False))
 
