@@ -11,12 +11,12 @@ from xlstm_kit.ops.dplr.triton.backward import _bwd_dk, _bwd_dv
 from xlstm_kit.ops.dplr.triton.common import SUB
 from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig, resolve
 from xlstm_kit.ops.dplr.triton.kda import _bwd_dk_kda, _bwd_dv_kda, _fwd_pairs_kda
-from xlstm_kit.ops.dplr.triton.pairs import _fwd_pairs
+from xlstm_kit.ops.dplr.triton.pairs import _fwd_gamma, _fwd_pairs
 from xlstm_kit.ops.dplr.triton.state import _bwd_state, _fwd_o, _fwd_state, _fwd_walk
 from xlstm_kit.ops.dplr.triton.wy import _fwd_wy
 
-BF16 = {"q", "k", "v", "a", "b", "O", "dO", "dv", "dq", "dk", "da", "db", "beta", "dg"}
-SCALARS = {"Tp": "i32", "NC": "i32", "H": "i32", "scale": "fp32"}
+BF16 = {"q", "k", "v", "a", "b", "O", "dO", "dv", "dq", "dk", "da", "db", "beta", "dg", "gk"}
+SCALARS = {"Tp": "i32", "NC": "i32", "H": "i32", "T": "i32", "scale": "fp32"}
 
 
 def build(name, fn, consts, num_warps, gate="*bf16"):
@@ -45,15 +45,17 @@ def main(K=128, V=128, L=64):
     full = resolve(DPLRKernelConfig(), K, V, L, False)
     mixed = resolve(DPLRKernelConfig(lowp_outputs="o,dv"), K, V, L, False)
     c = full
-    base = dict(K=K, V=V, L=L, S=SUB, PREC=c.prec, VARLEN=False, KDA=False)
+    base = dict(K=K, V=V, L=L, S=SUB, PREC=c.prec, VARLEN=False, KDA=False, SEQ=False)
     print(f"K={K} V={V} L={L}")
+    build("_fwd_gamma", _fwd_gamma, dict(K=K, L=L, BK=min(K, 64), VARLEN=False), 4)
     build("_fwd_pairs", _fwd_pairs, dict(base, BK=c.pairs_bk, LO=c.lo_qk), c.pairs_warps)
     build("_fwd_pairs_kda", _fwd_pairs_kda, dict(base, BK=c.pairs_bk), c.pairs_warps)
     build("_fwd_wy", _fwd_wy, dict(base, BK=c.wy_bk, BV=c.wy_bv), c.wy_warps)
-    build("_fwd_wy KDA", _fwd_wy, dict(base, BK=c.wy_bk, BV=c.wy_bv, KDA=True), c.wy_warps)
+    # the KDA op reads and writes the caller's [B, T, H, ·] layout (SEQ)
+    build("_fwd_wy KDA", _fwd_wy, dict(base, BK=c.wy_bk, BV=c.wy_bv, KDA=True, SEQ=True), c.wy_warps)
     st = dict(base, BV=c.state_bv, HAS_H0=True, LO=c.lo_o)
     build("_fwd_state", _fwd_state, st, c.state_warps)
-    build("_fwd_state KDA", _fwd_state, dict(st, KDA=True), c.state_warps)
+    build("_fwd_state KDA", _fwd_state, dict(st, KDA=True, SEQ=True), c.state_warps)
     # split_output: the walk without the output products (`_fwd_walk`), at 16 and 32 columns, and `_fwd_o`
     walk = dict(base, BV=c.state_bv, HAS_H0=True)
     build("_fwd_walk", _fwd_walk, walk, c.state_warps)
@@ -61,8 +63,9 @@ def main(K=128, V=128, L=64):
     build("_fwd_walk KDA, V-tile 32, 8 warps", _fwd_walk, dict(walk, KDA=True, BV=32), 8)
     build("_fwd_walk KDA, V-tile 64, 8 warps", _fwd_walk, dict(walk, KDA=True, BV=64), 8)
     build("_fwd_o", _fwd_o, dict(base, BK=c.o_bk, BV=c.o_bv, LO=c.lo_o), c.o_warps)
-    build("_fwd_o KDA", _fwd_o, dict(base, BK=c.o_bk, BV=c.o_bv, LO=c.lo_o, KDA=True), c.o_warps)
+    build("_fwd_o KDA", _fwd_o, dict(base, BK=c.o_bk, BV=c.o_bv, LO=c.lo_o, KDA=True, SEQ=True), c.o_warps)
     build("_bwd_state", _bwd_state, dict(base, BV=c.state_bv, HAS_DHT=True), c.state_warps)
+    build("_bwd_state KDA", _bwd_state, dict(base, BV=c.state_bv, HAS_DHT=True, SEQ=True), c.state_warps)
     for tag, x in (("", full), (" mixed", mixed)):
         dv = dict(base, BK=x.dv_bk, BV=x.bwd_bv, LO=x.lo_dk, LV=x.lo_dv, LG=x.lo_gc)
         dk = dict(base, BK=x.dk_bk, BV=x.bwd_bv, LO=x.lo_dk)

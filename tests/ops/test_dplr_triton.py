@@ -344,6 +344,41 @@ def test_kda_through_the_kernels_matches_reference(T, L, V, gmin, h0):
         assert rel_err(x, y) < 1e-5, name
 
 
+@pytest.mark.parametrize("dtype,split", [(torch.float32, False), (torch.float16, True)])
+def test_kda_reads_and_writes_the_callers_layout(dtype, split):
+    # the KDA kernels read q, k, v, g, β, δO and write o, δq, δk, δv, δg in the caller's
+    # [B, T, H, ·] layout (no layout copies): B, H > 1, T not a multiple of the chunk (the masked
+    # steps ≥ T of the last chunk), two K-tiles of `_bwd_dk_kda`, strided inputs and δO (a
+    # [B, H, T, D] buffer seen as [B, T, H, D]) equal to the same values contiguous, and both
+    # against the float64 recurrence; float16 q, k, v, β with float32 g and h0 as the mixed case,
+    # with `_fwd_o` writing o (split_output)
+    B, T, H, K, V, L = 2, 37, 3, 32, 16, 16
+    q = torch.randn(B, T, H, K, device=DEV).to(dtype)
+    k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, V, device=DEV).to(dtype)
+    g = torch.rand(B, T, H, K, device=DEV) * -3.0
+    beta = torch.rand(B, T, H, device=DEV).to(dtype)
+    s0, do, dsT = (torch.randn(*sh, device=DEV) for sh in ((B, H, K, V), (B, T, H, V), (B, H, K, V)))
+    xs = [q, k, v, g, beta]
+    strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs + [do]]
+    assert not any(x.is_contiguous() for x in strided)
+    cfg = DPLRKernelConfig(split_output=split, o_block_v=16, dk_block_k=16)
+    o, sT, gr = run(kda_chunkwise_triton, strided[:5], s0, strided[5], dsT, chunk_size=L, config=cfg)
+    o_c, sT_c, gr_c = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L, config=cfg)
+    assert torch.equal(o, o_c) and torch.equal(sT, sT_c) and all(torch.equal(x, y) for x, y in zip(gr, gr_c))
+    assert o.dtype == dtype and [x.dtype for x in gr] == [dtype] * 3 + [torch.float32, dtype, torch.float32]
+    ys = [x.detach().double().requires_grad_() for x in xs + [s0]]
+    bb = ys[4].unsqueeze(-1)
+    ro, rsT = dplr_recurrent(ys[0], ys[1], ys[2] * bb, ys[1], ys[1] * bb, ys[3], initial_state=ys[5],
+                             output_final_state=True)
+    # δo reaches the kernels in o's dtype
+    rg = torch.autograd.grad((ro * do.to(dtype).double()).sum() + (rsT * dsT.double()).sum(), ys)
+    tol = lambda x: 1e-5 if x.dtype == torch.float32 else 2e-3  # noqa: E731   (float16: its rounding)
+    assert rel_err(o, ro) < tol(o) and rel_err(sT, rsT) < 2e-6
+    for name, x, y in zip(["q", "k", "v", "g", "beta", "h0"], gr, rg):
+        assert rel_err(x, y) < tol(x), name
+
+
 def test_kda_low_precision_products_keep_the_state_exact():
     # the KDA kernels' three groups of low-precision products (o; δv with δβ's v part; the K side)
     # under lowp="fp16" with all-float16 inputs: within 5x of the PyTorch op's error (as the DPLR

@@ -24,7 +24,7 @@ from ..naive import check_chunk, check_dplr_inputs, check_scale
 from .backward import _bwd_dk, _bwd_dv
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
-from .pairs import _fwd_gamma_varlen, _fwd_pairs
+from .pairs import _fwd_gamma, _fwd_pairs
 from .state import _bwd_state, _fwd_o, _fwd_state, _fwd_walk
 from .wy import _fwd_wy
 
@@ -62,14 +62,6 @@ def _seq_layout(x: torch.Tensor, B: int, H: int, T: int) -> torch.Tensor:
     """[B·H, Tp, D] → [B, T, H, D] view (inverse of _chunk_layout)."""
     _, Tp, D = x.shape
     return x.view(B, H, Tp, D)[:, :, :T].transpose(1, 2)
-
-
-def _log_gamma(gk: torch.Tensor, Tp: int, L: int) -> torch.Tensor:
-    """In-chunk inclusive cumsum of gk in float64: [B, T, H, K] → [B·H, Tp, K]; padded steps have
-    gk = 0 (identity transitions)."""
-    g = _chunk_layout(gk, Tp)          # moved in gk's own dtype, widened only by the cumsum
-    BH, _, K = g.shape
-    return g.view(BH, Tp // L, L, K).cumsum(2, dtype=torch.float64).view(BH, Tp, K)
 
 
 def _table(cu_seqlens, T: int, L: int, dev, launch: bool):
@@ -139,7 +131,7 @@ def _prologue(gk, h0, V: int, L: int, cu_seqlens, launch: bool):
     """What both forward launchers (DPLR, KDA) set up first: (tab, sinfo, Tp, NC, S, G, h0c, vl)
     — the varlen chunk table (empty without cu_seqlens), the padded length Tp (T when packed),
     the number of chunks NC, the rows S of the initial and final states, the in-chunk cumulative
-    gates G (float64; a kernel over the table's chunks when packed), h0 as float32 [S, K, V]
+    gates G (float64, `_fwd_gamma`; over the table's chunks when packed), h0 as float32 [S, K, V]
     (or None) and the per-chunk kernels' varlen arguments vl."""
     B, T, H, K = gk.shape
     tab, sinfo, NCV = _table(cu_seqlens, T, L, gk.device, launch)
@@ -147,13 +139,11 @@ def _prologue(gk, h0, V: int, L: int, cu_seqlens, launch: bool):
     Tp = T if varlen else (T + L - 1) // L * L
     NC = NCV if varlen else Tp // L
     S = sinfo.shape[0] * H if varlen else B * H
-    if varlen:
-        G = torch.empty(H, T, K, device=gk.device, dtype=torch.float64)
-        if launch:
-            _fwd_gamma_varlen[(NC, H, K // min(K, 64))](gk.contiguous(), G, tab, T, H, K=K, L=L,
-                                                        BK=min(K, 64), num_warps=4)
-    else:
-        G = _log_gamma(gk, Tp, L)
+    # one kernel reading gk in place instead of a layout copy and a torch cumsum
+    G = torch.empty(B * H, Tp, K, device=gk.device, dtype=torch.float64)
+    if launch:
+        _fwd_gamma[(NC, B * H, K // min(K, 64))](gk.contiguous(), G, tab, T, H, Tp, K=K, L=L,
+                                                 BK=min(K, 64), VARLEN=varlen, num_warps=4)
     h0c = None if h0 is None else h0.to(torch.float32).reshape(S, K, V).contiguous()
     return tab, sinfo, Tp, NC, S, G, h0c, (dict(tab=tab, VARLEN=True) if varlen else {})
 
@@ -164,28 +154,27 @@ def _seq_args(vl: dict, sinfo, H: int) -> dict:
 
 
 def _launch_fwd_o(c, Qg, Hs, Aqk, Aqa, v, V2, O, Tp: int, NC: int, BH: int, K: int, V: int, L: int,
-                  vl: dict, kda: bool):
-    """`_fwd_o` over (V-tile, chunk, b·h), after `_fwd_walk` (config `c` with `split_o`)."""
+                  vl: dict, kda: bool, **io):
+    """`_fwd_o` over (V-tile, chunk, b·h), after `_fwd_walk` (config `c` with `split_o`); io: the
+    caller-layout arguments of O (T, H, SEQ; KDA)."""
     _fwd_o[(V // c.o_bv, NC, BH)](Qg, Hs, Aqk, Aqa, v, V2, O, Tp, NC, K=K, V=V, L=L, BK=c.o_bk,
                                   BV=c.o_bv, PREC=c.prec, LO=c.lo_o, num_warps=c.o_warps,
-                                  num_stages=_STAGES, KDA=kda, **vl)
+                                  num_stages=_STAGES, KDA=kda, **vl, **io)
 
 
-def _bwd_prologue(qc, vc, Hs, tab, sinfo, do, dhT, B: int):
+def _bwd_prologue(G, Hs, tab, sinfo, dhT, B: int):
     """What both backward launchers (DPLR, KDA) set up first: (BH, Tp, K, V, H, NC, S, varlen,
-    new, dO, dhTc, dH, dV2, dh0, GC) — sizes, `new` (an empty float32 tensor), dO in the chunk
-    layout (in its own dtype, widened by the kernels on load; zeros for None), dhT as float32
+    new, dhTc, dH, dV2, dh0, GC) — sizes, `new` (an empty float32 tensor), dhT as float32
     [S, K, V] or None, and the scratch of `_bwd_state` / `_bwd_dv`."""
-    BH, Tp, K = qc.shape
+    BH, Tp, K = G.shape
     H = BH // B
-    V = vc.shape[-1]
+    V = Hs.shape[-1]
     NC = Hs.shape[1]
     varlen = tab.shape[0] > 0
     S = sinfo.shape[0] * H if varlen else BH
-    new = lambda *shape: torch.empty(*shape, device=qc.device, dtype=torch.float32)  # noqa: E731
-    dO = new(BH, Tp, V).zero_() if do is None else _chunk_layout(do, Tp)
+    new = lambda *shape: torch.empty(*shape, device=G.device, dtype=torch.float32)  # noqa: E731
     dhTc = None if dhT is None else dhT.to(torch.float32).reshape(S, K, V).contiguous()
-    return (BH, Tp, K, V, H, NC, S, varlen, new, dO, dhTc, new(BH, NC, K, V), new(BH, Tp, V), new(S, K, V),
+    return (BH, Tp, K, V, H, NC, S, varlen, new, dhTc, new(BH, NC, K, V), new(BH, Tp, V), new(S, K, V),
             new(BH, Tp, V))
 
 
@@ -196,9 +185,10 @@ def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eG
     (S = B, or N packed sequences when the table is not empty).
     Returns dq, dk, dv, da, db, dgk ([B, T, H, ·] in the dtypes of q, k, v, a, b and gk) and dh0
     ([S, H, K, V] in h0_dtype; empty when h0_dtype is None)."""
-    BH, Tp, K, V, H, NC, S, varlen, new, dO, dhTc, dH, dV2, dh0, GC = _bwd_prologue(qc, vc, Hs, tab, sinfo, do,
-                                                                                   dhT, B)
+    BH, Tp, K, V, H, NC, S, varlen, new, dhTc, dH, dV2, dh0, GC = _bwd_prologue(G, Hs, tab, sinfo, dhT, B)
     dev = qc.device
+    # δO in the chunk layout, in its own dtype (widened by the kernels on load)
+    dO = new(BH, Tp, V).zero_() if do is None else _chunk_layout(do, Tp)
     dA = [new(BH, NC, L, L) for _ in range(4)]
     dqk_d, dqa_d = new(BH, Tp), new(BH, Tp)
     dv = torch.empty(BH, Tp, V, device=dev, dtype=vc.dtype)

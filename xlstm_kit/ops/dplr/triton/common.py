@@ -1,9 +1,14 @@
 """Helpers shared by the DPLR kernels: the low-precision product `_mm`, the one offset rule, the
 reference-point decay factors of a pair-matrix column block and the accumulator set `_zeros4`.
 
-Every tensor the kernels address is a contiguous [N, T, D] array (inputs and scratch in the chunk
-layout [B·H, Tp, D], pair matrices [B·H·NC, L, L], chunk states [B·H·NC, K, V]); `_offs` gives
-the flat offsets of one [rows, cols] tile of it and `_row` those of one row.
+Every tensor the kernels address is a contiguous [N, T, D] array (scratch in the chunk layout
+[B·H, Tp, D], pair matrices [B·H·NC, L, L], chunk states [B·H·NC, K, V]); `_offs` gives the flat
+offsets of one [rows, cols] tile of it and `_row` those of one row. The inputs and outputs of the
+KDA op stay in the caller's contiguous [B, T, H, D] layout (row stride H·D; β [B, T, H]) and are
+addressed by the second rule, `_x_ld` / `_x_st` (a per-program base pointer plus 32-bit tile
+offsets): no layout copies around the kernels, and the steps ≥ T of the last, padded chunk are
+masked on load (read as the zeros the chunk layout's padding held) and on store. The general
+DPLR op still passes the chunk layout (`SEQ` off).
 
 Packed sequences (VARLEN, cu_seqlens; B = 1, Tp = T, no padding): chunk n is the table row
 (sequence, first row t0, end row) of mlstm/triton/varlen.py, so a chunk never crosses a boundary.
@@ -32,6 +37,62 @@ def _offs(n, t0, rows, cols, T, D):
 def _row(n, t, cols, T, D):
     """Offsets of row t, columns `cols`, of item n of a contiguous [N, T, D] array."""
     return (n * T + t) * D + cols
+
+
+@triton.jit
+def _x_base(x, bh, t0, T, H, D):
+    """Pointer to step t0 of head bh % H, batch bh // H, of a contiguous [B, T, H, D] array (the
+    caller's layout); the tiles below add 32-bit offsets to it."""
+    return x + ((bh // H * T + t0) * H + bh % H) * D
+
+
+@triton.jit
+def _x_mask(t0, rows, nv, T):
+    """Rows < nv (past a packed sequence's end) at steps < T (the padded last chunk)."""
+    return (rows < nv) & (t0 + rows < T)
+
+
+@triton.jit
+def _x_ld(x, bh, t0, rows, cols, nv, T, H, D):
+    """The tile [t0 + rows, cols] of head b·h of a contiguous [B, T, H, D] array, zeros where
+    `_x_mask` is false (the zero padding of the chunk layout)."""
+    p = _x_base(x, bh, t0, T, H, D) + rows[:, None] * (H * D) + cols[None, :]
+    return tl.load(p, mask=_x_mask(t0, rows, nv, T)[:, None], other=0.0)
+
+
+@triton.jit
+def _x_ld1(x, bh, t0, rows, nv, T, H):
+    """Steps t0 + rows of head b·h of a contiguous [B, T, H] array (β), masked as `_x_ld`."""
+    return tl.load(_x_base(x, bh, t0, T, H, 1) + rows * H, mask=_x_mask(t0, rows, nv, T), other=0.0)
+
+
+@triton.jit
+def _x_st(x, val, bh, t0, rows, cols, nv, T, H, D):
+    """Stores the tile `val` at [t0 + rows, cols] of head b·h of a contiguous [B, T, H, D] array
+    (cast to its dtype), where `_x_mask` is true."""
+    p = _x_base(x, bh, t0, T, H, D) + rows[:, None] * (H * D) + cols[None, :]
+    tl.store(p, val, mask=_x_mask(t0, rows, nv, T)[:, None])
+
+
+@triton.jit
+def _ld_io(x, p, m, bh, t0, rows, cols, nv, T, H, D, VARLEN: tl.constexpr, SEQ: tl.constexpr):
+    """An input tile of a kernel shared with the general op: in the caller's layout with SEQ
+    (`_x_ld`), else `_ld(x + p, m)` at the chunk-layout offsets p (the general op's code as it was:
+    the same offsets serve its scratch)."""
+    if SEQ:
+        r = _x_ld(x, bh, t0, rows, cols, nv, T, H, D)
+    else:
+        r = _ld(x + p, m, VARLEN)
+    return r
+
+
+@triton.jit
+def _st_io(x, val, p, m, bh, t0, rows, cols, nv, T, H, D, VARLEN: tl.constexpr, SEQ: tl.constexpr):
+    """An output tile of a kernel shared with the general op, placed as `_ld_io` reads."""
+    if SEQ:
+        _x_st(x, val, bh, t0, rows, cols, nv, T, H, D)
+    else:
+        _st(x + p, val, m, VARLEN)
 
 
 @triton.jit

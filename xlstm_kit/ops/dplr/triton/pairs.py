@@ -1,30 +1,29 @@
-"""Phase 1 of the forward: the four pair matrices of every chunk (`_fwd_pairs`), and their
-PyTorch reference; for packed sequences also its prologue `_fwd_gamma_varlen` (the in-chunk
-cumulative gates G)."""
+"""Phase 1 of the forward: the in-chunk cumulative gates G (`_fwd_gamma`), the four pair
+matrices of every chunk (`_fwd_pairs`), and their PyTorch reference."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_rows, _last, _ld, _mm, _offs, _pair_block, _ref_factors, _zeros4
-
+from .common import _chunk_rows, _last, _ld, _mm, _offs, _pair_block, _ref_factors, _st, _x_ld, _zeros4
 
 
 @triton.jit
-def _fwd_gamma_varlen(gk, G, tab, T, H, K: tl.constexpr, L: tl.constexpr, BK: tl.constexpr):
-    """G = the inclusive cumsum of gk over each chunk of the varlen table (common.py), in
-    float64 like the unpacked path's torch cumsum, for BK channels of one (chunk, head).
-    gk: [1, T, H, K] contiguous (read in its own dtype); G: [H, T, K] float64."""
-    h = tl.program_id(1).to(tl.int64)
-    seq, t0, nv = _chunk_rows(tab, tl.program_id(0), L, True)
+def _fwd_gamma(gk, G, tab, T, H, Tp, K: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
+               VARLEN: tl.constexpr = False):
+    """G = the inclusive cumsum of gk over each chunk (of the varlen table with VARLEN, common.py)
+    in float64, for BK channels of one (chunk, b·h). gk: [B, T, H, K] contiguous, read in place
+    in its own dtype; G: [B·H, Tp, K] float64. The steps ≥ T of a padded last chunk add 0 (G
+    constant there: identity transitions); with VARLEN rows past a sequence's end are not stored."""
+    bh = tl.program_id(1).to(tl.int64)
+    seq, t0, nv = _chunk_rows(tab, tl.program_id(0), L, VARLEN)
     if seq < 0:
         return
     rows = tl.arange(0, L)
     kk = tl.program_id(2) * BK + tl.arange(0, BK)
-    m = (rows < nv)[:, None]
-    x = tl.load(gk + ((t0 + rows).to(tl.int64) * H + h)[:, None] * K + kk[None, :], mask=m, other=0.0)
-    tl.store(G + _offs(h, t0, rows, kk, T, K), tl.cumsum(x.to(tl.float64), axis=0), mask=m)
+    x = _x_ld(gk, bh, t0, rows, kk, nv, T, H, K)
+    _st(G + _offs(bh, t0, rows, kk, Tp, K), tl.cumsum(x.to(tl.float64), axis=0), (rows < nv)[:, None], VARLEN)
 
 
 @triton.jit
