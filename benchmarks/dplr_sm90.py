@@ -11,6 +11,7 @@ from xlstm_kit.ops.dplr.triton.backward import _bwd_dk, _bwd_dv
 from xlstm_kit.ops.dplr.triton.common import SUB
 from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig, resolve
 from xlstm_kit.ops.dplr.triton.kda import _bwd_dk_kda, _bwd_dv_kda, _fwd_pairs_kda
+from xlstm_kit.ops.dplr.triton.kda_dk import _bwd_dk_pairs_kda, _bwd_dk_state_kda
 from xlstm_kit.ops.dplr.triton.pairs import _fwd_gamma, _fwd_pairs
 from xlstm_kit.ops.dplr.triton.state import _bwd_state, _fwd_o, _fwd_state, _fwd_walk
 from xlstm_kit.ops.dplr.triton.wy import _fwd_wy
@@ -74,6 +75,12 @@ def main(K=128, V=128, L=64):
         build("_bwd_dv_kda" + tag, _bwd_dv_kda, dv, x.dv_warps)
         build("_bwd_dk" + tag, _bwd_dk, dk, x.dk_warps, gate)
         build("_bwd_dk_kda" + tag, _bwd_dk_kda, dk, x.dk_warps, gate)
+        # split_dk: the two kernels at K-tiles of 32, 64 and K (the second kernel's V side read once)
+        for bk in sorted({x.dk_bk, min(K, 64), K}):
+            p = resolve(DPLRKernelConfig(split_dk=True, dk_block_k=bk), K, V, L, False)
+            build(f"_bwd_dk_pairs_kda{tag} BK {bk}", _bwd_dk_pairs_kda, dict(dk, BK=bk), p.dkp_warps)
+            for w in (4, 8):
+                build(f"_bwd_dk_state_kda{tag} BK {bk} {w} w", _bwd_dk_state_kda, dict(dk, BK=bk), w, gate)
 
 
 if __name__ == "__main__":

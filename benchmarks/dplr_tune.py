@@ -44,7 +44,11 @@ QUICK = dict(B=1, T=256, H=2, K=64, V=64)
 # without a GPU: a smoke run of the script under TRITON_INTERPRET=1 (float32, wall-clock times)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 VARIANTS = [  # ptxas spills in benchmarks/NOTES-dplr.md
-    # first, as --limit-s may cut the tail: the issue 20 design study's split_output (the output
+    # first: the issue 20 design study's step 1, split_dk (`_bwd_dk_kda` as the triangular pair
+    # kernel + the per-chunk state-side kernel; ptxas of the second at 8 warps: 128 B spills at
+    # the default K-tile 32, 0 B at 16, 0 B at 16 with V-steps of 64)
+    dict(split_dk=True), dict(split_dk=True, dk_block_k=16), dict(split_dk=True, dk_block_k=16, bwd_block_v=64),
+    # then, as --limit-s may cut the tail: the issue 20 design study's split_output (the output
     # products out of the sequential walk: `_fwd_walk` + `_fwd_o`; the KDA walk spills 0 B at a
     # V-tile of 32 on 8 warps, 248 B at 64)
     dict(split_output=True), dict(split_output=True, walk_block_v=32, walk_warps=8),

@@ -139,6 +139,11 @@ def test_config_is_typed_and_follows_the_input_dtypes():
         DPLRKernelConfig(lowp="nonsense")
     with pytest.raises(ValueError, match="state_block_v"):
         cfg.replace(state_block_v=24)
+    with pytest.raises(ValueError, match="split_dk"):
+        cfg.replace(split_dk=1)
+    from xlstm_kit.ops.dplr.triton.config import resolve
+    r = resolve(cfg.replace(split_dk=True, dk_block_k=64), 128, 128, 64, False)
+    assert not cfg.split_dk and (r.split_dk, r.dk_bk, r.dkp_warps) == (True, 64, 4)
     with pytest.raises(ValueError, match="no field"):
         cfg.replace(state_bv=32)
     with pytest.raises(ValueError, match="lowp_outputs"):
@@ -315,14 +320,22 @@ def test_public_api_routes_triton_and_matches_torch_backend():
     assert rel_err(o_t, o_r) < 2e-6 and rel_err(s_t, s_r) < 2e-6
 
 
-@pytest.mark.parametrize("T,L,V,gmin,h0", [
-    (29, 16, 16, -3.0, True),        # two chunks, a padded tail
-    (70, 64, 32, -5.0, False),       # L = 64 (4 sub-chunks), the strongest gates, K != V, no h0
+@pytest.mark.parametrize("T,L,K,V,gmin,h0,split_dk", [
+    (29, 16, 16, 16, -3.0, True, False),        # two chunks, a padded tail
+    (70, 64, 16, 32, -5.0, False, False),       # L = 64 (4 sub-chunks), the strongest gates, K != V, no h0
+    # split_dk (kda_dk.py): the triangular [16, 16]-block pair gradients and the per-chunk
+    # state-side kernel; one step, a padded tail over two chunks of 64, K, V of 64 and 128 (four
+    # K-tiles of 32), K = 256, and chunks of 16 (no off-diagonal block)
+    (1, 64, 64, 64, -5.0, True, True),
+    (100, 64, 64, 128, -5.0, True, True),
+    (130, 64, 128, 64, -5.0, False, True),
+    (70, 64, 256, 64, -5.0, True, True),
+    (29, 16, 16, 16, -3.0, True, True),
 ])
-def test_kda_through_the_kernels_matches_reference(T, L, V, gmin, h0):
+def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0, split_dk):
     # the KDA kernels (kda.py): every gradient, β's included, from the kernels, against the
     # float64 recurrence of the substitution a = k, b = β k, v ← β v
-    B, H, K = 1, 2, 16
+    B, H = 1, 2
     q = torch.randn(B, T, H, K, device=DEV)
     k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1)
     v = torch.randn(B, T, H, V, device=DEV)
@@ -332,7 +345,7 @@ def test_kda_through_the_kernels_matches_reference(T, L, V, gmin, h0):
     do = torch.randn(B, T, H, V, device=DEV)
     xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta) + ((s0,) if h0 else ())]
     o, sT = kda_chunkwise(*xs[:5], initial_state=xs[5] if h0 else None, output_final_state=True,
-                          chunk_size=L, backend="triton")
+                          chunk_size=L, backend="triton", config=DPLRKernelConfig(split_dk=split_dk))
     grads = torch.autograd.grad((o * do).sum() + sT.square().sum(), xs)
     ys = [x.detach().double().requires_grad_() for x in xs]
     kk, bb = ys[1], ys[4].unsqueeze(-1)
@@ -344,14 +357,15 @@ def test_kda_through_the_kernels_matches_reference(T, L, V, gmin, h0):
         assert rel_err(x, y) < 1e-5, name
 
 
-@pytest.mark.parametrize("dtype,split", [(torch.float32, False), (torch.float16, True)])
+@pytest.mark.parametrize("dtype,split", [(torch.float32, {}), (torch.float16, dict(split_output=True)),
+                                         (torch.float16, dict(split_dk=True)), (torch.float32, dict(split_dk=True))])
 def test_kda_reads_and_writes_the_callers_layout(dtype, split):
     # the KDA kernels read q, k, v, g, β, δO and write o, δq, δk, δv, δg in the caller's
     # [B, T, H, ·] layout (no layout copies): B, H > 1, T not a multiple of the chunk (the masked
     # steps ≥ T of the last chunk), two K-tiles of `_bwd_dk_kda`, strided inputs and δO (a
     # [B, H, T, D] buffer seen as [B, T, H, D]) equal to the same values contiguous, and both
     # against the float64 recurrence; float16 q, k, v, β with float32 g and h0 as the mixed case,
-    # with `_fwd_o` writing o (split_output)
+    # with `_fwd_o` writing o (split_output), and with the split δk kernels (split_dk)
     B, T, H, K, V, L = 2, 37, 3, 32, 16, 16
     q = torch.randn(B, T, H, K, device=DEV).to(dtype)
     k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(dtype)
@@ -362,7 +376,7 @@ def test_kda_reads_and_writes_the_callers_layout(dtype, split):
     xs = [q, k, v, g, beta]
     strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs + [do]]
     assert not any(x.is_contiguous() for x in strided)
-    cfg = DPLRKernelConfig(split_output=split, o_block_v=16, dk_block_k=16)
+    cfg = DPLRKernelConfig(o_block_v=16, dk_block_k=16, **split)
     o, sT, gr = run(kda_chunkwise_triton, strided[:5], s0, strided[5], dsT, chunk_size=L, config=cfg)
     o_c, sT_c, gr_c = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L, config=cfg)
     assert torch.equal(o, o_c) and torch.equal(sT, sT_c) and all(torch.equal(x, y) for x, y in zip(gr, gr_c))

@@ -54,6 +54,12 @@ class DPLRKernelConfig(KernelConfig):
         W, Kd (, Ad, v), Cm only — the [L, K] operands it re-reads once per V-tile drop from 3 to
         2 under KDA, and the [L, L] pair matrices leave it. Same products, same
         precision; not the default until timed (NOTES-dplr.md, "Issue 20 ... design study").
+    split_dk: (KDA) `_bwd_dk_kda` as two kernels (kda_dk.py): the pair-matrix gradients on
+        [16, 16] blocks, triangular, over (16-row sub-chunk, K-tile, chunk, b·h) on 4 warps, then
+        the state-side products, δq, δk and δg per (chunk, b·h) with the K-tiles in a loop;
+        dk_block_k is the K-tile of both, dk_warps the warps of the second.
+        Same products, same precision and gate-gradient sums; not the default until timed
+        (NOTES-dplr.md, "session 9, step 1"). The general DPLR op ignores it.
     o_block_v, o_block_k, o_warps: V-tile (one program each), K-step and warps of `_fwd_o`.
     walk_block_v, walk_warps: V-tile and warps of `_fwd_walk` (None: state_block_v, state_warps;
         capped and limited to 4 warps under 32 columns as those). ptxas at K = V = 128, L = 64:
@@ -75,6 +81,7 @@ class DPLRKernelConfig(KernelConfig):
     dk_block_k: int | None = None
     dk_warps: int = 8
     split_output: bool = False
+    split_dk: bool = False
     o_block_v: int = 64
     o_block_k: int = 32
     o_warps: int = 4
@@ -89,8 +96,9 @@ class DPLRKernelConfig(KernelConfig):
         if any(p not in LOWP_GROUPS for p in parts) or parts != [g for g in LOWP_GROUPS if g in parts]:
             raise ValueError("DPLRKernelConfig.lowp_outputs must list groups of "
                              f"{','.join(LOWP_GROUPS)} in that order, comma-separated, got {self.lowp_outputs!r}")
-        if not isinstance(self.split_output, bool):
-            raise ValueError(f"DPLRKernelConfig.split_output must be a bool, got {self.split_output!r}")
+        for f in ("split_output", "split_dk"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"DPLRKernelConfig.{f} must be a bool, got {getattr(self, f)!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_warps") and value is not None and value not in (4, 8):
@@ -134,6 +142,8 @@ class Launch(NamedTuple):
     dv_warps: int
     dk_bk: int
     dk_warps: int
+    split_dk: bool         # `_bwd_dk_pairs_kda` + `_bwd_dk_state_kda` instead of `_bwd_dk_kda`
+    dkp_warps: int         # warps of `_bwd_dk_pairs_kda`
     split_o: bool          # `_fwd_walk` + `_fwd_o` instead of `_fwd_state` (O inside the walk)
     o_bv: int
     o_bk: int
@@ -168,6 +178,9 @@ def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool
         bwd_bv=min(V, config.bwd_block_v),
         dv_bk=min(K, config.dv_block_k), dv_warps=config.dv_warps,
         dk_bk=min(K, config.dk_block_k or (64 if L <= 32 else 32)), dk_warps=config.dk_warps,
+        # one [16, BK] tile per program: ptxas (sm_90a, K = 128, L = 64) gives 126 registers at
+        # BK 32 on 4 warps, 240 on 2, and spills on 1; 4 warps at every tile
+        split_dk=config.split_dk, dkp_warps=4,
         split_o=config.split_output, o_bv=min(V, config.o_block_v), o_bk=min(K, config.o_block_k),
         o_warps=config.o_warps,
         walk_bv=(wbv := min(config.walk_block_v or config.state_block_v, V, 32 if K > 128 else 64)),

@@ -18,6 +18,7 @@ from .chunkwise import supports
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
 from .kda import _bwd_dk_kda, _bwd_dv_kda, _fwd_pairs_kda
+from .kda_dk import _bwd_dk_pairs_kda, _bwd_dk_state_kda
 from .state import _bwd_state, _fwd_state, _fwd_walk
 from .wy import _fwd_wy
 
@@ -91,7 +92,8 @@ def _backward(q, k, v, beta, G, Aqk, Abk, E, W, U, Hs, Qg, Kd, eGl, tab, sinfo, 
     dv = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     dq, dk, dg = (torch.empty(B, T, H, K, device=dev, dtype=dt) for dt in (q.dtype, k.dtype, g_dtype))
     c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting()) if launch else None
-    NKT = K // c.dk_bk if launch else 1
+    # the split δk kernels sum the β gradient's k part over the K-tiles themselves
+    NKT = K // c.dk_bk if launch and not c.split_dk else 1
     dbk = new(BH, NKT, Tp)
     if launch:
         vl = dict(tab=tab, VARLEN=True) if varlen else {}
@@ -106,10 +108,20 @@ def _backward(q, k, v, beta, G, Aqk, Abk, E, W, U, Hs, Qg, Kd, eGl, tab, sinfo, 
         _bwd_dv_kda[(NC, BH)](Kd, v, beta, Aqk, Abk, E, U, dO, dH, dV2, GC, dAq, dAb, dv, dbv, dqd, Tp, NC,
                               T, H, K=K, V=V, L=L, BK=c.dv_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
                               LV=c.lo_dv, LG=c.lo_gc, num_warps=c.dv_warps, num_stages=_STAGES, **vl)
-        _bwd_dk_kda[(NC, NKT, BH)](q, k, beta, G, U, Hs, dO, dH, GC, dAq, dAb, dqd, dq, dk, dbk, dg,
-                                   scale, Tp, NC, T, H, K=K, V=V, L=L, S=SUB, BK=c.dk_bk, BV=c.bwd_bv,
-                                   PREC=c.prec, LO=c.lo_dk, num_warps=c.dk_warps,
-                                   num_stages=_STAGES, **vl)
+        if c.split_dk:
+            dXq, dXb, dY = (new(BH, Tp, K) for _ in range(3))
+            _bwd_dk_pairs_kda[(NC * (L // SUB), K // c.dk_bk, BH)](
+                q, k, beta, G, dAq, dAb, dXq, dXb, dY, scale, Tp, NC, T, H, K=K, L=L, S=SUB, BK=c.dk_bk,
+                PREC=c.prec, LO=c.lo_dk, num_warps=c.dkp_warps, num_stages=_STAGES, **vl)
+            _bwd_dk_state_kda[(NC, BH)](q, k, beta, G, U, Hs, dO, dH, GC, dXq, dXb, dY, dqd, dq, dk, dbk, dg,
+                                        scale, Tp, NC, T, H, K=K, V=V, L=L, BK=c.dk_bk, BV=c.bwd_bv,
+                                        PREC=c.prec, LO=c.lo_dk, num_warps=c.dk_warps,
+                                        num_stages=_STAGES, **vl)
+        else:
+            _bwd_dk_kda[(NC, NKT, BH)](q, k, beta, G, U, Hs, dO, dH, GC, dAq, dAb, dqd, dq, dk, dbk, dg,
+                                       scale, Tp, NC, T, H, K=K, V=V, L=L, S=SUB, BK=c.dk_bk, BV=c.bwd_bv,
+                                       PREC=c.prec, LO=c.lo_dk, num_warps=c.dk_warps,
+                                       num_stages=_STAGES, **vl)
     dbeta = (dbv + dbk.sum(1)).view(B, H, Tp)[:, :, :T].transpose(1, 2).to(beta_dtype)
     dh0 = dh0.new_empty(0) if h0_dtype is None else dh0.view(S // H, H, K, V).to(h0_dtype)
     return dq, dk, dv, dg, dbeta, dh0

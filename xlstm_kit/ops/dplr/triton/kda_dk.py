@@ -1,0 +1,142 @@
+"""`_bwd_dk_kda` split in two (DPLRKernelConfig.split_dk; NOTES-dplr.md, "Issue 20 ... design
+study", step 1): the same terms and the same gate-gradient grouping, arranged so that no program
+runs full-height masked pair products and no K-tile re-reads the V side in a program of its own.
+
+`_bwd_dk_pairs_kda`, grid (chunk × L/S sub-chunks, K-tile, b·h): the pair-matrix gradients of one
+16-row sub-chunk i on [S, S] blocks — δx of its rows from the earlier blocks j < i (reference
+point: block j's last row, as `_bwd_dk`'s "below" rows) and δy of its columns from the later
+blocks r > i (reference: block i's last row), the diagonal block with its middle reference
+point. δA_q, δA_b are strictly lower, so the diagonal block needs no mask. It writes the three
+partial gradients δX_q, δX_b, δY [BH, Tp, K] (float32 scratch) rather than finishing δq, δk, δg:
+those need the state-side terms and the gate gradient's cumsums over the whole chunk.
+
+`_bwd_dk_state_kda`, grid (chunk, b·h), the K-tiles in a loop: the state-side products δO hᵀ,
+U δh'ᵀ, GC hᵀ and h·δh', then δq, δk, δ(βk), and δg with its two cumsums over all L rows of the
+chunk in one program — the float32 sums of `_bwd_dk_kda`, unchanged in order — and the β
+gradient's k part summed over the K-tiles (dbk [BH, 1, Tp]). At a K-tile of K the V side (U, GC,
+δO) is read once per chunk; at smaller tiles it is re-read by the same program (cache-hot).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import _chunk_prog, _last, _ld, _mm, _offs, _row, _st, _x_ld, _x_ld1, _x_st
+
+
+@triton.jit
+def _bwd_dk_pairs_kda(q, k, beta, G, dAq, dAb, dXq, dXb, dY, scale, Tp, NC, T, H,
+                      K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
+                      PREC: tl.constexpr, LO: tl.constexpr, tab=None, VARLEN: tl.constexpr = False):
+    """δX_q = (δA_q ⊙ decay) k, δX_b = (δA_b ⊙ decay) k (x = q·scale and β k) and δY = (δA_q ⊙
+    decay)ᵀ q + (δA_b ⊙ decay)ᵀ β k for the S rows of one sub-chunk and BK channels.
+    q, k: [B, T, H, K]; beta: [B, T, H]; dAq, dAb: [BH, NC, L, L]; dXq, dXb, dY: [BH, Tp, K]."""
+    NB: tl.constexpr = L // S
+    pid = tl.program_id(0)
+    n = pid // NB
+    i = pid % NB
+    bh, seq, t0, nv, _, _, _ = _chunk_prog(tab, n, tl.program_id(2), L, VARLEN)
+    if seq < 0:
+        return
+    i0 = i * S
+    sr = tl.arange(0, S)
+    ri = i0 + sr
+    kr = tl.program_id(1) * BK + tl.arange(0, BK)
+    Gi = tl.load(G + _offs(bh, t0, _last(ri, nv, VARLEN), kr, Tp, K))
+    g_end = tl.load(G + _row(bh, t0 + _last(i0 + S - 1, nv, VARLEN), kr, Tp, K))
+    g_mid = tl.load(G + _row(bh, t0 + _last(i0 + S // 2 - 1, nv, VARLEN), kr, Tp, K))
+    qi = _x_ld(q, bh, t0, ri, kr, nv, T, H, K).to(tl.float32) * scale
+    ki = _x_ld(k, bh, t0, ri, kr, nv, T, H, K).to(tl.float32)
+    bi = ki * _x_ld1(beta, bh, t0, ri, nv, T, H).to(tl.float32)[:, None]
+    # the diagonal block, both sides referenced at its middle row (`_bwd_dk`'s "inside" rows)
+    fx = tl.exp((Gi - g_mid[None, :]).to(tl.float32))
+    fy = tl.exp((g_mid[None, :] - Gi).to(tl.float32))
+    pd = _offs(bh * NC + n, 0, ri, ri, L, L)
+    aq = tl.load(dAq + pd)
+    ab = tl.load(dAb + pd)
+    y = ki * fy
+    dxq = fx * _mm(aq, y, LO, PREC)
+    dxb = fx * _mm(ab, y, LO, PREC)
+    dy = fy * (_mm(tl.trans(aq), qi * fx, LO, PREC) + _mm(tl.trans(ab), bi * fx, LO, PREC))
+    for j in range(0, i):           # earlier blocks: this sub-chunk's rows lie below them
+        j0 = j * S
+        cj = j0 + sr
+        ge = tl.load(G + _row(bh, t0 + _last(j0 + S - 1, nv, VARLEN), kr, Tp, K))
+        Gj = tl.load(G + _offs(bh, t0, _last(cj, nv, VARLEN), kr, Tp, K))
+        y = _x_ld(k, bh, t0, cj, kr, nv, T, H, K).to(tl.float32) * tl.exp((ge[None, :] - Gj).to(tl.float32))
+        fx = tl.exp((Gi - ge[None, :]).to(tl.float32))
+        pd = _offs(bh * NC + n, 0, ri, cj, L, L)
+        dxq += fx * _mm(tl.load(dAq + pd), y, LO, PREC)
+        dxb += fx * _mm(tl.load(dAb + pd), y, LO, PREC)
+    dyo = tl.zeros([S, BK], dtype=tl.float32)
+    for r in range(i + 1, NB):      # later blocks: their rows lie below this sub-chunk's columns
+        rr = r * S + sr
+        Gr = tl.load(G + _offs(bh, t0, _last(rr, nv, VARLEN), kr, Tp, K))
+        fx = tl.exp((Gr - g_end[None, :]).to(tl.float32))
+        kx = _x_ld(k, bh, t0, rr, kr, nv, T, H, K).to(tl.float32)
+        xb = kx * _x_ld1(beta, bh, t0, rr, nv, T, H).to(tl.float32)[:, None] * fx
+        xq = _x_ld(q, bh, t0, rr, kr, nv, T, H, K).to(tl.float32) * scale * fx
+        pd = _offs(bh * NC + n, 0, rr, ri, L, L)
+        dyo += _mm(tl.trans(tl.load(dAq + pd)), xq, LO, PREC) + _mm(tl.trans(tl.load(dAb + pd)), xb, LO, PREC)
+    dy += tl.exp((g_end[None, :] - Gi).to(tl.float32)) * dyo
+    ps = _offs(bh, t0, ri, kr, Tp, K)
+    m = (ri < nv)[:, None]
+    _st(dXq + ps, dxq, m, VARLEN)
+    _st(dXb + ps, dxb, m, VARLEN)
+    _st(dY + ps, dy, m, VARLEN)
+
+
+@triton.jit
+def _bwd_dk_state_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dXq, dXb, dY, dqd, dq, dk, dbk, dg, scale,
+                      Tp, NC, T, H, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr,
+                      tab=None, VARLEN: tl.constexpr = False):
+    """The rest of `_bwd_dk_kda` for one chunk, all K-tiles: the state-side products, δq, δk, δg
+    (the pair parts δX_q, δX_b, δY from `_bwd_dk_pairs_kda`) and the β gradient's k part
+    Σ_k δ(βk)·k over all of K to dbk [BH, 1, Tp]. Layouts as `_bwd_dk_kda`."""
+    n = tl.program_id(0)
+    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(1), L, VARLEN)
+    if seq < 0:
+        return
+    bt = _x_ld1(beta, bh, t0, rows, nv, T, H).to(tl.float32)
+    d = _ld(dqd + _row(bh, t0, rows, Tp, 1), m1, VARLEN)
+    dbs = tl.zeros([L], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kr = k0 + tl.arange(0, BK)
+        Gc = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kr, Tp, K))
+        g_last = tl.load(G + _row(bh, t0 + nv - 1, kr, Tp, K))
+        eG = tl.exp(Gc.to(tl.float32))
+        dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
+        eGl = tl.exp(g_last.to(tl.float32))
+        dKU = tl.zeros([L, BK], dtype=tl.float32)
+        dQg = tl.zeros([L, BK], dtype=tl.float32)
+        GW = tl.zeros([L, BK], dtype=tl.float32)
+        hdh = tl.zeros([BK], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            vv = v0 + tl.arange(0, BV)
+            pv = _offs(bh, t0, rows, vv, Tp, V)
+            ph = _offs(bh * NC + n, 0, kr, vv, K, V)
+            hs = tl.load(Hs + ph)
+            dh = tl.load(dH + ph)
+            dKU += _mm(_ld(U + pv, m, VARLEN), tl.trans(dh), LO, PREC)
+            dQg += _mm(_x_ld(dO, bh, t0, rows, vv, nv, T, H, V).to(tl.float32), tl.trans(hs), LO, PREC)
+            GW -= _mm(_ld(GCb + pv, m, VARLEN), tl.trans(hs), LO, PREC)
+            hdh += tl.sum(hs * dh, axis=1)
+        qs = _x_ld(q, bh, t0, rows, kr, nv, T, H, K).to(tl.float32) * scale
+        kx = _x_ld(k, bh, t0, rows, kr, nv, T, H, K).to(tl.float32)
+        bx = kx * bt[:, None]
+        ps = _offs(bh, t0, rows, kr, Tp, K)
+        dXq_ = _ld(dXq + ps, m, VARLEN)
+        dXb_ = _ld(dXb + ps, m, VARLEN)
+        dY_ = _ld(dY + ps, m, VARLEN)
+        db = GW * eG + dXb_                                                 # δ(β k)
+        _x_st(dq, (dQg * eG + dXq_ + d[:, None] * kx) * scale, bh, t0, rows, kr, nv, T, H, K)
+        _x_st(dk, dKU * dec + dY_ + d[:, None] * qs + bt[:, None] * db, bh, t0, rows, kr, nv, T, H, K)
+        dbs += tl.sum(db * kx, axis=1)
+        # gate gradient grouped as in `_bwd_dk_kda`
+        up = qs * dXq_ + bx * dXb_ - kx * dY_ + (qs * eG) * dQg + (bx * eG) * GW
+        down = kx * dec * dKU
+        dgk = tl.cumsum(up, axis=0, reverse=True) + (tl.cumsum(down, axis=0) - down)
+        dgk += (eGl * hdh)[None, :]
+        _x_st(dg, dgk, bh, t0, rows, kr, nv, T, H, K)
+    _st(dbk + _row(bh, t0, rows, Tp, 1), dbs, m1, VARLEN)
