@@ -187,15 +187,16 @@ def _mixed_case(kda: bool):
     return xs, s0, torch.randn(1, 40, 2, 16, device=DEV), torch.randn(1, 2, 16, 16, device=DEV)
 
 
-@pytest.mark.parametrize("kda", [False, True])
-def test_mixed_dtypes_keep_the_gate_gradient_exact(kda):
+@pytest.mark.parametrize("kda,split_dk", [(False, False), (True, False), (True, True)])
+def test_mixed_dtypes_keep_the_gate_gradient_exact(kda, split_dk):
     # lowp="fp16" (the interpreter's stand-in for tf32 with bf16) on float16 activations and
     # float32 gates: the groups that reach only 16-bit outputs take the mode (o; DPLR also δv),
     # everything a float32 output depends on is bit-identical to the float32-accurate run
     xs, s0, do, dsT = _mixed_case(kda)
     fn = kda_chunkwise_triton if kda else dplr_chunkwise_triton
-    o_off, sT_off, g_off = run(fn, xs, s0, do, dsT, chunk_size=32, config=DPLRKernelConfig(lowp="off"))
-    o, sT, g = run(fn, xs, s0, do, dsT, chunk_size=32, config=DPLRKernelConfig(lowp="fp16"))
+    o_off, sT_off, g_off = run(fn, xs, s0, do, dsT, chunk_size=32,
+                               config=DPLRKernelConfig(lowp="off", split_dk=split_dk))
+    o, sT, g = run(fn, xs, s0, do, dsT, chunk_size=32, config=DPLRKernelConfig(lowp="fp16", split_dk=split_dk))
     assert not torch.equal(o, o_off)                                       # the mode is in effect
     assert torch.equal(sT, sT_off)
     fast = {2} if not kda else set()                                       # δv (DPLR)
@@ -325,11 +326,12 @@ def test_public_api_routes_triton_and_matches_torch_backend():
     (70, 64, 16, 32, -5.0, False, False),       # L = 64 (4 sub-chunks), the strongest gates, K != V, no h0
     # split_dk (kda_dk.py): the triangular [16, 16]-block pair gradients and the per-chunk
     # state-side kernel; one step, a padded tail over two chunks of 64, K, V of 64 and 128 (four
-    # K-tiles of 32), K = 256, and chunks of 16 (no off-diagonal block)
+    # K-tiles of 32), K = 256, and chunks of 32 and 16 (no off-diagonal block)
     (1, 64, 64, 64, -5.0, True, True),
     (100, 64, 64, 128, -5.0, True, True),
     (130, 64, 128, 64, -5.0, False, True),
     (70, 64, 256, 64, -5.0, True, True),
+    (70, 32, 64, 64, -5.0, True, True),
     (29, 16, 16, 16, -3.0, True, True),
 ])
 def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0, split_dk):
@@ -393,7 +395,8 @@ def test_kda_reads_and_writes_the_callers_layout(dtype, split):
         assert rel_err(x, y) < tol(x), name
 
 
-def test_kda_low_precision_products_keep_the_state_exact():
+@pytest.mark.parametrize("split_dk", [False, True])
+def test_kda_low_precision_products_keep_the_state_exact(split_dk):
     # the KDA kernels' three groups of low-precision products (o; δv with δβ's v part; the K side)
     # under lowp="fp16" with all-float16 inputs: within 5x of the PyTorch op's error (as the DPLR
     # test above), and the final state and δh0 bit-identical to the float32-accurate run
@@ -407,8 +410,9 @@ def test_kda_low_precision_products_keep_the_state_exact():
     s0, do, dsT = (torch.randn(*sh, device=DEV) for sh in ((1, H, K, V), (1, T, H, V), (1, H, K, V)))
     xs = [q, k, v, g, beta]
     o_off, sT_off, g_off = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=32,
-                               config=DPLRKernelConfig(lowp="off"))
-    o, sT, gr = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=32, config=DPLRKernelConfig(lowp="fp16"))
+                               config=DPLRKernelConfig(lowp="off", split_dk=split_dk))
+    o, sT, gr = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=32,
+                    config=DPLRKernelConfig(lowp="fp16", split_dk=split_dk))
     p, _, pg = run(kda_torch, xs, s0, do, dsT, chunk_size=32)
     ys = [x.detach().double().requires_grad_() for x in xs + [s0]]
     bb = ys[4].unsqueeze(-1)
