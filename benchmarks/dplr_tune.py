@@ -238,6 +238,9 @@ def child(out: str, op: str, f32: bool, shape: dict, start: int, limit_s: float,
             except Exception as e:  # noqa: BLE001 - reported in the row (not installed, say)
                 emit(dict(case, kind="error", config="fla", why=f"{type(e).__name__}: {str(e)[:200]}"))
     for v in VARIANTS[start:]:
+        if v.get("split_dk") and op != "kda_chunkwise":   # the general op ignores it: the default again
+            emit(dict(case, kind="skipped", config=v, why="KDA only"))   # (a row: the restart counts rows)
+            continue
         if time.time() - t0 > limit_s:
             emit(dict(case, kind="skipped", config=v, why="--limit-s"))
             continue
