@@ -133,6 +133,7 @@ def test_low_precision_products_keep_the_state_exact():
 
 
 def test_config_is_typed_and_follows_the_input_dtypes():
+    from xlstm_kit.ops.dplr.triton.config import resolve
     cfg = DPLRKernelConfig()
     assert cfg.lowp == "tf32" and DPLRKernelConfig.from_key(cfg.key()) == cfg
     with pytest.raises(ValueError, match="lowp"):
@@ -143,6 +144,9 @@ def test_config_is_typed_and_follows_the_input_dtypes():
         cfg.replace(state_bv=32)
     with pytest.raises(ValueError, match="lowp_outputs"):
         cfg.replace(lowp_outputs="dk,o")
+    with pytest.raises(ValueError, match="fused_intra"):
+        cfg.replace(fused_intra=1)
+    assert not cfg.fused_intra and resolve(cfg.replace(fused_intra=True), 64, 64, 64, False).fused_intra
     bf, f32, f16 = torch.bfloat16, torch.float32, torch.float16
     assert cfg.for_dtypes(o=(bf,), dv=(bf,), dk=(bf, bf)) is cfg
     assert cfg.for_dtypes(o=(bf,), dv=(bf,), dk=(bf, f32)).lowp_outputs == "o,dv"
@@ -315,13 +319,15 @@ def test_public_api_routes_triton_and_matches_torch_backend():
     assert rel_err(o_t, o_r) < 2e-6 and rel_err(s_t, s_r) < 2e-6
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("T,L,V,gmin,h0", [
     (29, 16, 16, -3.0, True),        # two chunks, a padded tail
     (70, 64, 32, -5.0, False),       # L = 64 (4 sub-chunks), the strongest gates, K != V, no h0
 ])
-def test_kda_through_the_kernels_matches_reference(T, L, V, gmin, h0):
+def test_kda_through_the_kernels_matches_reference(T, L, V, gmin, h0, fused):
     # the KDA kernels (kda.py): every gradient, β's included, from the kernels, against the
-    # float64 recurrence of the substitution a = k, b = β k, v ← β v
+    # float64 recurrence of the substitution a = k, b = β k, v ← β v; fused: the forward's intra
+    # phase as `_fwd_intra_kda` (intra.py)
     B, H, K = 1, 2, 16
     q = torch.randn(B, T, H, K, device=DEV)
     k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1)
@@ -332,7 +338,7 @@ def test_kda_through_the_kernels_matches_reference(T, L, V, gmin, h0):
     do = torch.randn(B, T, H, V, device=DEV)
     xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta) + ((s0,) if h0 else ())]
     o, sT = kda_chunkwise(*xs[:5], initial_state=xs[5] if h0 else None, output_final_state=True,
-                          chunk_size=L, backend="triton")
+                          chunk_size=L, backend="triton", config=DPLRKernelConfig(fused_intra=fused))
     grads = torch.autograd.grad((o * do).sum() + sT.square().sum(), xs)
     ys = [x.detach().double().requires_grad_() for x in xs]
     kk, bb = ys[1], ys[4].unsqueeze(-1)
@@ -344,14 +350,15 @@ def test_kda_through_the_kernels_matches_reference(T, L, V, gmin, h0):
         assert rel_err(x, y) < 1e-5, name
 
 
-@pytest.mark.parametrize("dtype,split", [(torch.float32, False), (torch.float16, True)])
-def test_kda_reads_and_writes_the_callers_layout(dtype, split):
+@pytest.mark.parametrize("dtype,split,fused", [(torch.float32, False, False), (torch.float16, True, False),
+                                               (torch.float16, False, True)])
+def test_kda_reads_and_writes_the_callers_layout(dtype, split, fused):
     # the KDA kernels read q, k, v, g, β, δO and write o, δq, δk, δv, δg in the caller's
     # [B, T, H, ·] layout (no layout copies): B, H > 1, T not a multiple of the chunk (the masked
     # steps ≥ T of the last chunk), two K-tiles of `_bwd_dk_kda`, strided inputs and δO (a
     # [B, H, T, D] buffer seen as [B, T, H, D]) equal to the same values contiguous, and both
     # against the float64 recurrence; float16 q, k, v, β with float32 g and h0 as the mixed case,
-    # with `_fwd_o` writing o (split_output)
+    # with `_fwd_o` writing o (split_output), and with `_fwd_intra_kda` reading them (fused_intra)
     B, T, H, K, V, L = 2, 37, 3, 32, 16, 16
     q = torch.randn(B, T, H, K, device=DEV).to(dtype)
     k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(dtype)
@@ -362,7 +369,7 @@ def test_kda_reads_and_writes_the_callers_layout(dtype, split):
     xs = [q, k, v, g, beta]
     strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs + [do]]
     assert not any(x.is_contiguous() for x in strided)
-    cfg = DPLRKernelConfig(split_output=split, o_block_v=16, dk_block_k=16)
+    cfg = DPLRKernelConfig(split_output=split, o_block_v=16, dk_block_k=16, fused_intra=fused)
     o, sT, gr = run(kda_chunkwise_triton, strided[:5], s0, strided[5], dsT, chunk_size=L, config=cfg)
     o_c, sT_c, gr_c = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L, config=cfg)
     assert torch.equal(o, o_c) and torch.equal(sT, sT_c) and all(torch.equal(x, y) for x, y in zip(gr, gr_c))
@@ -377,6 +384,56 @@ def test_kda_reads_and_writes_the_callers_layout(dtype, split):
     assert rel_err(o, ro) < tol(o) and rel_err(sT, rsT) < 2e-6
     for name, x, y in zip(["q", "k", "v", "g", "beta", "h0"], gr, rg):
         assert rel_err(x, y) < tol(x), name
+
+
+@pytest.mark.parametrize("T,K,V", [(1, 64, 128), (100, 128, 64), (130, 128, 128)])
+def test_kda_fused_intra_matches_reference_and_the_split_path(T, K, V):
+    # fused_intra (`_fwd_intra_kda`, intra.py) at the default chunk 64: T = 1, T not a chunk
+    # multiple, three chunks; K, V ∈ {64, 128}, H = 2, float16 q, k, v, β with float32 gates down
+    # to −5 (the reference points' range): o, final state and every gradient against the float64
+    # recurrence, and against the default path, whose scratch means the same (float32 rounding)
+    B, H, L = 1, 2, 64
+    dt = torch.float16
+    q = torch.randn(B, T, H, K, device=DEV).to(dt)
+    k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(dt)
+    v = torch.randn(B, T, H, V, device=DEV).to(dt)
+    g = torch.rand(B, T, H, K, device=DEV) * -5.0
+    beta = torch.rand(B, T, H, device=DEV).to(dt)
+    s0, do, dsT = (torch.randn(*sh, device=DEV) for sh in ((B, H, K, V), (B, T, H, V), (B, H, K, V)))
+    xs = [q, k, v, g, beta]
+    o, sT, gr = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L,
+                    config=DPLRKernelConfig(fused_intra=True))
+    o_d, sT_d, gr_d = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L)
+    ys = [x.detach().double().requires_grad_() for x in xs + [s0]]
+    bb = ys[4].unsqueeze(-1)
+    ro, rsT = dplr_recurrent(ys[0], ys[1], ys[2] * bb, ys[1], ys[1] * bb, ys[3], initial_state=ys[5],
+                             output_final_state=True)
+    rg = torch.autograd.grad((ro * do.to(dt).double()).sum() + (rsT * dsT.double()).sum(), ys)
+    tol = lambda x: 1e-5 if x.dtype == torch.float32 else 2e-3  # noqa: E731   (float16: its rounding)
+    assert rel_err(o, ro) < tol(o) and rel_err(sT, rsT) < 2e-6
+    assert rel_err(o, o_d) < 1e-3 and rel_err(sT, sT_d) < 1e-6
+    for name, x, y, z in zip(["q", "k", "v", "g", "beta", "h0"], gr, rg, gr_d):
+        assert rel_err(x, y) < tol(x), name
+        assert rel_err(x, z) < (1e-6 if x.dtype == torch.float32 else 1e-3), name
+
+
+@pytest.mark.parametrize("T,K,V,L", [(100, 32, 16, 64), (45, 16, 32, 32), (20, 64, 16, 16)])
+def test_kda_fused_intra_scratch_is_the_split_paths(T, K, V, L):
+    # what the backward reads from `_fwd_intra_kda` (A_qk, A_bk, E, W, U, Qg, Kd, e^{G_L}, the
+    # states) equals what `_fwd_pairs_kda` + `_fwd_wy` store, to float32 rounding, at every
+    # chunk size (1, 2, 4 row blocks), strong gates, a padded last chunk
+    from xlstm_kit.ops.dplr.triton.kda_op import _SAVED, _forward
+    B, H = 2, 2
+    q, k = torch.randn(B, T, H, K, device=DEV), F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1)
+    v, g = torch.randn(B, T, H, V, device=DEV), torch.rand(B, T, H, K, device=DEV) * -5.0
+    beta, s0 = torch.rand(B, T, H, device=DEV), torch.randn(B, H, K, V, device=DEV)
+    outs = [_forward(q, k, v, g, beta, s0, K ** -0.5, L, DPLRKernelConfig(fused_intra=f).key())
+            for f in (False, True)]
+    for name, x, y in zip(("o", "hT") + _SAVED, *outs):
+        if x.is_floating_point():
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), name
+        else:
+            assert torch.equal(x, y), name
 
 
 def test_kda_low_precision_products_keep_the_state_exact():

@@ -92,8 +92,9 @@ def test_triton_mlstm_closed_forget_gate_matches_recurrent():
 
 
 @needs_triton
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("g, mixed", [(-12.0, False), (-30.0, True), (float("-inf"), True)])
-def test_triton_kda_steep_decay_matches_reference(g, mixed):
+def test_triton_kda_steep_decay_matches_reference(g, mixed, fused):
     """The issue's case: q [1, 64, 1, 16], kda_chunkwise(q, k, q, g, β) gave NaN for g ≤ −12."""
     q = torch.randn(1, 64, 1, 16, device=DEV)
     k = torch.nn.functional.normalize(torch.randn(1, 64, 1, 16, device=DEV), dim=-1)
@@ -102,7 +103,8 @@ def test_triton_kda_steep_decay_matches_reference(g, mixed):
     if mixed:
         gk[:, ::3] = -0.5        # closed steps between ordinary ones
     xs = [x.requires_grad_() for x in (q, k, gk, beta)]
-    out, _ = kda_chunkwise(q, k, q, gk, beta, backend="triton")
+    from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig   # fused: `_fwd_intra_kda`
+    out, _ = kda_chunkwise(q, k, q, gk, beta, backend="triton", config=DPLRKernelConfig(fused_intra=fused))
     ref, _ = kda_chunkwise(*(x.detach().double() for x in (q, k, q, gk, beta)), backend="torch")
     assert out.isfinite().all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
