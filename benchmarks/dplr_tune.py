@@ -44,8 +44,10 @@ QUICK = dict(B=1, T=256, H=2, K=64, V=64)
 # without a GPU: a smoke run of the script under TRITON_INTERPRET=1 (float32, wall-clock times)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 VARIANTS = [  # ptxas spills in benchmarks/NOTES-dplr.md
-    # design-study step 2: `_fwd_intra_kda` (pairs + WY per chunk; KDA only, the dplr rows equal the default)
-    dict(fused_intra=True), dict(fused_intra=True, wy_warps=4),
+    # design-study step 2: `_fwd_intra_kda` (pairs + WY per chunk; KDA only, the dplr rows equal the
+    # default). ptxas (K = V = 128, L = 64): pair K-step 16 spills 20 B on 8 warps, 44 B on 4; 32: 668 B
+    dict(fused_intra=True, pairs_block_k=16), dict(fused_intra=True, pairs_block_k=16, wy_warps=4),
+    dict(fused_intra=True),
     # first, as --limit-s may cut the tail: the issue 20 design study's split_output (the output
     # products out of the sequential walk: `_fwd_walk` + `_fwd_o`; the KDA walk spills 0 B at a
     # V-tile of 32 on 8 warps, 248 B at 64)

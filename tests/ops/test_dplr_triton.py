@@ -386,10 +386,11 @@ def test_kda_reads_and_writes_the_callers_layout(dtype, split, fused):
         assert rel_err(x, y) < tol(x), name
 
 
-@pytest.mark.parametrize("T,K,V", [(1, 64, 128), (100, 128, 64), (130, 128, 128)])
-def test_kda_fused_intra_matches_reference_and_the_split_path(T, K, V):
+@pytest.mark.parametrize("T,K,V,bk", [(1, 64, 128, 32), (100, 128, 64, 16), (130, 128, 128, 16)])
+def test_kda_fused_intra_matches_reference_and_the_split_path(T, K, V, bk):
     # fused_intra (`_fwd_intra_kda`, intra.py) at the default chunk 64: T = 1, T not a chunk
-    # multiple, three chunks; K, V ∈ {64, 128}, H = 2, float16 q, k, v, β with float32 gates down
+    # multiple, three chunks; pair K-steps of 16 and 32 (bk: the tuning rows' 16 spills least);
+    # K, V ∈ {64, 128}, H = 2, float16 q, k, v, β with float32 gates down
     # to −5 (the reference points' range): o, final state and every gradient against the float64
     # recurrence, and against the default path, whose scratch means the same (float32 rounding)
     B, H, L = 1, 2, 64
@@ -402,7 +403,7 @@ def test_kda_fused_intra_matches_reference_and_the_split_path(T, K, V):
     s0, do, dsT = (torch.randn(*sh, device=DEV) for sh in ((B, H, K, V), (B, T, H, V), (B, H, K, V)))
     xs = [q, k, v, g, beta]
     o, sT, gr = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L,
-                    config=DPLRKernelConfig(fused_intra=True))
+                    config=DPLRKernelConfig(fused_intra=True, pairs_block_k=bk))
     o_d, sT_d, gr_d = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L)
     ys = [x.detach().double().requires_grad_() for x in xs + [s0]]
     bb = ys[4].unsqueeze(-1)
@@ -417,11 +418,11 @@ def test_kda_fused_intra_matches_reference_and_the_split_path(T, K, V):
         assert rel_err(x, z) < (1e-6 if x.dtype == torch.float32 else 1e-3), name
 
 
-@pytest.mark.parametrize("T,K,V,L", [(100, 32, 16, 64), (45, 16, 32, 32), (20, 64, 16, 16)])
+@pytest.mark.parametrize("T,K,V,L", [(100, 32, 16, 64), (45, 16, 32, 32), (20, 64, 16, 16), (70, 256, 256, 64)])
 def test_kda_fused_intra_scratch_is_the_split_paths(T, K, V, L):
     # what the backward reads from `_fwd_intra_kda` (A_qk, A_bk, E, W, U, Qg, Kd, e^{G_L}, the
     # states) equals what `_fwd_pairs_kda` + `_fwd_wy` store, to float32 rounding, at every
-    # chunk size (1, 2, 4 row blocks), strong gates, a padded last chunk
+    # chunk size (1, 2, 4 row blocks), strong gates, a padded last chunk, K = V = 256
     from xlstm_kit.ops.dplr.triton.kda_op import _SAVED, _forward
     B, H = 2, 2
     q, k = torch.randn(B, T, H, K, device=DEV), F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1)

@@ -1,11 +1,11 @@
 """The KDA forward's intra-chunk phase in one kernel per (chunk, b·h), `_fwd_intra_kda`
 (`DPLRKernelConfig(fused_intra=True)`; the default is still `_fwd_pairs_kda` + `_fwd_wy`).
 
-The chunk is handled as NB = L / 16 row blocks of S = 16 steps. Per K-step each row block's q, k
-and G are loaded once (the split path's pair kernel reloads the whole chunk in each of its L / S
-column-block programs), and the pair matrices are formed as [S, S] blocks: NB diagonal ones and
-NB (NB − 1) / 2 strictly-lower ones — the blocks above the diagonal, which the split path computes
-and masks away, are never formed. The reference points of the log-decays are the split path's
+The chunk is handled as NB = L / 16 row blocks of S = 16 steps, one row block at a time
+(`_row_pass`): its q, k, G once, and k, G of the column blocks left of it again (L2; the split
+path's pair kernel reloads the whole chunk in each of its L / S column-block programs). The pair
+matrices are formed as [S, S] blocks: NB diagonal ones and NB (NB − 1) / 2 strictly-lower ones —
+the blocks above the diagonal, which the split path computes and masks away, are never formed. The reference points of the log-decays are the split path's
 (`_ref_factors`): a block below the diagonal is referenced at the end of its column block (both
 factors ≤ 1), a diagonal block at its middle step; so A_qk, A_bk are the same matrices up to
 float32 rounding order, and the backward (which re-forms these factors itself) is unchanged.
@@ -14,9 +14,10 @@ E = (I + A_bk)⁻¹ is block lower triangular: the NB diagonal [S, S] inverses b
 substitution (the NB chains interleaved in one loop, so the S − 1 dependent steps run on
 [S, S] tiles, not on one [L, L] tile), then the blocks below by block forward substitution,
 E_ij = −E_ii Σ_{j ≤ m < i} N_im E_mj: 16 [S, S] products at L = 64, not 6 masked [L, L]² ones.
-W = E (β k ⊙ e^G) and U₀ = E (β v) (one product; the split path forms β v − E (A_bk β v)) follow
-in the same program from E read back after a block barrier (E is stored for the backward
-anyway; that read hits L2). Qg, Kd and e^{G_L} are stored from the pair loop's tiles.
+The inverse reads A_bk's blocks back (after a block barrier: other warps stored them), and
+W = E (β k ⊙ e^G), U₀ = E (β v) (one product; the split path forms β v − E (A_bk β v)) follow
+from E read back as one [L, L] tile the same way (both are stored for the backward anyway; the
+reads hit L2). Qg, Kd and e^{G_L} are stored from the pair passes' tiles.
 Products at PREC (3-pass TF32 on the GPU): all of them reach the state path.
 """
 from __future__ import annotations
@@ -93,8 +94,8 @@ def _row_pass(q, k, beta, G, Aqk, Abk, Qg, Kd, base, bh, t0, nv, scale, Tp, T, H
               VARLEN: tl.constexpr):
     """Row block I of A_qk and A_bk: its diagonal block and the I blocks left of it, over all of K
     (at most 8 [S, S] accumulators live: one row block at a time keeps them in registers, where all
-    20 at once spilled 2.5 KB per thread, ptxas sm_90a), stored with the blocks right of it as
-    zeros; Qg, Kd of its rows."""
+    20 at once spilled 2.5 KB per thread; ptxas sm_90a, K = V = 128, L = 64, 8 warps: 668 B at
+    BK = 32, 20 B at BK = 16), stored with the blocks right of it as zeros; Qg, Kd of its rows."""
     i0 = I * S
     z = tl.zeros([S, S], dtype=tl.float32)
     qd, kd, q0, k0, q1, k1, q2, k2 = z, z, z, z, z, z, z, z
