@@ -10,6 +10,7 @@ from xlstm_kit.ops._sm90 import sm90_resources
 from xlstm_kit.ops.dplr.triton.backward import _bwd_dk, _bwd_dv
 from xlstm_kit.ops.dplr.triton.common import SUB
 from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig, resolve
+from xlstm_kit.ops.dplr.triton.intra import _fwd_intra_kda
 from xlstm_kit.ops.dplr.triton.kda import _bwd_dk_kda, _bwd_dv_kda, _fwd_pairs_kda
 from xlstm_kit.ops.dplr.triton.kda_dk import _bwd_dk_pairs_kda, _bwd_dk_state_kda
 from xlstm_kit.ops.dplr.triton.pairs import _fwd_gamma, _fwd_pairs
@@ -54,6 +55,12 @@ def main(K=128, V=128, L=64):
     build("_fwd_wy", _fwd_wy, dict(base, BK=c.wy_bk, BV=c.wy_bv), c.wy_warps)
     # the KDA op reads and writes the caller's [B, T, H, ·] layout (SEQ)
     build("_fwd_wy KDA", _fwd_wy, dict(base, BK=c.wy_bk, BV=c.wy_bv, KDA=True, SEQ=True), c.wy_warps)
+    # fused_intra: pairs + WY in one program per chunk (the pair K-step, `_fwd_wy`'s W/U steps and
+    # warps); a pair K-step of 16 keeps its [16, 16] accumulators and operands in registers
+    intra = dict(base, BK=c.pairs_bk, BKW=c.wy_bk, BV=c.wy_bv)
+    build("_fwd_intra_kda", _fwd_intra_kda, intra, c.wy_warps)
+    build("_fwd_intra_kda, K-step 16", _fwd_intra_kda, dict(intra, BK=16), c.wy_warps)
+    build("_fwd_intra_kda, K-step 16, 4 warps", _fwd_intra_kda, dict(intra, BK=16), 4)
     st = dict(base, BV=c.state_bv, HAS_H0=True, LO=c.lo_o)
     build("_fwd_state", _fwd_state, st, c.state_warps)
     build("_fwd_state KDA", _fwd_state, dict(st, KDA=True, SEQ=True), c.state_warps)

@@ -48,6 +48,14 @@ VARIANTS = [  # ptxas spills in benchmarks/NOTES-dplr.md
     # kernel + the per-chunk state-side kernel; ptxas of the second at 8 warps: 128 B spills at
     # the default K-tile 32, 0 B at 16, 0 B at 16 with V-steps of 64)
     dict(split_dk=True), dict(split_dk=True, dk_block_k=16), dict(split_dk=True, dk_block_k=16, bwd_block_v=64),
+    # design-study step 2: `_fwd_intra_kda` (pairs + WY per chunk; KDA only: skipped for dplr).
+    # ptxas (K = V = 128, L = 64): pair K-step 16 spills 20 B on 8 warps, 44 B on 4; 32: 668 B
+    dict(fused_intra=True, pairs_block_k=16), dict(fused_intra=True, pairs_block_k=16, wy_warps=4),
+    dict(fused_intra=True),
+    # both steps together (the design study's KDA path), and with split_output's walk on top
+    dict(split_dk=True, dk_block_k=16, fused_intra=True, pairs_block_k=16),
+    dict(split_dk=True, dk_block_k=16, fused_intra=True, pairs_block_k=16, split_output=True, walk_block_v=32,
+         walk_warps=8),
     # then, as --limit-s may cut the tail: the issue 20 design study's split_output (the output
     # products out of the sequential walk: `_fwd_walk` + `_fwd_o`; the KDA walk spills 0 B at a
     # V-tile of 32 on 8 warps, 248 B at 64)
@@ -238,7 +246,7 @@ def child(out: str, op: str, f32: bool, shape: dict, start: int, limit_s: float,
             except Exception as e:  # noqa: BLE001 - reported in the row (not installed, say)
                 emit(dict(case, kind="error", config="fla", why=f"{type(e).__name__}: {str(e)[:200]}"))
     for v in VARIANTS[start:]:
-        if v.get("split_dk") and op != "kda_chunkwise":   # the general op ignores it: the default again
+        if (v.get("split_dk") or v.get("fused_intra")) and op != "kda_chunkwise":   # the general op ignores them
             emit(dict(case, kind="skipped", config=v, why="KDA only"))   # (a row: the restart counts rows)
             continue
         if time.time() - t0 > limit_s:

@@ -133,6 +133,7 @@ def test_low_precision_products_keep_the_state_exact():
 
 
 def test_config_is_typed_and_follows_the_input_dtypes():
+    from xlstm_kit.ops.dplr.triton.config import resolve
     cfg = DPLRKernelConfig()
     assert cfg.lowp == "tf32" and DPLRKernelConfig.from_key(cfg.key()) == cfg
     with pytest.raises(ValueError, match="lowp"):
@@ -141,13 +142,15 @@ def test_config_is_typed_and_follows_the_input_dtypes():
         cfg.replace(state_block_v=24)
     with pytest.raises(ValueError, match="split_dk"):
         cfg.replace(split_dk=1)
-    from xlstm_kit.ops.dplr.triton.config import resolve
     r = resolve(cfg.replace(split_dk=True, dk_block_k=64), 128, 128, 64, False)
     assert not cfg.split_dk and (r.split_dk, r.dk_bk, r.dkp_warps) == (True, 64, 4)
     with pytest.raises(ValueError, match="no field"):
         cfg.replace(state_bv=32)
     with pytest.raises(ValueError, match="lowp_outputs"):
         cfg.replace(lowp_outputs="dk,o")
+    with pytest.raises(ValueError, match="fused_intra"):
+        cfg.replace(fused_intra=1)
+    assert not cfg.fused_intra and resolve(cfg.replace(fused_intra=True), 64, 64, 64, False).fused_intra
     bf, f32, f16 = torch.bfloat16, torch.float32, torch.float16
     assert cfg.for_dtypes(o=(bf,), dv=(bf,), dk=(bf, bf)) is cfg
     assert cfg.for_dtypes(o=(bf,), dv=(bf,), dk=(bf, f32)).lowp_outputs == "o,dv"
@@ -321,20 +324,24 @@ def test_public_api_routes_triton_and_matches_torch_backend():
     assert rel_err(o_t, o_r) < 2e-6 and rel_err(s_t, s_r) < 2e-6
 
 
-@pytest.mark.parametrize("T,L,K,V,gmin,h0,split_dk", [
-    (29, 16, 16, 16, -3.0, True, False),        # two chunks, a padded tail
-    (70, 64, 16, 32, -5.0, False, False),       # L = 64 (4 sub-chunks), the strongest gates, K != V, no h0
+@pytest.mark.parametrize("T,L,K,V,gmin,h0,split_dk,fused", [
+    (29, 16, 16, 16, -3.0, True, False, False),        # two chunks, a padded tail
+    (70, 64, 16, 32, -5.0, False, False, False),       # L = 64 (4 sub-chunks), the strongest gates, K != V, no h0
     # split_dk (kda_dk.py): the triangular [16, 16]-block pair gradients and the per-chunk
     # state-side kernel; one step, a padded tail over two chunks of 64, K, V of 64 and 128 (four
     # K-tiles of 32), K = 256, and chunks of 32 and 16 (no off-diagonal block)
-    (1, 64, 64, 64, -5.0, True, True),
-    (100, 64, 64, 128, -5.0, True, True),
-    (130, 64, 128, 64, -5.0, False, True),
-    (70, 64, 256, 64, -5.0, True, True),
-    (70, 32, 64, 64, -5.0, True, True),
-    (29, 16, 16, 16, -3.0, True, True),
+    (1, 64, 64, 64, -5.0, True, True, False),
+    (100, 64, 64, 128, -5.0, True, True, False),
+    (130, 64, 128, 64, -5.0, False, True, False),
+    (70, 64, 256, 64, -5.0, True, True, False),
+    (70, 32, 64, 64, -5.0, True, True, False),
+    (29, 16, 16, 16, -3.0, True, True, False),
+    # fused_intra (intra.py: the forward's pairs and WY per chunk), alone and with split_dk
+    (29, 16, 16, 16, -3.0, True, False, True),
+    (70, 64, 16, 32, -5.0, False, False, True),
+    (100, 64, 64, 128, -5.0, True, True, True),
 ])
-def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0, split_dk):
+def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0, split_dk, fused):
     # the KDA kernels (kda.py): every gradient, β's included, from the kernels, against the
     # float64 recurrence of the substitution a = k, b = β k, v ← β v
     B, H = 1, 2
@@ -347,7 +354,8 @@ def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0, split_d
     do = torch.randn(B, T, H, V, device=DEV)
     xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta) + ((s0,) if h0 else ())]
     o, sT = kda_chunkwise(*xs[:5], initial_state=xs[5] if h0 else None, output_final_state=True,
-                          chunk_size=L, backend="triton", config=DPLRKernelConfig(split_dk=split_dk))
+                          chunk_size=L, backend="triton",
+                          config=DPLRKernelConfig(split_dk=split_dk, fused_intra=fused))
     grads = torch.autograd.grad((o * do).sum() + sT.square().sum(), xs)
     ys = [x.detach().double().requires_grad_() for x in xs]
     kk, bb = ys[1], ys[4].unsqueeze(-1)
@@ -360,14 +368,16 @@ def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0, split_d
 
 
 @pytest.mark.parametrize("dtype,split", [(torch.float32, {}), (torch.float16, dict(split_output=True)),
-                                         (torch.float16, dict(split_dk=True)), (torch.float32, dict(split_dk=True))])
+                                         (torch.float16, dict(split_dk=True)), (torch.float32, dict(split_dk=True)),
+                                         (torch.float16, dict(fused_intra=True))])
 def test_kda_reads_and_writes_the_callers_layout(dtype, split):
     # the KDA kernels read q, k, v, g, β, δO and write o, δq, δk, δv, δg in the caller's
     # [B, T, H, ·] layout (no layout copies): B, H > 1, T not a multiple of the chunk (the masked
     # steps ≥ T of the last chunk), two K-tiles of `_bwd_dk_kda`, strided inputs and δO (a
     # [B, H, T, D] buffer seen as [B, T, H, D]) equal to the same values contiguous, and both
     # against the float64 recurrence; float16 q, k, v, β with float32 g and h0 as the mixed case,
-    # with `_fwd_o` writing o (split_output), and with the split δk kernels (split_dk)
+    # with `_fwd_o` writing o (split_output), with the split δk kernels (split_dk), and with
+    # `_fwd_intra_kda` reading them (fused_intra)
     B, T, H, K, V, L = 2, 37, 3, 32, 16, 16
     q = torch.randn(B, T, H, K, device=DEV).to(dtype)
     k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(dtype)
@@ -393,6 +403,57 @@ def test_kda_reads_and_writes_the_callers_layout(dtype, split):
     assert rel_err(o, ro) < tol(o) and rel_err(sT, rsT) < 2e-6
     for name, x, y in zip(["q", "k", "v", "g", "beta", "h0"], gr, rg):
         assert rel_err(x, y) < tol(x), name
+
+
+@pytest.mark.parametrize("T,K,V,bk", [(1, 64, 128, 32), (100, 128, 64, 16), (130, 128, 128, 16)])
+def test_kda_fused_intra_matches_reference_and_the_split_path(T, K, V, bk):
+    # fused_intra (`_fwd_intra_kda`, intra.py) at the default chunk 64: T = 1, T not a chunk
+    # multiple, three chunks; pair K-steps of 16 and 32 (bk: the tuning rows' 16 spills least);
+    # K, V ∈ {64, 128}, H = 2, float16 q, k, v, β with float32 gates down
+    # to −5 (the reference points' range): o, final state and every gradient against the float64
+    # recurrence, and against the default path, whose scratch means the same (float32 rounding)
+    B, H, L = 1, 2, 64
+    dt = torch.float16
+    q = torch.randn(B, T, H, K, device=DEV).to(dt)
+    k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(dt)
+    v = torch.randn(B, T, H, V, device=DEV).to(dt)
+    g = torch.rand(B, T, H, K, device=DEV) * -5.0
+    beta = torch.rand(B, T, H, device=DEV).to(dt)
+    s0, do, dsT = (torch.randn(*sh, device=DEV) for sh in ((B, H, K, V), (B, T, H, V), (B, H, K, V)))
+    xs = [q, k, v, g, beta]
+    o, sT, gr = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L,
+                    config=DPLRKernelConfig(fused_intra=True, pairs_block_k=bk))
+    o_d, sT_d, gr_d = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L)
+    ys = [x.detach().double().requires_grad_() for x in xs + [s0]]
+    bb = ys[4].unsqueeze(-1)
+    ro, rsT = dplr_recurrent(ys[0], ys[1], ys[2] * bb, ys[1], ys[1] * bb, ys[3], initial_state=ys[5],
+                             output_final_state=True)
+    rg = torch.autograd.grad((ro * do.to(dt).double()).sum() + (rsT * dsT.double()).sum(), ys)
+    tol = lambda x: 1e-5 if x.dtype == torch.float32 else 2e-3  # noqa: E731   (float16: its rounding)
+    assert rel_err(o, ro) < tol(o) and rel_err(sT, rsT) < 2e-6
+    assert rel_err(o, o_d) < 1e-3 and rel_err(sT, sT_d) < 1e-6
+    for name, x, y, z in zip(["q", "k", "v", "g", "beta", "h0"], gr, rg, gr_d):
+        assert rel_err(x, y) < tol(x), name
+        assert rel_err(x, z) < (1e-6 if x.dtype == torch.float32 else 1e-3), name
+
+
+@pytest.mark.parametrize("T,K,V,L", [(100, 32, 16, 64), (45, 16, 32, 32), (20, 64, 16, 16), (70, 256, 256, 64)])
+def test_kda_fused_intra_scratch_is_the_split_paths(T, K, V, L):
+    # what the backward reads from `_fwd_intra_kda` (A_qk, A_bk, E, W, U, Qg, Kd, e^{G_L}, the
+    # states) equals what `_fwd_pairs_kda` + `_fwd_wy` store, to float32 rounding, at every
+    # chunk size (1, 2, 4 row blocks), strong gates, a padded last chunk, K = V = 256
+    from xlstm_kit.ops.dplr.triton.kda_op import _SAVED, _forward
+    B, H = 2, 2
+    q, k = torch.randn(B, T, H, K, device=DEV), F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1)
+    v, g = torch.randn(B, T, H, V, device=DEV), torch.rand(B, T, H, K, device=DEV) * -5.0
+    beta, s0 = torch.rand(B, T, H, device=DEV), torch.randn(B, H, K, V, device=DEV)
+    outs = [_forward(q, k, v, g, beta, s0, K ** -0.5, L, DPLRKernelConfig(fused_intra=f).key())
+            for f in (False, True)]
+    for name, x, y in zip(("o", "hT") + _SAVED, *outs):
+        if x.is_floating_point():
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), name
+        else:
+            assert torch.equal(x, y), name
 
 
 @pytest.mark.parametrize("split_dk", [False, True])

@@ -73,13 +73,15 @@ NAMES = {"dplr": ["o", "S", "q", "k", "v", "a", "b", "gk", "h0"],
     ("kda", [1, 5, 64, 70], 2, 64, True, True),
     ("kda", [1, 5, 64, 70], 2, 64, True, "dk"),        # split_dk: sub-chunks past a sequence's end
     ("kda", [20, 1, 13], 2, 16, True, "dk"),
+    ("kda", [1, 5, 64, 70], 2, 64, True, "intra"),    # fused_intra: `_fwd_intra_kda` over the chunk table
+    ("kda", [20, 1, 13], 2, 16, True, "intra"),
 ])
 def test_packed_equals_each_sequence_alone(kind, lens, H, L, state, split):
     from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig
     xs, s0, ws = _inputs(kind, lens, H, 16, 16, state, seed=len(lens) * 7 + H)
     cu = _cu(lens)
-    cfg = (DPLRKernelConfig(split_dk=True) if split == "dk" else
-           DPLRKernelConfig(split_output=True, o_block_v=16) if split else None)
+    cfg = (DPLRKernelConfig(split_dk=True) if split == "dk" else DPLRKernelConfig(fused_intra=True) if split == "intra"
+           else DPLRKernelConfig(split_output=True, o_block_v=16) if split else None)
     got = _run(OPS[kind], xs, s0, ws, torch.float32, backend="triton", chunk_size=L, cu_seqlens=cu, config=cfg)
     ref = _run(OPS[kind], xs, s0, ws, torch.float64, backend="torch", chunk_size=L, cu_seqlens=cu.cpu())
     assert got[1].shape == (len(lens), H, 16, 16)

@@ -92,11 +92,12 @@ def test_triton_mlstm_closed_forget_gate_matches_recurrent():
 
 
 @needs_triton
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("g, mixed", [(-12.0, False), (-30.0, True), (float("-inf"), True)])
 @pytest.mark.parametrize("split_dk", [False, True])
-def test_triton_kda_steep_decay_matches_reference(g, mixed, split_dk):
+def test_triton_kda_steep_decay_matches_reference(g, mixed, split_dk, fused):
     """The issue's case: q [1, 64, 1, 16], kda_chunkwise(q, k, q, g, β) gave NaN for g ≤ −12
-    (split_dk: the same through the split δk kernels)."""
+    (split_dk: the same through the split δk kernels; fused: through `_fwd_intra_kda`)."""
     from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig
     q = torch.randn(1, 64, 1, 16, device=DEV)
     k = torch.nn.functional.normalize(torch.randn(1, 64, 1, 16, device=DEV), dim=-1)
@@ -105,7 +106,8 @@ def test_triton_kda_steep_decay_matches_reference(g, mixed, split_dk):
     if mixed:
         gk[:, ::3] = -0.5        # closed steps between ordinary ones
     xs = [x.requires_grad_() for x in (q, k, gk, beta)]
-    out, _ = kda_chunkwise(q, k, q, gk, beta, backend="triton", config=DPLRKernelConfig(split_dk=split_dk))
+    out, _ = kda_chunkwise(q, k, q, gk, beta, backend="triton",
+                           config=DPLRKernelConfig(split_dk=split_dk, fused_intra=fused))
     ref, _ = kda_chunkwise(*(x.detach().double() for x in (q, k, q, gk, beta)), backend="torch")
     assert out.isfinite().all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)

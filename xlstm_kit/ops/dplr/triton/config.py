@@ -61,6 +61,11 @@ class DPLRKernelConfig(KernelConfig):
         Same products, same precision and gate-gradient sums; not the default until timed
         (NOTES-dplr.md, "session 9, step 1"). The general DPLR op ignores it.
     o_block_v, o_block_k, o_warps: V-tile (one program each), K-step and warps of `_fwd_o`.
+    fused_intra: KDA only: the forward's pair matrices, E, W and U₀ in one kernel per chunk,
+        `_fwd_intra_kda` (intra.py: [16, 16] blocks, the chunk's q, k, G read once, E by blockwise
+        inversion, U₀ = E β v in one product), instead of `_fwd_pairs_kda` + `_fwd_wy`. Same
+        scratch for the backward; it takes the pair kernel's K-step (pairs_block_k) and `_fwd_wy`'s
+        wy_block_k, wy_block_v, wy_warps. Not the default until timed.
     walk_block_v, walk_warps: V-tile and warps of `_fwd_walk` (None: state_block_v, state_warps;
         capped and limited to 4 warps under 32 columns as those). ptxas at K = V = 128, L = 64:
         the KDA walk spills 0 B at 32 columns on 8 warps, where `_bwd_state` spills 1.1 KB.
@@ -82,6 +87,7 @@ class DPLRKernelConfig(KernelConfig):
     dk_warps: int = 8
     split_output: bool = False
     split_dk: bool = False
+    fused_intra: bool = False
     o_block_v: int = 64
     o_block_k: int = 32
     o_warps: int = 4
@@ -96,7 +102,7 @@ class DPLRKernelConfig(KernelConfig):
         if any(p not in LOWP_GROUPS for p in parts) or parts != [g for g in LOWP_GROUPS if g in parts]:
             raise ValueError("DPLRKernelConfig.lowp_outputs must list groups of "
                              f"{','.join(LOWP_GROUPS)} in that order, comma-separated, got {self.lowp_outputs!r}")
-        for f in ("split_output", "split_dk"):
+        for f in ("split_output", "split_dk", "fused_intra"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"DPLRKernelConfig.{f} must be a bool, got {getattr(self, f)!r}")
         for f in dataclasses.fields(self):
@@ -137,6 +143,7 @@ class Launch(NamedTuple):
     wy_bk: int
     wy_bv: int
     wy_warps: int
+    fused_intra: bool      # KDA: `_fwd_intra_kda` instead of `_fwd_pairs_kda` + `_fwd_wy`
     bwd_bv: int
     dv_bk: int
     dv_warps: int
@@ -175,6 +182,7 @@ def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool
         pairs_bk=min(K, config.pairs_block_k),
         pairs_warps=config.pairs_warps or (8 if L <= 32 else 4),
         wy_bk=min(K, config.wy_block_k), wy_bv=min(V, config.wy_block_v), wy_warps=config.wy_warps,
+        fused_intra=config.fused_intra,
         bwd_bv=min(V, config.bwd_block_v),
         dv_bk=min(K, config.dv_block_k), dv_warps=config.dv_warps,
         dk_bk=min(K, config.dk_block_k or (64 if L <= 32 else 32)), dk_warps=config.dk_warps,

@@ -17,6 +17,7 @@ from .chunkwise import (_STAGES, _bwd_prologue, _check, _check_packed, _config_k
 from .chunkwise import supports
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
+from .intra import _fwd_intra_kda
 from .kda import _bwd_dk_kda, _bwd_dv_kda, _fwd_pairs_kda
 from .kda_dk import _bwd_dk_pairs_kda, _bwd_dk_state_kda
 from .state import _bwd_state, _fwd_state, _fwd_walk
@@ -53,13 +54,18 @@ def _forward(q, k, v, g, beta, h0, scale: float, L: int, config: str, cu_seqlens
         c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
         io = dict(T=T, H=H, SEQ=True)
         sa = dict(_seq_args(vl, sinfo, H), **io)
-        _fwd_pairs_kda[(NC * (L // SUB), BH)](q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H, K=K, L=L, S=SUB,
-                                              BK=c.pairs_bk, PREC=c.prec, num_warps=c.pairs_warps,
-                                              num_stages=_STAGES, **vl)
-        # A_ba = A_bk; the unused Ad argument is Kd (never written under KDA)
-        _fwd_wy[(NC, BH)](q, k, k, k, v, G, Abk, Abk, E, W, Cm, Qg, Kd, Kd, eGl, scale, Tp, NC,
-                          K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
-                          num_warps=c.wy_warps, num_stages=_STAGES, beta=beta, KDA=True, **vl, **io)
+        if c.fused_intra:
+            _fwd_intra_kda[(NC, BH)](q, k, v, beta, G, Aqk, Abk, E, W, Cm, Qg, Kd, eGl, scale, Tp, NC, T, H,
+                                     K=K, V=V, L=L, S=SUB, BK=c.pairs_bk, BKW=c.wy_bk, BV=c.wy_bv,
+                                     PREC=c.prec, num_warps=c.wy_warps, num_stages=_STAGES, **vl)
+        else:
+            _fwd_pairs_kda[(NC * (L // SUB), BH)](q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H, K=K, L=L,
+                                                  S=SUB, BK=c.pairs_bk, PREC=c.prec,
+                                                  num_warps=c.pairs_warps, num_stages=_STAGES, **vl)
+            # A_ba = A_bk; the unused Ad argument is Kd (never written under KDA)
+            _fwd_wy[(NC, BH)](q, k, k, k, v, G, Abk, Abk, E, W, Cm, Qg, Kd, Kd, eGl, scale, Tp, NC,
+                              K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
+                              num_warps=c.wy_warps, num_stages=_STAGES, beta=beta, KDA=True, **vl, **io)
         h_in = h0c if h0c is not None else hT
         if c.split_o:   # the walk without the output products, then `_fwd_o` over the chunks
             _fwd_walk[(V // c.walk_bv, S)](Kd, Kd, eGl, v, W, Cm, h_in, Hs, U, hT, Tp, NC, K=K, V=V, L=L,
