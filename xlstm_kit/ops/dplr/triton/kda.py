@@ -107,21 +107,12 @@ def _bwd_dv_kda(Kd, v, beta, Aqk, Abk, E, U, dO, dH, dV2, GCb, dAq, dAb, dv, dbv
 
 
 @triton.jit
-def _bwd_dk_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dAq, dAb, dqd, dq, dk, dbk, dg, scale, Tp, NC, T, H,
-                K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, tab=None,
-                VARLEN: tl.constexpr = False):
-    """`_bwd_dk` for KDA, one (chunk, K-tile): δq, δk (= δk + δa + β δb of the general kernel),
-    δg, and this K-tile's part of the β gradient Σ_k δ(βk)·k to dbk [BH, NKT, Tp]. Two pair
-    gradients (δA_q with x = q, δA_b with x = β k; y = k for both) instead of four, one U δh'ᵀ
-    product for δKd + δAd. q, k, dq, dk, dg: [B, T, H, K]; dO: [B, T, H, V]; beta: [B, T, H]."""
-    NB: tl.constexpr = L // S
-    n = tl.program_id(0)
-    kt = tl.program_id(1)
-    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(2), L, VARLEN)
-    if seq < 0:
-        return
-    kr = kt * BK + tl.arange(0, BK)
+def _dk_state_side(G, U, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr, Tp, NC, T, H, K: tl.constexpr,
+                   V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   PREC: tl.constexpr, LO: tl.constexpr, VARLEN: tl.constexpr):
+    """The state-side part of the KDA key gradient for one chunk and K-tile `kr` (both
+    `_bwd_dk_kda` and split_dk's `_bwd_dk_state_kda`): the chunk's G and its decays (Gc, e^G,
+    e^{G_L − G}, e^{G_L}), U δh'ᵀ, δO hᵀ, −GC hᵀ ([L, BK] each) and Σ_v h⊙δh' ([BK])."""
     Gc = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kr, Tp, K))
     g_last = tl.load(G + _row(bh, t0 + nv - 1, kr, Tp, K))
     eG = tl.exp(Gc.to(tl.float32))
@@ -141,6 +132,27 @@ def _bwd_dk_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dAq, dAb, dqd, dq, dk, dbk, d
         dQg += _mm(_x_ld(dO, bh, t0, rows, vv, nv, T, H, V).to(tl.float32), tl.trans(hs), LO, PREC)
         GW -= _mm(_ld(GCb + pv, m, VARLEN), tl.trans(hs), LO, PREC)
         hdh += tl.sum(hs * dh, axis=1)
+    return Gc, eG, dec, eGl, dKU, dQg, GW, hdh
+
+
+@triton.jit
+def _bwd_dk_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dAq, dAb, dqd, dq, dk, dbk, dg, scale, Tp, NC, T, H,
+                K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, tab=None,
+                VARLEN: tl.constexpr = False):
+    """`_bwd_dk` for KDA, one (chunk, K-tile): δq, δk (= δk + δa + β δb of the general kernel),
+    δg, and this K-tile's part of the β gradient Σ_k δ(βk)·k to dbk [BH, NKT, Tp]. Two pair
+    gradients (δA_q with x = q, δA_b with x = β k; y = k for both) instead of four, one U δh'ᵀ
+    product for δKd + δAd. q, k, dq, dk, dg: [B, T, H, K]; dO: [B, T, H, V]; beta: [B, T, H]."""
+    NB: tl.constexpr = L // S
+    n = tl.program_id(0)
+    kt = tl.program_id(1)
+    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(2), L, VARLEN)
+    if seq < 0:
+        return
+    kr = kt * BK + tl.arange(0, BK)
+    Gc, eG, dec, eGl, dKU, dQg, GW, hdh = _dk_state_side(G, U, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr, Tp,
+                                                         NC, T, H, K, V, L, BK, BV, PREC, LO, VARLEN)
     bt = _x_ld1(beta, bh, t0, rows, nv, T, H).to(tl.float32)
     qs = _x_ld(q, bh, t0, rows, kr, nv, T, H, K).to(tl.float32) * scale
     kx = _x_ld(k, bh, t0, rows, kr, nv, T, H, K).to(tl.float32)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import _chunk_prog, _last, _ld, _mm, _offs, _row, _st, _x_ld, _x_ld1, _x_st
+from .kda import _dk_state_side
 
 
 @triton.jit
@@ -103,25 +104,8 @@ def _bwd_dk_state_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dXq, dXb, dY, dqd, dq, 
     dbs = tl.zeros([L], dtype=tl.float32)
     for k0 in range(0, K, BK):
         kr = k0 + tl.arange(0, BK)
-        Gc = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kr, Tp, K))
-        g_last = tl.load(G + _row(bh, t0 + nv - 1, kr, Tp, K))
-        eG = tl.exp(Gc.to(tl.float32))
-        dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
-        eGl = tl.exp(g_last.to(tl.float32))
-        dKU = tl.zeros([L, BK], dtype=tl.float32)
-        dQg = tl.zeros([L, BK], dtype=tl.float32)
-        GW = tl.zeros([L, BK], dtype=tl.float32)
-        hdh = tl.zeros([BK], dtype=tl.float32)
-        for v0 in range(0, V, BV):
-            vv = v0 + tl.arange(0, BV)
-            pv = _offs(bh, t0, rows, vv, Tp, V)
-            ph = _offs(bh * NC + n, 0, kr, vv, K, V)
-            hs = tl.load(Hs + ph)
-            dh = tl.load(dH + ph)
-            dKU += _mm(_ld(U + pv, m, VARLEN), tl.trans(dh), LO, PREC)
-            dQg += _mm(_x_ld(dO, bh, t0, rows, vv, nv, T, H, V).to(tl.float32), tl.trans(hs), LO, PREC)
-            GW -= _mm(_ld(GCb + pv, m, VARLEN), tl.trans(hs), LO, PREC)
-            hdh += tl.sum(hs * dh, axis=1)
+        Gc, eG, dec, eGl, dKU, dQg, GW, hdh = _dk_state_side(G, U, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr,
+                                                             Tp, NC, T, H, K, V, L, BK, BV, PREC, LO, VARLEN)
         qs = _x_ld(q, bh, t0, rows, kr, nv, T, H, K).to(tl.float32) * scale
         kx = _x_ld(k, bh, t0, rows, kr, nv, T, H, K).to(tl.float32)
         bx = kx * bt[:, None]
