@@ -10,11 +10,10 @@ from xlstm_kit.ops._sm90 import sm90_resources
 from xlstm_kit.ops.dplr.triton.backward import _bwd_dk, _bwd_dv
 from xlstm_kit.ops.dplr.triton.common import SUB
 from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig, resolve
-from xlstm_kit.ops.dplr.triton.intra import _fwd_intra_kda
-from xlstm_kit.ops.dplr.triton.kda import _bwd_dk_kda, _bwd_dv_kda, _fwd_pairs_kda
+from xlstm_kit.ops.dplr.triton.kda import _bwd_dv_kda, _fwd_pairs_kda
 from xlstm_kit.ops.dplr.triton.kda_dk import _bwd_dk_pairs_kda, _bwd_dk_state_kda
 from xlstm_kit.ops.dplr.triton.pairs import _fwd_gamma, _fwd_pairs
-from xlstm_kit.ops.dplr.triton.state import _bwd_state, _fwd_o, _fwd_state, _fwd_walk
+from xlstm_kit.ops.dplr.triton.state import _bwd_state, _fwd_state
 from xlstm_kit.ops.dplr.triton.wy import _fwd_wy
 
 BF16 = {"q", "k", "v", "a", "b", "O", "dO", "dv", "dq", "dk", "da", "db", "beta", "dg", "gk"}
@@ -55,23 +54,9 @@ def main(K=128, V=128, L=64):
     build("_fwd_wy", _fwd_wy, dict(base, BK=c.wy_bk, BV=c.wy_bv), c.wy_warps)
     # the KDA op reads and writes the caller's [B, T, H, ·] layout (SEQ)
     build("_fwd_wy KDA", _fwd_wy, dict(base, BK=c.wy_bk, BV=c.wy_bv, KDA=True, SEQ=True), c.wy_warps)
-    # fused_intra: pairs + WY in one program per chunk (the pair K-step, `_fwd_wy`'s W/U steps and
-    # warps); a pair K-step of 16 keeps its [16, 16] accumulators and operands in registers
-    intra = dict(base, BK=c.pairs_bk, BKW=c.wy_bk, BV=c.wy_bv)
-    build("_fwd_intra_kda", _fwd_intra_kda, intra, c.wy_warps)
-    build("_fwd_intra_kda, K-step 16", _fwd_intra_kda, dict(intra, BK=16), c.wy_warps)
-    build("_fwd_intra_kda, K-step 16, 4 warps", _fwd_intra_kda, dict(intra, BK=16), 4)
     st = dict(base, BV=c.state_bv, HAS_H0=True, LO=c.lo_o)
     build("_fwd_state", _fwd_state, st, c.state_warps)
     build("_fwd_state KDA", _fwd_state, dict(st, KDA=True, SEQ=True), c.state_warps)
-    # split_output: the walk without the output products (`_fwd_walk`), at 16 and 32 columns, and `_fwd_o`
-    walk = dict(base, BV=c.state_bv, HAS_H0=True)
-    build("_fwd_walk", _fwd_walk, walk, c.state_warps)
-    build("_fwd_walk KDA", _fwd_walk, dict(walk, KDA=True), c.state_warps)
-    build("_fwd_walk KDA, V-tile 32, 8 warps", _fwd_walk, dict(walk, KDA=True, BV=32), 8)
-    build("_fwd_walk KDA, V-tile 64, 8 warps", _fwd_walk, dict(walk, KDA=True, BV=64), 8)
-    build("_fwd_o", _fwd_o, dict(base, BK=c.o_bk, BV=c.o_bv, LO=c.lo_o), c.o_warps)
-    build("_fwd_o KDA", _fwd_o, dict(base, BK=c.o_bk, BV=c.o_bv, LO=c.lo_o, KDA=True, SEQ=True), c.o_warps)
     build("_bwd_state", _bwd_state, dict(base, BV=c.state_bv, HAS_DHT=True), c.state_warps)
     build("_bwd_state KDA", _bwd_state, dict(base, BV=c.state_bv, HAS_DHT=True, SEQ=True), c.state_warps)
     for tag, x in (("", full), (" mixed", mixed)):
@@ -81,11 +66,9 @@ def main(K=128, V=128, L=64):
         build("_bwd_dv" + tag, _bwd_dv, dv, x.dv_warps)
         build("_bwd_dv_kda" + tag, _bwd_dv_kda, dv, x.dv_warps)
         build("_bwd_dk" + tag, _bwd_dk, dk, x.dk_warps, gate)
-        build("_bwd_dk_kda" + tag, _bwd_dk_kda, dk, x.dk_warps, gate)
-        # split_dk: the two kernels at K-tiles of 32, 64 and K (the second kernel's V side read once)
+        # KDA's key gradient: the two kernels at K-tiles of 32, 64 and K (the second kernel's V side read once)
         for bk in sorted({x.dk_bk, min(K, 64), K}):
-            p = resolve(DPLRKernelConfig(split_dk=True, dk_block_k=bk), K, V, L, False)
-            build(f"_bwd_dk_pairs_kda{tag} BK {bk}", _bwd_dk_pairs_kda, dict(dk, BK=bk), p.dkp_warps)
+            build(f"_bwd_dk_pairs_kda{tag} BK {bk}", _bwd_dk_pairs_kda, dict(dk, BK=bk), x.dkp_warps)
             for w in (4, 8):
                 build(f"_bwd_dk_state_kda{tag} BK {bk} {w} w", _bwd_dk_state_kda, dict(dk, BK=bk), w, gate)
 

@@ -43,31 +43,12 @@ SHAPE = dict(B=8, T=2048, H=16, K=128, V=128)
 QUICK = dict(B=1, T=256, H=2, K=64, V=64)
 # without a GPU: a smoke run of the script under TRITON_INTERPRET=1 (float32, wall-clock times)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-VARIANTS = [  # ptxas spills in benchmarks/NOTES-dplr.md
-    # first: the issue 20 design study's step 1, split_dk (`_bwd_dk_kda` as the triangular pair
-    # kernel + the per-chunk state-side kernel; ptxas of the second at 8 warps: 128 B spills at
-    # the default K-tile 32, 0 B at 16, 0 B at 16 with V-steps of 64)
-    dict(split_dk=True), dict(split_dk=True, dk_block_k=16), dict(split_dk=True, dk_block_k=16, bwd_block_v=64),
-    # design-study step 2: `_fwd_intra_kda` (pairs + WY per chunk; KDA only: skipped for dplr).
-    # ptxas (K = V = 128, L = 64): pair K-step 16 spills 20 B on 8 warps, 44 B on 4; 32: 668 B
-    dict(fused_intra=True, pairs_block_k=16), dict(fused_intra=True, pairs_block_k=16, wy_warps=4),
-    dict(fused_intra=True),
-    # both steps together (the design study's KDA path), and with split_output's walk on top
-    dict(split_dk=True, dk_block_k=16, fused_intra=True, pairs_block_k=16),
-    dict(split_dk=True, dk_block_k=16, fused_intra=True, pairs_block_k=16, split_output=True, walk_block_v=32,
-         walk_warps=8),
-    # then, as --limit-s may cut the tail: the issue 20 design study's split_output (the output
-    # products out of the sequential walk: `_fwd_walk` + `_fwd_o`; the KDA walk spills 0 B at a
-    # V-tile of 32 on 8 warps, 248 B at 64)
-    dict(split_output=True), dict(split_output=True, walk_block_v=32, walk_warps=8),
-    dict(split_output=True, walk_block_v=64, walk_warps=8),
-    dict(split_output=True, walk_block_v=32, walk_warps=8, state_block_v=32),
-    # one field away from the defaults
-    dict(state_block_v=32), dict(state_block_v=32, state_warps=8), dict(state_warps=8),
-    dict(dk_block_k=16), dict(dk_block_k=64), dict(dk_warps=4),
-    dict(bwd_block_v=16), dict(bwd_block_v=64),
-    dict(dv_block_k=32), dict(dv_warps=4),
-    dict(wy_warps=4), dict(wy_block_k=64), dict(pairs_block_k=64), dict(pairs_warps=8),
+VARIANTS = [  # ptxas spills in benchmarks/NOTES-dplr.md; one field away from the defaults
+    # (session 10's sweep made state_block_v 32, wy_warps, dv_warps and dk_warps 4 the defaults)
+    dict(state_block_v=64), dict(state_block_v=16), dict(state_warps=8),
+    dict(dk_block_k=16), dict(dk_block_k=64), dict(dk_warps=8), dict(bwd_block_v=64),
+    dict(dv_block_k=32), dict(dv_warps=8), dict(wy_warps=8), dict(wy_block_k=64), dict(wy_block_v=64),
+    dict(pairs_block_k=64), dict(pairs_warps=8),
 ]
 
 
@@ -222,6 +203,27 @@ def fla_rows(op: str, f32: bool, shape: dict) -> list[dict]:
             dict(kind="time", config="fla", ms=bench(timed.fwbw), compile_s=first_s)]
 
 
+def warm_fla(out: str, cases: str, shape: dict) -> int:
+    """fla's first forward + backward of each case, one process per case (compilation is
+    CPU-bound; the autotuner benchmarks again in the timed process); seconds per case printed."""
+    if "," in cases:
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--out", out, "--warm-fla",
+                                   "--cases", c, "--shape", ",".join(str(shape[x]) for x in "BTHKV")])
+                 for c in cases.split(",")]
+        return max(p.wait() for p in procs)
+    from xlstm_kit.bench import peers, registry
+
+    op = cases.split("-")[0] + "_chunkwise"
+    env = Env(device=torch.device(DEV), dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, backend="triton")
+    build = peers._fla_kda if op == "kda_chunkwise" else peers._fla_dplr
+    t1 = time.time()
+    build(op + (registry.F32_GATES if cases.endswith("f32") else ""), shape, env).fwbw()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    print(f"fla {cases}: first fwd+bwd {time.time() - t1:.1f} s", flush=True)
+    return 0
+
+
 def child(out: str, op: str, f32: bool, shape: dict, start: int, limit_s: float, t0: float,
           use_fla: bool = False) -> int:
     """One (op, gate dtype) case from VARIANTS[start] on (the profile and the default first when
@@ -246,9 +248,6 @@ def child(out: str, op: str, f32: bool, shape: dict, start: int, limit_s: float,
             except Exception as e:  # noqa: BLE001 - reported in the row (not installed, say)
                 emit(dict(case, kind="error", config="fla", why=f"{type(e).__name__}: {str(e)[:200]}"))
     for v in VARIANTS[start:]:
-        if (v.get("split_dk") or v.get("fused_intra")) and op != "kda_chunkwise":   # the general op ignores them
-            emit(dict(case, kind="skipped", config=v, why="KDA only"))   # (a row: the restart counts rows)
-            continue
         if time.time() - t0 > limit_s:
             emit(dict(case, kind="skipped", config=v, why="--limit-s"))
             continue
@@ -276,17 +275,27 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="a small shape (a smoke run)")
+    ap.add_argument("--shape", help="B,T,H,K,V instead of the default 8,2048,16,128,128")
     ap.add_argument("--limit-s", type=float, default=540, help="start no new measurement after this many seconds")
     ap.add_argument("--fla", action="store_true", help="fla in the same call: its kernels' profile and fwd+bwd ms per "
                     "case, and chunk_kda in the error table (its first compile: minutes)")
     ap.add_argument("--probe-prec", action="store_true", help="only section 4: the precision probe (KDA)")
+    ap.add_argument("--cases", default="kda-bf16,kda-f32,dplr-bf16,dplr-f32",
+                    help="which (op, gate dtype) cases, comma-separated (default: all four)")
+    ap.add_argument("--variants", default=":", help="a slice of VARIANTS to sweep, e.g. 0:8 (default: all)")
+    ap.add_argument("--warm-fla", action="store_true", help="only compile fla's kernels for --cases (each case "
+                    "in its own process, in parallel), so that a later --fla run times them without minutes of compile")
     ap.add_argument("--child", help=argparse.SUPPRESS)   # "op,f32,start,t0": one case in a child process
     a = ap.parse_args()
-    shape = QUICK if a.quick else SHAPE
+    shape = QUICK if a.quick else dict(zip("BTHKV", map(int, a.shape.split(",")))) if a.shape else SHAPE
+    lo, hi = (int(x) if x else None for x in a.variants.split(":"))
+    VARIANTS[:] = VARIANTS[lo:hi]
     if a.child:
         op, f32, start, t0 = a.child.split(",")
         return child(a.out, op, f32 == "1", shape, int(start), a.limit_s, float(t0), a.fla)
     os.makedirs(a.out, exist_ok=True)
+    if a.warm_fla:
+        return warm_fla(a.out, a.cases, shape)
     if a.probe_prec:
         rows = probe_prec(a.out, shape, False)   # bf16 gates: the float32-gate case differs in the dk group only
         with open(os.path.join(a.out, "dplr_prec.md"), "w") as f:
@@ -297,19 +306,20 @@ def main() -> int:
     open(path, "w").close()
     # each case in a child process: a variant that faults (illegal memory access) loses the
     # CUDA context, so the next child goes on from the variant after it
-    for op in ("kda_chunkwise", "dplr_chunkwise"):
-        for f32 in (False, True):
-            start = 0
-            while start <= len(VARIANTS):
-                cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--limit-s", str(a.limit_s),
-                       "--child", f"{op},{int(f32)},{start},{t0}"] + (["--quick"] if a.quick else []) \
-                    + (["--fla"] if a.fla and start == 0 else [])
-                rc = subprocess.run(cmd).returncode
-                if rc != FAULT:
-                    break
-                done = [r for r in map(json.loads, open(path)) if r.get("op") == op and r.get("f32_gates") == f32
-                        and r["kind"] in ("time", "error", "skipped") and r.get("config") != "default"]
-                start = len(done)
+    cases = [(c.split("-")[0] + "_chunkwise", c.endswith("f32")) for c in a.cases.split(",")]
+    for op, f32 in cases:
+        start = 0
+        while start <= len(VARIANTS):
+            cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--limit-s", str(a.limit_s),
+                   "--variants", a.variants] + (["--shape", a.shape] if a.shape else []) + [
+                   "--child", f"{op},{int(f32)},{start},{t0}"] + (["--quick"] if a.quick else []) \
+                + (["--fla"] if a.fla and start == 0 else [])
+            rc = subprocess.run(cmd).returncode
+            if rc != FAULT:
+                break
+            done = [r for r in map(json.loads, open(path)) if r.get("op") == op and r.get("f32_gates") == f32
+                    and r["kind"] in ("time", "error", "skipped") and r.get("config") not in ("default", "fla")]
+            start = len(done)
     rows = [json.loads(line) for line in open(path)]
     log = open(path, "a")
 
@@ -320,7 +330,7 @@ def main() -> int:
         print(json.dumps(row)[:300], flush=True)
 
     acc_shape = dict(shape, B=min(shape["B"], 2))
-    for f32 in (False, True):
+    for f32 in sorted({f32 for op, f32 in cases if op == "kda_chunkwise"}):
         if time.time() - t0 > a.limit_s:
             break
         try:
@@ -331,26 +341,25 @@ def main() -> int:
                       why=f"{type(e).__name__}: {str(e)[:200]}"))
     log.close()
     with open(os.path.join(a.out, "dplr_tune.md"), "w") as f:
-        for op in ("kda_chunkwise", "dplr_chunkwise"):
-            for f32 in (False, True):
-                mine = [r for r in rows if r["op"] == op and r["f32_gates"] == f32]
-                f.write(f"## {op}, {'float32' if f32 else 'bf16'} gates, {shape}\n\n| config | ms | note |\n|---|---|---|\n")
-                for r in mine:
-                    if r["kind"] in ("time", "error", "skipped"):
-                        ms = f"{r['ms']:.3f}" if "ms" in r else "—"
-                        f.write(f"| {r['config']} | {ms} | {r.get('why', '')} |\n")
-                acc = next((r for r in mine if r["kind"] == "accuracy"), None)
-                if acc:
-                    f.write(f"\nErrors vs the float64 PyTorch path at {acc['shape']}:\n\n"
-                            "| implementation | o | dq | dk | dv | dg | dbeta | final state |\n"
-                            "|---|---|---|---|---|---|---|---|\n")
-                    f.writelines(f"| {n} | " + " | ".join(f"{e:.2e}" for e in errs) + " |\n"
-                                 for n, errs in acc["errors"].items())
-                for prof in (r for r in mine if r["kind"] == "profile"):
-                    who = "fla" if prof.get("who") == "fla" else "ours, default config"
-                    f.write(f"\n| kernel ({who}) | launches | ms | % |\n|---|---|---|---|\n")
-                    f.writelines(f"| `{k}` | {n} | {ms} | {pc} |\n" for k, n, ms, pc in prof["kernels"][:20])
-                f.write("\n")
+        for op, f32 in cases:
+            mine = [r for r in rows if r["op"] == op and r["f32_gates"] == f32]
+            f.write(f"## {op}, {'float32' if f32 else 'bf16'} gates, {shape}\n\n| config | ms | note |\n|---|---|---|\n")
+            for r in mine:
+                if r["kind"] in ("time", "error", "skipped"):
+                    ms = f"{r['ms']:.3f}" if "ms" in r else "—"
+                    f.write(f"| {r['config']} | {ms} | {r.get('why', '')} |\n")
+            acc = next((r for r in mine if r["kind"] == "accuracy"), None)
+            if acc:
+                f.write(f"\nErrors vs the float64 PyTorch path at {acc['shape']}:\n\n"
+                        "| implementation | o | dq | dk | dv | dg | dbeta | final state |\n"
+                        "|---|---|---|---|---|---|---|---|\n")
+                f.writelines(f"| {n} | " + " | ".join(f"{e:.2e}" for e in errs) + " |\n"
+                             for n, errs in acc["errors"].items())
+            for prof in (r for r in mine if r["kind"] == "profile"):
+                who = "fla" if prof.get("who") == "fla" else "ours, default config"
+                f.write(f"\n| kernel ({who}) | launches | ms | % |\n|---|---|---|---|\n")
+                f.writelines(f"| `{k}` | {n} | {ms} | {pc} |\n" for k, n, ms, pc in prof["kernels"][:20])
+            f.write("\n")
     return 0
 
 

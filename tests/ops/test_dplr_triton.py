@@ -140,17 +140,14 @@ def test_config_is_typed_and_follows_the_input_dtypes():
         DPLRKernelConfig(lowp="nonsense")
     with pytest.raises(ValueError, match="state_block_v"):
         cfg.replace(state_block_v=24)
-    with pytest.raises(ValueError, match="split_dk"):
-        cfg.replace(split_dk=1)
-    r = resolve(cfg.replace(split_dk=True, dk_block_k=64), 128, 128, 64, False)
-    assert not cfg.split_dk and (r.split_dk, r.dk_bk, r.dkp_warps) == (True, 64, 4)
+    r = resolve(cfg.replace(dk_block_k=64), 128, 128, 64, False)
+    assert (r.dk_bk, r.dkp_warps) == (64, 4)
+    with pytest.raises(ValueError, match="bwd_block_v"):
+        cfg.replace(bwd_block_v=16)
     with pytest.raises(ValueError, match="no field"):
         cfg.replace(state_bv=32)
     with pytest.raises(ValueError, match="lowp_outputs"):
         cfg.replace(lowp_outputs="dk,o")
-    with pytest.raises(ValueError, match="fused_intra"):
-        cfg.replace(fused_intra=1)
-    assert not cfg.fused_intra and resolve(cfg.replace(fused_intra=True), 64, 64, 64, False).fused_intra
     bf, f32, f16 = torch.bfloat16, torch.float32, torch.float16
     assert cfg.for_dtypes(o=(bf,), dv=(bf,), dk=(bf, bf)) is cfg
     assert cfg.for_dtypes(o=(bf,), dv=(bf,), dk=(bf, f32)).lowp_outputs == "o,dv"
@@ -190,16 +187,16 @@ def _mixed_case(kda: bool):
     return xs, s0, torch.randn(1, 40, 2, 16, device=DEV), torch.randn(1, 2, 16, 16, device=DEV)
 
 
-@pytest.mark.parametrize("kda,split_dk", [(False, False), (True, False), (True, True)])
-def test_mixed_dtypes_keep_the_gate_gradient_exact(kda, split_dk):
+@pytest.mark.parametrize("kda", [False, True])
+def test_mixed_dtypes_keep_the_gate_gradient_exact(kda):
     # lowp="fp16" (the interpreter's stand-in for tf32 with bf16) on float16 activations and
     # float32 gates: the groups that reach only 16-bit outputs take the mode (o; DPLR also δv),
     # everything a float32 output depends on is bit-identical to the float32-accurate run
     xs, s0, do, dsT = _mixed_case(kda)
     fn = kda_chunkwise_triton if kda else dplr_chunkwise_triton
     o_off, sT_off, g_off = run(fn, xs, s0, do, dsT, chunk_size=32,
-                               config=DPLRKernelConfig(lowp="off", split_dk=split_dk))
-    o, sT, g = run(fn, xs, s0, do, dsT, chunk_size=32, config=DPLRKernelConfig(lowp="fp16", split_dk=split_dk))
+                               config=DPLRKernelConfig(lowp="off"))
+    o, sT, g = run(fn, xs, s0, do, dsT, chunk_size=32, config=DPLRKernelConfig(lowp="fp16"))
     assert not torch.equal(o, o_off)                                       # the mode is in effect
     assert torch.equal(sT, sT_off)
     fast = {2} if not kda else set()                                       # δv (DPLR)
@@ -215,7 +212,7 @@ def test_mixed_dtypes_keep_the_gate_gradient_exact(kda, split_dk):
 
 
 def test_state_tiles_from_the_config_match_reference():
-    # a 32-column V-tile on 8 warps (the default is 16 on 4): same sums, other programs
+    # a 32-column V-tile on 8 warps (the default is 32 on 4): same sums, other programs
     xs, s0 = make_inputs(1, 70, 2, 32, 32, -5.0)
     do = torch.randn(1, 70, 2, 32, device=DEV)
     dsT = torch.randn(1, 2, 32, 32, device=DEV)
@@ -225,32 +222,6 @@ def test_state_tiles_from_the_config_match_reference():
     assert rel_err(o, ro) < 2e-6 and rel_err(sT, rsT) < 2e-6
     for name, x, y in zip(NAMES, g, rg):
         assert rel_err(x, y) < 1e-5, name
-
-
-@pytest.mark.parametrize("kda", [False, True])
-def test_split_output_matches_fused_and_reference(kda):
-    # split_output: O from `_fwd_o` after the walk instead of inside it (L = 64, gates to −5, a
-    # padded tail, two V-tiles and two K-steps of `_fwd_o`). Nothing else changes: the final state
-    # and every gradient equal the fused run's; o meets the float64 recurrence at float32 accuracy
-    T, L, H, K, V = 70, 64, 2, 32, 32
-    xs, s0 = make_inputs(1, T, H, K, V, -5.0)
-    if kda:
-        xs = [xs[0], F.normalize(xs[1], dim=-1), xs[2], xs[5], torch.rand(1, T, H, device=DEV)]
-    do = torch.randn(1, T, H, V, device=DEV)
-    dsT = torch.randn(1, H, K, V, device=DEV)
-    fn = kda_chunkwise_triton if kda else dplr_chunkwise_triton
-    cfg = DPLRKernelConfig(split_output=True, o_block_v=16, o_block_k=16, walk_block_v=32, walk_warps=8)
-    o_f, sT_f, g_f = run(fn, xs, s0, do, dsT, chunk_size=L)
-    o, sT, g = run(fn, xs, s0, do, dsT, chunk_size=L, config=cfg)
-    same = torch.equal if INTERPRET else (lambda x, y: rel_err(x, y) < 1e-6)   # GPU: FMA contraction may differ
-    assert same(sT, sT_f) and all(same(x, y) for x, y in zip(g, g_f))
-    if kda:
-        ys = [x.double() for x in xs]
-        bb = ys[4].unsqueeze(-1)
-        ro, _ = dplr_recurrent(ys[0], ys[1], ys[2] * bb, ys[1], ys[1] * bb, ys[3], initial_state=s0.double())
-    else:
-        ro = reference(xs, s0, do, dsT)[0]
-    assert rel_err(o, ro) < 2e-6 and rel_err(o, o_f) < 1e-6
 
 
 @pytest.mark.parametrize("L", [16, 64])
@@ -324,24 +295,18 @@ def test_public_api_routes_triton_and_matches_torch_backend():
     assert rel_err(o_t, o_r) < 2e-6 and rel_err(s_t, s_r) < 2e-6
 
 
-@pytest.mark.parametrize("T,L,K,V,gmin,h0,split_dk,fused", [
-    (29, 16, 16, 16, -3.0, True, False, False),        # two chunks, a padded tail
-    (70, 64, 16, 32, -5.0, False, False, False),       # L = 64 (4 sub-chunks), the strongest gates, K != V, no h0
-    # split_dk (kda_dk.py): the triangular [16, 16]-block pair gradients and the per-chunk
-    # state-side kernel; one step, a padded tail over two chunks of 64, K, V of 64 and 128 (four
-    # K-tiles of 32), K = 256, and chunks of 32 and 16 (no off-diagonal block)
-    (1, 64, 64, 64, -5.0, True, True, False),
-    (100, 64, 64, 128, -5.0, True, True, False),
-    (130, 64, 128, 64, -5.0, False, True, False),
-    (70, 64, 256, 64, -5.0, True, True, False),
-    (70, 32, 64, 64, -5.0, True, True, False),
-    (29, 16, 16, 16, -3.0, True, True, False),
-    # fused_intra (intra.py: the forward's pairs and WY per chunk), alone and with split_dk
-    (29, 16, 16, 16, -3.0, True, False, True),
-    (70, 64, 16, 32, -5.0, False, False, True),
-    (100, 64, 64, 128, -5.0, True, True, True),
+@pytest.mark.parametrize("T,L,K,V,gmin,h0", [
+    (29, 16, 16, 16, -3.0, True),        # two chunks of 16 (no off-diagonal block), a padded tail
+    (70, 64, 16, 32, -5.0, False),       # L = 64 (4 sub-chunks), the strongest gates, K != V, no h0
+    # the key gradient's two kernels (kda_dk.py): one step, a padded tail over two chunks of 64,
+    # K, V of 64 and 128 (four K-tiles of 32), K = 256, and a chunk of 32
+    (1, 64, 64, 64, -5.0, True),
+    (100, 64, 64, 128, -5.0, True),
+    (130, 64, 128, 64, -5.0, False),
+    (70, 64, 256, 64, -5.0, True),
+    (70, 32, 64, 64, -5.0, True),
 ])
-def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0, split_dk, fused):
+def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0):
     # the KDA kernels (kda.py): every gradient, β's included, from the kernels, against the
     # float64 recurrence of the substitution a = k, b = β k, v ← β v
     B, H = 1, 2
@@ -354,8 +319,7 @@ def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0, split_d
     do = torch.randn(B, T, H, V, device=DEV)
     xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta) + ((s0,) if h0 else ())]
     o, sT = kda_chunkwise(*xs[:5], initial_state=xs[5] if h0 else None, output_final_state=True,
-                          chunk_size=L, backend="triton",
-                          config=DPLRKernelConfig(split_dk=split_dk, fused_intra=fused))
+                          chunk_size=L, backend="triton")
     grads = torch.autograd.grad((o * do).sum() + sT.square().sum(), xs)
     ys = [x.detach().double().requires_grad_() for x in xs]
     kk, bb = ys[1], ys[4].unsqueeze(-1)
@@ -367,17 +331,13 @@ def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0, split_d
         assert rel_err(x, y) < 1e-5, name
 
 
-@pytest.mark.parametrize("dtype,split", [(torch.float32, {}), (torch.float16, dict(split_output=True)),
-                                         (torch.float16, dict(split_dk=True)), (torch.float32, dict(split_dk=True)),
-                                         (torch.float16, dict(fused_intra=True))])
-def test_kda_reads_and_writes_the_callers_layout(dtype, split):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kda_reads_and_writes_the_callers_layout(dtype):
     # the KDA kernels read q, k, v, g, β, δO and write o, δq, δk, δv, δg in the caller's
     # [B, T, H, ·] layout (no layout copies): B, H > 1, T not a multiple of the chunk (the masked
-    # steps ≥ T of the last chunk), two K-tiles of `_bwd_dk_kda`, strided inputs and δO (a
+    # steps ≥ T of the last chunk), two K-tiles of the key gradient, strided inputs and δO (a
     # [B, H, T, D] buffer seen as [B, T, H, D]) equal to the same values contiguous, and both
-    # against the float64 recurrence; float16 q, k, v, β with float32 g and h0 as the mixed case,
-    # with `_fwd_o` writing o (split_output), with the split δk kernels (split_dk), and with
-    # `_fwd_intra_kda` reading them (fused_intra)
+    # against the float64 recurrence; float16 q, k, v, β with float32 g and h0 as the mixed case
     B, T, H, K, V, L = 2, 37, 3, 32, 16, 16
     q = torch.randn(B, T, H, K, device=DEV).to(dtype)
     k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(dtype)
@@ -388,7 +348,7 @@ def test_kda_reads_and_writes_the_callers_layout(dtype, split):
     xs = [q, k, v, g, beta]
     strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs + [do]]
     assert not any(x.is_contiguous() for x in strided)
-    cfg = DPLRKernelConfig(o_block_v=16, dk_block_k=16, **split)
+    cfg = DPLRKernelConfig(dk_block_k=16)
     o, sT, gr = run(kda_chunkwise_triton, strided[:5], s0, strided[5], dsT, chunk_size=L, config=cfg)
     o_c, sT_c, gr_c = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L, config=cfg)
     assert torch.equal(o, o_c) and torch.equal(sT, sT_c) and all(torch.equal(x, y) for x, y in zip(gr, gr_c))
@@ -405,59 +365,7 @@ def test_kda_reads_and_writes_the_callers_layout(dtype, split):
         assert rel_err(x, y) < tol(x), name
 
 
-@pytest.mark.parametrize("T,K,V,bk", [(1, 64, 128, 32), (100, 128, 64, 16), (130, 128, 128, 16)])
-def test_kda_fused_intra_matches_reference_and_the_split_path(T, K, V, bk):
-    # fused_intra (`_fwd_intra_kda`, intra.py) at the default chunk 64: T = 1, T not a chunk
-    # multiple, three chunks; pair K-steps of 16 and 32 (bk: the tuning rows' 16 spills least);
-    # K, V ∈ {64, 128}, H = 2, float16 q, k, v, β with float32 gates down
-    # to −5 (the reference points' range): o, final state and every gradient against the float64
-    # recurrence, and against the default path, whose scratch means the same (float32 rounding)
-    B, H, L = 1, 2, 64
-    dt = torch.float16
-    q = torch.randn(B, T, H, K, device=DEV).to(dt)
-    k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(dt)
-    v = torch.randn(B, T, H, V, device=DEV).to(dt)
-    g = torch.rand(B, T, H, K, device=DEV) * -5.0
-    beta = torch.rand(B, T, H, device=DEV).to(dt)
-    s0, do, dsT = (torch.randn(*sh, device=DEV) for sh in ((B, H, K, V), (B, T, H, V), (B, H, K, V)))
-    xs = [q, k, v, g, beta]
-    o, sT, gr = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L,
-                    config=DPLRKernelConfig(fused_intra=True, pairs_block_k=bk))
-    o_d, sT_d, gr_d = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L)
-    ys = [x.detach().double().requires_grad_() for x in xs + [s0]]
-    bb = ys[4].unsqueeze(-1)
-    ro, rsT = dplr_recurrent(ys[0], ys[1], ys[2] * bb, ys[1], ys[1] * bb, ys[3], initial_state=ys[5],
-                             output_final_state=True)
-    rg = torch.autograd.grad((ro * do.to(dt).double()).sum() + (rsT * dsT.double()).sum(), ys)
-    tol = lambda x: 1e-5 if x.dtype == torch.float32 else 2e-3  # noqa: E731   (float16: its rounding)
-    assert rel_err(o, ro) < tol(o) and rel_err(sT, rsT) < 2e-6
-    assert rel_err(o, o_d) < 1e-3 and rel_err(sT, sT_d) < 1e-6
-    for name, x, y, z in zip(["q", "k", "v", "g", "beta", "h0"], gr, rg, gr_d):
-        assert rel_err(x, y) < tol(x), name
-        assert rel_err(x, z) < (1e-6 if x.dtype == torch.float32 else 1e-3), name
-
-
-@pytest.mark.parametrize("T,K,V,L", [(100, 32, 16, 64), (45, 16, 32, 32), (20, 64, 16, 16), (70, 256, 256, 64)])
-def test_kda_fused_intra_scratch_is_the_split_paths(T, K, V, L):
-    # what the backward reads from `_fwd_intra_kda` (A_qk, A_bk, E, W, U, Qg, Kd, e^{G_L}, the
-    # states) equals what `_fwd_pairs_kda` + `_fwd_wy` store, to float32 rounding, at every
-    # chunk size (1, 2, 4 row blocks), strong gates, a padded last chunk, K = V = 256
-    from xlstm_kit.ops.dplr.triton.kda_op import _SAVED, _forward
-    B, H = 2, 2
-    q, k = torch.randn(B, T, H, K, device=DEV), F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1)
-    v, g = torch.randn(B, T, H, V, device=DEV), torch.rand(B, T, H, K, device=DEV) * -5.0
-    beta, s0 = torch.rand(B, T, H, device=DEV), torch.randn(B, H, K, V, device=DEV)
-    outs = [_forward(q, k, v, g, beta, s0, K ** -0.5, L, DPLRKernelConfig(fused_intra=f).key())
-            for f in (False, True)]
-    for name, x, y in zip(("o", "hT") + _SAVED, *outs):
-        if x.is_floating_point():
-            assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), name
-        else:
-            assert torch.equal(x, y), name
-
-
-@pytest.mark.parametrize("split_dk", [False, True])
-def test_kda_low_precision_products_keep_the_state_exact(split_dk):
+def test_kda_low_precision_products_keep_the_state_exact():
     # the KDA kernels' three groups of low-precision products (o; δv with δβ's v part; the K side)
     # under lowp="fp16" with all-float16 inputs: within 5x of the PyTorch op's error (as the DPLR
     # test above), and the final state and δh0 bit-identical to the float32-accurate run
@@ -471,9 +379,9 @@ def test_kda_low_precision_products_keep_the_state_exact(split_dk):
     s0, do, dsT = (torch.randn(*sh, device=DEV) for sh in ((1, H, K, V), (1, T, H, V), (1, H, K, V)))
     xs = [q, k, v, g, beta]
     o_off, sT_off, g_off = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=32,
-                               config=DPLRKernelConfig(lowp="off", split_dk=split_dk))
+                               config=DPLRKernelConfig(lowp="off"))
     o, sT, gr = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=32,
-                    config=DPLRKernelConfig(lowp="fp16", split_dk=split_dk))
+                    config=DPLRKernelConfig(lowp="fp16"))
     p, _, pg = run(kda_torch, xs, s0, do, dsT, chunk_size=32)
     ys = [x.detach().double().requires_grad_() for x in xs + [s0]]
     bb = ys[4].unsqueeze(-1)
@@ -725,7 +633,3 @@ def test_narrow_state_tiles_run_on_four_warps():
     assert resolve(DPLRKernelConfig(state_block_v=64, state_warps=8), 128, 16, 64, False).state_warps == 4
     wide = resolve(DPLRKernelConfig(state_block_v=32, state_warps=8), 128, 128, 64, False)
     assert (wide.state_bv, wide.state_warps) == (32, 8)
-    # `_fwd_walk` (split_output) follows the state tile unless told, under the same rule
-    assert (wide.walk_bv, wide.walk_warps) == (32, 8)
-    assert resolve(DPLRKernelConfig(walk_block_v=16, walk_warps=8), 128, 128, 64, False).walk_warps == 4
-    assert resolve(DPLRKernelConfig(walk_block_v=64, walk_warps=8), 128, 128, 64, False)[-2:] == (64, 8)

@@ -25,7 +25,7 @@ from xlstm_kit.ops.dplr.triton.backward import (  # noqa: E402
 from xlstm_kit.ops.dplr.triton.common import SUB  # noqa: E402
 from xlstm_kit.ops.dplr.triton.pairs import _fwd_pairs, pairs_reference  # noqa: E402
 from xlstm_kit.ops.dplr.triton.state import (  # noqa: E402
-    _bwd_state, _fwd_o, _fwd_state, _fwd_walk, bwd_state_reference, state_reference)
+    _bwd_state, _fwd_state, bwd_state_reference, state_reference)
 from xlstm_kit.ops.dplr.triton.wy import _fwd_wy, wy_reference  # noqa: E402
 
 DEV = "cpu" if INTERPRET else "cuda"
@@ -109,36 +109,6 @@ def test_fwd_state_phase(chain, with_h0):
                               PREC=PREC, LO=0)
     for name, x in out.items():
         assert rel_err(x.cpu(), ref[name]) < 1e-6, name
-
-
-def test_fwd_walk_then_fwd_o(chain):
-    # split_output: the walk without the output stores the same V2 and states as `_fwd_state`,
-    # then `_fwd_o` forms O from them, in parallel over the chunks
-    c = chain
-    out = dict(Hs=empty(BH, NC, K, V), V2=empty(BH, TP, V), hT=empty(BH, K, V))
-    _fwd_walk[(V // 16, BH)](*(f32(c[n]) for n in ("Kd", "Ad", "eGl", "v", "W", "Cm", "h0")), out["Hs"],
-                             out["V2"], out["hT"], TP, NC, K=K, V=V, L=L, BV=16, HAS_H0=True, PREC=PREC)
-    for name in ("Hs", "V2", "hT"):
-        assert rel_err(out[name].cpu(), c[name]) < 1e-6, name
-    # KDA: h' = Diag(eGl) h + Kdᵀ U with U = Cm − W h (the general walk with v = 0 and Ad = Kd)
-    ref = state_reference(*(c[n] for n in ("Qg", "Kd", "Kd", "eGl")), torch.zeros_like(c["v"]),
-                          *(c[n] for n in ("Aqk", "Aqa", "W", "Cm", "h0")), L)
-    kda = dict(Hs=empty(BH, NC, K, V), V2=empty(BH, TP, V), hT=empty(BH, K, V))
-    _fwd_walk[(V // 32, BH)](*(f32(c[n]) for n in ("Kd", "Kd", "eGl", "v", "W", "Cm", "h0")), kda["Hs"],
-                             kda["V2"], kda["hT"], TP, NC, K=K, V=V, L=L, BV=32, HAS_H0=True, PREC=PREC, KDA=True)
-    for name in ("Hs", "V2", "hT"):
-        assert rel_err(kda[name].cpu(), ref[name]) < 1e-6, name
-    O = torch.full((BH, TP, V), float("nan"), device=DEV)
-    _fwd_o[(V // 16, NC, BH)](f32(c["Qg"]), out["Hs"], f32(c["Aqk"]), f32(c["Aqa"]), f32(c["v"]), out["V2"], O,
-                              TP, NC, K=K, V=V, L=L, BK=8, BV=16, PREC=PREC, LO=0)
-    assert rel_err(O.cpu(), c["O"]) < 1e-6
-    # KDA: O = Qg h + A_qk U, U what the walk stored in V2 (here any [BH, Tp, V] tensor)
-    U = torch.randn(BH, TP, V, dtype=torch.float64)
-    h = c["Hs"].repeat_interleave(L, dim=1)                       # [BH, Tp, K, V]: each row's chunk state
-    want = (c["Qg"].unsqueeze(-2) @ h).squeeze(-2) + (c["Aqk"] @ U.view(BH, NC, L, V)).view(BH, TP, V)
-    _fwd_o[(V // 32, NC, BH)](f32(c["Qg"]), f32(c["Hs"]), f32(c["Aqk"]), f32(c["Aqk"]), f32(c["v"]), f32(U), O,
-                              TP, NC, K=K, V=V, L=L, BK=16, BV=32, PREC=PREC, LO=0, KDA=True)
-    assert rel_err(O.cpu(), want) < 1e-6
 
 
 def test_bwd_state_phase(chain):

@@ -62,28 +62,20 @@ NAMES = {"dplr": ["o", "S", "q", "k", "v", "a", "b", "gk", "h0"],
          "kda": ["o", "S", "q", "k", "v", "g", "beta", "h0"]}
 
 
-@pytest.mark.parametrize("kind,lens,H,L,state,split", [
-    ("dplr", [1, 5, 64, 70], 1, 64, True, False),     # length 1, a chunk multiple, a partial tail
-    ("dplr", [130], 1, 64, False, False),             # one sequence, no initial state
-    ("dplr", [20, 1, 13], 1, 16, False, False),       # boundaries inside chunks of 16
-    ("dplr", [20, 1, 13], 1, 16, True, True),         # split_output: `_fwd_o` over the chunk table
-    ("kda", [1, 5, 64, 70], 1, 64, True, False),
-    ("kda", [130], 2, 64, False, False),
-    ("kda", [20, 1, 13], 2, 16, True, False),         # the KDA kernels with boundaries inside chunks
-    ("kda", [1, 5, 64, 70], 2, 64, True, True),
-    ("kda", [1, 5, 64, 70], 2, 64, True, "dk"),        # split_dk: sub-chunks past a sequence's end
-    ("kda", [20, 1, 13], 2, 16, True, "dk"),
-    ("kda", [1, 5, 64, 70], 2, 64, True, "intra"),    # fused_intra: `_fwd_intra_kda` over the chunk table
-    ("kda", [20, 1, 13], 2, 16, True, "intra"),
+@pytest.mark.parametrize("kind,lens,H,L,state", [
+    ("dplr", [1, 5, 64, 70], 1, 64, True),     # length 1, a chunk multiple, a partial tail
+    ("dplr", [130], 1, 64, False),             # one sequence, no initial state
+    ("dplr", [20, 1, 13], 1, 16, False),       # boundaries inside chunks of 16
+    ("kda", [1, 5, 64, 70], 1, 64, True),
+    ("kda", [130], 2, 64, False),
+    ("kda", [20, 1, 13], 2, 16, True),         # the KDA kernels with boundaries inside chunks
+    ("kda", [1, 5, 64, 70], 2, 64, True),      # sub-chunks of the key gradient past a sequence's end
 ])
-def test_packed_equals_each_sequence_alone(kind, lens, H, L, state, split):
-    from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig
+def test_packed_equals_each_sequence_alone(kind, lens, H, L, state):
     xs, s0, ws = _inputs(kind, lens, H, 16, 16, state, seed=len(lens) * 7 + H)
     cu = _cu(lens)
-    cfg = (DPLRKernelConfig(split_dk=True) if split == "dk" else DPLRKernelConfig(fused_intra=True) if split == "intra"
-           else DPLRKernelConfig(split_output=True, o_block_v=16) if split else None)
-    got = _run(OPS[kind], xs, s0, ws, torch.float32, backend="triton", chunk_size=L, cu_seqlens=cu, config=cfg)
-    ref = _run(OPS[kind], xs, s0, ws, torch.float64, backend="torch", chunk_size=L, cu_seqlens=cu.cpu())
+    got = _run(OPS[kind], xs, s0, ws, torch.float32, backend="triton", chunk_size=L, cu_seqlens=cu)
+    ref = _run(OPS[kind], xs, s0, ws, torch.float64, backend="torch", chunk_size=L, cu_seqlens=cu)
     assert got[1].shape == (len(lens), H, 16, 16)
     for name, x, y in zip(NAMES[kind], got, ref):
         assert torch.isfinite(x).all(), name

@@ -25,7 +25,7 @@ from .backward import _bwd_dk, _bwd_dv
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
 from .pairs import _fwd_gamma, _fwd_pairs
-from .state import _bwd_state, _fwd_o, _fwd_state, _fwd_walk
+from .state import _bwd_state, _fwd_state
 from .wy import _fwd_wy
 
 # num_stages = 1 everywhere: the default software pipelining double-buffers every [L, K] operand
@@ -112,17 +112,10 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlen
                           K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
                           num_warps=c.wy_warps, num_stages=_STAGES, **vl)
         h_in = h0c if h0c is not None else hT
-        if c.split_o:
-            _fwd_walk[(V // c.walk_bv, S)](Kd, Ad, eGl, vc, W, Cm, h_in, Hs, V2, hT, Tp, NC, K=K, V=V, L=L,
-                                            BV=c.walk_bv, HAS_H0=h0c is not None, PREC=c.prec,
-                                            num_warps=c.walk_warps, num_stages=_STAGES,
-                                            **_seq_args(vl, sinfo, H))
-            _launch_fwd_o(c, Qg, Hs, Aqk, Aqa, vc, V2, O, Tp, NC, BH, K, V, L, vl, kda=False)
-        else:
-            _fwd_state[(V // c.state_bv, S)](Qg, Kd, Ad, eGl, vc, Aqk, Aqa, W, Cm, h_in, Hs, V2, O, hT, Tp,
-                                             NC, K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
-                                             PREC=c.prec, LO=c.lo_o, num_warps=c.state_warps,
-                                             num_stages=_STAGES, **_seq_args(vl, sinfo, H))
+        _fwd_state[(V // c.state_bv, S)](Qg, Kd, Ad, eGl, vc, Aqk, Aqa, W, Cm, h_in, Hs, V2, O, hT, Tp,
+                                         NC, K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
+                                         PREC=c.prec, LO=c.lo_o, num_warps=c.state_warps,
+                                         num_stages=_STAGES, **_seq_args(vl, sinfo, H))
     return (_seq_layout(O, B, H, T), hT.view(S // H, H, K, V),
             qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, tab, sinfo)
 
@@ -151,15 +144,6 @@ def _prologue(gk, h0, V: int, L: int, cu_seqlens, launch: bool):
 def _seq_args(vl: dict, sinfo, H: int) -> dict:
     """The varlen arguments of the state kernels: the per-chunk ones plus sinfo and H."""
     return dict(vl, sinfo=sinfo, H=H) if vl else {}
-
-
-def _launch_fwd_o(c, Qg, Hs, Aqk, Aqa, v, V2, O, Tp: int, NC: int, BH: int, K: int, V: int, L: int,
-                  vl: dict, kda: bool, **io):
-    """`_fwd_o` over (V-tile, chunk, b·h), after `_fwd_walk` (config `c` with `split_o`); io: the
-    caller-layout arguments of O (T, H, SEQ; KDA)."""
-    _fwd_o[(V // c.o_bv, NC, BH)](Qg, Hs, Aqk, Aqa, v, V2, O, Tp, NC, K=K, V=V, L=L, BK=c.o_bk,
-                                  BV=c.o_bv, PREC=c.prec, LO=c.lo_o, num_warps=c.o_warps,
-                                  num_stages=_STAGES, KDA=kda, **vl, **io)
 
 
 def _bwd_prologue(G, Hs, tab, sinfo, dhT, B: int):

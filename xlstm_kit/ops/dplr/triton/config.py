@@ -1,8 +1,9 @@
 """`DPLRKernelConfig`: the launch choices of the chunkwise DPLR kernels, one frozen value.
 
-The defaults are the timed ones (benchmarks/NOTES-dplr.md): single-pass TF32 for the products
-that reach only bf16 outputs, 16-column V-tiles on 4 warps for the two sequential state kernels
-at every chunk size, and the per-kernel tiles below. `None` in a field means "by chunk size".
+The defaults are the timed ones (benchmarks/NOTES-dplr.md; the last sweep: H200, 2026-12-02):
+single-pass TF32 for the products that reach only bf16 outputs, 32-column V-tiles on 4 warps for
+the two sequential state kernels, 4 warps for `_fwd_wy` and both gradient kernels, and the tiles
+below. `None` in a field means "by chunk size".
 """
 from __future__ import annotations
 
@@ -44,55 +45,28 @@ class DPLRKernelConfig(KernelConfig):
     pairs_block_k, pairs_warps: K-step and warps of `_fwd_pairs` (warps None: 8 at chunk ≤ 32,
         else 4).
     wy_block_k, wy_block_v, wy_warps: K-step, V-step and warps of `_fwd_wy`.
-    bwd_block_v: V-step of `_bwd_dv` and `_bwd_dk`; dv_block_k, dv_warps: K-step and warps of
+    bwd_block_v: V-step of `_bwd_dv` and `_bwd_dk`, at least 32 (16 faulted on the H200: an
+        illegal memory access, DPLR and KDA at K = V = 128, Triton 3.6); dv_block_k, dv_warps: K-step and warps of
         `_bwd_dv`; dk_block_k, dk_warps: K-tile (one program each) and warps of `_bwd_dk`
         (dk_block_k None: 64 at chunk ≤ 32, else 32 — ptxas at chunk 32: 64 spills 124 B per
-        thread, 32 spills 2.2 KB).
-    split_output: the output products of `_fwd_state` (Qg h and the pair-matrix products) in a
-        kernel of their own, `_fwd_o`, parallel over (V-tile, chunk, b·h) after the sequential
-        walk (`_fwd_walk`, `_fwd_state` without them), instead of inside it: the walk then reads
-        W, Kd (, Ad, v), Cm only — the [L, K] operands it re-reads once per V-tile drop from 3 to
-        2 under KDA, and the [L, L] pair matrices leave it. Same products, same
-        precision; not the default until timed (NOTES-dplr.md, "Issue 20 ... design study").
-    split_dk: (KDA) `_bwd_dk_kda` as two kernels (kda_dk.py): the pair-matrix gradients on
-        [16, 16] blocks, triangular, over (16-row sub-chunk, K-tile, chunk, b·h) on 4 warps, then
-        the state-side products, δq, δk and δg per (chunk, b·h) with the K-tiles in a loop;
-        dk_block_k is the K-tile of both, dk_warps the warps of the second.
-        Same products, same precision and gate-gradient sums; not the default until timed
-        (NOTES-dplr.md, "session 9, step 1"). The general DPLR op ignores it.
-    o_block_v, o_block_k, o_warps: V-tile (one program each), K-step and warps of `_fwd_o`.
-    fused_intra: KDA only: the forward's pair matrices, E, W and U₀ in one kernel per chunk,
-        `_fwd_intra_kda` (intra.py: [16, 16] blocks, the chunk's q, k, G read once, E by blockwise
-        inversion, U₀ = E β v in one product), instead of `_fwd_pairs_kda` + `_fwd_wy`. Same
-        scratch for the backward; it takes the pair kernel's K-step (pairs_block_k) and `_fwd_wy`'s
-        wy_block_k, wy_block_v, wy_warps. Not the default until timed.
-    walk_block_v, walk_warps: V-tile and warps of `_fwd_walk` (None: state_block_v, state_warps;
-        capped and limited to 4 warps under 32 columns as those). ptxas at K = V = 128, L = 64:
-        the KDA walk spills 0 B at 32 columns on 8 warps, where `_bwd_state` spills 1.1 KB.
+        thread, 32 spills 2.2 KB). KDA's key gradient (kda_dk.py) takes dk_block_k as the K-tile
+        of both its kernels and dk_warps as the warps of the second, `_bwd_dk_state_kda`.
     Every block is a power of two ≥ 16 (capped at K or V); warps are 4 or 8.
     """
     lowp: str = "tf32"
     lowp_outputs: str = "o,dv,dk"
-    state_block_v: int = 16
+    state_block_v: int = 32
     state_warps: int = 4
     pairs_block_k: int = 32
     pairs_warps: int | None = None
     wy_block_k: int = 32
     wy_block_v: int = 32
-    wy_warps: int = 8
+    wy_warps: int = 4
     bwd_block_v: int = 32
     dv_block_k: int = 64
-    dv_warps: int = 8
+    dv_warps: int = 4
     dk_block_k: int | None = None
-    dk_warps: int = 8
-    split_output: bool = False
-    split_dk: bool = False
-    fused_intra: bool = False
-    o_block_v: int = 64
-    o_block_k: int = 32
-    o_warps: int = 4
-    walk_block_v: int | None = None
-    walk_warps: int | None = None
+    dk_warps: int = 4
 
     def __post_init__(self):
         if self.lowp not in LOWP_MODES:
@@ -102,9 +76,6 @@ class DPLRKernelConfig(KernelConfig):
         if any(p not in LOWP_GROUPS for p in parts) or parts != [g for g in LOWP_GROUPS if g in parts]:
             raise ValueError("DPLRKernelConfig.lowp_outputs must list groups of "
                              f"{','.join(LOWP_GROUPS)} in that order, comma-separated, got {self.lowp_outputs!r}")
-        for f in ("split_output", "split_dk", "fused_intra"):
-            if not isinstance(getattr(self, f), bool):
-                raise ValueError(f"DPLRKernelConfig.{f} must be a bool, got {getattr(self, f)!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_warps") and value is not None and value not in (4, 8):
@@ -112,6 +83,9 @@ class DPLRKernelConfig(KernelConfig):
             if "_block_" in f.name and value is not None and (
                     not isinstance(value, int) or value < 16 or value & (value - 1)):
                 raise ValueError(f"DPLRKernelConfig.{f.name} must be a power of two >= 16, got {value!r}")
+        if self.bwd_block_v < 32:
+            raise ValueError(f"DPLRKernelConfig.bwd_block_v must be >= 32 (16 faulted on the H200), "
+                             f"got {self.bwd_block_v!r}")
 
     def for_dtypes(self, *, o, dv, dk) -> "DPLRKernelConfig":
         """This configuration for outputs of the given dtypes: o, dv, dk are the dtypes of the
@@ -143,20 +117,12 @@ class Launch(NamedTuple):
     wy_bk: int
     wy_bv: int
     wy_warps: int
-    fused_intra: bool      # KDA: `_fwd_intra_kda` instead of `_fwd_pairs_kda` + `_fwd_wy`
     bwd_bv: int
     dv_bk: int
     dv_warps: int
     dk_bk: int
     dk_warps: int
-    split_dk: bool         # `_bwd_dk_pairs_kda` + `_bwd_dk_state_kda` instead of `_bwd_dk_kda`
-    dkp_warps: int         # warps of `_bwd_dk_pairs_kda`
-    split_o: bool          # `_fwd_walk` + `_fwd_o` instead of `_fwd_state` (O inside the walk)
-    o_bv: int
-    o_bk: int
-    o_warps: int
-    walk_bv: int
-    walk_warps: int
+    dkp_warps: int         # warps of `_bwd_dk_pairs_kda` (KDA)
 
 
 @functools.lru_cache(maxsize=256)
@@ -182,14 +148,9 @@ def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool
         pairs_bk=min(K, config.pairs_block_k),
         pairs_warps=config.pairs_warps or (8 if L <= 32 else 4),
         wy_bk=min(K, config.wy_block_k), wy_bv=min(V, config.wy_block_v), wy_warps=config.wy_warps,
-        fused_intra=config.fused_intra,
         bwd_bv=min(V, config.bwd_block_v),
         dv_bk=min(K, config.dv_block_k), dv_warps=config.dv_warps,
         dk_bk=min(K, config.dk_block_k or (64 if L <= 32 else 32)), dk_warps=config.dk_warps,
         # one [16, BK] tile per program: ptxas (sm_90a, K = 128, L = 64) gives 126 registers at
         # BK 32 on 4 warps, 240 on 2, and spills on 1; 4 warps at every tile
-        split_dk=config.split_dk, dkp_warps=4,
-        split_o=config.split_output, o_bv=min(V, config.o_block_v), o_bk=min(K, config.o_block_k),
-        o_warps=config.o_warps,
-        walk_bv=(wbv := min(config.walk_block_v or config.state_block_v, V, 32 if K > 128 else 64)),
-        walk_warps=(config.walk_warps or config.state_warps) if wbv >= 32 else 4)
+        dkp_warps=4)

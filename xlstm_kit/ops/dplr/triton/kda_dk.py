@@ -1,6 +1,8 @@
-"""`_bwd_dk_kda` split in two (DPLRKernelConfig.split_dk; NOTES-dplr.md, "Issue 20 ... design
-study", step 1): the same terms and the same gate-gradient grouping, arranged so that no program
-runs full-height masked pair products and no K-tile re-reads the V side in a program of its own.
+"""The KDA key gradient (δq, δk, δg and δβ's k part) in two kernels (NOTES-dplr.md, "Issue 20
+... design study", step 1; it replaced one kernel per (chunk, K-tile), `_bwd_dk_kda`, 11.04 →
+10.14 ms fwd+bwd at (8, 2048, 16, 128, 128), bf16, H200): the terms and gate-gradient grouping of
+the general `_bwd_dk`, arranged so that no program runs full-height masked pair products and no
+K-tile re-reads the V side in a program of its own.
 
 `_bwd_dk_pairs_kda`, grid (chunk × L/S sub-chunks, K-tile, b·h): the pair-matrix gradients of one
 16-row sub-chunk i on [S, S] blocks — δx of its rows from the earlier blocks j < i (reference
@@ -12,7 +14,7 @@ those need the state-side terms and the gate gradient's cumsums over the whole c
 
 `_bwd_dk_state_kda`, grid (chunk, b·h), the K-tiles in a loop: the state-side products δO hᵀ,
 U δh'ᵀ, GC hᵀ and h·δh', then δq, δk, δ(βk), and δg with its two cumsums over all L rows of the
-chunk in one program — the float32 sums of `_bwd_dk_kda`, unchanged in order — and the β
+chunk in one program — the float32 sums in `_bwd_dk`'s order — and the β
 gradient's k part summed over the K-tiles (dbk [BH, 1, Tp]). At a K-tile of K the V side (U, GC,
 δO) is read once per chunk; at smaller tiles it is re-read by the same program (cache-hot).
 """
@@ -22,7 +24,6 @@ import triton
 import triton.language as tl
 
 from .common import _chunk_prog, _last, _ld, _mm, _offs, _row, _st, _x_ld, _x_ld1, _x_st
-from .kda import _dk_state_side
 
 
 @triton.jit
@@ -88,13 +89,42 @@ def _bwd_dk_pairs_kda(q, k, beta, G, dAq, dAb, dXq, dXb, dY, scale, Tp, NC, T, H
 
 
 @triton.jit
+def _dk_state_side(G, U, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr, Tp, NC, T, H, K: tl.constexpr,
+                   V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   PREC: tl.constexpr, LO: tl.constexpr, VARLEN: tl.constexpr):
+    """The state-side part of the KDA key gradient for one chunk and K-tile `kr`: the chunk's G and its decays (Gc, e^G,
+    e^{G_L − G}, e^{G_L}), U δh'ᵀ, δO hᵀ, −GC hᵀ ([L, BK] each) and Σ_v h⊙δh' ([BK])."""
+    Gc = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kr, Tp, K))
+    g_last = tl.load(G + _row(bh, t0 + nv - 1, kr, Tp, K))
+    eG = tl.exp(Gc.to(tl.float32))
+    dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
+    eGl = tl.exp(g_last.to(tl.float32))
+    dKU = tl.zeros([L, BK], dtype=tl.float32)
+    dQg = tl.zeros([L, BK], dtype=tl.float32)
+    GW = tl.zeros([L, BK], dtype=tl.float32)
+    hdh = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        vv = v0 + tl.arange(0, BV)
+        pv = _offs(bh, t0, rows, vv, Tp, V)
+        ph = _offs(bh * NC + n, 0, kr, vv, K, V)
+        hs = tl.load(Hs + ph)
+        dh = tl.load(dH + ph)
+        dKU += _mm(_ld(U + pv, m, VARLEN), tl.trans(dh), LO, PREC)
+        dQg += _mm(_x_ld(dO, bh, t0, rows, vv, nv, T, H, V).to(tl.float32), tl.trans(hs), LO, PREC)
+        GW -= _mm(_ld(GCb + pv, m, VARLEN), tl.trans(hs), LO, PREC)
+        hdh += tl.sum(hs * dh, axis=1)
+    return Gc, eG, dec, eGl, dKU, dQg, GW, hdh
+
+
+@triton.jit
 def _bwd_dk_state_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dXq, dXb, dY, dqd, dq, dk, dbk, dg, scale,
                       Tp, NC, T, H, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr,
                       tab=None, VARLEN: tl.constexpr = False):
-    """The rest of `_bwd_dk_kda` for one chunk, all K-tiles: the state-side products, δq, δk, δg
-    (the pair parts δX_q, δX_b, δY from `_bwd_dk_pairs_kda`) and the β gradient's k part
-    Σ_k δ(βk)·k over all of K to dbk [BH, 1, Tp]. Layouts as `_bwd_dk_kda`."""
+    """The rest of the key gradient for one chunk, all K-tiles: the state-side products, δq, δk,
+    δg (the pair parts δX_q, δX_b, δY from `_bwd_dk_pairs_kda`) and the β gradient's k part
+    Σ_k δ(βk)·k over all of K to dbk [BH, Tp]. q, k, dq, dk, dg: [B, T, H, K]; dO: [B, T, H, V];
+    beta: [B, T, H]; the scratch in the chunk layout."""
     n = tl.program_id(0)
     bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(1), L, VARLEN)
     if seq < 0:
@@ -117,7 +147,7 @@ def _bwd_dk_state_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dXq, dXb, dY, dqd, dq, 
         _x_st(dq, (dQg * eG + dXq_ + d[:, None] * kx) * scale, bh, t0, rows, kr, nv, T, H, K)
         _x_st(dk, dKU * dec + dY_ + d[:, None] * qs + bt[:, None] * db, bh, t0, rows, kr, nv, T, H, K)
         dbs += tl.sum(db * kx, axis=1)
-        # gate gradient grouped as in `_bwd_dk_kda`
+        # gate gradient grouped as in `_bwd_dk` (a = k and b = β k merged)
         up = qs * dXq_ + bx * dXb_ - kx * dY_ + (qs * eG) * dQg + (bx * eG) * GW
         down = kx * dec * dKU
         dgk = tl.cumsum(up, axis=0, reverse=True) + (tl.cumsum(down, axis=0) - down)

@@ -12,15 +12,14 @@ import torch
 from ...backend import interpreting
 from ..kda import check_kda_inputs
 from ..naive import check_scale
-from .chunkwise import (_STAGES, _bwd_prologue, _check, _check_packed, _config_key, _launch_fwd_o,
-                        _prologue, _seq_args, _tensors)
+from .chunkwise import (_STAGES, _bwd_prologue, _check, _check_packed, _config_key, _prologue, _seq_args,
+                        _tensors)
 from .chunkwise import supports
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
-from .intra import _fwd_intra_kda
-from .kda import _bwd_dk_kda, _bwd_dv_kda, _fwd_pairs_kda
+from .kda import _bwd_dv_kda, _fwd_pairs_kda
 from .kda_dk import _bwd_dk_pairs_kda, _bwd_dk_state_kda
-from .state import _bwd_state, _fwd_state, _fwd_walk
+from .state import _bwd_state, _fwd_state
 from .wy import _fwd_wy
 
 # forward scratch the backward reads: G, the two distinct pair matrices, E, W, U = β v + V2, the
@@ -54,30 +53,18 @@ def _forward(q, k, v, g, beta, h0, scale: float, L: int, config: str, cu_seqlens
         c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
         io = dict(T=T, H=H, SEQ=True)
         sa = dict(_seq_args(vl, sinfo, H), **io)
-        if c.fused_intra:
-            _fwd_intra_kda[(NC, BH)](q, k, v, beta, G, Aqk, Abk, E, W, Cm, Qg, Kd, eGl, scale, Tp, NC, T, H,
-                                     K=K, V=V, L=L, S=SUB, BK=c.pairs_bk, BKW=c.wy_bk, BV=c.wy_bv,
-                                     PREC=c.prec, num_warps=c.wy_warps, num_stages=_STAGES, **vl)
-        else:
-            _fwd_pairs_kda[(NC * (L // SUB), BH)](q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H, K=K, L=L,
-                                                  S=SUB, BK=c.pairs_bk, PREC=c.prec,
-                                                  num_warps=c.pairs_warps, num_stages=_STAGES, **vl)
-            # A_ba = A_bk; the unused Ad argument is Kd (never written under KDA)
-            _fwd_wy[(NC, BH)](q, k, k, k, v, G, Abk, Abk, E, W, Cm, Qg, Kd, Kd, eGl, scale, Tp, NC,
-                              K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
-                              num_warps=c.wy_warps, num_stages=_STAGES, beta=beta, KDA=True, **vl, **io)
+        _fwd_pairs_kda[(NC * (L // SUB), BH)](q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H, K=K, L=L,
+                                              S=SUB, BK=c.pairs_bk, PREC=c.prec,
+                                              num_warps=c.pairs_warps, num_stages=_STAGES, **vl)
+        # A_ba = A_bk; the unused Ad argument is Kd (never written under KDA)
+        _fwd_wy[(NC, BH)](q, k, k, k, v, G, Abk, Abk, E, W, Cm, Qg, Kd, Kd, eGl, scale, Tp, NC,
+                          K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
+                          num_warps=c.wy_warps, num_stages=_STAGES, beta=beta, KDA=True, **vl, **io)
         h_in = h0c if h0c is not None else hT
-        if c.split_o:   # the walk without the output products, then `_fwd_o` over the chunks
-            _fwd_walk[(V // c.walk_bv, S)](Kd, Kd, eGl, v, W, Cm, h_in, Hs, U, hT, Tp, NC, K=K, V=V, L=L,
-                                            BV=c.walk_bv, HAS_H0=h0c is not None, PREC=c.prec,
-                                            num_warps=c.walk_warps, num_stages=_STAGES, KDA=True,
-                                            **_seq_args(vl, sinfo, H))
-            _launch_fwd_o(c, Qg, Hs, Aqk, Aqk, v, U, O, Tp, NC, BH, K, V, L, vl, kda=True, **io)
-        else:
-            _fwd_state[(V // c.state_bv, S)](Qg, Kd, Kd, eGl, v, Aqk, Aqk, W, Cm, h_in, Hs, U, O, hT, Tp,
-                                             NC, K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
-                                             PREC=c.prec, LO=c.lo_o, num_warps=c.state_warps,
-                                             num_stages=_STAGES, KDA=True, **sa)
+        _fwd_state[(V // c.state_bv, S)](Qg, Kd, Kd, eGl, v, Aqk, Aqk, W, Cm, h_in, Hs, U, O, hT, Tp,
+                                         NC, K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
+                                         PREC=c.prec, LO=c.lo_o, num_warps=c.state_warps,
+                                         num_stages=_STAGES, KDA=True, **sa)
     return (O, hT.view(S // H, H, K, V), G, Aqk, Abk, E, W, U, Hs, Qg, Kd, eGl, tab, sinfo)
 
 
@@ -98,9 +85,8 @@ def _backward(q, k, v, beta, G, Aqk, Abk, E, W, U, Hs, Qg, Kd, eGl, tab, sinfo, 
     dv = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     dq, dk, dg = (torch.empty(B, T, H, K, device=dev, dtype=dt) for dt in (q.dtype, k.dtype, g_dtype))
     c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting()) if launch else None
-    # the split δk kernels sum the β gradient's k part over the K-tiles themselves
-    NKT = K // c.dk_bk if launch and not c.split_dk else 1
-    dbk = new(BH, NKT, Tp)
+    # δ(βk)·k summed over all of K by `_bwd_dk_state_kda` itself
+    dbk = new(BH, Tp)
     if launch:
         vl = dict(tab=tab, VARLEN=True) if varlen else {}
         if varlen:      # rows of spare chunks are never written: δβ must read 0 there
@@ -114,21 +100,15 @@ def _backward(q, k, v, beta, G, Aqk, Abk, E, W, U, Hs, Qg, Kd, eGl, tab, sinfo, 
         _bwd_dv_kda[(NC, BH)](Kd, v, beta, Aqk, Abk, E, U, dO, dH, dV2, GC, dAq, dAb, dv, dbv, dqd, Tp, NC,
                               T, H, K=K, V=V, L=L, BK=c.dv_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
                               LV=c.lo_dv, LG=c.lo_gc, num_warps=c.dv_warps, num_stages=_STAGES, **vl)
-        if c.split_dk:
-            dXq, dXb, dY = (new(BH, Tp, K) for _ in range(3))
-            _bwd_dk_pairs_kda[(NC * (L // SUB), K // c.dk_bk, BH)](
-                q, k, beta, G, dAq, dAb, dXq, dXb, dY, scale, Tp, NC, T, H, K=K, L=L, S=SUB, BK=c.dk_bk,
-                PREC=c.prec, LO=c.lo_dk, num_warps=c.dkp_warps, num_stages=_STAGES, **vl)
-            _bwd_dk_state_kda[(NC, BH)](q, k, beta, G, U, Hs, dO, dH, GC, dXq, dXb, dY, dqd, dq, dk, dbk, dg,
-                                        scale, Tp, NC, T, H, K=K, V=V, L=L, BK=c.dk_bk, BV=c.bwd_bv,
-                                        PREC=c.prec, LO=c.lo_dk, num_warps=c.dk_warps,
-                                        num_stages=_STAGES, **vl)
-        else:
-            _bwd_dk_kda[(NC, NKT, BH)](q, k, beta, G, U, Hs, dO, dH, GC, dAq, dAb, dqd, dq, dk, dbk, dg,
-                                       scale, Tp, NC, T, H, K=K, V=V, L=L, S=SUB, BK=c.dk_bk, BV=c.bwd_bv,
-                                       PREC=c.prec, LO=c.lo_dk, num_warps=c.dk_warps,
-                                       num_stages=_STAGES, **vl)
-    dbeta = (dbv + dbk.sum(1)).view(B, H, Tp)[:, :, :T].transpose(1, 2).to(beta_dtype)
+        dXq, dXb, dY = (new(BH, Tp, K) for _ in range(3))
+        _bwd_dk_pairs_kda[(NC * (L // SUB), K // c.dk_bk, BH)](
+            q, k, beta, G, dAq, dAb, dXq, dXb, dY, scale, Tp, NC, T, H, K=K, L=L, S=SUB, BK=c.dk_bk,
+            PREC=c.prec, LO=c.lo_dk, num_warps=c.dkp_warps, num_stages=_STAGES, **vl)
+        _bwd_dk_state_kda[(NC, BH)](q, k, beta, G, U, Hs, dO, dH, GC, dXq, dXb, dY, dqd, dq, dk, dbk, dg,
+                                    scale, Tp, NC, T, H, K=K, V=V, L=L, BK=c.dk_bk, BV=c.bwd_bv,
+                                    PREC=c.prec, LO=c.lo_dk, num_warps=c.dk_warps,
+                                    num_stages=_STAGES, **vl)
+    dbeta = (dbv + dbk).view(B, H, Tp)[:, :, :T].transpose(1, 2).to(beta_dtype)
     dh0 = dh0.new_empty(0) if h0_dtype is None else dh0.view(S // H, H, K, V).to(h0_dtype)
     return dq, dk, dv, dg, dbeta, dh0
 

@@ -1,14 +1,13 @@
 """Phase 3 (forward) and phase 4 (first of the backward): the sequential passes over the chunks
 that carry the state h = Sᵀ [K, V] (`_fwd_state`) and its gradient (`_bwd_state`), and their
-PyTorch references; `_fwd_o`, the output products of `_fwd_state` as a parallel kernel of their
-own after `_fwd_walk` (`_fwd_state` without them; `DPLRKernelConfig.split_output`)."""
+PyTorch references."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_prog, _chunk_rows, _ld, _ld_io, _mm, _offs, _row, _seq_chunks, _st, _st_io
+from .common import _chunk_rows, _ld, _ld_io, _mm, _offs, _row, _seq_chunks, _st, _st_io
 
 
 @triton.jit
@@ -79,61 +78,6 @@ def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
             h += tl.dot(tl.trans(_ld(Kd + pk, m, VARLEN)), vt, input_precision=PREC)
             h += tl.dot(tl.trans(_ld(Ad + pk, m, VARLEN)), v2, input_precision=PREC)
     tl.store(hT + _offs(sid, 0, kr, vv, K, V), h)
-
-
-@triton.jit
-def _fwd_walk(Kd, Ad, eGl, v, W, Cm, h0, Hs, V2, hT, Tp, NC, K: tl.constexpr, V: tl.constexpr,
-              L: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr, tab=None,
-              sinfo=None, H=1, VARLEN: tl.constexpr = False, KDA: tl.constexpr = False):
-    """`_fwd_state` without the output (`DPLRKernelConfig.split_output`): the same walk, program
-    and products for V2 (KDA: U), Hs and hT, but Qg and the pair matrices are not read and O is
-    not formed; `_fwd_o` forms it afterwards from Hs, in parallel over the chunks. A kernel of its
-    own rather than a flag of `_fwd_state`: a flag changed ptxas's spills of the fused kernel."""
-    bh, sid, c0, c1, rows, kr, vv, h = _state_start(h0, sinfo, H, NC, HAS_H0, K, V, L, BV, VARLEN)
-    for n in range(c0, c1):
-        pk, pv, pa, m = _chunk_start(Hs, h, bh, n, tab, rows, kr, vv, Tp, NC, K, V, L, VARLEN)
-        v2 = _ld(Cm + pv, m, VARLEN) - tl.dot(_ld(W + pk, m, VARLEN), h, input_precision=PREC)
-        _st(V2 + pv, v2, m, VARLEN)
-        h = tl.load(eGl + _row(bh, n, kr, NC, K))[:, None] * h
-        if KDA:     # U = β v + V2 is the only V-side operand (`_fwd_state`)
-            # U read back from where it was just stored (the barrier makes every thread's store
-            # visible to the block): at V-tile 32 on 8 warps ptxas spills 0 B this way, 756 B
-            # with the registers' U (the general case, below, spills 88 B without this)
-            tl.debug_barrier()
-            h += tl.dot(tl.trans(_ld(Kd + pk, m, VARLEN)), _ld(V2 + pv, m, VARLEN), input_precision=PREC)
-        else:
-            h += tl.dot(tl.trans(_ld(Kd + pk, m, VARLEN)), _ld(v + pv, m, VARLEN).to(tl.float32),
-                        input_precision=PREC)
-            h += tl.dot(tl.trans(_ld(Ad + pk, m, VARLEN)), v2, input_precision=PREC)
-    tl.store(hT + _offs(sid, 0, kr, vv, K, V), h)
-
-
-@triton.jit
-def _fwd_o(Qg, Hs, Aqk, Aqa, v, V2, O, Tp, NC, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-           BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, tab=None,
-           VARLEN: tl.constexpr = False, KDA: tl.constexpr = False, T=1, H=1, SEQ: tl.constexpr = False):
-    """The output of one (V-tile, chunk, b·h), after `_fwd_walk`: `_fwd_state`'s output products,
-    O = Qg h + A_qk V + A_qa V2 (KDA: O = Qg h + A_qk U, U what `_fwd_walk` stored in V2), with h the chunk's entering state from Hs [BH, NC, K, V] (the float32 values the walk
-    held in registers). Parallel over the chunks: the sequential walk no longer reads Qg and the
-    pair matrices, nor waits on these products. `_mm` mode LO as `_fwd_state`'s.
-    tab: the varlen chunk table with VARLEN (common.py); SEQ: O as in `_fwd_state`."""
-    n = tl.program_id(1)
-    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(2), L, VARLEN)
-    if seq < 0:
-        return
-    vv = tl.program_id(0) * BV + tl.arange(0, BV)
-    pv = _offs(bh, t0, rows, vv, Tp, V)
-    pa = _offs(bh * NC + n, 0, rows, rows, L, L)
-    if KDA:
-        o = _mm(tl.load(Aqk + pa), _ld(V2 + pv, m, VARLEN), LO, PREC)
-    else:
-        o = _mm(tl.load(Aqk + pa), _ld(v + pv, m, VARLEN).to(tl.float32), LO, PREC)
-        o += _mm(tl.load(Aqa + pa), _ld(V2 + pv, m, VARLEN), LO, PREC)
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        hs = tl.load(Hs + _offs(bh * NC + n, 0, kk, vv, K, V))
-        o += _mm(_ld(Qg + _offs(bh, t0, rows, kk, Tp, K), m, VARLEN), hs, LO, PREC)
-    _st_io(O, o, pv, m, bh, t0, rows, vv, nv, T, H, V, VARLEN, SEQ)
 
 
 @triton.jit
