@@ -17,12 +17,14 @@ from . import kda as _kda
 from . import naive as _naive
 from .triton.config import DPLRKernelConfig  # no Triton needed to build one
 
-# The Triton chunkwise kernels build in-chunk decays from factors e^{±(G_r − G_mid)} over half a
-# sub-chunk of 16 steps (pairs.py, backward.py); in float32 these overflow (inf·0 = NaN) once a
-# step's log-decay is below about −12. Clamping to −11 changes a step's decay from e^{gk} to
-# e^{−11} ≈ 1.7e−5: the past survives such a step at most at that weight, well inside float32
-# kernel tolerance relative to the step's fresh input.
-TRITON_LOG_DECAY_FLOOR = -11.0
+# The Triton chunkwise kernels build in-chunk decays from factors e^{±(G_r − G_mid)} over up to 8
+# steps of a 16-step sub-chunk (pairs.py, backward.py, kda_dk.py). Each factor must be a normal
+# float32 whose 3-pass TF32 low part is normal too: the GPU flushes subnormals, and at a floor of
+# −11 (factors to e^{−88}) the H200 lost the last row of a sub-chunk (2e-3 absolute error at
+# log-decay −12, 2026-12-02) where the interpreter kept them. At −9 the factors reach e^{−72}
+# (2^{−104}; low parts ≥ 2^{−126} to a relative 2^{−22}). The floor changes a step's decay from
+# e^{gk} to at most e^{−9} ≈ 1.2e−4: the past survives such a step at most at that weight.
+TRITON_LOG_DECAY_FLOOR = -9.0
 
 
 def _check_varlen(seqs, initial_state, cu_seqlens, check):
@@ -75,7 +77,7 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
     chunk_size: any integer in [1, 1024], T need not be a multiple; config: the Triton kernels'
     `DPLRKernelConfig` (None: the defaults; unused on the
     PyTorch path). gk = −inf is a closed gate (α = 0) on every path; the Triton kernels treat
-    log-decays below −11 as −11 (`TRITON_LOG_DECAY_FLOOR`).
+    log-decays below −9 as −9 (`TRITON_LOG_DECAY_FLOOR`).
     cu_seqlens: None, or int32/int64 [N+1] (0 = cu[0] < ... < cu[N] = T) with B = 1: N sequences
     packed along T, each from its own row of initial_state [N, H, K, V] (None: zeros), returning
     its own final state [N, H, K, V]; nothing crosses a boundary.
@@ -125,7 +127,7 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     + β_t v_t k_tᵀ with α_t = exp(g_t).
 
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None;
-    config: as for `dplr_chunkwise` (also for g = −inf and the Triton floor of −11).
+    config: as for `dplr_chunkwise` (also for g = −inf and the Triton floor of −9).
     cu_seqlens: as for `dplr_chunkwise` (initial_state and the final state then [N, H, K, V]).
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
