@@ -10,6 +10,7 @@ from xlstm_kit.ops._sm90 import sm90_resources
 from xlstm_kit.ops.dplr.triton.backward import _bwd_dk, _bwd_dv
 from xlstm_kit.ops.dplr.triton.common import SUB
 from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig, resolve
+from xlstm_kit.ops.dplr.triton.dplr_dk import _bwd_dk_pairs, _bwd_dk_state
 from xlstm_kit.ops.dplr.triton.kda import _bwd_dv_kda, _fwd_pairs_kda
 from xlstm_kit.ops.dplr.triton.kda_dk import _bwd_dk_pairs_kda, _bwd_dk_state_kda
 from xlstm_kit.ops.dplr.triton.pairs import _fwd_gamma, _fwd_pairs
@@ -37,7 +38,7 @@ def build(name, fn, consts, num_warps, gate="*bf16"):
             sig[arg] = "*bf16" if arg in BF16 else "*fp32"
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     r = sm90_resources(fn, sig, consts, num_warps)
-    print(f"{name:28s} regs {r['regs']:>3d}  spill {r['spill_stores']}/{r['spill_loads']} B  smem {r['smem']} B",
+    print(f"{name:34s} regs {r['regs']:>3d}  spill {r['spill_stores']}/{r['spill_loads']} B  smem {r['smem']} B",
           flush=True)
 
 
@@ -66,11 +67,14 @@ def main(K=128, V=128, L=64):
         build("_bwd_dv" + tag, _bwd_dv, dv, x.dv_warps)
         build("_bwd_dv_kda" + tag, _bwd_dv_kda, dv, x.dv_warps)
         build("_bwd_dk" + tag, _bwd_dk, dk, x.dk_warps, gate)
-        # KDA's key gradient: the two kernels at K-tiles of 32, 64 and K (the second kernel's V side read once)
+        # the key gradient's two kernels (KDA's, and the general op's under split_dk) at K-tiles of
+        # 32, 64 and K (the second kernel's V side read once)
         for bk in sorted({x.dk_bk, min(K, 64), K}):
-            build(f"_bwd_dk_pairs_kda{tag} BK {bk}", _bwd_dk_pairs_kda, dict(dk, BK=bk), x.dkp_warps)
-            for w in (4, 8):
-                build(f"_bwd_dk_state_kda{tag} BK {bk} {w} w", _bwd_dk_state_kda, dict(dk, BK=bk), w, gate)
+            for name, pairs, state in (("_bwd_dk_pairs_kda", _bwd_dk_pairs_kda, _bwd_dk_state_kda),
+                                       ("_bwd_dk_pairs", _bwd_dk_pairs, _bwd_dk_state)):
+                build(f"{name}{tag} BK {bk}", pairs, dict(dk, BK=bk), x.dkp_warps)
+                for w in (4, 8):
+                    build(f"{state.__name__}{tag} BK {bk} {w} w", state, dict(dk, BK=bk), w, gate)
 
 
 if __name__ == "__main__":

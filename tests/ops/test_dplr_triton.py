@@ -66,17 +66,21 @@ def run(fn, xs, s0, do, dsT, **kw):
 NAMES = ["q", "k", "v", "a", "b", "gk", "h0"]
 
 
+# split_dk: the key gradient as the two kernels of dplr_dk.py instead of `_bwd_dk`
+@pytest.mark.parametrize("split_dk", [False, True])
 @pytest.mark.parametrize("T,L,K,V,gmin,h0", [
     (1, 16, 16, 16, -1.0, True),        # a single step
     (37, 16, 16, 32, -1.0, True),       # several chunks, a padded tail, K != V
     (70, 32, 32, 16, -5.0, True),       # strongest gates the kernels promise, L = 32 (2 sub-chunks)
     (64, 64, 16, 16, -5.0, False),      # L = 64 (4 sub-chunks), no initial state
+    (50, 64, 256, 16, -5.0, True),      # K = 256: eight K-tiles of 32 (split: in one program's loop)
 ])
-def test_fwd_bwd_vs_float64_reference(T, L, K, V, gmin, h0):
+def test_fwd_bwd_vs_float64_reference(T, L, K, V, gmin, h0, split_dk):
     xs, s0 = make_inputs(1, T, 2, K, V, gmin, h0=h0)
     do = torch.randn(1, T, 2, V, device=DEV)
     dsT = torch.randn(1, 2, K, V, device=DEV)
-    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=L)
+    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=L,
+                   config=DPLRKernelConfig(split_dk=split_dk))
     ro, rsT, rg = reference(xs, s0, do, dsT)
     assert o.dtype == torch.float32 and sT.dtype == torch.float32
     assert rel_err(o, ro) < 2e-6
@@ -141,7 +145,12 @@ def test_config_is_typed_and_follows_the_input_dtypes():
     with pytest.raises(ValueError, match="state_block_v"):
         cfg.replace(state_block_v=24)
     r = resolve(cfg.replace(dk_block_k=64), 128, 128, 64, False)
-    assert (r.dk_bk, r.dkp_warps) == (64, 4)
+    assert (r.dk_bk, r.dkp_warps, r.split_dk) == (64, 4, False)
+    assert resolve(cfg.replace(split_dk=True), 128, 128, 64, False).split_dk is True
+    for bad in (1, "True", None):
+        with pytest.raises(ValueError, match="split_dk"):
+            cfg.replace(split_dk=bad)
+    assert DPLRKernelConfig.from_key(cfg.replace(split_dk=True).key()).split_dk is True
     with pytest.raises(ValueError, match="bwd_block_v"):
         cfg.replace(bwd_block_v=16)
     with pytest.raises(ValueError, match="no field"):
@@ -187,16 +196,18 @@ def _mixed_case(kda: bool):
     return xs, s0, torch.randn(1, 40, 2, 16, device=DEV), torch.randn(1, 2, 16, 16, device=DEV)
 
 
-@pytest.mark.parametrize("kda", [False, True])
-def test_mixed_dtypes_keep_the_gate_gradient_exact(kda):
+@pytest.mark.parametrize("kda,split_dk", [(False, False), (False, True), (True, False)])
+def test_mixed_dtypes_keep_the_gate_gradient_exact(kda, split_dk):
     # lowp="fp16" (the interpreter's stand-in for tf32 with bf16) on float16 activations and
     # float32 gates: the groups that reach only 16-bit outputs take the mode (o; DPLR also δv),
-    # everything a float32 output depends on is bit-identical to the float32-accurate run
+    # everything a float32 output depends on is bit-identical to the float32-accurate run; the
+    # same with the general op's key gradient split (split_dk; KDA's is always split)
     xs, s0, do, dsT = _mixed_case(kda)
     fn = kda_chunkwise_triton if kda else dplr_chunkwise_triton
     o_off, sT_off, g_off = run(fn, xs, s0, do, dsT, chunk_size=32,
-                               config=DPLRKernelConfig(lowp="off"))
-    o, sT, g = run(fn, xs, s0, do, dsT, chunk_size=32, config=DPLRKernelConfig(lowp="fp16"))
+                               config=DPLRKernelConfig(lowp="off", split_dk=split_dk))
+    o, sT, g = run(fn, xs, s0, do, dsT, chunk_size=32,
+                   config=DPLRKernelConfig(lowp="fp16", split_dk=split_dk))
     assert not torch.equal(o, o_off)                                       # the mode is in effect
     assert torch.equal(sT, sT_off)
     fast = {2} if not kda else set()                                       # δv (DPLR)
@@ -211,12 +222,14 @@ def test_mixed_dtypes_keep_the_gate_gradient_exact(kda):
             assert rel_err(x, z) <= (5 if i in fast else 2) * rel_err(y, z) + 1e-6, NAMES[i]
 
 
-def test_state_tiles_from_the_config_match_reference():
-    # a 32-column V-tile on 8 warps (the default is 32 on 4): same sums, other programs
+@pytest.mark.parametrize("split_dk", [False, True])
+def test_state_tiles_from_the_config_match_reference(split_dk):
+    # a 32-column V-tile on 8 warps (the default is 32 on 4): same sums, other programs; two
+    # K-tiles of the key gradient (split: two pair programs per sub-chunk, a loop of two)
     xs, s0 = make_inputs(1, 70, 2, 32, 32, -5.0)
     do = torch.randn(1, 70, 2, 32, device=DEV)
     dsT = torch.randn(1, 2, 32, 32, device=DEV)
-    cfg = DPLRKernelConfig(state_block_v=32, state_warps=8, dk_block_k=16)
+    cfg = DPLRKernelConfig(state_block_v=32, state_warps=8, dk_block_k=16, split_dk=split_dk)
     o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32, config=cfg)
     ro, rsT, rg = reference(xs, s0, do, dsT)
     assert rel_err(o, ro) < 2e-6 and rel_err(sT, rsT) < 2e-6
@@ -224,8 +237,9 @@ def test_state_tiles_from_the_config_match_reference():
         assert rel_err(x, y) < 1e-5, name
 
 
+@pytest.mark.parametrize("split_dk", [False, True])
 @pytest.mark.parametrize("L", [16, 64])
-def test_strongest_gates_keep_relative_accuracy(L):
+def test_strongest_gates_keep_relative_accuracy(L, split_dk):
     # gk = −5 everywhere (the promised bound; e^{±80} across a sub-chunk of 16): no overflow, and
     # the true δgk is O(γ) — a plain "q⊙δq − k⊙δk, reverse cumsum" would leave O(1e-7) absolute
     # noise; the grouped sums must stay accurate in relative terms
@@ -233,7 +247,8 @@ def test_strongest_gates_keep_relative_accuracy(L):
     xs[5] = torch.full_like(xs[5], -5.0)
     do = torch.randn(1, 80, 1, 16, device=DEV)
     dsT = torch.randn(1, 1, 16, 16, device=DEV)
-    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=L)
+    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=L,
+                   config=DPLRKernelConfig(split_dk=split_dk))
     ro, rsT, rg = reference(xs, s0, do, dsT)
     assert rel_err(o, ro) < 2e-6 and rel_err(sT, rsT) < 2e-6
     for name, x, y in zip(NAMES, g, rg):

@@ -28,6 +28,9 @@ holds the phase's PyTorch reference, `*_reference`, which its test compares the 
                               gradients
     backward.py  _bwd_dk      parallel over (chunk, K-tile, b·h): δq, δk, δa, δb and the gate
                               gradient
+    dplr_dk.py   _bwd_dk_pairs, _bwd_dk_state   the same as two kernels (split_dk, untimed): the
+                              pair-matrix gradients on [16, 16] blocks per (sub-chunk, K-tile,
+                              chunk, b·h), then the rest per (chunk, b·h); kda_dk.py splits KDA's
   common.py      _mm (the low-precision product), _offs / _row (the one offset rule), SUB, and
                  the row masks of packed sequences
 Packed sequences (cu_seqlens): every kernel above takes the device-side chunk table of the mLSTM

@@ -1,13 +1,14 @@
 """Phase 5 (the chunk-parallel part of the backward): `_bwd_dv` (V side: δv, GC and the
-pair-matrix gradients) and `_bwd_dk` (K side: δq, δk, δa, δb, δgk), and their PyTorch
-references."""
+pair-matrix gradients) and `_bwd_dk` (K side: δq, δk, δa, δb, δgk; `split_dk`: the two kernels
+of dplr_dk.py instead), and their PyTorch references."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_prog, _last, _ld, _mm, _offs, _ref_factors, _row, _st, _zeros4
+from .common import _chunk_prog, _dk_state_side, _ld, _mm, _offs, _ref_factors, _row, _st, _zeros4
+from .dplr_dk import _dk_finish, _ld_qkab
 from .pairs import pairs_reference
 
 
@@ -99,28 +100,11 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
         return
     kr = kt * BK + tl.arange(0, BK)
     pk = _offs(bh, t0, rows, kr, Tp, K)
-    Gc = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kr, Tp, K))   # [L, BK] float64
-    g_last = tl.load(G + _row(bh, t0 + nv - 1, kr, Tp, K))
-    eG = tl.exp(Gc.to(tl.float32))
-    dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
-    eGl = tl.exp(g_last.to(tl.float32))
-    dKd, dAd, dQg, GW = _zeros4(L, BK)                           # GW: Eᵀ δW = −GC hᵀ = δB←
-    hdh = tl.zeros([BK], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        vv = v0 + tl.arange(0, BV)
-        pv = _offs(bh, t0, rows, vv, Tp, V)
-        ph = _offs(bh * NC + n, 0, kr, vv, K, V)
-        hs = tl.load(Hs + ph)
-        dh = tl.load(dH + ph)
-        dKd += _mm(_ld(v + pv, m, VARLEN).to(tl.float32), tl.trans(dh), LO, PREC)
-        dAd += _mm(_ld(V2 + pv, m, VARLEN), tl.trans(dh), LO, PREC)
-        dQg += _mm(_ld(dO + pv, m, VARLEN).to(tl.float32), tl.trans(hs), LO, PREC)
-        GW -= _mm(_ld(GCb + pv, m, VARLEN), tl.trans(hs), LO, PREC)
-        hdh += tl.sum(hs * dh, axis=1)
-    qs = _ld(q + pk, m, VARLEN).to(tl.float32) * scale
-    kx = _ld(k + pk, m, VARLEN).to(tl.float32)
-    ax = _ld(a + pk, m, VARLEN).to(tl.float32)
-    bx = _ld(b + pk, m, VARLEN).to(tl.float32)
+    # GW: Eᵀ δW = −GC hᵀ = δB←; T, H only serve the caller's layout (SEQ), off here
+    Gc, eG, dec, eGl, dKd, dAd, dQg, GW, hdh = _dk_state_side(
+        G, v, V2, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr, Tp, NC, Tp, 1, K, V, L, BK, BV, PREC,
+        LO, VARLEN, False, True)
+    qs, kx, ax, bx = _ld_qkab(q, k, a, b, pk, m, scale, VARLEN)
     dXq, dXb, dYk, dYa = _zeros4(L, BK)
     cols = tl.arange(0, S)
     # Pair matrices, column sub-chunk by sub-chunk with the forward's reference points (package
@@ -157,18 +141,8 @@ def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d
         dYa += _mm(place, ca, LO, PREC)
     dqk = _ld(dqk_d + _row(bh, t0, rows, Tp, 1), m1, VARLEN)
     dqa = _ld(dqa_d + _row(bh, t0, rows, Tp, 1), m1, VARLEN)
-    _st(dq + pk, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale, m, VARLEN)
-    _st(db + pk, GW * eG + dXb, m, VARLEN)                        # δB = δB← ⊙ Γ (+ pair terms)
-    _st(dk + pk, dKd * dec + dYk + dqk[:, None] * qs, m, VARLEN)
-    _st(da + pk, dAd * dec + dYa + dqa[:, None] * qs, m, VARLEN)
-    # Gate gradient, grouped by which gk_j each factor contains (chunkwise.py explains why):
-    # e^{G_r} factors → reverse cumsum; e^{G_L − G_r} → exclusive forward cumsum; pairs e^{G_r − G_i}
-    # → +at r, −at i, reverse cumsum; Diag(γ_L) h → every row.
-    up = qs * dXq + bx * dXb - kx * dYk - ax * dYa + (qs * eG) * dQg + (bx * eG) * GW
-    down = kx * dec * dKd + ax * dec * dAd
-    dgk = tl.cumsum(up, axis=0, reverse=True) + (tl.cumsum(down, axis=0) - down)
-    dgk += (eGl * hdh)[None, :]
-    _st(dg + pk, dgk, m, VARLEN)
+    _dk_finish(dq, dk, da, db, dg, pk, m, qs, kx, ax, bx, dXq, dXb, dYk, dYa, dKd, dAd, dQg, GW,
+               eG, dec, eGl, hdh, dqk, dqa, scale, VARLEN)
 
 
 def bwd_dv_reference(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, L: int):

@@ -206,6 +206,83 @@ def _ref_factors(G, Gx, py, bh, t0, j0, kk, below, inblk, nv, Tp, K, S: tl.const
 
 
 @triton.jit
+def _sub_block(tab, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, VARLEN: tl.constexpr):
+    """The prologue of a key-gradient pair program (grid: chunk × L/S sub-chunks, K-tile, b·h):
+    (n, i, bh, seq, t0, nv, sr [S] = 0 … S − 1, ri [S] the rows of sub-chunk i, kr [BK] the
+    K-tile's channels); seq < 0: a spare chunk of the varlen table — the kernel returns."""
+    pid = tl.program_id(0)
+    n = pid // (L // S)
+    i = pid % (L // S)
+    bh, seq, t0, nv, _, _, _ = _chunk_prog(tab, n, tl.program_id(2), L, VARLEN)
+    sr = tl.arange(0, S)
+    return n, i, bh, seq, t0, nv, sr, i * S + sr, tl.program_id(1) * BK + tl.arange(0, BK)
+
+
+@triton.jit
+def _sub_refs(G, bh, t0, i0, kk, nv, Tp, K, S: tl.constexpr, VARLEN: tl.constexpr):
+    """The reference points of the key gradient's pair kernels for the S rows i0 … i0 + S − 1
+    (one sub-chunk) and the BK channels kk: (Gi [S, BK] their G, g_end [BK] G at their last row,
+    fx, fy [S, BK] the factors of the diagonal block, e^{Gi − G_mid} and e^{G_mid − Gi})."""
+    Gi = tl.load(G + _offs(bh, t0, _last(i0 + tl.arange(0, S), nv, VARLEN), kk, Tp, K))
+    g_end = tl.load(G + _row(bh, t0 + _last(i0 + S - 1, nv, VARLEN), kk, Tp, K))
+    g_mid = tl.load(G + _row(bh, t0 + _last(i0 + S // 2 - 1, nv, VARLEN), kk, Tp, K))
+    return (Gi, g_end, tl.exp((Gi - g_mid[None, :]).to(tl.float32)),
+            tl.exp((g_mid[None, :] - Gi).to(tl.float32)))
+
+
+@triton.jit
+def _earlier_refs(G, Gi, bh, t0, j0, kk, nv, Tp, K, S: tl.constexpr, VARLEN: tl.constexpr):
+    """The factors of an earlier block j0 … j0 + S − 1 (reference: its last row, G_e) for rows of
+    G Gi [S, BK] below it: (e^{Gi − G_e} for those rows, e^{G_e − G_j} for the block's rows)."""
+    ge = tl.load(G + _row(bh, t0 + _last(j0 + S - 1, nv, VARLEN), kk, Tp, K))
+    Gj = tl.load(G + _offs(bh, t0, _last(j0 + tl.arange(0, S), nv, VARLEN), kk, Tp, K))
+    ey = tl.exp((ge[None, :] - Gj).to(tl.float32))
+    return tl.exp((Gi - ge[None, :]).to(tl.float32)), ey
+
+
+@triton.jit
+def _dk_state_side(G, U, V2, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr, Tp, NC, T, H,
+                   K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, VARLEN: tl.constexpr,
+                   SEQ: tl.constexpr, GEN: tl.constexpr):
+    """The state-side part of the key gradient for one chunk and K-tile `kr`: the chunk's G and
+    its decays (Gc, e^G, e^{G_L − G}, e^{G_L}), U δh'ᵀ, V2 δh'ᵀ, δO hᵀ, −GC hᵀ ([L, BK] each)
+    and Σ_v h⊙δh' ([BK]). The general op (GEN): U = v, its δKd and δAd apart; KDA: U = β v + V2
+    (a = k merges them), V2 unused and its product zero. SEQ: δO in the caller's layout."""
+    Gc = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kr, Tp, K))
+    g_last = tl.load(G + _row(bh, t0 + nv - 1, kr, Tp, K))
+    eG = tl.exp(Gc.to(tl.float32))
+    dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
+    eGl = tl.exp(g_last.to(tl.float32))
+    dKU, dAd, dQg, GW = _zeros4(L, BK)
+    hdh = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        vv = v0 + tl.arange(0, BV)
+        pv = _offs(bh, t0, rows, vv, Tp, V)
+        ph = _offs(bh * NC + n, 0, kr, vv, K, V)
+        hs = tl.load(Hs + ph)
+        dh = tl.load(dH + ph)
+        dKU += _mm(_ld(U + pv, m, VARLEN).to(tl.float32), tl.trans(dh), LO, PREC)
+        if GEN:
+            dAd += _mm(_ld(V2 + pv, m, VARLEN), tl.trans(dh), LO, PREC)
+        do = _ld_io(dO, pv, m, bh, t0, rows, vv, nv, T, H, V, VARLEN, SEQ).to(tl.float32)
+        dQg += _mm(do, tl.trans(hs), LO, PREC)
+        GW -= _mm(_ld(GCb + pv, m, VARLEN), tl.trans(hs), LO, PREC)
+        hdh += tl.sum(hs * dh, axis=1)
+    return Gc, eG, dec, eGl, dKU, dAd, dQg, GW, hdh
+
+
+@triton.jit
+def _gate_grad(up, down, eGl, hdh):
+    """δgk of one chunk and K-tile from its terms grouped by which gk_j each factor contains
+    (chunkwise.py explains why): up [L, BK] (e^{G_r} factors, and the pairs e^{G_r − G_i} as +at
+    r, −at i) → reverse cumsum; down [L, BK] (e^{G_L − G_r}) → exclusive forward cumsum;
+    Diag(γ_L) h (e^{G_L} [BK] times Σ_v h⊙δh' [BK]) → every row."""
+    dgk = tl.cumsum(up, axis=0, reverse=True) + (tl.cumsum(down, axis=0) - down)
+    return dgk + (eGl * hdh)[None, :]
+
+
+@triton.jit
 def _zeros4(M: tl.constexpr, N: tl.constexpr):
     """Four float32 [M, N] accumulators (one per pair matrix A_qk, A_qa, A_bk, A_ba, or per
     operand gradient)."""

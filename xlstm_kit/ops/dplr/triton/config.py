@@ -51,6 +51,12 @@ class DPLRKernelConfig(KernelConfig):
         (dk_block_k None: 64 at chunk ≤ 32, else 32 — ptxas at chunk 32: 64 spills 124 B per
         thread, 32 spills 2.2 KB). KDA's key gradient (kda_dk.py) takes dk_block_k as the K-tile
         of both its kernels and dk_warps as the warps of the second, `_bwd_dk_state_kda`.
+    split_dk: the general op's `_bwd_dk` as two kernels (dplr_dk.py); not the default until timed
+        on the GPU. As KDA's key gradient: the four pair-matrix gradients on [16, 16] blocks,
+        triangular, over (16-row sub-chunk, K-tile, chunk, b·h) on 4 warps into float32 scratch,
+        then the state-side products, δq, δk, δa, δb and δgk per (chunk, b·h) with the K-tiles
+        in a loop (dk_block_k the K-tile of both, dk_warps the warps of the second). Same
+        products, precision groups and gate-gradient sums. The KDA op ignores it (always split).
     Every block is a power of two ≥ 16 (capped at K or V); warps are 4 or 8.
     """
     lowp: str = "tf32"
@@ -67,6 +73,7 @@ class DPLRKernelConfig(KernelConfig):
     dv_warps: int = 4
     dk_block_k: int | None = None
     dk_warps: int = 4
+    split_dk: bool = False
 
     def __post_init__(self):
         if self.lowp not in LOWP_MODES:
@@ -76,6 +83,8 @@ class DPLRKernelConfig(KernelConfig):
         if any(p not in LOWP_GROUPS for p in parts) or parts != [g for g in LOWP_GROUPS if g in parts]:
             raise ValueError("DPLRKernelConfig.lowp_outputs must list groups of "
                              f"{','.join(LOWP_GROUPS)} in that order, comma-separated, got {self.lowp_outputs!r}")
+        if not isinstance(self.split_dk, bool):
+            raise ValueError(f"DPLRKernelConfig.split_dk must be a bool, got {self.split_dk!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_warps") and value is not None and value not in (4, 8):
@@ -122,7 +131,8 @@ class Launch(NamedTuple):
     dv_warps: int
     dk_bk: int
     dk_warps: int
-    dkp_warps: int         # warps of `_bwd_dk_pairs_kda` (KDA)
+    dkp_warps: int         # warps of `_bwd_dk_pairs_kda` (KDA) and `_bwd_dk_pairs` (split_dk)
+    split_dk: bool         # general op: `_bwd_dk_pairs` + `_bwd_dk_state` instead of `_bwd_dk`
 
 
 @functools.lru_cache(maxsize=256)
@@ -152,5 +162,6 @@ def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool
         dv_bk=min(K, config.dv_block_k), dv_warps=config.dv_warps,
         dk_bk=min(K, config.dk_block_k or (64 if L <= 32 else 32)), dk_warps=config.dk_warps,
         # one [16, BK] tile per program: ptxas (sm_90a, K = 128, L = 64) gives 126 registers at
-        # BK 32 on 4 warps, 240 on 2, and spills on 1; 4 warps at every tile
-        dkp_warps=4)
+        # BK 32 on 4 warps (128 with the helpers shared with dplr_dk.py; the general op's
+        # `_bwd_dk_pairs` 163, no spills), 240 on 2, and spills on 1; 4 warps at every tile
+        dkp_warps=4, split_dk=config.split_dk)

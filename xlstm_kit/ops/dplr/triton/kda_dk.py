@@ -23,7 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _chunk_prog, _last, _ld, _mm, _offs, _row, _st, _x_ld, _x_ld1, _x_st
+from .common import (_chunk_prog, _dk_state_side, _earlier_refs, _gate_grad, _last, _ld, _mm, _offs,
+                     _row, _st, _sub_block, _sub_refs, _x_ld, _x_ld1, _x_st)
 
 
 @triton.jit
@@ -34,25 +35,15 @@ def _bwd_dk_pairs_kda(q, k, beta, G, dAq, dAb, dXq, dXb, dY, scale, Tp, NC, T, H
     decay)ᵀ q + (δA_b ⊙ decay)ᵀ β k for the S rows of one sub-chunk and BK channels.
     q, k: [B, T, H, K]; beta: [B, T, H]; dAq, dAb: [BH, NC, L, L]; dXq, dXb, dY: [BH, Tp, K]."""
     NB: tl.constexpr = L // S
-    pid = tl.program_id(0)
-    n = pid // NB
-    i = pid % NB
-    bh, seq, t0, nv, _, _, _ = _chunk_prog(tab, n, tl.program_id(2), L, VARLEN)
+    n, i, bh, seq, t0, nv, sr, ri, kr = _sub_block(tab, L, S, BK, VARLEN)
     if seq < 0:
         return
     i0 = i * S
-    sr = tl.arange(0, S)
-    ri = i0 + sr
-    kr = tl.program_id(1) * BK + tl.arange(0, BK)
-    Gi = tl.load(G + _offs(bh, t0, _last(ri, nv, VARLEN), kr, Tp, K))
-    g_end = tl.load(G + _row(bh, t0 + _last(i0 + S - 1, nv, VARLEN), kr, Tp, K))
-    g_mid = tl.load(G + _row(bh, t0 + _last(i0 + S // 2 - 1, nv, VARLEN), kr, Tp, K))
+    Gi, g_end, fx, fy = _sub_refs(G, bh, t0, i0, kr, nv, Tp, K, S, VARLEN)
     qi = _x_ld(q, bh, t0, ri, kr, nv, T, H, K).to(tl.float32) * scale
     ki = _x_ld(k, bh, t0, ri, kr, nv, T, H, K).to(tl.float32)
     bi = ki * _x_ld1(beta, bh, t0, ri, nv, T, H).to(tl.float32)[:, None]
     # the diagonal block, both sides referenced at its middle row (`_bwd_dk`'s "inside" rows)
-    fx = tl.exp((Gi - g_mid[None, :]).to(tl.float32))
-    fy = tl.exp((g_mid[None, :] - Gi).to(tl.float32))
     pd = _offs(bh * NC + n, 0, ri, ri, L, L)
     aq = tl.load(dAq + pd)
     ab = tl.load(dAb + pd)
@@ -63,10 +54,8 @@ def _bwd_dk_pairs_kda(q, k, beta, G, dAq, dAb, dXq, dXb, dY, scale, Tp, NC, T, H
     for j in range(0, i):           # earlier blocks: this sub-chunk's rows lie below them
         j0 = j * S
         cj = j0 + sr
-        ge = tl.load(G + _row(bh, t0 + _last(j0 + S - 1, nv, VARLEN), kr, Tp, K))
-        Gj = tl.load(G + _offs(bh, t0, _last(cj, nv, VARLEN), kr, Tp, K))
-        y = _x_ld(k, bh, t0, cj, kr, nv, T, H, K).to(tl.float32) * tl.exp((ge[None, :] - Gj).to(tl.float32))
-        fx = tl.exp((Gi - ge[None, :]).to(tl.float32))
+        fx, ey = _earlier_refs(G, Gi, bh, t0, j0, kr, nv, Tp, K, S, VARLEN)
+        y = _x_ld(k, bh, t0, cj, kr, nv, T, H, K).to(tl.float32) * ey
         pd = _offs(bh * NC + n, 0, ri, cj, L, L)
         dxq += fx * _mm(tl.load(dAq + pd), y, LO, PREC)
         dxb += fx * _mm(tl.load(dAb + pd), y, LO, PREC)
@@ -89,34 +78,6 @@ def _bwd_dk_pairs_kda(q, k, beta, G, dAq, dAb, dXq, dXb, dY, scale, Tp, NC, T, H
 
 
 @triton.jit
-def _dk_state_side(G, U, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr, Tp, NC, T, H, K: tl.constexpr,
-                   V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   PREC: tl.constexpr, LO: tl.constexpr, VARLEN: tl.constexpr):
-    """The state-side part of the KDA key gradient for one chunk and K-tile `kr`: the chunk's G and its decays (Gc, e^G,
-    e^{G_L − G}, e^{G_L}), U δh'ᵀ, δO hᵀ, −GC hᵀ ([L, BK] each) and Σ_v h⊙δh' ([BK])."""
-    Gc = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kr, Tp, K))
-    g_last = tl.load(G + _row(bh, t0 + nv - 1, kr, Tp, K))
-    eG = tl.exp(Gc.to(tl.float32))
-    dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
-    eGl = tl.exp(g_last.to(tl.float32))
-    dKU = tl.zeros([L, BK], dtype=tl.float32)
-    dQg = tl.zeros([L, BK], dtype=tl.float32)
-    GW = tl.zeros([L, BK], dtype=tl.float32)
-    hdh = tl.zeros([BK], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        vv = v0 + tl.arange(0, BV)
-        pv = _offs(bh, t0, rows, vv, Tp, V)
-        ph = _offs(bh * NC + n, 0, kr, vv, K, V)
-        hs = tl.load(Hs + ph)
-        dh = tl.load(dH + ph)
-        dKU += _mm(_ld(U + pv, m, VARLEN), tl.trans(dh), LO, PREC)
-        dQg += _mm(_x_ld(dO, bh, t0, rows, vv, nv, T, H, V).to(tl.float32), tl.trans(hs), LO, PREC)
-        GW -= _mm(_ld(GCb + pv, m, VARLEN), tl.trans(hs), LO, PREC)
-        hdh += tl.sum(hs * dh, axis=1)
-    return Gc, eG, dec, eGl, dKU, dQg, GW, hdh
-
-
-@triton.jit
 def _bwd_dk_state_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dXq, dXb, dY, dqd, dq, dk, dbk, dg, scale,
                       Tp, NC, T, H, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr,
@@ -134,8 +95,9 @@ def _bwd_dk_state_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dXq, dXb, dY, dqd, dq, 
     dbs = tl.zeros([L], dtype=tl.float32)
     for k0 in range(0, K, BK):
         kr = k0 + tl.arange(0, BK)
-        Gc, eG, dec, eGl, dKU, dQg, GW, hdh = _dk_state_side(G, U, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr,
-                                                             Tp, NC, T, H, K, V, L, BK, BV, PREC, LO, VARLEN)
+        Gc, eG, dec, eGl, dKU, _, dQg, GW, hdh = _dk_state_side(G, U, U, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m,
+                                                                kr, Tp, NC, T, H, K, V, L, BK, BV, PREC, LO,
+                                                                VARLEN, True, False)
         qs = _x_ld(q, bh, t0, rows, kr, nv, T, H, K).to(tl.float32) * scale
         kx = _x_ld(k, bh, t0, rows, kr, nv, T, H, K).to(tl.float32)
         bx = kx * bt[:, None]
@@ -149,8 +111,5 @@ def _bwd_dk_state_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dXq, dXb, dY, dqd, dq, 
         dbs += tl.sum(db * kx, axis=1)
         # gate gradient grouped as in `_bwd_dk` (a = k and b = β k merged)
         up = qs * dXq_ + bx * dXb_ - kx * dY_ + (qs * eG) * dQg + (bx * eG) * GW
-        down = kx * dec * dKU
-        dgk = tl.cumsum(up, axis=0, reverse=True) + (tl.cumsum(down, axis=0) - down)
-        dgk += (eGl * hdh)[None, :]
-        _x_st(dg, dgk, bh, t0, rows, kr, nv, T, H, K)
+        _x_st(dg, _gate_grad(up, kx * dec * dKU, eGl, hdh), bh, t0, rows, kr, nv, T, H, K)
     _st(dbk + _row(bh, t0, rows, Tp, 1), dbs, m1, VARLEN)
