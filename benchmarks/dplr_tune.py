@@ -44,6 +44,8 @@ QUICK = dict(B=1, T=256, H=2, K=64, V=64)
 # without a GPU: a smoke run of the script under TRITON_INTERPRET=1 (float32, wall-clock times)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 VARIANTS = [  # ptxas spills in benchmarks/NOTES-dplr.md; one field away from the defaults
+    # KDA's exact diagonal pair blocks (`_fwd_diag_kda`; kda_chunkwise only), K-steps of 32 and 64
+    dict(exact_diag=True), dict(exact_diag=True, diag_block_k=64),
     # the general op's key gradient split (dplr_dk.py; dplr_chunkwise only, KDA's always is),
     # on the default tiles, K-tiles of 64 and the state-side kernel on 8 warps (0 spills there)
     dict(split_dk=True), dict(split_dk=True, dk_block_k=64), dict(split_dk=True, dk_warps=8),
@@ -256,6 +258,9 @@ def child(out: str, op: str, f32: bool, shape: dict, start: int, limit_s: float,
             continue
         if "split_dk" in v and op == "kda_chunkwise":
             emit(dict(case, kind="skipped", config=v, why="general op only (KDA's key gradient is always split)"))
+            continue
+        if "exact_diag" in v and op == "dplr_chunkwise":
+            emit(dict(case, kind="skipped", config=v, why="KDA only (the general op ignores exact_diag)"))
             continue
         try:
             cfg = DPLRKernelConfig().replace(**v)

@@ -151,6 +151,14 @@ def test_config_is_typed_and_follows_the_input_dtypes():
         with pytest.raises(ValueError, match="split_dk"):
             cfg.replace(split_dk=bad)
     assert DPLRKernelConfig.from_key(cfg.replace(split_dk=True).key()).split_dk is True
+    assert (r.exact_diag, r.diag_bk) == (False, 32)
+    assert resolve(cfg.replace(exact_diag=True, diag_block_k=64), 16, 16, 16, False)[-2:] == (True, 16)
+    for bad in (1, "True", None):
+        with pytest.raises(ValueError, match="exact_diag"):
+            cfg.replace(exact_diag=bad)
+    with pytest.raises(ValueError, match="diag_block_k"):
+        cfg.replace(diag_block_k=24)
+    assert DPLRKernelConfig.from_key(cfg.replace(exact_diag=True).key()).exact_diag is True
     with pytest.raises(ValueError, match="bwd_block_v"):
         cfg.replace(bwd_block_v=16)
     with pytest.raises(ValueError, match="no field"):
@@ -324,6 +332,25 @@ def test_public_api_routes_triton_and_matches_torch_backend():
 def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0):
     # the KDA kernels (kda.py): every gradient, β's included, from the kernels, against the
     # float64 recurrence of the substitution a = k, b = β k, v ← β v
+    _kda_vs_reference(T, L, K, V, gmin, h0)
+
+
+# exact_diag: the diagonal [16, 16] pair blocks by `_fwd_diag_kda` (kda.py), the rest of A_qk,
+# A_bk by `_fwd_pairs_kda` without its in-block products
+@pytest.mark.parametrize("T,L,K,V,gmin,h0", [
+    (1, 64, 16, 32, -5.0, True),         # one step: fifteen zero rows of its only sub-chunk
+    (29, 16, 16, 32, -5.0, True),        # chunks of 16: `_fwd_pairs_kda` not launched at all
+    (70, 64, 32, 16, -5.0, False),       # four sub-chunks, a padded tail, no h0
+    (130, 32, 32, 64, -5.0, True),       # chunks of 32, five of them
+    (70, 64, 256, 32, -5.0, True),       # K = 256: eight K-steps of the new kernel
+])
+def test_kda_exact_diag_matches_reference(T, L, K, V, gmin, h0):
+    _kda_vs_reference(T, L, K, V, gmin, h0, DPLRKernelConfig(exact_diag=True))
+
+
+def _kda_vs_reference(T, L, K, V, gmin, h0, config=None):
+    """o, the final state and every gradient of the KDA op (public entry, Triton backend) within
+    float32 accuracy of the float64 recurrence of a = k, b = β k, v ← β v."""
     B, H = 1, 2
     q = torch.randn(B, T, H, K, device=DEV)
     k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1)
@@ -334,7 +361,7 @@ def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0):
     do = torch.randn(B, T, H, V, device=DEV)
     xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta) + ((s0,) if h0 else ())]
     o, sT = kda_chunkwise(*xs[:5], initial_state=xs[5] if h0 else None, output_final_state=True,
-                          chunk_size=L, backend="triton")
+                          chunk_size=L, backend="triton", config=config)
     grads = torch.autograd.grad((o * do).sum() + sT.square().sum(), xs)
     ys = [x.detach().double().requires_grad_() for x in xs]
     kk, bb = ys[1], ys[4].unsqueeze(-1)
@@ -346,8 +373,9 @@ def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0):
         assert rel_err(x, y) < 1e-5, name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kda_reads_and_writes_the_callers_layout(dtype):
+@pytest.mark.parametrize("dtype,exact_diag", [(torch.float32, False), (torch.float16, False),
+                                              (torch.float16, True)])
+def test_kda_reads_and_writes_the_callers_layout(dtype, exact_diag):
     # the KDA kernels read q, k, v, g, β, δO and write o, δq, δk, δv, δg in the caller's
     # [B, T, H, ·] layout (no layout copies): B, H > 1, T not a multiple of the chunk (the masked
     # steps ≥ T of the last chunk), two K-tiles of the key gradient, strided inputs and δO (a
@@ -363,7 +391,8 @@ def test_kda_reads_and_writes_the_callers_layout(dtype):
     xs = [q, k, v, g, beta]
     strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs + [do]]
     assert not any(x.is_contiguous() for x in strided)
-    cfg = DPLRKernelConfig(dk_block_k=16)
+    # exact_diag: float16 q, k, β read by `_fwd_diag_kda` too, at two K-steps of 16
+    cfg = DPLRKernelConfig(dk_block_k=16, exact_diag=exact_diag, diag_block_k=16)
     o, sT, gr = run(kda_chunkwise_triton, strided[:5], s0, strided[5], dsT, chunk_size=L, config=cfg)
     o_c, sT_c, gr_c = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L, config=cfg)
     assert torch.equal(o, o_c) and torch.equal(sT, sT_c) and all(torch.equal(x, y) for x, y in zip(gr, gr_c))
@@ -378,6 +407,66 @@ def test_kda_reads_and_writes_the_callers_layout(dtype):
     assert rel_err(o, ro) < tol(o) and rel_err(sT, rsT) < 2e-6
     for name, x, y in zip(["q", "k", "v", "g", "beta", "h0"], gr, rg):
         assert rel_err(x, y) < tol(x), name
+
+
+@pytest.mark.parametrize("T,L,K,lens", [(29, 16, 16, None), (70, 64, 32, None), (37, 32, 64, None),
+                                         (34, 16, 16, [20, 1, 13]), (70, 64, 32, [1, 5, 64])])
+def test_kda_exact_diag_scratch_equals_the_default(T, L, K, lens):
+    # every tensor the forward returns (o, final state, the backward's scratch) equal to the
+    # default path's at float32 rounding: the backward, unchanged, reads the same A_qk, A_bk; the
+    # zeros (upper triangles, rows past T or a sequence's end) at the same places
+    import xlstm_kit.ops.dplr.triton.kda_op as kda_op
+    B, H, V = 1, 2, 16
+    q = torch.randn(B, T, H, K, device=DEV)
+    k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1)
+    v = torch.randn(B, T, H, V, device=DEV)
+    g = torch.rand(B, T, H, K, device=DEV) * -5.0
+    beta = torch.rand(B, T, H, device=DEV)
+    cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEV,
+                                                dtype=torch.int32)
+    outs = [kda_op._forward(q, k, v, g, beta, None, K ** -0.5, L, DPLRKernelConfig(exact_diag=e).key(), cu)
+            for e in (False, True)]
+    tab = outs[0][-2]
+    spare = tab.view(-1, 4)[:, 0] < 0 if tab.numel() else None
+    for name, x, y in zip(("o", "hT") + kda_op._SAVED, *outs):
+        if spare is not None and name in ("Aqk", "Abk", "E", "Hs", "eGl"):
+            x, y = x[:, ~spare], y[:, ~spare]     # the table's spare chunks are never written
+        if name in ("Aqk", "Abk"):
+            assert torch.equal(x == 0, y == 0), name
+        if x.is_floating_point():
+            assert rel_err(y, x) < 2e-6, name
+        else:
+            assert torch.equal(x, y), name
+
+
+def test_kda_exact_diag_holds_below_the_floor():
+    # what the exact diagonal buys: log-decays of −20 per step, below the ops' floor of −9 (passed
+    # straight to the kernel entry point, which does not floor). The mid-point factors of the
+    # default overflow (e^{140}) and its output is not finite; with exact_diag every factor of
+    # the forward is ≤ 1, and o, the final state, δv and δh0 (which read only the pair matrices,
+    # E and the state path) keep float32 accuracy. δq, δk, δg, δβ still go through the key
+    # gradient's mid-point factors (kda_dk.py) and are not finite: the floor stays for now.
+    B, T, H, K, V, L = 1, 70, 2, 32, 16, 64
+    q = torch.randn(B, T, H, K, device=DEV)
+    k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1)
+    v = torch.randn(B, T, H, V, device=DEV)
+    g = -20.0 + 5.0 * torch.rand(B, T, H, K, device=DEV)
+    beta = torch.rand(B, T, H, device=DEV)
+    s0, do, dsT = (torch.randn(*sh, device=DEV) for sh in ((B, H, K, V), (B, T, H, V), (B, H, K, V)))
+    xs = [q, k, v, g, beta]
+    ys = [x.detach().double().requires_grad_() for x in xs + [s0]]
+    bb = ys[4].unsqueeze(-1)
+    ro, rsT = dplr_recurrent(ys[0], ys[1], ys[2] * bb, ys[1], ys[1] * bb, ys[3], initial_state=ys[5],
+                             output_final_state=True)
+    rg = torch.autograd.grad((ro * do.double()).sum() + (rsT * dsT.double()).sum(), ys)
+    with torch.no_grad():
+        o_def, _ = kda_chunkwise_triton(*xs, initial_state=s0, chunk_size=L)
+    assert not torch.isfinite(o_def).all()
+    o, sT, gr = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L,
+                    config=DPLRKernelConfig(exact_diag=True))
+    assert rel_err(o, ro) < 2e-6 and rel_err(sT, rsT) < 2e-6
+    assert rel_err(gr[2], rg[2]) < 1e-5 and rel_err(gr[5], rg[5]) < 1e-5
+    assert not all(torch.isfinite(x).all() for x in gr[:2] + gr[3:5])
 
 
 def test_kda_low_precision_products_keep_the_state_exact():

@@ -73,14 +73,17 @@ NAMES = {"dplr": ["o", "S", "q", "k", "v", "a", "b", "gk", "h0"],
     ("kda", [130], 2, 64, False),
     ("kda", [20, 1, 13], 2, 16, True),         # the KDA kernels with boundaries inside chunks
     ("kda", [1, 5, 64, 70], 2, 64, True),      # sub-chunks of the key gradient past a sequence's end
+    # exact_diag: `_fwd_diag_kda`'s sub-chunks past a sequence's end, and alone at chunks of 16
+    ("kda diag", [1, 5, 64, 70], 2, 64, True),
+    ("kda diag", [20, 1, 13], 2, 16, False),
 ])
 def test_packed_equals_each_sequence_alone(kind, lens, H, L, state):
     from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig
-    kind, split = kind.split()[0], kind.endswith("split")
+    kind, split, diag = kind.split()[0], kind.endswith("split"), kind.endswith("diag")
     xs, s0, ws = _inputs(kind, lens, H, 16, 16, state, seed=len(lens) * 7 + H)
     cu = _cu(lens)
     got = _run(OPS[kind], xs, s0, ws, torch.float32, backend="triton", chunk_size=L, cu_seqlens=cu,
-               config=DPLRKernelConfig(split_dk=split))
+               config=DPLRKernelConfig(split_dk=split, exact_diag=diag))
     ref = _run(OPS[kind], xs, s0, ws, torch.float64, backend="torch", chunk_size=L, cu_seqlens=cu)
     assert got[1].shape == (len(lens), H, 16, 16)
     for name, x, y in zip(NAMES[kind], got, ref):

@@ -43,7 +43,9 @@ to its own final state (chunkwise.py, common.py).
                  their autograd, dplr_chunkwise_triton, supports
   kda.py         the KDA-specialised kernels (a = k, b = β k, v ← β v): k, v, β read as given,
                  each distinct pair product once (A_qa = A_qk, A_ba = A_bk), U = β v + V2, the β
-                 gradient reduced in the kernels; `_fwd_wy` / `_fwd_state` take KDA as a flag
+                 gradient reduced in the kernels; `_fwd_wy` / `_fwd_state` take KDA as a flag;
+                 `_fwd_diag_kda` (exact_diag, untimed): the diagonal [16, 16] pair blocks per pair
+                 of steps, `_fwd_pairs_kda` then only the rows below each block
   kda_op.py      their launchers, the custom ops xlstm_kit::kda_chunkwise_fwd/_bwd,
                  kda_chunkwise_triton
   step.py        the decode step (xlstm_kit::dplr_step), a kernel of its own
@@ -61,6 +63,10 @@ per column sub-chunk J of S = 16 steps with a reference point inside the chunk:
                  the product is e^{G_r − G_i} ≤ 1 for every pair used. The entries above the
                  diagonal of the block (up to e^{80}·|xy|) are replaced by 0 with `where` and
                  never reach a later sum. (Tested at −5; the factors stay finite to about −10.)
+                 KDA with exact_diag: these blocks entry by entry, Σ_k x_r y_i e^{G_r − G_i} with
+                 the exponent a float64 difference ≤ 0 — no G_mid, every forward factor ≤ 1 at any
+                 gate (tested at −20); the key gradient (kda_dk.py) still takes G_mid, so the
+                 ops' floor of −9 stays.
 Precision modes. Products run as 3-pass TF32 (≈ float32) except those whose results reach only
 bf16 outputs, in three groups decided by the dtypes of the outputs they reach (config.py,
 `for_dtypes`; `DPLRKernelConfig.lowp` = "tf32", the default, single-pass TF32 for them):

@@ -57,6 +57,11 @@ class DPLRKernelConfig(KernelConfig):
         then the state-side products, δq, δk, δa, δb and δgk per (chunk, b·h) with the K-tiles
         in a loop (dk_block_k the K-tile of both, dk_warps the warps of the second). Same
         products, precision groups and gate-gradient sums. The KDA op ignores it (always split).
+    exact_diag: KDA only; not the default until timed on the GPU. The diagonal [16, 16] blocks of
+        A_qk and A_bk computed per pair of steps by `_fwd_diag_kda` (kda.py; no tensor cores,
+        every decay factor e^{G_i − G_j} ≤ 1, no reference point), `_fwd_pairs_kda` keeping only
+        the rows below each block (one product per matrix and K-step instead of two). The general
+        op ignores it. diag_block_k: the K-step of `_fwd_diag_kda`.
     Every block is a power of two ≥ 16 (capped at K or V); warps are 4 or 8.
     """
     lowp: str = "tf32"
@@ -74,6 +79,8 @@ class DPLRKernelConfig(KernelConfig):
     dk_block_k: int | None = None
     dk_warps: int = 4
     split_dk: bool = False
+    exact_diag: bool = False
+    diag_block_k: int = 32
 
     def __post_init__(self):
         if self.lowp not in LOWP_MODES:
@@ -83,8 +90,9 @@ class DPLRKernelConfig(KernelConfig):
         if any(p not in LOWP_GROUPS for p in parts) or parts != [g for g in LOWP_GROUPS if g in parts]:
             raise ValueError("DPLRKernelConfig.lowp_outputs must list groups of "
                              f"{','.join(LOWP_GROUPS)} in that order, comma-separated, got {self.lowp_outputs!r}")
-        if not isinstance(self.split_dk, bool):
-            raise ValueError(f"DPLRKernelConfig.split_dk must be a bool, got {self.split_dk!r}")
+        for name in ("split_dk", "exact_diag"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DPLRKernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_warps") and value is not None and value not in (4, 8):
@@ -133,6 +141,8 @@ class Launch(NamedTuple):
     dk_warps: int
     dkp_warps: int         # warps of `_bwd_dk_pairs_kda` (KDA) and `_bwd_dk_pairs` (split_dk)
     split_dk: bool         # general op: `_bwd_dk_pairs` + `_bwd_dk_state` instead of `_bwd_dk`
+    exact_diag: bool       # KDA: the diagonal pair blocks by `_fwd_diag_kda`
+    diag_bk: int           # its K-step
 
 
 @functools.lru_cache(maxsize=256)
@@ -164,4 +174,6 @@ def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool
         # one [16, BK] tile per program: ptxas (sm_90a, K = 128, L = 64) gives 126 registers at
         # BK 32 on 4 warps (128 with the helpers shared with dplr_dk.py; the general op's
         # `_bwd_dk_pairs` 163, no spills), 240 on 2, and spills on 1; 4 warps at every tile
-        dkp_warps=4, split_dk=config.split_dk)
+        dkp_warps=4, split_dk=config.split_dk,
+        # diag K-step 32: 80 registers on 4 warps, 168 at 64 (ptxas; untimed, NOTES-dplr.md)
+        exact_diag=config.exact_diag, diag_bk=min(K, config.diag_block_k))

@@ -17,7 +17,7 @@ from .chunkwise import (_STAGES, _bwd_prologue, _check, _check_packed, _config_k
 from .chunkwise import supports
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
-from .kda import _bwd_dv_kda, _fwd_pairs_kda
+from .kda import _bwd_dv_kda, _fwd_diag_kda, _fwd_pairs_kda
 from .kda_dk import _bwd_dk_pairs_kda, _bwd_dk_state_kda
 from .state import _bwd_state, _fwd_state
 from .wy import _fwd_wy
@@ -53,9 +53,16 @@ def _forward(q, k, v, g, beta, h0, scale: float, L: int, config: str, cu_seqlens
         c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
         io = dict(T=T, H=H, SEQ=True)
         sa = dict(_seq_args(vl, sinfo, H), **io)
-        _fwd_pairs_kda[(NC * (L // SUB), BH)](q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H, K=K, L=L,
-                                              S=SUB, BK=c.pairs_bk, PREC=c.prec,
-                                              num_warps=c.pairs_warps, num_stages=_STAGES, **vl)
+        grid = (NC * (L // SUB), BH)
+        pa = (q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H)
+        # exact_diag: the two kernels store disjoint entries (kda.py); at L = 16 every row lies in
+        # the diagonal block and `_fwd_pairs_kda` would store nothing
+        if not c.exact_diag or L > SUB:
+            _fwd_pairs_kda[grid](*pa, K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, num_warps=c.pairs_warps,
+                                 num_stages=_STAGES, DIAG=not c.exact_diag, **vl)
+        if c.exact_diag:
+            # 4 warps: ptxas (sm_90a, K = 128) gives 80 registers at BK 32, no spills (2 warps: 167)
+            _fwd_diag_kda[grid](*pa, K=K, L=L, S=SUB, BK=c.diag_bk, num_warps=4, num_stages=_STAGES, **vl)
         # A_ba = A_bk; the unused Ad argument is Kd (never written under KDA)
         _fwd_wy[(NC, BH)](q, k, k, k, v, G, Abk, Abk, E, W, Cm, Qg, Kd, Kd, eGl, scale, Tp, NC,
                           K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
