@@ -43,7 +43,7 @@ SHAPE = dict(B=8, T=2048, H=16, K=128, V=128)
 QUICK = dict(B=1, T=256, H=2, K=64, V=64)
 # without a GPU: a smoke run of the script under TRITON_INTERPRET=1 (float32, wall-clock times)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-VARIANTS = [  # ptxas spills in benchmarks/NOTES-dplr.md; one field away from the defaults
+VARIANTS = [  # ptxas spills in benchmarks/NOTES-dplr-issue20.md; one field away from the defaults
     # KDA's exact diagonal pair blocks (`_fwd_diag_kda`; kda_chunkwise only), K-steps of 32 and 64
     dict(exact_diag=True), dict(exact_diag=True, diag_block_k=64),
     # the general op's key gradient split (dplr_dk.py; dplr_chunkwise only, KDA's always is),
@@ -104,7 +104,7 @@ def profile(step) -> list:
 
 def accuracy(shape: dict, f32_gates: bool, use_fla: bool) -> dict:
     """{name: [rel err of o, dq, dk, dv, dg, dbeta, final state]} against the float64 PyTorch
-    path (KDA); the final state's yardstick is float32 (design study, NOTES-dplr.md)."""
+    path (KDA); the final state's yardstick is float32 (design study, NOTES-dplr-issue20.md)."""
     env = Env(device=torch.device(DEV), dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, backend="triton")
     xs, do = kda_inputs(shape, env, f32_gates)
     x64 = [x.detach().double().requires_grad_() for x in xs]

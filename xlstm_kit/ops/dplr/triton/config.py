@@ -1,6 +1,6 @@
 """`DPLRKernelConfig`: the launch choices of the chunkwise DPLR kernels, one frozen value.
 
-The defaults are the timed ones (benchmarks/NOTES-dplr.md; the last sweep: H200, 2026-12-02):
+The defaults are the timed ones (benchmarks/NOTES-dplr-issue20.md; the last sweep: H200, 2026-12-02):
 single-pass TF32 for the products that reach only bf16 outputs, 32-column V-tiles on 4 warps for
 the two sequential state kernels, 4 warps for `_fwd_wy` and both gradient kernels, and the tiles
 below. `None` in a field means "by chunk size".
@@ -162,7 +162,7 @@ def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool
         # larger V-tiles at K = 256 would not fit the shared memory of one block (NOTES-dplr.md)
         state_bv=(bv := min(config.state_block_v, V, 32 if K > 128 else 64)),
         # 8 warps on 16-column state tiles faulted on the H200 (illegal memory access in the
-        # state kernels, Triton 3.6, KDA at K = V = 128: benchmarks/NOTES-dplr.md); such tiles
+        # state kernels, Triton 3.6, KDA at K = V = 128: benchmarks/NOTES-dplr-issue20.md); such tiles
         # take 4 warps until the cause is found
         state_warps=config.state_warps if bv >= 32 else 4,
         pairs_bk=min(K, config.pairs_block_k),
@@ -175,5 +175,5 @@ def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool
         # BK 32 on 4 warps (128 with the helpers shared with dplr_dk.py; the general op's
         # `_bwd_dk_pairs` 163, no spills), 240 on 2, and spills on 1; 4 warps at every tile
         dkp_warps=4, split_dk=config.split_dk,
-        # diag K-step 32: 80 registers on 4 warps, 168 at 64 (ptxas; untimed, NOTES-dplr.md)
+        # diag K-step 32: 80 registers on 4 warps, 168 at 64 (ptxas; untimed, NOTES-dplr-issue20.md)
         exact_diag=config.exact_diag, diag_bk=min(K, config.diag_block_k))
