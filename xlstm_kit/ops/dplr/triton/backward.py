@@ -7,8 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_prog, _dk_state_side, _ld, _mm, _offs, _ref_factors, _row, _st, _zeros4
-from .dplr_dk import _dk_finish, _ld_qkab
+from .common import _chunk_prog, _dk_state_side, _gate_grad, _ld, _mm, _offs, _ref_factors, _row, _st, _zeros4
 from .pairs import pairs_reference
 
 
@@ -80,6 +79,28 @@ def _pair_grad(dA, dX, y, x_off, x_in, below, inblk, fac, LO: tl.constexpr, PREC
     dy = (fy_off * _mm(tl.trans(d_off), x_off, LO, PREC)
           + fy_in * _mm(tl.trans(d_in), x_in, LO, PREC))
     return dX, dy
+
+
+@triton.jit
+def _ld_qkab(q, k, a, b, p, m, scale, VARLEN: tl.constexpr):
+    """The float32 tiles q·scale, k, a, b at the chunk-layout offsets p (rows masked by m)."""
+    return (_ld(q + p, m, VARLEN).to(tl.float32) * scale, _ld(k + p, m, VARLEN).to(tl.float32),
+            _ld(a + p, m, VARLEN).to(tl.float32), _ld(b + p, m, VARLEN).to(tl.float32))
+
+
+@triton.jit
+def _dk_finish(dq, dk, da, db, dg, p, m, qs, kx, ax, bx, dXq, dXb, dYk, dYa, dKd, dAd, dQg, GW,
+               eG, dec, eGl, hdh, dqk, dqa, scale, VARLEN: tl.constexpr):
+    """δq, δk, δa, δb and δgk of one chunk and K-tile ([L, BK] at the offsets p, rows masked by m)
+    from the pair parts δX_q, δX_b, δY_k, δY_a, the state-side terms of `_dk_state_side` and the
+    pair diagonals dqk, dqa [L]; qs = q·scale."""
+    _st(dq + p, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale, m, VARLEN)
+    _st(db + p, GW * eG + dXb, m, VARLEN)                          # δB = δB← ⊙ Γ (+ pair terms)
+    _st(dk + p, dKd * dec + dYk + dqk[:, None] * qs, m, VARLEN)
+    _st(da + p, dAd * dec + dYa + dqa[:, None] * qs, m, VARLEN)
+    up = qs * dXq + bx * dXb - kx * dYk - ax * dYa + (qs * eG) * dQg + (bx * eG) * GW
+    down = kx * dec * dKd + ax * dec * dAd
+    _st(dg + p, _gate_grad(up, down, eGl, hdh), m, VARLEN)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """The general op's key gradient (δq, δk, δa, δb, δgk) in two kernels, as kda_dk.py splits KDA's
 (`DPLRKernelConfig.split_dk`; `_bwd_dk` in backward.py stays the default until timed on the GPU),
-and the epilogue both forms share.
+with the epilogue of `_bwd_dk` (backward.py).
 
 `_bwd_dk_pairs`, grid (chunk × L/S sub-chunks, K-tile, b·h): the four pair matrices' gradients
 (δA_qk, δA_qa, δA_bk, δA_ba: x ∈ {q·scale, b} by row, y ∈ {k, a} by column) for the S rows of
@@ -22,30 +22,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (_chunk_prog, _dk_state_side, _earlier_refs, _gate_grad, _last, _ld, _mm, _offs,
-                     _row, _st, _sub_block, _sub_refs)
-
-
-@triton.jit
-def _ld_qkab(q, k, a, b, p, m, scale, VARLEN: tl.constexpr):
-    """The float32 tiles q·scale, k, a, b at the chunk-layout offsets p (rows masked by m)."""
-    return (_ld(q + p, m, VARLEN).to(tl.float32) * scale, _ld(k + p, m, VARLEN).to(tl.float32),
-            _ld(a + p, m, VARLEN).to(tl.float32), _ld(b + p, m, VARLEN).to(tl.float32))
-
-
-@triton.jit
-def _dk_finish(dq, dk, da, db, dg, p, m, qs, kx, ax, bx, dXq, dXb, dYk, dYa, dKd, dAd, dQg, GW,
-               eG, dec, eGl, hdh, dqk, dqa, scale, VARLEN: tl.constexpr):
-    """δq, δk, δa, δb and δgk of one chunk and K-tile ([L, BK] at the offsets p, rows masked by m)
-    from the pair parts δX_q, δX_b, δY_k, δY_a, the state-side terms of `_dk_state_side` and the
-    pair diagonals dqk, dqa [L]; qs = q·scale."""
-    _st(dq + p, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale, m, VARLEN)
-    _st(db + p, GW * eG + dXb, m, VARLEN)                          # δB = δB← ⊙ Γ (+ pair terms)
-    _st(dk + p, dKd * dec + dYk + dqk[:, None] * qs, m, VARLEN)
-    _st(da + p, dAd * dec + dYa + dqa[:, None] * qs, m, VARLEN)
-    up = qs * dXq + bx * dXb - kx * dYk - ax * dYa + (qs * eG) * dQg + (bx * eG) * GW
-    down = kx * dec * dKd + ax * dec * dAd
-    _st(dg + p, _gate_grad(up, down, eGl, hdh), m, VARLEN)
+from .backward import _dk_finish, _ld_qkab
+from .common import (_chunk_prog, _dk_state_side, _earlier_refs, _last, _ld, _mm, _offs, _row, _st,
+                     _sub_block, _sub_refs)
 
 
 @triton.jit

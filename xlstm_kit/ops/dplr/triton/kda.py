@@ -56,8 +56,8 @@ def _fwd_pairs_kda(q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H,
         xk = _x_ld(k, bh, t0, rows, kk, nv, T, H, K).to(tl.float32)
         yk = _x_ld(k, bh, t0 + j0, cols, kk, nv - j0, T, H, K).to(tl.float32)
         y_off = tl.trans(yk * fy_off)
-        y_in = tl.trans(yk * fy_in)     # unused (and dropped by the compiler) without DIAG
         if DIAG:    # the default's sums as they were (bit-identical results)
+            y_in = tl.trans(yk * fy_in)
             acc_qk += tl.dot(xq * fx_off, y_off, input_precision=PREC) + tl.dot(xq * fx_in, y_in, input_precision=PREC)
             acc_kk += tl.dot(xk * fx_off, y_off, input_precision=PREC) + tl.dot(xk * fx_in, y_in, input_precision=PREC)
         else:
