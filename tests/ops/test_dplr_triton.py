@@ -428,13 +428,24 @@ def test_kda_exact_diag_scratch_equals_the_default(T, L, K, lens):
             for e in (False, True)]
     tab = outs[0][-2]
     spare = tab.view(-1, 4)[:, 0] < 0 if tab.numel() else None
+    # on the H200 the two differ by more than float32 rounding (o: 1.7e-5 at (70, 64, 32), session
+    # 11): the default forms the diagonal blocks by dots of operands scaled around reference points,
+    # and the GPU's dots (TF32 passes) round more than the interpreter's. There, each o is held
+    # against the float64 recurrence instead, and exact_diag may not be the less accurate one.
+    eq_tol = 2e-6 if INTERPRET else 1e-4
+    if not INTERPRET and lens is None:
+        bb = beta.double().unsqueeze(-1)
+        ref, _ = dplr_recurrent(q.double(), k.double(), v.double() * bb, k.double(), k.double() * bb, g.double(),
+                                scale=K ** -0.5)
+        errs = [rel_err(out[0], ref) for out in outs]
+        assert errs[1] <= max(1.5 * errs[0], 1e-6), errs
     for name, x, y in zip(("o", "hT") + kda_op._SAVED, *outs):
         if spare is not None and name in ("Aqk", "Abk", "E", "Hs", "eGl"):
             x, y = x[:, ~spare], y[:, ~spare]     # the table's spare chunks are never written
         if name in ("Aqk", "Abk"):
             assert torch.equal(x == 0, y == 0), name
         if x.is_floating_point():
-            assert rel_err(y, x) < 2e-6, name
+            assert rel_err(y, x) < eq_tol, name
         else:
             assert torch.equal(x, y), name
 

@@ -80,6 +80,28 @@ def test_checkpoint_resume_with_compile_equals_the_uninterrupted_run(tmp_path, m
     assert rest["scaled_accuracy"] == whole["scaled_accuracy"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with -m gpu on the GPU machine)")
+def test_a_paused_cuda_run_continues(tmp_path, monkeypatch):
+    """The CUDA form of the resume: session 11's MQAR runs could not continue ("RNG state must be
+    a torch.ByteTensor": the checkpoint was loaded onto the GPU, the torch RNG state with it)."""
+    cfg = tiny(steps=8, device="cuda")
+    whole = run_formal("parity", "lstm-plain", cfg)
+    pause, ckpt = {"now": False}, tmp_path / "run.ckpt"
+    real_time = time.time
+    monkeypatch.setattr(ex.time, "time", lambda: 1e12 if pause["now"] else real_time())
+
+    def progress(step, planned, loss):
+        pause["now"] = step >= 4
+
+    with pytest.raises(ex.RunPaused, match="after step 4 of 8"):
+        run_formal("parity", "lstm-plain", cfg, checkpoint=ckpt, stop_at=1e11, progress=progress)
+    pause["now"] = False
+    rest = run_formal("parity", "lstm-plain", cfg, checkpoint=ckpt)
+    assert rest["steps_done"] == 8
+    assert losses(rest) == pytest.approx(losses(whole), rel=1e-4)
+
+
 def test_the_compile_field():
     assert RunConfig().compile is False and not RunConfig().compiles
     assert RunConfig(compile=True).compiles

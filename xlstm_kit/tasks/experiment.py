@@ -350,7 +350,9 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
     step, loss, seconds_before = 0, torch.zeros(()), 0.0
     checkpoint = None if checkpoint is None else Path(checkpoint)
     if checkpoint is not None and checkpoint.exists():
-        ck = torch.load(checkpoint, map_location=device, weights_only=True)
+        # on the CPU: the torch RNG state must stay a CPU ByteTensor, and load_state_dict puts
+        # the model and optimizer tensors on their parameters' device anyway
+        ck = torch.load(checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         rng.bit_generator.state = ck["numpy_rng"]
