@@ -155,6 +155,7 @@ def test_a_paused_grid_point_continues_to_the_uninterrupted_result(tmp_path, mon
     monkeypatch.setattr(ex.time, "time", lambda: 100.0 + (next(ticks) >= 11) * 1e6)
     first = pr.run_job(job, tmp_path / "b", "cpu", stop_at=1e5)
     assert first["paused"] and "after step 11 of 30" in first["message"]
+    assert f", loss {dict(whole['losses'])[10]:.4f};" in first["message"]  # the last logged (every 5 steps)
     assert (tmp_path / "b" / f"{job.id}.ckpt").exists() and not (tmp_path / "b" / f"{job.id}.json").exists()
     assert not pr.finished(job, tmp_path / "b")
     monkeypatch.undo()

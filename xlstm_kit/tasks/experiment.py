@@ -412,7 +412,8 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
                     _save_checkpoint(checkpoint, model, opt, rng, step, sched, log, seconds_before + budget.elapsed())
                     last_save = time.monotonic()
                 if paused:
-                    raise RunPaused(f"paused after step {step} of {sched.steps}; saved to {checkpoint}")
+                    last = f", loss {log.losses[-1][1]:.4f}" if log.losses else ""  # how far it got, in the sweep's log
+                    raise RunPaused(f"paused after step {step} of {sched.steps}{last}; saved to {checkpoint}")
     finally:
         if compiled is not None:  # the options that trained (after any fallback); caches freed
             log.compiled = {**compiled.summary(), "compile_s": compile_s}
