@@ -479,7 +479,7 @@ def test_kda_exact_diag_holds_below_the_floor():
                 # δg of the last step is, through the final state, Σ_{r<T−1} k_r e^{G_L−G_r} δ(KU)_r
                 # (~e^{−17} here), taken by `_gate_grad` as an inclusive cumsum minus its own O(1)
                 # term (e^0): float32 rounding of that term, ~5e-8 absolute at any gate (−9: the
-                # same), but 10 % of the ~2e-7 δg of this case. Held absolutely; the rest as all.
+                # same), but 5–8 % of the norm of this case's ~2e-7 δg. Held absolutely; the rest as all.
                 assert (x[:, -1].double() - y[:, -1]).abs().max() < 2e-7
                 x, y = x[:, :-1], y[:, :-1]
             assert rel_err(x, y) < 1e-5, name
