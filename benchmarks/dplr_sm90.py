@@ -47,7 +47,8 @@ def main(K=128, V=128, L=64):
     full = resolve(DPLRKernelConfig(), K, V, L, False)
     mixed = resolve(DPLRKernelConfig(lowp_outputs="o,dv"), K, V, L, False)
     c = full
-    base = dict(K=K, V=V, L=L, S=SUB, PREC=c.prec, VARLEN=False, KDA=False, SEQ=False, DIAG=True)
+    base = dict(K=K, V=V, L=L, S=SUB, PREC=c.prec, VARLEN=False, KDA=False, SEQ=False, DIAG=True,
+                DIAG_EXACT=False)
     print(f"K={K} V={V} L={L}")
     build("_fwd_gamma", _fwd_gamma, dict(K=K, L=L, BK=min(K, 64), VARLEN=False), 4)
     build("_fwd_pairs", _fwd_pairs, dict(base, BK=c.pairs_bk, LO=c.lo_qk), c.pairs_warps)
@@ -80,6 +81,9 @@ def main(K=128, V=128, L=64):
                 build(f"{name}{tag} BK {bk}", pairs, dict(dk, BK=bk), x.dkp_warps)
                 for w in (4, 8):
                     build(f"{state.__name__}{tag} BK {bk} {w} w", state, dict(dk, BK=bk), w, gate)
+            # exact_diag: the diagonal block per pair of steps (`_diag_exact`)
+            build(f"_bwd_dk_pairs_kda{tag} BK {bk} DIAG_EXACT", _bwd_dk_pairs_kda,
+                  dict(dk, BK=bk, DIAG_EXACT=True), x.dkp_warps)
 
 
 if __name__ == "__main__":

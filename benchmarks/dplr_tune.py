@@ -44,7 +44,8 @@ QUICK = dict(B=1, T=256, H=2, K=64, V=64)
 # without a GPU: a smoke run of the script under TRITON_INTERPRET=1 (float32, wall-clock times)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 VARIANTS = [  # ptxas spills in benchmarks/NOTES-dplr-issue20.md; one field away from the defaults
-    # KDA's exact diagonal pair blocks (`_fwd_diag_kda`; kda_chunkwise only), K-steps of 32 and 64
+    # KDA's exact diagonal pair blocks (forward `_fwd_diag_kda`, key gradient `_diag_exact`;
+    # kda_chunkwise only), forward K-steps of 32 and 64
     dict(exact_diag=True), dict(exact_diag=True, diag_block_k=64),
     # the general op's key gradient split (dplr_dk.py; dplr_chunkwise only, KDA's always is),
     # on the default tiles, K-tiles of 64 and the state-side kernel on 8 warps (0 spills there)

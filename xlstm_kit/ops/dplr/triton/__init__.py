@@ -65,8 +65,9 @@ per column sub-chunk J of S = 16 steps with a reference point inside the chunk:
                  never reach a later sum. (Tested at −5; the factors stay finite to about −10.)
                  KDA with exact_diag: these blocks entry by entry, Σ_k x_r y_i e^{G_r − G_i} with
                  the exponent a float64 difference ≤ 0 — no G_mid, every forward factor ≤ 1 at any
-                 gate (tested at −20); the key gradient (kda_dk.py) still takes G_mid, so the
-                 ops' floor of −9 stays.
+                 gate (tested at −20); the key gradient's diagonal blocks likewise
+                 (`_diag_exact`, kda_dk.py), so `kda_chunkwise` with exact_diag is not floored
+                 at −9 (untimed; the default still is).
 Precision modes. Products run as 3-pass TF32 (≈ float32) except those whose results reach only
 bf16 outputs, in three groups decided by the dtypes of the outputs they reach (config.py,
 `for_dtypes`; `DPLRKernelConfig.lowp` = "tf32", the default, single-pass TF32 for them):

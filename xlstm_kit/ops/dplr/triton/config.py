@@ -60,8 +60,10 @@ class DPLRKernelConfig(KernelConfig):
     exact_diag: KDA only; not the default until timed on the GPU. The diagonal [16, 16] blocks of
         A_qk and A_bk computed per pair of steps by `_fwd_diag_kda` (kda.py; no tensor cores,
         every decay factor e^{G_i − G_j} ≤ 1, no reference point), `_fwd_pairs_kda` keeping only
-        the rows below each block (one product per matrix and K-step instead of two). The general
-        op ignores it. diag_block_k: the K-step of `_fwd_diag_kda`.
+        the rows below each block (one product per matrix and K-step instead of two), and the
+        key gradient's diagonal blocks likewise (`_diag_exact`, kda_dk.py): no factor above 1,
+        so `kda_chunkwise` then skips the −9 log-decay floor. The general op ignores it.
+        diag_block_k: the K-step of `_fwd_diag_kda`.
     Every block is a power of two ≥ 16 (capped at K or V); warps are 4 or 8.
     """
     lowp: str = "tf32"

@@ -15,7 +15,7 @@ is reduced inside the kernels: δβ = Σ_v δ(βv)·v (`_bwd_dv_kda`, all of V i
 With `exact_diag` (config.py; untimed) the diagonal [16, 16] blocks of A_qk and A_bk come from
 `_fwd_diag_kda`, entry by entry with factors e^{G_i − G_j} ≤ 1 (no tensor cores, no reference
 point), and `_fwd_pairs_kda` (DIAG False) keeps one product per matrix and K-step: the rows below
-each block.
+each block; the key gradient's diagonal blocks come from `_diag_exact` (kda_dk.py) the same way.
 
 `_fwd_wy` and `_fwd_state` (wy.py, state.py) take the KDA case as a constexpr flag (their work
 differs in two loads and one product); `_bwd_state` runs with Kd for Ad and A_qk for A_qa. A_qk feeds the state path here (as A_qa), so it is built at float32 accuracy, not LO.

@@ -110,7 +110,7 @@ def _backward(q, k, v, beta, G, Aqk, Abk, E, W, U, Hs, Qg, Kd, eGl, tab, sinfo, 
         dXq, dXb, dY = (new(BH, Tp, K) for _ in range(3))
         _bwd_dk_pairs_kda[(NC * (L // SUB), K // c.dk_bk, BH)](
             q, k, beta, G, dAq, dAb, dXq, dXb, dY, scale, Tp, NC, T, H, K=K, L=L, S=SUB, BK=c.dk_bk,
-            PREC=c.prec, LO=c.lo_dk, num_warps=c.dkp_warps, num_stages=_STAGES, **vl)
+            PREC=c.prec, LO=c.lo_dk, num_warps=c.dkp_warps, num_stages=_STAGES, DIAG_EXACT=c.exact_diag, **vl)
         _bwd_dk_state_kda[(NC, BH)](q, k, beta, G, U, Hs, dO, dH, GC, dXq, dXb, dY, dqd, dq, dk, dbk, dg,
                                     scale, Tp, NC, T, H, K=K, V=V, L=L, BK=c.dk_bk, BV=c.bwd_bv,
                                     PREC=c.prec, LO=c.lo_dk, num_warps=c.dk_warps,
