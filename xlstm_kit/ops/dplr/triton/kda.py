@@ -28,8 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (_chunk_prog, _last, _ld, _mm, _offs, _pair_block, _ref_factors, _row, _st, _x_ld,
-                     _x_ld1, _x_st)
+from .common import (_chunk_prog, _last, _ld, _mm, _offs, _pair_block, _ref_factors, _row, _st, _step_pair,
+                     _x_ld, _x_ld1, _x_st)
 
 
 @triton.jit
@@ -94,7 +94,6 @@ def _fwd_diag_kda(q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H,
     n, j0, bh, seq, t0, nv, _, sr, _, _, _, _ = _pair_block(tab, L, S, VARLEN)
     if seq < 0:
         return
-    one = tl.arange(0, 1)
     acc_qk = tl.zeros([S, S], dtype=tl.float32)
     acc_kk = tl.zeros([S, S], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -103,11 +102,8 @@ def _fwd_diag_kda(q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H,
         xq = _x_ld(q, bh, t0 + j0, sr, kk, nv - j0, T, H, K).to(tl.float32) * scale
         xk = _x_ld(k, bh, t0 + j0, sr, kk, nv - j0, T, H, K).to(tl.float32)
         for j in range(S):
-            # column j as [1, BK] rows, broadcast over the S rows i
-            Gj = tl.load(G + _offs(bh, t0, _last(j0 + j + one, nv, VARLEN), kk, Tp, K))
-            yk = _x_ld(k, bh, t0 + j0 + j, one, kk, nv - j0 - j, T, H, K).to(tl.float32)
-            # −inf above the diagonal: there G_i − G_j ≥ 0 and e^{G_i − G_j} could overflow
-            ye = yk * tl.exp(tl.where(sr[:, None] >= j, Gi - Gj, float("-inf")).to(tl.float32))
+            yk, e = _step_pair(k, G, Gi, bh, t0, j0, j, sr, kk, nv, Tp, T, H, K, VARLEN)  # column j
+            ye = yk * e
             col = sr[None, :] == j
             acc_qk += tl.where(col, tl.sum(xq * ye, axis=1)[:, None], 0.0)
             acc_kk += tl.where(col, tl.sum(xk * ye, axis=1)[:, None], 0.0)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .common import (_chunk_prog, _dk_state_side, _earlier_refs, _gate_grad, _last, _ld, _mm, _offs,
-                     _row, _st, _sub_block, _sub_refs, _x_ld, _x_ld1, _x_st)
+                     _row, _st, _step_pair, _sub_block, _sub_refs, _x_ld, _x_ld1, _x_st)
 
 
 @triton.jit
@@ -38,16 +38,12 @@ def _diag_exact(k, G, dAq, dAb, Gi, qi, bi, bh, n, t0, i0, nv, sr, ri, kr, Tp, N
         δY[j] = Σ_i (δA_q[i, j] x_q,i + δA_b[i, j] x_b,i) e_ij
     (products per channel). Gi [S, BK]: G of the rows ri = i0 + sr (float64); qi, bi [S, BK]:
     scale·q and β k of those rows."""
-    one = tl.arange(0, 1)
     dxq = tl.zeros_like(qi)
     dxb = tl.zeros_like(qi)
     dy = tl.zeros_like(qi)
     for j in range(S):
-        Gj = tl.load(G + _offs(bh, t0, _last(i0 + j + one, nv, VARLEN), kr, Tp, K))
-        kj = _x_ld(k, bh, t0 + i0 + j, one, kr, nv - i0 - j, T, H, K).to(tl.float32)
-        # −inf above the diagonal, where G_i − G_j ≥ 0 would overflow at steep gates
-        e = tl.exp(tl.where(sr[:, None] >= j, Gi - Gj, float("-inf")).to(tl.float32))
-        pc = _offs(bh * NC + n, 0, ri, i0 + j + one, L, L)
+        kj, e = _step_pair(k, G, Gi, bh, t0, i0, j, sr, kr, nv, Tp, T, H, K, VARLEN)
+        pc = _offs(bh * NC + n, 0, ri, i0 + j + tl.arange(0, 1), L, L)
         aq = tl.load(dAq + pc)
         ab = tl.load(dAb + pc)
         ek = e * kj
