@@ -7,11 +7,11 @@ bundled ptxas, at the default configuration for bf16 inputs. Prints one line per
 import sys
 
 from xlstm_kit.ops._sm90 import sm90_resources
-from xlstm_kit.ops.dplr.triton.backward import _bwd_dk, _bwd_dv
+from xlstm_kit.ops.dplr.triton.backward import _bwd_dv
 from xlstm_kit.ops.dplr.triton.common import SUB
 from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig, resolve
 from xlstm_kit.ops.dplr.triton.dplr_dk import _bwd_dk_pairs, _bwd_dk_state
-from xlstm_kit.ops.dplr.triton.kda import _bwd_dv_kda, _fwd_diag_kda, _fwd_pairs_kda
+from xlstm_kit.ops.dplr.triton.kda import _bwd_dv_kda, _fwd_pairs_kda
 from xlstm_kit.ops.dplr.triton.kda_dk import _bwd_dk_pairs_kda, _bwd_dk_state_kda
 from xlstm_kit.ops.dplr.triton.pairs import _fwd_gamma, _fwd_pairs
 from xlstm_kit.ops.dplr.triton.state import _bwd_state, _fwd_state
@@ -47,17 +47,11 @@ def main(K=128, V=128, L=64):
     full = resolve(DPLRKernelConfig(), K, V, L, False)
     mixed = resolve(DPLRKernelConfig(lowp_outputs="o,dv"), K, V, L, False)
     c = full
-    base = dict(K=K, V=V, L=L, S=SUB, PREC=c.prec, VARLEN=False, KDA=False, SEQ=False, DIAG=True,
-                DIAG_EXACT=False)
+    base = dict(K=K, V=V, L=L, S=SUB, PREC=c.prec, VARLEN=False, KDA=False, SEQ=False)
     print(f"K={K} V={V} L={L}")
     build("_fwd_gamma", _fwd_gamma, dict(K=K, L=L, BK=min(K, 64), VARLEN=False), 4)
     build("_fwd_pairs", _fwd_pairs, dict(base, BK=c.pairs_bk, LO=c.lo_qk), c.pairs_warps)
     build("_fwd_pairs_kda", _fwd_pairs_kda, dict(base, BK=c.pairs_bk), c.pairs_warps)
-    # exact_diag: the rows below the blocks only, and the diagonal blocks per pair (4 warps, the
-    # launcher's) at K-steps of 32 (the default), 64 and 128
-    build("_fwd_pairs_kda DIAG off", _fwd_pairs_kda, dict(base, BK=c.pairs_bk, DIAG=False), c.pairs_warps)
-    for bk in sorted({c.diag_bk, min(K, 64), K}):
-        build(f"_fwd_diag_kda BK {bk}", _fwd_diag_kda, dict(base, BK=bk), 4)
     build("_fwd_wy", _fwd_wy, dict(base, BK=c.wy_bk, BV=c.wy_bv), c.wy_warps)
     # the KDA op reads and writes the caller's [B, T, H, ·] layout (SEQ)
     build("_fwd_wy KDA", _fwd_wy, dict(base, BK=c.wy_bk, BV=c.wy_bv, KDA=True, SEQ=True), c.wy_warps)
@@ -72,8 +66,7 @@ def main(K=128, V=128, L=64):
         gate = "*fp32" if tag else "*bf16"
         build("_bwd_dv" + tag, _bwd_dv, dv, x.dv_warps)
         build("_bwd_dv_kda" + tag, _bwd_dv_kda, dv, x.dv_warps)
-        build("_bwd_dk" + tag, _bwd_dk, dk, x.dk_warps, gate)
-        # the key gradient's two kernels (KDA's, and the general op's under split_dk) at K-tiles of
+        # the key gradient's two kernels (KDA's and the general op's) at K-tiles of
         # 32, 64 and K (the second kernel's V side read once)
         for bk in sorted({x.dk_bk, min(K, 64), K}):
             for name, pairs, state in (("_bwd_dk_pairs_kda", _bwd_dk_pairs_kda, _bwd_dk_state_kda),
@@ -81,9 +74,6 @@ def main(K=128, V=128, L=64):
                 build(f"{name}{tag} BK {bk}", pairs, dict(dk, BK=bk), x.dkp_warps)
                 for w in (4, 8):
                     build(f"{state.__name__}{tag} BK {bk} {w} w", state, dict(dk, BK=bk), w, gate)
-            # exact_diag: the diagonal block per pair of steps (`_diag_exact`)
-            build(f"_bwd_dk_pairs_kda{tag} BK {bk} DIAG_EXACT", _bwd_dk_pairs_kda,
-                  dict(dk, BK=bk, DIAG_EXACT=True), x.dkp_warps)
 
 
 if __name__ == "__main__":

@@ -44,12 +44,6 @@ QUICK = dict(B=1, T=256, H=2, K=64, V=64)
 # without a GPU: a smoke run of the script under TRITON_INTERPRET=1 (float32, wall-clock times)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 VARIANTS = [  # ptxas spills in benchmarks/NOTES-dplr-issue20.md; one field away from the defaults
-    # KDA's exact diagonal pair blocks (forward `_fwd_diag_kda`, key gradient `_diag_exact`;
-    # kda_chunkwise only), forward K-steps of 32 and 64
-    dict(exact_diag=True), dict(exact_diag=True, diag_block_k=64),
-    # the general op's key gradient split (dplr_dk.py; dplr_chunkwise only, KDA's always is),
-    # on the default tiles, K-tiles of 64 and the state-side kernel on 8 warps (0 spills there)
-    dict(split_dk=True), dict(split_dk=True, dk_block_k=64), dict(split_dk=True, dk_warps=8),
     # (session 10's sweep made state_block_v 32, wy_warps, dv_warps and dk_warps 4 the defaults)
     dict(state_block_v=64), dict(state_block_v=16), dict(state_warps=8),
     dict(dk_block_k=16), dict(dk_block_k=64), dict(dk_warps=8), dict(bwd_block_v=64),
@@ -256,12 +250,6 @@ def child(out: str, op: str, f32: bool, shape: dict, start: int, limit_s: float,
     for v in VARIANTS[start:]:
         if time.time() - t0 > limit_s:
             emit(dict(case, kind="skipped", config=v, why="--limit-s"))
-            continue
-        if "split_dk" in v and op == "kda_chunkwise":
-            emit(dict(case, kind="skipped", config=v, why="general op only (KDA's key gradient is always split)"))
-            continue
-        if "exact_diag" in v and op == "dplr_chunkwise":
-            emit(dict(case, kind="skipped", config=v, why="KDA only (the general op ignores exact_diag)"))
             continue
         try:
             cfg = DPLRKernelConfig().replace(**v)

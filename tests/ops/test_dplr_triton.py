@@ -66,21 +66,18 @@ def run(fn, xs, s0, do, dsT, **kw):
 NAMES = ["q", "k", "v", "a", "b", "gk", "h0"]
 
 
-# split_dk: the key gradient as the two kernels of dplr_dk.py instead of `_bwd_dk`
-@pytest.mark.parametrize("split_dk", [False, True])
 @pytest.mark.parametrize("T,L,K,V,gmin,h0", [
     (1, 16, 16, 16, -1.0, True),        # a single step
     (37, 16, 16, 32, -1.0, True),       # several chunks, a padded tail, K != V
     (70, 32, 32, 16, -5.0, True),       # strongest gates the kernels promise, L = 32 (2 sub-chunks)
     (64, 64, 16, 16, -5.0, False),      # L = 64 (4 sub-chunks), no initial state
-    (50, 64, 256, 16, -5.0, True),      # K = 256: eight K-tiles of 32 (split: in one program's loop)
+    (50, 64, 256, 16, -5.0, True),      # K = 256: eight K-tiles of 32 (the second dk kernel: a loop)
 ])
-def test_fwd_bwd_vs_float64_reference(T, L, K, V, gmin, h0, split_dk):
+def test_fwd_bwd_vs_float64_reference(T, L, K, V, gmin, h0):
     xs, s0 = make_inputs(1, T, 2, K, V, gmin, h0=h0)
     do = torch.randn(1, T, 2, V, device=DEV)
     dsT = torch.randn(1, 2, K, V, device=DEV)
-    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=L,
-                   config=DPLRKernelConfig(split_dk=split_dk))
+    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=L)
     ro, rsT, rg = reference(xs, s0, do, dsT)
     assert o.dtype == torch.float32 and sT.dtype == torch.float32
     assert rel_err(o, ro) < 2e-6
@@ -145,20 +142,8 @@ def test_config_is_typed_and_follows_the_input_dtypes():
     with pytest.raises(ValueError, match="state_block_v"):
         cfg.replace(state_block_v=24)
     r = resolve(cfg.replace(dk_block_k=64), 128, 128, 64, False)
-    assert (r.dk_bk, r.dkp_warps, r.split_dk) == (64, 4, False)
-    assert resolve(cfg.replace(split_dk=True), 128, 128, 64, False).split_dk is True
-    for bad in (1, "True", None):
-        with pytest.raises(ValueError, match="split_dk"):
-            cfg.replace(split_dk=bad)
-    assert DPLRKernelConfig.from_key(cfg.replace(split_dk=True).key()).split_dk is True
-    assert (r.exact_diag, r.diag_bk) == (False, 32)
-    assert resolve(cfg.replace(exact_diag=True, diag_block_k=64), 16, 16, 16, False)[-2:] == (True, 16)
-    for bad in (1, "True", None):
-        with pytest.raises(ValueError, match="exact_diag"):
-            cfg.replace(exact_diag=bad)
-    with pytest.raises(ValueError, match="diag_block_k"):
-        cfg.replace(diag_block_k=24)
-    assert DPLRKernelConfig.from_key(cfg.replace(exact_diag=True).key()).exact_diag is True
+    assert (r.dk_bk, r.dkp_warps) == (64, 4)
+    assert resolve(cfg, 128, 128, 32, False).dk_bk == 64 and resolve(cfg, 128, 128, 64, False).dk_bk == 32
     with pytest.raises(ValueError, match="bwd_block_v"):
         cfg.replace(bwd_block_v=16)
     with pytest.raises(ValueError, match="no field"):
@@ -204,18 +189,17 @@ def _mixed_case(kda: bool):
     return xs, s0, torch.randn(1, 40, 2, 16, device=DEV), torch.randn(1, 2, 16, 16, device=DEV)
 
 
-@pytest.mark.parametrize("kda,split_dk", [(False, False), (False, True), (True, False)])
-def test_mixed_dtypes_keep_the_gate_gradient_exact(kda, split_dk):
+@pytest.mark.parametrize("kda", [False, True])
+def test_mixed_dtypes_keep_the_gate_gradient_exact(kda):
     # lowp="fp16" (the interpreter's stand-in for tf32 with bf16) on float16 activations and
     # float32 gates: the groups that reach only 16-bit outputs take the mode (o; DPLR also δv),
-    # everything a float32 output depends on is bit-identical to the float32-accurate run; the
-    # same with the general op's key gradient split (split_dk; KDA's is always split)
+    # everything a float32 output depends on is bit-identical to the float32-accurate run
     xs, s0, do, dsT = _mixed_case(kda)
     fn = kda_chunkwise_triton if kda else dplr_chunkwise_triton
     o_off, sT_off, g_off = run(fn, xs, s0, do, dsT, chunk_size=32,
-                               config=DPLRKernelConfig(lowp="off", split_dk=split_dk))
+                               config=DPLRKernelConfig(lowp="off"))
     o, sT, g = run(fn, xs, s0, do, dsT, chunk_size=32,
-                   config=DPLRKernelConfig(lowp="fp16", split_dk=split_dk))
+                   config=DPLRKernelConfig(lowp="fp16"))
     assert not torch.equal(o, o_off)                                       # the mode is in effect
     assert torch.equal(sT, sT_off)
     fast = {2} if not kda else set()                                       # δv (DPLR)
@@ -230,14 +214,13 @@ def test_mixed_dtypes_keep_the_gate_gradient_exact(kda, split_dk):
             assert rel_err(x, z) <= (5 if i in fast else 2) * rel_err(y, z) + 1e-6, NAMES[i]
 
 
-@pytest.mark.parametrize("split_dk", [False, True])
-def test_state_tiles_from_the_config_match_reference(split_dk):
+def test_state_tiles_from_the_config_match_reference():
     # a 32-column V-tile on 8 warps (the default is 32 on 4): same sums, other programs; two
-    # K-tiles of the key gradient (split: two pair programs per sub-chunk, a loop of two)
+    # K-tiles of the key gradient (two pair programs per sub-chunk, a loop of two)
     xs, s0 = make_inputs(1, 70, 2, 32, 32, -5.0)
     do = torch.randn(1, 70, 2, 32, device=DEV)
     dsT = torch.randn(1, 2, 32, 32, device=DEV)
-    cfg = DPLRKernelConfig(state_block_v=32, state_warps=8, dk_block_k=16, split_dk=split_dk)
+    cfg = DPLRKernelConfig(state_block_v=32, state_warps=8, dk_block_k=16)
     o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=32, config=cfg)
     ro, rsT, rg = reference(xs, s0, do, dsT)
     assert rel_err(o, ro) < 2e-6 and rel_err(sT, rsT) < 2e-6
@@ -245,9 +228,8 @@ def test_state_tiles_from_the_config_match_reference(split_dk):
         assert rel_err(x, y) < 1e-5, name
 
 
-@pytest.mark.parametrize("split_dk", [False, True])
 @pytest.mark.parametrize("L", [16, 64])
-def test_strongest_gates_keep_relative_accuracy(L, split_dk):
+def test_strongest_gates_keep_relative_accuracy(L):
     # gk = −5 everywhere (the promised bound; e^{±80} across a sub-chunk of 16): no overflow, and
     # the true δgk is O(γ) — a plain "q⊙δq − k⊙δk, reverse cumsum" would leave O(1e-7) absolute
     # noise; the grouped sums must stay accurate in relative terms
@@ -255,8 +237,7 @@ def test_strongest_gates_keep_relative_accuracy(L, split_dk):
     xs[5] = torch.full_like(xs[5], -5.0)
     do = torch.randn(1, 80, 1, 16, device=DEV)
     dsT = torch.randn(1, 1, 16, 16, device=DEV)
-    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=L,
-                   config=DPLRKernelConfig(split_dk=split_dk))
+    o, sT, g = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=L)
     ro, rsT, rg = reference(xs, s0, do, dsT)
     assert rel_err(o, ro) < 2e-6 and rel_err(sT, rsT) < 2e-6
     for name, x, y in zip(NAMES, g, rg):
@@ -335,19 +316,6 @@ def test_kda_through_the_kernels_matches_reference(T, L, K, V, gmin, h0):
     _kda_vs_reference(T, L, K, V, gmin, h0)
 
 
-# exact_diag: the diagonal [16, 16] pair blocks by `_fwd_diag_kda` (kda.py), the rest of A_qk,
-# A_bk by `_fwd_pairs_kda` without its in-block products
-@pytest.mark.parametrize("T,L,K,V,gmin,h0", [
-    (1, 64, 16, 32, -5.0, True),         # one step: fifteen zero rows of its only sub-chunk
-    (29, 16, 16, 32, -5.0, True),        # chunks of 16: `_fwd_pairs_kda` not launched at all
-    (70, 64, 32, 16, -5.0, False),       # four sub-chunks, a padded tail, no h0
-    (130, 32, 32, 64, -5.0, True),       # chunks of 32, five of them
-    (70, 64, 256, 32, -5.0, True),       # K = 256: eight K-steps of the new kernel
-])
-def test_kda_exact_diag_matches_reference(T, L, K, V, gmin, h0):
-    _kda_vs_reference(T, L, K, V, gmin, h0, DPLRKernelConfig(exact_diag=True))
-
-
 def _kda_vs_reference(T, L, K, V, gmin, h0, config=None):
     """o, the final state and every gradient of the KDA op (public entry, Triton backend) within
     float32 accuracy of the float64 recurrence of a = k, b = β k, v ← β v."""
@@ -373,9 +341,8 @@ def _kda_vs_reference(T, L, K, V, gmin, h0, config=None):
         assert rel_err(x, y) < 1e-5, name
 
 
-@pytest.mark.parametrize("dtype,exact_diag", [(torch.float32, False), (torch.float16, False),
-                                              (torch.float16, True)])
-def test_kda_reads_and_writes_the_callers_layout(dtype, exact_diag):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kda_reads_and_writes_the_callers_layout(dtype):
     # the KDA kernels read q, k, v, g, β, δO and write o, δq, δk, δv, δg in the caller's
     # [B, T, H, ·] layout (no layout copies): B, H > 1, T not a multiple of the chunk (the masked
     # steps ≥ T of the last chunk), two K-tiles of the key gradient, strided inputs and δO (a
@@ -391,8 +358,7 @@ def test_kda_reads_and_writes_the_callers_layout(dtype, exact_diag):
     xs = [q, k, v, g, beta]
     strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs + [do]]
     assert not any(x.is_contiguous() for x in strided)
-    # exact_diag: float16 q, k, β read by `_fwd_diag_kda` too, at two K-steps of 16
-    cfg = DPLRKernelConfig(dk_block_k=16, exact_diag=exact_diag, diag_block_k=16)
+    cfg = DPLRKernelConfig(dk_block_k=16)
     o, sT, gr = run(kda_chunkwise_triton, strided[:5], s0, strided[5], dsT, chunk_size=L, config=cfg)
     o_c, sT_c, gr_c = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L, config=cfg)
     assert torch.equal(o, o_c) and torch.equal(sT, sT_c) and all(torch.equal(x, y) for x, y in zip(gr, gr_c))
@@ -407,95 +373,6 @@ def test_kda_reads_and_writes_the_callers_layout(dtype, exact_diag):
     assert rel_err(o, ro) < tol(o) and rel_err(sT, rsT) < 2e-6
     for name, x, y in zip(["q", "k", "v", "g", "beta", "h0"], gr, rg):
         assert rel_err(x, y) < tol(x), name
-
-
-@pytest.mark.parametrize("T,L,K,lens", [(29, 16, 16, None), (70, 64, 32, None), (37, 32, 64, None),
-                                         (34, 16, 16, [20, 1, 13]), (70, 64, 32, [1, 5, 64])])
-def test_kda_exact_diag_scratch_equals_the_default(T, L, K, lens):
-    # every tensor the forward returns (o, final state, the backward's scratch) equal to the
-    # default path's at float32 rounding: the backward, unchanged, reads the same A_qk, A_bk; the
-    # zeros (upper triangles, rows past T or a sequence's end) at the same places
-    import xlstm_kit.ops.dplr.triton.kda_op as kda_op
-    B, H, V = 1, 2, 16
-    q = torch.randn(B, T, H, K, device=DEV)
-    k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1)
-    v = torch.randn(B, T, H, V, device=DEV)
-    g = torch.rand(B, T, H, K, device=DEV) * -5.0
-    beta = torch.rand(B, T, H, device=DEV)
-    cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEV,
-                                                dtype=torch.int32)
-    outs = [kda_op._forward(q, k, v, g, beta, None, K ** -0.5, L, DPLRKernelConfig(exact_diag=e).key(), cu)
-            for e in (False, True)]
-    tab = outs[0][-2]
-    spare = tab.view(-1, 4)[:, 0] < 0 if tab.numel() else None
-    # on the H200 the two differ by more than float32 rounding (o: 1.7e-5 at (70, 64, 32), session
-    # 11): the default forms the diagonal blocks by dots of operands scaled around reference points,
-    # and the GPU's dots (TF32 passes) round more than the interpreter's. There, each o is held
-    # against the float64 recurrence instead, and exact_diag may not be the less accurate one.
-    eq_tol = 2e-6 if INTERPRET else 1e-4
-    if not INTERPRET and lens is None:
-        bb = beta.double().unsqueeze(-1)
-        ref, _ = dplr_recurrent(q.double(), k.double(), v.double() * bb, k.double(), k.double() * bb, g.double(),
-                                scale=K ** -0.5)
-        errs = [rel_err(out[0], ref) for out in outs]
-        assert errs[1] <= max(1.5 * errs[0], 1e-6), errs
-    for name, x, y in zip(("o", "hT") + kda_op._SAVED, *outs):
-        if spare is not None and name in ("Aqk", "Abk", "E", "Hs", "eGl"):
-            x, y = x[:, ~spare], y[:, ~spare]     # the table's spare chunks are never written
-        if name in ("Aqk", "Abk"):
-            assert torch.equal(x == 0, y == 0), name
-        if x.is_floating_point():
-            assert rel_err(y, x) < eq_tol, name
-        else:
-            assert torch.equal(x, y), name
-
-
-def test_kda_exact_diag_holds_below_the_floor():
-    # what the exact diagonal buys: log-decays of −20 per step, below the ops' floor of −9. At the
-    # kernel entry point (which does not floor) the mid-point factors of the default overflow
-    # (e^{140}) and its output is not finite; with exact_diag every factor of the forward and of
-    # the key gradient (`_diag_exact`, kda_dk.py) is ≤ 1 and o, the final state and every
-    # gradient keep float32 accuracy.
-    B, T, H, K, V, L = 1, 70, 2, 32, 16, 64
-    q = torch.randn(B, T, H, K, device=DEV)
-    k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1)
-    v = torch.randn(B, T, H, V, device=DEV)
-    g = -20.0 + 5.0 * torch.rand(B, T, H, K, device=DEV)
-    beta = torch.rand(B, T, H, device=DEV)
-    s0, do, dsT = (torch.randn(*sh, device=DEV) for sh in ((B, H, K, V), (B, T, H, V), (B, H, K, V)))
-    cfg = DPLRKernelConfig(exact_diag=True)
-
-    def ref(xs):
-        ys = [x.detach().double().requires_grad_() for x in xs + [s0]]
-        bb = ys[4].unsqueeze(-1)
-        ro, rsT = dplr_recurrent(ys[0], ys[1], ys[2] * bb, ys[1], ys[1] * bb, ys[3], initial_state=ys[5],
-                                 output_final_state=True)
-        return ro, rsT, torch.autograd.grad((ro * do.double()).sum() + (rsT * dsT.double()).sum(), ys)
-
-    def check(out, expect):
-        assert rel_err(out[0], expect[0]) < 2e-6 and rel_err(out[1], expect[1]) < 2e-6
-        for name, x, y in zip(["q", "k", "v", "g", "beta", "h0"], out[2], expect[2]):
-            if name == "g":
-                # δg of the last step is, through the final state, Σ_{r<T−1} k_r e^{G_L−G_r} δ(KU)_r
-                # (~e^{−17} here), taken by `_gate_grad` as an inclusive cumsum minus its own O(1)
-                # term (e^0): float32 rounding of that term, ~5e-8 absolute at any gate (−9: the
-                # same), but 5–8 % of the norm of this case's ~2e-7 δg. Held absolutely; the rest as all.
-                assert (x[:, -1].double() - y[:, -1]).abs().max() < 2e-7
-                x, y = x[:, :-1], y[:, :-1]
-            assert rel_err(x, y) < 1e-5, name
-
-    xs = [q, k, v, g, beta]
-    with torch.no_grad():
-        o_def, _ = kda_chunkwise_triton(*xs, initial_state=s0, chunk_size=L)
-    assert not torch.isfinite(o_def).all()
-    check(run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L, config=cfg), ref(xs))
-    # the public op with exact_diag: the float64 recurrence on the gates as given, not floored at
-    # −9 (that would move o by ~e^{−9} relative and zero δg at every step); closed gates (−inf)
-    # between them, which it still raises to −250 as the PyTorch path does
-    g2 = g.clone()
-    g2[:, 5::17] = float("-inf")
-    xs[3] = g2
-    check(run(kda_chunkwise, xs, s0, do, dsT, chunk_size=L, backend="triton", config=cfg), ref(xs))
 
 
 def test_kda_low_precision_products_keep_the_state_exact():

@@ -20,9 +20,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not HAS_CUDA and not INTERPRET:
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from xlstm_kit.ops.dplr.triton.backward import (  # noqa: E402
-    _bwd_dk, _bwd_dv, bwd_dk_reference, bwd_dv_reference)
+from xlstm_kit.ops.dplr.triton.backward import _bwd_dv, bwd_dk_reference, bwd_dv_reference  # noqa: E402
 from xlstm_kit.ops.dplr.triton.common import SUB  # noqa: E402
+from xlstm_kit.ops.dplr.triton.dplr_dk import _bwd_dk_pairs, _bwd_dk_state  # noqa: E402
 from xlstm_kit.ops.dplr.triton.pairs import _fwd_pairs, pairs_reference  # noqa: E402
 from xlstm_kit.ops.dplr.triton.state import (  # noqa: E402
     _bwd_state, _fwd_state, bwd_state_reference, state_reference)
@@ -133,14 +133,19 @@ def test_bwd_dv_phase(chain):
 
 def test_bwd_dk_phase(chain):
     # the K-side gradients, gate gradient included, against autograd through the forward's chunk
-    # operands (pair matrices, decayed operands) fed the V side's gradients
+    # operands (pair matrices, decayed operands) fed the V side's gradients; its two kernels
+    # (dplr_dk.py: the pair parts per sub-chunk and K-tile into scratch, then the rest per chunk)
     c = chain
     dA = [c[n] for n in ("dAqk", "dAqa", "dAbk", "dAba")]
+    G = c["G"].to(DEV).contiguous()
+    parts = [empty(BH, TP, K) for _ in range(4)]
+    _bwd_dk_pairs[(NC * (L // SUB), K // 16, BH)](*(f32(c[n]) for n in "qkab"), G, *(f32(x) for x in dA),
+                                                  *parts, SCALE, TP, NC, K=K, L=L, S=SUB, BK=16,
+                                                  PREC=PREC, LO=0)
     out = [empty(BH, TP, K) for _ in range(5)]
-    _bwd_dk[(NC, K // 16, BH)](*(f32(c[n]) for n in "qkvab"), c["G"].to(DEV).contiguous(),
-                               *(f32(c[n]) for n in ("V2", "Hs", "dO", "dH", "GC")),
-                               *(f32(x) for x in dA), f32(c["dqk_d"]), f32(c["dqa_d"]), *out,
-                               SCALE, TP, NC, K=K, V=V, L=L, S=SUB, BK=16, BV=16, PREC=PREC, LO=0)
+    _bwd_dk_state[(NC, BH)](*(f32(c[n]) for n in "qkvab"), G, *(f32(c[n]) for n in ("V2", "Hs", "dO", "dH", "GC")),
+                            *parts, f32(c["dqk_d"]), f32(c["dqa_d"]), *out, SCALE, TP, NC, K=K, V=V, L=L,
+                            BK=16, BV=16, PREC=PREC, LO=0)
     ref = bwd_dk_reference(*(c[n] for n in ("q", "k", "v", "a", "b", "gk", "V2", "Hs", "dO", "dH",
                                             "GC")), dA, c["dqk_d"], c["dqa_d"], SCALE, L)
     for name, x, y in zip(("dq", "dk", "da", "db", "dgk"), out, ref):

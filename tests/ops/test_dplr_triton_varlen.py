@@ -66,24 +66,18 @@ NAMES = {"dplr": ["o", "S", "q", "k", "v", "a", "b", "gk", "h0"],
     ("dplr", [1, 5, 64, 70], 1, 64, True),     # length 1, a chunk multiple, a partial tail
     ("dplr", [130], 1, 64, False),             # one sequence, no initial state
     ("dplr", [20, 1, 13], 1, 16, False),       # boundaries inside chunks of 16
-    # the general key gradient split (split_dk): sub-chunks past a sequence's end, chunks of 32
-    ("dplr split", [1, 5, 64, 70], 2, 64, True),
-    ("dplr split", [20, 1, 45], 1, 32, False),
+    # the key gradient's two kernels: sub-chunks past a sequence's end, chunks of 32
+    ("dplr", [1, 5, 64, 70], 2, 64, True),
+    ("dplr", [20, 1, 45], 1, 32, False),
     ("kda", [1, 5, 64, 70], 1, 64, True),
     ("kda", [130], 2, 64, False),
     ("kda", [20, 1, 13], 2, 16, True),         # the KDA kernels with boundaries inside chunks
     ("kda", [1, 5, 64, 70], 2, 64, True),      # sub-chunks of the key gradient past a sequence's end
-    # exact_diag: `_fwd_diag_kda`'s sub-chunks past a sequence's end, and alone at chunks of 16
-    ("kda diag", [1, 5, 64, 70], 2, 64, True),
-    ("kda diag", [20, 1, 13], 2, 16, False),
 ])
 def test_packed_equals_each_sequence_alone(kind, lens, H, L, state):
-    from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig
-    kind, split, diag = kind.split()[0], kind.endswith("split"), kind.endswith("diag")
     xs, s0, ws = _inputs(kind, lens, H, 16, 16, state, seed=len(lens) * 7 + H)
     cu = _cu(lens)
-    got = _run(OPS[kind], xs, s0, ws, torch.float32, backend="triton", chunk_size=L, cu_seqlens=cu,
-               config=DPLRKernelConfig(split_dk=split, exact_diag=diag))
+    got = _run(OPS[kind], xs, s0, ws, torch.float32, backend="triton", chunk_size=L, cu_seqlens=cu)
     ref = _run(OPS[kind], xs, s0, ws, torch.float64, backend="torch", chunk_size=L, cu_seqlens=cu)
     assert got[1].shape == (len(lens), H, 16, 16)
     for name, x, y in zip(NAMES[kind], got, ref):

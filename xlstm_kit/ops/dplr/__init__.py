@@ -24,7 +24,8 @@ from .triton.config import DPLRKernelConfig  # no Triton needed to build one
 # log-decay −12, 2026-12-02) where the interpreter kept them. At −9 the factors reach e^{−72}
 # (2^{−104}; low parts ≥ 2^{−126} to a relative 2^{−22}). The floor changes a step's decay from
 # e^{gk} to at most e^{−9} ≈ 1.2e−4: the past survives such a step at most at that weight.
-# KDA with `exact_diag` forms no such factor and is not floored (kda_chunkwise).
+# (Exact diagonal blocks, which need no such factor and no floor, cost KDA 14 % of its time on
+# the H200: benchmarks/NOTES-dplr-issue20.md, session 12.)
 TRITON_LOG_DECAY_FLOOR = -9.0
 
 
@@ -128,9 +129,7 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     + β_t v_t k_tᵀ with α_t = exp(g_t).
 
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None;
-    config: as for `dplr_chunkwise` (also for g = −inf and the Triton floor of −9; with
-    `DPLRKernelConfig(exact_diag=True)` the Triton kernels take log-decays as they are, −inf
-    raised to −250 as on the PyTorch path).
+    config: as for `dplr_chunkwise` (also for g = −inf and the Triton floor of −9).
     cu_seqlens: as for `dplr_chunkwise` (initial_state and the final state then [N, H, K, V]).
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32/float64 or None).
     """
@@ -142,10 +141,7 @@ def kda_chunkwise(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     if choose_backend("kda_chunkwise", backend, q.device, inputs=(*seqs, initial_state),
                       K=q.shape[-1], V=v.shape[-1], chunk_size=chunk_size,
                       dtype=compute_dtype(*seqs)) == "triton":
-        # exact_diag: every decay factor of the kernels is e^{G_i − G_j} with i ≥ j (≤ 1), so only
-        # a closed gate (−inf, a NaN in those differences) is raised, as on the PyTorch path
-        exact = isinstance(config, DPLRKernelConfig) and config.exact_diag
-        g = floor_log_gate(g) if exact else floor_log_gate(g, TRITON_LOG_DECAY_FLOOR)
+        g = floor_log_gate(g, TRITON_LOG_DECAY_FLOOR)
         with on_device(q):
             return kernel_module("kda_chunkwise").kda_chunkwise_triton(
                 q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,

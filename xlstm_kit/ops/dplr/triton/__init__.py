@@ -26,11 +26,10 @@ holds the phase's PyTorch reference, `*_reference`, which its test compares the 
                               end state, δV2
     backward.py  _bwd_dv      parallel over (chunk, b·h): δv, GC = Eᵀ δC and the pair-matrix
                               gradients
-    backward.py  _bwd_dk      parallel over (chunk, K-tile, b·h): δq, δk, δa, δb and the gate
-                              gradient
-    dplr_dk.py   _bwd_dk_pairs, _bwd_dk_state   the same as two kernels (split_dk, untimed): the
-                              pair-matrix gradients on [16, 16] blocks per (sub-chunk, K-tile,
-                              chunk, b·h), then the rest per (chunk, b·h); kda_dk.py splits KDA's
+    dplr_dk.py   _bwd_dk_pairs, _bwd_dk_state   δq, δk, δa, δb and the gate gradient in two
+                              kernels: the pair-matrix gradients on [16, 16] blocks per
+                              (sub-chunk, K-tile, chunk, b·h), then the state side and the rest
+                              per (chunk, b·h); kda_dk.py splits KDA's the same way
   common.py      _mm (the low-precision product), _offs / _row (the one offset rule), SUB, and
                  the row masks of packed sequences
 Packed sequences (cu_seqlens): every kernel above takes the device-side chunk table of the mLSTM
@@ -43,9 +42,7 @@ to its own final state (chunkwise.py, common.py).
                  their autograd, dplr_chunkwise_triton, supports
   kda.py         the KDA-specialised kernels (a = k, b = β k, v ← β v): k, v, β read as given,
                  each distinct pair product once (A_qa = A_qk, A_ba = A_bk), U = β v + V2, the β
-                 gradient reduced in the kernels; `_fwd_wy` / `_fwd_state` take KDA as a flag;
-                 `_fwd_diag_kda` (exact_diag, untimed): the diagonal [16, 16] pair blocks per pair
-                 of steps, `_fwd_pairs_kda` then only the rows below each block
+                 gradient reduced in the kernels; `_fwd_wy` / `_fwd_state` take KDA as a flag
   kda_op.py      their launchers, the custom ops xlstm_kit::kda_chunkwise_fwd/_bwd,
                  kda_chunkwise_triton
   step.py        the decode step (xlstm_kit::dplr_step), a kernel of its own
@@ -62,18 +59,14 @@ per column sub-chunk J of S = 16 steps with a reference point inside the chunk:
                  e^{±88}; even the low parts of the 3-pass TF32 split stay normal numbers), and
                  the product is e^{G_r − G_i} ≤ 1 for every pair used. The entries above the
                  diagonal of the block (up to e^{80}·|xy|) are replaced by 0 with `where` and
-                 never reach a later sum. (Tested at −5; the factors stay finite to about −10.)
-                 KDA with exact_diag: these blocks entry by entry, Σ_k x_r y_i e^{G_r − G_i} with
-                 the exponent a float64 difference ≤ 0 — no G_mid, every forward factor ≤ 1 at any
-                 gate (tested at −20); the key gradient's diagonal blocks likewise
-                 (`_diag_exact`, kda_dk.py), so `kda_chunkwise` with exact_diag is not floored
-                 at −9 (untimed; the default still is).
+                 never reach a later sum. (Tested at −5; the factors stay finite to about −10;
+                 the public ops floor log-decays at −9, the package docstring says why.)
 Precision modes. Products run as 3-pass TF32 (≈ float32) except those whose results reach only
 bf16 outputs, in three groups decided by the dtypes of the outputs they reach (config.py,
 `for_dtypes`; `DPLRKernelConfig.lowp` = "tf32", the default, single-pass TF32 for them):
 "o" the three output products of _fwd_state (Q⊙e^G h, A_qk V, A_qa V2) when o (q's dtype) is
 bf16; "dv" the δv products of _bwd_dv when δv is; "dk" the pair-matrix gradients of _bwd_dv and
-all of _bwd_dk (δq, δk, δa, δb and δgk share every product there) when all of those are. A_qk
+all of the key gradient (δq, δk, δa, δb and δgk share every product there) when all of those are. A_qk
 (o and δv) and GC = Eᵀ δV2 (δv and dk) are low when both their groups are. So bf16 activations
 with a float32 gk (as models compute gates) keep the fast forward and δv while the float32 gate
 gradient gets float32-accurate products: its PyTorch reference error is float32-sized, and the

@@ -1,13 +1,13 @@
 """Phase 5 (the chunk-parallel part of the backward): `_bwd_dv` (V side: δv, GC and the
-pair-matrix gradients) and `_bwd_dk` (K side: δq, δk, δa, δb, δgk; `split_dk`: the two kernels
-of dplr_dk.py instead), and their PyTorch references."""
+pair-matrix gradients), the epilogue of the K side (δq, δk, δa, δb, δgk: `_dk_finish`, run by
+dplr_dk.py's kernels), and their PyTorch references."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_prog, _dk_state_side, _gate_grad, _ld, _mm, _offs, _ref_factors, _row, _st, _zeros4
+from .common import _chunk_prog, _gate_grad, _ld, _mm, _offs, _row, _st, _zeros4
 from .pairs import pairs_reference
 
 
@@ -64,24 +64,6 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
 
 
 @triton.jit
-def _pair_grad(dA, dX, y, x_off, x_in, below, inblk, fac, LO: tl.constexpr, PREC: tl.constexpr):
-    """One pair matrix's share of `_bwd_dk` in one [L, S] column block: δA (pointers, [L, S]) split
-    into the rows below the block (reference point G_end) and inside it (G_mid). x_off, x_in: the
-    x operand times its row factors; y: the y operand of the block's rows [S, BK]; fac: the factors
-    (fx_off, fx_in [L, BK], fy_off, fy_in [S, BK]). Returns dX + this matrix's δx [L, BK], and its
-    δy of the block's rows [S, BK]."""
-    fx_off, fx_in, fy_off, fy_in = fac
-    d = tl.load(dA)
-    d_off = tl.where(below[:, None], d, 0.0)
-    d_in = tl.where(inblk[:, None], d, 0.0)
-    dX += (fx_off * _mm(d_off, y * fy_off, LO, PREC)
-           + fx_in * _mm(d_in, y * fy_in, LO, PREC))
-    dy = (fy_off * _mm(tl.trans(d_off), x_off, LO, PREC)
-          + fy_in * _mm(tl.trans(d_in), x_in, LO, PREC))
-    return dX, dy
-
-
-@triton.jit
 def _ld_qkab(q, k, a, b, p, m, scale, VARLEN: tl.constexpr):
     """The float32 tiles q·scale, k, a, b at the chunk-layout offsets p (rows masked by m)."""
     return (_ld(q + p, m, VARLEN).to(tl.float32) * scale, _ld(k + p, m, VARLEN).to(tl.float32),
@@ -101,69 +83,6 @@ def _dk_finish(dq, dk, da, db, dg, p, m, qs, kx, ax, bx, dXq, dXb, dYk, dYa, dKd
     up = qs * dXq + bx * dXb - kx * dYk - ax * dYa + (qs * eG) * dQg + (bx * eG) * GW
     down = kx * dec * dKd + ax * dec * dAd
     _st(dg + p, _gate_grad(up, down, eGl, hdh), m, VARLEN)
-
-
-@triton.jit
-def _bwd_dk(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dAqk, dAqa, dAbk, dAba, dqk_d, dqa_d,
-            dq, dk, da, db, dg, scale, Tp, NC,
-            K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
-            BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, tab=None,
-            VARLEN: tl.constexpr = False):
-    """Backward, K side of one (chunk, K-tile): δq, δk, δa, δb and δgk for BK channels (every
-    term is channel-wise in K once the pair-matrix gradients are known). Seed §三 with the
-    notes' typos fixed; same formulas and gate-gradient grouping as chunkwise.py.
-    tab: the varlen chunk table with VARLEN (common.py)."""
-    NB: tl.constexpr = L // S
-    n = tl.program_id(0)
-    kt = tl.program_id(1)
-    bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(2), L, VARLEN)
-    if seq < 0:
-        return
-    kr = kt * BK + tl.arange(0, BK)
-    pk = _offs(bh, t0, rows, kr, Tp, K)
-    # GW: Eᵀ δW = −GC hᵀ = δB←; T, H only serve the caller's layout (SEQ), off here
-    Gc, eG, dec, eGl, dKd, dAd, dQg, GW, hdh = _dk_state_side(
-        G, v, V2, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr, Tp, NC, Tp, 1, K, V, L, BK, BV, PREC,
-        LO, VARLEN, False, True)
-    qs, kx, ax, bx = _ld_qkab(q, k, a, b, pk, m, scale, VARLEN)
-    dXq, dXb, dYk, dYa = _zeros4(L, BK)
-    cols = tl.arange(0, S)
-    # Pair matrices, column sub-chunk by sub-chunk with the forward's reference points (package
-    # docstring): rows below J use G_end(J), rows inside J use G_mid(J); δA is read one [L, S]
-    # column block at a time and split by rows, which keeps the e^{80}-sized right factors away
-    # from rows where they are not cancelled. δY of the rows of J is complete after block J; it
-    # is placed into the [L, BK] accumulator by a product with the 0/1 matrix P[r, s] = (r = j0+s)
-    # (registers cannot be sliced).
-    for jb in range(0, NB):
-        j0 = jb * S
-        ci = j0 + cols
-        py = _offs(bh, t0, ci, kr, Tp, K)                                     # [S, BK]
-        pd = _offs(bh * NC + n, 0, rows, ci, L, L)                            # [L, S]
-        below = rows >= j0 + S
-        inblk = (rows >= j0) & (rows < j0 + S)
-        fac = _ref_factors(G, Gc, py, bh, t0, j0, kr, below, inblk, nv, Tp, K, S, VARLEN)
-        fx_off, fx_in, fy_off, fy_in = fac
-        my = (ci < nv)[:, None]
-        yk = _ld(k + py, my, VARLEN).to(tl.float32)
-        ya = _ld(a + py, my, VARLEN).to(tl.float32)
-        xq_off = qs * fx_off
-        xq_in = qs * fx_in
-        xb_off = bx * fx_off
-        xb_in = bx * fx_in
-        place = tl.where(rows[:, None] == ci[None, :], 1.0, 0.0)               # [L, S]
-        # x = q: δA_qk (y = k) and δA_qa (y = a); x = b: δA_bk and δA_ba
-        dXq, ck = _pair_grad(dAqk + pd, dXq, yk, xq_off, xq_in, below, inblk, fac, LO, PREC)
-        dXq, ca = _pair_grad(dAqa + pd, dXq, ya, xq_off, xq_in, below, inblk, fac, LO, PREC)
-        dXb, ck_b = _pair_grad(dAbk + pd, dXb, yk, xb_off, xb_in, below, inblk, fac, LO, PREC)
-        ck += ck_b
-        dXb, ca_b = _pair_grad(dAba + pd, dXb, ya, xb_off, xb_in, below, inblk, fac, LO, PREC)
-        ca += ca_b
-        dYk += _mm(place, ck, LO, PREC)
-        dYa += _mm(place, ca, LO, PREC)
-    dqk = _ld(dqk_d + _row(bh, t0, rows, Tp, 1), m1, VARLEN)
-    dqa = _ld(dqa_d + _row(bh, t0, rows, Tp, 1), m1, VARLEN)
-    _dk_finish(dq, dk, da, db, dg, pk, m, qs, kx, ax, bx, dXq, dXb, dYk, dYa, dKd, dAd, dQg, GW,
-               eG, dec, eGl, hdh, dqk, dqa, scale, VARLEN)
 
 
 def bwd_dv_reference(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, L: int):
@@ -201,7 +120,7 @@ def chunk_operands_reference(q, k, a, b, gk, scale: float, L: int):
 
 
 def bwd_dk_reference(q, k, v, a, b, gk, V2, Hs, dO, dH, GC, dA, dqk_d, dqa_d, scale: float, L: int):
-    """`_bwd_dk` as a vector-Jacobian product of `chunk_operands_reference` (float64 autograd):
+    """The key gradient (dplr_dk.py) as a vector-Jacobian product of `chunk_operands_reference` (float64 autograd):
     the cotangents are the pair-matrix gradients of `_bwd_dv` (dA: dAqk, dAqa, dAbk, dAba, plus
     the diagonals dqk_d, dqa_d) and, per chunk with h entering and δh' leaving it, δQg = δO hᵀ,
     δKd = V δh'ᵀ, δAd = V2 δh'ᵀ, δBg = −GC hᵀ, δeGl = diag(h δh'ᵀ).

@@ -21,7 +21,7 @@ from ..._checks import check_tensor
 from ...backend import interpreting
 from ...mlstm.triton.varlen import chunk_table, num_chunks
 from ..naive import check_chunk, check_dplr_inputs, check_scale
-from .backward import _bwd_dk, _bwd_dv
+from .backward import _bwd_dv
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
 from .dplr_dk import _bwd_dk_pairs, _bwd_dk_state
@@ -191,20 +191,16 @@ def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eG
                           K=K, V=V, L=L, BK=c.dv_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
                           LV=c.lo_dv, LG=c.lo_gc,
                           num_warps=c.dv_warps, num_stages=_STAGES, **vl)
-        if c.split_dk:
-            dXq, dXb, dYk, dYa = (new(BH, Tp, K) for _ in range(4))
-            _bwd_dk_pairs[(NC * (L // SUB), K // c.dk_bk, BH)](
-                qc, kc, ac, bc, G, *dA, dXq, dXb, dYk, dYa, scale, Tp, NC, K=K, L=L, S=SUB, BK=c.dk_bk,
-                PREC=c.prec, LO=c.lo_dk, num_warps=c.dkp_warps, num_stages=_STAGES, **vl)
-            _bwd_dk_state[(NC, BH)](qc, kc, vc, ac, bc, G, V2, Hs, dO, dH, GC, dXq, dXb, dYk, dYa,
-                                    dqk_d, dqa_d, dq, dk, da, db, dg, scale, Tp, NC, K=K, V=V, L=L,
-                                    BK=c.dk_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
-                                    num_warps=c.dk_warps, num_stages=_STAGES, **vl)
-        else:
-            _bwd_dk[(NC, K // c.dk_bk, BH)](qc, kc, vc, ac, bc, G, V2, Hs, dO, dH, GC, *dA, dqk_d,
-                                            dqa_d, dq, dk, da, db, dg, scale, Tp, NC, K=K, V=V, L=L,
-                                            S=SUB, BK=c.dk_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
-                                            num_warps=c.dk_warps, num_stages=_STAGES, **vl)
+        # the key gradient in two kernels (dplr_dk.py): pair-matrix gradients on [16, 16] blocks,
+        # then the state side and the epilogue per chunk
+        dXq, dXb, dYk, dYa = (new(BH, Tp, K) for _ in range(4))
+        _bwd_dk_pairs[(NC * (L // SUB), K // c.dk_bk, BH)](
+            qc, kc, ac, bc, G, *dA, dXq, dXb, dYk, dYa, scale, Tp, NC, K=K, L=L, S=SUB, BK=c.dk_bk,
+            PREC=c.prec, LO=c.lo_dk, num_warps=c.dkp_warps, num_stages=_STAGES, **vl)
+        _bwd_dk_state[(NC, BH)](qc, kc, vc, ac, bc, G, V2, Hs, dO, dH, GC, dXq, dXb, dYk, dYa,
+                                dqk_d, dqa_d, dq, dk, da, db, dg, scale, Tp, NC, K=K, V=V, L=L,
+                                BK=c.dk_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
+                                num_warps=c.dk_warps, num_stages=_STAGES, **vl)
     grads = tuple(_seq_layout(g, B, H, T) for g in (dq, dk, dv, da, db, dg))
     dh0 = dh0.new_empty(0) if h0_dtype is None else dh0.view(S // H, H, K, V).to(h0_dtype)
     return (*grads, dh0)

@@ -241,18 +241,6 @@ def _earlier_refs(G, Gi, bh, t0, j0, kk, nv, Tp, K, S: tl.constexpr, VARLEN: tl.
 
 
 @triton.jit
-def _step_pair(k, G, Gi, bh, t0, j0, j, sr, kk, nv, Tp, T, H, K, VARLEN: tl.constexpr):
-    """Step j0 + j against the S rows j0 + sr of its diagonal block (`exact_diag`): (k of that
-    step [1, BK] and the factors e^{Gi − G_j} [S, BK], Gi their float64 G). The difference is taken
-    in float64 and is ≤ 0 for rows at or after the step; above the diagonal it is set to −inf,
-    where G_i − G_j ≥ 0 could overflow at steep gates."""
-    one = tl.arange(0, 1)
-    Gj = tl.load(G + _offs(bh, t0, _last(j0 + j + one, nv, VARLEN), kk, Tp, K))
-    kj = _x_ld(k, bh, t0 + j0 + j, one, kk, nv - j0 - j, T, H, K).to(tl.float32)
-    return kj, tl.exp(tl.where(sr[:, None] >= j, Gi - Gj, float("-inf")).to(tl.float32))
-
-
-@triton.jit
 def _dk_state_side(G, U, V2, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr, Tp, NC, T, H,
                    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, VARLEN: tl.constexpr,

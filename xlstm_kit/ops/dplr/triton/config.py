@@ -22,8 +22,8 @@ LOWP_MODES = {"off": 0, "tf32": 1, "bf16": 2, "fp16": 3}
 
 # The groups of low-precision products, named by the outputs they reach (package docstring,
 # "Precision modes"): "o" the output's products in `_fwd_state`; "dv" the δv products of
-# `_bwd_dv`; "dk" the products of δq, δk, δa, δb and the gate gradient δgk (`_bwd_dk`, and the
-# pair-matrix gradients of `_bwd_dv` they are built from). A product shared by two groups (A_qk:
+# `_bwd_dv`; "dk" the products of δq, δk, δa, δb and the gate gradient δgk (the key gradient's
+# kernels, and the pair-matrix gradients of `_bwd_dv` they are built from). A product shared by two groups (A_qk:
 # o and δv; GC = Eᵀ δV2: δv and dk) is low only when both are.
 LOWP_GROUPS = ("o", "dv", "dk")
 
@@ -45,25 +45,11 @@ class DPLRKernelConfig(KernelConfig):
     pairs_block_k, pairs_warps: K-step and warps of `_fwd_pairs` (warps None: 8 at chunk ≤ 32,
         else 4).
     wy_block_k, wy_block_v, wy_warps: K-step, V-step and warps of `_fwd_wy`.
-    bwd_block_v: V-step of `_bwd_dv` and `_bwd_dk`, at least 32 (16 faulted on the H200: an
+    bwd_block_v: V-step of `_bwd_dv` and `_bwd_dk_state`, at least 32 (16 faulted on the H200: an
         illegal memory access, DPLR and KDA at K = V = 128, Triton 3.6); dv_block_k, dv_warps: K-step and warps of
-        `_bwd_dv`; dk_block_k, dk_warps: K-tile (one program each) and warps of `_bwd_dk`
-        (dk_block_k None: 64 at chunk ≤ 32, else 32 — ptxas at chunk 32: 64 spills 124 B per
-        thread, 32 spills 2.2 KB). KDA's key gradient (kda_dk.py) takes dk_block_k as the K-tile
-        of both its kernels and dk_warps as the warps of the second, `_bwd_dk_state_kda`.
-    split_dk: the general op's `_bwd_dk` as two kernels (dplr_dk.py); not the default until timed
-        on the GPU. As KDA's key gradient: the four pair-matrix gradients on [16, 16] blocks,
-        triangular, over (16-row sub-chunk, K-tile, chunk, b·h) on 4 warps into float32 scratch,
-        then the state-side products, δq, δk, δa, δb and δgk per (chunk, b·h) with the K-tiles
-        in a loop (dk_block_k the K-tile of both, dk_warps the warps of the second). Same
-        products, precision groups and gate-gradient sums. The KDA op ignores it (always split).
-    exact_diag: KDA only; not the default until timed on the GPU. The diagonal [16, 16] blocks of
-        A_qk and A_bk computed per pair of steps by `_fwd_diag_kda` (kda.py; no tensor cores,
-        every decay factor e^{G_i − G_j} ≤ 1, no reference point), `_fwd_pairs_kda` keeping only
-        the rows below each block (one product per matrix and K-step instead of two), and the
-        key gradient's diagonal blocks likewise (`_diag_exact`, kda_dk.py): no factor above 1,
-        so `kda_chunkwise` then skips the −9 log-decay floor. The general op ignores it.
-        diag_block_k: the K-step of `_fwd_diag_kda`.
+        `_bwd_dv`; dk_block_k, dk_warps: the key gradient's two kernels (dplr_dk.py, kda_dk.py):
+        the K-tile of both (dk_block_k None: 64 at chunk ≤ 32, else 32) and the warps of the
+        second, `_bwd_dk_state` / `_bwd_dk_state_kda`.
     Every block is a power of two ≥ 16 (capped at K or V); warps are 4 or 8.
     """
     lowp: str = "tf32"
@@ -80,9 +66,6 @@ class DPLRKernelConfig(KernelConfig):
     dv_warps: int = 4
     dk_block_k: int | None = None
     dk_warps: int = 4
-    split_dk: bool = False
-    exact_diag: bool = False
-    diag_block_k: int = 32
 
     def __post_init__(self):
         if self.lowp not in LOWP_MODES:
@@ -92,9 +75,6 @@ class DPLRKernelConfig(KernelConfig):
         if any(p not in LOWP_GROUPS for p in parts) or parts != [g for g in LOWP_GROUPS if g in parts]:
             raise ValueError("DPLRKernelConfig.lowp_outputs must list groups of "
                              f"{','.join(LOWP_GROUPS)} in that order, comma-separated, got {self.lowp_outputs!r}")
-        for name in ("split_dk", "exact_diag"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"DPLRKernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_warps") and value is not None and value not in (4, 8):
@@ -128,7 +108,7 @@ class Launch(NamedTuple):
     lo_qk: int             # A_qk (reaches o and δv),
     lo_dv: int             # the δv products of `_bwd_dv`,
     lo_gc: int             # GC = Eᵀ δV2 (reaches δv and the dk group),
-    lo_dk: int             # the pair-matrix gradients of `_bwd_dv` and all of `_bwd_dk`
+    lo_dk: int             # the pair-matrix gradients of `_bwd_dv` and the key gradient's kernels
     state_bv: int
     state_warps: int
     pairs_bk: int
@@ -141,10 +121,7 @@ class Launch(NamedTuple):
     dv_warps: int
     dk_bk: int
     dk_warps: int
-    dkp_warps: int         # warps of `_bwd_dk_pairs_kda` (KDA) and `_bwd_dk_pairs` (split_dk)
-    split_dk: bool         # general op: `_bwd_dk_pairs` + `_bwd_dk_state` instead of `_bwd_dk`
-    exact_diag: bool       # KDA: the diagonal pair blocks by `_fwd_diag_kda`
-    diag_bk: int           # its K-step
+    dkp_warps: int         # warps of `_bwd_dk_pairs_kda` (KDA) and `_bwd_dk_pairs`
 
 
 @functools.lru_cache(maxsize=256)
@@ -176,6 +153,4 @@ def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool
         # one [16, BK] tile per program: ptxas (sm_90a, K = 128, L = 64) gives 126 registers at
         # BK 32 on 4 warps (128 with the helpers shared with dplr_dk.py; the general op's
         # `_bwd_dk_pairs` 163, no spills), 240 on 2, and spills on 1; 4 warps at every tile
-        dkp_warps=4, split_dk=config.split_dk,
-        # diag K-step 32: 80 registers on 4 warps, 168 at 64 (ptxas; untimed, NOTES-dplr-issue20.md)
-        exact_diag=config.exact_diag, diag_bk=min(K, config.diag_block_k))
+        dkp_warps=4)

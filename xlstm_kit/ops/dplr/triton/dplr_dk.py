@@ -1,21 +1,20 @@
-"""The general op's key gradient (δq, δk, δa, δb, δgk) in two kernels, as kda_dk.py splits KDA's
-(`DPLRKernelConfig.split_dk`; `_bwd_dk` in backward.py stays the default until timed on the GPU),
-with the epilogue of `_bwd_dk` (backward.py).
+"""The general op's key gradient (δq, δk, δa, δb, δgk) in two kernels, as kda_dk.py splits KDA's,
+with the epilogue `_dk_finish` (backward.py). It replaced one kernel per (chunk, K-tile),
+`_bwd_dk`: DPLR fwd+bwd 11.65 → 10.81 ms (bf16 gk), 15.14 → 12.55 (float32 gk) at
+(8, 2048, 16, 128, 128), H200 (benchmarks/NOTES-dplr-issue20.md, session 12).
 
 `_bwd_dk_pairs`, grid (chunk × L/S sub-chunks, K-tile, b·h): the four pair matrices' gradients
 (δA_qk, δA_qa, δA_bk, δA_ba: x ∈ {q·scale, b} by row, y ∈ {k, a} by column) for the S rows of
 one sub-chunk i on [S, S] blocks — δx of its rows from the earlier blocks j < i (reference
-point: block j's last row, `_bwd_dk`'s "below" rows), δy of its columns from the later blocks
-r > i (reference: block i's last row), the diagonal block with its middle reference point
-(`_bwd_dk`'s "inside" rows). The δA are stored strictly lower (their diagonals, dqk_d and dqa_d,
-apart), so the diagonal block needs no mask. It writes the partial gradients δX_q, δX_b, δY_k,
+point: block j's last row), δy of its columns from the later blocks r > i (reference: block i's
+last row), the diagonal block with its middle reference point. The δA are stored strictly lower
+(their diagonals, dqk_d and dqa_d, apart), so the diagonal block needs no mask. It writes the partial gradients δX_q, δX_b, δY_k,
 δY_a [BH, Tp, K] (float32 scratch): δq, δk, δa, δb and δgk need the state-side terms and the
 gate gradient's cumsums over the whole chunk.
 
 `_bwd_dk_state`, grid (chunk, b·h), the K-tiles in a loop: the state-side products (V δh'ᵀ,
 V2 δh'ᵀ, δO hᵀ, −GC hᵀ, h·δh'; `_dk_state_side`), then `_dk_finish` on all L rows of the chunk:
-the outputs and δgk with `_bwd_dk`'s float32 sums and gate-gradient grouping (only the order of
-the pair terms inside δX, δY differs).
+the outputs and δgk with float32 sums and the gate-gradient grouping of chunkwise.py.
 """
 from __future__ import annotations
 

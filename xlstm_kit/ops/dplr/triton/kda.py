@@ -12,11 +12,6 @@ and in the backward the gradients of the coinciding matrices are summed before t
 is reduced inside the kernels: δβ = Σ_v δ(βv)·v (`_bwd_dv_kda`, all of V in one program) +
 Σ_k δ(βk)·k (`_bwd_dk_state_kda`, kda_dk.py: the key gradient's kernels).
 
-With `exact_diag` (config.py; untimed) the diagonal [16, 16] blocks of A_qk and A_bk come from
-`_fwd_diag_kda`, entry by entry with factors e^{G_i − G_j} ≤ 1 (no tensor cores, no reference
-point), and `_fwd_pairs_kda` (DIAG False) keeps one product per matrix and K-step: the rows below
-each block; the key gradient's diagonal blocks come from `_diag_exact` (kda_dk.py) the same way.
-
 `_fwd_wy` and `_fwd_state` (wy.py, state.py) take the KDA case as a constexpr flag (their work
 differs in two loads and one product); `_bwd_state` runs with Kd for Ad and A_qk for A_qa. A_qk feeds the state path here (as A_qa), so it is built at float32 accuracy, not LO.
 
@@ -28,19 +23,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (_chunk_prog, _last, _ld, _mm, _offs, _pair_block, _ref_factors, _row, _st, _step_pair,
-                     _x_ld, _x_ld1, _x_st)
+from .common import (_chunk_prog, _last, _ld, _mm, _offs, _pair_block, _ref_factors, _row, _st, _x_ld,
+                     _x_ld1, _x_st)
 
 
 @triton.jit
 def _fwd_pairs_kda(q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H,
                    K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
-                   PREC: tl.constexpr, tab=None, VARLEN: tl.constexpr = False, DIAG: tl.constexpr = True):
+                   PREC: tl.constexpr, tab=None, VARLEN: tl.constexpr = False):
     """One [L, S] column block of A_qk (= A_qa) and A_bk (= A_ba = Diag(β) A_kk) of one chunk;
     `_fwd_pairs` with two products instead of four. q, k: [B, T, H, K]; beta: [B, T, H];
-    Aqk, Abk: [BH, NC, L, L] float32. DIAG False (`exact_diag`): the block's own S rows are left
-    to `_fwd_diag_kda` — no mid-point products, and only the rows above (zeros) and below it
-    are stored, so the two kernels write disjoint entries and may run in either order."""
+    Aqk, Abk: [BH, NC, L, L] float32."""
     n, j0, bh, seq, t0, nv, rows, cols, _, _, below, inblk = _pair_block(tab, L, S, VARLEN)
     if seq < 0:
         return
@@ -56,61 +49,16 @@ def _fwd_pairs_kda(q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H,
         xk = _x_ld(k, bh, t0, rows, kk, nv, T, H, K).to(tl.float32)
         yk = _x_ld(k, bh, t0 + j0, cols, kk, nv - j0, T, H, K).to(tl.float32)
         y_off = tl.trans(yk * fy_off)
-        if DIAG:    # the default's sums as they were (bit-identical results)
-            y_in = tl.trans(yk * fy_in)
-            acc_qk += tl.dot(xq * fx_off, y_off, input_precision=PREC) + tl.dot(xq * fx_in, y_in, input_precision=PREC)
-            acc_kk += tl.dot(xk * fx_off, y_off, input_precision=PREC) + tl.dot(xk * fx_in, y_in, input_precision=PREC)
-        else:
-            acc_qk += tl.dot(xq * fx_off, y_off, input_precision=PREC)
-            acc_kk += tl.dot(xk * fx_off, y_off, input_precision=PREC)
+        y_in = tl.trans(yk * fy_in)
+        acc_qk += tl.dot(xq * fx_off, y_off, input_precision=PREC) + tl.dot(xq * fx_in, y_in, input_precision=PREC)
+        acc_kk += tl.dot(xk * fx_off, y_off, input_precision=PREC) + tl.dot(xk * fx_in, y_in, input_precision=PREC)
     bt = _x_ld1(beta, bh, t0, rows, nv, T, H).to(tl.float32)
     ci = j0 + cols
     pa = _offs(bh * NC + n, 0, rows, ci, L, L)
     out_qk = tl.where(ci[None, :] <= rows[:, None], acc_qk, 0.0)
     out_bk = tl.where(ci[None, :] < rows[:, None], acc_kk * bt[:, None], 0.0)
-    if DIAG:
-        tl.store(Aqk + pa, out_qk)
-        tl.store(Abk + pa, out_bk)
-    else:
-        tl.store(Aqk + pa, out_qk, mask=~inblk[:, None])
-        tl.store(Abk + pa, out_bk, mask=~inblk[:, None])
-
-
-@triton.jit
-def _fwd_diag_kda(q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H,
-                  K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
-                  tab=None, VARLEN: tl.constexpr = False):
-    """The diagonal [S, S] block of sub-chunk j0 … j0 + S − 1 of A_qk and A_bk of one chunk
-    (`exact_diag`; grid: chunk × L/S sub-chunks, b·h), per pair of steps without products:
-        A_qk[i, j] = scale Σ_k q_i[k] k_j[k] e^{G_i[k] − G_j[k]}   (j ≤ i)
-        A_bk[i, j] = β_i Σ_k k_i[k] k_j[k] e^{G_i[k] − G_j[k]}     (j < i)
-    and zeros above (and on A_bk's diagonal). The exponent is a float64 difference ≤ 0, so each
-    factor is ≤ 1 at any gate (no reference point: `_fwd_pairs_kda` with DIAG False does the
-    rest). One program per sub-chunk rather than per step: its q, k, G tiles [S, BK] are read
-    once and the S columns j taken in turn from one row each, a step per program would read
-    the sub-chunk's k and float64 G S times. q, k: [B, T, H, K]; beta: [B, T, H]; G: [BH, Tp, K]
-    float64; Aqk, Abk: [BH, NC, L, L] float32. Rows and columns past the sequence's end (or T)
-    are zeros, as `_fwd_pairs_kda` stores them."""
-    n, j0, bh, seq, t0, nv, _, sr, _, _, _, _ = _pair_block(tab, L, S, VARLEN)
-    if seq < 0:
-        return
-    acc_qk = tl.zeros([S, S], dtype=tl.float32)
-    acc_kk = tl.zeros([S, S], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        Gi = tl.load(G + _offs(bh, t0, _last(j0 + sr, nv, VARLEN), kk, Tp, K))
-        xq = _x_ld(q, bh, t0 + j0, sr, kk, nv - j0, T, H, K).to(tl.float32) * scale
-        xk = _x_ld(k, bh, t0 + j0, sr, kk, nv - j0, T, H, K).to(tl.float32)
-        for j in range(S):
-            yk, e = _step_pair(k, G, Gi, bh, t0, j0, j, sr, kk, nv, Tp, T, H, K, VARLEN)  # column j
-            ye = yk * e
-            col = sr[None, :] == j
-            acc_qk += tl.where(col, tl.sum(xq * ye, axis=1)[:, None], 0.0)
-            acc_kk += tl.where(col, tl.sum(xk * ye, axis=1)[:, None], 0.0)
-    bt = _x_ld1(beta, bh, t0 + j0, sr, nv - j0, T, H).to(tl.float32)
-    pa = _offs(bh * NC + n, 0, j0 + sr, j0 + sr, L, L)
-    tl.store(Aqk + pa, acc_qk)
-    tl.store(Abk + pa, tl.where(sr[None, :] < sr[:, None], acc_kk * bt[:, None], 0.0))
+    tl.store(Aqk + pa, out_qk)
+    tl.store(Abk + pa, out_bk)
 
 
 @triton.jit

@@ -1,21 +1,20 @@
 """The KDA key gradient (δq, δk, δg and δβ's k part) in two kernels (NOTES-dplr-issue20.md, "Issue 20
 ... design study", step 1; it replaced one kernel per (chunk, K-tile), `_bwd_dk_kda`, 11.04 →
 10.14 ms fwd+bwd at (8, 2048, 16, 128, 128), bf16, H200): the terms and gate-gradient grouping of
-the general `_bwd_dk`, arranged so that no program runs full-height masked pair products and no
+the general op's (dplr_dk.py), arranged so that no program runs full-height masked pair products and no
 K-tile re-reads the V side in a program of its own.
 
 `_bwd_dk_pairs_kda`, grid (chunk × L/S sub-chunks, K-tile, b·h): the pair-matrix gradients of one
 16-row sub-chunk i on [S, S] blocks — δx of its rows from the earlier blocks j < i (reference
-point: block j's last row, as `_bwd_dk`'s "below" rows) and δy of its columns from the later
+point: block j's last row, as dplr_dk.py's) and δy of its columns from the later
 blocks r > i (reference: block i's last row), the diagonal block with its middle reference
-point (with `exact_diag`: per pair of steps instead, `_diag_exact`, every factor e^{G_i − G_j}
-≤ 1). δA_q, δA_b are strictly lower, so the diagonal block needs no mask. It writes the three
+point. δA_q, δA_b are strictly lower, so the diagonal block needs no mask. It writes the three
 partial gradients δX_q, δX_b, δY [BH, Tp, K] (float32 scratch) rather than finishing δq, δk, δg:
 those need the state-side terms and the gate gradient's cumsums over the whole chunk.
 
 `_bwd_dk_state_kda`, grid (chunk, b·h), the K-tiles in a loop: the state-side products δO hᵀ,
 U δh'ᵀ, GC hᵀ and h·δh', then δq, δk, δ(βk), and δg with its two cumsums over all L rows of the
-chunk in one program — the float32 sums in `_bwd_dk`'s order — and the β
+chunk in one program — the float32 sums in `_dk_finish`'s order — and the β
 gradient's k part summed over the K-tiles (dbk [BH, 1, Tp]). At a K-tile of K the V side (U, GC,
 δO) is read once per chunk; at smaller tiles it is re-read by the same program (cache-hot).
 """
@@ -25,44 +24,16 @@ import triton
 import triton.language as tl
 
 from .common import (_chunk_prog, _dk_state_side, _earlier_refs, _gate_grad, _last, _ld, _mm, _offs,
-                     _row, _st, _step_pair, _sub_block, _sub_refs, _x_ld, _x_ld1, _x_st)
-
-
-@triton.jit
-def _diag_exact(k, G, dAq, dAb, Gi, qi, bi, bh, n, t0, i0, nv, sr, ri, kr, Tp, NC, T, H,
-                K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, VARLEN: tl.constexpr):
-    """The diagonal block's δX_q, δX_b, δY [S, BK] of `_bwd_dk_pairs_kda` per pair of steps, as
-    `_fwd_diag_kda` builds A_qk, A_bk (`exact_diag`): with e_ij = e^{G_i − G_j} (j ≤ i, ≤ 1 at any
-    gate; no tensor cores)
-        δX_q[i] = Σ_j δA_q[i, j] e_ij k_j,   δX_b[i] = Σ_j δA_b[i, j] e_ij k_j,
-        δY[j] = Σ_i (δA_q[i, j] x_q,i + δA_b[i, j] x_b,i) e_ij
-    (products per channel). Gi [S, BK]: G of the rows ri = i0 + sr (float64); qi, bi [S, BK]:
-    scale·q and β k of those rows."""
-    dxq = tl.zeros_like(qi)
-    dxb = tl.zeros_like(qi)
-    dy = tl.zeros_like(qi)
-    for j in range(S):
-        kj, e = _step_pair(k, G, Gi, bh, t0, i0, j, sr, kr, nv, Tp, T, H, K, VARLEN)
-        pc = _offs(bh * NC + n, 0, ri, i0 + j + tl.arange(0, 1), L, L)
-        aq = tl.load(dAq + pc)
-        ab = tl.load(dAb + pc)
-        ek = e * kj
-        dxq += aq * ek
-        dxb += ab * ek
-        dyj = tl.sum((aq * qi + ab * bi) * e, axis=0)
-        dy += tl.where(sr[:, None] == j, dyj[None, :], 0.0)
-    return dxq, dxb, dy
+                     _row, _st, _sub_block, _sub_refs, _x_ld, _x_ld1, _x_st)
 
 
 @triton.jit
 def _bwd_dk_pairs_kda(q, k, beta, G, dAq, dAb, dXq, dXb, dY, scale, Tp, NC, T, H,
                       K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
-                      PREC: tl.constexpr, LO: tl.constexpr, tab=None, VARLEN: tl.constexpr = False,
-                      DIAG_EXACT: tl.constexpr = False):
+                      PREC: tl.constexpr, LO: tl.constexpr, tab=None, VARLEN: tl.constexpr = False):
     """δX_q = (δA_q ⊙ decay) k, δX_b = (δA_b ⊙ decay) k (x = q·scale and β k) and δY = (δA_q ⊙
     decay)ᵀ q + (δA_b ⊙ decay)ᵀ β k for the S rows of one sub-chunk and BK channels.
-    q, k: [B, T, H, K]; beta: [B, T, H]; dAq, dAb: [BH, NC, L, L]; dXq, dXb, dY: [BH, Tp, K].
-    DIAG_EXACT (`exact_diag`): the diagonal block by `_diag_exact`, without the middle reference."""
+    q, k: [B, T, H, K]; beta: [B, T, H]; dAq, dAb: [BH, NC, L, L]; dXq, dXb, dY: [BH, Tp, K]."""
     NB: tl.constexpr = L // S
     n, i, bh, seq, t0, nv, sr, ri, kr = _sub_block(tab, L, S, BK, VARLEN)
     if seq < 0:
@@ -72,18 +43,14 @@ def _bwd_dk_pairs_kda(q, k, beta, G, dAq, dAb, dXq, dXb, dY, scale, Tp, NC, T, H
     qi = _x_ld(q, bh, t0, ri, kr, nv, T, H, K).to(tl.float32) * scale
     ki = _x_ld(k, bh, t0, ri, kr, nv, T, H, K).to(tl.float32)
     bi = ki * _x_ld1(beta, bh, t0, ri, nv, T, H).to(tl.float32)[:, None]
-    if DIAG_EXACT:
-        dxq, dxb, dy = _diag_exact(k, G, dAq, dAb, Gi, qi, bi, bh, n, t0, i0, nv, sr, ri, kr, Tp, NC, T,
-                                   H, K, L, S, VARLEN)
-    else:
-        # the diagonal block, both sides referenced at its middle row (`_bwd_dk`'s "inside" rows)
-        pd = _offs(bh * NC + n, 0, ri, ri, L, L)
-        aq = tl.load(dAq + pd)
-        ab = tl.load(dAb + pd)
-        y = ki * fy
-        dxq = fx * _mm(aq, y, LO, PREC)
-        dxb = fx * _mm(ab, y, LO, PREC)
-        dy = fy * (_mm(tl.trans(aq), qi * fx, LO, PREC) + _mm(tl.trans(ab), bi * fx, LO, PREC))
+    # the diagonal block, both sides referenced at its middle row
+    pd = _offs(bh * NC + n, 0, ri, ri, L, L)
+    aq = tl.load(dAq + pd)
+    ab = tl.load(dAb + pd)
+    y = ki * fy
+    dxq = fx * _mm(aq, y, LO, PREC)
+    dxb = fx * _mm(ab, y, LO, PREC)
+    dy = fy * (_mm(tl.trans(aq), qi * fx, LO, PREC) + _mm(tl.trans(ab), bi * fx, LO, PREC))
     for j in range(0, i):           # earlier blocks: this sub-chunk's rows lie below them
         j0 = j * S
         cj = j0 + sr
@@ -142,7 +109,7 @@ def _bwd_dk_state_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dXq, dXb, dY, dqd, dq, 
         _x_st(dq, (dQg * eG + dXq_ + d[:, None] * kx) * scale, bh, t0, rows, kr, nv, T, H, K)
         _x_st(dk, dKU * dec + dY_ + d[:, None] * qs + bt[:, None] * db, bh, t0, rows, kr, nv, T, H, K)
         dbs += tl.sum(db * kx, axis=1)
-        # gate gradient grouped as in `_bwd_dk` (a = k and b = β k merged)
+        # gate gradient grouped as in `_dk_finish` (a = k and b = β k merged)
         up = qs * dXq_ + bx * dXb_ - kx * dY_ + (qs * eG) * dQg + (bx * eG) * GW
         _x_st(dg, _gate_grad(up, kx * dec * dKU, eGl, hdh), bh, t0, rows, kr, nv, T, H, K)
     _st(dbk + _row(bh, t0, rows, Tp, 1), dbs, m1, VARLEN)

@@ -17,7 +17,7 @@ from .chunkwise import (_STAGES, _bwd_prologue, _check, _check_packed, _config_k
 from .chunkwise import supports
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
-from .kda import _bwd_dv_kda, _fwd_diag_kda, _fwd_pairs_kda
+from .kda import _bwd_dv_kda, _fwd_pairs_kda
 from .kda_dk import _bwd_dk_pairs_kda, _bwd_dk_state_kda
 from .state import _bwd_state, _fwd_state
 from .wy import _fwd_wy
@@ -55,14 +55,8 @@ def _forward(q, k, v, g, beta, h0, scale: float, L: int, config: str, cu_seqlens
         sa = dict(_seq_args(vl, sinfo, H), **io)
         grid = (NC * (L // SUB), BH)
         pa = (q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H)
-        # exact_diag: the two kernels store disjoint entries (kda.py); at L = 16 every row lies in
-        # the diagonal block and `_fwd_pairs_kda` would store nothing
-        if not c.exact_diag or L > SUB:
-            _fwd_pairs_kda[grid](*pa, K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, num_warps=c.pairs_warps,
-                                 num_stages=_STAGES, DIAG=not c.exact_diag, **vl)
-        if c.exact_diag:
-            # 4 warps: ptxas (sm_90a, K = 128) gives 80 registers at BK 32, no spills (2 warps: 167)
-            _fwd_diag_kda[grid](*pa, K=K, L=L, S=SUB, BK=c.diag_bk, num_warps=4, num_stages=_STAGES, **vl)
+        _fwd_pairs_kda[grid](*pa, K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, num_warps=c.pairs_warps,
+                             num_stages=_STAGES, **vl)
         # A_ba = A_bk; the unused Ad argument is Kd (never written under KDA)
         _fwd_wy[(NC, BH)](q, k, k, k, v, G, Abk, Abk, E, W, Cm, Qg, Kd, Kd, eGl, scale, Tp, NC,
                           K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
@@ -110,7 +104,7 @@ def _backward(q, k, v, beta, G, Aqk, Abk, E, W, U, Hs, Qg, Kd, eGl, tab, sinfo, 
         dXq, dXb, dY = (new(BH, Tp, K) for _ in range(3))
         _bwd_dk_pairs_kda[(NC * (L // SUB), K // c.dk_bk, BH)](
             q, k, beta, G, dAq, dAb, dXq, dXb, dY, scale, Tp, NC, T, H, K=K, L=L, S=SUB, BK=c.dk_bk,
-            PREC=c.prec, LO=c.lo_dk, num_warps=c.dkp_warps, num_stages=_STAGES, DIAG_EXACT=c.exact_diag, **vl)
+            PREC=c.prec, LO=c.lo_dk, num_warps=c.dkp_warps, num_stages=_STAGES, **vl)
         _bwd_dk_state_kda[(NC, BH)](q, k, beta, G, U, Hs, dO, dH, GC, dXq, dXb, dY, dqd, dq, dk, dbk, dg,
                                     scale, Tp, NC, T, H, K=K, V=V, L=L, BK=c.dk_bk, BV=c.bwd_bv,
                                     PREC=c.prec, LO=c.lo_dk, num_warps=c.dk_warps,
