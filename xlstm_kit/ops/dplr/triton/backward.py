@@ -7,13 +7,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_prog, _gate_grad, _ld, _mm, _offs, _row, _st, _zeros4
+from .common import _chunk_prog, _gate_grad, _ld, _mm, _offs, _row, _st, _x_ld, _x_st, _zeros4
 from .pairs import pairs_reference
 
 
 @triton.jit
 def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv, dqk_d, dqa_d,
-            Tp, NC, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
+            Tp, NC, T, H, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
             BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, LV: tl.constexpr,
             LG: tl.constexpr, tab=None, VARLEN: tl.constexpr = False):
     """Backward, V side of one chunk: δv, GC = Eᵀ δC, and the gradients of the four pair matrices
@@ -22,6 +22,7 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
     δF = −(Eᵀ δW Wᵀ + GC Cmᵀ) collapses to δA_ba = −GC V2ᵀ: no K-sized product is needed here.
     `_mm` modes (config.py, LOWP_GROUPS): LO the pair-matrix gradients (they reach only the dk
     group), LV the δv products, LG the product GC (it reaches both).
+    v, dO, dv: [B, T, H, V] (the caller's layout, common.py; T, H its sizes); the rest scratch.
     tab: the varlen chunk table with VARLEN (common.py)."""
     n = tl.program_id(0)
     bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(1), L, VARLEN)
@@ -35,8 +36,8 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
     for v0 in range(0, V, BV):
         vv = v0 + tl.arange(0, BV)
         pv = _offs(bh, t0, rows, vv, Tp, V)
-        do = _ld(dO + pv, m, VARLEN).to(tl.float32)
-        vt = _ld(v + pv, m, VARLEN).to(tl.float32)
+        do = _x_ld(dO, bh, t0, rows, vv, nv, T, H, V).to(tl.float32)
+        vt = _x_ld(v, bh, t0, rows, vv, nv, T, H, V).to(tl.float32)
         v2 = _ld(V2 + pv, m, VARLEN)
         GC = _mm(tl.trans(Em), _ld(dV2 + pv, m, VARLEN), LG, PREC)   # Eᵀ δC
         _st(GCb + pv, GC, m, VARLEN)
@@ -46,7 +47,7 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
             kk = k0 + tl.arange(0, BK)
             dh = tl.load(dH + _offs(bh * NC + n, 0, kk, vv, K, V))
             dvt += _mm(_ld(Kd + _offs(bh, t0, rows, kk, Tp, K), m, VARLEN), dh, LV, PREC)
-        _st(dv + pv, dvt, m, VARLEN)
+        _x_st(dv, dvt, bh, t0, rows, vv, nv, T, H, V)
         dA_qk += _mm(do, tl.trans(vt), LO, PREC)
         dA_qa += _mm(do, tl.trans(v2), LO, PREC)
         dA_bk -= _mm(GC, tl.trans(vt), LO, PREC)
@@ -64,25 +65,30 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
 
 
 @triton.jit
-def _ld_qkab(q, k, a, b, p, m, scale, VARLEN: tl.constexpr):
-    """The float32 tiles q·scale, k, a, b at the chunk-layout offsets p (rows masked by m)."""
-    return (_ld(q + p, m, VARLEN).to(tl.float32) * scale, _ld(k + p, m, VARLEN).to(tl.float32),
-            _ld(a + p, m, VARLEN).to(tl.float32), _ld(b + p, m, VARLEN).to(tl.float32))
+def _ld_qkab(q, k, a, b, bh, t0, rows, cols, nv, T, H, K, scale):
+    """The float32 tiles q·scale, k, a, b at steps t0 + rows, channels cols, of head b·h of the
+    caller's [B, T, H, K] arrays (`_x_ld`)."""
+    return (_x_ld(q, bh, t0, rows, cols, nv, T, H, K).to(tl.float32) * scale,
+            _x_ld(k, bh, t0, rows, cols, nv, T, H, K).to(tl.float32),
+            _x_ld(a, bh, t0, rows, cols, nv, T, H, K).to(tl.float32),
+            _x_ld(b, bh, t0, rows, cols, nv, T, H, K).to(tl.float32))
 
 
 @triton.jit
-def _dk_finish(dq, dk, da, db, dg, p, m, qs, kx, ax, bx, dXq, dXb, dYk, dYa, dKd, dAd, dQg, GW,
-               eG, dec, eGl, hdh, dqk, dqa, scale, VARLEN: tl.constexpr):
-    """δq, δk, δa, δb and δgk of one chunk and K-tile ([L, BK] at the offsets p, rows masked by m)
-    from the pair parts δX_q, δX_b, δY_k, δY_a, the state-side terms of `_dk_state_side` and the
-    pair diagonals dqk, dqa [L]; qs = q·scale."""
-    _st(dq + p, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale, m, VARLEN)
-    _st(db + p, GW * eG + dXb, m, VARLEN)                          # δB = δB← ⊙ Γ (+ pair terms)
-    _st(dk + p, dKd * dec + dYk + dqk[:, None] * qs, m, VARLEN)
-    _st(da + p, dAd * dec + dYa + dqa[:, None] * qs, m, VARLEN)
+def _dk_finish(dq, dk, da, db, dg, bh, t0, rows, cols, nv, T, H, K, qs, kx, ax, bx, dXq, dXb,
+               dYk, dYa, dKd, dAd, dQg, GW, eG, dec, eGl, hdh, dqk, dqa, scale):
+    """δq, δk, δa, δb and δgk of one chunk and K-tile ([L, BK]: steps t0 + rows, channels cols of
+    head b·h, written to the caller's [B, T, H, K] arrays, `_x_st`) from the pair parts δX_q,
+    δX_b, δY_k, δY_a, the state-side terms of `_dk_state_side` and the pair diagonals dqk, dqa
+    [L]; qs = q·scale."""
+    _x_st(dq, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale, bh, t0, rows, cols,
+          nv, T, H, K)
+    _x_st(db, GW * eG + dXb, bh, t0, rows, cols, nv, T, H, K)      # δB = δB← ⊙ Γ (+ pair terms)
+    _x_st(dk, dKd * dec + dYk + dqk[:, None] * qs, bh, t0, rows, cols, nv, T, H, K)
+    _x_st(da, dAd * dec + dYa + dqa[:, None] * qs, bh, t0, rows, cols, nv, T, H, K)
     up = qs * dXq + bx * dXb - kx * dYk - ax * dYa + (qs * eG) * dQg + (bx * eG) * GW
     down = kx * dec * dKd + ax * dec * dAd
-    _st(dg + p, _gate_grad(up, down, eGl, hdh), m, VARLEN)
+    _x_st(dg, _gate_grad(up, down, eGl, hdh), bh, t0, rows, cols, nv, T, H, K)
 
 
 def bwd_dv_reference(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, L: int):

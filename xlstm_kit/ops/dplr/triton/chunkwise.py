@@ -1,10 +1,12 @@
-"""The chunkwise DPLR/KDA op over the kernels of this package: layout glue, the launchers of the
-forward and backward phases, the `torch.library` custom ops `xlstm_kit::dplr_chunkwise_fwd` /
+"""The chunkwise DPLR/KDA op over the kernels of this package: the launchers of the forward and
+backward phases, the `torch.library` custom ops `xlstm_kit::dplr_chunkwise_fwd` /
 `xlstm_kit::dplr_chunkwise_bwd` (so `torch.compile` traces through them), and the entry points
 `dplr_chunkwise_triton` and `supports` (backend.py's question); KDA has its own (kda_op.py).
 
-Packed sequences (cu_seqlens, B = 1): the inputs keep their length T in the chunk layout (no
-padding), the chunks come from the device-side chunk table of the mLSTM kernels
+No layout copies: the kernels read q, k, v, a, b, δO and write o and every gradient in the
+caller's [B, T, H, ·] layout (common.py); only the scratch is in the chunk layout [B·H, Tp, ·].
+
+Packed sequences (cu_seqlens, B = 1): the scratch keeps the length T (no padding), the chunks come from the device-side chunk table of the mLSTM kernels
 (mlstm/triton/varlen.py: per sequence ⌈len / L⌉ chunks, the last one partial, at most
 ⌈T / L⌉ + N − 1 in all, spare ones idle), every per-chunk kernel runs over the chunks of all
 sequences at once with masked rows (common.py), and the two state kernels run one program per
@@ -14,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as nnf
 
 from ....errors import XLSTMKitError
 from ..._checks import check_tensor
@@ -34,35 +35,13 @@ from .wy import _fwd_wy
 # an H200 block may use); unpipelined, the largest kernel needs 196 KB at 256.
 _STAGES = 1
 
-# forward scratch the backward reads (it re-runs none of the forward kernels): the inputs in the
-# chunk layout, G, the pair matrices, E, W, V2, the chunk states and the decayed operands
-# and the varlen chunk table (tab, sinfo: empty [0, 4] without cu_seqlens)
-_SAVED = ("qc", "kc", "vc", "ac", "bc", "G", "Aqk", "Aqa", "Abk", "E", "W", "V2", "Hs", "Qg",
-          "Kd", "Ad", "eGl", "tab", "sinfo")
+# forward scratch the backward reads (it re-runs none of the forward kernels): G, the pair
+# matrices, E, W, V2, the chunk states and the decayed operands and the varlen chunk table (tab,
+# sinfo: empty [0, 4] without cu_seqlens). q, k, v, a, b themselves are saved by autograd as the
+# caller passed them (the kernels read them in place; a custom op may not return an alias of an
+# input) and handed to the backward op as inputs, as kda_op.py does.
+_SAVED = ("G", "Aqk", "Aqa", "Abk", "E", "W", "V2", "Hs", "Qg", "Kd", "Ad", "eGl", "tab", "sinfo")
 _GRADS = ("dq", "dk", "dv", "da", "db", "dgk", "dh0")
-
-
-# ----------------------------------------------------------------------------------------------
-# layout
-# ----------------------------------------------------------------------------------------------
-
-
-def _chunk_layout(x: torch.Tensor, Tp: int) -> torch.Tensor:
-    """[B, T, H, D] → contiguous [B·H, Tp, D], zero-padded at the end of time; never `x`'s memory
-    (the custom op returns it)."""
-    B, T, H, D = x.shape
-    y = x.transpose(1, 2)
-    if Tp != T:
-        y = nnf.pad(y, (0, 0, 0, Tp - T))
-    y = y.reshape(B * H, Tp, D).contiguous()
-    # H = 1, or a [B, H, T, D] buffer seen as [B, T, H, D]: the reshape was a view of x
-    return y.clone() if torch._C._is_alias_of(y, x) else y
-
-
-def _seq_layout(x: torch.Tensor, B: int, H: int, T: int) -> torch.Tensor:
-    """[B·H, Tp, D] → [B, T, H, D] view (inverse of _chunk_layout)."""
-    _, Tp, D = x.shape
-    return x.view(B, H, Tp, D)[:, :, :T].transpose(1, 2)
 
 
 def _table(cu_seqlens, T: int, L: int, dev, launch: bool):
@@ -90,35 +69,36 @@ def _forward(q, k, v, a, b, gk, h0, scale: float, L: int, config: str, cu_seqlen
     """q, k, a, b, gk: [B, T, H, K]; v: [B, T, H, V]; h0: [S, H, K, V] or None; config: a
     `DPLRKernelConfig.key()` (already through `for_dtypes`); cu_seqlens: [N+1] with B = 1 (S = N
     packed sequences, module docstring) or None (S = B).
+    The kernels read q, k, v, a, b in this layout; a non-contiguous one is copied first.
     Returns (o [B, T, H, V] in q's dtype, hT [S, H, K, V] float32, *the _SAVED scratch)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BH = B * H
+    q, k, v, a, b = (x.contiguous() for x in (q, k, v, a, b))
     tab, sinfo, Tp, NC, S, G, h0c, vl = _prologue(gk, h0, V, L, cu_seqlens, launch)
-    qc, kc, vc, ac, bc = (_chunk_layout(x, Tp) for x in (q, k, v, a, b))
     new = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.float32)  # noqa: E731
     Aqk, Aqa, Abk, Aba, E = (new(BH, NC, L, L) for _ in range(5))
     W, Qg, Kd, Ad = (new(BH, Tp, K) for _ in range(4))
     eGl = new(BH, NC, K)
     Cm, V2 = new(BH, Tp, V), new(BH, Tp, V)
-    O = torch.empty(BH, Tp, V, device=q.device, dtype=q.dtype)
+    O = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
     Hs = new(BH, NC, K, V)
     hT = new(S, K, V)
     if launch:
         c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
-        _fwd_pairs[(NC * (L // SUB), BH)](qc, kc, ac, bc, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
+        _fwd_pairs[(NC * (L // SUB), BH)](q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC, T, H,
                                           K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, LO=c.lo_qk,
                                           num_warps=c.pairs_warps, num_stages=_STAGES, **vl)
-        _fwd_wy[(NC, BH)](qc, kc, ac, bc, vc, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC,
+        _fwd_wy[(NC, BH)](q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC, T, H,
                           K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
                           num_warps=c.wy_warps, num_stages=_STAGES, **vl)
         h_in = h0c if h0c is not None else hT
-        _fwd_state[(V // c.state_bv, S)](Qg, Kd, Ad, eGl, vc, Aqk, Aqa, W, Cm, h_in, Hs, V2, O, hT, Tp,
-                                         NC, K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
-                                         PREC=c.prec, LO=c.lo_o, num_warps=c.state_warps,
-                                         num_stages=_STAGES, **_seq_args(vl, sinfo, H))
-    return (_seq_layout(O, B, H, T), hT.view(S // H, H, K, V),
-            qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, tab, sinfo)
+        _fwd_state[(V // c.state_bv, S)](Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h_in, Hs, V2, O, hT, Tp,
+                                         NC, T, H, K=K, V=V, L=L, BV=c.state_bv,
+                                         HAS_H0=h0c is not None, PREC=c.prec, LO=c.lo_o,
+                                         num_warps=c.state_warps, num_stages=_STAGES,
+                                         **_seq_args(vl, sinfo))
+    return (O, hT.view(S // H, H, K, V), G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, tab, sinfo)
 
 
 def _prologue(gk, h0, V: int, L: int, cu_seqlens, launch: bool):
@@ -142,9 +122,9 @@ def _prologue(gk, h0, V: int, L: int, cu_seqlens, launch: bool):
     return tab, sinfo, Tp, NC, S, G, h0c, (dict(tab=tab, VARLEN=True) if varlen else {})
 
 
-def _seq_args(vl: dict, sinfo, H: int) -> dict:
-    """The varlen arguments of the state kernels: the per-chunk ones plus sinfo and H."""
-    return dict(vl, sinfo=sinfo, H=H) if vl else {}
+def _seq_args(vl: dict, sinfo) -> dict:
+    """The varlen arguments of the state kernels: the per-chunk ones plus sinfo."""
+    return dict(vl, sinfo=sinfo) if vl else {}
 
 
 def _bwd_prologue(G, Hs, tab, sinfo, dhT, B: int):
@@ -163,31 +143,32 @@ def _bwd_prologue(G, Hs, tab, sinfo, dhT, B: int):
             new(BH, Tp, V))
 
 
-def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, tab, sinfo,
+def _backward(q, k, v, a, b, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eGl, tab, sinfo,
               do, dhT, B: int, T: int, scale: float, L: int, gk_dtype, h0_dtype, config: str,
               launch: bool = True):
-    """The _SAVED scratch of `_forward`; do: [B, T, H, V] or None; dhT: [S, H, K, V] or None
-    (S = B, or N packed sequences when the table is not empty).
-    Returns dq, dk, dv, da, db, dgk ([B, T, H, ·] in the dtypes of q, k, v, a, b and gk) and dh0
-    ([S, H, K, V] in h0_dtype; empty when h0_dtype is None)."""
+    """The forward's inputs q, k, v, a, b and its _SAVED scratch; do: [B, T, H, V] or None;
+    dhT: [S, H, K, V] or None (S = B, or N packed sequences when the table is not empty).
+    Returns dq, dk, dv, da, db, dgk ([B, T, H, ·] contiguous in the dtypes of q, k, v, a, b and
+    gk, written by the kernels) and dh0 ([S, H, K, V] in h0_dtype; empty when h0_dtype is None)."""
     BH, Tp, K, V, H, NC, S, varlen, new, dhTc, dH, dV2, dh0, GC = _bwd_prologue(G, Hs, tab, sinfo, dhT, B)
-    dev = qc.device
-    # δO in the chunk layout, in its own dtype (widened by the kernels on load)
-    dO = new(BH, Tp, V).zero_() if do is None else _chunk_layout(do, Tp)
+    dev = G.device
+    q, k, v, a, b = (x.contiguous() for x in (q, k, v, a, b))
+    # δO read in place in its own dtype (widened by the kernels on load)
+    dO = torch.zeros(B, T, H, V, device=dev, dtype=torch.float32) if do is None else do.contiguous()
     dA = [new(BH, NC, L, L) for _ in range(4)]
     dqk_d, dqa_d = new(BH, Tp), new(BH, Tp)
-    dv = torch.empty(BH, Tp, V, device=dev, dtype=vc.dtype)
-    dq, dk, da, db, dg = (torch.empty(BH, Tp, K, device=dev, dtype=dt)
-                          for dt in (qc.dtype, kc.dtype, ac.dtype, bc.dtype, gk_dtype))
+    dv = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
+    dq, dk, da, db, dg = (torch.empty(B, T, H, K, device=dev, dtype=dt)
+                          for dt in (q.dtype, k.dtype, a.dtype, b.dtype, gk_dtype))
     if launch:
         c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
         vl = dict(tab=tab, VARLEN=True) if varlen else {}
         _bwd_state[(V // c.state_bv, S)](Qg, Ad, eGl, Aqa, W, dO, dhTc if dhTc is not None else dh0,
-                                         dH, dV2, dh0, Tp, NC, K=K, V=V, L=L, BV=c.state_bv,
+                                         dH, dV2, dh0, Tp, NC, T, H, K=K, V=V, L=L, BV=c.state_bv,
                                          HAS_DHT=dhTc is not None, PREC=c.prec,
                                          num_warps=c.state_warps, num_stages=_STAGES,
-                                         **_seq_args(vl, sinfo, H))
-        _bwd_dv[(NC, BH)](Kd, vc, Aqk, Abk, E, V2, dO, dH, dV2, GC, *dA, dv, dqk_d, dqa_d, Tp, NC,
+                                         **_seq_args(vl, sinfo))
+        _bwd_dv[(NC, BH)](Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GC, *dA, dv, dqk_d, dqa_d, Tp, NC, T, H,
                           K=K, V=V, L=L, BK=c.dv_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
                           LV=c.lo_dv, LG=c.lo_gc,
                           num_warps=c.dv_warps, num_stages=_STAGES, **vl)
@@ -195,15 +176,14 @@ def _backward(qc, kc, vc, ac, bc, G, Aqk, Aqa, Abk, E, W, V2, Hs, Qg, Kd, Ad, eG
         # then the state side and the epilogue per chunk
         dXq, dXb, dYk, dYa = (new(BH, Tp, K) for _ in range(4))
         _bwd_dk_pairs[(NC * (L // SUB), K // c.dk_bk, BH)](
-            qc, kc, ac, bc, G, *dA, dXq, dXb, dYk, dYa, scale, Tp, NC, K=K, L=L, S=SUB, BK=c.dk_bk,
+            q, k, a, b, G, *dA, dXq, dXb, dYk, dYa, scale, Tp, NC, T, H, K=K, L=L, S=SUB, BK=c.dk_bk,
             PREC=c.prec, LO=c.lo_dk, num_warps=c.dkp_warps, num_stages=_STAGES, **vl)
-        _bwd_dk_state[(NC, BH)](qc, kc, vc, ac, bc, G, V2, Hs, dO, dH, GC, dXq, dXb, dYk, dYa,
-                                dqk_d, dqa_d, dq, dk, da, db, dg, scale, Tp, NC, K=K, V=V, L=L,
+        _bwd_dk_state[(NC, BH)](q, k, v, a, b, G, V2, Hs, dO, dH, GC, dXq, dXb, dYk, dYa,
+                                dqk_d, dqa_d, dq, dk, da, db, dg, scale, Tp, NC, T, H, K=K, V=V, L=L,
                                 BK=c.dk_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
                                 num_warps=c.dk_warps, num_stages=_STAGES, **vl)
-    grads = tuple(_seq_layout(g, B, H, T) for g in (dq, dk, dv, da, db, dg))
     dh0 = dh0.new_empty(0) if h0_dtype is None else dh0.view(S // H, H, K, V).to(h0_dtype)
-    return (*grads, dh0)
+    return dq, dk, dv, da, db, dg, dh0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,7 +220,7 @@ _fwd_op.register_fake(_fwd_fake)
 
 _bwd_op = torch.library.custom_op(
     "xlstm_kit::dplr_chunkwise_bwd", _bwd_impl, mutates_args=(),
-    schema=f"({_tensors(_SAVED)}, Tensor? do, Tensor? dhT, int B, int T, float scale, "
+    schema=f"({_tensors(tuple('qkvab') + _SAVED)}, Tensor? do, Tensor? dhT, int B, int T, float scale, "
            f"int chunk_size, ScalarType gk_dtype, ScalarType? h0_dtype, str config)"
            f" -> ({_tensors(_GRADS)})")
 _bwd_op.register_fake(_bwd_fake)
@@ -249,7 +229,7 @@ _bwd_op.register_fake(_bwd_fake)
 def _setup_context(ctx, inputs, output):
     q, k, v, a, b, gk, h0, scale, L, config, _ = inputs
     ctx.mark_non_differentiable(*output[2:])
-    ctx.save_for_backward(*output[2:])
+    ctx.save_for_backward(q, k, v, a, b, *output[2:])
     ctx.meta = (q.shape[0], q.shape[1], scale, L, gk.dtype, None if h0 is None else h0.dtype, config)
     ctx.set_materialize_grads(False)
 
@@ -361,5 +341,8 @@ def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
     # the groups of low-precision products by the outputs they reach: a float32 gk keeps the
     # gate gradient's products at float32 accuracy, the output and δv stay fast
     key = _config_key(config, (q.dtype,), (v.dtype,), (q.dtype, k.dtype, a.dtype, b.dtype, gk.dtype))
+    # the kernels need the caller's layout contiguous: a strided input is copied once here (and
+    # autograd maps its gradient back), not once in each op
+    q, k, v, a, b, gk = (x.contiguous() for x in (q, k, v, a, b, gk))
     return _apply(q, k, v, a, b, gk, initial_state, float(check_scale(scale, K)),
                   output_final_state, chunk_size, key, cu_seqlens)

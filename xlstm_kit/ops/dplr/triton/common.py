@@ -1,14 +1,13 @@
 """Helpers shared by the DPLR kernels: the low-precision product `_mm`, the one offset rule, the
 reference-point decay factors of a pair-matrix column block and the accumulator set `_zeros4`.
 
-Every tensor the kernels address is a contiguous [N, T, D] array (scratch in the chunk layout
-[B·H, Tp, D], pair matrices [B·H·NC, L, L], chunk states [B·H·NC, K, V]); `_offs` gives the flat
-offsets of one [rows, cols] tile of it and `_row` those of one row. The inputs and outputs of the
-KDA op stay in the caller's contiguous [B, T, H, D] layout (row stride H·D; β [B, T, H]) and are
-addressed by the second rule, `_x_ld` / `_x_st` (a per-program base pointer plus 32-bit tile
-offsets): no layout copies around the kernels, and the steps ≥ T of the last, padded chunk are
-masked on load (read as the zeros the chunk layout's padding held) and on store. The general
-DPLR op still passes the chunk layout (`SEQ` off).
+Scratch tensors are contiguous [N, T, D] arrays (the chunk layout [B·H, Tp, D], pair matrices
+[B·H·NC, L, L], chunk states [B·H·NC, K, V]); `_offs` gives the flat offsets of one [rows, cols]
+tile of them and `_row` those of one row. The inputs and outputs of both ops (q, k, v, a, b, β,
+δO; o and every gradient) stay in the caller's contiguous [B, T, H, D] layout (row stride H·D;
+β [B, T, H]) and are addressed by the second rule, `_x_ld` / `_x_st` (a per-program base pointer
+plus 32-bit tile offsets): no layout copies around the kernels, and the steps ≥ T of the last,
+padded chunk are masked on load (read as the zeros a padded copy would hold) and on store.
 
 Packed sequences (VARLEN, cu_seqlens; B = 1, Tp = T, no padding): chunk n is the table row
 (sequence, first row t0, end row) of mlstm/triton/varlen.py, so a chunk never crosses a boundary.
@@ -72,27 +71,6 @@ def _x_st(x, val, bh, t0, rows, cols, nv, T, H, D):
     (cast to its dtype), where `_x_mask` is true."""
     p = _x_base(x, bh, t0, T, H, D) + rows[:, None] * (H * D) + cols[None, :]
     tl.store(p, val, mask=_x_mask(t0, rows, nv, T)[:, None])
-
-
-@triton.jit
-def _ld_io(x, p, m, bh, t0, rows, cols, nv, T, H, D, VARLEN: tl.constexpr, SEQ: tl.constexpr):
-    """An input tile of a kernel shared with the general op: in the caller's layout with SEQ
-    (`_x_ld`), else `_ld(x + p, m)` at the chunk-layout offsets p (the general op's code as it was:
-    the same offsets serve its scratch)."""
-    if SEQ:
-        r = _x_ld(x, bh, t0, rows, cols, nv, T, H, D)
-    else:
-        r = _ld(x + p, m, VARLEN)
-    return r
-
-
-@triton.jit
-def _st_io(x, val, p, m, bh, t0, rows, cols, nv, T, H, D, VARLEN: tl.constexpr, SEQ: tl.constexpr):
-    """An output tile of a kernel shared with the general op, placed as `_ld_io` reads."""
-    if SEQ:
-        _x_st(x, val, bh, t0, rows, cols, nv, T, H, D)
-    else:
-        _st(x + p, val, m, VARLEN)
 
 
 @triton.jit
@@ -244,11 +222,11 @@ def _earlier_refs(G, Gi, bh, t0, j0, kk, nv, Tp, K, S: tl.constexpr, VARLEN: tl.
 def _dk_state_side(G, U, V2, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr, Tp, NC, T, H,
                    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, VARLEN: tl.constexpr,
-                   SEQ: tl.constexpr, GEN: tl.constexpr):
+                   GEN: tl.constexpr):
     """The state-side part of the key gradient for one chunk and K-tile `kr`: the chunk's G and
     its decays (Gc, e^G, e^{G_L − G}, e^{G_L}), U δh'ᵀ, V2 δh'ᵀ, δO hᵀ, −GC hᵀ ([L, BK] each)
-    and Σ_v h⊙δh' ([BK]). The general op (GEN): U = v, its δKd and δAd apart; KDA: U = β v + V2
-    (a = k merges them), V2 unused and its product zero. SEQ: δO in the caller's layout."""
+    and Σ_v h⊙δh' ([BK]). The general op (GEN): U = v (the caller's layout, as δO), its δKd and
+    δAd apart; KDA: U = β v + V2 (scratch; a = k merges them), V2 unused and its product zero."""
     Gc = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kr, Tp, K))
     g_last = tl.load(G + _row(bh, t0 + nv - 1, kr, Tp, K))
     eG = tl.exp(Gc.to(tl.float32))
@@ -262,10 +240,14 @@ def _dk_state_side(G, U, V2, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr, Tp, NC
         ph = _offs(bh * NC + n, 0, kr, vv, K, V)
         hs = tl.load(Hs + ph)
         dh = tl.load(dH + ph)
-        dKU += _mm(_ld(U + pv, m, VARLEN).to(tl.float32), tl.trans(dh), LO, PREC)
+        if GEN:
+            u = _x_ld(U, bh, t0, rows, vv, nv, T, H, V).to(tl.float32)
+        else:
+            u = _ld(U + pv, m, VARLEN)
+        dKU += _mm(u, tl.trans(dh), LO, PREC)
         if GEN:
             dAd += _mm(_ld(V2 + pv, m, VARLEN), tl.trans(dh), LO, PREC)
-        do = _ld_io(dO, pv, m, bh, t0, rows, vv, nv, T, H, V, VARLEN, SEQ).to(tl.float32)
+        do = _x_ld(dO, bh, t0, rows, vv, nv, T, H, V).to(tl.float32)
         dQg += _mm(do, tl.trans(hs), LO, PREC)
         GW -= _mm(_ld(GCb + pv, m, VARLEN), tl.trans(hs), LO, PREC)
         hdh += tl.sum(hs * dh, axis=1)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .backward import _dk_finish, _ld_qkab
 from .common import (_chunk_prog, _dk_state_side, _earlier_refs, _last, _ld, _mm, _offs, _row, _st,
-                     _sub_block, _sub_refs)
+                     _sub_block, _sub_refs, _x_ld)
 
 
 @triton.jit
@@ -39,12 +39,12 @@ def _cols_side(d1, d2, x1, x2, LO: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _bwd_dk_pairs(q, k, a, b, G, dAqk, dAqa, dAbk, dAba, dXq, dXb, dYk, dYa, scale, Tp, NC,
+def _bwd_dk_pairs(q, k, a, b, G, dAqk, dAqa, dAbk, dAba, dXq, dXb, dYk, dYa, scale, Tp, NC, T, H,
                   K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
                   PREC: tl.constexpr, LO: tl.constexpr, tab=None, VARLEN: tl.constexpr = False):
     """δX_q = (δA_qk ⊙ decay) k + (δA_qa ⊙ decay) a, δX_b likewise from δA_bk, δA_ba, and
     δY_k = (δA_qk ⊙ decay)ᵀ q·scale + (δA_bk ⊙ decay)ᵀ b, δY_a likewise from δA_qa, δA_ba, for
-    the S rows of one sub-chunk and BK channels. q, k, a, b: [BH, Tp, K] (chunk layout);
+    the S rows of one sub-chunk and BK channels. q, k, a, b: [B, T, H, K] (the caller's layout);
     dA*: [BH, NC, L, L] strictly lower; dXq, dXb, dYk, dYa: [BH, Tp, K] float32."""
     NB: tl.constexpr = L // S
     n, i, bh, seq, t0, nv, sr, ri, kr = _sub_block(tab, L, S, BK, VARLEN)
@@ -54,7 +54,7 @@ def _bwd_dk_pairs(q, k, a, b, G, dAqk, dAqa, dAbk, dAba, dXq, dXb, dYk, dYa, sca
     pi = _offs(bh, t0, ri, kr, Tp, K)
     mi = (ri < nv)[:, None]
     Gi, g_end, fx, fy = _sub_refs(G, bh, t0, i0, kr, nv, Tp, K, S, VARLEN)
-    qi, ki, ai, bi = _ld_qkab(q, k, a, b, pi, mi, scale, VARLEN)
+    qi, ki, ai, bi = _ld_qkab(q, k, a, b, bh, t0, ri, kr, nv, T, H, K, scale)
     # the diagonal block, both sides referenced at its middle row
     pd = _offs(bh * NC + n, 0, ri, ri, L, L)
     d_qk = tl.load(dAqk + pd)
@@ -72,10 +72,8 @@ def _bwd_dk_pairs(q, k, a, b, G, dAqk, dAqa, dAbk, dAba, dXq, dXb, dYk, dYa, sca
     for j in range(0, i):           # earlier blocks: this sub-chunk's rows lie below them
         cj = j * S + sr
         fx, ey = _earlier_refs(G, Gi, bh, t0, j * S, kr, nv, Tp, K, S, VARLEN)
-        py = _offs(bh, t0, cj, kr, Tp, K)
-        my = (cj < nv)[:, None]
-        yk = _ld(k + py, my, VARLEN).to(tl.float32) * ey
-        ya = _ld(a + py, my, VARLEN).to(tl.float32) * ey
+        yk = _x_ld(k, bh, t0, cj, kr, nv, T, H, K).to(tl.float32) * ey
+        ya = _x_ld(a, bh, t0, cj, kr, nv, T, H, K).to(tl.float32) * ey
         pd = _offs(bh * NC + n, 0, ri, cj, L, L)
         dxq += fx * _rows_side(tl.load(dAqk + pd), tl.load(dAqa + pd), yk, ya, LO, PREC)
         dxb += fx * _rows_side(tl.load(dAbk + pd), tl.load(dAba + pd), yk, ya, LO, PREC)
@@ -85,10 +83,8 @@ def _bwd_dk_pairs(q, k, a, b, G, dAqk, dAqa, dAbk, dAba, dXq, dXb, dYk, dYa, sca
         rr = r * S + sr
         fx = tl.exp((tl.load(G + _offs(bh, t0, _last(rr, nv, VARLEN), kr, Tp, K)) - g_end[None, :])
                     .to(tl.float32))
-        pr = _offs(bh, t0, rr, kr, Tp, K)
-        mr = (rr < nv)[:, None]
-        xq = _ld(q + pr, mr, VARLEN).to(tl.float32) * scale * fx
-        xb = _ld(b + pr, mr, VARLEN).to(tl.float32) * fx
+        xq = _x_ld(q, bh, t0, rr, kr, nv, T, H, K).to(tl.float32) * scale * fx
+        xb = _x_ld(b, bh, t0, rr, kr, nv, T, H, K).to(tl.float32) * fx
         pd = _offs(bh * NC + n, 0, rr, ri, L, L)
         dyk_o += _cols_side(tl.load(dAqk + pd), tl.load(dAbk + pd), xq, xb, LO, PREC)
         dya_o += _cols_side(tl.load(dAqa + pd), tl.load(dAba + pd), xq, xb, LO, PREC)
@@ -101,12 +97,13 @@ def _bwd_dk_pairs(q, k, a, b, G, dAqk, dAqa, dAbk, dAba, dXq, dXb, dYk, dYa, sca
 
 @triton.jit
 def _bwd_dk_state(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dXq, dXb, dYk, dYa, dqk_d, dqa_d,
-                  dq, dk, da, db, dg, scale, Tp, NC, K: tl.constexpr, V: tl.constexpr,
+                  dq, dk, da, db, dg, scale, Tp, NC, T, H, K: tl.constexpr, V: tl.constexpr,
                   L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
                   LO: tl.constexpr, tab=None, VARLEN: tl.constexpr = False):
     """The rest of the general key gradient for one chunk, all K-tiles: the state-side products,
-    then δq, δk, δa, δb, δgk from the pair parts of `_bwd_dk_pairs`. Everything [BH, Tp, ·] in
-    the chunk layout (v, V2, dO, GCb: ·= V; the rest K), dqk_d, dqa_d [BH, Tp]."""
+    then δq, δk, δa, δb, δgk from the pair parts of `_bwd_dk_pairs`. q, k, a, b, dq, dk, da, db,
+    dg: [B, T, H, K], v, dO: [B, T, H, V] (the caller's layout); the scratch [BH, Tp, ·] in the
+    chunk layout (V2, GCb: · = V; the rest K), dqk_d, dqa_d [BH, Tp]."""
     n = tl.program_id(0)
     bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(1), L, VARLEN)
     if seq < 0:
@@ -115,12 +112,11 @@ def _bwd_dk_state(q, k, v, a, b, G, V2, Hs, dO, dH, GCb, dXq, dXb, dYk, dYa, dqk
     dqa = _ld(dqa_d + _row(bh, t0, rows, Tp, 1), m1, VARLEN)
     for k0 in range(0, K, BK):
         kr = k0 + tl.arange(0, BK)
-        # T, H only serve the caller's layout (SEQ), off here
         _, eG, dec, eGl, dKd, dAd, dQg, GW, hdh = _dk_state_side(
-            G, v, V2, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr, Tp, NC, Tp, 1, K, V, L, BK, BV,
-            PREC, LO, VARLEN, False, True)
+            G, v, V2, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m, kr, Tp, NC, T, H, K, V, L, BK, BV,
+            PREC, LO, VARLEN, True)
         pk = _offs(bh, t0, rows, kr, Tp, K)
-        qs, kx, ax, bx = _ld_qkab(q, k, a, b, pk, m, scale, VARLEN)
-        _dk_finish(dq, dk, da, db, dg, pk, m, qs, kx, ax, bx, _ld(dXq + pk, m, VARLEN),
-                   _ld(dXb + pk, m, VARLEN), _ld(dYk + pk, m, VARLEN), _ld(dYa + pk, m, VARLEN),
-                   dKd, dAd, dQg, GW, eG, dec, eGl, hdh, dqk, dqa, scale, VARLEN)
+        qs, kx, ax, bx = _ld_qkab(q, k, a, b, bh, t0, rows, kr, nv, T, H, K, scale)
+        _dk_finish(dq, dk, da, db, dg, bh, t0, rows, kr, nv, T, H, K, qs, kx, ax, bx,
+                   _ld(dXq + pk, m, VARLEN), _ld(dXb + pk, m, VARLEN), _ld(dYk + pk, m, VARLEN),
+                   _ld(dYa + pk, m, VARLEN), dKd, dAd, dQg, GW, eG, dec, eGl, hdh, dqk, dqa, scale)

@@ -97,7 +97,7 @@ def _bwd_dk_state_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dXq, dXb, dY, dqd, dq, 
         kr = k0 + tl.arange(0, BK)
         Gc, eG, dec, eGl, dKU, _, dQg, GW, hdh = _dk_state_side(G, U, U, Hs, dO, dH, GCb, bh, n, t0, nv, rows, m,
                                                                 kr, Tp, NC, T, H, K, V, L, BK, BV, PREC, LO,
-                                                                VARLEN, True, False)
+                                                                VARLEN, False)
         qs = _x_ld(q, bh, t0, rows, kr, nv, T, H, K).to(tl.float32) * scale
         kx = _x_ld(k, bh, t0, rows, kr, nv, T, H, K).to(tl.float32)
         bx = kx * bt[:, None]

@@ -2,9 +2,9 @@
 custom ops `xlstm_kit::kda_chunkwise_fwd` / `xlstm_kit::kda_chunkwise_bwd`, and
 `kda_chunkwise_triton`. Packed sequences and the configuration as chunkwise.py; the phases are
 those of the general op with the KDA kernels (or the KDA flag) where a = k lets a product be
-computed once, and `_bwd_state` with Kd for Ad and A_qk for A_qa. Unlike the general
-op, no layout copies: the kernels read q, k, v, g, β, δO and write o, δq, δk, δv, δg in the
-caller's [B, T, H, ·] layout (`SEQ`, common.py); only the scratch is in the chunk layout."""
+computed once, and `_bwd_state` with Kd for Ad and A_qk for A_qa. As in the general op, no
+layout copies: the kernels read q, k, v, g, β, δO and write o, δq, δk, δv, δg in the caller's
+[B, T, H, ·] layout (`_x_ld`, common.py); only the scratch is in the chunk layout."""
 from __future__ import annotations
 
 import torch
@@ -51,19 +51,18 @@ def _forward(q, k, v, g, beta, h0, scale: float, L: int, config: str, cu_seqlens
     hT = new(S, K, V)
     if launch:
         c = resolve(DPLRKernelConfig.from_key(config), K, V, L, interpreting())
-        io = dict(T=T, H=H, SEQ=True)
-        sa = dict(_seq_args(vl, sinfo, H), **io)
+        sa = _seq_args(vl, sinfo)
         grid = (NC * (L // SUB), BH)
         pa = (q, k, beta, G, Aqk, Abk, scale, Tp, NC, T, H)
         _fwd_pairs_kda[grid](*pa, K=K, L=L, S=SUB, BK=c.pairs_bk, PREC=c.prec, num_warps=c.pairs_warps,
                              num_stages=_STAGES, **vl)
         # A_ba = A_bk; the unused Ad argument is Kd (never written under KDA)
-        _fwd_wy[(NC, BH)](q, k, k, k, v, G, Abk, Abk, E, W, Cm, Qg, Kd, Kd, eGl, scale, Tp, NC,
+        _fwd_wy[(NC, BH)](q, k, k, k, v, G, Abk, Abk, E, W, Cm, Qg, Kd, Kd, eGl, scale, Tp, NC, T, H,
                           K=K, V=V, L=L, S=SUB, BK=c.wy_bk, BV=c.wy_bv, PREC=c.prec,
-                          num_warps=c.wy_warps, num_stages=_STAGES, beta=beta, KDA=True, **vl, **io)
+                          num_warps=c.wy_warps, num_stages=_STAGES, beta=beta, KDA=True, **vl)
         h_in = h0c if h0c is not None else hT
         _fwd_state[(V // c.state_bv, S)](Qg, Kd, Kd, eGl, v, Aqk, Aqk, W, Cm, h_in, Hs, U, O, hT, Tp,
-                                         NC, K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
+                                         NC, T, H, K=K, V=V, L=L, BV=c.state_bv, HAS_H0=h0c is not None,
                                          PREC=c.prec, LO=c.lo_o, num_warps=c.state_warps,
                                          num_stages=_STAGES, KDA=True, **sa)
     return (O, hT.view(S // H, H, K, V), G, Aqk, Abk, E, W, U, Hs, Qg, Kd, eGl, tab, sinfo)
@@ -94,10 +93,10 @@ def _backward(q, k, v, beta, G, Aqk, Abk, E, W, U, Hs, Qg, Kd, eGl, tab, sinfo, 
             dbv.zero_()
             dbk.zero_()
         _bwd_state[(V // c.state_bv, S)](Qg, Kd, eGl, Aqk, W, dO, dhTc if dhTc is not None else dh0,
-                                         dH, dV2, dh0, Tp, NC, K=K, V=V, L=L, BV=c.state_bv,
+                                         dH, dV2, dh0, Tp, NC, T, H, K=K, V=V, L=L, BV=c.state_bv,
                                          HAS_DHT=dhTc is not None, PREC=c.prec,
                                          num_warps=c.state_warps, num_stages=_STAGES,
-                                         **dict(_seq_args(vl, sinfo, H), T=T, H=H, SEQ=True))
+                                         **_seq_args(vl, sinfo))
         _bwd_dv_kda[(NC, BH)](Kd, v, beta, Aqk, Abk, E, U, dO, dH, dV2, GC, dAq, dAb, dv, dbv, dqd, Tp, NC,
                               T, H, K=K, V=V, L=L, BK=c.dv_bk, BV=c.bwd_bv, PREC=c.prec, LO=c.lo_dk,
                               LV=c.lo_dv, LG=c.lo_gc, num_warps=c.dv_warps, num_stages=_STAGES, **vl)

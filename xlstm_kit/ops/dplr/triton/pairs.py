@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_rows, _last, _ld, _mm, _offs, _pair_block, _ref_factors, _st, _x_ld, _zeros4
+from .common import _chunk_rows, _last, _mm, _offs, _pair_block, _ref_factors, _st, _x_ld, _zeros4
 
 
 @triton.jit
@@ -27,27 +27,26 @@ def _fwd_gamma(gk, G, tab, T, H, Tp, K: tl.constexpr, L: tl.constexpr, BK: tl.co
 
 
 @triton.jit
-def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC,
+def _fwd_pairs(q, k, a, b, G, Aqk, Aqa, Abk, Aba, scale, Tp, NC, T, H,
                K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
                PREC: tl.constexpr, LO: tl.constexpr, tab=None, VARLEN: tl.constexpr = False):
     """One [L, S] column block (sub-chunk j) of A_qk, A_qa, A_bk, A_ba of one chunk.
-    q, k, a, b: [BH, Tp, K] (input dtype); G: [BH, Tp, K] float64; A*: [BH, NC, L, L] float32;
-    tab: the varlen chunk table with VARLEN (common.py)."""
-    n, j0, bh, seq, t0, nv, rows, cols, mx, my, below, inblk = _pair_block(tab, L, S, VARLEN)
+    q, k, a, b: [B, T, H, K] (the caller's layout and dtype, common.py); G: [BH, Tp, K] float64;
+    A*: [BH, NC, L, L] float32; tab: the varlen chunk table with VARLEN (common.py)."""
+    n, j0, bh, seq, t0, nv, rows, cols, _, _, below, inblk = _pair_block(tab, L, S, VARLEN)
     if seq < 0:
         return
     acc_qk, acc_qa, acc_bk, acc_ba = _zeros4(L, S)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
-        px = _offs(bh, t0, rows, kk, Tp, K)                     # [L, BK]
         py = _offs(bh, t0 + j0, cols, kk, Tp, K)                # [S, BK]
         Gx = tl.load(G + _offs(bh, t0, _last(rows, nv, VARLEN), kk, Tp, K))
         fx_off, fx_in, fy_off, fy_in = _ref_factors(G, Gx, py, bh, t0, j0, kk, below, inblk, nv, Tp, K, S,
                                                     VARLEN)
-        xq = _ld(q + px, mx, VARLEN).to(tl.float32) * scale
-        xb = _ld(b + px, mx, VARLEN).to(tl.float32)
-        yk = _ld(k + py, my, VARLEN).to(tl.float32)
-        ya = _ld(a + py, my, VARLEN).to(tl.float32)
+        xq = _x_ld(q, bh, t0, rows, kk, nv, T, H, K).to(tl.float32) * scale
+        xb = _x_ld(b, bh, t0, rows, kk, nv, T, H, K).to(tl.float32)
+        yk = _x_ld(k, bh, t0 + j0, cols, kk, nv - j0, T, H, K).to(tl.float32)
+        ya = _x_ld(a, bh, t0 + j0, cols, kk, nv - j0, T, H, K).to(tl.float32)
         yk_off = tl.trans(yk * fy_off)
         yk_in = tl.trans(yk * fy_in)
         ya_off = tl.trans(ya * fy_off)

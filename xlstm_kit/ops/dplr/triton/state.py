@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_rows, _ld, _ld_io, _mm, _offs, _row, _seq_chunks, _st, _st_io
+from .common import _chunk_rows, _ld, _mm, _offs, _row, _seq_chunks, _st, _x_ld, _x_st
 
 
 @triton.jit
@@ -41,18 +41,18 @@ def _chunk_start(Hs, h, bh, n, tab, rows, kr, vv, Tp, NC, K: tl.constexpr, V: tl
 
 
 @triton.jit
-def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
+def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC, T, H,
                K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
                HAS_H0: tl.constexpr, PREC: tl.constexpr, LO: tl.constexpr, tab=None, sinfo=None,
-               H=1, VARLEN: tl.constexpr = False, KDA: tl.constexpr = False, T=1,
-               SEQ: tl.constexpr = False):
+               VARLEN: tl.constexpr = False, KDA: tl.constexpr = False):
     """Sequential over the chunks of one (b·h, V-tile): V2, O and the state h [K, BV].
-    Hs: [BH, NC, K, V] states entering each chunk; V2, O: [BH, Tp, V]; h0, hT: [BH, K, V].
-    VARLEN (tab, sinfo: the chunk table; H heads): program n·H + h walks sequence n's chunks from
+    v, O: [B, T, H, V] (the caller's layout, common.py; T, H its sizes); Hs: [BH, NC, K, V] states
+    entering each chunk; V2: [BH, Tp, V]; h0, hT: [BH, K, V].
+    VARLEN (tab, sinfo: the chunk table): program n·H + h walks sequence n's chunks from
     row n·H + h of h0 [N·H, K, V] to that row of hT.
     KDA (kda.py): the two V-side operands merged, U = β v + V2 = Cm − W h (`_fwd_wy` stored
     β v + Cm in Cm) is what V2 receives, O = Qg h + A_qk U, h' = Diag(eGl) h + Kdᵀ U; v, Ad and
-    A_qa are not read. SEQ: O is [B, T, H, V] (the caller's layout, common.py; T, H its sizes)."""
+    A_qa are not read."""
     bh, sid, c0, c1, rows, kr, vv, h = _state_start(h0, sinfo, H, NC, HAS_H0, K, V, L, BV, VARLEN)
     for n in range(c0, c1):
         pk, pv, pa, m = _chunk_start(Hs, h, bh, n, tab, rows, kr, vv, Tp, NC, K, V, L, VARLEN)
@@ -64,16 +64,16 @@ def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
             hn = tl.load(eGl + _row(bh, n, kr, NC, K))[:, None] * h
             hn += tl.dot(tl.trans(_ld(Kd + pk, m, VARLEN)), u, input_precision=PREC)
             o += _mm(_ld(Qg + pk, m, VARLEN), h, LO, PREC)
-            _st_io(O, o, pv, m, bh, t0, rows, vv, nv, T, H, V, VARLEN, SEQ)
+            _x_st(O, o, bh, t0, rows, vv, nv, T, H, V)
             h = hn
         else:
-            vt = _ld(v + pv, m, VARLEN).to(tl.float32)
+            vt = _x_ld(v, bh, t0, rows, vv, nv, T, H, V).to(tl.float32)
             v2 = _ld(Cm + pv, m, VARLEN) - tl.dot(_ld(W + pk, m, VARLEN), h, input_precision=PREC)
             _st(V2 + pv, v2, m, VARLEN)
             o = _mm(_ld(Qg + pk, m, VARLEN), h, LO, PREC)
             o += _mm(tl.load(Aqk + pa), vt, LO, PREC)
             o += _mm(tl.load(Aqa + pa), v2, LO, PREC)
-            _st_io(O, o, pv, m, bh, t0, rows, vv, nv, T, H, V, VARLEN, SEQ)
+            _x_st(O, o, bh, t0, rows, vv, nv, T, H, V)
             h = tl.load(eGl + _row(bh, n, kr, NC, K))[:, None] * h
             h += tl.dot(tl.trans(_ld(Kd + pk, m, VARLEN)), vt, input_precision=PREC)
             h += tl.dot(tl.trans(_ld(Ad + pk, m, VARLEN)), v2, input_precision=PREC)
@@ -81,21 +81,21 @@ def _fwd_state(Qg, Kd, Ad, eGl, v, Aqk, Aqa, W, Cm, h0, Hs, V2, O, hT, Tp, NC,
 
 
 @triton.jit
-def _bwd_state(Qg, Ad, eGl, Aqa, W, dO, dhT, dH, dV2, dh0, Tp, NC,
+def _bwd_state(Qg, Ad, eGl, Aqa, W, dO, dhT, dH, dV2, dh0, Tp, NC, T, H,
                K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
-               HAS_DHT: tl.constexpr, PREC: tl.constexpr, tab=None, sinfo=None, H=1,
-               VARLEN: tl.constexpr = False, T=1, SEQ: tl.constexpr = False):
+               HAS_DHT: tl.constexpr, PREC: tl.constexpr, tab=None, sinfo=None,
+               VARLEN: tl.constexpr = False):
     """Reverse-sequential over the chunks of one (b·h, V-tile), seed §三:
         δV2 = (A ⊙ e^{G_L−G}) δh' + A_qaᵀ δO,   δh = Diag(γ_L) δh' + Q←ᵀ δO − Wᵀ δV2.
-    dH: [BH, NC, K, V] δ of the state leaving each chunk; dV2: [BH, Tp, V]; dhT, dh0: [BH, K, V].
-    VARLEN: as `_fwd_state`, sequence n's chunks in reverse from row n·H + h of dhT [N·H, K, V].
-    SEQ: dO is [B, T, H, V] (the caller's layout, common.py; T, H its sizes)."""
+    dO: [B, T, H, V] (the caller's layout, common.py; T, H its sizes); dH: [BH, NC, K, V] δ of the
+    state leaving each chunk; dV2: [BH, Tp, V]; dhT, dh0: [BH, K, V].
+    VARLEN: as `_fwd_state`, sequence n's chunks in reverse from row n·H + h of dhT [N·H, K, V]."""
     bh, sid, c0, c1, rows, kr, vv, dh = _state_start(dhT, sinfo, H, NC, HAS_DHT, K, V, L, BV, VARLEN)
     for i in range(c0, c1):
         n = c0 + c1 - 1 - i
         pk, pv, pa, m = _chunk_start(dH, dh, bh, n, tab, rows, kr, vv, Tp, NC, K, V, L, VARLEN)
         _, t0, nv = _chunk_rows(tab, n, L, VARLEN)
-        do = _ld_io(dO, pv, m, bh, t0, rows, vv, nv, T, H, V, VARLEN, SEQ).to(tl.float32)
+        do = _x_ld(dO, bh, t0, rows, vv, nv, T, H, V).to(tl.float32)
         dv2 = tl.dot(_ld(Ad + pk, m, VARLEN), dh, input_precision=PREC)
         dv2 += tl.dot(tl.trans(tl.load(Aqa + pa)), do, input_precision=PREC)
         _st(dV2 + pv, dv2, m, VARLEN)

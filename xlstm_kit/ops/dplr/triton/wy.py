@@ -6,24 +6,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_prog, _last, _ld_io, _offs, _row, _st, _x_ld1
+from .common import _chunk_prog, _last, _offs, _row, _st, _x_ld, _x_ld1
 
 
 @triton.jit
-def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC,
+def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC, T, H,
             K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
             BV: tl.constexpr, PREC: tl.constexpr, tab=None, VARLEN: tl.constexpr = False,
-            beta=None, KDA: tl.constexpr = False, T=1, H=1, SEQ: tl.constexpr = False):
+            beta=None, KDA: tl.constexpr = False):
     """E = (I + A_ba)⁻¹, W = E B←, Cm = −E (A_bk V) for one chunk, and the decayed operands of
     the sequential kernels (so those load no float64): Qg = scale·q ⊙ e^G, Kd = k ⊙ e^{G_L−G},
     Ad = a ⊙ e^{G_L−G} [BH, Tp, K], eGl = e^{G_L} [BH, NC, K].
-    q, k, a, b: [BH, Tp, K]; v: [BH, Tp, V]; G float64; Abk, Aba, E: [BH, NC, L, L]; W: [BH, Tp, K];
-    Cm: [BH, Tp, V] (float32); tab: the varlen chunk table with VARLEN (common.py).
-    KDA (kda.py): a and b are k, beta (with SEQ only) scales b and v at load (b = β k, v ← β v), Ad
+    q, k, a, b: [B, T, H, K], v: [B, T, H, V] in the caller's layout (common.py, `_x_ld`; T, H its
+    sizes); G float64; Abk, Aba, E: [BH, NC, L, L]; W: [BH, Tp, K]; Cm: [BH, Tp, V] (float32);
+    tab: the varlen chunk table with VARLEN (common.py).
+    KDA (kda.py): a and b are k, beta [B, T, H] scales b and v at load (b = β k, v ← β v), Ad
     (= Kd) is not stored, and Cm receives β v + Cm (the state pass's U = β v + V2 is then
-    Cm − W h: `_fwd_state` reads neither v nor β).
-    SEQ (the KDA op): q, k, a, b, v [B, T, H, ·] and beta [B, T, H] in the caller's layout
-    (common.py, `_x_ld`; T, H its sizes)."""
+    Cm − W h: `_fwd_state` reads neither v nor β)."""
     n = tl.program_id(0)
     bh, seq, t0, nv, rows, m1, m = _chunk_prog(tab, n, tl.program_id(1), L, VARLEN)
     if seq < 0:
@@ -59,22 +58,22 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
         g_last = tl.load(G + _row(bh, t0 + nv - 1, kk, Tp, K))
         eG = tl.exp(Gc.to(tl.float32))
         dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
-        Bg = _ld_io(b, pk, m, bh, t0, rows, kk, nv, T, H, K, VARLEN, SEQ).to(tl.float32) * eG
+        Bg = _x_ld(b, bh, t0, rows, kk, nv, T, H, K).to(tl.float32) * eG
         if KDA:     # β loaded where it is used: held across the loops it spills (ptxas)
             Bg *= _x_ld1(beta, bh, t0, rows, nv, T, H).to(tl.float32)[:, None]
         _st(W + pk, tl.dot(Em, Bg, input_precision=PREC), m, VARLEN)
-        _st(Qg + pk, _ld_io(q, pk, m, bh, t0, rows, kk, nv, T, H, K, VARLEN, SEQ).to(tl.float32) * (eG * scale),
+        _st(Qg + pk, _x_ld(q, bh, t0, rows, kk, nv, T, H, K).to(tl.float32) * (eG * scale),
             m, VARLEN)
-        _st(Kd + pk, _ld_io(k, pk, m, bh, t0, rows, kk, nv, T, H, K, VARLEN, SEQ).to(tl.float32) * dec, m, VARLEN)
+        _st(Kd + pk, _x_ld(k, bh, t0, rows, kk, nv, T, H, K).to(tl.float32) * dec, m, VARLEN)
         if not KDA:
-            _st(Ad + pk, _ld_io(a, pk, m, bh, t0, rows, kk, nv, T, H, K, VARLEN, SEQ).to(tl.float32) * dec,
+            _st(Ad + pk, _x_ld(a, bh, t0, rows, kk, nv, T, H, K).to(tl.float32) * dec,
                 m, VARLEN)
         tl.store(eGl + _row(bh, n, kk, NC, K), tl.exp(g_last.to(tl.float32)))
     Ab = tl.load(Abk + pa)
     for v0 in range(0, V, BV):
         vv = v0 + tl.arange(0, BV)
         pv = _offs(bh, t0, rows, vv, Tp, V)
-        vt = _ld_io(v, pv, m, bh, t0, rows, vv, nv, T, H, V, VARLEN, SEQ).to(tl.float32)
+        vt = _x_ld(v, bh, t0, rows, vv, nv, T, H, V).to(tl.float32)
         if KDA:
             vt *= _x_ld1(beta, bh, t0, rows, nv, T, H).to(tl.float32)[:, None]
             P = tl.dot(Ab, vt, input_precision=PREC)
