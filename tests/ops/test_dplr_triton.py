@@ -342,6 +342,40 @@ def _kda_vs_reference(T, L, K, V, gmin, h0, config=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dplr_reads_and_writes_the_callers_layout(dtype):
+    # the general op's kernels read q, k, v, a, b, gk, δO and write o and every gradient in the
+    # caller's [B, T, H, ·] layout (no layout copies): B, H > 1, T not a multiple of the chunk,
+    # two K-tiles of the key gradient; strided inputs and δO (a [B, H, T, D] buffer seen as
+    # [B, T, H, D]) give exactly the contiguous results; the gradients come back contiguous in
+    # the inputs' dtypes; autograd keeps the caller's q, k, v, a, b themselves, and no other
+    # saved tensor is in their dtype (no chunk-layout copy of them); float16 activations with a
+    # float32 gk and h0 as the mixed case
+    B, T, H, K, V, L = 2, 37, 3, 32, 16, 16
+    xs, s0 = make_inputs(B, T, H, K, V, -3.0)
+    xs = [x.to(dtype) for x in xs[:5]] + [xs[5]]
+    do, dsT = torch.randn(B, T, H, V, device=DEV), torch.randn(B, H, K, V, device=DEV)
+    strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs + [do]]
+    assert not any(x.is_contiguous() for x in strided)
+    cfg = DPLRKernelConfig(dk_block_k=16)
+    o, sT, gr = run(dplr_chunkwise_triton, strided[:6], s0, strided[6], dsT, chunk_size=L, config=cfg)
+    o_c, sT_c, gr_c = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=L, config=cfg)
+    assert torch.equal(o, o_c) and torch.equal(sT, sT_c) and all(torch.equal(x, y) for x, y in zip(gr, gr_c))
+    assert o.dtype == dtype and o.is_contiguous()
+    assert [x.dtype for x in gr] == [dtype] * 5 + [torch.float32] * 2
+    assert all(x.is_contiguous() and x.shape == y.shape for x, y in zip(gr, xs))
+    ys = [x.detach().requires_grad_() for x in xs]
+    o2, _ = dplr_chunkwise_triton(*ys, initial_state=s0, chunk_size=L, config=cfg)
+    saved = o2.grad_fn.saved_tensors
+    assert all(s is y or s.data_ptr() == y.data_ptr() for s, y in zip(saved, ys[:5]))
+    assert not any(s.dtype == torch.float16 for s in saved[5:])
+    ro, rsT, rg = reference(xs, s0, do.to(dtype), dsT)
+    tol = lambda x: 1e-5 if x.dtype == torch.float32 else 2e-3  # noqa: E731   (float16: its rounding)
+    assert rel_err(o, ro) < tol(o) and rel_err(sT, rsT) < 2e-6
+    for name, x, y in zip(NAMES, gr, rg):
+        assert rel_err(x, y) < tol(x), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kda_reads_and_writes_the_callers_layout(dtype):
     # the KDA kernels read q, k, v, g, β, δO and write o, δq, δk, δv, δg in the caller's
     # [B, T, H, ·] layout (no layout copies): B, H > 1, T not a multiple of the chunk (the masked

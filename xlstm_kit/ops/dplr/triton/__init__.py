@@ -11,7 +11,10 @@ transposed (h = Sᵀ ∈ R^{K×V}),
     output          O = (Q ⊙ e^G) h + A_qk V + A_qa V2
 
 Modules, by phase (all accumulation, scratch and states in float32; every phase module also
-holds the phase's PyTorch reference, `*_reference`, which its test compares the kernel against):
+holds the phase's PyTorch reference, `*_reference`, which its test compares the kernel against).
+Every kernel reads q, k, v, a, b (and gk, β, δO) and writes o and every gradient in the caller's
+contiguous [B, T, H, ·] layout and dtype (`_x_ld` / `_x_st`, common.py): no layout copies on
+either path; only the scratch below is in the chunk layout [B·H, Tp, ·].
   forward
     pairs.py     _fwd_pairs   parallel over (chunk, column sub-chunk, b·h): the four pair
                               matrices, one [L, S] column block each, to scratch [BH, NC, L, L]
@@ -30,15 +33,15 @@ holds the phase's PyTorch reference, `*_reference`, which its test compares the 
                               kernels: the pair-matrix gradients on [16, 16] blocks per
                               (sub-chunk, K-tile, chunk, b·h), then the state side and the rest
                               per (chunk, b·h); kda_dk.py splits KDA's the same way
-  common.py      _mm (the low-precision product), _offs / _row (the one offset rule), SUB, and
-                 the row masks of packed sequences
+  common.py      _mm (the low-precision product), _offs / _row (the scratch's offset rule),
+                 _x_ld / _x_st (the caller's layout), SUB, and the row masks of packed sequences
 Packed sequences (cu_seqlens): every kernel above takes the device-side chunk table of the mLSTM
 kernels (mlstm/triton/varlen.py) under VARLEN: chunks never cross a sequence boundary, the rows
 past a sequence's end are masked (no padding in memory), the per-chunk kernels run over the chunks
 of all sequences at once, and the two state kernels walk each sequence from its own initial state
 to its own final state (chunkwise.py, common.py).
   config.py      DPLRKernelConfig (precision mode, tiles, warps) and its resolution per shape
-  chunkwise.py   layout glue, launchers, the custom ops xlstm_kit::dplr_chunkwise_fwd/_bwd with
+  chunkwise.py   launchers, the custom ops xlstm_kit::dplr_chunkwise_fwd/_bwd with
                  their autograd, dplr_chunkwise_triton, supports
   kda.py         the KDA-specialised kernels (a = k, b = β k, v ← β v): k, v, β read as given,
                  each distinct pair product once (A_qa = A_qk, A_ba = A_bk), U = β v + V2, the β
@@ -48,7 +51,8 @@ to its own final state (chunkwise.py, common.py).
   step.py        the decode step (xlstm_kit::dplr_step), a kernel of its own
 Memory: the forward keeps (4 L + 6 K + V) float32 values per token and head (A_qk, A_qa, A_bk, E;
 W, Q⊙e^G, K⊙e^{G_L−G}, A⊙e^{G_L−G}, G in float64; V2) plus one K×V state per chunk: about
-1.5 GB at B=8, T=2048, H=16, K=V=128.
+1.5 GB at B=8, T=2048, H=16, K=V=128; q, k, v, a, b are kept as the caller's own tensors (no
+copies).
 
 Numerics (log-gates down to −5 per step). The seed's factorisation Q← = Q⊙Γ, K→ = K⊘Γ would
 need 1/Γ up to e^{320} in a chunk of 64 steps at gk = −5. The pair matrices are therefore built
