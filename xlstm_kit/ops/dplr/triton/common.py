@@ -55,8 +55,11 @@ def _x_mask(t0, rows, nv, T):
 def _x_ld(x, bh, t0, rows, cols, nv, T, H, D):
     """The tile [t0 + rows, cols] of head b·h of a contiguous [B, T, H, D] array, zeros where
     `_x_mask` is false (the zero padding of the chunk layout)."""
-    p = _x_base(x, bh, t0, T, H, D) + rows[:, None] * (H * D) + cols[None, :]
-    return tl.load(p, mask=_x_mask(t0, rows, nv, T)[:, None], other=0.0)
+    # rows clamped to step T − 1 (in bounds even when t0 ≥ T: a column block past the end) and
+    # zeroed by a select, not a masked load: ptxas at sm_90a spills about half as much in the
+    # kernels that load several such tiles (NOTES-dplr-issue20.md, session 12, glue)
+    p = _x_base(x, bh, t0, T, H, D) + tl.minimum(rows, T - 1 - t0)[:, None] * (H * D) + cols[None, :]
+    return tl.where(_x_mask(t0, rows, nv, T)[:, None], tl.load(p), 0.0)
 
 
 @triton.jit
