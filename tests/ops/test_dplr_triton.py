@@ -341,6 +341,17 @@ def _kda_vs_reference(T, L, K, V, gmin, h0, config=None):
         assert rel_err(x, y) < 1e-5, name
 
 
+def _strided_equals_contiguous(fn, xs, s0, do, dsT, L, cfg):
+    """`run` of fn on xs and δO given as [B, H, T, D] buffers seen as [B, T, H, D] (not
+    contiguous), asserted bit-equal to the run on the contiguous tensors; returns the former."""
+    strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs + [do]]
+    assert not any(x.is_contiguous() for x in strided)
+    o, sT, gr = run(fn, strided[:-1], s0, strided[-1], dsT, chunk_size=L, config=cfg)
+    o_c, sT_c, gr_c = run(fn, xs, s0, do, dsT, chunk_size=L, config=cfg)
+    assert torch.equal(o, o_c) and torch.equal(sT, sT_c) and all(torch.equal(x, y) for x, y in zip(gr, gr_c))
+    return o, sT, gr
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dplr_reads_and_writes_the_callers_layout(dtype):
     # the general op's kernels read q, k, v, a, b, gk, δO and write o and every gradient in the
@@ -354,12 +365,8 @@ def test_dplr_reads_and_writes_the_callers_layout(dtype):
     xs, s0 = make_inputs(B, T, H, K, V, -3.0)
     xs = [x.to(dtype) for x in xs[:5]] + [xs[5]]
     do, dsT = torch.randn(B, T, H, V, device=DEV), torch.randn(B, H, K, V, device=DEV)
-    strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs + [do]]
-    assert not any(x.is_contiguous() for x in strided)
     cfg = DPLRKernelConfig(dk_block_k=16)
-    o, sT, gr = run(dplr_chunkwise_triton, strided[:6], s0, strided[6], dsT, chunk_size=L, config=cfg)
-    o_c, sT_c, gr_c = run(dplr_chunkwise_triton, xs, s0, do, dsT, chunk_size=L, config=cfg)
-    assert torch.equal(o, o_c) and torch.equal(sT, sT_c) and all(torch.equal(x, y) for x, y in zip(gr, gr_c))
+    o, sT, gr = _strided_equals_contiguous(dplr_chunkwise_triton, xs, s0, do, dsT, L, cfg)
     assert o.dtype == dtype and o.is_contiguous()
     assert [x.dtype for x in gr] == [dtype] * 5 + [torch.float32] * 2
     assert all(x.is_contiguous() and x.shape == y.shape for x, y in zip(gr, xs))
@@ -390,12 +397,7 @@ def test_kda_reads_and_writes_the_callers_layout(dtype):
     beta = torch.rand(B, T, H, device=DEV).to(dtype)
     s0, do, dsT = (torch.randn(*sh, device=DEV) for sh in ((B, H, K, V), (B, T, H, V), (B, H, K, V)))
     xs = [q, k, v, g, beta]
-    strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs + [do]]
-    assert not any(x.is_contiguous() for x in strided)
-    cfg = DPLRKernelConfig(dk_block_k=16)
-    o, sT, gr = run(kda_chunkwise_triton, strided[:5], s0, strided[5], dsT, chunk_size=L, config=cfg)
-    o_c, sT_c, gr_c = run(kda_chunkwise_triton, xs, s0, do, dsT, chunk_size=L, config=cfg)
-    assert torch.equal(o, o_c) and torch.equal(sT, sT_c) and all(torch.equal(x, y) for x, y in zip(gr, gr_c))
+    o, sT, gr = _strided_equals_contiguous(kda_chunkwise_triton, xs, s0, do, dsT, L, DPLRKernelConfig(dk_block_k=16))
     assert o.dtype == dtype and [x.dtype for x in gr] == [dtype] * 3 + [torch.float32, dtype, torch.float32]
     ys = [x.detach().double().requires_grad_() for x in xs + [s0]]
     bb = ys[4].unsqueeze(-1)
