@@ -1,13 +1,13 @@
 """Phase 5 (the chunk-parallel part of the backward): `_bwd_dv` (V side: δv, GC and the
-pair-matrix gradients), the epilogue of the K side (δq, δk, δa, δb, δgk: `_dk_finish`, run by
-dplr_dk.py's kernels), and their PyTorch references."""
+pair-matrix gradients), and the PyTorch references of the backward phases (the K side's
+kernels are in dplr_dk.py)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_prog, _gate_grad, _ld, _mm, _offs, _row, _st, _x_ld, _x_st, _zeros4
+from .common import _chunk_prog, _ld, _mm, _offs, _row, _st, _x_ld, _x_st, _zeros4
 from .pairs import pairs_reference
 
 
@@ -62,33 +62,6 @@ def _bwd_dv(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, GCb, dAqk, dAqa, dAbk, dAba, dv
     tl.store(dAqa + pa, tl.where(strict, dA_qa, 0.0))
     tl.store(dAbk + pa, tl.where(strict, dA_bk, 0.0))
     tl.store(dAba + pa, tl.where(strict, dA_ba, 0.0))
-
-
-@triton.jit
-def _ld_qkab(q, k, a, b, bh, t0, rows, cols, nv, T, H, K, scale):
-    """The float32 tiles q·scale, k, a, b at steps t0 + rows, channels cols, of head b·h of the
-    caller's [B, T, H, K] arrays (`_x_ld`)."""
-    return (_x_ld(q, bh, t0, rows, cols, nv, T, H, K).to(tl.float32) * scale,
-            _x_ld(k, bh, t0, rows, cols, nv, T, H, K).to(tl.float32),
-            _x_ld(a, bh, t0, rows, cols, nv, T, H, K).to(tl.float32),
-            _x_ld(b, bh, t0, rows, cols, nv, T, H, K).to(tl.float32))
-
-
-@triton.jit
-def _dk_finish(dq, dk, da, db, dg, bh, t0, rows, cols, nv, T, H, K, qs, kx, ax, bx, dXq, dXb,
-               dYk, dYa, dKd, dAd, dQg, GW, eG, dec, eGl, hdh, dqk, dqa, scale):
-    """δq, δk, δa, δb and δgk of one chunk and K-tile ([L, BK]: steps t0 + rows, channels cols of
-    head b·h, written to the caller's [B, T, H, K] arrays, `_x_st`) from the pair parts δX_q,
-    δX_b, δY_k, δY_a, the state-side terms of `_dk_state_side` and the pair diagonals dqk, dqa
-    [L]; qs = q·scale."""
-    _x_st(dq, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale, bh, t0, rows, cols,
-          nv, T, H, K)
-    _x_st(db, GW * eG + dXb, bh, t0, rows, cols, nv, T, H, K)      # δB = δB← ⊙ Γ (+ pair terms)
-    _x_st(dk, dKd * dec + dYk + dqk[:, None] * qs, bh, t0, rows, cols, nv, T, H, K)
-    _x_st(da, dAd * dec + dYa + dqa[:, None] * qs, bh, t0, rows, cols, nv, T, H, K)
-    up = qs * dXq + bx * dXb - kx * dYk - ax * dYa + (qs * eG) * dQg + (bx * eG) * GW
-    down = kx * dec * dKd + ax * dec * dAd
-    _x_st(dg, _gate_grad(up, down, eGl, hdh), bh, t0, rows, cols, nv, T, H, K)
 
 
 def bwd_dv_reference(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, L: int):

@@ -1,6 +1,5 @@
 """The general op's key gradient (δq, δk, δa, δb, δgk) in two kernels, as kda_dk.py splits KDA's,
-with the epilogue `_dk_finish` (backward.py). It replaced one kernel per (chunk, K-tile),
-`_bwd_dk`: DPLR fwd+bwd 11.65 → 10.81 ms (bf16 gk), 15.14 → 12.55 (float32 gk) at
+with the epilogue `_dk_finish`. It replaced one kernel per (chunk, K-tile), `_bwd_dk`: DPLR fwd+bwd 11.65 → 10.81 ms (bf16 gk), 15.14 → 12.55 (float32 gk) at
 (8, 2048, 16, 128, 128), H200 (benchmarks/NOTES-dplr-issue20.md, session 12).
 
 `_bwd_dk_pairs`, grid (chunk × L/S sub-chunks, K-tile, b·h): the four pair matrices' gradients
@@ -8,9 +7,9 @@ with the epilogue `_dk_finish` (backward.py). It replaced one kernel per (chunk,
 one sub-chunk i on [S, S] blocks — δx of its rows from the earlier blocks j < i (reference
 point: block j's last row), δy of its columns from the later blocks r > i (reference: block i's
 last row), the diagonal block with its middle reference point. The δA are stored strictly lower
-(their diagonals, dqk_d and dqa_d, apart), so the diagonal block needs no mask. It writes the partial gradients δX_q, δX_b, δY_k,
-δY_a [BH, Tp, K] (float32 scratch): δq, δk, δa, δb and δgk need the state-side terms and the
-gate gradient's cumsums over the whole chunk.
+(their diagonals, dqk_d and dqa_d, apart), so the diagonal block needs no mask. It writes the
+partial gradients δX_q, δX_b, δY_k, δY_a [BH, Tp, K] (float32 scratch): δq, δk, δa, δb and δgk
+need the state-side terms and the gate gradient's cumsums over the whole chunk.
 
 `_bwd_dk_state`, grid (chunk, b·h), the K-tiles in a loop: the state-side products (V δh'ᵀ,
 V2 δh'ᵀ, δO hᵀ, −GC hᵀ, h·δh'; `_dk_state_side`), then `_dk_finish` on all L rows of the chunk:
@@ -21,9 +20,35 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .backward import _dk_finish, _ld_qkab
-from .common import (_chunk_prog, _dk_state_side, _earlier_refs, _last, _ld, _mm, _offs, _row, _st,
-                     _sub_block, _sub_refs, _x_ld)
+from .common import (_chunk_prog, _dk_state_side, _earlier_refs, _gate_grad, _last, _ld, _mm, _offs, _row,
+                     _st, _sub_block, _sub_refs, _x_ld, _x_st)
+
+
+@triton.jit
+def _ld_qkab(q, k, a, b, bh, t0, rows, cols, nv, T, H, K, scale):
+    """The float32 tiles q·scale, k, a, b at steps t0 + rows, channels cols, of head b·h of the
+    caller's [B, T, H, K] arrays (`_x_ld`)."""
+    return (_x_ld(q, bh, t0, rows, cols, nv, T, H, K).to(tl.float32) * scale,
+            _x_ld(k, bh, t0, rows, cols, nv, T, H, K).to(tl.float32),
+            _x_ld(a, bh, t0, rows, cols, nv, T, H, K).to(tl.float32),
+            _x_ld(b, bh, t0, rows, cols, nv, T, H, K).to(tl.float32))
+
+
+@triton.jit
+def _dk_finish(dq, dk, da, db, dg, bh, t0, rows, cols, nv, T, H, K, qs, kx, ax, bx, dXq, dXb,
+               dYk, dYa, dKd, dAd, dQg, GW, eG, dec, eGl, hdh, dqk, dqa, scale):
+    """δq, δk, δa, δb and δgk of one chunk and K-tile ([L, BK]: steps t0 + rows, channels cols of
+    head b·h, written to the caller's [B, T, H, K] arrays, `_x_st`) from the pair parts δX_q,
+    δX_b, δY_k, δY_a, the state-side terms of `_dk_state_side` and the pair diagonals dqk, dqa
+    [L]; qs = q·scale."""
+    _x_st(dq, (dQg * eG + dXq + dqk[:, None] * kx + dqa[:, None] * ax) * scale, bh, t0, rows, cols,
+          nv, T, H, K)
+    _x_st(db, GW * eG + dXb, bh, t0, rows, cols, nv, T, H, K)      # δB = δB← ⊙ Γ (+ pair terms)
+    _x_st(dk, dKd * dec + dYk + dqk[:, None] * qs, bh, t0, rows, cols, nv, T, H, K)
+    _x_st(da, dAd * dec + dYa + dqa[:, None] * qs, bh, t0, rows, cols, nv, T, H, K)
+    up = qs * dXq + bx * dXb - kx * dYk - ax * dYa + (qs * eG) * dQg + (bx * eG) * GW
+    down = kx * dec * dKd + ax * dec * dAd
+    _x_st(dg, _gate_grad(up, down, eGl, hdh), bh, t0, rows, cols, nv, T, H, K)
 
 
 @triton.jit

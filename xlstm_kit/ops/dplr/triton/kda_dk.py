@@ -14,7 +14,7 @@ those need the state-side terms and the gate gradient's cumsums over the whole c
 
 `_bwd_dk_state_kda`, grid (chunk, b·h), the K-tiles in a loop: the state-side products δO hᵀ,
 U δh'ᵀ, GC hᵀ and h·δh', then δq, δk, δ(βk), and δg with its two cumsums over all L rows of the
-chunk in one program — the float32 sums in `_dk_finish`'s order — and the β
+chunk in one program — the float32 sums in the order of `_dk_finish` (dplr_dk.py) — and the β
 gradient's k part summed over the K-tiles (dbk [BH, 1, Tp]). At a K-tile of K the V side (U, GC,
 δO) is read once per chunk; at smaller tiles it is re-read by the same program (cache-hot).
 """
@@ -109,7 +109,7 @@ def _bwd_dk_state_kda(q, k, beta, G, U, Hs, dO, dH, GCb, dXq, dXb, dY, dqd, dq, 
         _x_st(dq, (dQg * eG + dXq_ + d[:, None] * kx) * scale, bh, t0, rows, kr, nv, T, H, K)
         _x_st(dk, dKU * dec + dY_ + d[:, None] * qs + bt[:, None] * db, bh, t0, rows, kr, nv, T, H, K)
         dbs += tl.sum(db * kx, axis=1)
-        # gate gradient grouped as in `_dk_finish` (a = k and b = β k merged)
+        # gate gradient grouped as in `_dk_finish` (dplr_dk.py; a = k and b = β k merged)
         up = qs * dXq_ + bx * dXb_ - kx * dY_ + (qs * eG) * dQg + (bx * eG) * GW
         _x_st(dg, _gate_grad(up, kx * dec * dKU, eGl, hdh), bh, t0, rows, kr, nv, T, H, K)
     _st(dbk + _row(bh, t0, rows, Tp, 1), dbs, m1, VARLEN)
