@@ -244,3 +244,20 @@ def test_mqar_head_at_the_query_positions_only_equals_the_masked_loss(name):
             assert g is None
         else:
             torch.testing.assert_close(g, r)
+
+
+def test_a_schedule_fitted_to_the_time_limit_keeps_the_warmup_share(monkeypatch):
+    # 10 % warmup of a nominal 1000 steps, fitted to 40: 4 warmup steps (was a fifth of the run)
+    from xlstm_kit.tasks import experiment as ex
+
+    class Budget(ex.TimeBudget):
+        def steps_that_fit(self, done, **kw):
+            return 40
+
+    scheds, real = [], ex.lr_at
+    monkeypatch.setattr(ex, "TimeBudget", Budget)
+    monkeypatch.setattr(ex, "lr_at", lambda step, sched: scheds.append(sched) or real(step, sched))
+    r = run_formal("parity", "lstm-plain", quick_config(steps=1000, warmup_steps=100, time_limit_s=600.0), None)
+    assert r["planned_steps"] == r["steps_done"] == 40
+    assert (scheds[0].steps, scheds[0].warmup_steps) == (1000, 100)
+    assert (scheds[-1].steps, scheds[-1].warmup_steps) == (40, 4)
