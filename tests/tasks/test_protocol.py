@@ -85,6 +85,7 @@ def test_aggregate_and_report_on_fake_results(tmp_path):
     assert "| lstm | 0.17 | 0.30 |" in text  # the paper's Figure 12 value next to ours
     assert "## MQAR T64-N4" in text and text.index("T64-N4") < text.index("T256-N16")
     assert "| transformer | 0.90 ± 0.00 (lr 0.001, n=1) | 1.00 ± 0.00 (lr 0.001, n=1) |" in text
+    assert "| T64-N4 | transformer | 64 | 0.001 | 0 | 0.950 | ? | ? |" in text  # every MQAR run too
     assert json.loads(paths["summary"].read_text())
     pytest.importorskip("matplotlib")
     assert paths["figure4"].exists() and paths["mqar"].exists()
@@ -195,3 +196,29 @@ def test_cli_protocol_sweep_mqar_only(tmp_path):
                  "--steps", "2", "--seeds", "0", "--lrs", "1e-3", "--widths", "16", "--device", "cpu",
                  "--out", str(out)]) == 0
     assert [p.stem for p in (out / "runs").glob("*.json")] == ["mqar__T64-N4__lstm-plain__d16__lr0.001__s0"]
+
+
+def test_cli_protocol_sweep_mqar_options_reach_the_mqar_runs_only(tmp_path, capsys):
+    # --mqar-steps / --mqar-time-limit were once dropped silently under --protocol
+    out = tmp_path / "mix"
+    assert main(["experiment", "sweep", "--tasks", "parity", "--models", "lstm-plain", "--protocol", "quick",
+                 "--steps", "3", "--mqar-steps", "2", "--mqar-time-limit", "500", "--seeds", "0", "--lrs", "1e-3",
+                 "--widths", "16", "--device", "cpu", "--out", str(out)]) == 0
+    runs = {p.stem.split("__")[0]: json.loads(p.read_text()) for p in (out / "runs").glob("*.json")}
+    assert runs["mqar"]["steps_done"] == 2 and runs["mqar"]["config"]["time_limit_s"] == 500
+    assert runs["formal"]["steps_done"] == 3 and runs["formal"]["config"]["time_limit_s"] is None
+    for extra in (["--mqar-lr", "1e-3"], ["--steps-for", "parity=5"]):
+        assert main(["experiment", "sweep", "--protocol", "quick", "--out", str(tmp_path / "x"), *extra]) == 2
+        assert f"{extra[0]} do not apply with --protocol" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fields, ended", [
+    ({"converged_at": 900, "steps_done": 900, "planned_steps": 25000}, "converged"),
+    ({"steps_done": 25000, "planned_steps": 25000}, "step budget"),
+    ({"steps_done": 1619, "planned_steps": 1619}, "time limit"),
+    ({"steps_done": 4519, "planned_steps": 4812}, "time limit, 293 steps short of the fitted schedule")])
+def test_report_says_how_each_mqar_run_ended(tmp_path, fields, ended):
+    r = {**_fake("mqar", "T2048-N48", "transformer", 128, 2.15e-3, 1, 0.0168), "config": {"steps": 25000}, **fields}
+    text = pr.write_protocol_report([r], tmp_path)["report"].read_text()
+    steps = f"{fields['steps_done']:,} / {fields['planned_steps']:,}"
+    assert f"| T2048-N48 | transformer | 128 | 0.00215 | 1 | 0.017 | {steps} | {ended} |" in text

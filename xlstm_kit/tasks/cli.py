@@ -338,9 +338,12 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
     from .formal import task_set
 
     proto = pr.get_protocol(args.protocol)
-    clash = [o for o, v in (("--lr", args.lr), ("--seed", args.seed), ("--quick", args.quick)) if v]
+    clash = [o for o, v in (("--lr", args.lr), ("--seed", args.seed), ("--quick", args.quick),
+                            ("--mqar-lr", getattr(args, "mqar_lr", None)),
+                            ("--steps-for", getattr(args, "steps_for", None))) if v]
     if clash:
-        raise UsageError(f"{', '.join(clash)} do not apply with --protocol (it sets them: use --lrs, --seeds, --setting)")
+        raise UsageError(f"{', '.join(clash)} do not apply with --protocol (it sets them: use --lrs, --seeds, "
+                         "--setting, --steps)")
     if (args.seq_len is None) != (args.pairs is None):
         raise UsageError("with --protocol, --seq-len and --pairs go together (the one MQAR shape to run)")
     shapes = None if args.seq_len is None else [(args.seq_len, args.pairs)]
@@ -358,8 +361,11 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
         jobs += pr.formal_plan(tasks, models, proto, lrs=lrs, seeds=seeds, overrides=f_over)
     if args.experiment == "mqar" or (args.experiment == "sweep" and not args.no_mqar):
         widths = _numbers(args.widths, int, "--widths") or ([args.d_model] if args.d_model else None)
+        m_over = dict(overrides, **{k: v for k, v in (("steps", getattr(args, "mqar_steps", None)),
+                                                      ("time_limit_s", getattr(args, "mqar_time_limit", None)))
+                                    if v is not None})
         jobs += pr.mqar_plan(models, proto, args.setting or "zoology", widths=widths, lrs=lrs, seeds=seeds,
-                             overrides=overrides, shapes=shapes)
+                             overrides=m_over, shapes=shapes)
     out.mkdir(parents=True, exist_ok=True)
     (out / ex.COMMAND_FILE).write_text(command + "\n")
     todo = [j for j in jobs if not pr.finished(j, out / "runs")]
