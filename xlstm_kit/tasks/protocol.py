@@ -350,6 +350,36 @@ def _fmt(best: dict[str, Any] | None) -> str:
     return f"{best['mean']:.2f} ± {best['std']:.2f} (lr {best['lr']:g}, n={best['n']})"
 
 
+def _ended_by(r: dict[str, Any]) -> str:
+    done, planned, nominal = r.get("steps_done"), r.get("planned_steps"), r.get("config", {}).get("steps")
+    if r.get("converged_at") is not None:
+        return "converged"
+    if None in (done, planned, nominal):
+        return "?"
+    if planned < nominal:  # the schedule was fitted to the time limit
+        return "time limit" + (f", {planned - done:,} steps short of the fitted schedule" if done < planned else "")
+    return "step budget"
+
+
+def _mqar_runs(results: Sequence[dict[str, Any]], panels: list[str], models: list[str]) -> list[str]:
+    # MQAR runs end on convergence, at the step budget or at a time limit (with a schedule fitted
+    # to it), so the same accuracy can mean different budgets: every run is listed with its own
+    runs = [r for r in results if r["kind"] == "mqar" and "error" not in r]
+    if not runs:
+        return []
+    order = {m: i for i, m in enumerate(models)}
+    runs.sort(key=lambda r: (panels.index(r["task"]), order.get(r["model"], len(order)), r["width"], r["lr"],
+                             r["seed"], r.get("repeat", 1)))
+    lines = ["", "MQAR, every run: accuracy, optimizer steps done / in the schedule, how the run ended", "",
+             "| setting | model | width | lr | seed | accuracy | steps | ended by |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        steps = (f"{r['steps_done']:,} / {r['planned_steps']:,}" if "steps_done" in r and "planned_steps" in r
+                 else "?")
+        lines.append(f"| {r['task']} | {r['model']} | {r['width']} | {r['lr']:g} | {r['seed']} | "
+                     f"{r['scaled_accuracy']:.3f} | {steps} | {_ended_by(r)} |")
+    return lines
+
+
 def write_protocol_report(results: Sequence[dict[str, Any]], out_dir: str | Path, *,
                           command: str | None = None) -> dict[str, Path | None]:
     """out_dir/summary.json (aggregate), report.md (Figure 4 table models x tasks, the paper's
@@ -415,6 +445,7 @@ def write_protocol_report(results: Sequence[dict[str, Any]], out_dir: str | Path
                 lines.append(f"| {m} | " + " | ".join(
                     "—" if cell.get(("mqar", p, m, w)) is None else _fmt(cell[("mqar", p, m, w)]["best"])
                     for w in widths) + " |")
+    lines += _mqar_runs(results, panels, models)
     report = out_dir / "report.md"
     report.write_text("\n".join(lines) + "\n")
     paths: dict[str, Path | None] = {"summary": out_dir / "summary.json", "report": report, "figure4": None, "mqar": None}
