@@ -222,3 +222,16 @@ def test_report_says_how_each_mqar_run_ended(tmp_path, fields, ended):
     text = pr.write_protocol_report([r], tmp_path)["report"].read_text()
     steps = f"{fields['steps_done']:,} / {fields['planned_steps']:,}"
     assert f"| T2048-N48 | transformer | 128 | 0.00215 | 1 | 0.017 | {steps} | {ended} |" in text
+
+
+def test_a_time_limited_mqar_grid_point_is_its_own(tmp_path):
+    # a run cut by a time limit means another budget: it must not stand in for the step-budget run
+    proto = pr.PROTOCOLS["quick"]
+    plain, = pr.mqar_plan(["lstm-plain"], proto, "zoology", widths=[16], lrs=[1e-3], seeds=[0])
+    timed, = pr.mqar_plan(["lstm-plain"], proto, "zoology", widths=[16], lrs=[1e-3], seeds=[0],
+                          overrides={"time_limit_s": 1050.0})
+    assert (plain.task, timed.task) == ("T64-N4", "T64-N4-t1050") and plain.id != timed.id
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / f"{timed.id}.json").write_text(json.dumps({"id": timed.id}))
+    assert pr.finished(timed, runs) and not pr.finished(plain, runs)

@@ -26,7 +26,9 @@ Protocols:
   "quick"  the CPU smoke version: tiny widths, 30 steps, 2 learning rates x 2 seeds.
 
 Every grid point writes runs/<job id>.json; a finished one (no "error") is skipped when the
-plan runs again, so an interrupted sweep resumes where it stopped.
+plan runs again, so an interrupted sweep resumes where it stopped. An MQAR grid point with a time
+limit (--time-limit, --mqar-time-limit) is a grid point of its own, "T2048-N48-t1050": its score
+means a different budget, so it is neither pooled with nor taken for the step-budget one.
 """
 from __future__ import annotations
 
@@ -177,7 +179,9 @@ def mqar_plan(models: Sequence[str], protocol: Protocol, setting: str, *, widths
                         f = {**protocol.mqar, **(overrides or {}), "mqar_seq_len": T, "mqar_pairs": N,
                              "d_model": int(d), "lr": float(lr), "seed": int(seed)}
                         f["min_lr"] = min(f.get("min_lr", 1e-5), f["lr"])
-                        jobs.append(Job("mqar", f"T{T}-N{N}", check_model_name(m), float(lr), int(seed), _warmup(f)))
+                        limit = f.get("time_limit_s")
+                        task = f"T{T}-N{N}" + ("" if limit is None else f"-t{limit:g}")
+                        jobs.append(Job("mqar", task, check_model_name(m), float(lr), int(seed), _warmup(f)))
     return jobs
 
 
@@ -435,7 +439,7 @@ def write_protocol_report(results: Sequence[dict[str, Any]], out_dir: str | Path
                         lines.append(f"| {t} | {m} | {r['width']} | {lr:g} | {', '.join(f'{x:.2f}' for x in sc)} | "
                                      f"{sum(x >= 0.9 for x in sc)}/{len(sc)} |")
     mqar = [r for r in rows if r["kind"] == "mqar"]
-    panels = sorted({r["task"] for r in mqar}, key=lambda s: tuple(int(x[1:]) for x in s.split("-")))
+    panels = sorted({r["task"] for r in mqar}, key=lambda s: tuple(float(x[1:]) for x in s.split("-")))
     for p in panels:
         widths = sorted({r["width"] for r in mqar if r["task"] == p})
         lines += ["", f"## MQAR {p} (accuracy vs width)", "", "| model | " + " | ".join(f"d={w}" for w in widths) + " |",
