@@ -2,7 +2,15 @@
 compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` and Triton's
 bundled ptxas, at the default configuration for bf16 inputs. Prints one line per kernel.
 
-    PYTHONPATH=. python benchmarks/dplr_sm90.py [K V L]        (default 128 128 64)
+    PYTHONPATH=. python benchmarks/dplr_sm90.py [K V L] [--gate f32] [--div16]   (default 128 128 64)
+
+--gate f32: the gate gk read by `_fwd_gamma` is float32 (bf16 otherwise) and only the " mixed"
+    backward rows are built, the configuration such a call gets (`for_dtypes`: the dk group at
+    float32 accuracy, dg float32); the forward kernels other than `_fwd_gamma` do not see the
+    gate's dtype. --div16: every pointer and T, H, Tp, NC specialized as multiples of 16, as a real
+    launch at e.g. T = 2048, H = 16 compiles them (Triton's alignment specialization): loads then
+    vectorize, and registers and spills can differ a lot from the default build, which assumes
+    nothing about alignment.
 """
 import sys
 
@@ -19,6 +27,8 @@ from xlstm_kit.ops.dplr.triton.wy import _fwd_wy
 
 BF16 = {"q", "k", "v", "a", "b", "O", "dO", "dv", "dq", "dk", "da", "db", "beta", "dg", "gk"}
 SCALARS = {"Tp": "i32", "NC": "i32", "H": "i32", "T": "i32", "scale": "fp32"}
+GATE = "*fp32" if "--gate" in sys.argv[:-1] and sys.argv[sys.argv.index("--gate") + 1] == "f32" else "*bf16"
+DIV16 = "--div16" in sys.argv
 
 
 def build(name, fn, consts, num_warps, gate="*bf16"):
@@ -34,10 +44,13 @@ def build(name, fn, consts, num_warps, gate="*bf16"):
             sig[arg] = "*fp64"
         elif arg == "dg":
             sig[arg] = gate
+        elif arg == "gk":
+            sig[arg] = GATE
         else:
             sig[arg] = "*bf16" if arg in BF16 else "*fp32"
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
-    r = sm90_resources(fn, sig, consts, num_warps)
+    div16 = [a for a in sig if sig[a].startswith("*") or a in ("T", "H", "Tp", "NC")] if DIV16 else ()
+    r = sm90_resources(fn, sig, consts, num_warps, divisible_by_16=div16)
     print(f"{name:34s} regs {r['regs']:>3d}  spill {r['spill_stores']}/{r['spill_loads']} B  smem {r['smem']} B",
           flush=True)
 
@@ -48,7 +61,7 @@ def main(K=128, V=128, L=64):
     mixed = resolve(DPLRKernelConfig(lowp_outputs="o,dv"), K, V, L, False)
     c = full
     base = dict(K=K, V=V, L=L, S=SUB, PREC=c.prec, VARLEN=False, KDA=False)
-    print(f"K={K} V={V} L={L}")
+    print(f"K={K} V={V} L={L} gate {GATE[1:]}{' div16' if DIV16 else ''}")
     build("_fwd_gamma", _fwd_gamma, dict(K=K, L=L, BK=min(K, 64), VARLEN=False), 4)
     build("_fwd_pairs", _fwd_pairs, dict(base, BK=c.pairs_bk, LO=c.lo_qk), c.pairs_warps)
     build("_fwd_pairs_kda", _fwd_pairs_kda, dict(base, BK=c.pairs_bk), c.pairs_warps)
@@ -58,7 +71,8 @@ def main(K=128, V=128, L=64):
     build("_fwd_state", _fwd_state, st, c.state_warps)
     build("_fwd_state KDA", _fwd_state, dict(st, KDA=True), c.state_warps)
     build("_bwd_state", _bwd_state, dict(base, BV=c.state_bv, HAS_DHT=True), c.state_warps)
-    for tag, x in (("", full), (" mixed", mixed)):
+    # float32 gates: only the configuration such a call gets (mixed)
+    for tag, x in (("", full), (" mixed", mixed))[GATE == "*fp32":]:
         dv = dict(base, BK=x.dv_bk, BV=x.bwd_bv, LO=x.lo_dk, LV=x.lo_dv, LG=x.lo_gc)
         dk = dict(base, BK=x.dk_bk, BV=x.bwd_bv, LO=x.lo_dk)
         gate = "*fp32" if tag else "*bf16"
@@ -75,4 +89,4 @@ def main(K=128, V=128, L=64):
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:4]))
+    main(*(int(a) for a in sys.argv[1:] if a.isdigit()))
