@@ -56,8 +56,8 @@ def _x_ld(x, bh, t0, rows, cols, nv, T, H, D):
     """The tile [t0 + rows, cols] of head b·h of a contiguous [B, T, H, D] array, zeros where
     `_x_mask` is false (the zero padding of the chunk layout)."""
     # rows clamped to step T − 1 (in bounds even when t0 ≥ T: a column block past the end) and
-    # zeroed by a select, not a masked load: ptxas at sm_90a spills about half as much in the
-    # kernels that load several such tiles (NOTES-dplr-issue20.md, session 12, glue)
+    # zeroed by a select, not a masked load: on the H200 the key-gradient pair kernels run
+    # 0.3-0.7 ms faster with it (the forward pair kernels slower: benchmarks/NOTES-dplr-glue.md)
     p = _x_base(x, bh, t0, T, H, D) + tl.minimum(rows, T - 1 - t0)[:, None] * (H * D) + cols[None, :]
     return tl.where(_x_mask(t0, rows, nv, T)[:, None], tl.load(p), 0.0)
 
