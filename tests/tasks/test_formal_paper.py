@@ -67,6 +67,25 @@ def test_expression_samplers_are_well_formed():
         assert FP.solve_equation_label(x) == y and len(x) <= max(n, 5)
 
 
+def test_expression_values_match_python_arithmetic():
+    # an independent reference: the token string as a Python expression (same precedence),
+    # evaluated over the integers and reduced mod 5 at the end
+    text = {P: "+", M: "-", X: "*", O: "(", C: ")"}
+    rng = np.random.default_rng(3)
+    for n in (1, 3, 7, 19, 41):
+        for _ in range(40):
+            e = FP._random_expression(rng, n)
+            assert len(e) == n
+            src = "".join(text.get(s, str(s)) for s in e)
+            assert FP._values(e) == (eval(src) % 5,) * 5 and FP._evaluate(e) == eval(src) % 5
+            digits = [i for i, s in enumerate(e) if s < FP.MOD]
+            e[digits[len(digits) // 2]] = U
+            src = "".join(text.get(s, "x" if s == U else str(s)) for s in e)
+            assert FP._values(e) == tuple(eval(src, {"x": v}) % 5 for v in range(5))
+    with pytest.raises(XLSTMKitError):
+        FP._evaluate([U, P, 1])  # an unknown with no value given
+
+
 def test_no_teacher_forcing_inputs_are_pad_at_answer_positions():
     task = get_task("reverse_string", "paper")
     x, y = [3, 1, 4, 1, 5], [5, 1, 4, 1, 3]

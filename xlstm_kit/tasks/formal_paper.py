@@ -72,20 +72,43 @@ PLUS, MINUS, TIMES, OPEN, CLOSE = MOD, MOD + 1, MOD + 2, MOD + 3, MOD + 4  # dig
 UNKNOWN, EQUALS = MOD + 5, MOD + 6
 
 
-def _evaluate(x: Sequence[int], unknown: int | None = None) -> int:
-    """Value mod 5 of a bracketed expression (recursive descent; * binds tighter than + -)."""
-    pos = 0
+_ROOTS = tuple(range(MOD))
 
-    def atom() -> int:
+
+def _values(x: Sequence[int]) -> tuple[int, ...]:
+    """Value mod 5 of a bracketed expression for each X = 0..4 (recursive descent; * binds
+    tighter than + -): one parse where solving an equation evaluated it six times. Without X
+    the parse runs on plain ints."""
+    pos = 0
+    if UNKNOWN in x:
+        def digit(d):
+            return (d,) * MOD
+
+        def mul(a, b):
+            return tuple(p * q % MOD for p, q in zip(a, b))
+
+        def add(a, b, sign):
+            return tuple((p + sign * q) % MOD for p, q in zip(a, b))
+    else:
+        def digit(d):
+            return d
+
+        def mul(a, b):
+            return a * b % MOD
+
+        def add(a, b, sign):
+            return (a + sign * b) % MOD
+
+    def atom():
         nonlocal pos
         if pos >= len(x):
             raise XLSTMKitError(f"expression ends early: {list(x)}")
         s = x[pos]
         pos += 1
         if s < MOD:
-            return int(s)
-        if s == UNKNOWN and unknown is not None:
-            return unknown
+            return digit(int(s))
+        if s == UNKNOWN:
+            return _ROOTS
         if s == OPEN:
             v = expr()
             if pos >= len(x) or x[pos] != CLOSE:
@@ -94,27 +117,34 @@ def _evaluate(x: Sequence[int], unknown: int | None = None) -> int:
             return v
         raise XLSTMKitError(f"symbol {s} where a digit or '(' belongs: {list(x)}")
 
-    def term() -> int:
+    def term():
         nonlocal pos
         v = atom()
         while pos < len(x) and x[pos] == TIMES:
             pos += 1
-            v = v * atom() % MOD
+            v = mul(v, atom())
         return v
 
-    def expr() -> int:
+    def expr():
         nonlocal pos
         v = term()
         while pos < len(x) and x[pos] in (PLUS, MINUS):
-            op = x[pos]
+            sign = 1 if x[pos] == PLUS else -1
             pos += 1
-            v = (v + term()) % MOD if op == PLUS else (v - term()) % MOD
+            v = add(v, term(), sign)
         return v
 
     value = expr()
     if pos != len(x):
         raise XLSTMKitError(f"not a well-formed expression: {list(x)}")
-    return value
+    return value if isinstance(value, tuple) else (value,) * MOD
+
+
+def _evaluate(x: Sequence[int], unknown: int | None = None) -> int:
+    """Value mod 5 of a bracketed expression, its X (if any) set to `unknown`."""
+    if unknown is None and UNKNOWN in x:
+        raise XLSTMKitError(f"symbol {UNKNOWN} where a digit or '(' belongs: {list(x)}")
+    return _values(x)[unknown or 0]
 
 
 def modular_arithmetic_brackets_label(x: Sequence[int]) -> list[int]:
@@ -126,13 +156,20 @@ def _random_expression(rng: np.random.Generator, n: int) -> list[int]:
     brackets add two: every expression has an odd length)."""
     if n % 2 == 0 or n < 1:
         raise XLSTMKitError(f"expressions have odd lengths, got {n}")
-    if n == 1:
-        return [int(rng.integers(0, MOD))]
-    if rng.random() < 0.25:
-        return [OPEN] + _random_expression(rng, n - 2) + [CLOSE]
-    a = 2 * int(rng.integers(0, (n - 1) // 2)) + 1  # left part: odd length 1 .. n - 2
-    op = int(rng.integers(PLUS, TIMES + 1))
-    return _random_expression(rng, a) + [op] + _random_expression(rng, n - 1 - a)
+    # every choice from one draw of uniforms (at most 2n - 1 are used): a generator call per
+    # choice was most of a batch's sampling time
+    u = iter(rng.random(3 * n).tolist())
+
+    def build(n: int) -> list[int]:
+        if n == 1:
+            return [int(next(u) * MOD)]
+        if next(u) < 0.25:
+            return [OPEN] + build(n - 2) + [CLOSE]
+        a = 2 * int(next(u) * ((n - 1) // 2)) + 1  # left part: odd length 1 .. n - 2
+        op = PLUS + int(next(u) * 3)
+        return build(a) + [op] + build(n - 1 - a)
+
+    return build(n)
 
 
 def _odd_at_most(n: int) -> int:
@@ -150,7 +187,7 @@ def solve_equation_label(x: Sequence[int]) -> list[int]:
     if len(x) < 3 or x[-2] != EQUALS or not 0 <= x[-1] < MOD or list(x).count(UNKNOWN) != 1:
         raise XLSTMKitError(f"not 'expression with one X = digit': {list(x)}")
     lhs, c = x[:-2], x[-1]
-    roots = [v for v in range(MOD) if _evaluate(lhs, v) == c]
+    roots = [v for v, value in enumerate(_values(lhs)) if value == c]
     if len(roots) != 1:
         raise XLSTMKitError(f"{len(roots)} solutions, need exactly one: {list(x)}")
     return roots
@@ -164,9 +201,9 @@ def _sample_equation(rng: np.random.Generator, n: int):
         i = int(rng.choice(digits))
         answer = lhs[i]
         lhs[i] = UNKNOWN
-        x = lhs + [EQUALS, _evaluate(lhs, answer)]
-        if sum(_evaluate(lhs, v) == x[-1] for v in range(MOD)) == 1:
-            return x, [answer]
+        values = _values(lhs)
+        if values.count(values[answer]) == 1:
+            return lhs + [EQUALS, values[answer]], [answer]
 
 
 def _uniform_majority(k: int):
