@@ -159,9 +159,14 @@ def test_a_paused_grid_point_continues_to_the_uninterrupted_result(tmp_path, mon
     assert f", loss {dict(whole['losses'])[10]:.4f};" in first["message"]  # the last logged (every 5 steps)
     assert (tmp_path / "b" / f"{job.id}.ckpt").exists() and not (tmp_path / "b" / f"{job.id}.json").exists()
     assert not pr.finished(job, tmp_path / "b")
+    # the curve so far is in a small file of its own (the checkpoint may never come back)
+    progress = json.loads((tmp_path / "b" / f"{job.id}.progress").read_text())
+    assert progress["steps_done"] == 11 and progress["planned_steps"] == 30
+    assert [tuple(x) for x in progress["losses"]] == [tuple(x) for x in whole["losses"] if x[0] <= 11]
     monkeypatch.undo()
     rest = pr.run_job(job, tmp_path / "b", "cpu")
     assert not (tmp_path / "b" / f"{job.id}.ckpt").exists() and pr.finished(job, tmp_path / "b")
+    assert not (tmp_path / "b" / f"{job.id}.progress").exists()
     assert rest["losses"] == whole["losses"] and rest["steps_done"] == whole["steps_done"] == 30
     assert rest["scaled_accuracy"] == whole["scaled_accuracy"]
 
@@ -235,3 +240,16 @@ def test_a_time_limited_mqar_grid_point_is_its_own(tmp_path):
     runs.mkdir()
     (runs / f"{timed.id}.json").write_text(json.dumps({"id": timed.id}))
     assert pr.finished(timed, runs) and not pr.finished(plain, runs)
+
+
+def test_report_lists_unfinished_runs_from_their_progress_files(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    curve = {"steps_done": 16650, "planned_steps": 25000, "seconds": 1012.4, "losses": [[1, 9.1], [16650, 6.9465]]}
+    (runs / "mqar__T2048-N48__transformer__d128__lr0.00215__s0.progress").write_text(json.dumps(curve))
+    (runs / "done.progress").write_text(json.dumps(curve))  # a stale one next to its finished result
+    (runs / "done.json").write_text(json.dumps({"id": "done"}))
+    r = _fake("mqar", "T256-N16", "transformer", 128, 1e-3, 0, 1.0)
+    text = pr.write_protocol_report([r], tmp_path)["report"].read_text()
+    assert "| mqar__T2048-N48__transformer__d128__lr0.00215__s0 | 16,650 / 25,000 | 6.9465 | 1012 |" in text
+    assert "| done |" not in text

@@ -323,6 +323,19 @@ def _save_checkpoint(path: Path, model: nn.Module, opt, rng: np.random.Generator
                 "torch_rng": torch.get_rng_state(), "step": step, "steps": sched.steps,
                 "warmup_steps": sched.warmup_steps, "losses": log.losses, "seconds": seconds}, tmp)
     os.replace(tmp, path)  # a run killed while saving keeps the previous checkpoint
+    # the losses so far also in a small text file next to it: the checkpoint (model, optimizer)
+    # is too big to bring back from a lent machine, and a run lost with it keeps its curve
+    progress = progress_path(path)
+    tmp = progress.with_name(progress.name + ".tmp")
+    tmp.write_text(json.dumps(
+        {"steps_done": step, "planned_steps": sched.steps, "seconds": round(seconds, 1), "losses": log.losses}))
+    os.replace(tmp, progress)
+
+
+def progress_path(checkpoint: str | Path) -> Path:
+    """The JSON file (steps_done, planned_steps, seconds, losses) that every save of
+    `checkpoint` rewrites; a finished run deletes both."""
+    return Path(checkpoint).with_suffix(".progress")
 
 
 def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], TaskBatch], cfg: RunConfig,

@@ -200,13 +200,13 @@ def finished(job: Job, runs_dir: str | Path) -> bool:
 def run_job(job: Job, runs_dir: str | Path, device: str, progress=None, stop_at: float | None = None) -> dict[str, Any]:
     """Run one grid point on `device` and write runs_dir/<job.id>.json (an error is recorded too).
 
-    Training is checkpointed to runs_dir/<job.id>.ckpt (deleted when the run is done) and
-    continues from there if the file exists. Past `stop_at` (a time.time() value) the run saves
+    Training is checkpointed to runs_dir/<job.id>.ckpt, its losses so far to <job.id>.progress
+    (both deleted when the run is done), and continues from there if the checkpoint exists. Past `stop_at` (a time.time() value) the run saves
     its checkpoint and returns {..., "paused": True} without a results file; a grid point not
     started by then returns that at once."""
     import torch
 
-    from .experiment import RunConfig, RunPaused, run_formal, run_mqar
+    from .experiment import RunConfig, RunPaused, progress_path, run_formal, run_mqar
 
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -235,6 +235,7 @@ def run_job(job: Job, runs_dir: str | Path, device: str, progress=None, stop_at:
     os.replace(tmp, path)
     if "error" not in r:
         ckpt.unlink(missing_ok=True)
+        progress_path(ckpt).unlink(missing_ok=True)
     return r
 
 
@@ -384,6 +385,24 @@ def _mqar_runs(results: Sequence[dict[str, Any]], panels: list[str], models: lis
     return lines
 
 
+def _unfinished(runs_dir: Path) -> list[str]:
+    # a paused run whose checkpoint was lost (a lent machine given back) leaves its curve only
+    rows = []
+    for p in sorted(runs_dir.glob("*.progress")):
+        if p.with_suffix(".json").exists():
+            continue
+        try:
+            g = json.loads(p.read_text())
+        except ValueError:
+            continue
+        last = f"{g['losses'][-1][1]:.4f}" if g.get("losses") else "—"
+        rows.append(f"| {p.stem} | {g['steps_done']:,} / {g['planned_steps']:,} | {last} | {g['seconds']:.0f} |")
+    if not rows:
+        return []
+    return ["", "Unfinished runs (paused, not resumed): no accuracy; steps and last training loss", "",
+            "| run | steps | loss | seconds |", "|---|---|---|---|", *rows]
+
+
 def write_protocol_report(results: Sequence[dict[str, Any]], out_dir: str | Path, *,
                           command: str | None = None) -> dict[str, Path | None]:
     """out_dir/summary.json (aggregate), report.md (Figure 4 table models x tasks, the paper's
@@ -450,6 +469,7 @@ def write_protocol_report(results: Sequence[dict[str, Any]], out_dir: str | Path
                     "—" if cell.get(("mqar", p, m, w)) is None else _fmt(cell[("mqar", p, m, w)]["best"])
                     for w in widths) + " |")
     lines += _mqar_runs(results, panels, models)
+    lines += _unfinished(out_dir / "runs")
     report = out_dir / "report.md"
     report.write_text("\n".join(lines) + "\n")
     paths: dict[str, Path | None] = {"summary": out_dir / "summary.json", "report": report, "figure4": None, "mqar": None}
