@@ -1,8 +1,9 @@
 #!/bin/bash
 # One device call of issue 19's paper protocol: the sweep's grid points for at most STOP seconds
 # (paused ones keep their checkpoints in /tmp/paper, which the next call on the same, still warm,
-# machine continues from), then the results (run JSONs, report, log; no checkpoints) tarred into
-# $OUT/paper.tgz (a paused run's <id>.progress keeps its loss curve). Unpack here with `tar xzf paper.tgz -C /tmp` and copy the new paper/runs/*.json
+# machine continues from), then the results (run JSONs, a paused run's <id>.progress with its loss
+# curve, report, log; no checkpoints) tarred into $OUT/paper.tgz. Unpack here with
+# `tar xzf paper.tgz -C /tmp` and copy the new paper/runs/*.json
 # into results/experiments/paper/runs/ (the sweep skips finished grid points, the committed ones
 # included: a fresh machine's /tmp/paper starts from them).
 #
