@@ -55,7 +55,7 @@ def test_finished_runs_are_skipped(tmp_path, monkeypatch):
     (runs / f"{jobs[1].id}.json").write_text(json.dumps({"id": jobs[1].id, "error": "boom"}))
     (runs / f"{jobs[2].id}.json").write_text('{"id": "cut sh')  # killed mid-write
     ran = []
-    monkeypatch.setattr(pr, "run_job", lambda j, d, dev, stop_at=None: ran.append(j.id) or {"id": j.id})
+    monkeypatch.setattr(pr, "run_job", lambda j, d, dev, stop_at=None, score_paused=False: ran.append(j.id) or {"id": j.id})
     pr.run_plan(jobs, tmp_path)
     assert sorted(ran) == sorted(j.id for j in jobs[1:])
     assert pr.finished(jobs[0], runs) and not pr.finished(jobs[1], runs)
@@ -251,5 +251,36 @@ def test_report_lists_unfinished_runs_from_their_progress_files(tmp_path):
     (runs / "done.json").write_text(json.dumps({"id": "done"}))
     r = _fake("mqar", "T256-N16", "transformer", 128, 1e-3, 0, 1.0)
     text = pr.write_protocol_report([r], tmp_path)["report"].read_text()
-    assert "| mqar__T2048-N48__transformer__d128__lr0.00215__s0 | 16,650 / 25,000 | 6.9465 | 1012 |" in text
+    assert "| mqar__T2048-N48__transformer__d128__lr0.00215__s0 | 16,650 / 25,000 | 6.9465 | — | 1012 |" in text
     assert "| done |" not in text
+
+
+def test_a_paused_run_scored_as_it_stands(tmp_path, monkeypatch, capsys):
+    """--score-paused: the paused run's model is evaluated as the checkpoint holds it (the same
+    score as evaluating the checkpoint afresh), into its progress file, message and report."""
+    import itertools
+
+    import torch
+
+    from xlstm_kit.tasks import experiment as ex
+
+    job = pr.formal_plan(["parity"], ["lstm-plain"], pr.PROTOCOLS["quick"], lrs=[1e-2], seeds=[0])[0]
+    ticks = itertools.count()
+    monkeypatch.setattr(ex.time, "time", lambda: 100.0 + (next(ticks) >= 11) * 1e6)
+    r = pr.run_job(job, tmp_path / "runs", "cpu", stop_at=1e5, score_paused=True)
+    monkeypatch.undo()
+    curve = json.loads((tmp_path / "runs" / f"{job.id}.progress").read_text())
+    assert r["paused"] and f"scored {curve['at_pause']['scaled_accuracy']:.3f} as it stands" in r["message"]
+    cfg = ex.RunConfig(**job.config)
+    task = ex.get_task("parity", cfg.tasks)
+    model = ex.build_model("lstm-plain", task.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads,
+                           n_blocks=cfg.n_blocks, slstm=cfg.slstm)
+    model.load_state_dict(torch.load(tmp_path / "runs" / f"{job.id}.ckpt", weights_only=True)["model"])
+    again = ex.evaluate_formal(model, task, cfg.test_lengths, cfg.eval_samples, seed=cfg.seed + 1,
+                               batch_size=cfg.eval_batch_size, precision=cfg.precision,
+                               teacher_forcing=cfg.teacher_forcing)
+    assert 0 < curve["at_pause"]["accuracy"] == again["accuracy"]
+    report = pr.write_protocol_report([], tmp_path)["report"].read_text()
+    assert f"| {job.id} | 11 / 30 | " in report and f"| {curve['at_pause']['scaled_accuracy']:.3f} |" in report
+    args = ["experiment", "sweep", "--protocol", "quick", "--score-paused", "--out", str(tmp_path / "x")]
+    assert main(args) == 2 and "--score-paused needs --stop-after" in capsys.readouterr().err

@@ -110,6 +110,9 @@ def add_parser(sub) -> None:
         p.add_argument("--stop-after", type=_positive_float, default=None, metavar="SECONDS",
                        help="with --protocol: after SECONDS the running grid points save a checkpoint and the "
                             "command ends; the same command later continues them (a machine lent for a while)")
+        p.add_argument("--score-paused", action="store_true",
+                       help="with --stop-after: score the paused grid points as they stand too (into "
+                            "runs/<id>.progress and the report), for a last call whose checkpoints will be lost")
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,6 +265,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         return cmd_protocol(args, out, str(device), command)
     if args.stop_after is not None:
         raise UsageError("--stop-after needs --protocol (its grid points are checkpointed and continued)")
+    if args.score_paused:
+        raise UsageError("--score-paused needs --protocol and --stop-after")
     fields = _run_fields(args)
     make = ex.quick_config if args.quick else ex.RunConfig
 
@@ -344,6 +349,8 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
     if clash:
         raise UsageError(f"{', '.join(clash)} do not apply with --protocol (it sets them: use --lrs, --seeds, "
                          "--setting, --steps)")
+    if args.score_paused and args.stop_after is None:
+        raise UsageError("--score-paused needs --stop-after")
     if (args.seq_len is None) != (args.pairs is None):
         raise UsageError("with --protocol, --seq-len and --pairs go together (the one MQAR shape to run)")
     shapes = None if args.seq_len is None else [(args.seq_len, args.pairs)]
@@ -381,7 +388,7 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
         print(f"[{k}/{n}] {r['id']}: {what}", file=sys.stderr, flush=True)
 
     results = pr.run_plan(jobs, out, device=device, jobs_per_device=args.jobs, on_result=on_result,
-                          stop_after_s=args.stop_after)
+                          stop_after_s=args.stop_after, score_paused=args.score_paused)
     paused = sum(1 for r in results if r.get("paused"))
     if paused:
         print(f"{paused} grid points paused or not started: run the same command again to continue them",

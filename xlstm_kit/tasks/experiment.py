@@ -539,12 +539,31 @@ def _budget(cfg: RunConfig, share: float) -> float | None:
     return None if cfg.time_limit_s is None else share * cfg.time_limit_s
 
 
+def _train_scoring_a_pause(model: nn.Module, sample, cfg: RunConfig, share: float, progress, checkpoint,
+                           stop_at, score: Callable[[], dict[str, Any]] | None) -> TrainLog:
+    # With `score`, a paused run is also scored as it stands: where its checkpoint cannot outlive
+    # the machine (the last call of a lent slot), the accuracy it reached is kept in its
+    # progress file ("at_pause") and its RunPaused message.
+    try:
+        return train_on_task(model, sample, cfg, _budget(cfg, share), progress, checkpoint=checkpoint, stop_at=stop_at)
+    except RunPaused as e:
+        if score is None:
+            raise
+        fields = score()
+        path = progress_path(checkpoint)
+        curve = json.loads(path.read_text())
+        curve["at_pause"] = {k: fields[k] for k in ("accuracy", "scaled_accuracy")}
+        path.write_text(json.dumps(curve))
+        raise RunPaused(f"{e}; scored {fields['scaled_accuracy']:.3f} as it stands") from None
+
+
 def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | Path | None = None, *,
                progress: ProgressFn | None = None, checkpoint: str | Path | None = None,
-               stop_at: float | None = None) -> dict[str, Any]:
+               stop_at: float | None = None, score_paused: bool = False) -> dict[str, Any]:
     """Train `model_name` on formal task `task_name`, evaluate on the test and training lengths,
     and write `out_dir`/formal__TASK__MODEL.json (when out_dir is given). Returns the results.
-    `checkpoint`, `stop_at`: as for `train_on_task` (RunPaused when stopped)."""
+    `checkpoint`, `stop_at`: as for `train_on_task` (RunPaused when stopped); `score_paused`:
+    a paused run is evaluated too, into its progress file (see `progress_path`)."""
     t_start = time.perf_counter()
     task = get_task(task_name, cfg.tasks)
     model_name = check_model_name(model_name)
@@ -552,16 +571,19 @@ def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | P
     model = build_model(model_name, task.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads,
                         n_blocks=cfg.n_blocks, backend=cfg.backend, slstm=cfg.slstm).to(cfg.device)
     result = _run_header("formal", task.name, model_name, model, cfg)
-    log = train_on_task(model, lambda rng: sample_train_batch(task, rng, cfg.batch_size, cfg.train_lengths,
-                                                              cfg.teacher_forcing),
-                        cfg, _budget(cfg, 0.85), progress, checkpoint=checkpoint, stop_at=stop_at)
-    kw = dict(batch_size=cfg.eval_batch_size, device=cfg.device, precision=cfg.precision,
-              teacher_forcing=cfg.teacher_forcing)
-    test = evaluate_formal(model, task, cfg.test_lengths, cfg.eval_samples, seed=cfg.seed + 1, **kw)
-    lo, hi = cfg.train_lengths
-    in_dist = evaluate_formal(model, task, range(lo, hi + 1), max(1, cfg.eval_samples // 2), seed=cfg.seed + 2, **kw)
-    result.update(chance=task.chance, accuracy=test["accuracy"], scaled_accuracy=test["scaled_accuracy"],
-                  per_length=test["per_length"], train_lengths_scaled_accuracy=in_dist["scaled_accuracy"])
+    def score() -> dict[str, Any]:
+        kw = dict(batch_size=cfg.eval_batch_size, device=cfg.device, precision=cfg.precision,
+                  teacher_forcing=cfg.teacher_forcing)
+        test = evaluate_formal(model, task, cfg.test_lengths, cfg.eval_samples, seed=cfg.seed + 1, **kw)
+        lo, hi = cfg.train_lengths
+        in_dist = evaluate_formal(model, task, range(lo, hi + 1), max(1, cfg.eval_samples // 2), seed=cfg.seed + 2, **kw)
+        return dict(chance=task.chance, accuracy=test["accuracy"], scaled_accuracy=test["scaled_accuracy"],
+                    per_length=test["per_length"], train_lengths_scaled_accuracy=in_dist["scaled_accuracy"])
+
+    log = _train_scoring_a_pause(
+        model, lambda rng: sample_train_batch(task, rng, cfg.batch_size, cfg.train_lengths, cfg.teacher_forcing),
+        cfg, 0.85, progress, checkpoint, stop_at, score if score_paused else None)
+    result.update(score())
     return _finish(result, log, t_start, out_dir)
 
 
@@ -572,11 +594,11 @@ def mqar_label(cfg: RunConfig, with_lr: bool = False) -> str:
 
 def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None, *,
              label: str | None = None, progress: ProgressFn | None = None, checkpoint: str | Path | None = None,
-             stop_at: float | None = None) -> dict[str, Any]:
+             stop_at: float | None = None, score_paused: bool = False) -> dict[str, Any]:
     """Train `model_name` on MQAR at cfg.mqar_seq_len and evaluate with cfg.mqar_pairs pairs;
     writes `out_dir`/mqar__LABEL__MODEL.json (LABEL: `label` or mqar_label(cfg)). Training batches draw the number of pairs
     from 4, 8, ... up to mqar_pairs (the easier ones teach the lookup faster; Zoology trains on a
-    mix of sizes as well). `checkpoint`, `stop_at`: as for `train_on_task`."""
+    mix of sizes as well). `checkpoint`, `stop_at`, `score_paused`: as for `run_formal`."""
     t_start = time.perf_counter()
     model_name = check_model_name(model_name)
     T, N, V = cfg.mqar_seq_len, cfg.mqar_pairs, cfg.mqar_vocab
@@ -589,10 +611,13 @@ def run_mqar(model_name: str, cfg: RunConfig, out_dir: str | Path | None = None,
     def sample(rng: np.random.Generator) -> TaskBatch:
         return mqar_batch(rng, cfg.batch_size, T, int(rng.choice(pair_choices)), V, cfg.mqar_spacing)
 
-    log = train_on_task(model, sample, cfg, _budget(cfg, 0.9), progress, checkpoint=checkpoint, stop_at=stop_at)
-    acc = evaluate_mqar(model, T, N, 64 * cfg.eval_samples, vocab_size=V, batch_size=cfg.eval_batch_size,
-                        seed=cfg.seed + 1, device=cfg.device, precision=cfg.precision, spacing=cfg.mqar_spacing)
-    result.update(accuracy=acc, chance=1.0 / (V - V // 2), scaled_accuracy=acc, train_pairs=pair_choices)
+    def score() -> dict[str, Any]:
+        acc = evaluate_mqar(model, T, N, 64 * cfg.eval_samples, vocab_size=V, batch_size=cfg.eval_batch_size,
+                            seed=cfg.seed + 1, device=cfg.device, precision=cfg.precision, spacing=cfg.mqar_spacing)
+        return dict(accuracy=acc, chance=1.0 / (V - V // 2), scaled_accuracy=acc, train_pairs=pair_choices)
+
+    log = _train_scoring_a_pause(model, sample, cfg, 0.9, progress, checkpoint, stop_at, score if score_paused else None)
+    result.update(score())
     return _finish(result, log, t_start, out_dir)
 
 

@@ -197,13 +197,15 @@ def finished(job: Job, runs_dir: str | Path) -> bool:
         return False
 
 
-def run_job(job: Job, runs_dir: str | Path, device: str, progress=None, stop_at: float | None = None) -> dict[str, Any]:
+def run_job(job: Job, runs_dir: str | Path, device: str, progress=None, stop_at: float | None = None,
+            score_paused: bool = False) -> dict[str, Any]:
     """Run one grid point on `device` and write runs_dir/<job.id>.json (an error is recorded too).
 
     Training is checkpointed to runs_dir/<job.id>.ckpt, its losses so far to <job.id>.progress
-    (both deleted when the run is done), and continues from there if the checkpoint exists. Past `stop_at` (a time.time() value) the run saves
-    its checkpoint and returns {..., "paused": True} without a results file; a grid point not
-    started by then returns that at once."""
+    (both deleted when the run is done), and continues from there if the checkpoint exists.
+    Past `stop_at` (a time.time() value) the run saves its checkpoint and returns
+    {..., "paused": True} without a results file (with `score_paused`, after scoring the model
+    as it stands into the progress file); a grid point not started by then returns that at once."""
     import torch
 
     from .experiment import RunConfig, RunPaused, progress_path, run_formal, run_mqar
@@ -219,7 +221,7 @@ def run_job(job: Job, runs_dir: str | Path, device: str, progress=None, stop_at:
         cfg = RunConfig(**{**job.config, "device": device})
         if device.startswith("cuda:"):
             torch.cuda.set_device(device)
-        kw = dict(progress=progress, checkpoint=ckpt, stop_at=stop_at)
+        kw = dict(progress=progress, checkpoint=ckpt, stop_at=stop_at, score_paused=score_paused)
         if job.kind == "mqar":
             r = run_mqar(job.model, cfg, None, label=job.task, **kw)
         else:
@@ -254,8 +256,8 @@ def _claim_device(queue, threads: int) -> None:
     _DEVICE = queue.get()
 
 
-def _run_on_claimed(job: Job, runs_dir: str, stop_at: float | None) -> dict[str, Any]:
-    return run_job(job, runs_dir, _DEVICE, stop_at=stop_at)
+def _run_on_claimed(job: Job, runs_dir: str, stop_at: float | None, score_paused: bool) -> dict[str, Any]:
+    return run_job(job, runs_dir, _DEVICE, stop_at=stop_at, score_paused=score_paused)
 
 
 def plan_devices(device: str) -> list[str]:
@@ -274,12 +276,13 @@ def worker_devices(device: str, jobs_per_device: int = 1) -> list[str]:
 
 def run_plan(jobs: Sequence[Job], out_dir: str | Path, *, device: str = "cpu", jobs_per_device: int = 1,
              on_result: Callable[[int, int, dict[str, Any]], None] | None = None,
-             stop_after_s: float | None = None) -> list[dict[str, Any]]:
+             stop_after_s: float | None = None, score_paused: bool = False) -> list[dict[str, Any]]:
     """Run the jobs not finished yet (see `finished`) into out_dir/runs, the longest first:
     `jobs_per_device` worker processes per GPU (the small models leave a GPU mostly idle, so
     several share one well; 1 process in all: in this process). Returns the new results.
     `stop_after_s`: after so many seconds the running grid points save their checkpoints and
-    the rest wait (results {"paused": True}); the same call later goes on from there."""
+    the rest wait (results {"paused": True}); the same call later goes on from there.
+    `score_paused`: the paused runs are scored as they stand too (see `run_job`)."""
     stop_at = None if stop_after_s is None else time.time() + stop_after_s
     if isinstance(jobs_per_device, bool) or not isinstance(jobs_per_device, int) or jobs_per_device < 1:
         raise XLSTMKitError(f"jobs_per_device must be a positive integer, got {jobs_per_device!r}")
@@ -295,7 +298,7 @@ def run_plan(jobs: Sequence[Job], out_dir: str | Path, *, device: str = "cpu", j
 
     if len(devices) == 1 or len(todo) <= 1:
         for j in todo:
-            done(run_job(j, runs_dir, devices[0], stop_at=stop_at))
+            done(run_job(j, runs_dir, devices[0], stop_at=stop_at, score_paused=score_paused))
         return results
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -307,7 +310,7 @@ def run_plan(jobs: Sequence[Job], out_dir: str | Path, *, device: str = "cpu", j
             queue.put(d)
         with ProcessPoolExecutor(len(devices), mp_context=ctx, initializer=_claim_device,
                                  initargs=(queue, max(1, (os.cpu_count() or 1) // len(devices)))) as pool:
-            for f in as_completed([pool.submit(_run_on_claimed, j, str(runs_dir), stop_at) for j in todo]):
+            for f in as_completed([pool.submit(_run_on_claimed, j, str(runs_dir), stop_at, score_paused) for j in todo]):
                 done(f.result())
     return results
 
@@ -396,11 +399,13 @@ def _unfinished(runs_dir: Path) -> list[str]:
         except ValueError:
             continue
         last = f"{g['losses'][-1][1]:.4f}" if g.get("losses") else "—"
-        rows.append(f"| {p.stem} | {g['steps_done']:,} / {g['planned_steps']:,} | {last} | {g['seconds']:.0f} |")
+        score = f"{g['at_pause']['scaled_accuracy']:.3f}" if "at_pause" in g else "—"
+        rows.append(f"| {p.stem} | {g['steps_done']:,} / {g['planned_steps']:,} | {last} | {score} | {g['seconds']:.0f} |")
     if not rows:
         return []
-    return ["", "Unfinished runs (paused, not resumed): no accuracy; steps and last training loss", "",
-            "| run | steps | loss | seconds |", "|---|---|---|---|", *rows]
+    return ["", "Unfinished runs (paused, not resumed): steps, last training loss, the score at the pause "
+            "(--score-paused) — not a result of the protocol's budget", "",
+            "| run | steps | loss | score at pause | seconds |", "|---|---|---|---|---|", *rows]
 
 
 def write_protocol_report(results: Sequence[dict[str, Any]], out_dir: str | Path, *,
