@@ -571,6 +571,7 @@ def run_formal(task_name: str, model_name: str, cfg: RunConfig, out_dir: str | P
     model = build_model(model_name, task.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads,
                         n_blocks=cfg.n_blocks, backend=cfg.backend, slstm=cfg.slstm).to(cfg.device)
     result = _run_header("formal", task.name, model_name, model, cfg)
+
     def score() -> dict[str, Any]:
         kw = dict(batch_size=cfg.eval_batch_size, device=cfg.device, precision=cfg.precision,
                   teacher_forcing=cfg.teacher_forcing)
