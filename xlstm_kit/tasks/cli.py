@@ -261,12 +261,12 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         return 0
     device = _pick_device(args.device)
     _check_out_dir(out)
+    if args.score_paused and args.stop_after is None:
+        raise UsageError("--score-paused needs --stop-after")
     if args.protocol:
         return cmd_protocol(args, out, str(device), command)
     if args.stop_after is not None:
         raise UsageError("--stop-after needs --protocol (its grid points are checkpointed and continued)")
-    if args.score_paused:
-        raise UsageError("--score-paused needs --protocol and --stop-after")
     fields = _run_fields(args)
     make = ex.quick_config if args.quick else ex.RunConfig
 
@@ -349,8 +349,6 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
     if clash:
         raise UsageError(f"{', '.join(clash)} do not apply with --protocol (it sets them: use --lrs, --seeds, "
                          "--setting, --steps)")
-    if args.score_paused and args.stop_after is None:
-        raise UsageError("--score-paused needs --stop-after")
     if (args.seq_len is None) != (args.pairs is None):
         raise UsageError("with --protocol, --seq-len and --pairs go together (the one MQAR shape to run)")
     shapes = None if args.seq_len is None else [(args.seq_len, args.pairs)]

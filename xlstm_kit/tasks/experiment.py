@@ -325,11 +325,14 @@ def _save_checkpoint(path: Path, model: nn.Module, opt, rng: np.random.Generator
     os.replace(tmp, path)  # a run killed while saving keeps the previous checkpoint
     # the losses so far also in a small text file next to it: the checkpoint (model, optimizer)
     # is too big to bring back from a lent machine, and a run lost with it keeps its curve
-    progress = progress_path(path)
-    tmp = progress.with_name(progress.name + ".tmp")
-    tmp.write_text(json.dumps(
-        {"steps_done": step, "planned_steps": sched.steps, "seconds": round(seconds, 1), "losses": log.losses}))
-    os.replace(tmp, progress)
+    _write_progress(progress_path(path), {"steps_done": step, "planned_steps": sched.steps,
+                                          "seconds": round(seconds, 1), "losses": log.losses})
+
+
+def _write_progress(path: Path, curve: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(curve))
+    os.replace(tmp, path)
 
 
 def progress_path(checkpoint: str | Path) -> Path:
@@ -553,7 +556,7 @@ def _train_scoring_a_pause(model: nn.Module, sample, cfg: RunConfig, share: floa
         path = progress_path(checkpoint)
         curve = json.loads(path.read_text())
         curve["at_pause"] = {k: fields[k] for k in ("accuracy", "scaled_accuracy")}
-        path.write_text(json.dumps(curve))
+        _write_progress(path, curve)
         raise RunPaused(f"{e}; scored {fields['scaled_accuracy']:.3f} as it stands") from None
 
 
