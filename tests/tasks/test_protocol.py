@@ -284,3 +284,23 @@ def test_a_paused_run_scored_as_it_stands(tmp_path, monkeypatch, capsys):
     assert f"| {job.id} | 11 / 30 | " in report and f"| {curve['at_pause']['scaled_accuracy']:.3f} |" in report
     args = ["experiment", "sweep", "--protocol", "quick", "--score-paused", "--out", str(tmp_path / "x")]
     assert main(args) == 2 and "--score-paused needs --stop-after" in capsys.readouterr().err
+
+
+def test_cli_protocol_mqar_shapes(tmp_path, capsys):
+    # several shapes of one sweep, each a grid point of its own (a run per shape)
+    base = ["experiment", "sweep", "--tasks", "none", "--models", "lstm-plain", "--protocol", "quick", "--steps", "2",
+            "--seeds", "0", "--lrs", "1e-3", "--widths", "16", "--device", "cpu"]
+    out = tmp_path / "two"
+    assert main(base + ["--shapes", "48x6, 64X4", "--out", str(out)]) == 0
+    assert sorted(p.stem for p in (out / "runs").glob("*.json")) == [
+        "mqar__T48-N6__lstm-plain__d16__lr0.001__s0", "mqar__T64-N4__lstm-plain__d16__lr0.001__s0"]
+    runs = {json.loads(p.read_text())["task"]: json.loads(p.read_text())["config"] for p in (out / "runs").glob("*.json")}
+    assert (runs["T48-N6"]["mqar_seq_len"], runs["T48-N6"]["mqar_pairs"]) == (48, 6)
+    for bad, said in ((["--shapes", "48x6", "--seq-len", "48", "--pairs", "6"], "give one of them"),
+                      (["--shapes", "48-6"], "sequence length x pairs"), (["--shapes", "0x6"], "sequence length x pairs"),
+                      (["--shapes", ","], "at least one shape")):
+        assert main(base + bad + ["--out", str(tmp_path / "x")]) == 2
+        assert said in capsys.readouterr().err
+    assert main(["experiment", "mqar", "--model", "lstm", "--quick", "--shapes", "48x6", "--device", "cpu",
+                 "--out", str(tmp_path / "y")]) == 2
+    assert "--shapes needs --protocol" in capsys.readouterr().err

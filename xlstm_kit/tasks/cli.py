@@ -72,6 +72,9 @@ def add_parser(sub) -> None:
                        help="with --protocol: the MQAR setting (zoology: (64,4) (128,8) (256,16); fig5: T=2048 "
                        "with 48, 96, 256 pairs); default zoology")
         p.add_argument("--widths", default=None, metavar="D[,D...]", help="with --protocol: MQAR widths (default: the setting's)")
+        p.add_argument("--shapes", default=None, metavar="TxN[,TxN...]",
+                       help="with --protocol: the MQAR shapes (sequence length x pairs) to run instead of the "
+                       "setting's, e.g. 256x48,2048x16 (--seq-len/--pairs: one shape)")
     for p in (fo, mq, sw):
         p.add_argument("--protocol", choices=["paper", "quick"], default=None,
                        help="run the paper's grid (learning rates x seeds, best lr reported as mean ± std); "
@@ -267,6 +270,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         return cmd_protocol(args, out, str(device), command)
     if args.stop_after is not None:
         raise UsageError("--stop-after needs --protocol (its grid points are checkpointed and continued)")
+    if getattr(args, "shapes", None):
+        raise UsageError("--shapes needs --protocol (without it, --seq-len and --pairs give the one shape)")
     fields = _run_fields(args)
     make = ex.quick_config if args.quick else ex.RunConfig
 
@@ -337,6 +342,18 @@ def _numbers(text: str | None, kind, option: str) -> list | None:
     return vals
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in _split(text):
+        T, sep, N = item.lower().partition("x")
+        if not (sep and T.isdigit() and N.isdigit() and int(T) > 0 and int(N) > 0):
+            raise UsageError(f"--shapes wants sequence length x pairs separated by commas (256x16,2048x48), got {text!r}")
+        out.append((int(T), int(N)))
+    if not out:
+        raise UsageError("--shapes wants at least one shape, e.g. 256x16")
+    return out
+
+
 def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str) -> int:
     from . import experiment as ex
     from . import protocol as pr
@@ -352,6 +369,10 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
     if (args.seq_len is None) != (args.pairs is None):
         raise UsageError("with --protocol, --seq-len and --pairs go together (the one MQAR shape to run)")
     shapes = None if args.seq_len is None else [(args.seq_len, args.pairs)]
+    if getattr(args, "shapes", None):
+        if shapes:
+            raise UsageError("--shapes and --seq-len/--pairs both name the MQAR shapes: give one of them")
+        shapes = _shapes(args.shapes)
     lrs = _numbers(args.lrs, float, "--lrs")
     seeds = _numbers(args.seeds, int, "--seeds")
     overrides = {k: v for k, v in {"steps": args.steps, "batch_size": args.batch_size, "precision": args.precision,
