@@ -85,7 +85,7 @@ def test_aggregate_and_report_on_fake_results(tmp_path):
     assert "| lstm | 0.17 | 0.30 |" in text  # the paper's Figure 12 value next to ours
     assert "## MQAR T64-N4" in text and text.index("T64-N4") < text.index("T256-N16")
     assert "| transformer | 0.90 ± 0.00 (lr 0.001, n=1) | 1.00 ± 0.00 (lr 0.001, n=1) |" in text
-    assert "| T64-N4 | transformer | 64 | 0.001 | 0 | 0.950 | ? | ? |" in text  # every MQAR run too
+    assert "| T64-N4 | transformer | 64 | 0.001 | 0 | 0.950 | ? | ? | ? |" in text  # every MQAR run too
     assert json.loads(paths["summary"].read_text())
     pytest.importorskip("matplotlib")
     assert paths["figure4"].exists() and paths["mqar"].exists()
@@ -223,10 +223,22 @@ def test_cli_protocol_sweep_mqar_options_reach_the_mqar_runs_only(tmp_path, caps
     ({"steps_done": 1619, "planned_steps": 1619}, "time limit"),
     ({"steps_done": 4519, "planned_steps": 4812}, "time limit, 293 steps short of the fitted schedule")])
 def test_report_says_how_each_mqar_run_ended(tmp_path, fields, ended):
-    r = {**_fake("mqar", "T2048-N48", "transformer", 128, 2.15e-3, 1, 0.0168), "config": {"steps": 25000}, **fields}
+    r = {**_fake("mqar", "T2048-N48", "transformer", 128, 2.15e-3, 1, 0.0168),
+         "config": {"steps": 25000, "mqar_pairs": 48}, "losses": [[1, 8.4], [25, 7.1]], **fields}
     text = pr.write_protocol_report([r], tmp_path)["report"].read_text()
     steps = f"{fields['steps_done']:,} / {fields['planned_steps']:,}"
-    assert f"| T2048-N48 | transformer | 128 | 0.00215 | 1 | 0.017 | {steps} | {ended} |" in text
+    assert f"| T2048-N48 | transformer | 128 | 0.00215 | 1 | 0.017 | {steps} | {ended} | — |" in text
+
+
+def test_plateau_end_is_the_first_step_below_ln_pairs(tmp_path):
+    curve = [[1, 9.1], [100, 4.0], [125, 3.8], [150, 2.5], [175, 3.9]]
+    assert pr.plateau_end(curve, 48) == 125  # ln 48 = 3.87
+    assert pr.plateau_end(curve, 16) == 150  # ln 16 = 2.77
+    assert pr.plateau_end(curve, 4) is None and pr.plateau_end([], 48) is None
+    r = {**_fake("mqar", "T256-N16", "xlstm[1:1]", 128, 1e-2, 0, 1.0), "steps_done": 175, "planned_steps": 25000,
+         "converged_at": 175, "config": {"steps": 25000, "mqar_pairs": 16}, "losses": curve}
+    text = pr.write_protocol_report([r], tmp_path)["report"].read_text()
+    assert "| T256-N16 | xlstm[1:1] | 128 | 0.01 | 0 | 1.000 | 175 / 25,000 | converged | 150 |" in text
 
 
 def test_a_time_limited_mqar_grid_point_is_its_own(tmp_path):
@@ -251,7 +263,11 @@ def test_report_lists_unfinished_runs_from_their_progress_files(tmp_path):
     (runs / "done.json").write_text(json.dumps({"id": "done"}))
     r = _fake("mqar", "T256-N16", "transformer", 128, 1e-3, 0, 1.0)
     text = pr.write_protocol_report([r], tmp_path)["report"].read_text()
-    assert "| mqar__T2048-N48__transformer__d128__lr0.00215__s0 | 16,650 / 25,000 | 6.9465 | — | 1012 |" in text
+    assert "| mqar__T2048-N48__transformer__d128__lr0.00215__s0 | 16,650 / 25,000 | 6.9465 | — | — | 1012 |" in text
+    curve["losses"].append([16675, 3.1])  # below ln 48: the plateau's end, read from a paused run's curve too
+    (runs / "mqar__T2048-N48__transformer__d128__lr0.00215__s0.progress").write_text(json.dumps(curve))
+    text = pr.write_protocol_report([r], tmp_path)["report"].read_text()
+    assert "| 16,650 / 25,000 | 3.1000 | — | 16,675 | 1012 |" in text
     assert "| done |" not in text
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -369,6 +370,22 @@ def _ended_by(r: dict[str, Any]) -> str:
     return "step budget"
 
 
+def plateau_end(losses: Sequence[Sequence[float]], pairs: int) -> int | None:
+    """The first logged step whose MQAR training loss is below ln(pairs), or None. A model that
+    has not learned the lookup sits near ln(vocabulary half) (8.3 at 8192), one that only knows
+    the value is among the pairs' values at ln(pairs): below it, the lookup has started to work,
+    and the runs that learn fall through it within a few hundred steps (their plateau's end)."""
+    bound = math.log(pairs)
+    return next((int(step) for step, loss in losses if loss < bound), None)
+
+
+def _plateau(losses, pairs) -> str:
+    if pairs is None:
+        return "?"
+    end = plateau_end(losses or [], pairs)
+    return "—" if end is None else f"{end:,}"
+
+
 def _mqar_runs(results: Sequence[dict[str, Any]], panels: list[str], models: list[str]) -> list[str]:
     # MQAR runs end on convergence, at the step budget or at a time limit (with a schedule fitted
     # to it), so the same accuracy can mean different budgets: every run is listed with its own
@@ -378,13 +395,16 @@ def _mqar_runs(results: Sequence[dict[str, Any]], panels: list[str], models: lis
     order = {m: i for i, m in enumerate(models)}
     runs.sort(key=lambda r: (panels.index(r["task"]), order.get(r["model"], len(order)), r["width"], r["lr"],
                              r["seed"], r.get("repeat", 1)))
-    lines = ["", "MQAR, every run: accuracy, optimizer steps done / in the schedule, how the run ended", "",
-             "| setting | model | width | lr | seed | accuracy | steps | ended by |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["", "MQAR, every run: accuracy, optimizer steps done / in the schedule, how the run ended, the "
+             "plateau's end (first logged step with the training loss below ln pairs; — : not reached)", "",
+             "| setting | model | width | lr | seed | accuracy | steps | ended by | plateau end |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         steps = (f"{r['steps_done']:,} / {r['planned_steps']:,}" if "steps_done" in r and "planned_steps" in r
                  else "?")
         lines.append(f"| {r['task']} | {r['model']} | {r['width']} | {r['lr']:g} | {r['seed']} | "
-                     f"{r['scaled_accuracy']:.3f} | {steps} | {_ended_by(r)} |")
+                     f"{r['scaled_accuracy']:.3f} | {steps} | {_ended_by(r)} | "
+                     f"{_plateau(r.get('losses'), r.get('config', {}).get('mqar_pairs'))} |")
     return lines
 
 
@@ -400,12 +420,15 @@ def _unfinished(runs_dir: Path) -> list[str]:
             continue
         last = f"{g['losses'][-1][1]:.4f}" if g.get("losses") else "—"
         score = f"{g['at_pause']['scaled_accuracy']:.3f}" if "at_pause" in g else "—"
-        rows.append(f"| {p.stem} | {g['steps_done']:,} / {g['planned_steps']:,} | {last} | {score} | {g['seconds']:.0f} |")
+        pairs = re.match(r"mqar__T\d+-N(\d+)", p.stem)
+        end = _plateau(g.get("losses"), int(pairs[1])) if pairs else ""
+        rows.append(f"| {p.stem} | {g['steps_done']:,} / {g['planned_steps']:,} | {last} | {score} | {end} | "
+                    f"{g['seconds']:.0f} |")
     if not rows:
         return []
     return ["", "Unfinished runs (paused, not resumed): steps, last training loss, the score at the pause "
-            "(--score-paused) — not a result of the protocol's budget", "",
-            "| run | steps | loss | score at pause | seconds |", "|---|---|---|---|---|", *rows]
+            "(--score-paused), MQAR's plateau end as above — not a result of the protocol's budget", "",
+            "| run | steps | loss | score at pause | plateau end | seconds |", "|---|---|---|---|---|---|", *rows]
 
 
 def write_protocol_report(results: Sequence[dict[str, Any]], out_dir: str | Path, *,
