@@ -69,3 +69,50 @@ def test_evaluate_mqar_scores_the_queries_as_full_logits_would(name):
     acc = evaluate_mqar(model, T, N, n, vocab_size=V, batch_size=8, seed=5, spacing="powerlaw")
     assert acc == correct / total
     assert model.training  # evaluation puts the model back as it found it
+
+
+
+def test_transformer_conv_feeds_q_and_k_through_the_causal_conv():
+    # float64 reference: q, k read SiLU(depthwise causal conv_4(x)), v reads x, causal softmax
+    from xlstm_kit.tasks import baselines as B
+
+    torch.manual_seed(3)
+    model = build_model("transformer-conv", 16, d_model=16, n_heads=2).double()
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.conv.weight.normal_(), attn.conv.bias.normal_()
+    B_, T, C, H, hd = 2, 9, 16, 2, 8
+    x = torch.randn(B_, T, C, dtype=torch.float64)
+    cos, sin = B.rope_tables(T, hd, "cpu")
+    got = attn(x, cos, sin)
+    pad = torch.cat([torch.zeros(B_, 3, C, dtype=x.dtype), x], dim=1)
+    conv = attn.conv.bias + sum(attn.conv.weight[:, j] * pad[:, j:j + T] for j in range(4))
+    c = torch.nn.functional.silu(conv)
+    wq, wk, wv = attn.qkv.weight.split(C)
+    heads = lambda t: t.view(B_, T, H, hd).transpose(1, 2)  # noqa: E731
+    q, k, v = heads(c @ wq.T), heads(c @ wk.T), heads(x @ wv.T)
+    q, k = B.apply_rope(q, cos, sin), B.apply_rope(k, cos, sin)
+    s = (q @ k.transpose(-1, -2)) / hd ** 0.5
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    want = attn.out((s.softmax(-1) @ v).transpose(1, 2).reshape(B_, T, C))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    # the model stays causal, and differs from the plain Transformer by the conv alone
+    tok = torch.randint(0, 16, (2, 12))
+    later = tok.clone()
+    later[:, 7:] = (later[:, 7:] + 5) % 16
+    with torch.no_grad():
+        a, b = model(tok), model(later)
+    torch.testing.assert_close(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+    plain = build_model("transformer", 16, d_model=16, n_heads=2)
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert n(model) - n(plain) == 2 * (16 * 4 + 16) and plain.blocks[0].attn.conv is None
+
+
+def test_ablation_models_are_named_but_not_run_by_default():
+    from xlstm_kit.tasks.cli import MODEL_HELP
+    from xlstm_kit.tasks.experiment import ABLATION_MODELS, DEFAULT_MODELS
+
+    assert all(m in MODEL_HELP for m in MODEL_NAMES)
+    assert "transformer-conv" in ABLATION_MODELS and not set(ABLATION_MODELS) & set(DEFAULT_MODELS)
+    assert set(DEFAULT_MODELS) | set(ABLATION_MODELS) == set(MODEL_NAMES)

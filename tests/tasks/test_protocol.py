@@ -320,3 +320,26 @@ def test_cli_protocol_mqar_shapes(tmp_path, capsys):
     assert main(["experiment", "mqar", "--model", "lstm", "--quick", "--shapes", "48x6", "--device", "cpu",
                  "--out", str(tmp_path / "y")]) == 2
     assert "--shapes needs --protocol" in capsys.readouterr().err
+
+
+def test_cli_protocol_mqar_heads(tmp_path, capsys):
+    # another head count is another experiment: its own task label, the heads reaching the model
+    jobs = pr.mqar_plan(["transformer"], pr.PROTOCOLS["paper"], "zoology", shapes=[(256, 48)], widths=[128],
+                        lrs=[2.15e-3], seeds=[0], overrides={"n_heads": 1, "time_limit_s": 60})
+    assert [(j.task, j.config["n_heads"]) for j in jobs] == [("T256-N48-t60-h1", 1)]
+    default = pr.mqar_plan(["transformer"], pr.PROTOCOLS["paper"], "zoology", shapes=[(256, 48)], widths=[128],
+                           lrs=[2.15e-3], seeds=[0], overrides={"n_heads": pr.DEFAULT_HEADS})
+    assert [j.task for j in default] == ["T256-N48"]
+    base = ["experiment", "sweep", "--models", "transformer", "--protocol", "quick", "--steps", "2", "--seeds", "0",
+            "--lrs", "1e-3", "--widths", "16", "--shapes", "48x6", "--heads", "2", "--device", "cpu"]
+    out = tmp_path / "h2"
+    assert main(base + ["--tasks", "none", "--out", str(out)]) == 0
+    (run,) = (out / "runs").glob("*.json")
+    assert run.stem == "mqar__T48-N6-h2__transformer__d16__lr0.001__s0"
+    assert json.loads(run.read_text())["config"]["n_heads"] == 2
+    assert main(base + ["--tasks", "parity", "--out", str(tmp_path / "x")]) == 2
+    assert "--heads with --protocol applies to MQAR runs only" in capsys.readouterr().err
+    assert main(["experiment", "mqar", "--model", "transformer", "--quick", "--heads", "2", "--device", "cpu",
+                 "--out", str(tmp_path / "y")]) == 0
+    (one,) = (tmp_path / "y" / "runs").glob("*.json")
+    assert json.loads(one.read_text())["config"]["n_heads"] == 2

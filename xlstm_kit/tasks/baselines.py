@@ -3,7 +3,8 @@
 initialisation scheme.
 
 - ``TransformerLM``: Llama-style: pre-RMSNorm, causal multi-head attention with rotary position
-  embeddings (RoPE) through ``scaled_dot_product_attention``, SwiGLU feed-forward.
+  embeddings (RoPE) through ``scaled_dot_product_attention``, SwiGLU feed-forward; optionally
+  (``qk_conv``) the mLSTM block's causal convolution in front of q and k.
 - ``LSTMLM``: torch ``nn.LSTM`` in the sLSTM block's residual frame: x + LSTM(LN(x)), then
   x + GatedFeedForward(LN(x)) — the same block as xLSTM's sLSTM block with the cell swapped.
 """
@@ -13,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.common import GatedFeedForward, round_up, small_init_, wang_init_
+from ..nn.common import CausalConv1d, GatedFeedForward, round_up, small_init_, wang_init_
+from ..nn.fused import conv_silu
 from ..errors import XLSTMKitError
 from ..model import keep_positions
 
@@ -46,13 +48,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, n_blocks: int):
+    """Causal multi-head attention with RoPE; with `qk_conv` = K > 0, q and k read
+    SiLU(causal depthwise conv_K(x)) instead of x (v reads x), as in the mLSTM block."""
+
+    def __init__(self, d_model: int, n_heads: int, n_blocks: int, qk_conv: int = 0):
         super().__init__()
         if d_model % n_heads or (d_model // n_heads) % 2:
             raise XLSTMKitError(f"d_model={d_model} must split into {n_heads} heads of even size")
         self.d_model, self.n_heads, self.n_blocks = d_model, n_heads, n_blocks
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
+        self.conv = CausalConv1d(d_model, qk_conv) if qk_conv else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -61,7 +67,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)  # 3x [B,H,T,hd]
+        if self.conv is None:
+            qkv = self.qkv(x)
+        else:
+            w_qk, w_v = self.qkv.weight.split([2 * C, C])
+            c = conv_silu(x, None, self.conv.weight, self.conv.bias)  # one fused kernel where Triton runs
+            qkv = torch.cat([F.linear(c, w_qk), F.linear(x, w_v)], dim=-1)
+        q, k, v = qkv.view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)  # 3x [B,H,T,hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, hd]
         return self.out(y.transpose(1, 2).reshape(B, T, C))
@@ -85,10 +97,10 @@ class SwiGLU(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, ffn_dim: int, n_blocks: int):
+    def __init__(self, d_model: int, n_heads: int, ffn_dim: int, n_blocks: int, qk_conv: int = 0):
         super().__init__()
         self.attn_norm = nn.RMSNorm(d_model, eps=1e-6)
-        self.attn = Attention(d_model, n_heads, n_blocks)
+        self.attn = Attention(d_model, n_heads, n_blocks, qk_conv)
         self.ffn_norm = nn.RMSNorm(d_model, eps=1e-6)
         self.ffn = SwiGLU(d_model, ffn_dim, n_blocks)
 
@@ -101,15 +113,18 @@ class TransformerLM(nn.Module):
     """Llama-style causal Transformer: tokens [B, T] -> logits [B, T, vocab_size].
 
     SwiGLU hidden width 8/3 · d_model rounded up to a multiple of 64 (Llama's choice, which
-    keeps the feed-forward parameter count of a 4× GELU MLP).
+    keeps the feed-forward parameter count of a 4× GELU MLP). `qk_conv` = K > 0 puts the mLSTM
+    block's short causal convolution (kernel K, + SiLU) in front of every attention's q and k: an
+    ablation for MQAR, where it hands attention the previous tokens that its lookup needs.
     """
 
-    def __init__(self, vocab_size: int, d_model: int = 128, n_blocks: int = 2, n_heads: int = 4):
+    def __init__(self, vocab_size: int, d_model: int = 128, n_blocks: int = 2, n_heads: int = 4,
+                 qk_conv: int = 0):
         super().__init__()
         self.vocab_size, self.d_model = vocab_size, d_model
         self.embedding = nn.Embedding(vocab_size, d_model)
         ffn_dim = round_up(8 * d_model / 3, 64)
-        self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads, ffn_dim, n_blocks) for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads, ffn_dim, n_blocks, qk_conv) for _ in range(n_blocks))
         self.norm = nn.RMSNorm(d_model, eps=1e-6)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.head_dim = d_model // n_heads

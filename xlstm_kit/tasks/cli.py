@@ -32,6 +32,9 @@ from ..cli import (PROG, UsageError, _check_out_dir, _Formatter, _nonneg_int, _P
 
 DEFAULT_OUT = "runs/experiments"
 PROGRESS_EVERY_S = 15.0
+MODEL_HELP = ("xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer, lstm, lstm-plain, dplr, or the ablation "
+              "transformer-conv (the Transformer with the mLSTM block's causal conv in front of q and k)")
+"""experiment.MODEL_NAMES in words (the parser does not import torch)."""
 
 
 def add_parser(sub) -> None:
@@ -41,19 +44,19 @@ def add_parser(sub) -> None:
         help="formal-language tasks and MQAR: xLSTM against a Transformer and an LSTM",
         description="Train small models (2 blocks, same width) on the paper's synthetic tasks and "
         "report scaled accuracy on longer test sequences (formal: 0 = chance, 1 = perfect) or "
-        "recall accuracy (MQAR). Models: xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer, lstm.",
+        "recall accuracy (MQAR). Models: " + MODEL_HELP + ".",
     )
     kinds = ex.add_subparsers(dest="experiment", metavar="KIND", parser_class=_Parser)
     kinds.required = True
     fo = kinds.add_parser("formal", help="one model on one formal-language task", formatter_class=_Formatter)
     fo.add_argument("--task", required=True, help="parity, even_pairs, cycle_navigation, modular_arithmetic, "
                     "reverse_string, stack_manipulation, bucket_sort or majority")
-    fo.add_argument("--model", required=True, help="xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer or lstm")
+    fo.add_argument("--model", required=True, help=MODEL_HELP)
     mq = kinds.add_parser("mqar", help="one model on multi-query associative recall", formatter_class=_Formatter)
-    mq.add_argument("--model", required=True, help="xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer or lstm")
+    mq.add_argument("--model", required=True, help=MODEL_HELP)
     sw = kinds.add_parser("sweep", help="every task x model; writes table.md and heatmap.png", formatter_class=_Formatter)
     sw.add_argument("--tasks", default=None, help="comma-separated formal tasks (default: all; 'none': MQAR only)")
-    sw.add_argument("--models", default=None, help="comma-separated models (default: all)")
+    sw.add_argument("--models", default=None, help="comma-separated models (default: all but the ablation transformer-conv)")
     sw.add_argument("--no-mqar", action="store_true", help="formal tasks only")
     sw.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
                     help="runs in parallel processes (with --protocol: per GPU)")
@@ -89,6 +92,9 @@ def add_parser(sub) -> None:
         p.add_argument("--lr", type=_positive_float, default=None, metavar="X",
                        help="peak learning rate (default: 3e-3 formal, 1e-3 MQAR)")
         p.add_argument("--d-model", type=_positive_int, default=None, metavar="N", help="width of every model")
+        p.add_argument("--heads", type=_positive_int, default=None, metavar="N",
+                       help="heads of every model (attention, mLSTM and sLSTM heads; default 4); with --protocol: "
+                            "MQAR runs only, labelled T..-N..-hN")
         p.add_argument("--seq-len", type=_positive_int, default=None, metavar="N",
                        help="MQAR sequence length (with --protocol and --pairs: the one shape to run, "
                             "instead of every shape of the setting)")
@@ -155,7 +161,7 @@ def parse_lrs(text: str | None) -> list[float | None]:
 
 def _run_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields = {"steps": args.steps, "time_limit_s": args.time_limit, "batch_size": args.batch_size, "lr": args.lr,
-              "d_model": args.d_model, "mqar_seq_len": args.seq_len, "mqar_pairs": args.pairs, "seed": args.seed,
+              "d_model": args.d_model, "n_heads": args.heads, "mqar_seq_len": args.seq_len, "mqar_pairs": args.pairs, "seed": args.seed,
               "precision": args.precision, "backend": args.backend, "eval_samples": args.eval_samples,
               "compile": args.compile}
     fields = {k: v for k, v in fields.items() if v is not None}
@@ -293,7 +299,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         return 0
 
     tasks = _tasks(args.tasks, ex.TASKS)
-    models = _split(args.models) if args.models else list(ex.MODEL_NAMES)
+    models = _split(args.models) if args.models else list(ex.DEFAULT_MODELS)
     for t in tasks:
         get_task(t)
     for m in models:
@@ -379,16 +385,19 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
                                    "backend": args.backend, "time_limit_s": args.time_limit,
                                    "eval_samples": args.eval_samples, "compile": args.compile}.items() if v is not None}
     models = [args.model] if args.experiment in ("formal", "mqar") else (
-        _split(args.models) if args.models else list(ex.MODEL_NAMES))
+        _split(args.models) if args.models else list(ex.DEFAULT_MODELS))
     jobs = []
     if args.experiment in ("formal", "sweep"):
         tasks = [args.task] if args.experiment == "formal" else _tasks(args.tasks, task_set("paper"))
+        if tasks and args.heads:  # the formal run ids carry no head count: it would pass for the default's
+            raise UsageError("--heads with --protocol applies to MQAR runs only (sweep: add --tasks none)")
         f_over = dict(overrides, **({"d_model": args.d_model} if args.d_model else {}))
         jobs += pr.formal_plan(tasks, models, proto, lrs=lrs, seeds=seeds, overrides=f_over)
     if args.experiment == "mqar" or (args.experiment == "sweep" and not args.no_mqar):
         widths = _numbers(args.widths, int, "--widths") or ([args.d_model] if args.d_model else None)
         m_over = dict(overrides, **{k: v for k, v in (("steps", getattr(args, "mqar_steps", None)),
-                                                      ("time_limit_s", getattr(args, "mqar_time_limit", None)))
+                                                      ("time_limit_s", getattr(args, "mqar_time_limit", None)),
+                                                      ("n_heads", args.heads))
                                     if v is not None})
         jobs += pr.mqar_plan(models, proto, args.setting or "zoology", widths=widths, lrs=lrs, seeds=seeds,
                              overrides=m_over, shapes=shapes)

@@ -8,8 +8,8 @@ formal-language task or on MQAR within a step and time budget, evaluate, write r
 
 Model names: "xlstm[0:1]" (sLSTM blocks only), "xlstm[1:0]" (mLSTM only), "xlstm[1:1]" (one of
 each: mLSTM first), "transformer" (Llama-style), "lstm" (nn.LSTM in the sLSTM block frame: the
-paper's "LSTM (Block)"), "lstm-plain" (a plain n_blocks-layer nn.LSTM language model).
-The DPLR block (issue 7) is not wired in yet.
+paper's "LSTM (Block)"), "lstm-plain" (a plain n_blocks-layer nn.LSTM language model), "dplr"
+(KDA-style DPLR blocks); the ablation "transformer-conv" (ABLATION_MODELS) runs when named only.
 
 Training: the library's optimizer step (`xlstm_kit.train.train_step`: AdamW with weight-decay
 groups, warmup + cosine schedule, clipping, autocast), cross entropy on the scored tokens only.
@@ -53,7 +53,14 @@ MQAR_LR = 1e-3
 """Default peak learning rate of MQAR runs: in an H200 probe (width 128, T=256, 64 pairs) xLSTM[1:1]
 reached 0.99 accuracy by step ~1300 at 1e-3 and stayed at chance for 2900 steps at 3e-3."""
 
-MODEL_NAMES = ("xlstm[0:1]", "xlstm[1:0]", "xlstm[1:1]", "dplr", "transformer", "lstm", "lstm-plain")
+MODEL_NAMES = ("xlstm[0:1]", "xlstm[1:0]", "xlstm[1:1]", "dplr", "transformer", "lstm", "lstm-plain",
+               "transformer-conv")
+ABLATION_MODELS = ("transformer-conv",)
+"""Models for one question each, run when named only: "transformer-conv" is the Transformer with
+the mLSTM block's kernel-4 causal convolution in front of q and k (MQAR: is that what its lookup
+lacks?)."""
+DEFAULT_MODELS = tuple(m for m in MODEL_NAMES if m not in ABLATION_MODELS)
+"""The models of a sweep that names none."""
 _XLSTM = re.compile(r"^xlstm\[(\d+):(\d+)\]$")
 RESULTS_TABLE = "table.md"
 RESULTS_PLOT = "heatmap.png"
@@ -114,8 +121,9 @@ def build_model(name: str, vocab_size: int, *, d_model: int = 128, n_heads: int 
         cfg = XLSTMConfig(vocab_size=vocab_size, d_model=d_model, n_blocks=n_blocks, n_heads=n_heads,
                           dplr_at=list(range(n_blocks)), backend=backend)
         return XLSTMLanguageModel(cfg)
-    if key == "transformer":
-        return TransformerLM(vocab_size, d_model=d_model, n_blocks=n_blocks, n_heads=n_heads)
+    if key in ("transformer", "transformer-conv"):
+        return TransformerLM(vocab_size, d_model=d_model, n_blocks=n_blocks, n_heads=n_heads,
+                             qk_conv=4 if key == "transformer-conv" else 0)
     if key == "lstm-plain":
         return PlainLSTMLM(vocab_size, d_model=d_model, n_layers=n_blocks)
     return LSTMLM(vocab_size, d_model=d_model, n_blocks=n_blocks)

@@ -84,13 +84,17 @@ class Protocol:
     """(seq_len, pairs) of the MQAR runs (None: the setting's)."""
 
 
+DEFAULT_HEADS = 4
+"""Heads of every model of the protocol's runs (attention, mLSTM and sLSTM heads; the formal
+tasks' paper sLSTM preset has its own)."""
+
 _COMMON = dict(batch_size=256, betas=(0.9, 0.99), weight_decay=0.1, min_lr=1e-5)
 PROTOCOLS: dict[str, Protocol] = {
     "paper": Protocol(
         "paper", PAPER_LRS, MQAR_PAPER_LRS, SEEDS,
-        formal=dict(_COMMON, d_model=128, n_heads=4, tasks="paper", teacher_forcing=False, slstm="paper",
+        formal=dict(_COMMON, d_model=128, n_heads=DEFAULT_HEADS, tasks="paper", teacher_forcing=False, slstm="paper",
                     eval_samples=40, precision="bf16", compile="auto"),
-        mqar=dict(_COMMON, steps=MQAR_STEPS, converged_loss=MQAR_CONVERGED_LOSS, mqar_vocab=8192, mqar_spacing="powerlaw", mqar_train_mix=False,
+        mqar=dict(_COMMON, n_heads=DEFAULT_HEADS, steps=MQAR_STEPS, converged_loss=MQAR_CONVERGED_LOSS, mqar_vocab=8192, mqar_spacing="powerlaw", mqar_train_mix=False,
                   eval_samples=16, precision="bf16", compile="auto"),
     ),
     "quick": Protocol(
@@ -163,7 +167,9 @@ def mqar_plan(models: Sequence[str], protocol: Protocol, setting: str, *, widths
               overrides: dict[str, Any] | None = None,
               shapes: Sequence[tuple[int, int]] | None = None) -> list[Job]:
     """Jobs of an MQAR setting (mqar.MQAR_SETTINGS): shapes x widths x models x lrs x seeds;
-    `shapes`: (seq_len, pairs) pairs to run instead of the setting's (and the protocol's)."""
+    `shapes`: (seq_len, pairs) pairs to run instead of the setting's (and the protocol's).
+    Task labels: "T256-N16", with "-t<S>" for a time limit and "-h<H>" for a head count other than
+    DEFAULT_HEADS (`overrides` n_heads)."""
     from .experiment import check_model_name
     from .mqar import MQAR_SETTINGS, check_mqar_shape
 
@@ -180,8 +186,11 @@ def mqar_plan(models: Sequence[str], protocol: Protocol, setting: str, *, widths
                         f = {**protocol.mqar, **(overrides or {}), "mqar_seq_len": T, "mqar_pairs": N,
                              "d_model": int(d), "lr": float(lr), "seed": int(seed)}
                         f["min_lr"] = min(f.get("min_lr", 1e-5), f["lr"])
-                        limit = f.get("time_limit_s")
-                        task = f"T{T}-N{N}" + ("" if limit is None else f"-t{limit:g}")
+                        limit, heads = f.get("time_limit_s"), f.get("n_heads", DEFAULT_HEADS)
+                        # a time limit or another head count is another experiment: its own task label,
+                        # so that the report neither pools it with nor takes it for the default runs
+                        task = (f"T{T}-N{N}" + ("" if limit is None else f"-t{limit:g}")
+                                + ("" if heads == DEFAULT_HEADS else f"-h{heads}"))
                         jobs.append(Job("mqar", task, check_model_name(m), float(lr), int(seed), _warmup(f)))
     return jobs
 
