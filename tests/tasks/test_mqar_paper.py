@@ -82,7 +82,7 @@ def test_transformer_conv_feeds_q_and_k_through_the_causal_conv():
     with torch.no_grad():
         attn.conv.weight.normal_(), attn.conv.bias.normal_()
     B_, T, C, H, hd = 2, 9, 16, 2, 8
-    x = torch.randn(B_, T, C, dtype=torch.float64)
+    x = torch.randn(B_, T, C, dtype=torch.float64, requires_grad=True)
     cos, sin = B.rope_tables(T, hd, "cpu")
     got = attn(x, cos, sin)
     pad = torch.cat([torch.zeros(B_, 3, C, dtype=x.dtype), x], dim=1)
@@ -96,6 +96,11 @@ def test_transformer_conv_feeds_q_and_k_through_the_causal_conv():
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     want = attn.out((s.softmax(-1) @ v).transpose(1, 2).reshape(B_, T, C))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    # gradients too: the fused conv's backward against autograd through the reference
+    g = torch.randn_like(got)
+    wrt = (x, attn.conv.weight, attn.conv.bias, attn.qkv.weight)
+    for a, b in zip(torch.autograd.grad(got, wrt, g), torch.autograd.grad(want, wrt, g)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     # the model stays causal, and differs from the plain Transformer by the conv alone
     tok = torch.randint(0, 16, (2, 12))
     later = tok.clone()
