@@ -99,7 +99,7 @@ PROTOCOLS: dict[str, Protocol] = {
     ),
     "quick": Protocol(
         "quick", (1e-2, 1e-3), (1e-2, 1e-3), SEEDS,
-        formal=dict(steps=30, batch_size=8, d_model=32, n_heads=4, tasks="paper", teacher_forcing=False,
+        formal=dict(steps=30, batch_size=8, d_model=32, n_heads=DEFAULT_HEADS, tasks="paper", teacher_forcing=False,
                     slstm="paper", train_lengths=(3, 8), test_lengths=(9, 12), eval_samples=2, eval_batch_size=8,
                     min_lr=1e-5, betas=(0.9, 0.99), log_every=5),
         mqar=dict(steps=30, batch_size=8, mqar_vocab=256, mqar_spacing="powerlaw", mqar_train_mix=False,
