@@ -1,0 +1,69 @@
+"""The mLSTM layer's training cell on the Triton kernels (`_MLSTMCellFn`: q, k, v, the gates and
+the chunkwise mLSTM in one autograd node that recomputes q, k, v in its backward) against the
+layer's plain path in float64: output and every gradient, unpacked and packed; and what it saves."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from tests.helpers import rel_err
+from tests.nn.test_layers import randomize_
+from xlstm_kit.bench.memory import saved_bytes_per_token
+from xlstm_kit.nn import MLSTMBlock, MLSTMLayer
+
+F64 = torch.float64
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _block(backend, dtype):
+    torch.manual_seed(0)
+    block = randomize_(MLSTMBlock(16, 32, 2, chunk_size=16, backend="torch"), 0.2).to(DEV, dtype)
+    block.layer.backend = backend
+    return block
+
+
+def _run(block, x, dy, **kw):
+    xi = x.detach().to(next(block.parameters()).dtype).requires_grad_(True)
+    y = block(xi, **kw)
+    grads = torch.autograd.grad(y, [xi, *block.parameters()], dy.to(y.dtype))
+    return [y, *grads]
+
+
+@pytest.mark.parametrize("T,packed", [(37, False), (40, True)])
+def test_cell_matches_the_plain_path_in_float64(T, packed):
+    """Float32 kernels (T not a multiple of the chunk; or three packed documents) against the
+    float64 torch path: the output, the input's gradient and every parameter's (each nonzero)."""
+    g = torch.Generator().manual_seed(1)
+    B = 1 if packed else 2
+    x = torch.randn(B, T, 16, generator=g).to(DEV)
+    dy = torch.randn(B, T, 16, generator=g).to(DEV)
+    kw = {}
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 11, 29, 40], device=DEV, dtype=torch.int32)
+    ref = _run(_block("torch", F64), x, dy, **kw)
+    fast = _block("triton", torch.float32)
+    assert fast.layer._cell_on_kernels(torch.empty(1, device=DEV))
+    got = _run(fast, x, dy, **kw)
+    names = ["y", "x"] + [n for n, _ in fast.named_parameters()]
+    for n, a, r in zip(names, got, ref):
+        assert r.abs().sum() > 0, n
+        assert rel_err(a.double(), r) < 5e-5, n
+
+
+def test_cell_saves_no_q_k_v(monkeypatch):
+    """Saved bytes per token of the block on the kernels: the layer's other path (the chunkwise
+    op's own autograd) keeps q, k and v (3 x inner values per token) beside the rest, the cell
+    none of them."""
+    def per_token():
+        block = _block("triton", torch.float32)
+        return saved_bytes_per_token(lambda n: torch.randn(2, n // 2, 16, device=DEV), block)["total"][0]
+
+    cell = per_token()
+    monkeypatch.setattr(MLSTMLayer, "_cell_on_kernels", lambda self, x_m: False)
+    plain = per_token()
+    inner = 32
+    assert plain - cell >= 3 * inner * 4  # (and i, f: the cell keeps them as one [N, 2H] tensor)
