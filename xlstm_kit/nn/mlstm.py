@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xlstm_kit.ops._checks import LOG_GATE_FLOOR, floor_log_gate
 from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
+from .mlstm_cell import mlstm_cell
 from .common import (PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, _packed_blocks, _packed_bmm,
                      headwise_weight_grad, small_init_, state_dtype, wang_init_)
 from .fused import (activation_dtype, conv_inputs, conv_recompute, conv_silu, conv_state, conv_state_varlen,
@@ -53,82 +53,6 @@ class _ConvReadersFn(torch.autograd.Function):
         H = wq.shape[0]
         return (dx, headwise_weight_grad(dq, x_conv, H, g), headwise_weight_grad(dk, x_conv, H, g),
                 dgates.t() @ x_conv, dgates.sum(0), None, None, None, None, None, None, None)
-
-
-_EPS = 1e-6  # the cell's eps: mlstm_chunkwise's default, which the layer's other path uses
-
-
-class _MLSTMCellFn(torch.autograd.Function):
-    """The layer's sequence part as one autograd node, for training on the Triton kernels: q, k
-    (head-wise maps of x_conv), v (of x_m), the gate pre-activations and the chunkwise mLSTM
-    from the zero state. Saves the conv's inputs (x_m, kept by the layer anyway) but none of
-    q, k, v (3 x inner values per token, about a third of what a 125M mLSTM block keeps): the
-    backward recomputes them (the conv and three head-wise maps, a few passes over [N, inner])
-    ahead of the mLSTM's backward.
-
-    forward(x_conv, x_m [B, T, C], wq, wk, wv [C/d, d, d], w_conv, w_m [2H, C], b [2H], pack,
-            n_heads, eps, recompute_states, cu_seqlens, *conv_inputs[1:]) -> h [B, T, H, C/H]
-    x_m is the conv's input (conv_inputs[0], contiguous): one tensor passed once.
-    """
-
-    @staticmethod
-    def forward(ctx, x_conv, x_m, wq, wk, wv, w_conv, w_m, b, pack: int, n_heads: int, eps: float,
-                recompute_states: bool, cu_seqlens, cstate, cw, cb, ckern, cpos):
-        from xlstm_kit.ops.mlstm.triton.op import chunkwise_forward_for_cell
-
-        B, T, C = x_m.shape
-        q, k, v, gates = _cell_inputs(x_conv.reshape(-1, C), x_m.reshape(-1, C), wq, wk, wv, w_conv, w_m, b, pack)
-        i, f = gates.chunk(2, dim=-1)
-        H = n_heads
-        shape = (B, T, H, C // H)
-        h, saved = chunkwise_forward_for_cell(
-            q.view(shape), k.view(shape), v.view(shape), i.view(B, T, H), floor_log_gate(f).view(B, T, H), eps,
-            recompute_states, cu_seqlens)
-        ctx.save_for_backward(x_m, wq, wk, wv, w_conv, w_m, gates, cu_seqlens, cstate, cw, cb, cpos, *saved)
-        ctx.pack, ctx.n_heads, ctx.eps, ctx.recompute, ctx.ckern = pack, H, eps, recompute_states, ckern
-        return h
-
-    @staticmethod
-    def backward(ctx, dh):
-        from xlstm_kit.ops.mlstm.triton.op import chunkwise_backward_for_cell
-
-        x_m, wq, wk, wv, w_conv, w_m, gates, cu, cstate, cw, cb, cpos, *saved = ctx.saved_tensors
-        B, T, C = x_m.shape
-        H, g = ctx.n_heads, ctx.pack
-        x_conv = conv_recompute((x_m, cstate, cw, cb, ctx.ckern, cpos)).reshape(-1, C)
-        xm2 = x_m.reshape(-1, C)
-        q, k, v, _ = _cell_inputs(x_conv, xm2, wq, wk, wv, None, None, None, g)
-        i, f = gates.chunk(2, dim=-1)
-        shape = (B, T, H, C // H)
-        dq, dk, dv, di, df = chunkwise_backward_for_cell(
-            q.view(shape), k.view(shape), v.view(shape), i.reshape(B, T, H), floor_log_gate(f).reshape(B, T, H),
-            saved, dh, ctx.eps, ctx.recompute, cu)
-        df = torch.where(f.reshape(df.shape) >= LOG_GATE_FLOOR, df, 0)  # clamp_min's gradient
-        dgates = torch.cat([di, df], dim=-1).view(-1, 2 * H).to(gates.dtype)
-        dq, dk, dv = dq.reshape(-1, C), dk.reshape(-1, C), dv.reshape(-1, C)
-        Hq = wq.shape[0]
-        dx_conv = _packed_bmm(dq, _packed_blocks(wq, g).transpose(1, 2))
-        dx_conv += _packed_bmm(dk, _packed_blocks(wk, g).transpose(1, 2))
-        dx_conv.addmm_(dgates, w_conv)
-        dx_m = _packed_bmm(dv, _packed_blocks(wv, g).transpose(1, 2))
-        dx_m.addmm_(dgates, w_m)
-        return (dx_conv.view(B, T, C), dx_m.view(B, T, C),
-                headwise_weight_grad(dq, x_conv, Hq, g), headwise_weight_grad(dk, x_conv, Hq, g),
-                headwise_weight_grad(dv, xm2, Hq, g), dgates.t() @ x_conv, dgates.t() @ xm2, dgates.sum(0),
-                *([None] * 10))
-
-
-def _cell_inputs(x_conv, x_m, wq, wk, wv, w_conv, w_m, b, pack: int):
-    """q, k, v [N, C] and (with the gate weights) the gate pre-activations [N, 2H] (i, then f)
-    of x_conv, x_m [N, C]: _MLSTMCellFn's forward, and its backward's recomputation (gates
-    skipped: None)."""
-    q = _packed_bmm(x_conv, _packed_blocks(wq, pack))
-    k = _packed_bmm(x_conv, _packed_blocks(wk, pack))
-    v = _packed_bmm(x_m, _packed_blocks(wv, pack))
-    if w_conv is None:
-        return q, k, v, None
-    gates = torch.addmm(b, x_conv, w_conv.t())
-    return q, k, v, gates.addmm_(x_m, w_m.t())
 
 
 class MLSTMState(NamedTuple):
@@ -268,7 +192,8 @@ class MLSTMLayer(nn.Module):
         return self.dropout(y) if self.dropout.p > 0 else y
 
     def _cell_on_kernels(self, x_m: torch.Tensor) -> bool:
-        """Whether the sequence part runs as one _MLSTMCellFn (Triton kernels, no q/k/v biases)."""
+        """Whether the conv, the maps and the sequence op run as one `mlstm_cell` (Triton
+        kernels, no q/k/v biases)."""
         if any(p.bias is not None for p in (self.q_proj, self.k_proj, self.v_proj)):
             return False
         try:
@@ -277,13 +202,14 @@ class MLSTMLayer(nn.Module):
         except BackendUnavailableError:
             return False
 
-    def _cell(self, x_m: torch.Tensor, x_conv: torch.Tensor, conv, cu_seqlens) -> torch.Tensor:
-        """h [B, T, H, D] from the zero state through _MLSTMCellFn (q, k, v recomputed in the backward)."""
+    def _cell(self, x_m: torch.Tensor, pos, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h [B, T, H, D], x_conv [B, T, inner]) from the zero state through mlstm_cell."""
         dtype = x_m.dtype
         w_conv, w_m, b = self._gate_weights(dtype)
-        return _MLSTMCellFn.apply(
-            x_conv, conv[0], self.q_proj.weight.to(dtype), self.k_proj.weight.to(dtype), self.v_proj.weight.to(dtype),
-            w_conv, w_m, b, self.q_proj.pack, self.n_heads, _EPS, self.recompute_states, cu_seqlens, *conv[1:])
+        return mlstm_cell(x_m, self.conv.weight, self.conv.bias, self.q_proj.weight.to(dtype),
+                          self.k_proj.weight.to(dtype), self.v_proj.weight.to(dtype), w_conv, w_m, b,
+                          n_heads=self.n_heads, pack=self.q_proj.pack, recompute_states=self.recompute_states,
+                          backend=self.backend, pos=pos, cu_seqlens=cu_seqlens)
 
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
                 *, norm: nn.LayerNorm | None = None, cu_seqlens: torch.Tensor | None = None):
@@ -300,10 +226,10 @@ class MLSTMLayer(nn.Module):
         conv_in = None if state is None else state.conv
         pos = None if cu_seqlens is None else doc_positions(cu_seqlens, T)
         conv = conv_inputs(x_m, conv_in, self.conv.weight, self.conv.bias, self.backend, pos)
-        x_conv = conv_silu(x_m, conv_in, self.conv.weight, self.conv.bias, backend=self.backend, pos=pos)
         if state is None and not return_state and self._cell_on_kernels(x_m):
-            h = self._cell(x_m, x_conv, conv, cu_seqlens)
+            h, x_conv = self._cell(conv[0], pos, cu_seqlens)
             return self._output(h, x_conv, z, conv)
+        x_conv = conv_silu(x_m, conv_in, self.conv.weight, self.conv.bias, backend=self.backend, pos=pos)
         q, k, v, i, f = self._qkv_gates(x_m, x_conv, conv)
         h, cell_state = mlstm_chunkwise(
             q.view(B, T, H, D), k.view(B, T, H, D), v.view(B, T, H, D), i, f,
