@@ -67,3 +67,35 @@ def test_cell_saves_no_q_k_v(monkeypatch):
     plain = per_token()
     inner = 32
     assert plain - cell >= 3 * inner * 4  # (and i, f: the cell keeps them as one [N, 2H] tensor)
+
+
+@pytest.mark.parametrize("dtype,T,packed,gates", [(torch.float32, 70, False, True), (torch.float32, 40, True, True),
+                                                  (torch.float16, 37, False, False)])
+def test_front_kernel_matches_the_pytorch_pieces(dtype, T, packed, gates):
+    """The fused front kernel (conv + SiLU, q/k/v maps, gates) against the PyTorch pieces it
+    replaces: C = 96 (not a multiple of the 64-wide channel tile), T not a multiple of the step
+    tile, packed documents; float16 within its rounding."""
+    from xlstm_kit.nn.mlstm_cell import front_forward
+    from xlstm_kit.ops.blocks import mlstm_front
+
+    g = torch.Generator().manual_seed(2)
+    B, C, d, H = (1 if packed else 2), 96, 4, 3
+    r = lambda *s: torch.randn(*s, generator=g).to(DEV)  # noqa: E731
+    x = r(B, T, C).to(dtype)
+    cw, cb = r(C, 4) / 2, r(C) / 4
+    wq, wk, wv = (r(C // d, d, d).to(dtype) / 2 for _ in range(3))
+    wc, wm, b = (r(2 * H, C) / 8).to(dtype), (r(2 * H, C) / 8).to(dtype), r(2 * H).to(dtype)
+    pos = None
+    if packed:
+        from xlstm_kit.nn.fused import doc_positions
+        pos = doc_positions(torch.tensor([0, 13, 40], device=DEV, dtype=torch.int32), T)
+    want = front_forward(x, cw, cb, wq, wk, wv, wc, wm, b, 1, None, pos)
+    got = mlstm_front.mlstm_front_fwd(x, pos, cw, cb, wq, wk, wv, wc, wm, b, gates, mlstm_front.front_config_key())
+    tol = 2e-6 if dtype == torch.float32 else 2e-3
+    for n, a, w in zip(["x_conv", "q", "k", "v", "gates"], got, want):
+        if n == "gates":
+            if not gates:
+                assert a.numel() == 0
+                continue
+            w = w.view(a.shape)
+        assert rel_err(a.double(), w.double()) < tol, n

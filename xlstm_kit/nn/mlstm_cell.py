@@ -19,10 +19,20 @@ from __future__ import annotations
 import torch
 
 from ..ops._checks import LOG_GATE_FLOOR, floor_log_gate
+from ..ops.backend import kernel_module, on_device
 from .common import _packed_blocks, _packed_bmm, headwise_weight_grad
 from .fused import _conv_bwd, _conv_fwd, _conv_kernels
 
 EPS = 1e-6  # the cell's eps: mlstm_chunkwise's default, which the layer's other path uses
+
+
+def _front(conv_kernels, C: int, d: int):
+    """The fused front kernels where the conv runs on Triton and a channel tile holds whole
+    head-wise blocks, else None (the PyTorch pieces)."""
+    if conv_kernels is None:
+        return None
+    front = kernel_module("mlstm_front")
+    return front if front is not None and front.FrontKernelConfig().bc % d == 0 else None
 
 
 def front_forward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, pack: int, conv_kernels, pos,
@@ -30,6 +40,12 @@ def front_forward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, pack: int, co
     """(x_conv, q, k, v, gates [N, 2H] or None) [B, T, C] each, from x_m [B, T, C] contiguous.
     gates=False: the backward's recomputation (no gate pre-activations)."""
     B, T, C = x_m.shape
+    front = _front(conv_kernels, C, wq.shape[-1])
+    if front is not None:
+        with on_device(x_m):
+            x_conv, q, k, v, g = front.mlstm_front_fwd(x_m, pos, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, gates,
+                                                       front.front_config_key())
+        return x_conv, q, k, v, (g if gates else None)
     x_conv = _conv_fwd(conv_kernels, x_m, None, conv_w, conv_b, True, pos)
     xc2, xm2 = x_conv.view(-1, C), x_m.view(-1, C)
     q = _packed_bmm(xc2, _packed_blocks(wq, pack))
@@ -76,7 +92,7 @@ class _MLSTMCellFn(torch.autograd.Function):
         h, saved = chunkwise_forward_for_cell(
             q.view(shape), k.view(shape), v.view(shape), i.reshape(B, T, H), floor_log_gate(f).reshape(B, T, H),
             EPS, recompute_states, cu_seqlens)
-        ctx.save_for_backward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, gates, pos, cu_seqlens, *saved)
+        ctx.save_for_backward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, gates, pos, cu_seqlens, *saved)
         ctx.n_heads, ctx.pack, ctx.recompute, ctx.conv_kernels = H, pack, recompute_states, conv_kernels
         return h, x_conv
 
@@ -84,10 +100,10 @@ class _MLSTMCellFn(torch.autograd.Function):
     def backward(ctx, dh, dx_conv):
         from xlstm_kit.ops.mlstm.triton.op import chunkwise_backward_for_cell
 
-        x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, gates, pos, cu, *saved = ctx.saved_tensors
+        x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, gates, pos, cu, *saved = ctx.saved_tensors
         B, T, C = x_m.shape
         H, pack = ctx.n_heads, ctx.pack
-        x_conv, q, k, v, _ = front_forward(x_m, conv_w, conv_b, wq, wk, wv, None, None, None, pack,
+        x_conv, q, k, v, _ = front_forward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, pack,
                                            ctx.conv_kernels, pos, gates=False)
         i, f = gates.chunk(2, dim=-1)
         shape = (B, T, H, C // H)
