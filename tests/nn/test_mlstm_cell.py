@@ -73,7 +73,7 @@ def test_cell_saves_no_q_k_v(monkeypatch):
                                                   (torch.float16, 37, False, False)])
 def test_front_kernel_matches_the_pytorch_pieces(dtype, T, packed, gates):
     """The fused front kernel (conv + SiLU, q/k/v maps, gates) against the PyTorch pieces it
-    replaces: C = 96 (not a multiple of the 64-wide channel tile), T not a multiple of the step
+    replaces: C = 96 (three 32-wide channel tiles; T and packing exercise the masks), T not a multiple of the step
     tile, packed documents; float16 within its rounding."""
     from xlstm_kit.nn.mlstm_cell import front_forward
     from xlstm_kit.ops.blocks import mlstm_front
@@ -99,3 +99,33 @@ def test_front_kernel_matches_the_pytorch_pieces(dtype, T, packed, gates):
                 continue
             w = w.view(a.shape)
         assert rel_err(a.double(), w.double()) < tol, n
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_front_kernels_compile_for_hopper():
+    """The front kernels compile for sm_90 (ptxas, no GPU needed; outside the interpreter),
+    bf16 and float32, with and without packed documents and gates."""
+    from tests.helpers import run_outside_interpreter
+
+    run_outside_interpreter("from tests.nn.test_mlstm_cell import compile_front; compile_front()")
+
+
+def compile_front():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from xlstm_kit.ops.blocks import mlstm_front as kern
+
+    for act, prec in (("*bf16", "tf32"), ("*fp32", "ieee")):
+        for has_pos in (False, True):
+            for gates in (False, True):
+                sig = {n: act for n in ("x_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "wgc_ptr", "wgm_ptr", "gb_ptr",
+                                        "xc_ptr", "q_ptr", "k_ptr", "v_ptr", "g_ptr")}
+                sig.update(p_ptr="*i32" if has_pos else act, cw_ptr="*fp32", cb_ptr="*fp32", T="i32", C="i32",
+                           G2="i32")
+                consts = dict(K=4, d=4, HAS_POS=has_pos, GATES=gates, BT=32, BC=32, BG=16, PREC=prec)
+                sig.update({k: "constexpr" for k in consts})
+                compiled = triton.compile(ASTSource(fn=kern._front_fwd, signature=sig, constexprs=consts),
+                                          target=GPUTarget("cuda", 90, 32))
+                assert compiled.asm["cubin"]
