@@ -73,8 +73,8 @@ def test_cell_saves_no_q_k_v(monkeypatch):
                                                   (torch.float16, 37, False, False)])
 def test_front_kernel_matches_the_pytorch_pieces(dtype, T, packed, gates):
     """The fused front kernel (conv + SiLU, q/k/v maps, gates) against the PyTorch pieces it
-    replaces: C = 84 (a partial 32-wide channel tile), T not a multiple of the step tile, T not a multiple of the step
-    tile, packed documents; float16 within its rounding."""
+    replaces: C = 84 (a partial 32-wide channel tile), T not a multiple of the step tile, packed
+    documents; float16 within its rounding."""
     from xlstm_kit.nn.mlstm_cell import front_forward
     from xlstm_kit.ops.blocks import mlstm_front
 
