@@ -26,14 +26,15 @@ from .fused import _conv_bwd, _conv_fwd, _conv_kernels
 EPS = 1e-6  # the cell's eps: mlstm_chunkwise's default, which the layer's other path uses
 
 
-def _front(conv_kernels, C: int, d: int, taps: int):
-    """The fused front kernels where the conv runs on Triton, a channel tile holds whole
-    head-wise blocks and the conv has at most 4 taps, else None (the PyTorch pieces)."""
-    if conv_kernels is None or taps > 4:
+def _front(conv_kernels, x: torch.Tensor, d: int, taps: int):
+    """The fused front kernels where the conv runs on Triton and they take the call (dtype,
+    head-wise block width d, conv taps), else None (the PyTorch pieces)."""
+    if conv_kernels is None:
         return None
     front = kernel_module("mlstm_front")
-    cfg = front.FrontKernelConfig() if front is not None else None
-    return front if cfg is not None and cfg.bc % d == 0 and cfg.dx_bc % d == 0 else None
+    if front is None or front.supports("mlstm_front", dtype=x.dtype, block_size=d, taps=taps) is not None:
+        return None
+    return front
 
 
 def front_forward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, pack: int, conv_kernels, pos,
@@ -42,7 +43,7 @@ def front_forward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, pack: int, co
     gates=False: the backward's recomputation (no gate pre-activations; the fused kernels also
     skip x_conv, which their backward recomputes itself: x_conv is then None)."""
     B, T, C = x_m.shape
-    front = _front(conv_kernels, C, wq.shape[-1], conv_w.shape[1])
+    front = _front(conv_kernels, x_m, wq.shape[-1], conv_w.shape[1])
     if front is not None:
         with on_device(x_m):
             x_conv, q, k, v, g = front.mlstm_front_fwd(x_m, pos, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, gates,
@@ -64,7 +65,7 @@ def front_backward(dq, dk, dv, dgates, dx_conv, x_m, x_conv, conv_w, conv_b, wq,
     """Gradients (dx_m, dconv_w, dconv_b, dwq, dwk, dwv, dw_conv, dw_m, db) of `front_forward`
     from those of q, k, v [N, C], the gates [N, 2H] and x_conv (its other readers'; or None)."""
     B, T, C = x_m.shape
-    front = _front(conv_kernels, C, wq.shape[-1], conv_w.shape[1])
+    front = _front(conv_kernels, x_m, wq.shape[-1], conv_w.shape[1])
     if front is not None:
         return front.mlstm_front_bwd(
             dq.view(B, T, C), dk.view(B, T, C), dv.view(B, T, C), dgates.contiguous(),

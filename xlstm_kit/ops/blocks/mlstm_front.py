@@ -52,6 +52,19 @@ class FrontKernelConfig(KernelConfig):
     dx_warps: int = 8
 
 
+def supports(op: str, *, dtype: torch.dtype, block_size: int = 4, taps: int = 4, **_) -> str | None:
+    """backend.choose_backend's question: do these kernels ("mlstm_front") take this call?
+    block_size: the head-wise maps' block width; taps: the conv's kernel size."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the Triton {op} kernels take float16, bfloat16 or float32 activations, got {dtype}"
+    cfg = FrontKernelConfig()
+    if cfg.bc % block_size or cfg.dx_bc % block_size:
+        return f"the Triton {op} kernels need head-wise blocks that divide {cfg.bc}, got {block_size}"
+    if taps > 4:
+        return f"the Triton {op} kernels take convolutions of at most 4 taps, got {taps}"
+    return None
+
+
 @triton.jit
 def _block_diag(w_ptr, c0, C, d: tl.constexpr, BC: tl.constexpr, TRANS: tl.constexpr):
     """The dense [BC, BC] tile W[i, o] of channels c0 + i -> c0 + o of the block-diagonal map
