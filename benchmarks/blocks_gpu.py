@@ -1,5 +1,5 @@
 """One 125M mLSTM / sLSTM block on the GPU: forward+backward time, peak memory and saved bytes
-per token, fused (this branch) against the unfused reference path (tests/nn/reference_layers.py),
+per token, fused (this branch) against the unfused reference path (tests/layers/reference_layers.py),
 bf16 autocast, float32 parameters, B x T = 16 x 2048. Run from the repository root:
 
     PYTHONPATH=. OUT=$OUT python benchmarks/blocks_gpu.py [B T]
@@ -13,13 +13,13 @@ import time
 
 import torch
 
-import xlstm_kit.nn.mlstm as mlstm_mod
-import xlstm_kit.nn.slstm as slstm_mod
-import tests.nn.reference_layers as reference
-from tests.nn.reference_layers import mlstm_layer, slstm_layer
+import xlstm_kit.layers.mlstm as mlstm_mod
+import xlstm_kit.layers.slstm as slstm_mod
+import tests.layers.reference_layers as reference
+from tests.layers.reference_layers import mlstm_layer, slstm_layer
 from xlstm_kit import XLSTMConfig
 from xlstm_kit.bench.memory import saved_bytes
-from xlstm_kit.nn import MLSTMBlock, SLSTMBlock
+from xlstm_kit.layers import MLSTMBlock, SLSTMBlock
 
 
 class Unfused(torch.nn.Module):

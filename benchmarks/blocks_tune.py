@@ -16,7 +16,7 @@ import os
 import torch
 import triton.testing
 
-from xlstm_kit.nn import fused
+from xlstm_kit.layers import fused
 from xlstm_kit.ops.blocks import triton as kern
 
 

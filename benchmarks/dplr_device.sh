@@ -20,7 +20,7 @@ timeout 300 python3 benchmarks/dplr_tune.py --warm-fla --out $R/w > $R/w/log.txt
 # the float64 CPU references of 6 workers, threads capped (uncapped they oversubscribed 16 cores)
 ( OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout 250 python3 -m pytest -v -rA -n 6 -p no:cacheprovider \
    tests/ops/test_dplr_triton.py tests/ops/test_dplr_triton_phases.py tests/ops/test_dplr_triton_varlen.py \
-   tests/ops/test_reliability.py tests/nn/test_dplr_block.py > $R/t/tests.txt 2>&1; echo "rc $?" >> $R/t/tests.txt )
+   tests/ops/test_reliability.py tests/layers/test_dplr_block.py > $R/t/tests.txt 2>&1; echo "rc $?" >> $R/t/tests.txt )
 [ -n "$EXTRA_TESTS" ] && timeout 120 python3 -m pytest -q -rA -p no:cacheprovider $EXTRA_TESTS > $R/t/extra.txt 2>&1
 [ -n "$EXTRA_TESTS" ] && tail -5 $R/t/extra.txt
 echo "tests $(( $(date +%s) - T0 )) s: $(grep -c PASSED $R/t/tests.txt) passed, $(grep -c FAILED $R/t/tests.txt) failed"

@@ -14,7 +14,7 @@ bundled ptxas, at the default configuration for bf16 inputs. Prints one line per
 """
 import sys
 
-from xlstm_kit.ops._sm90 import sm90_resources
+from benchmarks.sm90 import sm90_resources
 from xlstm_kit.ops.dplr.triton.backward import _bwd_dv
 from xlstm_kit.ops.dplr.triton.common import SUB
 from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig, resolve

@@ -54,8 +54,8 @@ class _Enough(Exception):
 def _config(quick: bool, mode: str):
     import torch
 
-    from xlstm_kit.tasks import experiment as ex
-    from xlstm_kit.tasks import protocol as pr
+    from xlstm_kit.experiments import experiment as ex
+    from xlstm_kit.experiments import protocol as pr
 
     fields = {**pr.PROTOCOLS["paper"].formal, "steps": 10**7, "lr": 1e-3, "min_lr": 1e-5, "warmup_steps": 1000,
               "log_every": LOG_EVERY if not quick else 5, "compile": mode != "eager",
@@ -71,9 +71,10 @@ def measure(name: str, mode: str, quick: bool, start_at: float | None, window_s:
     import numpy as np
     import torch
 
-    from xlstm_kit import compiling
-    from xlstm_kit.tasks import experiment as ex
-    from xlstm_kit.tasks.formal import TaskBatch, get_task, sample_train_batch
+    from xlstm_kit.training import compiling
+    from xlstm_kit.experiments import experiment as ex
+    from xlstm_kit.experiments.formal import TaskBatch, sample_train_batch
+    from xlstm_kit.experiments.registry import get_task
 
     cfg = _config(quick, mode)
     dev = torch.device(cfg.device)

@@ -70,7 +70,7 @@ class KVCacheTransformer(_module_base()):
         # a buffer: CUDA graphs keep its address, so the in-place cache writes stay in the graph
         self.register_buffer("cache", torch.zeros(len(lm.blocks), 2, batch, self.H, max_len, self.hd,
                                                   device=w.device, dtype=w.dtype))
-        from xlstm_kit.tasks.baselines import rope_tables
+        from xlstm_kit.experiments.baselines import rope_tables
 
         self.cos, self.sin = rope_tables(max_len, self.hd, w.device)
         self.graph = None
@@ -103,7 +103,7 @@ class KVCacheTransformer(_module_base()):
     def _attend(self, i, x, pos, causal_prefill):
         import torch.nn.functional as F
 
-        from xlstm_kit.tasks.baselines import apply_rope
+        from xlstm_kit.experiments.baselines import apply_rope
 
         blk = self.lm.blocks[i]
         B, T, C = x.shape
@@ -191,7 +191,7 @@ def build(job: str, quick: bool):
             _, st = model(p, return_state=True, logits_to_keep=1)
             return p[:, -1], st
         gen.step_inputs = step_inputs
-        gen.step = lambda tok, st: model._step(tok, st, inplace=True)
+        gen.step = lambda tok, st: model.step(tok, st, inplace=True, check=False)
         # prefill as generate runs it: the state and the last position's logits (the official
         # forward has no such option and computes every position's)
         return (gen, lambda p: model(p, return_state=True, logits_to_keep=1), _bytes(model), lambda ctx: state,
@@ -212,7 +212,7 @@ def build(job: str, quick: bool):
         state = L * H * (k * v + k + 1) * 4
         return (lambda p, n: model.generate(p, max_length=n)[0], lambda p: model(p), _bytes(model),
                 lambda ctx: state, f"official xLSTMLarge d {d}, {L} blocks, {H} heads, {cfg.chunkwise_kernel}")
-    from xlstm_kit.tasks.baselines import TransformerLM
+    from xlstm_kit.experiments.baselines import TransformerLM
 
     d, L, H = (768, 12, 12) if job == "tf125" else (2048, 24, 16)
     if quick:

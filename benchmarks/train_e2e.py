@@ -286,7 +286,7 @@ def _build_model(st: dict, quick: bool, device):
         facts["ckpt"] = bool(st.get("ckpt")) and "model.set_activation_checkpointing('all')"
         counted = model
     elif arch == "tf":
-        from xlstm_kit.tasks.baselines import TransformerLM
+        from xlstm_kit.experiments.baselines import TransformerLM
 
         d, L, H = (32, 2, 2) if quick else (768, 12, 12)
         model = TransformerLM(V, d, L, H).to(device)
@@ -349,7 +349,7 @@ def child_model(name: str, st: dict, opts: dict) -> None:
     if st.get("compile"):
         run, how = _compile(model, st, opts["compile_mode"], quick)
         row["compile_mode"] = how + (" (backend eager)" if quick else "")
-    from xlstm_kit.train import lm_loss, train_step
+    from xlstm_kit.training import lm_loss, train_step
 
     V, B, T = (128, 2, 64) if quick else (VOCAB, st.get("batch", BATCH), st.get("seq", SEQ))
     g = torch.Generator().manual_seed(0)

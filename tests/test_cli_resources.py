@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from xlstm_kit import cli, resources
-from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit.cli import app as cli
+from xlstm_kit.training import resources
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from xlstm_kit import data
+from xlstm_kit.training import data
 
 SAMPLE = (
     "ROMEO:\nBut, soft! what light through yonder window breaks?\n\n"

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from xlstm_kit import train as T
-from xlstm_kit.data import load_data
-from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit import training as T
+from xlstm_kit.training.data import load_data
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
 TEXT = (
     "ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"

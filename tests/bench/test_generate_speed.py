@@ -23,7 +23,7 @@ def _load():
 
 
 def test_kv_cache_transformer_decodes_like_the_full_forward():
-    from xlstm_kit.tasks.baselines import TransformerLM
+    from xlstm_kit.experiments.baselines import TransformerLM
 
     gs = _load()
     torch.manual_seed(0)

@@ -12,13 +12,13 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-import xlstm_kit.compiling as compiling
+import xlstm_kit.training.compiling as compiling
 from xlstm_kit.cli import main
 from xlstm_kit.errors import XLSTMKitError
-from xlstm_kit.tasks import experiment as ex
-from xlstm_kit.tasks import protocol as pr
-from xlstm_kit.tasks.experiment import RunConfig, quick_config, run_formal
-from xlstm_kit.tasks.formal import get_task
+from xlstm_kit.experiments import experiment as ex
+from xlstm_kit.experiments import protocol as pr
+from xlstm_kit.experiments.experiment import RunConfig, quick_config, run_formal
+from xlstm_kit.experiments.registry import get_task
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from xlstm_kit.cli import main
-from xlstm_kit.tasks.experiment import (MODEL_NAMES, build_model, check_model_name, quick_config,
+from xlstm_kit.experiments.experiment import (MODEL_NAMES, build_model, check_model_name, quick_config,
                                         run_formal, run_mqar, run_sweep)
 
 
@@ -76,7 +76,7 @@ def test_cli_experiment(tmp_path, capsys):
 
 
 def test_failed_run_is_reported_not_fatal(tmp_path):
-    from xlstm_kit.tasks.experiment import _run_one, load_results, write_report
+    from xlstm_kit.experiments.experiment import _run_one, load_results, write_report
 
     cfg = quick_config(steps=2, d_model=30).to_dict()  # 30 does not split into 4 attention heads
     bad = _run_one(("formal", "parity", "transformer", cfg, str(tmp_path / "runs"), 0))
@@ -86,7 +86,7 @@ def test_failed_run_is_reported_not_fatal(tmp_path):
 
 
 def test_sweep_steps_per_task_and_longest_first(tmp_path, monkeypatch):
-    import xlstm_kit.tasks.experiment as ex
+    import xlstm_kit.experiments.experiment as ex
 
     seen = []
     monkeypatch.setattr(ex, "_run_one", lambda job, progress=None: seen.append(job) or {"kind": job[0], "task": job[1],
@@ -102,7 +102,7 @@ def test_sweep_steps_per_task_and_longest_first(tmp_path, monkeypatch):
 
 
 def test_sweep_deals_runs_over_all_gpus(tmp_path, monkeypatch):
-    import xlstm_kit.tasks.experiment as ex
+    import xlstm_kit.experiments.experiment as ex
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -164,7 +164,7 @@ def test_progress_lines_are_throttled():
 
     import pickle
 
-    from xlstm_kit.tasks.cli import ProgressLines
+    from xlstm_kit.cli.experiment import ProgressLines
 
     now, stream = [0.0], io.StringIO()
     report = ProgressLines("formal parity lstm", stream, every_s=10.0, clock=lambda: now[0])
@@ -178,14 +178,14 @@ def test_progress_lines_are_throttled():
 
 
 def test_experiment_training_uses_the_library_step(monkeypatch):
-    import xlstm_kit.tasks.experiment as ex
+    import xlstm_kit.experiments.experiment as ex
 
     calls = []
     real = ex.train_step
     monkeypatch.setattr(ex, "train_step", lambda *a, **k: calls.append(k["lr"]) or real(*a, **k))
     r = run_formal("parity", "lstm", quick_config(steps=4, warmup_steps=1), None)
     assert r["steps_done"] == 4 and len(calls) == 4
-    from xlstm_kit.train import TrainConfig, lr_at
+    from xlstm_kit.training import TrainConfig, lr_at
 
     sched = TrainConfig(steps=4, lr=3e-3, min_lr=3e-4, warmup_steps=0)  # warmup: at most a fifth of the run
     assert calls == pytest.approx([lr_at(s, sched) for s in range(4)])
@@ -194,7 +194,7 @@ def test_experiment_training_uses_the_library_step(monkeypatch):
 def test_sweep_report_without_matplotlib(tmp_path, monkeypatch):
     import sys
 
-    from xlstm_kit.tasks.experiment import write_report
+    from xlstm_kit.experiments.experiment import write_report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     paths = write_report([{"kind": "formal", "task": "parity", "model": "lstm", "error": "x"}], tmp_path)
@@ -202,7 +202,7 @@ def test_sweep_report_without_matplotlib(tmp_path, monkeypatch):
 
 
 def test_mqar_run_stops_once_converged():
-    from xlstm_kit.tasks.experiment import CONVERGED_LOGS, RunConfig
+    from xlstm_kit.experiments.experiment import CONVERGED_LOGS, RunConfig
 
     # the loss starts near ln(256) = 5.5 and falls below ln(128) = 4.85 once the model predicts
     # values from the upper half only: 5.0 is crossed early, 1e-6 never
@@ -222,8 +222,8 @@ def test_mqar_run_stops_once_converged():
 def test_mqar_head_at_the_query_positions_only_equals_the_masked_loss(name):
     import numpy as np
 
-    from xlstm_kit.tasks.experiment import _AtPositions, masked_loss, positions_loss
-    from xlstm_kit.tasks.mqar import mqar_batch
+    from xlstm_kit.experiments.experiment import _AtPositions, masked_loss, positions_loss
+    from xlstm_kit.experiments.mqar import mqar_batch
 
     batch = mqar_batch(np.random.default_rng(3), 3, 32, 4, vocab_size=64, spacing="powerlaw")
     assert batch.positions.shape == (3, 4) and bool(batch.mask.gather(1, batch.positions).all())
@@ -248,7 +248,7 @@ def test_mqar_head_at_the_query_positions_only_equals_the_masked_loss(name):
 
 def test_a_schedule_fitted_to_the_time_limit_keeps_the_warmup_share(monkeypatch):
     # 10 % warmup of a nominal 1000 steps, fitted to 40: 4 warmup steps (was a fifth of the run)
-    from xlstm_kit.tasks import experiment as ex
+    from xlstm_kit.experiments import experiment as ex
 
     class Budget(ex.TimeBudget):
         def steps_that_fit(self, done, **kw):

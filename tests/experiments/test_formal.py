@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from xlstm_kit.tasks import formal as F
-from xlstm_kit.tasks.formal import (PAD, SEP, TASKS, get_task, make_batch, sample_train_batch,
-                                    scaled_accuracy, sequence_accuracy)
+from xlstm_kit.experiments import formal as F
+from xlstm_kit.experiments.formal import PAD, SEP, TASKS, make_batch, sample_train_batch, scaled_accuracy, sequence_accuracy
+from xlstm_kit.experiments.registry import get_task
 
 P, M, X = F.PLUS, F.MINUS, F.TIMES
 A, B, POP, PA, PB = F.STACK_A, F.STACK_B, F.POP, F.PUSH_A, F.PUSH_B

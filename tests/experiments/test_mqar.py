@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from xlstm_kit.tasks.mqar import FILLER, mqar_batch
+from xlstm_kit.experiments.mqar import FILLER, mqar_batch
 
 
 @pytest.mark.parametrize("T, N, V", [(64, 4, 8192), (256, 64, 8192), (30, 10, 64)])

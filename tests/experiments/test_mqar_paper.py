@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from xlstm_kit.errors import XLSTMKitError
-from xlstm_kit.tasks.experiment import MODEL_NAMES, build_model, evaluate_mqar
-from xlstm_kit.tasks.mqar import MQAR_SETTINGS, POWER_A, check_mqar_shape, mqar_batch, powerlaw_slots
+from xlstm_kit.experiments.experiment import MODEL_NAMES, build_model, evaluate_mqar
+from xlstm_kit.experiments.mqar import MQAR_SETTINGS, POWER_A, check_mqar_shape, mqar_batch, powerlaw_slots
 
 
 def test_powerlaw_slots_follow_the_law():
@@ -74,7 +74,7 @@ def test_evaluate_mqar_scores_the_queries_as_full_logits_would(name):
 
 def test_transformer_conv_feeds_q_and_k_through_the_causal_conv():
     # float64 reference: q, k read SiLU(depthwise causal conv_4(x)), v reads x, causal softmax
-    from xlstm_kit.tasks import baselines as B
+    from xlstm_kit.experiments import baselines as B
 
     torch.manual_seed(3)
     model = build_model("transformer-conv", 16, d_model=16, n_heads=2).double()
@@ -115,8 +115,8 @@ def test_transformer_conv_feeds_q_and_k_through_the_causal_conv():
 
 
 def test_ablation_models_are_named_but_not_run_by_default():
-    from xlstm_kit.tasks.cli import MODEL_HELP
-    from xlstm_kit.tasks.experiment import ABLATION_MODELS, DEFAULT_MODELS
+    from xlstm_kit.cli.experiment import MODEL_HELP
+    from xlstm_kit.experiments.experiment import ABLATION_MODELS, DEFAULT_MODELS
 
     assert all(m in MODEL_HELP for m in MODEL_NAMES)
     assert "transformer-conv" in ABLATION_MODELS and not set(ABLATION_MODELS) & set(DEFAULT_MODELS)

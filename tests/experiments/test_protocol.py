@@ -6,7 +6,7 @@ import pytest
 
 from xlstm_kit.cli import main
 from xlstm_kit.errors import XLSTMKitError
-from xlstm_kit.tasks import protocol as pr
+from xlstm_kit.experiments import protocol as pr
 
 
 def test_formal_grid_expansion():
@@ -142,7 +142,7 @@ def test_a_paused_grid_point_continues_to_the_uninterrupted_result(tmp_path, mon
     an uninterrupted run: same losses, same accuracy; the checkpoint is gone when it is done."""
     import itertools
 
-    from xlstm_kit.tasks import experiment as ex
+    from xlstm_kit.experiments import experiment as ex
 
     proto = pr.PROTOCOLS["quick"]
     plan = (pr.formal_plan(["parity"], ["xlstm[1:1]"], proto, lrs=[1e-2], seeds=[0]) if kind == "formal"
@@ -278,7 +278,7 @@ def test_a_paused_run_scored_as_it_stands(tmp_path, monkeypatch, capsys):
 
     import torch
 
-    from xlstm_kit.tasks import experiment as ex
+    from xlstm_kit.experiments import experiment as ex
 
     job = pr.formal_plan(["parity"], ["lstm-plain"], pr.PROTOCOLS["quick"], lrs=[1e-2], seeds=[0])[0]
     ticks = itertools.count()

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from xlstm_kit.errors import XLSTMKitError
-from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
-from xlstm_kit.nn.slstm import SLSTMBlock, SLSTMLayer, powerlaw_forget_bias
-from xlstm_kit.tasks.experiment import SLSTM_PRESETS, build_model
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit.layers.slstm import SLSTMBlock, SLSTMLayer, powerlaw_forget_bias
+from xlstm_kit.experiments.experiment import SLSTM_PRESETS, build_model
 
 
 def test_no_conv_layer_has_no_conv_parameters_and_state():
@@ -33,7 +33,7 @@ def test_no_conv_gates_see_x_and_step_matches_forward():
     xh = x.view(2, 7, 2, 8)
     gates = torch.stack([torch.stack([xh[:, :, h] @ layer.gate_weight[g, h].T for h in range(2)], 2)
                          for g in range(4)], 2)
-    from xlstm_kit.nn.slstm import headwise_gates
+    from xlstm_kit.layers.slstm import headwise_gates
     torch.testing.assert_close(headwise_gates(x, layer.gate_weight), gates)
     # a step at a time from the zero state gives the same outputs and final state
     st = layer.init_state(2, dtype=torch.float64)
@@ -122,7 +122,7 @@ def test_no_conv_layer_equals_the_official_layer_without_conv():
     pytest.importorskip("xlstm")
     from xlstm.blocks.slstm.layer import sLSTMLayer, sLSTMLayerConfig
 
-    from xlstm_kit.compat import _slstm_cell_from_ours
+    from xlstm_kit.io.compat import _slstm_cell_from_ours
 
     torch.manual_seed(0)
     d = 16

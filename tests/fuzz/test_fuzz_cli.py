@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from xlstm_kit import cli
+from xlstm_kit.cli import app as cli
 from xlstm_kit.errors import XLSTMKitError
-from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
 SEED = 14
 BAD_INTS = ["0", "-1", "ten", "1.5", "", "1e3", "nan", "99999999999999999999999x"]

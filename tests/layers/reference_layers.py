@@ -3,8 +3,8 @@ parameters, the reference the fused pieces in xlstm_kit.nn.fused are tested agai
 import torch
 import torch.nn.functional as F
 
-from xlstm_kit.nn.mlstm import MLSTMState
-from xlstm_kit.nn.slstm import SLSTMState
+from xlstm_kit.layers.mlstm import MLSTMState
+from xlstm_kit.layers.slstm import SLSTMState
 from xlstm_kit.ops.mlstm import mlstm_chunkwise
 from xlstm_kit.ops.slstm import slstm_recurrent
 

@@ -7,7 +7,7 @@ import torch
 
 from tests.helpers import run_outside_interpreter
 
-from xlstm_kit.nn.mlstm import MLSTMBlock, MLSTMState
+from xlstm_kit.layers.mlstm import MLSTMBlock, MLSTMState
 
 from .decode_common import FALLBACKS, check_fallback, needs_kernels, rel_err, steps_after_prefill_error
 
@@ -106,14 +106,14 @@ def test_fused_step_is_one_custom_op_under_compile():
 def test_decode_kernels_compile_for_hopper_without_spills():
     """Compiled for sm_90 by Triton and ptxas (no GPU; outside the interpreter), at the 125M
     preset's shapes with bf16 weights: no compile error and no register spills."""
-    out = run_outside_interpreter("from tests.nn.test_decode_step import sm90; sm90()")
+    out = run_outside_interpreter("from tests.layers.test_decode_step import sm90; sm90()")
     for line in out.splitlines():
         name, spills, _regs = line.split()
         assert int(spills) == 0, line
 
 
 def sm90():
-    from xlstm_kit.ops._sm90 import sm90_resources
+    from benchmarks.sm90 import sm90_resources
     from xlstm_kit.ops.blocks import decode
 
     bf, f32 = "*bf16", "*fp32"

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import rel_err
-from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
-from xlstm_kit.nn import DPLRBlock, DPLRLayer, DPLRState
-from xlstm_kit.nn.dplr import G_MAX
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit.layers import DPLRBlock, DPLRLayer, DPLRState
+from xlstm_kit.layers.dplr import G_MAX
 from xlstm_kit.ops.dplr import dplr_recurrent
 
 F64 = torch.float64
@@ -130,7 +130,7 @@ def test_bad_config_raises(kw, match):
 
 def _spy_dtypes(monkeypatch, run):
     """Runs `run()` with the block's kda_chunkwise wrapped; returns what reached it each call."""
-    import xlstm_kit.nn.dplr as mod
+    import xlstm_kit.layers.dplr as mod
     seen, orig = [], mod.kda_chunkwise
 
     def spy(q, k, v, g, beta, **kw):

@@ -1,5 +1,5 @@
 """The fused layer pieces (xlstm_kit.nn.fused) against the unfused reference path
-(tests/nn/reference_layers.py): float64 forward, every gradient, the carried state; gradcheck of
+(tests/layers/reference_layers.py): float64 forward, every gradient, the carried state; gradcheck of
 each piece; bf16 autocast accuracy; torch.compile(fullgraph=True) of a block."""
 import importlib.util
 import os
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tests.helpers import rel_err, run_outside_interpreter
-from tests.nn.reference_layers import mlstm_layer, slstm_layer
-from tests.nn.test_layers import randomize_
-from xlstm_kit.nn import MLSTMBlock, MLSTMLayer, SLSTMBlock, SLSTMLayer
-from xlstm_kit.nn.fused import conv_silu, head_norm, mlstm_output, slstm_gates
+from tests.layers.reference_layers import mlstm_layer, slstm_layer
+from tests.layers.test_layers import randomize_
+from xlstm_kit.layers import MLSTMBlock, MLSTMLayer, SLSTMBlock, SLSTMLayer
+from xlstm_kit.layers.fused import conv_silu, head_norm, mlstm_output, slstm_gates
 
 F64 = torch.float64
 
@@ -217,7 +217,7 @@ def test_head_norm_triton_matches_float64_reference():
 @needs_triton
 def test_tail_triton_backward_sums_over_programs():
     """Fewer programs than row tiles: each program loops over several tiles and sums dw, dskip."""
-    from xlstm_kit.nn.fused import _tail_bwd_torch, _tail_fwd_torch
+    from xlstm_kit.layers.fused import _tail_bwd_torch, _tail_fwd_torch
     from xlstm_kit.ops.blocks.triton import TailKernelConfig, mlstm_tail_bwd, mlstm_tail_fwd
     h, xc, z, w, skip = _tail_inputs(N=37)[:5]
     key = TailKernelConfig(rows=2, programs=3).key()
@@ -313,7 +313,7 @@ def test_kernels_compile_for_hopper():
     """The interpreter accepts code the compiler refuses (a variable changing shape inside a
     runtime branch did): compile every kernel variant for sm_90 (ptxas, no GPU needed), in a
     process without TRITON_INTERPRET (under it the kernels are not compilable objects)."""
-    run_outside_interpreter("from tests.nn.test_fused import compile_kernels; compile_kernels()")
+    run_outside_interpreter("from tests.layers.test_fused import compile_kernels; compile_kernels()")
 
 
 def compile_kernels():

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from tests.helpers import rel_err, run_outside_interpreter
 from xlstm_kit.errors import XLSTMKitError
-from xlstm_kit.nn.fused import gated_head_norm, head_norm
-from xlstm_kit.nn.large import LargeBlock, LargeMLSTMLayer
+from xlstm_kit.layers.fused import gated_head_norm, head_norm
+from xlstm_kit.layers.large import LargeBlock, LargeMLSTMLayer
 from xlstm_kit.ops.backend import BackendUnavailableError
 
 F64 = torch.float64
@@ -94,7 +94,7 @@ def test_triton_mixed_dtypes_and_float32_weight():
 def test_backward_sums_dw_over_programs_and_rows_of_any_stride():
     """Fewer programs than row tiles (each loops over several tiles and sums dw), the custom
     ops called directly: o with a row stride, dy strided too; against the float64 twins."""
-    from xlstm_kit.nn.fused import _gated_norm_bwd_torch, _gated_norm_fwd_torch
+    from xlstm_kit.layers.fused import _gated_norm_bwd_torch, _gated_norm_fwd_torch
     from xlstm_kit.ops.blocks.triton import TailKernelConfig, gated_head_norm_bwd, gated_head_norm_fwd
     key = TailKernelConfig(rows=2, programs=3).key()
     x, o, w = inputs((37,), 3, 12, torch.float32)
@@ -246,7 +246,7 @@ def test_large_layer_triton_path_matches_previous_formula():
 def test_kernels_compile_for_hopper_without_spills():
     """Compiled for sm_90 by Triton and ptxas (no GPU; outside the interpreter) at the 7B's
     heads (H = 8, D = 512), bf16, the default config: no compile error, no spills."""
-    out = run_outside_interpreter("from tests.nn.test_gated_head_norm import sm90; sm90()")
+    out = run_outside_interpreter("from tests.layers.test_gated_head_norm import sm90; sm90()")
     lines = out.splitlines()
     assert len(lines) == 2, out
     for line in lines:
@@ -258,7 +258,7 @@ def sm90(D=512):
     """Print `kernel registers spill-bytes` for both GATE=2 kernels at the default config."""
     import triton
 
-    from xlstm_kit.ops._sm90 import sm90_resources
+    from benchmarks.sm90 import sm90_resources
     from xlstm_kit.ops.blocks import triton as kern
 
     cfg = kern.TailKernelConfig()

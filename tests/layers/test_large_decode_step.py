@@ -7,8 +7,8 @@ import torch
 
 from tests.helpers import run_outside_interpreter
 
-from xlstm_kit.nn.large import LargeBlock
-from xlstm_kit.nn.mlstm import MLSTMState
+from xlstm_kit.layers.large import LargeBlock
+from xlstm_kit.layers.mlstm import MLSTMState
 
 from .decode_common import FALLBACKS, check_fallback, needs_kernels, rel_err, steps_after_prefill_error
 
@@ -47,8 +47,6 @@ def _small_tiles(monkeypatch):
     (48, 3, 36, 72, 136, 3),    # three heads (the gate tile padded to 4 rows); head dims 12 and 24
 ])
 def test_fused_step_equals_float64_step(d, H, qk, v, ffn, B, tiles, monkeypatch):
-    from xlstm_kit.ops.blocks.large_decode import large_block_step
-
     if tiles == "small":
         _small_tiles(monkeypatch)
     blk = _block(d, H, qk, v, ffn)
@@ -59,7 +57,7 @@ def test_fused_step_equals_float64_step(d, H, qk, v, ffn, B, tiles, monkeypatch)
         blk.float()
         # the model fuses batch 1 only; the kernels take any batch (called directly here)
         assert blk._fused_step(x, st) == (B == 1)
-        y, new = large_block_step(blk, x, MLSTMState(*(s.clone() for s in st)))
+        y, new = blk.fused_step(x, MLSTMState(*(s.clone() for s in st)))
     assert y.dtype == x.dtype
     assert rel_err(y, ref) < 1e-5
     for a, b in zip(new[1:], rst[1:]):
@@ -140,7 +138,7 @@ def test_fused_step_is_one_custom_op_under_compile():
 def test_large_decode_kernels_compile_for_hopper_without_spills():
     """Compiled for sm_90 by Triton and ptxas (no GPU; outside the interpreter), at the 7B's
     shapes with bf16 weights and the default launch configs: no compile error, no spills."""
-    out = run_outside_interpreter("from tests.nn.test_large_decode_step import sm90; sm90()")
+    out = run_outside_interpreter("from tests.layers.test_large_decode_step import sm90; sm90()")
     lines = out.splitlines()
     assert len(lines) == 5, out
     for line in lines:
@@ -152,7 +150,7 @@ def sm90(d=4096, H=8, qk=2048, v=4096, ffn=10944):
     """Print `kernel registers spill-bytes` for each launch of the step at these shapes."""
     import triton
 
-    from xlstm_kit.ops._sm90 import sm90_resources
+    from benchmarks.sm90 import sm90_resources
     from xlstm_kit.ops.blocks import large_decode as ld
     from xlstm_kit.ops.mlstm.triton import step
 
@@ -192,8 +190,6 @@ def sm90(d=4096, H=8, qk=2048, v=4096, ffn=10944):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("B", [1, 4])
 def test_gpu_bf16_fused_step_within_twice_the_pytorch_step_error(B):
-    from xlstm_kit.ops.blocks.large_decode import large_block_step
-
     blk = _block(2048, 4, 1024, 2048, 5504)  # the large-1.3B preset's block
     st = MLSTMState(*(s.cuda() for s in _state(blk, B)))
     blk.cuda()
@@ -202,7 +198,7 @@ def test_gpu_bf16_fused_step_within_twice_the_pytorch_step_error(B):
         exact, _ = blk.double().step(x.double(), _double(st))
         blk.bfloat16()
         assert blk._fused_step(x.bfloat16(), st) == (B == 1)   # the model fuses batch 1 only
-        y, new = large_block_step(blk, x.bfloat16(), MLSTMState(*(s.clone() for s in st)))
+        y, new = blk.fused_step(x.bfloat16(), MLSTMState(*(s.clone() for s in st)))
         blk.mlstm_layer.backend = "torch"
         y_ref, ref = blk.step(x.bfloat16(), MLSTMState(*(s.clone() for s in st)))
     assert rel_err(y, exact) <= 2 * rel_err(y_ref, exact)

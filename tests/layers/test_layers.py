@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import rel_err
-from xlstm_kit.nn import (CausalConv1d, GatedFeedForward, HeadwiseLinear, MLSTMBlock, MLSTMLayer,
+from xlstm_kit.layers import (CausalConv1d, GatedFeedForward, HeadwiseLinear, MLSTMBlock, MLSTMLayer,
                           MultiHeadNorm, SLSTMBlock, SLSTMLayer)
-from xlstm_kit.nn.slstm import powerlaw_forget_bias
+from xlstm_kit.layers.slstm import powerlaw_forget_bias
 
 F64 = torch.float64
 

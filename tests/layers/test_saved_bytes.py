@@ -11,10 +11,10 @@ input of the gates, the feed-forward's input and up-projection output: 11.8 KB (
 import pytest
 import torch
 
-import xlstm_kit.nn.mlstm as mlstm_mod
-import xlstm_kit.nn.slstm as slstm_mod
+import xlstm_kit.layers.mlstm as mlstm_mod
+import xlstm_kit.layers.slstm as slstm_mod
 from xlstm_kit.bench.memory import saved_bytes_per_token
-from xlstm_kit.nn import MLSTMBlock, SLSTMBlock
+from xlstm_kit.layers import MLSTMBlock, SLSTMBlock
 
 D, INNER, HEADS = 768, 1536, 4  # the 125M preset
 

@@ -7,7 +7,7 @@ import torch
 
 from tests.helpers import run_outside_interpreter
 
-from xlstm_kit.nn.slstm import SLSTMBlock, SLSTMState
+from xlstm_kit.layers.slstm import SLSTMBlock, SLSTMState
 
 from .decode_common import FALLBACKS, check_fallback, needs_kernels, rel_err, steps_after_prefill_error
 
@@ -106,7 +106,7 @@ def test_fused_step_is_one_custom_op_under_compile():
 def test_decode_kernels_compile_for_hopper_without_spills():
     """Compiled for sm_90 by Triton and ptxas (no GPU; outside the interpreter), at the 125M
     preset's sLSTM shapes with bf16 weights: no compile error and no register spills."""
-    out = run_outside_interpreter("from tests.nn.test_slstm_decode_step import sm90; sm90()")
+    out = run_outside_interpreter("from tests.layers.test_slstm_decode_step import sm90; sm90()")
     assert len(out.splitlines()) == 3, out
     for line in out.splitlines():
         name, spills = line.split()
@@ -114,7 +114,7 @@ def test_decode_kernels_compile_for_hopper_without_spills():
 
 
 def sm90():
-    from xlstm_kit.ops._sm90 import sm90_resources
+    from benchmarks.sm90 import sm90_resources
     from xlstm_kit.ops.blocks import slstm_decode as sd
 
     bf, f32 = "*bf16", "*fp32"

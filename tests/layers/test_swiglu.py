@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from tests.helpers import rel_err, run_outside_interpreter
 from xlstm_kit.errors import XLSTMKitError
-from xlstm_kit.nn.fused import swiglu
-from xlstm_kit.nn.large import SwiGLU
+from xlstm_kit.layers.fused import swiglu
+from xlstm_kit.layers.large import SwiGLU
 from xlstm_kit.ops.backend import BackendUnavailableError
 
 F64 = torch.float64
@@ -185,7 +185,7 @@ def test_module_triton_path_matches_previous_formula():
 def test_kernels_compile_for_hopper_without_spills():
     """Compiled for sm_90 by Triton and ptxas (no GPU; outside the interpreter) at the 7B's
     F = 10944, bf16, the default config: no compile error, no spills."""
-    out = run_outside_interpreter("from tests.nn.test_swiglu import sm90; sm90()")
+    out = run_outside_interpreter("from tests.layers.test_swiglu import sm90; sm90()")
     lines = out.splitlines()
     assert len(lines) == 2, out
     for line in lines:
@@ -195,7 +195,7 @@ def test_kernels_compile_for_hopper_without_spills():
 
 def sm90(ffn=10944):
     """Print `kernel registers spill-bytes` for both kernels at the default config."""
-    from xlstm_kit.ops._sm90 import sm90_resources
+    from benchmarks.sm90 import sm90_resources
     from xlstm_kit.ops.blocks import swiglu as sw
 
     cfg = sw.SwiGLUKernelConfig()

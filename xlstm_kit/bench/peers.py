@@ -167,7 +167,7 @@ def _official_xlstm(case: str, shape: Shape, env: Env) -> Timed:
     backend compiles C++ at first use), trained by the same step function."""
     import xlstm
 
-    from xlstm_kit.compat import config_to_official
+    from xlstm_kit.io.compat import config_to_official
 
     torch.manual_seed(0)
     official = xlstm.xLSTMLMModel(config_to_official(registry.model_config(shape), slstm_backend="vanilla"))

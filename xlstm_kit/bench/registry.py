@@ -342,7 +342,7 @@ def train_step_fn(model: torch.nn.Module, shape: Shape, env: Env) -> Callable[[]
     through the library's own `train_step`: forward under bf16 autocast on CUDA, float32
     cross-entropy, backward, clipping to norm 1, AdamW (fused on CUDA). Random token ids:
     throughput does not depend on the text."""
-    from xlstm_kit.train import lm_loss, train_step
+    from xlstm_kit.training.loop import lm_loss, train_step
 
     B, T = shape["batch"], shape["seq"]
     vocab = model_config(shape).vocab_size

@@ -29,6 +29,7 @@ from . import registry, timing
 from .options import PEER_TIMEOUT_S, SUITE_CHOICES, add_arguments
 from .registry import SUITES, Env
 from ..errors import XLSTMKitError
+from .._version import __version__
 
 
 
@@ -67,8 +68,6 @@ def machine_slug(device: torch.device) -> str:
 
 
 def versions() -> str:
-    from xlstm_kit import __version__
-
     parts = [f"xlstm_kit {__version__}", f"torch {torch.__version__}"]
     try:
         import triton

@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from ..cli import (PROG, UsageError, _check_out_dir, _Formatter, _nonneg_int, _Parser, _pick_device,
-                   _positive_float, _positive_int)
+from .._extras import install_hint
+from .args import Formatter, PROG, Parser, UsageError, nonneg_int, positive_float, positive_int
+from .common import check_out_dir, pick_device
 
 DEFAULT_OUT = "runs/experiments"
 PROGRESS_EVERY_S = 15.0
@@ -46,23 +47,23 @@ def add_parser(sub) -> None:
         "report scaled accuracy on longer test sequences (formal: 0 = chance, 1 = perfect) or "
         "recall accuracy (MQAR). Models: " + MODEL_HELP + ".",
     )
-    kinds = ex.add_subparsers(dest="experiment", metavar="KIND", parser_class=_Parser)
+    kinds = ex.add_subparsers(dest="experiment", metavar="KIND", parser_class=Parser)
     kinds.required = True
-    fo = kinds.add_parser("formal", help="one model on one formal-language task", formatter_class=_Formatter)
+    fo = kinds.add_parser("formal", help="one model on one formal-language task", formatter_class=Formatter)
     fo.add_argument("--task", required=True, help="parity, even_pairs, cycle_navigation, modular_arithmetic, "
                     "reverse_string, stack_manipulation, bucket_sort or majority")
     fo.add_argument("--model", required=True, help=MODEL_HELP)
-    mq = kinds.add_parser("mqar", help="one model on multi-query associative recall", formatter_class=_Formatter)
+    mq = kinds.add_parser("mqar", help="one model on multi-query associative recall", formatter_class=Formatter)
     mq.add_argument("--model", required=True, help=MODEL_HELP)
-    sw = kinds.add_parser("sweep", help="every task x model; writes table.md and heatmap.png", formatter_class=_Formatter)
+    sw = kinds.add_parser("sweep", help="every task x model; writes table.md and heatmap.png", formatter_class=Formatter)
     sw.add_argument("--tasks", default=None, help="comma-separated formal tasks (default: all; 'none': MQAR only)")
     sw.add_argument("--models", default=None, help="comma-separated models (default: all but the ablation transformer-conv)")
     sw.add_argument("--no-mqar", action="store_true", help="formal tasks only")
-    sw.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+    sw.add_argument("--jobs", type=positive_int, default=1, metavar="N",
                     help="runs in parallel processes (with --protocol: per GPU)")
-    sw.add_argument("--mqar-time-limit", type=_positive_float, default=None, metavar="S",
+    sw.add_argument("--mqar-time-limit", type=positive_float, default=None, metavar="S",
                     help="time limit of each MQAR run (default: --time-limit)")
-    sw.add_argument("--mqar-steps", type=_positive_int, default=None, metavar="N",
+    sw.add_argument("--mqar-steps", type=positive_int, default=None, metavar="N",
                     help="most optimizer steps of each MQAR run (default: --steps)")
     sw.add_argument("--mqar-lr", default=None, metavar="X[,Y...]",
                     help="peak learning rate(s) of the MQAR runs; several: one MQAR column per rate "
@@ -85,22 +86,22 @@ def add_parser(sub) -> None:
         p.add_argument("--lrs", default=None, metavar="X[,Y...]", help="with --protocol: the learning-rate grid")
         p.add_argument("--seeds", default=None, metavar="N[,N...]", help="with --protocol: the seeds")
         p.add_argument("--quick", action="store_true", help="tiny CPU smoke run (tests use it)")
-        p.add_argument("--steps", type=_positive_int, default=None, metavar="N", help="most optimizer steps")
-        p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S",
+        p.add_argument("--steps", type=positive_int, default=None, metavar="N", help="most optimizer steps")
+        p.add_argument("--time-limit", type=positive_float, default=None, metavar="S",
                        help="seconds per run, training and evaluation (the schedule fits itself to it)")
-        p.add_argument("--batch-size", type=_positive_int, default=None, metavar="N")
-        p.add_argument("--lr", type=_positive_float, default=None, metavar="X",
+        p.add_argument("--batch-size", type=positive_int, default=None, metavar="N")
+        p.add_argument("--lr", type=positive_float, default=None, metavar="X",
                        help="peak learning rate (default: 3e-3 formal, 1e-3 MQAR)")
-        p.add_argument("--d-model", type=_positive_int, default=None, metavar="N", help="width of every model")
-        p.add_argument("--heads", type=_positive_int, default=None, metavar="N",
+        p.add_argument("--d-model", type=positive_int, default=None, metavar="N", help="width of every model")
+        p.add_argument("--heads", type=positive_int, default=None, metavar="N",
                        help="heads of every model (attention, mLSTM and sLSTM heads; default 4); with --protocol: "
                             "MQAR runs only, labelled T..-N..-hN")
-        p.add_argument("--seq-len", type=_positive_int, default=None, metavar="N",
+        p.add_argument("--seq-len", type=positive_int, default=None, metavar="N",
                        help="MQAR sequence length (with --protocol and --pairs: the one shape to run, "
                             "instead of every shape of the setting)")
-        p.add_argument("--pairs", type=_positive_int, default=None, metavar="N", help="MQAR key-value pairs")
-        p.add_argument("--seed", type=_nonneg_int, default=None, metavar="N")
-        p.add_argument("--eval-samples", type=_positive_int, default=None, metavar="N",
+        p.add_argument("--pairs", type=positive_int, default=None, metavar="N", help="MQAR key-value pairs")
+        p.add_argument("--seed", type=nonneg_int, default=None, metavar="N")
+        p.add_argument("--eval-samples", type=positive_int, default=None, metavar="N",
                        help="test sequences per test length (formal; MQAR: 64 x N sequences)")
         p.add_argument("--precision", choices=["fp32", "bf16"], default=None)
         p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -109,14 +110,14 @@ def add_parser(sub) -> None:
                        "else off")
         p.add_argument("--backend", choices=["torch", "triton"], default=None, help="xLSTM ops backend (default: by device)")
         p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
-        p.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="CPU threads")
+        p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="CPU threads")
         p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="output folder")
         p.set_defaults(func=cmd_experiment)
     for p in (fo, mq):
-        p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+        p.add_argument("--jobs", type=positive_int, default=1, metavar="N",
                        help="with --protocol: grid points run in parallel per GPU")
     for p in (fo, mq, sw):
-        p.add_argument("--stop-after", type=_positive_float, default=None, metavar="SECONDS",
+        p.add_argument("--stop-after", type=positive_float, default=None, metavar="SECONDS",
                        help="with --protocol: after SECONDS the running grid points save a checkpoint and the "
                             "command ends; the same command later continues them (a machine lent for a while)")
         p.add_argument("--score-paused", action="store_true",
@@ -135,7 +136,7 @@ def _split(text: str) -> list[str]:
 
 def parse_steps_for(text: str | None) -> dict[str, int]:
     """"parity=4000,majority=1500" -> {"parity": 4000, "majority": 1500} (task names checked)."""
-    from .formal import get_task
+    from ..experiments.registry import get_task
 
     steps_for = {}
     for item in _split(text or ""):
@@ -171,7 +172,7 @@ def _run_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _mqar_fields(fields: dict[str, Any], quick: bool, lr=None, steps=None, time_limit=None) -> dict[str, Any]:
-    from .experiment import MQAR_LR
+    from ..experiments.experiment import MQAR_LR
 
     f = dict(fields)
     lr = lr if lr is not None else fields.get("lr", None if quick else MQAR_LR)
@@ -221,8 +222,6 @@ def result_line(r: dict[str, Any]) -> str:
 
 
 def _report_paths(paths: dict[str, Path | None]) -> str:
-    from .._extras import install_hint
-
     plot = paths["plot"] or f"no heatmap (matplotlib is not installed: {install_hint('matplotlib')})"
     return f"report: {paths['table']} and {plot}"
 
@@ -235,8 +234,8 @@ def _report_paths(paths: dict[str, Path | None]) -> str:
 def cmd_experiment(args: argparse.Namespace) -> int:
     import torch
 
-    from . import experiment as ex
-    from .formal import get_task
+    from ..experiments import experiment as ex
+    from ..experiments.registry import get_task
 
     if args.experiment == "formal":  # names first: a typo must not cost a training run
         get_task(args.task, "paper" if args.protocol else "small")
@@ -247,7 +246,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     out = Path(args.out)
     command = " ".join([PROG] + [shlex.quote(a) for a in sys.argv[1:]])
     if args.experiment == "sweep" and args.report_only and args.protocol:
-        from . import protocol as pr
+        from ..experiments import protocol as pr
 
         results = pr.load_protocol_results(out / "runs")
         if not results:
@@ -268,8 +267,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         paths = ex.write_report(results, out)  # keeps the sweep's command
         print(_report_paths(paths))
         return 0
-    device = _pick_device(args.device)
-    _check_out_dir(out)
+    device = pick_device(args.device)
+    check_out_dir(out)
     if args.score_paused and args.stop_after is None:
         raise UsageError("--score-paused needs --stop-after")
     if args.protocol:
@@ -361,9 +360,9 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str) -> int:
-    from . import experiment as ex
-    from . import protocol as pr
-    from .formal import task_set
+    from ..experiments import experiment as ex
+    from ..experiments import protocol as pr
+    from ..experiments.registry import task_set
 
     proto = pr.get_protocol(args.protocol)
     clash = [o for o, v in (("--lr", args.lr), ("--seed", args.seed), ("--quick", args.quick),

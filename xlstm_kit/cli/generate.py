@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import (_DTYPES, _THREADS_HELP, UsageError, _Formatter, _load_model, _nonneg_float, _nonneg_int,
-                  _pick_device, _positive_float, _positive_int, _tokenizer_for, _use_threads)
+from .args import DTYPES, Formatter, THREADS_HELP, UsageError, nonneg_float, nonneg_int, positive_float, positive_int
+from .common import open_checkpoint, pick_device, tokenizer_for, use_threads
 
 EXAMPLES = """Examples:
   xlstm-kit generate runs/tiny --prompt 'ROMEO:' --max-new-tokens 200
@@ -33,7 +33,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "recurrent state (memory does not grow with the length). On a terminal the tokens are "
         "printed as they are produced.",
         epilog=EXAMPLES,
-        formatter_class=_Formatter,
+        formatter_class=Formatter,
     )
     gen.add_argument("checkpoint", metavar="DIR", help="a training output folder (--out of train), a checkpoint "
                      "folder or a HuggingFace xLSTM folder (its tokenizer.json is used, BOS prepended)")
@@ -43,23 +43,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
                       help="a UTF-8 file with one prompt per line (-: stdin): generated as one batch, written as JSON lines")
     gen.add_argument("--output", default=None, metavar="FILE", help="with --prompts: write the JSON lines "
                      "here instead of stdout")
-    gen.add_argument("--max-new-tokens", type=_nonneg_int, default=200, help="tokens to generate (per prompt)")
-    gen.add_argument("--temperature", type=_nonneg_float, default=0.8, help="sampling temperature (0: greedy)")
-    gen.add_argument("--top-k", type=_positive_int, default=None, help="sample among the K most likely tokens")
-    gen.add_argument("--top-p", type=_positive_float, default=None, help="nucleus sampling threshold in (0, 1]")
-    gen.add_argument("--repetition-penalty", type=_positive_float, default=1.0, metavar="X",
+    gen.add_argument("--max-new-tokens", type=nonneg_int, default=200, help="tokens to generate (per prompt)")
+    gen.add_argument("--temperature", type=nonneg_float, default=0.8, help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-k", type=positive_int, default=None, help="sample among the K most likely tokens")
+    gen.add_argument("--top-p", type=positive_float, default=None, help="nucleus sampling threshold in (0, 1]")
+    gen.add_argument("--repetition-penalty", type=positive_float, default=1.0, metavar="X",
                      help="divide the positive logits (multiply the negative ones) of tokens already in the "
                      "text by X (1: off; 1.1-1.3 curbs loops)")
     gen.add_argument("--stop", action="append", default=None, metavar="STR",
                      help="end a continuation where this text appears, cutting it (repeatable; in bash "
                      "$'\\n' is a newline)")
-    gen.add_argument("--seed", type=_nonneg_int, default=None, help="sampling seed (default: random)")
+    gen.add_argument("--seed", type=nonneg_int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                      help="print tokens as they are produced (default: when stdout is a terminal; not with "
                      "--prompts)")
     gen.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
-    gen.add_argument("--dtype", choices=list(_DTYPES), default=None, help="weights' dtype (default: the file's)")
-    gen.add_argument("--threads", type=_positive_int, default=None, help=_THREADS_HELP)
+    gen.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype (default: the file's)")
+    gen.add_argument("--threads", type=positive_int, default=None, help=THREADS_HELP)
     gen.add_argument("--compile", action="store_true",
                      help="torch.compile the decode step (model.compile_step: fused kernels per block; "
                      "compiles once per batch size, so it pays for long generations on a GPU)")
@@ -95,7 +95,7 @@ def _report_speed(n_tokens: int, n_prompts: int, seconds: float) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .generate import complete_texts
+    from ..generation.generate import complete_texts
 
     if args.top_p is not None and args.top_p > 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
@@ -109,18 +109,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out_file = _check_output(args.output) if args.output is not None else None
     stream = args.prompts is None and (sys.stdout.isatty() if args.stream is None else args.stream)
 
-    device = _pick_device(args.device)
-    _use_threads(args.threads, device)
+    device = pick_device(args.device)
+    use_threads(args.threads, device)
     if args.compile:
-        from .compiling import compile_unavailable
+        from ..training.compiling import compile_unavailable
 
         why = compile_unavailable(device)
         if why:
             raise UsageError(f"--compile: torch.compile cannot run here: {why}")
-    _, meta, model = _load_model(args.checkpoint, device, args.dtype)
+    _, meta, model = open_checkpoint(args.checkpoint, device, args.dtype)
     if args.compile:
         model.compile_step()
-    tok = _tokenizer_for(meta, model)
+    tok = tokenizer_for(meta, model)
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    repetition_penalty=args.repetition_penalty, stop=args.stop, seed=args.seed)
 

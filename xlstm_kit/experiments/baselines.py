@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.common import CausalConv1d, GatedFeedForward, round_up, small_init_, wang_init_
-from ..nn.fused import conv_silu
+from ..layers.common import CausalConv1d, GatedFeedForward, round_up, small_init_, wang_init_
+from ..layers.fused import conv_silu
 from ..errors import XLSTMKitError
-from ..model import keep_positions
+from ..models.xlstm import keep_positions
 
 
 def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:

@@ -40,12 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compiling import CompileClock, CompiledLoss
-from ..model import XLSTMConfig, XLSTMLanguageModel
-from ..train import TimeBudget, TrainConfig, autocast, lr_at, make_optimizer, train_step
+from ..training.compiling import CompileClock, CompiledLoss
+from ..models import XLSTMConfig, XLSTMLanguageModel
+from ..training import TimeBudget, TrainConfig, autocast, lr_at, make_optimizer, train_step
 from .baselines import LSTMLM, PlainLSTMLM, TransformerLM
-from .formal import (TASKS, FormalTask, TaskBatch, get_task, make_batch, sample_train_batch,
-                     scaled_accuracy, sequence_accuracy, task_set)
+from .formal import TASKS, FormalTask, TaskBatch, make_batch, sample_train_batch, scaled_accuracy, sequence_accuracy
+from .registry import get_task, task_set
 from .mqar import SPACINGS, VOCAB_SIZE, check_mqar_shape, mqar_batch
 from ..errors import XLSTMKitError
 
@@ -89,7 +89,7 @@ one head. In an H200 probe only this combination let xLSTM[1:1] extrapolate pari
 
 def _paper_slstm_blocks(model: XLSTMLanguageModel, preset: dict[str, Any], backend: str | None) -> None:
     # The preset is an experiment choice, not an XLSTMConfig field: swap the sLSTM layers in place.
-    from ..nn.slstm import SLSTMBlock, SLSTMLayer
+    from ..layers.slstm import SLSTMBlock, SLSTMLayer
 
     cfg = model.config
     for index, block in enumerate(model.blocks):

@@ -147,7 +147,7 @@ def formal_plan(tasks: Sequence[str], models: Sequence[str], protocol: Protocol,
                 overrides: dict[str, Any] | None = None) -> list[Job]:
     """Jobs of the formal grid: tasks x models x lrs x seeds (the protocol's unless given)."""
     from .experiment import check_model_name
-    from .formal import get_task
+    from .registry import get_task
 
     jobs = []
     for t in tasks:
@@ -446,7 +446,7 @@ def write_protocol_report(results: Sequence[dict[str, Any]], out_dir: str | Path
     Figure 12 values next to ours, MQAR accuracy vs width per setting), figure4.png and
     mqar.png (without matplotlib: None)."""
     from .experiment import MODEL_NAMES
-    from .formal import task_set
+    from .registry import task_set
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

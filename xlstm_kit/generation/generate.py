@@ -30,7 +30,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .errors import XLSTMKitError
+from ..errors import XLSTMKitError
+from ..io.tokenizers import model_tokenizer
+from ..models.tokens import check_token_ids
 from .sampling import apply_repetition_penalty, check_sampling, sample_next
 from .textstream import TextRow
 
@@ -38,36 +40,6 @@ __all__ = ["generate", "generate_text", "complete_texts", "Completion", "sample_
            "GraphedStep"]
 
 _check_sampling = check_sampling  # the old private name
-
-
-# torch has no min/max (nor embedding lookup) for these; their ids would need a lossy cast
-_UNSUPPORTED_ID_DTYPES = (torch.uint16, torch.uint32, torch.uint64)
-
-
-def check_token_ids(tokens: torch.Tensor, vocab: int | None, what: str = "tokens") -> None:
-    """Integer ids in [0, vocab), compared as Python ints: a uint8 or int8 comparison with the
-    vocabulary size would wrap it (256 -> 0)."""
-    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        raise XLSTMKitError(f"{what} must hold integer token ids, got dtype {tokens.dtype}")
-    if tokens.dtype in _UNSUPPORTED_ID_DTYPES:
-        raise XLSTMKitError(f"{what} of dtype {tokens.dtype} are not supported; use int64, int32, int16, "
-                            f"int8 or uint8")
-    if tokens.numel() == 0:
-        return
-    if torch.compiler.is_compiling():
-        # int() of a device tensor waits for the device and splits the compiled graph (and its
-        # CUDA graph): an asynchronous device-side assertion checks the range instead
-        ok = tokens.min().long() >= 0  # as int64: a uint8 comparison with 256 would wrap
-        if vocab is not None:
-            ok = ok & (tokens.max().long() < vocab)
-        torch._assert_async(ok, f"{what} contain negative ids" if vocab is None else
-                            f"{what} contain ids outside [0, {vocab - 1}]")
-        return
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or (vocab is not None and hi >= vocab):
-        bound = f"[0, {vocab - 1}]" if vocab is not None else "[0, vocab_size)"
-        known = f" but vocab_size is {vocab}" if vocab is not None else ""
-        raise XLSTMKitError(f"{what} contain ids in [{lo}, {hi}]{known}; ids must lie in {bound}")
 
 
 @dataclass
@@ -323,7 +295,7 @@ def generate(
                             "early; or pass a list of 1-D prompts")
     texts = None
     if o.stop:
-        tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        tok = tokenizer if tokenizer is not None else model_tokenizer(model, required=hasattr(model, "tokenizer_name"))
         if tok is None:
             raise XLSTMKitError("stop strings need a tokenizer (pass tokenizer=...)")
         texts = [TextRow(tok, o.stop) for _ in rows]
@@ -346,7 +318,7 @@ def _out_dtype(row: torch.Tensor, vocab: int | None) -> torch.dtype:
 
 
 class GraphedStep:
-    """`model._step` recorded once as a CUDA graph and replayed per token.
+    """`model.step(..., check=False)` recorded once as a CUDA graph and replayed per token.
 
     The graph reads the token and the state from fixed buffers and writes the new state back into
     them (the mLSTM's C in place: no copy of the largest state), so a replay is one launch
@@ -364,11 +336,11 @@ class GraphedStep:
         side.wait_stream(torch.cuda.current_stream(tokens.device))
         with torch.cuda.stream(side):  # warm-up (compiles kernels, lazy allocations) off the capture
             for _ in range(2):
-                model._step(self._tokens, self._state, inplace=True)
+                model.step(self._tokens, self._state, inplace=True, check=False)
         torch.cuda.current_stream(tokens.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self._logits, new = model._step(self._tokens, self._state, inplace=True)
+            self._logits, new = model.step(self._tokens, self._state, inplace=True, check=False)
             self._load(new)  # recorded: each replay writes the new state into the buffers
         self._load(state)  # the warm-up moved the buffers on
 
@@ -398,9 +370,10 @@ def _pick_stepper(model, tokens: torch.Tensor, state, cuda_graph: bool | None, n
     global _warned
     if cuda_graph is False or (cuda_graph is None and (not tokens.is_cuda or n_new < 3)):
         return model.step
-    if not hasattr(model, "_step"):
+    if "check" not in inspect.signature(model.step).parameters:
         if cuda_graph:
-            raise XLSTMKitError(f"cuda_graph=True needs a model with a check-free _step(); {type(model).__name__} has none")
+            raise XLSTMKitError(f"cuda_graph=True needs a model whose step() takes check=False; "
+                                f"{type(model).__name__}'s does not")
         return model.step
     if cuda_graph and not tokens.is_cuda:
         raise XLSTMKitError(f"cuda_graph=True needs a model on a CUDA device, got tokens on {tokens.device}")

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .errors import XLSTMKitError
+from ..errors import XLSTMKitError
 
 
 def _is_number(x) -> bool:

@@ -41,7 +41,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import XLSTMKitError
+from ..errors import XLSTMKitError
+from .._version import __version__
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -513,8 +514,6 @@ def save_checkpoint(
     its "tokenizer" also goes to ``tokenizer.json``. Older checkpoints beyond ``keep`` are
     removed afterwards.
     """
-    from . import __version__
-
     out_dir = Path(out_dir)
     root = out_dir / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .model import XLSTMConfig, XLSTMLanguageModel
-from .errors import XLSTMKitError
+from ..models import XLSTMConfig, XLSTMLanguageModel
+from ..errors import XLSTMKitError
 
 _Fn = Callable[[torch.Tensor], torch.Tensor]
 _same: _Fn = lambda t: t  # noqa: E731

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import XLSTMKitError
-from .model import XLSTMConfig, XLSTMLanguageModel
+from ..errors import XLSTMKitError
+from ..models import XLSTMConfig, XLSTMLanguageModel
 
 
 def _large_module():

@@ -27,31 +27,26 @@ asks (without it the model generates poorly).
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import hashlib
 import json
 import math
 import os
 import re
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 from torch import nn
 
+from ..models.config import XLSTMConfig
 from . import checkpoint
-from ._extras import require
-from .errors import XLSTMKitError
+from .tokenizers import HFSpecialTokens
+from ..errors import XLSTMKitError
 
 HF_MODEL_TYPE = "xlstm"
 HF_ARCHITECTURE = "xLSTMForCausalLM"
 INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 # config.json key through which an HF folder written by us names one of our own tokenizers
 # ("byte", "gpt2"); transformers keeps unknown config keys and ignores them.
@@ -62,15 +57,6 @@ MLSTM_EPS = 1e-6  # the eps of the mLSTM normaliser, fixed in the large family
 # =============================================================================================
 # Config mapping
 # =============================================================================================
-@dataclass
-class HFSpecialTokens:
-    """Token ids config.json records (None when unknown)."""
-
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    pad_token_id: int | None = None
-
-
 def is_hf_config(d: Any) -> bool:
     """Whether a parsed config.json is a HuggingFace xLSTM config (not one of ours)."""
     return isinstance(d, dict) and d.get("model_type") == HF_MODEL_TYPE
@@ -100,8 +86,6 @@ def config_from_hf(d: dict, source: str | Path = "config.json"):
     ``xLSTMConfig`` dict. Missing fields take transformers' defaults; settings the large family
     cannot represent (no output norm, norms reduced in low precision, another mLSTM eps) are
     refused with a one-line XLSTMKitError naming ``source``."""
-    from .model import XLSTMConfig
-
     if not is_hf_config(d):
         raise XLSTMKitError(f"{source} is not a HuggingFace xLSTM config (model_type {d.get('model_type')!r}, "
                             f"expected {HF_MODEL_TYPE!r})")
@@ -289,7 +273,7 @@ def weight_files(folder: Path) -> tuple[list[Path], Path, dict[str, str] | None]
                             f"is it a model folder?")
 
 
-def _read_headers(folder: Path, hf: bool, config, weight_mode: str) -> tuple[dict[str, _Source], Path]:
+def read_headers(folder: Path, hf: bool, config, weight_mode: str) -> tuple[dict[str, _Source], Path]:
     """Map each of our state_dict keys to where it lives, from the safetensors headers only."""
     from safetensors import SafetensorError, safe_open
 
@@ -322,7 +306,7 @@ def _read_headers(folder: Path, hf: bool, config, weight_mode: str) -> tuple[dic
     return sources, named
 
 
-def _check_sources(sources: dict[str, _Source], expected: dict[str, torch.Tensor], named: Path, hf: bool) -> None:
+def check_sources(sources: dict[str, _Source], expected: dict[str, torch.Tensor], named: Path, hf: bool) -> None:
     """Refuse (one line, naming the file) missing, unexpected, mis-shaped or non-float weights."""
     name = hf_name if hf else (lambda k: k)
     missing = sorted(set(expected) - set(sources))
@@ -353,7 +337,7 @@ def hf_name(key: str) -> str:
         return key
 
 
-def _materialise(sources: dict[str, _Source], dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def materialise(sources: dict[str, _Source], dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """Read the tensors file by file, each converted on its own (never a whole-model copy in
     another dtype), refusing NaN or infinite values."""
     from safetensors import safe_open
@@ -372,7 +356,7 @@ def _materialise(sources: dict[str, _Source], dtype: torch.dtype, device: torch.
                 yield key, t.contiguous()
 
 
-def _target_dtype(sources: dict[str, _Source], dtype) -> torch.dtype:
+def target_dtype(sources: dict[str, _Source], dtype) -> torch.dtype:
     if dtype is not None:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype.removeprefix("torch."), None)
@@ -383,81 +367,11 @@ def _target_dtype(sources: dict[str, _Source], dtype) -> torch.dtype:
     return _FLOAT_DTYPES[stored.pop()] if len(stored) == 1 else torch.float32
 
 
-def _check_device(device) -> torch.device:
+def check_device(device) -> torch.device:
     try:
         return torch.device("cpu" if device is None else device)
     except (RuntimeError, TypeError) as e:
         raise XLSTMKitError(f"device {device!r} is not a torch device: {e}") from None
-
-
-def _json_object(path: Path) -> dict:
-    """A JSON file holding an object; one-line XLSTMKitError otherwise."""
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise XLSTMKitError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise XLSTMKitError(f"{path} must hold a JSON object")
-    return d
-
-
-def load_pretrained(cls, path: str | Path, dtype=None, device=None):
-    """See ``XLSTMLanguageModel.from_pretrained``."""
-    from .model import XLSTMConfig
-
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no model folder at {str(path)!r}")
-    if not (path / checkpoint.CONFIG_FILE).is_file():
-        if not (path / checkpoint.LATEST_FILE).is_file():
-            raise XLSTMKitError(f"{path} has no {checkpoint.CONFIG_FILE}: it is neither a HuggingFace xLSTM folder, "
-                                f"an xlstm_kit checkpoint nor a training run folder")
-        path = checkpoint.resolve_checkpoint(path)
-    cfg_path = path / checkpoint.CONFIG_FILE
-    raw = _json_object(cfg_path)
-    hf = is_hf_config(raw)
-    special, weight_mode = HFSpecialTokens(), "single"
-    if hf:
-        config, special, weight_mode = config_from_hf(raw, cfg_path)
-    elif "model_type" in raw:
-        raise XLSTMKitError(f"{cfg_path} has model_type {raw['model_type']!r}; xlstm_kit reads HuggingFace "
-                            f"folders of model_type {HF_MODEL_TYPE!r} only")
-    else:
-        try:
-            config = XLSTMConfig.from_dict(raw)
-        except (ValueError, TypeError) as e:
-            raise XLSTMKitError(f"{cfg_path} does not describe a valid XLSTMConfig: {e}") from None
-        checkpoint.verify_checksum(path, checkpoint.WEIGHTS_FILE)
-    target = _check_device(device)
-    if config.backend == "triton" and target.type != "cuda":
-        warnings.warn(f"{path} was saved with backend='triton', which needs CUDA; loading it on "
-                      f"{target.type} with the automatic backend", stacklevel=3)
-        config = dataclasses.replace(config, backend=None)
-
-    sources, named = _read_headers(path, hf, config, weight_mode)
-    if hf and config.tie_embeddings and "lm_head.weight" in sources:
-        # transformers' xLSTMForCausalLM never ties its head (it has no tied-weights keys): a
-        # stored head is the one it computes with, whatever tie_word_embeddings says
-        config = dataclasses.replace(config, tie_embeddings=False)
-    with torch.device("meta"):  # shapes only: nothing is allocated until a tensor is read
-        model = cls(config)
-    expected = model.state_dict()
-    if config.tie_embeddings:
-        expected.pop("lm_head.weight")
-    _check_sources(sources, expected, named, hf)
-    state = dict(_materialise(sources, _target_dtype(sources, dtype), target))
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.embedding.weight
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:  # a parameter the file does not hold and the check above missed
-        raise XLSTMKitError(f"{named} leaves {left[:5]} unset")
-    named_tokenizer = raw.get(TOKENIZER_NAME_KEY) if hf else checkpoint.read_tokenizer_name(path)
-    model.tokenizer_name = named_tokenizer if isinstance(named_tokenizer, str) else None
-    model.hf_tokenizer = find_tokenizer(path, special)
-    model.hf_special_tokens = special
-    model.eval()
-    return model
 
 
 # =============================================================================================
@@ -525,7 +439,7 @@ def save_pretrained(model: nn.Module, path: str | Path, format: str = "hf",
                     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """See ``XLSTMLanguageModel.save_pretrained``."""
     if format == "xlstm_kit":
-        return model.save(path)
+        return checkpoint.save_model(model, path, tokenizer=model.tokenizer_name)
     if format != "hf":
         raise XLSTMKitError(f"format must be 'hf' or 'xlstm_kit', got {format!r}")
     parse_size(max_shard_size)
@@ -583,138 +497,3 @@ def save_pretrained(model: nn.Module, path: str | Path, format: str = "hf",
 # =============================================================================================
 # Tokenizers from tokenizer.json
 # =============================================================================================
-def is_hf_tokenizer_file(path: Path) -> bool:
-    """Whether `path` is a ``tokenizers`` tokenizer.json (ours only names a tokenizer)."""
-    if not path.is_file():
-        return False
-    with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError):
-        d = json.loads(path.read_text(encoding="utf-8"))
-        return isinstance(d, dict) and isinstance(d.get("model"), dict)
-    return False
-
-
-class HFTokenizer:
-    """A ``tokenizers`` tokenizer read from a tokenizer.json, with the BOS token prepended to
-    every encoded text (NX-AI/xLSTM-7b generates poorly without it). Same interface as
-    ``xlstm_kit.data``'s tokenizers: name, vocab_size, eos_token_id, encode, encode_array,
-    decode, token_byte_lengths. The ``tokenizers`` package is imported at the first encode or
-    decode: a model folder loads without it."""
-
-    def __init__(self, path: str | Path, bos_token_id: int | None = None, eos_token_id: int | None = None):
-        self.path = Path(path)
-        self._bytes = self.path.read_bytes()
-        try:
-            spec = json.loads(self._bytes)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise XLSTMKitError(f"{self.path} is not valid JSON ({e})") from None
-        if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
-            raise XLSTMKitError(f"{self.path} is not a tokenizers tokenizer.json (it has no 'model')")
-        self._spec = spec
-        self._tokenizer = None
-        self.name = "hf-" + hashlib.sha256(self._bytes).hexdigest()[:16]
-        self.bos_token_id: int | None = None
-        self.eos_token_id: int | None = None
-        self.set_special_tokens(bos_token_id, eos_token_id)
-
-    @property
-    def _tok(self):
-        if self._tokenizer is None:
-            hf = require("tokenizers", "the tokenizer.json of a model folder")
-            try:
-                self._tokenizer = hf.Tokenizer.from_str(self._bytes.decode("utf-8"))
-            except Exception as e:  # the tokenizers package raises its own exception type
-                raise XLSTMKitError(f"{self.path} is not a readable tokenizers file: {e}") from None
-        return self._tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
-    def _json_vocab(self) -> dict[str, int]:
-        """token -> id from the file itself: the model's vocabulary (a map, or Unigram's list of
-        [token, score] rows) and the added tokens."""
-        vocab = self._spec["model"].get("vocab")
-        ids = dict(vocab) if isinstance(vocab, dict) else {
-            row[0]: i for i, row in enumerate(vocab) if isinstance(row, list) and row} if isinstance(vocab, list) else {}
-        for t in self._spec.get("added_tokens") or []:
-            if isinstance(t, dict) and isinstance(t.get("content"), str) and isinstance(t.get("id"), int):
-                ids[t["content"]] = t["id"]
-        return ids
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._json_vocab().get(token)
-
-    def set_special_tokens(self, bos_token_id: int | None, eos_token_id: int | None) -> None:
-        """Set the BOS id (prepended to every text; None: nothing) and the EOS id (ends texts)."""
-        ids = set(self._json_vocab().values())
-        for what, v in (("bos", bos_token_id), ("eos", eos_token_id)):
-            if v is not None and ids and v not in ids:
-                raise XLSTMKitError(f"{self.path}: {what} token id {v} is not in its vocabulary of "
-                                    f"{max(ids) + 1} tokens")
-        self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
-
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ids if self.bos_token_id is None else [self.bos_token_id, *ids]
-
-    def encode_array(self, text: str) -> np.ndarray:
-        """A corpus as one document: BOS once at its start."""
-        return np.asarray(self.encode(text), dtype=np.int64)
-
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def token_byte_lengths(self) -> np.ndarray:
-        """UTF-8 bytes each token stands for (0 for special tokens), for bits per byte."""
-        from .data import _gpt2_byte_alphabet
-
-        decoder = self._spec.get("decoder") or {}
-        alphabet = _gpt2_byte_alphabet() if decoder.get("type") == "ByteLevel" else None
-        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
-        lengths = np.zeros(self.vocab_size, dtype=np.int64)
-        for token, idx in self._tok.get_vocab(with_added_tokens=True).items():
-            if token in special:
-                continue
-            lengths[idx] = (sum(1 for c in token if c in alphabet) if alphabet is not None
-                            else len(token.replace("\u2581", " ").encode("utf-8")))
-        return lengths
-
-    def save(self, folder: Path) -> list[str]:
-        """Write tokenizer.json (as read) and tokenizer_config.json (BOS/EOS) into `folder`."""
-        (folder / checkpoint.TOKENIZER_FILE).write_bytes(self._bytes)
-        cfg = {"add_bos_token": self.bos_token_id is not None, "bos_token_id": self.bos_token_id,
-               "eos_token_id": self.eos_token_id}
-        names = {i: t for t, i in self._json_vocab().items()}
-        for what, v in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id)):
-            if v in names:
-                cfg[what] = names[v]
-        (folder / TOKENIZER_CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
-        return [checkpoint.TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
-
-
-def _tokenizer_config_id(folder: Path, tok: HFTokenizer, what: str) -> int | None:
-    """`what`_token_id from tokenizer_config.json (an id, or a token string to look up)."""
-    f = folder / TOKENIZER_CONFIG_FILE
-    if not f.is_file():
-        return None
-    d = _json_object(f)
-    if isinstance(d.get(f"{what}_token_id"), int):
-        return d[f"{what}_token_id"]
-    token = d.get(f"{what}_token")
-    token = token.get("content") if isinstance(token, dict) else token  # transformers' AddedToken form
-    return tok.token_to_id(token) if isinstance(token, str) else None
-
-
-def find_tokenizer(folder: str | Path, special: HFSpecialTokens | None = None) -> HFTokenizer | None:
-    """The HFTokenizer of a folder's tokenizers-format tokenizer.json, None when it has none (or
-    has one of ours). BOS/EOS ids: config.json's (`special`), else tokenizer_config.json's."""
-    folder = Path(folder)
-    f = folder / checkpoint.TOKENIZER_FILE
-    if not is_hf_tokenizer_file(f):
-        return None
-    special = special or HFSpecialTokens()
-    tok = HFTokenizer(f)
-    bos = special.bos_token_id if special.bos_token_id is not None else _tokenizer_config_id(folder, tok, "bos")
-    eos = special.eos_token_id if special.eos_token_id is not None else _tokenizer_config_id(folder, tok, "eos")
-    tok.set_special_tokens(bos, eos)
-    return tok

@@ -287,12 +287,28 @@ class LargeBlock(nn.Module):
         """One token: x [B, d_model] -> (x', new_state); on CUDA at small batch the five launches
         of ops/blocks/large_decode.py, else the layers' PyTorch steps."""
         if self._fused_step(x, state):
-            from xlstm_kit.ops.blocks.large_decode import large_block_step
-
-            return large_block_step(self, x, state, inplace)
+            return self.fused_step(x, state, inplace)
         y, state = self.mlstm_layer.step(self.norm_mlstm(x), state, inplace=inplace)
         x = x + y
         return x + self.ffn.step(self.norm_ffn(x)), state
+
+    def fused_step(self, x: torch.Tensor, state: MLSTMState, inplace: bool = False):
+        """`step` in the five Triton launches of ops/blocks/large_decode.py, at any batch:
+        x [B, d_model] and an `MLSTMState` (C float32) → (x', new state). inplace: C is updated in
+        place (a decode loop); otherwise the old state is left as it was."""
+        # imported here: Triton is an optional extra, and the sequence path never needs it
+        from ..ops.blocks.large_decode import large_block_step
+
+        layer, ffn = self.mlstm_layer, self.ffn
+        C = state.C if inplace else state.C.clone()
+        y, n, m = large_block_step(
+            x.contiguous(), self.norm_mlstm.weight, layer.q.weight, layer.k.weight, layer.v.weight,
+            layer.ogate_preact.weight, layer.igate_preact.weight, layer.fgate_preact.weight,
+            layer.igate_preact.bias, layer.fgate_preact.bias, layer.multihead_norm.weight, layer.out_proj.weight,
+            self.norm_ffn.weight, ffn.proj_up_gate.weight, ffn.proj_up.weight, ffn.proj_down.weight,
+            C, state.n.contiguous(), state.m.contiguous(), float(self.norm_mlstm.eps), float(self.norm_ffn.eps),
+            float(layer.multihead_norm.eps), float(layer.gate_soft_cap), float(layer.eps))
+        return y, MLSTMState(state.conv, C, n, m)
 
     def _fused_step(self, x: torch.Tensor, state: MLSTMState) -> bool:
         layer, ffn = self.mlstm_layer, self.ffn

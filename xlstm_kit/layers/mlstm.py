@@ -265,10 +265,27 @@ class MLSTMBlock(PreNormResidual):
         """One token: x [B, d_model] -> (x + layer(norm(x)), new_state); on CUDA at small batch
         the three launches of ops/blocks/decode.py, else the layer's PyTorch step."""
         if self._fused_step(x, state):
-            from xlstm_kit.ops.blocks.decode import mlstm_block_step
-
-            return mlstm_block_step(self, x, state, inplace)
+            return self.fused_step(x, state, inplace)
         return super().step(x, state, inplace)
+
+    def fused_step(self, x: torch.Tensor, state: MLSTMState, inplace: bool = False):
+        """`step` in the three Triton launches of ops/blocks/decode.py, at any batch: x [B, d_model]
+        and a float32 `MLSTMState` → (x', new state). inplace: C and the conv state are updated in
+        place (a decode loop); otherwise the old state is left as it was."""
+        # imported here: Triton is an optional extra, and the sequence path never needs it
+        from ..ops.blocks.decode import mlstm_block_step
+
+        layer = self.layer
+        conv, C = state.conv, state.C
+        if not inplace:
+            conv, C = conv.clone(), C.clone()
+        y, n, m = mlstm_block_step(
+            x.contiguous(), self.norm.weight, layer.up_proj.weight, layer.conv.weight, layer.conv.bias,
+            layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight, layer.igate.weight, layer.fgate.weight,
+            layer.igate.bias, layer.fgate.bias, layer.out_norm.weight, layer.skip, layer.down_proj.weight,
+            conv, C, state.n.contiguous(), state.m.contiguous(),
+            float(self.norm.eps), float(layer.out_norm.eps), 1e-6)
+        return y, MLSTMState(conv, C, n, m)
 
     def _fused_step(self, x: torch.Tensor, state: MLSTMState) -> bool:
         layer = self.layer

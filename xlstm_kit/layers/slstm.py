@@ -245,12 +245,27 @@ class SLSTMBlock(nn.Module):
         of ops/blocks/slstm_decode.py, else the PyTorch step. The small state is written anew
         (`inplace` is accepted for the common block interface)."""
         if self._fused_step(x, state):
-            from xlstm_kit.ops.blocks.slstm_decode import slstm_block_step
-
-            return slstm_block_step(self, x, state)
+            return self.fused_step(x, state)
         y, state = self.layer.step(self.norm(x), state, inplace=inplace)
         x = x + y
         return x + self.ffn(self.ffn_norm(x)), state
+
+    def fused_step(self, x: torch.Tensor, state: SLSTMState):
+        """`step` in the three Triton launches of ops/blocks/slstm_decode.py, at any batch:
+        x [B, d_model] and a float32 `SLSTMState` → (x', new state)."""
+        # imported here: Triton is an optional extra, and the sequence path never needs it
+        from ..ops.blocks.slstm_decode import slstm_block_step
+
+        layer = self.layer
+        # without a convolution any tensor stands in for its parameters: the kernel never reads them
+        conv_w, conv_b = (layer.conv.weight, layer.conv.bias) if layer.conv is not None else (layer.bias,) * 2
+        y, *new = slstm_block_step(
+            x.contiguous(), self.norm.weight, conv_w, conv_b, layer.gate_weight, layer.recurrent, layer.bias,
+            layer.out_norm.weight, self.ffn_norm.weight, self.ffn.up_proj.weight, self.ffn.down_proj.weight,
+            state.conv.contiguous(), *(s.contiguous() for s in state[1:]),
+            0 if layer.conv is None else layer.conv.kernel_size, float(self.norm.eps), float(layer.out_norm.eps),
+            float(self.ffn_norm.eps))
+        return y, SLSTMState(*new)
 
     def _fused_step(self, x: torch.Tensor, state: SLSTMState) -> bool:
         layer = self.layer

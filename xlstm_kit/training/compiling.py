@@ -1,20 +1,18 @@
 """torch.compile and activation checkpointing for training: can this machine compile, apply a
-TrainConfig's choices to a model, and time the compilation (used by ``xlstm_kit.train``);
+TrainConfig's choices to a model, and time the compilation (used by ``xlstm_kit.training.loop``);
 :class:`CompiledLoss`, a model's forward and loss compiled as one region, with CUDA graphs on
 CUDA (used by the synthetic experiments, ``xlstm_kit.tasks.experiment``)."""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
 
-from .errors import XLSTMKitError
-
-if TYPE_CHECKING:
-    from .train import TrainConfig
+from ..errors import XLSTMKitError
+from .config import TrainConfig
 
 
 @dataclass

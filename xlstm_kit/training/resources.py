@@ -67,7 +67,7 @@ def count_parameters(config) -> int:
     """Parameters of ``XLSTMLanguageModel(config)``, counted on the meta device (no memory)."""
     import torch
 
-    from .model import XLSTMLanguageModel
+    from ..models.xlstm import XLSTMLanguageModel
 
     with torch.device("meta"):
         return sum(p.numel() for p in XLSTMLanguageModel(config).parameters())
