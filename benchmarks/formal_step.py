@@ -54,15 +54,15 @@ class _Enough(Exception):
 def _config(quick: bool, mode: str):
     import torch
 
-    from xlstm_kit.experiments import experiment as ex
     from xlstm_kit.experiments import protocol as pr
+    from xlstm_kit.experiments.config import RunConfig
 
     fields = {**pr.PROTOCOLS["paper"].formal, "steps": 10**7, "lr": 1e-3, "min_lr": 1e-5, "warmup_steps": 1000,
               "log_every": LOG_EVERY if not quick else 5, "compile": mode != "eager",
               "device": "cuda" if torch.cuda.is_available() and not quick else "cpu"}
     if quick:
         fields.update(d_model=32, batch_size=8, train_lengths=(3, 8), precision="fp32")
-    return ex.RunConfig(**fields)
+    return RunConfig(**fields)
 
 
 def measure(name: str, mode: str, quick: bool, start_at: float | None, window_s: float) -> dict:
@@ -72,7 +72,8 @@ def measure(name: str, mode: str, quick: bool, start_at: float | None, window_s:
     import torch
 
     from xlstm_kit.training import compiling
-    from xlstm_kit.experiments import experiment as ex
+    from xlstm_kit.experiments import task_loop as ex
+    from xlstm_kit.experiments.models import build_model
     from xlstm_kit.experiments.formal import TaskBatch, sample_train_batch
     from xlstm_kit.experiments.registry import get_task
 
@@ -93,7 +94,7 @@ def measure(name: str, mode: str, quick: bool, start_at: float | None, window_s:
     ex.CompiledLoss = Recorded
     task = get_task("parity", cfg.tasks)
     torch.manual_seed(0)
-    model = ex.build_model(name, task.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads, n_blocks=cfg.n_blocks,
+    model = build_model(name, task.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads, n_blocks=cfg.n_blocks,
                            backend=cfg.backend, slstm=cfg.slstm).to(dev)
 
     def sample(rng):

@@ -13,8 +13,7 @@ from .generation.generate import generate as _generate, generate_text
 from .io import checkpoint, hf
 from .io.loading import load_model, load_pretrained
 from .io.tokenizers import model_tokenizer
-from .models import PRESETS, ModelState, XLSTMConfig
-from .models import xlstm as models_xlstm
+from .models import PRESETS, ModelState, XLSTMConfig, xlstm as models_xlstm
 from .models.config import CHECKPOINT_BLOCKS, CheckpointBlocks, checkpoint_blocks
 
 __all__ = ["XLSTMConfig", "XLSTMLanguageModel", "PRESETS", "ModelState", "CHECKPOINT_BLOCKS",

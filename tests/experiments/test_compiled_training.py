@@ -17,7 +17,9 @@ from xlstm_kit.cli import main
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.experiments import experiment as ex
 from xlstm_kit.experiments import protocol as pr
-from xlstm_kit.experiments.experiment import RunConfig, quick_config, run_formal
+from xlstm_kit.experiments import task_loop
+from xlstm_kit.experiments.config import RunConfig, quick_config
+from xlstm_kit.experiments.experiment import run_formal
 from xlstm_kit.experiments.registry import get_task
 
 
@@ -146,12 +148,12 @@ def test_compile_time_is_not_step_time(monkeypatch, single_thread):
     monkeypatch.setitem(compiling.TRAINING_COMPILE_TRIES, "cpu", ({"backend": slow},))
     per_step = []
 
-    class Budget(ex.TimeBudget):
+    class Budget(task_loop.TimeBudget):
         def steps_that_fit(self, done, **kw):
             per_step.append(self.seconds_per_step())
             return super().steps_that_fit(done, **kw)
 
-    monkeypatch.setattr(ex, "TimeBudget", Budget)
+    monkeypatch.setattr(task_loop, "TimeBudget", Budget)
     r = run_formal("parity", "transformer", tiny(steps=25, compile=True, time_limit_s=60.0))
     assert r["steps_done"] == 25 and r["compiled"]["compile_s"] >= 2.5
     assert per_step and per_step[0] < 0.1  # a step of this model takes milliseconds
@@ -176,7 +178,7 @@ def test_static_masked_loss_is_the_masked_mean():
     batch = ex.TaskBatch(torch.zeros(3, 5, dtype=torch.long), torch.randint(0, 7, (3, 5)),
                          torch.rand(3, 5) < 0.4, torch.zeros(3, dtype=torch.long))
     batch.mask[0, 0] = True
-    torch.testing.assert_close(ex.masked_loss_static(logits, batch), ex.masked_loss(logits, batch))
+    torch.testing.assert_close(task_loop.masked_loss_static(logits, batch), task_loop.masked_loss(logits, batch))
 
 
 def test_cudagraph_skips_are_collected_while_the_run_lasts():

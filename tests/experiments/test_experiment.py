@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from xlstm_kit.cli import main
-from xlstm_kit.experiments.experiment import (MODEL_NAMES, build_model, check_model_name, quick_config,
-                                        run_formal, run_mqar, run_sweep)
+from xlstm_kit.experiments.config import quick_config
+from xlstm_kit.experiments.experiment import run_formal, run_mqar, run_sweep
+from xlstm_kit.experiments.models import MODEL_NAMES, build_model, check_model_name
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -178,7 +179,7 @@ def test_progress_lines_are_throttled():
 
 
 def test_experiment_training_uses_the_library_step(monkeypatch):
-    import xlstm_kit.experiments.experiment as ex
+    import xlstm_kit.experiments.task_loop as ex
 
     calls = []
     real = ex.train_step
@@ -202,7 +203,8 @@ def test_sweep_report_without_matplotlib(tmp_path, monkeypatch):
 
 
 def test_mqar_run_stops_once_converged():
-    from xlstm_kit.experiments.experiment import CONVERGED_LOGS, RunConfig
+    from xlstm_kit.experiments.config import RunConfig
+    from xlstm_kit.experiments.task_loop import CONVERGED_LOGS
 
     # the loss starts near ln(256) = 5.5 and falls below ln(128) = 4.85 once the model predicts
     # values from the upper half only: 5.0 is crossed early, 1e-6 never
@@ -222,7 +224,7 @@ def test_mqar_run_stops_once_converged():
 def test_mqar_head_at_the_query_positions_only_equals_the_masked_loss(name):
     import numpy as np
 
-    from xlstm_kit.experiments.experiment import _AtPositions, masked_loss, positions_loss
+    from xlstm_kit.experiments.task_loop import _AtPositions, masked_loss, positions_loss
     from xlstm_kit.experiments.mqar import mqar_batch
 
     batch = mqar_batch(np.random.default_rng(3), 3, 32, 4, vocab_size=64, spacing="powerlaw")
@@ -248,7 +250,7 @@ def test_mqar_head_at_the_query_positions_only_equals_the_masked_loss(name):
 
 def test_a_schedule_fitted_to_the_time_limit_keeps_the_warmup_share(monkeypatch):
     # 10 % warmup of a nominal 1000 steps, fitted to 40: 4 warmup steps (was a fifth of the run)
-    from xlstm_kit.experiments import experiment as ex
+    from xlstm_kit.experiments import task_loop as ex
 
     class Budget(ex.TimeBudget):
         def steps_that_fit(self, done, **kw):

@@ -8,7 +8,8 @@ from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.experiments import formal_paper as FP
 from xlstm_kit.experiments.formal import PAD, SEP, make_batch, sample_train_batch
 from xlstm_kit.experiments.registry import get_task, task_set
-from xlstm_kit.experiments.experiment import build_model, evaluate_formal, masked_loss
+from xlstm_kit.experiments.models import build_model
+from xlstm_kit.experiments.task_loop import evaluate_formal, masked_loss
 
 P, M, X, O, C, U, EQ = FP.PLUS, FP.MINUS, FP.TIMES, FP.OPEN, FP.CLOSE, FP.UNKNOWN, FP.EQUALS
 

@@ -9,7 +9,7 @@ import torch
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 from xlstm_kit.layers.slstm import SLSTMBlock, SLSTMLayer, powerlaw_forget_bias
-from xlstm_kit.experiments.experiment import SLSTM_PRESETS, build_model
+from xlstm_kit.experiments.models import SLSTM_PRESETS, build_model
 
 
 def test_no_conv_layer_has_no_conv_parameters_and_state():

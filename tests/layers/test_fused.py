@@ -11,7 +11,8 @@ from tests.helpers import rel_err, run_outside_interpreter
 from tests.layers.reference_layers import mlstm_layer, slstm_layer
 from tests.layers.test_layers import randomize_
 from xlstm_kit.layers import MLSTMBlock, MLSTMLayer, SLSTMBlock, SLSTMLayer
-from xlstm_kit.layers.fused import conv_silu, head_norm, mlstm_output, slstm_gates
+from xlstm_kit.layers.fused import conv_silu, head_norm, mlstm_output
+from xlstm_kit.layers.fused_slstm import slstm_gates
 
 F64 = torch.float64
 

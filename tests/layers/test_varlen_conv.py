@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.helpers import rel_err
-from xlstm_kit.layers.fused import conv_silu, conv_state, conv_state_varlen, doc_positions, slstm_gates
+from xlstm_kit.layers.fused import conv_silu, conv_state, conv_state_varlen, doc_positions
+from xlstm_kit.layers.fused_slstm import slstm_gates
 
 F64 = torch.float64
 needs_triton = pytest.mark.skipif(

@@ -25,8 +25,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .options import SUITES
+from .. import ops
 from ..errors import XLSTMKitError
+from ..models import XLSTMConfig, XLSTMLanguageModel
+from ..ops import dplr_step, mlstm_step, slstm_recurrent
+from ..training import lm_loss, train_step
+from .options import SUITES
 
 Shape = dict  # name -> int (or list / str for model settings); JSON-serialisable
 
@@ -173,8 +177,6 @@ def _mlstm_recurrent_work(shape: Shape, env: Env) -> Work:
 
 def _build_mlstm_seq(op_name: str, **op_kw):
     def build(shape: Shape, env: Env) -> Timed:
-        from xlstm_kit import ops
-
         op = getattr(ops, op_name)
         xs, dh = mlstm_inputs(shape, env)
         kw = dict(op_kw, **(_backend_kw(env) if op_name != "mlstm_parallel" else {}))
@@ -185,8 +187,6 @@ def _build_mlstm_seq(op_name: str, **op_kw):
 
 
 def _build_mlstm_step(shape: Shape, env: Env) -> Timed:
-    from xlstm_kit.ops import mlstm_step
-
     B, H, K, V = (shape[x] for x in "BHKV")
     torch.manual_seed(0)
     q, k = _randn(B, H, K, env=env, grad=False), _randn(B, H, K, env=env, grad=False)
@@ -221,8 +221,6 @@ def slstm_inputs(shape: Shape, env: Env):
 
 
 def _build_slstm(shape: Shape, env: Env) -> Timed:
-    from xlstm_kit.ops import slstm_recurrent
-
     xs, dh = slstm_inputs(shape, env)
     kw = _backend_kw(env)
     fwd = lambda: slstm_recurrent(*xs, **kw)  # noqa: E731
@@ -282,8 +280,6 @@ def kda_inputs(shape: Shape, env: Env, f32_gates: bool = False):
 
 def _build_delta(op: str, f32_gates: bool = False):
     def build(shape: Shape, env: Env) -> Timed:
-        import xlstm_kit.ops as ops
-
         xs, do = (dplr_inputs if op == "dplr_chunkwise" else kda_inputs)(shape, env, f32_gates)
         kw = _backend_kw(env)
         fwd = lambda: getattr(ops, op)(*xs, **kw)  # noqa: E731
@@ -305,8 +301,6 @@ def _dplr_work(n_k_inputs: int):
 
 
 def _build_dplr_step(shape: Shape, env: Env) -> Timed:
-    from xlstm_kit.ops import dplr_step
-
     B, H, K, V = (shape[x] for x in "BHKV")
     torch.manual_seed(0)
     f32 = dict(env=env, grad=False, dtype=torch.float32)
@@ -327,8 +321,6 @@ def _build_dplr_step(shape: Shape, env: Env) -> Timed:
 def model_config(shape: Shape):
     """The model of a model/generate shape: a preset by name (`preset`) with overrides, or an
     explicit small configuration (d_model, n_blocks, n_heads, slstm_at, vocab)."""
-    from xlstm_kit import XLSTMConfig
-
     if "preset" in shape:
         over = {"vocab_size": shape["vocab"]} if "vocab" in shape else {}
         return XLSTMConfig.from_name(shape["preset"], **over)
@@ -342,8 +334,6 @@ def train_step_fn(model: torch.nn.Module, shape: Shape, env: Env) -> Callable[[]
     through the library's own `train_step`: forward under bf16 autocast on CUDA, float32
     cross-entropy, backward, clipping to norm 1, AdamW (fused on CUDA). Random token ids:
     throughput does not depend on the text."""
-    from xlstm_kit.training.loop import lm_loss, train_step
-
     B, T = shape["batch"], shape["seq"]
     vocab = model_config(shape).vocab_size
     g = torch.Generator().manual_seed(0)
@@ -361,8 +351,6 @@ def train_step_fn(model: torch.nn.Module, shape: Shape, env: Env) -> Callable[[]
 
 
 def _build_train_step(shape: Shape, env: Env) -> Timed:
-    from xlstm_kit import XLSTMLanguageModel
-
     torch.manual_seed(0)
     cfg = model_config(shape)
     if env.backend is not None:
@@ -376,8 +364,6 @@ def flops_per_token(cfg) -> float:
     parameter of 2+ dimensions but the embedding lookup; the head counts even when tied) plus
     the mLSTM mixing of the chunkwise form (full L x L score blocks, the state read and update),
     backward twice the forward."""
-    from xlstm_kit import XLSTMLanguageModel
-
     with torch.device("meta"):
         model = XLSTMLanguageModel(cfg)
     n_mm = sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and not n.startswith("embedding."))
@@ -398,8 +384,6 @@ def _train_work(shape: Shape, env: Env) -> Work:
 
 
 def _build_generate(shape: Shape, env: Env) -> Timed:
-    from xlstm_kit import XLSTMLanguageModel
-
     torch.manual_seed(0)
     cfg = model_config(shape)
     if env.backend is not None:

@@ -27,10 +27,12 @@ from .._extras import MissingExtraError
 from .._version import __version__
 from ..bench.options import add_arguments as _bench_arguments
 from ..errors import DataError, XLSTMKitError
+from .args import (DEFAULT_DATA, DEFAULT_PRESET, DTYPES, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, EXIT_USAGE,
+                   PROG, THREADS_HELP, Formatter, Parser, nonneg_float, nonneg_int, one_line, positive_float,
+                   positive_int)
+from .train import cmd_demo, cmd_eval, cmd_train
 from .experiment import add_parser as add_experiment_parser  # the experiment command
 from .generate import add_parser as add_generate_parser  # the generate command
-from .args import DEFAULT_DATA, DEFAULT_PRESET, DTYPES, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, EXIT_USAGE, Formatter, PROG, Parser, THREADS_HELP, nonneg_float, nonneg_int, one_line, positive_float, positive_int
-from .train import cmd_demo, cmd_eval, cmd_train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,8 +196,6 @@ def build_parser() -> argparse.ArgumentParser:
             elif action.metavar is None and action.type in (positive_float, nonneg_float):
                 action.metavar = "X"
     return parser
-
-
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

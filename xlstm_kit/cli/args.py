@@ -7,7 +7,6 @@ from typing import Any
 from ..errors import XLSTMKitError
 
 
-
 PROG = "xlstm-kit"
 DEFAULT_DATA = "builtin:shakespeare"
 DEFAULT_PRESET = "tiny"

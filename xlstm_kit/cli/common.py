@@ -3,9 +3,12 @@ threads, memory checks, the progress bar."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from ..errors import XLSTMKitError
 from .args import DTYPES, LARGE_DEFAULTS, TRAIN_DEFAULTS, UsageError
@@ -177,8 +180,6 @@ class Progress:
     """Turns training events into a tqdm bar and printed validation lines."""
 
     def __init__(self, total: int, initial: int, enabled: bool, stream) -> None:
-        from tqdm.auto import tqdm
-
         self.stream = stream
         self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
                         disable=not enabled, file=stream, smoothing=0.1)
@@ -240,8 +241,6 @@ def prepare_demo_out(out: Path, overwrite: bool) -> None:
 
 
 def clear_run(out: Path) -> None:
-    import shutil
-
     from ..training import CHECKPOINTS_DIR, LATEST_FILE, METRICS_FILE, PLOT_FILE
 
     shutil.rmtree(out / CHECKPOINTS_DIR, ignore_errors=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from .._extras import install_hint
-from .args import Formatter, PROG, Parser, UsageError, nonneg_int, positive_float, positive_int
+from .args import PROG, Formatter, Parser, UsageError, nonneg_int, positive_float, positive_int
 from .common import check_out_dir, pick_device
 
 DEFAULT_OUT = "runs/experiments"
@@ -172,7 +172,7 @@ def _run_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _mqar_fields(fields: dict[str, Any], quick: bool, lr=None, steps=None, time_limit=None) -> dict[str, Any]:
-    from ..experiments.experiment import MQAR_LR
+    from ..experiments.models import MQAR_LR
 
     f = dict(fields)
     lr = lr if lr is not None else fields.get("lr", None if quick else MQAR_LR)
@@ -235,6 +235,9 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     import torch
 
     from ..experiments import experiment as ex
+    from ..experiments.config import RunConfig, quick_config
+    from ..experiments.formal import TASKS
+    from ..experiments.models import DEFAULT_MODELS
     from ..experiments.registry import get_task
 
     if args.experiment == "formal":  # names first: a typo must not cost a training run
@@ -278,7 +281,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     if getattr(args, "shapes", None):
         raise UsageError("--shapes needs --protocol (without it, --seq-len and --pairs give the one shape)")
     fields = _run_fields(args)
-    make = ex.quick_config if args.quick else ex.RunConfig
+    make = quick_config if args.quick else RunConfig
 
     if args.experiment in ("formal", "mqar"):
         if args.experiment == "mqar":
@@ -297,8 +300,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         print(result_line(r))
         return 0
 
-    tasks = _tasks(args.tasks, ex.TASKS)
-    models = _split(args.models) if args.models else list(ex.DEFAULT_MODELS)
+    tasks = _tasks(args.tasks, TASKS)
+    models = _split(args.models) if args.models else list(DEFAULT_MODELS)
     for t in tasks:
         get_task(t)
     for m in models:
@@ -362,6 +365,7 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str) -> int:
     from ..experiments import experiment as ex
     from ..experiments import protocol as pr
+    from ..experiments.models import DEFAULT_MODELS
     from ..experiments.registry import task_set
 
     proto = pr.get_protocol(args.protocol)
@@ -384,7 +388,7 @@ def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str)
                                    "backend": args.backend, "time_limit_s": args.time_limit,
                                    "eval_samples": args.eval_samples, "compile": args.compile}.items() if v is not None}
     models = [args.model] if args.experiment in ("formal", "mqar") else (
-        _split(args.models) if args.models else list(ex.DEFAULT_MODELS))
+        _split(args.models) if args.models else list(DEFAULT_MODELS))
     jobs = []
     if args.experiment in ("formal", "sweep"):
         tasks = [args.task] if args.experiment == "formal" else _tasks(args.tasks, task_set("paper"))

@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from .args import DTYPES, Formatter, THREADS_HELP, UsageError, nonneg_float, nonneg_int, positive_float, positive_int
+from .args import (DTYPES, THREADS_HELP, Formatter, UsageError, nonneg_float, nonneg_int, positive_float,
+                   positive_int)
 from .common import open_checkpoint, pick_device, tokenizer_for, use_threads
 
 EXAMPLES = """Examples:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
 
-from .args import DEFAULT_DATA, DEFAULT_PRESET, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, FINETUNE_DEFAULTS, PROG, UsageError
-from .common import Progress, check_eval_memory, check_out_dir, check_training_memory, clear_run, init_tokenizer, open_checkpoint, normalise_data_spec, pick_device, prepare_demo_out, report_skipped, tokenizer_for, train_defaults, use_threads
+from .args import (DEFAULT_DATA, DEFAULT_PRESET, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, FINETUNE_DEFAULTS,
+                   PROG, UsageError)
+from .common import (Progress, check_eval_memory, check_out_dir, check_training_memory, clear_run,
+                     init_tokenizer, normalise_data_spec, open_checkpoint, pick_device, prepare_demo_out,
+                     report_skipped, tokenizer_for, train_defaults, use_threads)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -189,8 +193,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import torch
 
     from ..io.tokenizers import get_tokenizer

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import XLSTMKitError
 from ..layers.common import CausalConv1d, GatedFeedForward, round_up, small_init_, wang_init_
 from ..layers.fused import conv_silu
-from ..errors import XLSTMKitError
 from ..models.xlstm import keep_positions
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .formal import TaskBatch
 from ..errors import XLSTMKitError
+from .formal import TaskBatch
 
 FILLER = 0
 VOCAB_SIZE = 8192

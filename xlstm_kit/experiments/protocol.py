@@ -34,16 +34,23 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing as mp
 import os
 import re
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from ..errors import XLSTMKitError
+from .experiment import (MODEL_NAMES, RunConfig, RunPaused, check_model_name, model_slug, progress_path,
+                         run_formal, run_mqar)
+from .mqar import MQAR_SETTINGS, check_mqar_shape
+from .registry import get_task, task_set
 
 FORMAL_STEPS = {"parity": 10_000, "even_pairs": 10_000, "cycle_navigation": 10_000, "majority": 10_000}
 """Formal step budgets of the paper protocol where they differ from FORMAL_STEPS_DEFAULT."""
@@ -133,8 +140,6 @@ class Job:
 
     @property
     def id(self) -> str:
-        from .experiment import model_slug
-
         return f"{self.kind}__{self.task}__{model_slug(self.model)}__d{self.width}__lr{self.lr:g}__s{self.seed}"
 
 
@@ -146,9 +151,6 @@ def formal_plan(tasks: Sequence[str], models: Sequence[str], protocol: Protocol,
                 lrs: Sequence[float] | None = None, seeds: Sequence[int] | None = None,
                 overrides: dict[str, Any] | None = None) -> list[Job]:
     """Jobs of the formal grid: tasks x models x lrs x seeds (the protocol's unless given)."""
-    from .experiment import check_model_name
-    from .registry import get_task
-
     jobs = []
     for t in tasks:
         name = get_task(t, protocol.formal.get("tasks", "small")).name
@@ -170,9 +172,6 @@ def mqar_plan(models: Sequence[str], protocol: Protocol, setting: str, *, widths
     `shapes`: (seq_len, pairs) pairs to run instead of the setting's (and the protocol's).
     Task labels: "T256-N16", with "-t<S>" for a time limit and "-h<H>" for a head count other than
     DEFAULT_HEADS (`overrides` n_heads)."""
-    from .experiment import check_model_name
-    from .mqar import MQAR_SETTINGS, check_mqar_shape
-
     if setting not in MQAR_SETTINGS:
         raise XLSTMKitError(f"unknown MQAR setting {setting!r}; choose one of {', '.join(MQAR_SETTINGS)}")
     s = MQAR_SETTINGS[setting]
@@ -216,10 +215,6 @@ def run_job(job: Job, runs_dir: str | Path, device: str, progress=None, stop_at:
     Past `stop_at` (a time.time() value) the run saves its checkpoint and returns
     {..., "paused": True} without a results file (with `score_paused`, after scoring the model
     as it stands into the progress file); a grid point not started by then returns that at once."""
-    import torch
-
-    from .experiment import RunConfig, RunPaused, progress_path, run_formal, run_mqar
-
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     base = {"id": job.id, "kind": job.kind, "task": job.task, "model": job.model, "lr": job.lr, "seed": job.seed,
@@ -256,7 +251,6 @@ _DEVICE = None
 
 def _claim_device(queue, threads: int) -> None:
     global _DEVICE
-    import torch
 
     torch.set_num_threads(threads)  # the workers share the host's cores
     import torch._inductor.config as inductor_config
@@ -272,8 +266,6 @@ def _run_on_claimed(job: Job, runs_dir: str, stop_at: float | None, score_paused
 
 def plan_devices(device: str) -> list[str]:
     """One entry per worker: every visible GPU for "cuda", else [device] (one process)."""
-    import torch
-
     if device == "cuda" and torch.cuda.is_available():
         return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     return [device]
@@ -310,8 +302,6 @@ def run_plan(jobs: Sequence[Job], out_dir: str | Path, *, device: str = "cpu", j
         for j in todo:
             done(run_job(j, runs_dir, devices[0], stop_at=stop_at, score_paused=score_paused))
         return results
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     ctx = mp.get_context("spawn")  # CUDA cannot be used in forked children
     with ctx.Manager() as manager:
@@ -445,9 +435,6 @@ def write_protocol_report(results: Sequence[dict[str, Any]], out_dir: str | Path
     """out_dir/summary.json (aggregate), report.md (Figure 4 table models x tasks, the paper's
     Figure 12 values next to ours, MQAR accuracy vs width per setting), figure4.png and
     mqar.png (without matplotlib: None)."""
-    from .experiment import MODEL_NAMES
-    from .registry import task_set
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = aggregate(results)

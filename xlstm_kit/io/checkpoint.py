@@ -39,10 +39,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model as load_weights, save_file, save_model as save_weights
 from torch import nn
 
-from ..errors import XLSTMKitError
 from .._version import __version__
+from ..errors import XLSTMKitError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -174,8 +176,6 @@ def verify_checksum(folder: str | Path, name: str) -> None:
 
 
 def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None) -> list[str]:
-    from safetensors.torch import save_file
-
     state = model.state_dict()
     if getattr(model.config, "tie_embeddings", False):
         state.pop("lm_head.weight")  # the same tensor as embedding.weight; re-tied on load
@@ -224,9 +224,6 @@ def read_model_files(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
     FileNotFoundError when the folder or one of its two files is missing; ValueError when a
     file is corrupt.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"no checkpoint folder at {str(directory)!r}")
@@ -453,7 +450,6 @@ def _save_any_model(model: nn.Module, path: Path, tokenizer: str | None) -> None
     if hasattr(model, "config") and hasattr(model.config, "to_dict"):
         _write_model_files(model, path, tokenizer)
     else:  # any other language model: weights only
-        from safetensors.torch import save_model as save_weights
 
         save_weights(model, str(path / WEIGHTS_FILE))
         os.chmod(path / WEIGHTS_FILE, 0o666 & ~_umask())
@@ -463,8 +459,6 @@ def load_weights_into(model: nn.Module, checkpoint: Path) -> None:
     """Load a checkpoint's weights into ``model``, refusing one of another configuration."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
-        from safetensors.torch import load_model as load_weights
-
         verify_checksum(checkpoint, WEIGHTS_FILE)
         load_weights(model, str(checkpoint / WEIGHTS_FILE))
         return

@@ -21,8 +21,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..models import XLSTMConfig, XLSTMLanguageModel
 from ..errors import XLSTMKitError
+from ..models import XLSTMConfig, XLSTMLanguageModel
+from .compat_large import from_official_large, is_official_large, to_official_large
 
 _Fn = Callable[[torch.Tensor], torch.Tensor]
 _same: _Fn = lambda t: t  # noqa: E731
@@ -197,7 +198,6 @@ def from_official_xlstm(official) -> XLSTMLanguageModel:
     """An XLSTMLanguageModel with the config and weights of an official `xlstm.xLSTMLMModel`
     (NeurIPS blocks) or `xlstm.xlstm_large.model.xLSTMLarge` (the xLSTM-7B architecture)."""
     x = _import_xlstm()
-    from .compat_large import from_official_large, is_official_large
 
     if is_official_large(official):
         return from_official_large(official)
@@ -243,8 +243,6 @@ def to_official_xlstm(model: XLSTMLanguageModel, slstm_backend: str = "vanilla",
         raise XLSTMKitError(f"expected an XLSTMLanguageModel, got {type(model).__name__}")
     cfg = model.config
     if cfg.family == "large":
-        from .compat_large import to_official_large
-
         return to_official_large(model, **large_options)
     if large_options:
         raise XLSTMKitError(f"options {sorted(large_options)} apply to large-family models only")

@@ -37,12 +37,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
+from ..errors import XLSTMKitError
 from ..models.config import XLSTMConfig
 from . import checkpoint
 from .tokenizers import HFSpecialTokens
-from ..errors import XLSTMKitError
 
 HF_MODEL_TYPE = "xlstm"
 HF_ARCHITECTURE = "xLSTMForCausalLM"
@@ -275,8 +277,6 @@ def weight_files(folder: Path) -> tuple[list[Path], Path, dict[str, str] | None]
 
 def read_headers(folder: Path, hf: bool, config, weight_mode: str) -> tuple[dict[str, _Source], Path]:
     """Map each of our state_dict keys to where it lives, from the safetensors headers only."""
-    from safetensors import SafetensorError, safe_open
-
     files, named, weight_map = weight_files(folder)
     sources: dict[str, _Source] = {}
     for f in files:
@@ -340,8 +340,6 @@ def hf_name(key: str) -> str:
 def materialise(sources: dict[str, _Source], dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """Read the tensors file by file, each converted on its own (never a whole-model copy in
     another dtype), refusing NaN or infinite values."""
-    from safetensors import safe_open
-
     by_file: dict[Path, list[str]] = {}
     for key, src in sources.items():
         by_file.setdefault(src.file, []).append(key)
@@ -413,8 +411,6 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_
     """Write `tensors` as model.safetensors, or as shards with model.safetensors.index.json when
     they exceed `max_shard_size`; one shard's tensors at a time are copied to the CPU. Returns
     the names written."""
-    from safetensors.torch import save_file
-
     limit = parse_size(max_shard_size)
     sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     shards = _shard(list(tensors), sizes, limit)

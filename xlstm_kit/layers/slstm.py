@@ -17,7 +17,8 @@ from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.slstm import slstm_recurrent, slstm_step
 
 from .common import CausalConv1d, GatedFeedForward, MultiHeadNorm, small_init_, state_dtype
-from .fused import activation_dtype, conv_state, conv_state_varlen, doc_positions, head_norm, slstm_gates
+from .fused import activation_dtype, conv_state, conv_state_varlen, doc_positions, head_norm
+from .fused_slstm import slstm_gates
 from ..errors import XLSTMKitError
 
 

@@ -229,8 +229,6 @@ class XLSTMLanguageModel(nn.Module):
                     )
 
     def _check_tokens(self, tokens, dims: int, what: str) -> None:
-        from ..generation.generate import check_token_ids
-
         if not isinstance(tokens, torch.Tensor):
             raise XLSTMKitError(f"{what} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
         if tokens.dim() != dims:

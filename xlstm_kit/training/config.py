@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import XLSTMKitError
+from ..models.config import checkpoint_blocks
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 PRECISIONS = ("auto", "bf16", "fp32")
-
 
 
 @dataclass
@@ -78,8 +78,6 @@ class TrainConfig:
     document alone. None: where the data have documents and the model takes cu_seqlens."""
 
     def __post_init__(self) -> None:
-        from ..models.config import checkpoint_blocks
-
         self.betas = tuple(self.betas)
         if not isinstance(self.compile, bool):
             raise XLSTMKitError(f"TrainConfig.compile must be True or False, got {self.compile!r}")

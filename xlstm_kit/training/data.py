@@ -23,8 +23,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from ..io.checkpoint import atomic_write
 from ..errors import DataError
+from ..io.checkpoint import atomic_write
 from ..io.tokenizers import ByteTokenizer, GPT2Tokenizer, get_tokenizer
 
 BUILTIN_PREFIX = "builtin:"

@@ -44,6 +44,5 @@ def init_distributed(device_type: str | None = None) -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=local)
 
 
-
 def default_device(dist: DistInfo) -> torch.device:
     return torch.device(f"cuda:{dist.local_rank}") if torch.cuda.is_available() else torch.device("cpu")

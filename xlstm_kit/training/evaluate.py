@@ -9,9 +9,9 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from .data import val_batches
-from .packing import IGNORE, evaluate_packed
-from .events import EvalMetrics
 from .distributed import DistInfo
+from .events import EvalMetrics
+from .packing import IGNORE, evaluate_packed
 from .step import autocast, lm_loss
 
 

@@ -29,21 +29,22 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as torch_dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from ..errors import XLSTMKitError
 from ..io.checkpoint import (TRAIN_STATE_FILE, CheckpointError, atomic_write, load_optimizer_state,
                              load_training_state, load_weights_into, read_train_meta, remove_stale_staging,
                              resolve_checkpoint, restore_rng, save_checkpoint)
-from .data import BatchSampler, TokenData, val_batches
-from .packing import PackedSampler
 from .compiling import CompileClock, compile_failure, prepare_model
-from ..errors import XLSTMKitError
 from .config import METRICS_FILE, PLOT_FILE, TrainConfig
-from .events import CheckpointEvent, EvalEvent, StepEvent, TrainEvent, TrainResult
+from .data import BatchSampler, TokenData, val_batches
 from .distributed import DistInfo, default_device
-from .optim import continue_schedule, lr_at, make_optimizer
-from .step import TimeBudget, lm_loss, train_step
 from .evaluate import evaluate
-from .plots import PLOT_MISSING_NOTE, read_metrics, plot_loss_curve
+from .events import CheckpointEvent, EvalEvent, StepEvent, TrainEvent, TrainResult
+from .optim import continue_schedule, lr_at, make_optimizer
+from .packing import PackedSampler
+from .plots import PLOT_MISSING_NOTE, plot_loss_curve, read_metrics
+from .step import TimeBudget, lm_loss, train_step
 
 
 class _StopRequest:
@@ -258,8 +259,6 @@ def train(
 
     forward_model = model
     if dist.enabled:
-        from torch.nn.parallel import DistributedDataParallel
-
         forward_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     budget = TimeBudget(time_limit_s)
     compile_clock = CompileClock(config.compile)

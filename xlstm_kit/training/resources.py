@@ -18,6 +18,10 @@ import math
 import os
 from pathlib import Path
 
+import torch
+
+from ..models.xlstm import XLSTMLanguageModel
+
 GIB = 2**30
 # Interpreter, torch and allocator overhead that exists whatever the model (measured ~0.3 GiB).
 _BASE_BYTES = int(0.4 * GIB)
@@ -65,10 +69,6 @@ def default_threads(torch_default: int) -> int | None:
 
 def count_parameters(config) -> int:
     """Parameters of ``XLSTMLanguageModel(config)``, counted on the meta device (no memory)."""
-    import torch
-
-    from ..models.xlstm import XLSTMLanguageModel
-
     with torch.device("meta"):
         return sum(p.numel() for p in XLSTMLanguageModel(config).parameters())
 

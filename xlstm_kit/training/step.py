@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packing import model_forward
 from ..errors import XLSTMKitError
+from .packing import model_forward
 
 
 def autocast(device: torch.device | str, precision: str):
@@ -33,7 +33,6 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
             f"logits must be [B, T, V] matching targets [B, T], got {tuple(logits.shape)} and {tuple(targets.shape)}"
         )
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
-
 
 
 @dataclass
