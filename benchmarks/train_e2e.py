@@ -91,6 +91,20 @@ JOBS: dict[str, tuple[str, dict, float]] = {
     "large_compile": ("model", dict(arch="large", compile=True), 200),
     "tf_compile_8k": ("model", dict(arch="tf", compile=True, batch=4, seq=8192), 200),
     "large_8k": ("model", dict(arch="large", compile=True, batch=4, seq=8192), 200),
+    # the faster Transformer reference: no rotary embedding (ratios are against the faster of the two)
+    "tf_norope": ("model", dict(arch="tf", compile=True, rope=False), 200),
+    "tf_norope_8k": ("model", dict(arch="tf", compile=True, rope=False, batch=4, seq=8192), 200),
+    # the paper's blocks over batch sizes, and at 4 x 8192
+    **{f"x10_b{b}": ("model", dict(arch="x10", compile=True, batch=b), 200) for b in (1, 4, 8)},
+    **{f"x71_b{b}": ("model", dict(arch="x71", compile=True, batch=b), 200) for b in (1, 4, 8)},
+    "x10_8k": ("model", dict(arch="x10", compile=True, batch=4, seq=8192), 200),
+    # the host's share at small batch: per-block compile with CUDA graphs, and whole-model compile
+    **{f"x10_b{b}_graphs": ("model", dict(arch="x10", compile=True, batch=b, compile_mode="block-graphs"), 240)
+       for b in (4, 16)},
+    "x10_b4_model": ("model", dict(arch="x10", compile=True, batch=4, compile_mode="model"), 240),
+    # the official NeurIPS stack: xlstm.xLSTMLMModel, 24 mLSTM blocks, compiled and eager
+    **{f"neurips_b{b}": ("model", dict(arch="neurips", compile=True, batch=b), 240) for b in (1, 4, 8, 16)},
+    **{f"neurips_eager_b{b}": ("model", dict(arch="neurips", compile=False, batch=b), 150) for b in (1, 4, 8, 16)},
 }
 XLSTM_ARCHS = ("x10", "x71", "large")
 MIN_JOB_S = 25.0  # a job that cannot get this long is skipped rather than started (--quick: 3 s)
@@ -289,10 +303,30 @@ def _build_model(st: dict, quick: bool, device):
         from xlstm_kit.experiments.baselines import TransformerLM
 
         d, L, H = (32, 2, 2) if quick else (768, 12, 12)
-        model = TransformerLM(V, d, L, H).to(device)
+        model = TransformerLM(V, d, L, H, rope=st.get("rope", True)).to(device)
         counted = model
         facts.update(flops_per_token=6.0 * matmul_params(model) + attention_flops(L, d, T),
-                     config=f"TransformerLM d {d}, {L} blocks, {H} heads, SwiGLU {model.blocks[0].ffn.down.in_features}")
+                     config=f"TransformerLM d {d}, {L} blocks, {H} heads, SwiGLU {model.blocks[0].ffn.down.in_features}"
+                            + ("" if model.rope else ", no RoPE"))
+    elif arch == "neurips":
+        import xlstm
+        from xlstm import mLSTMBlockConfig, mLSTMLayerConfig, xLSTMLMModel, xLSTMLMModelConfig
+
+        d, L, H = (32, 2, 2) if quick else (768, 24, 4)
+        cfg = xLSTMLMModelConfig(
+            vocab_size=V, embedding_dim=d, num_blocks=L, context_length=T, tie_weights=False,
+            mlstm_block=mLSTMBlockConfig(mlstm=mLSTMLayerConfig(conv1d_kernel_size=4, qkv_proj_blocksize=4,
+                                                                num_heads=H)),
+            slstm_block=None, slstm_at=[])
+        torch.manual_seed(0)
+        counted = xLSTMLMModel(cfg).to(device)
+        counted.reset_parameters()
+        model = counted
+        inner = 2 * d
+        facts.update(flops_per_token=6.0 * matmul_params(counted) + mlstm_flops(L, H, inner // H, inner // H),
+                     packages=f"xlstm {xlstm.__version__}",
+                     config=f"xlstm.xLSTMLMModel d {d}, {L} mLSTM blocks, {H} heads, conv 4, head-wise blocks 4 "
+                            "(its parallel stabilized mLSTM)")
     elif arch == "official":
         import mlstm_kernels
         import xlstm
@@ -328,9 +362,13 @@ def _compile(model, st: dict, mode: str, quick: bool):
     import torch
 
     kw = dict(backend="eager") if quick else {}
+    mode = st.get("compile_mode", mode)
     if st["arch"] in XLSTM_ARCHS and mode == "block":
         model.compile_blocks(**kw)  # the library's regional compile (what `train --compile` does)
         return model, "per block (model.compile_blocks)"
+    if st["arch"] in XLSTM_ARCHS and mode == "block-graphs":
+        model.compile_blocks(**(kw or dict(mode="reduce-overhead")))
+        return model, "per block with CUDA graphs (model.compile_blocks(mode='reduce-overhead'))"
     return torch.compile(model, **kw), "whole model"
 
 
@@ -480,29 +518,33 @@ def child_ops(name: str, kind: str, opts: dict) -> None:
     case = registry.get("mlstm_chunkwise")
     shapes = [dict(B=1, T=64, H=2, K=16, V=16)] if quick else \
         [dict(B=16, T=2048, H=4, K=384, V=384), dict(B=8, T=2048, H=16, K=128, V=128)]
-    peer = peers.PEERS["mlstm_kernels_limit_chunk"]
+    if not quick:
+        shapes.insert(1, dict(B=4, T=2048, H=4, K=384, V=384))
+    # limit_chunk: the official kernels' default; xl_chunk: Tiled Flash Linear Attention
+    mlstm_peers = [peers.PEERS["mlstm_kernels_limit_chunk"], peers.PEERS["mlstm_kernels_xl_chunk"]]
     for sh in shapes:
         _time_op(name, "mlstm_chunkwise", "xlstm_kit " + (ours.backend or "torch"), sh,
                  lambda: case.build(sh, ours), case.work(sh, ours), quick, device)
         if device.type != "cuda":
-            continue  # the peer's kernels are Triton only
-        if importlib.util.find_spec(peer.package) is None:
-            _emit(dict(job=name, kind="op", op="mlstm_chunkwise", impl=peer.label, shape=sh,
-                       status=f"not installed (pass --wheels; pip install {peer.pip})"))
-            continue
-        _time_op(name, "mlstm_chunkwise", peer.label, sh,
-                 lambda: peer.build(case.name, sh, registry.Env(device, dtype)), case.work(sh, ours), quick, device)
+            continue  # the peers' kernels are Triton only
+        for peer in mlstm_peers:
+            if importlib.util.find_spec(peer.package) is None:
+                _emit(dict(job=name, kind="op", op="mlstm_chunkwise", impl=peer.label, shape=sh,
+                           status=f"not installed (pass --wheels; pip install {peer.pip})"))
+                continue
+            _time_op(name, "mlstm_chunkwise", peer.label, sh,
+                     lambda: peer.build(case.name, sh, registry.Env(device, dtype)), case.work(sh, ours), quick, device)
 
 
 def child_main(name: str, opts: dict) -> None:
     kind, st, _ = dict((n, (k, s, lim)) for n, k, s, lim in job_list(name, "off"))[name]
     st = dict(st, **opts.get("settings", {}))
     if kind == "model":
-        if st["arch"] == "official":
+        if st["arch"] in ("official", "neurips"):
             import importlib.util
 
             if importlib.util.find_spec("xlstm") is None or importlib.util.find_spec("mlstm_kernels") is None:
-                _emit(dict(job=name, kind="model", arch="official",
+                _emit(dict(job=name, kind="model", arch=st["arch"],
                            status="not installed (pass --wheels DIR with the xlstm and mlstm-kernels wheels)"))
                 return
         child_model(name, st, opts)
@@ -615,10 +657,17 @@ def render(rows: list[dict], notes: list[str], header: dict, tables_last: bool =
     device reply keeps only the end of the output)."""
     models = [r for r in rows if r.get("kind") == "model"]
     ops = [r for r in rows if r.get("kind") == "op"]
-    ref = next((r for r in models if r.get("job") == "tf_compile" and r.get("tok_s")), None)
-    ref_note = "tf_compile (rows at another batch x length: the compiled Transformer at theirs)"
-    same_shape = {(r.get("batch"), r.get("seq")): r for r in models
-                  if r.get("arch") == "tf" and r.get("compiled") and r.get("tok_s")}
+    # the faster compiled Transformer (with or without RoPE) at 16 x 2048, and at each other shape
+    tf16 = [r for r in models if r.get("job") in ("tf_compile", "tf_norope") and r.get("tok_s")]
+    ref = max(tf16, key=lambda r: r["tok_s"]) if tf16 else None
+    ref_note = (f"{ref['job']}, the faster compiled Transformer (rows at another batch x length: the faster "
+                "compiled Transformer at theirs, else this one)") if ref else ""
+    same_shape: dict = {}
+    for r in models:
+        if r.get("arch") == "tf" and r.get("compiled") and r.get("tok_s"):
+            key = (r.get("batch"), r.get("seq"))
+            if key not in same_shape or r["tok_s"] > same_shape[key]["tok_s"]:
+                same_shape[key] = r
     if ref is None:
         ref = next((r for r in models if r.get("arch") == "tf" and r.get("tok_s")), None)
         ref_note = "tf_eager (no compiled Transformer in this call)" if ref else "none"
@@ -776,7 +825,7 @@ def _run_jobs(args, jobs, header, notes, log, pypath, paths, t_start) -> None:
             print(f"# {name}: skipped (budget)", flush=True)
             continue
         timeout = min(limit, left)
-        child_opts = dict(opts, settings={k: v for k, v in st.items() if k == "ckpt"})
+        child_opts = dict(opts, settings={k: v for k, v in st.items() if k in ("ckpt", "batch", "seq", "rope", "compile_mode")})
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--child-opts", json.dumps(child_opts)]
         res = run_child(cmd, timeout, env)
         merged: dict = {}

@@ -121,3 +121,19 @@ def test_ablation_models_are_named_but_not_run_by_default():
     assert all(m in MODEL_HELP for m in MODEL_NAMES)
     assert "transformer-conv" in ABLATION_MODELS and not set(ABLATION_MODELS) & set(DEFAULT_MODELS)
     assert set(DEFAULT_MODELS) | set(ABLATION_MODELS) == set(MODEL_NAMES)
+
+
+def test_transformer_without_rope_sees_positions_only_through_causality():
+    """rope=False (the training benchmark's faster reference): in one block, the last position's
+    output does not depend on the order of the tokens before it; with RoPE it does. (From the
+    second block on, causality alone makes earlier positions' states order-dependent.)"""
+    from xlstm_kit.tasks.baselines import TransformerLM
+
+    torch.manual_seed(0)
+    tokens = torch.tensor([[3, 7, 1, 9, 4]])
+    swapped = torch.tensor([[7, 3, 1, 9, 4]])
+    plain = TransformerLM(16, d_model=16, n_blocks=1, n_heads=2, rope=False).double()
+    roped = TransformerLM(16, d_model=16, n_blocks=1, n_heads=2).double()
+    roped.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(plain(tokens)[0, -1], plain(swapped)[0, -1])
+    assert (roped(tokens)[0, -1] - roped(swapped)[0, -1]).abs().max() > 1e-6

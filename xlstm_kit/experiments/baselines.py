@@ -65,7 +65,7 @@ class Attention(nn.Module):
         small_init_(self.qkv.weight, self.d_model)
         wang_init_(self.out.weight, self.d_model, self.n_blocks)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         B, T, C = x.shape
         if self.conv is None:
             qkv = self.qkv(x)
@@ -74,7 +74,8 @@ class Attention(nn.Module):
             c = conv_silu(x, None, self.conv.weight, self.conv.bias)  # one fused kernel where Triton runs
             qkv = torch.cat([F.linear(c, w_qk), F.linear(x, w_v)], dim=-1)
         q, k, v = qkv.view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)  # 3x [B,H,T,hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, hd]
         return self.out(y.transpose(1, 2).reshape(B, T, C))
 
@@ -104,7 +105,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(d_model, eps=1e-6)
         self.ffn = SwiGLU(d_model, ffn_dim, n_blocks)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -116,12 +117,14 @@ class TransformerLM(nn.Module):
     keeps the feed-forward parameter count of a 4× GELU MLP). `qk_conv` = K > 0 puts the mLSTM
     block's short causal convolution (kernel K, + SiLU) in front of every attention's q and k: an
     ablation for MQAR, where it hands attention the previous tokens that its lookup needs.
+    `rope=False` drops the rotary embedding (no position signal but causality): the faster
+    speed reference of the training benchmark.
     """
 
     def __init__(self, vocab_size: int, d_model: int = 128, n_blocks: int = 2, n_heads: int = 4,
-                 qk_conv: int = 0):
+                 qk_conv: int = 0, rope: bool = True):
         super().__init__()
-        self.vocab_size, self.d_model = vocab_size, d_model
+        self.vocab_size, self.d_model, self.rope = vocab_size, d_model, rope
         self.embedding = nn.Embedding(vocab_size, d_model)
         ffn_dim = round_up(8 * d_model / 3, 64)
         self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads, ffn_dim, n_blocks, qk_conv) for _ in range(n_blocks))
@@ -134,7 +137,7 @@ class TransformerLM(nn.Module):
     def forward(self, tokens: torch.Tensor, logits_to_keep: "int | torch.Tensor" = 0) -> torch.Tensor:
         _check_tokens(tokens, self.vocab_size)
         x = self.embedding(tokens.long())
-        cos, sin = rope_tables(tokens.shape[1], self.head_dim, tokens.device)
+        cos, sin = rope_tables(tokens.shape[1], self.head_dim, tokens.device) if self.rope else (None, None)
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.lm_head(self.norm(keep_positions(x, logits_to_keep)))
