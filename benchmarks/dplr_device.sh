@@ -1,6 +1,6 @@
 #!/bin/bash
-# One device call for the DPLR/KDA kernels against fla (issue 20), as run on 2026-12-02:
-#   bash benchmarks/dplr_device.sh [VARIANTS] [SHAPES]   (carry .whl: bash ../shared/bench/peer_wheels.sh .whl)
+# One device call for the DPLR/KDA kernels against fla, as run on 2026-12-02:
+#   bash benchmarks/dplr_device.sh [VARIANTS] [SHAPES]   (carry .whl: fla's wheels, pip download --no-deps -d .whl)
 # VARIANTS: a slice of dplr_tune.py's VARIANTS timed after the default (0:0, none, by default);
 # SHAPES: "1,2" (default) or "1" (only (8, 2048, ...), leaving the variants the time of shape 2).
 # fla's wheels installed from .whl; fla compiled in the background (200–240 s per case) while every

@@ -1,4 +1,4 @@
-"""Generation speed on one GPU against its memory-bandwidth floor (issue 17), in one call.
+"""Generation speed on one GPU against its memory-bandwidth floor, in one call.
 
     python3 benchmarks/generate_speed.py --wheels .whl --out $OUT [--only JOB,...] [--quick]
 
@@ -10,7 +10,7 @@ random weights, greedy:
   ops/blocks/), and an A/B: "decode compiled unfused", the compiled PyTorch block steps;
 - off13b, off7b: the official `xlstm.xlstm_large.xLSTMLarge` at the sizes of l13b and x7b, its
   own `generate` (mode "inference", return_last_states=True, its default kernels);
-- tf125, tf13b: the Llama-style Transformer of `xlstm_kit.tasks.baselines` at d 768 x 12 and
+- tf125, tf13b: the Llama-style Transformer of `xlstm_kit.experiments.baselines` at d 768 x 12 and
   d 2048 x 24 (16 heads), decoding with a static KV cache, its step compiled as ours and
   replayed as a CUDA graph.
 Per job: prefill tokens/s at 32 x 2048 (no_grad forward returning the state, ours with the last

@@ -1,4 +1,4 @@
-"""The `xlstm-7b` preset on one GPU with random bf16 weights (issue 16): does forward+backward
+"""The `xlstm-7b` preset on one GPU with random bf16 weights: does forward+backward
 of one 1 x 2048 sequence fit with activation checkpointing, and prefill tokens/s at 8 x 2048
 against the official `xlstm_large` 7B model in the same call. Run from the repository root:
 

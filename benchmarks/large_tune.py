@@ -1,4 +1,4 @@
-"""The large (xLSTM-7B) block on the GPU, one block at a time, in one call (issue 17):
+"""The large (xLSTM-7B) block on the GPU, one block at a time, in one call:
 
 1. decode: the fused one-token step (ops/blocks/large_decode.py) at batch 1 under each
    candidate of `gemv_config`'s parameters (programs per row, tile size, warps, minimum rows),
@@ -7,7 +7,7 @@
 2. prefill: one block's no-grad forward at 32 x 2048 tokens as the model runs it, a profile of
    its kernels (where the time between the GEMMs goes), and the forward at mLSTM chunk
    lengths 128 and 256 as an A/B (the default is 64; six separate input GEMMs instead of the
-   one fused GEMM lost twice, 52.4 and 53.4 ms against 49.0 and 45.8: benchmarks/NOTES-generate.md).
+   one fused GEMM lost twice, 52.4 and 53.4 ms against 49.0 and 45.8: docs/kernels.md, "Decode kernels").
 
     PYTHONPATH=. python benchmarks/large_tune.py --out $OUT [--sizes 7b,1.3b] [--quick]
 

@@ -1,4 +1,4 @@
-"""Packed sequences (cu_seqlens) in the sLSTM Triton kernels (issue 18): one launch with the
+"""Packed sequences (cu_seqlens) in the sLSTM Triton kernels: one launch with the
 sequences as the kernels' batch, against padding every sequence to the longest and against
 the former Python loop over the sequences.
 

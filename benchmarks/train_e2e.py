@@ -1,8 +1,9 @@
-"""Whole-model training throughput on one GPU, side by side, in one call (issue 15).
+"""Whole-model training throughput on one GPU, side by side, in one call.
 
-The command on the H200, from the repository root (wheels from `bash ../shared/bench/peer_wheels.sh
-.whl`: only the mlstm-kernels and xlstm wheels are needed; the git-ignored `.whl` travels as a
-carried path; give the call a limit at least a minute above --budget-s, default 480 s):
+The command on the H200, from the repository root (a folder `.whl` with the peers' wheels, e.g.
+`pip download --no-deps xlstm==2.0.6 mlstm-kernels==2.0.6 -d .whl` where there is network: only
+those two are needed; the git-ignored `.whl` travels as a carried path; give the call a limit at
+least a minute above --budget-s, default 480 s):
 
     python3 benchmarks/train_e2e.py --wheels .whl --out $OUT
 
@@ -17,7 +18,7 @@ Jobs (each in its own child process with its own time limit, so that a crash, an
 or a hang costs its own row only):
 - x10_eager, x10_compile, x71_eager, x71_compile: the xlstm_kit `125M` preset (vocab 50304) as
   xLSTM[1:0] and xLSTM[7:1];
-- tf_compile, tf_eager: the Llama-style Transformer of `xlstm_kit.tasks.baselines`
+- tf_compile, tf_eager: the Llama-style Transformer of `xlstm_kit.experiments.baselines`
   (TransformerLM(50304, 768, 12 blocks, 12 heads): SwiGLU 2048, RoPE, SDPA), whole-model
   `torch.compile` and eager; the compiled one is the reference of the ratio columns;
 - large_compile, large_8k: the xlstm_kit `large-125M` preset (the xLSTM-7B block family at d 768,

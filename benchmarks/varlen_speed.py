@@ -1,4 +1,4 @@
-"""Packed sequences (cu_seqlens) against one unpacked sequence and against padding (issue 18).
+"""Packed sequences (cu_seqlens) against one unpacked sequence and against padding.
 
     python3 benchmarks/varlen_speed.py [--out DIR] [--device cuda] [--quick]
 

@@ -157,7 +157,7 @@ def test_checkpoint_module_does_not_import_the_model():
 
 
 # ------------------------------------------------------------------------------------------
-# Reliability (issue 14): checksums, refused weights, bounded configs, confined `latest`,
+# Reliability: checksums, refused weights, bounded configs, confined `latest`,
 # temporaries of killed saves, file modes.
 
 
@@ -286,8 +286,8 @@ _KILLED_SAVE = """
 import os, sys, torch
 import safetensors.torch as st
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
-from xlstm_kit.checkpoint import save_checkpoint
-from xlstm_kit.train import TrainConfig, make_optimizer
+from xlstm_kit.io.checkpoint import save_checkpoint
+from xlstm_kit.training import TrainConfig, make_optimizer
 m = XLSTMLanguageModel(XLSTMConfig(vocab_size=30, d_model=32, n_blocks=1, n_heads=2))
 real = st.save_file
 def die(tensors, path, *a, **k):

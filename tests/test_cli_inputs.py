@@ -1,4 +1,4 @@
-"""Bad input at the command line and the model API (issue 14): one line and exit status 2 (or an
+"""Bad input at the command line and the model API: one line and exit status 2 (or an
 XLSTMKitError), nothing of the user's deleted, no wrapped token ids, no traceback."""
 import json
 import os

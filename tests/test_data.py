@@ -1,4 +1,4 @@
-"""Corpora, tokenizers, the token cache, the split and batching (xlstm_kit.data)."""
+"""Corpora, tokenizers, the token cache, the split and batching (xlstm_kit.training.data)."""
 import numpy as np
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""xlstm_kit.hub: HuggingFace-format folders (config and weight-name mapping, the lazy sharded
+"""xlstm_kit.io.hf: HuggingFace-format folders (config and weight-name mapping, the lazy sharded
 loader, dtype/device per tensor, clear errors) and tokenizers-format tokenizer.json files.
 transformers itself is exercised in test_hub_transformers.py."""
 import json

@@ -291,7 +291,7 @@ def official_large(mode, weight_mode, bias=False):
         embedding_dim=64, num_heads=2, num_blocks=2, vocab_size=96, use_bias=bias, qk_dim_factor=0.5,
         chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
         step_kernel="native", mode=mode, chunk_size=16, weight_mode=weight_mode,
-        return_last_states=mode == "train",  # its train mode fails without (issue 16)
+        return_last_states=mode == "train",  # its train mode fails without
     )
     official = perturbed(large.xLSTMLarge(oc))
     if bias:  # a final-norm bias has no place in our model (nor in transformers')

@@ -1,4 +1,4 @@
-"""Packed training (xlstm_kit.packing): a packed step equals the sum over documents of separate
+"""Packed training (xlstm_kit.training.packing): a packed step equals the sum over documents of separate
 steps; packed validation equals evaluating each document alone; documents from files / EOS."""
 from __future__ import annotations
 

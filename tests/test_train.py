@@ -1,4 +1,4 @@
-"""The training loop (xlstm_kit.train): schedule, weight-decay groups, evaluation, exact resume,
+"""The training loop (xlstm_kit.training): schedule, weight-decay groups, evaluation, exact resume,
 interrupts and atomic checkpoints. A small XLSTMLanguageModel keeps every run to a few steps."""
 import dataclasses
 import json
@@ -419,7 +419,7 @@ def test_training_log_records_validation_size(data, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
-# Reliability (issue 14): corrupt training states, failed runs, leaked temporaries.
+# Reliability: corrupt training states, failed runs, leaked temporaries.
 
 
 def _corrupt(state, how):

@@ -1,4 +1,4 @@
-"""RunConfig.compile: the experiments' training step compiled (xlstm_kit.compiling.CompiledLoss).
+"""RunConfig.compile: the experiments' training step compiled (xlstm_kit.training.compiling.CompiledLoss).
 
 On this CPU the compiled runs use backend="aot_eager" (Dynamo and AOTAutograd build the graphs
 Inductor would get and run them eagerly; Inductor's C++ builds take minutes on 2 cores): the
@@ -85,7 +85,7 @@ def test_checkpoint_resume_with_compile_equals_the_uninterrupted_run(tmp_path, m
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with -m gpu on the GPU machine)")
 def test_a_paused_cuda_run_continues(tmp_path, monkeypatch):
-    """The CUDA form of the resume: session 11's MQAR runs could not continue ("RNG state must be
+    """The CUDA form of the resume: earlier MQAR runs on CUDA could not continue ("RNG state must be
     a torch.ByteTensor": the checkpoint was loaded onto the GPU, the torch RNG state with it)."""
     cfg = tiny(steps=8, device="cuda")
     whole = run_formal("parity", "lstm-plain", cfg)

@@ -1,4 +1,4 @@
-"""The paper's formal tasks (issue 19): vocabularies, the four further Figure 4 tasks on
+"""The paper's formal tasks: vocabularies, the four further Figure 4 tasks on
 hand-checked examples, the no-teacher-forcing format, and the plain LSTM baseline."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""MQAR in the paper's settings (issue 19): power-law query spacing and the settings table."""
+"""MQAR in the paper's settings: power-law query spacing and the settings table."""
 import numpy as np
 import pytest
 import torch
@@ -127,7 +127,7 @@ def test_transformer_without_rope_sees_positions_only_through_causality():
     """rope=False (the training benchmark's faster reference): in one block, the last position's
     output does not depend on the order of the tokens before it; with RoPE it does. (From the
     second block on, causality alone makes earlier positions' states order-dependent.)"""
-    from xlstm_kit.tasks.baselines import TransformerLM
+    from xlstm_kit.experiments.baselines import TransformerLM
 
     torch.manual_seed(0)
     tokens = torch.tensor([[3, 7, 1, 9, 4]])

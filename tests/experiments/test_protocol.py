@@ -1,4 +1,4 @@
-"""The paper's protocol (issue 19): grid expansion, resumability, aggregation and report, CLI."""
+"""The paper's protocol: grid expansion, resumability, aggregation and report, CLI."""
 import json
 
 import numpy as np

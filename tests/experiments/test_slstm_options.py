@@ -1,4 +1,4 @@
-"""sLSTM options of the paper's formal-language configuration (issue 19): no convolution, the
+"""sLSTM options of the paper's formal-language configuration: no convolution, the
 official cell's init modes, and the experiment presets that choose them."""
 import math
 import os

@@ -1,4 +1,4 @@
-"""Seeded fuzzing of checkpoints and training states (issue 14).
+"""Seeded fuzzing of checkpoints and training states.
 
 One small run folder is saved once; every case copies it, corrupts one thing (truncation, a byte
 flip, a wrong dtype or shape, a missing or extra key, odd config values, a hostile `latest`,

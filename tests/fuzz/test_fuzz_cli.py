@@ -1,4 +1,4 @@
-"""Seeded fuzz of the command line and the model API (issue 14): every bad invocation ends with
+"""Seeded fuzz of the command line and the model API: every bad invocation ends with
 exit status 2 and one stderr line, every bad model call with an XLSTMKitError; never a traceback.
 
 The cases are drawn from fixed pools with a fixed seed, so a failure reproduces; all run

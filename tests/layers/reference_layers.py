@@ -1,5 +1,5 @@
 """The unfused layer paths: plain PyTorch formulas (autograd differentiates them) over a layer's
-parameters, the reference the fused pieces in xlstm_kit.nn.fused are tested against."""
+parameters, the reference the fused pieces in xlstm_kit.layers.fused are tested against."""
 import torch
 import torch.nn.functional as F
 

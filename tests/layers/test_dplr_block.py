@@ -144,7 +144,7 @@ def _spy_dtypes(monkeypatch, run):
 
 @pytest.mark.parametrize("mode", ["bf16_params", "autocast"])
 def test_activations_and_gates_reach_the_op_in_one_dtype(monkeypatch, mode):
-    # issue 20: one dtype for q, k, v, g, β is the Triton op's fast path (float32 gates would
+    # one dtype for q, k, v, g, β is the Triton op's fast path (float32 gates would
     # make its gate-gradient products float32-accurate, a float32 q its output products); v
     # reaches it as a view of the convolution's output (no copy on the way)
     block = randomize_(DPLRBlock(32, 2, chunk_size=16))

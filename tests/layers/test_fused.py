@@ -1,4 +1,4 @@
-"""The fused layer pieces (xlstm_kit.nn.fused) against the unfused reference path
+"""The fused layer pieces (xlstm_kit.layers.fused) against the unfused reference path
 (tests/layers/reference_layers.py): float64 forward, every gradient, the carried state; gradcheck of
 each piece; bf16 autocast accuracy; torch.compile(fullgraph=True) of a block."""
 import importlib.util

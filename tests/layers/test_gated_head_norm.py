@@ -1,4 +1,4 @@
-"""The large block's output gate fused into the head-wise norm (xlstm_kit.nn.fused.gated_head_norm,
+"""The large block's output gate fused into the head-wise norm (xlstm_kit.layers.fused.gated_head_norm,
 the GATE=2 mode of the tail kernels in ops/blocks/triton.py): the Triton path against a float64
 reference (forward, every gradient; o a strided column slice, head dims not powers of two, one
 and three heads, several row counts, several programs summing dw), gradcheck of the PyTorch

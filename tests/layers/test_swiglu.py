@@ -1,4 +1,4 @@
-"""The fused SwiGLU activation (xlstm_kit.nn.fused.swiglu, kernels in ops/blocks/swiglu.py): the
+"""The fused SwiGLU activation (xlstm_kit.layers.fused.swiglu, kernels in ops/blocks/swiglu.py): the
 Triton path against the float64 PyTorch path (forward, gradient; strided rows, odd F, several
 column tiles), gradcheck of the PyTorch path, opcheck of the custom ops, torch.compile, the
 large block's SwiGLU module against the formula it replaced, the sm_90 build's registers and

@@ -267,9 +267,9 @@ def test_only_output_or_only_state_receives_gradient():
 
 
 def test_kernels_match_fla_naive_dplr_including_gradients():
-    # independent peer: fla's naive DPLR loop (additive convention, DESIGN.md: its a = −α⊙b, its
-    # b = a; [B,H,T,D] layout), differentiated by autograd (float32: the loop mixes in float32
-    # buffers, so both sides carry float32 rounding)
+    # independent peer: fla's naive DPLR loop (additive convention, docs/design.md "DPLR and KDA":
+    # its a = −α⊙b, its b = a; [B,H,T,D] layout), differentiated by autograd (float32: the loop
+    # mixes in float32 buffers, so both sides carry float32 rounding)
     from tests.ops.test_dplr import load_fla_naive
 
     fla = load_fla_naive("ops/generalized_delta_rule/dplr/naive.py")
@@ -494,7 +494,7 @@ def test_gpu_float32_all_grads(T):
 @pytest.mark.parametrize("T", [100, 2048])
 @pytest.mark.parametrize("gk_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_bf16_within_twice_torch_bf16_error(T, gk_dtype):
-    # gk float32 (issue 20): bf16 q, k, v, a, b with a float32 gk take the fast output/δv
+    # gk float32: bf16 q, k, v, a, b with a float32 gk take the fast output/δv
     # products and keep the float32 gate gradient at float32 accuracy
     torch.manual_seed(T)
     xs, s0 = make_inputs(1, T, 2, 128, 128, -1.0, device="cuda")
@@ -516,7 +516,7 @@ def test_gpu_bf16_within_twice_torch_bf16_error(T, gk_dtype):
 @pytest.mark.parametrize("T", [100, 2048])
 @pytest.mark.parametrize("gates", [torch.float32, torch.bfloat16])
 def test_gpu_kda_bf16_qkv_within_twice_torch_error(T, gates):
-    # the KDA kernels with bf16 q, k, v and float32 (issue 20's mixed case) or bf16 g, β
+    # the KDA kernels with bf16 q, k, v and float32 (the mixed case) or bf16 g, β
     from xlstm_kit.ops.dplr.kda import kda_chunkwise as kda_torch
     torch.manual_seed(T)
     H, K, V = 2, 128, 128

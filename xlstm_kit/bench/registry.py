@@ -237,7 +237,7 @@ def _slstm_work(shape: Shape, env: Env) -> Work:
 
 # ============================================================================================ DPLR
 # the "_f32gates" cases: the run's dtype for the activations, float32 gates (as models compute
-# them; issue 20: such mixed inputs used to fall back to the kernels' slow precision path)
+# them; such mixed inputs used to fall back to the kernels' slow precision path)
 F32_GATES = "_f32gates"
 
 

@@ -1,5 +1,5 @@
 """The ``xlstm-kit`` command line (also ``python -m xlstm_kit``): a thin layer over
-``xlstm_kit.data``, ``xlstm_kit.train`` and the model.
+``xlstm_kit.training``, ``xlstm_kit.generation``, ``xlstm_kit.io`` and the models.
 
     xlstm-kit train    [--preset tiny] [--data builtin:shakespeare|PATH] [--tokenizer byte|gpt2]
                        [--steps N] [--out DIR] [--resume] ...

@@ -1,11 +1,11 @@
-"""``xlstm-kit experiment``: the command line of the synthetic experiments (xlstm_kit.tasks).
+"""``xlstm-kit experiment``: the command line of the synthetic experiments (xlstm_kit.experiments).
 
     xlstm-kit experiment formal --task parity --model "xlstm[0:1]"
     xlstm-kit experiment mqar --model "xlstm[1:1]"
     xlstm-kit experiment sweep [--tasks ...] [--models ...] [--jobs N]
 
 With ``--protocol paper`` (or ``quick`` for a CPU smoke run) each command runs the paper's grid
-instead (xlstm_kit.tasks.protocol: learning rates x seeds, the paper's task format, optimiser and
+instead (xlstm_kit.experiments.protocol: learning rates x seeds, the paper's task format, optimiser and
 step budgets), skips grid points finished earlier, deals them over the visible GPUs and writes
 report.md, figure4.png and mqar.png:
 

@@ -37,7 +37,7 @@ class RunConfig:
     seed: int = 0
     device: str = "cpu"
     precision: str = "fp32"
-    """"fp32" or "bf16" (autocast; see xlstm_kit.train.autocast)."""
+    """"fp32" or "bf16" (autocast; see xlstm_kit.training.autocast)."""
     backend: str | None = None
     """xLSTM ops backend: None (the fastest for the device), "torch" or "triton"."""
     slstm: str = "lm"
@@ -70,7 +70,7 @@ class RunConfig:
     formal tasks are scored on longer inputs than they train on, so they keep training."""
     compile: bool | str = False
     """Train through a compiled step: torch.compile of the forward and the loss (the backward
-    through AOTAutograd), Inductor with CUDA graphs on CUDA (xlstm_kit.compiling.CompiledLoss);
+    through AOTAutograd), Inductor with CUDA graphs on CUDA (xlstm_kit.training.compiling.CompiledLoss);
     the optimizer stays eager. True, False, or "auto": compile on CUDA only (the paper
     protocol's setting; on a CPU, Inductor's C++ builds cost minutes per model). Evaluation
     runs eagerly either way."""

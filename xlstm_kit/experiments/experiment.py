@@ -1,4 +1,5 @@
-"""The paper's synthetic experiments as typed functions: build a model by name, train it on a
+"""The paper's synthetic experiments as typed functions (models by name in `models`, settings in
+`config`, training and evaluation in `task_loop`; here the runs): build a model by name, train it on a
 formal-language task or on MQAR within a step and time budget, evaluate, write results.
 
     build_model("xlstm[0:1]", vocab_size)          # 2 blocks, same width for every model
@@ -11,16 +12,16 @@ each: mLSTM first), "transformer" (Llama-style), "lstm" (nn.LSTM in the sLSTM bl
 paper's "LSTM (Block)"), "lstm-plain" (a plain n_blocks-layer nn.LSTM language model), "dplr"
 (KDA-style DPLR blocks); the ablation "transformer-conv" (ABLATION_MODELS) runs when named only.
 
-Training: the library's optimizer step (`xlstm_kit.train.train_step`: AdamW with weight-decay
+Training: the library's optimizer step (`xlstm_kit.training.train_step`: AdamW with weight-decay
 groups, warmup + cosine schedule, clipping, autocast), cross entropy on the scored tokens only.
-With a time limit, the run first times a few steps (`xlstm_kit.train.TimeBudget`) and then
+With a time limit, the run first times a few steps (`xlstm_kit.training.TimeBudget`) and then
 shortens its schedule to what fits, so the cosine decay still ends. With `RunConfig.compile`
 the forward and the loss (hence the backward) run compiled, with CUDA graphs on CUDA
-(`xlstm_kit.compiling.CompiledLoss`); evaluation stays eager (its lengths vary).
+(`xlstm_kit.training.compiling.CompiledLoss`); evaluation stays eager (its lengths vary).
 
 Results go to `runs/experiments/` by default (the command line's `--out`); the command-line
-parsing lives in `xlstm_kit.tasks.cli`. The paper's protocol (learning-rate grid x seeds, its
-task format and optimiser settings, `--protocol paper`) is `xlstm_kit.tasks.protocol`; it runs
+parsing lives in `xlstm_kit.cli.experiment`. The paper's protocol (learning-rate grid x seeds, its
+task format and optimiser settings, `--protocol paper`) is `xlstm_kit.experiments.protocol`; it runs
 these functions once per grid point.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The formal-language tasks in the xLSTM paper's setting (Figure 4, appendix D.1; issue 19).
+"""The formal-language tasks in the xLSTM paper's setting (Figure 4, appendix D.1).
 
 Differences from ``formal.TASKS`` (the small-vocabulary variants used so far):
 

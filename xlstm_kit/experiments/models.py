@@ -44,7 +44,7 @@ SLSTM_PRESETS: dict[str, dict[str, Any]] = {
 in front of the i/f gates, zero recurrent weights, power-law forget bias, n_heads heads).
 "paper": the paper's formal-language sLSTM (official parity configuration): no convolution,
 the official "standard" init (recurrent weights and all gate biases uniform(+-1/sqrt(d_model))),
-one head. In an H200 probe only this combination let xLSTM[1:1] extrapolate parity (issue 19)."""
+one head. In an H200 probe only this combination let xLSTM[1:1] extrapolate parity (docs/experiments.md)."""
 
 
 def _paper_slstm_blocks(model: XLSTMLanguageModel, preset: dict[str, Any], backend: str | None) -> None:
@@ -76,7 +76,7 @@ def build_model(name: str, vocab_size: int, *, d_model: int = 128, n_heads: int 
         if slstm != "lm":
             _paper_slstm_blocks(model, preset, backend)
         return model
-    if key == "dplr":  # every block a KDA-style DPLR block (xlstm_kit.nn.dplr)
+    if key == "dplr":  # every block a KDA-style DPLR block (xlstm_kit.layers.dplr)
         cfg = XLSTMConfig(vocab_size=vocab_size, d_model=d_model, n_blocks=n_blocks, n_heads=n_heads,
                           dplr_at=list(range(n_blocks)), backend=backend)
         return XLSTMLanguageModel(cfg)

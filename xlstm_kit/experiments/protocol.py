@@ -1,4 +1,4 @@
-"""The paper's training protocol for the synthetic tasks (issue 19): a learning-rate grid x seeds
+"""The paper's training protocol for the synthetic tasks: a learning-rate grid x seeds
 per (task, model), the best learning rate reported as mean +- spread over the seeds.
 
     plan = formal_plan(["parity"], ["xlstm[1:1]"], PROTOCOLS["paper"])   # one Job per grid point

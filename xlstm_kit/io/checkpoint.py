@@ -185,7 +185,7 @@ def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None) ->
     (folder / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     _write_checksums(folder, [WEIGHTS_FILE])
     names = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
-    hf_tokenizer = getattr(model, "hf_tokenizer", None)  # a tokenizers-format tokenizer.json (xlstm_kit.hub)
+    hf_tokenizer = getattr(model, "hf_tokenizer", None)  # a tokenizers-format tokenizer.json (xlstm_kit.io.hf)
     if hf_tokenizer is not None:
         names += hf_tokenizer.save(folder)
     elif tokenizer is not None:
@@ -283,7 +283,7 @@ def load_state_checked(model: nn.Module, tensors: dict[str, torch.Tensor], sourc
 def read_tokenizer_name(checkpoint: str | Path) -> str | None:
     """The tokenizer a checkpoint was trained with: tokenizer.json, else (checkpoints written
     before tokenizer.json existed) train_meta.json's "tokenizer"; None when unknown, or when
-    tokenizer.json is a `tokenizers` file rather than a name (xlstm_kit.hub.find_tokenizer)."""
+    tokenizer.json is a `tokenizers` file rather than a name (xlstm_kit.io.tokenizers.find_tokenizer)."""
     checkpoint = Path(checkpoint)
     names = (TOKENIZER_FILE,) if (checkpoint / TOKENIZER_FILE).is_file() else (TRAIN_META_FILE,)
     for name in names:

@@ -1,5 +1,5 @@
 """Conversion to and from the official xLSTM-7B model, `xlstm.xlstm_large.model.xLSTMLarge`
-(xlstm 2.0.6), used through `xlstm_kit.compat.from_official_xlstm` / `to_official_xlstm`.
+(xlstm 2.0.6), used through `xlstm_kit.io.compat.from_official_xlstm` / `to_official_xlstm`.
 
 Our large-family state_dict is the official one with `backbone.` dropped from the block names
 and `backbone.out_norm` called `norm`. Official models with weight_mode "fused" (q, k, v and the

@@ -21,7 +21,7 @@ float32 copy of the whole model, never two copies). Shapes, names and dtypes are
 the config from the file headers before any weight is read.
 
 A ``tokenizer.json`` in a folder is either ours (``{"name": "byte"}`` or ``"gpt2"``, see
-``xlstm_kit.checkpoint``) or a ``tokenizers`` tokenizer (it has a ``"model"`` entry), which
+``xlstm_kit.io.checkpoint``) or a ``tokenizers`` tokenizer (it has a ``"model"`` entry), which
 :class:`HFTokenizer` wraps; it prepends the BOS token to every text, as NX-AI/xLSTM-7b's model card
 asks (without it the model generates poorly).
 """

@@ -170,7 +170,7 @@ def is_hf_tokenizer_file(path: Path) -> bool:
 class HFTokenizer:
     """A ``tokenizers`` tokenizer read from a tokenizer.json, with the BOS token prepended to
     every encoded text (NX-AI/xLSTM-7b generates poorly without it). Same interface as
-    ``xlstm_kit.data``'s tokenizers: name, vocab_size, eos_token_id, encode, encode_array,
+    the named tokenizers above: name, vocab_size, eos_token_id, encode, encode_array,
     decode, token_byte_lengths. The ``tokenizers`` package is imported at the first encode or
     decode: a model folder loads without it."""
 

@@ -128,7 +128,7 @@ class XLSTMConfig:
     """Large family: epsilon of the RMSNorms and the per-head LayerNorm."""
 
     dplr_at: list = field(default_factory=list)
-    """Which blocks are DPLR (KDA-style, xlstm_kit.nn.dplr) blocks: 0-based positions such as [0, 2],
+    """Which blocks are DPLR (KDA-style, xlstm_kit.layers.dplr) blocks: 0-based positions such as [0, 2],
     none of them in slstm_at. They use n_heads heads of d_model / n_heads. Default: none."""
 
     # ------------------------------------------------------------------ validation

@@ -62,7 +62,7 @@ class XLSTMLanguageModel(nn.Module):
     large-family blocks use MLSTMState with an empty conv field).
     """
 
-    # From the folder a model was loaded from (xlstm_kit.hub): a tokenizers-format tokenizer.json
+    # From the folder a model was loaded from (xlstm_kit.io.hf): a tokenizers-format tokenizer.json
     # (BOS prepended) and the token ids a HuggingFace config.json records.
     hf_tokenizer = None
     hf_special_tokens = None

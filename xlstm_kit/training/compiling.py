@@ -1,7 +1,7 @@
 """torch.compile and activation checkpointing for training: can this machine compile, apply a
 TrainConfig's choices to a model, and time the compilation (used by ``xlstm_kit.training.loop``);
 :class:`CompiledLoss`, a model's forward and loss compiled as one region, with CUDA graphs on
-CUDA (used by the synthetic experiments, ``xlstm_kit.tasks.experiment``)."""
+CUDA (used by the synthetic experiments, ``xlstm_kit.experiments.experiment``)."""
 from __future__ import annotations
 
 import logging

@@ -73,7 +73,7 @@ class TrainConfig:
     Saves memory at the cost of one more forward of those blocks; gradients are unchanged.
     Needs a model with ``set_activation_checkpointing`` (XLSTMLanguageModel)."""
     pack: bool | None = None
-    """Pack documents (``xlstm_kit.packing``): windows over the document stream, the state reset
+    """Pack documents (``xlstm_kit.training.packing``): windows over the document stream, the state reset
     at each document start (the model's ``cu_seqlens``), validation equal to evaluating each
     document alone. None: where the data have documents and the model takes cu_seqlens."""
 

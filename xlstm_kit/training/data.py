@@ -294,10 +294,10 @@ def load_data(
     documents: bool = False,
 ) -> TokenData:
     """Read, tokenize (cached) and split a corpus; see :class:`TokenData`. ``tokenizer``: a
-    name (see :func:`get_tokenizer`) or a tokenizer object such as ``xlstm_kit.hub.HFTokenizer``
+    name (see :func:`get_tokenizer`) or a tokenizer object such as ``xlstm_kit.io.tokenizers.HFTokenizer``
     (its ``name`` keys the token cache). ``documents``: find the corpus's documents (its files
     when there are several, tokenized one by one, else the texts ended by the tokenizer's EOS
-    token) for packed training (`xlstm_kit.packing`); None where it has none."""
+    token) for packed training (`xlstm_kit.training.packing`); None where it has none."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer

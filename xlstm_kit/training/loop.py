@@ -11,7 +11,7 @@ Pieces other loops reuse: :func:`train_step` (one optimizer step: forward under 
 backward with accumulation, clipping, learning rate, update), :class:`TimeBudget` (how many steps
 fit a wall-clock budget), :func:`lr_at` / :func:`continue_schedule` (the schedule).
 
-Output folder layout (``out_dir``): the run folder of ``xlstm_kit.checkpoint`` (``latest``,
+Output folder layout (``out_dir``): the run folder of ``xlstm_kit.io.checkpoint`` (``latest``,
 ``checkpoints/step-N/``) plus ``metrics.jsonl`` (one JSON object per step / validation; after
 a failure it keeps the rows up to the newest checkpoint, and a run that saved none leaves none)
 and ``loss.png`` (the loss curve, written at the end when matplotlib is installed).

@@ -5,7 +5,7 @@
     (i, f) = W_g [q; k; v] + b_g,  h = the mLSTM cell step (ops/mlstm/triton/step.py)
 
 At batch 1 a step of a small model is launch-bound: compiled, the block's PyTorch step is about
-13 kernels of a few microseconds each (benchmarks/NOTES-generate.md). Here it is
+13 kernels of a few microseconds each (docs/kernels.md, "Decode kernels"). Here it is
 
 1. `_up_mix_kernel`: the LayerNorm (statistics recomputed by every program from the d_model-wide
    row) fused as the prologue of the up-projection GEMV, whose x_m row tiles (whole P-blocks of

@@ -43,7 +43,7 @@ def supports(op: str, *, dtype: torch.dtype, batch: int = 1, requires_grad: bool
     """backend.choose_backend's question: does the fused block step take this call?"""
     # batch 1 only: its programs read a weight tile once per batch row and the rows' programs
     # do not share it through L2 (H200, 2026-12-02: 7B at batch 4, 445 tokens/s fused against
-    # 690 for the compiled PyTorch step; 1.3B a tie; benchmarks/NOTES-generate.md)
+    # 690 for the compiled PyTorch step; 1.3B a tie; docs/kernels.md, "Decode kernels")
     return step_refusal("large", dtype=dtype, batch=batch, requires_grad=requires_grad, bias=bias, max_batch=1)
 
 
@@ -62,7 +62,7 @@ def gemv_config(rows: int, k: int, programs: int = 512, tile: int = 4096, num_wa
     the rows allow (a few hundred keep enough loads in flight to stream the weights), 16 down to
     `min_rows` rows per program (each program also loads its x and norm tiles), [block_n,
     block_k] tiles of `tile` elements. The defaults are the H200's best of the sweep in
-    benchmarks/large_tune.py (benchmarks/NOTES-generate.md)."""
+    benchmarks/large_tune.py (docs/kernels.md, "Decode kernels")."""
     bn = 16
     while bn > min_rows and rows < programs * bn:
         bn //= 2

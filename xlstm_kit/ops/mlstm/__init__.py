@@ -1,6 +1,7 @@
 """mLSTM operators: public entry points, input checks and the one backend choice.
 
-Maths (DESIGN.md §1): with log f_t = logsigmoid(f̃_t), stabilizer m_t = max(log f_t + m_{t-1}, ĩ_t),
+Maths (docs/design.md, "mLSTM"; xLSTM paper, arXiv 2405.04517, eqs. 19–27): with
+log f_t = logsigmoid(f̃_t), stabilizer m_t = max(log f_t + m_{t-1}, ĩ_t),
 C_t = f'_t C_{t-1} + i'_t k_t v_tᵀ, n_t = f'_t n_{t-1} + i'_t k_t and
 h_t = C_tᵀ q̂_t / (max(|n_tᵀ q̂_t|, exp(-m_t)) + eps), q̂_t = q_t / √K.
 
@@ -169,7 +170,7 @@ def mlstm_parallel(
     eps: float = 1e-6,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
-    """Quadratic (parallel) mLSTM, seed eqs. 71–86, with the backward of eqs. 87–105 written by hand.
+    """Quadratic (parallel) mLSTM, xLSTM paper eqs. 71–86, with its backward (eqs. 87–105) by hand.
 
     q, k [B,T,H,K]; v [B,T,H,V]; i, f [B,T,H] → (h [B,T,H,V], None). Starts from the zero state;
     O(T²) memory, meant for short sequences and as a check of the chunkwise form.

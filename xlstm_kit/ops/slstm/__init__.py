@@ -5,7 +5,8 @@
     slstm_step(x_gates [B,4,H,D], r, b, state) -> (h [B,H,D], (h, c, n, m))
 
 Gate order is (i, f, z, o) everywhere; r holds one D x D block per gate and head (the
-block-diagonal recurrent matrix), applied as h_{t-1} @ r[g, h]. The maths is DESIGN.md §1.
+block-diagonal recurrent matrix), applied as h_{t-1} @ r[g, h]. The maths is docs/design.md, "sLSTM"
+(xLSTM paper, arXiv 2405.04517, eqs. 8–17).
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ W, Q⊙e^G, K⊙e^{G_L−G}, A⊙e^{G_L−G}, G in float64; V2) plus one K×V st
 1.5 GB at B=8, T=2048, H=16, K=V=128; q, k, v, a, b are kept as the caller's own tensors (no
 copies).
 
-Numerics (log-gates down to −5 per step). The seed's factorisation Q← = Q⊙Γ, K→ = K⊘Γ would
+Numerics (log-gates down to −5 per step). The plain factorisation Q← = Q⊙Γ, K→ = K⊘Γ would
 need 1/Γ up to e^{320} in a chunk of 64 steps at gk = −5. The pair matrices are therefore built
 per column sub-chunk J of S = 16 steps with a reference point inside the chunk:
   rows below J:  (X ⊙ e^{G_r − G_end(J)}) (Y_J ⊙ e^{G_end(J) − G_J})ᵀ   — both factors ≤ 1, any gk;
