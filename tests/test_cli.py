@@ -108,6 +108,10 @@ def test_resume_continues_and_refuses_clobbering(trained, cache, tmp_path, capsy
     capsys.readouterr()
     assert cli.main(["train", "--out", str(out), "--resume", "--seq-len", "64"]) == 2
     assert "cannot change" in capsys.readouterr().err
+    # the command line refuses what the library refuses (RESUME_FROZEN), before loading anything
+    for flag in (["--grad-accum", "2"], ["--no-pack"], ["--seed", "7"]):
+        assert cli.main(["train", "--out", str(out), "--resume", *flag]) == 2
+        assert f"{flag[0].replace('no-', '')} cannot change on --resume" in capsys.readouterr().err
 
 
 def _assert_one_line_error(capsys, code, *needles):

@@ -186,6 +186,16 @@ def test_interrupt_then_resume_is_exact(data, tmp_path, how, stop_step):
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 7))
 
 
+@pytest.mark.parametrize("change", [dict(grad_accum=2), dict(pack=False), dict(seed=2)])
+def test_resume_keeps_the_frozen_settings(data, tmp_path, change):
+    """One rule for the library and the command line (RESUME_FROZEN): a resumed run reads the
+    same tokens per step and sums its gradient the same way, or it is refused."""
+    assert set(change) <= set(T.RESUME_FROZEN)
+    T.train(small_model(), data, small_config(steps=2), tmp_path / "r", device="cpu")
+    with pytest.raises(T.CheckpointError, match=f"cannot resume with {next(iter(change))}="):
+        T.train(small_model(), data, small_config(steps=4, **change), tmp_path / "r", resume=True, device="cpu")
+
+
 def test_resume_refuses_changed_batch(data, tmp_path):
     T.train(small_model(), data, small_config(steps=2), tmp_path / "r", device="cpu")
     with pytest.raises(T.CheckpointError, match="batch_size"):

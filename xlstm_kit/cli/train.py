@@ -22,8 +22,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..training.data import load_data
     from ..io.loading import load_model, load_pretrained
     from ..models import PRESETS, XLSTMConfig, XLSTMLanguageModel
-    from ..training import (TrainConfig, continue_schedule, init_distributed, load_training_state, lr_at,
-                        read_train_meta, resolve_checkpoint, train)
+    from ..training import (RESUME_FROZEN, TrainConfig, continue_schedule, init_distributed, load_training_state,
+                            lr_at, read_train_meta, resolve_checkpoint, train)
 
     for flag in ("preset", "tokenizer", "data", "out"):  # an empty value would quietly mean the default
         if getattr(args, flag) == "":
@@ -56,11 +56,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                 raise UsageError(f"--{key} {value} differs from the checkpoint's ({meta.get(key)}); "
                                  f"leave it out when resuming")
         saved = load_training_state(ckpt)["train_config"]
-        for key in ("batch_size", "seq_len", "seed", "grad_accum"):
-            if key in overrides and overrides[key] != saved[key]:
-                raise UsageError(f"--{key.replace('_', '-')} cannot change on --resume "
-                                 f"(the checkpoint used {saved[key]})")
         saved_config = TrainConfig.from_dict(saved)
+        for key in RESUME_FROZEN:
+            if key in overrides and overrides[key] != getattr(saved_config, key):
+                raise UsageError(f"--{key.replace('_', '-')} cannot change on --resume "
+                                 f"(the checkpoint used {getattr(saved_config, key)})")
         config = continue_schedule(saved_config, TrainConfig.from_dict({**saved, **overrides}), int(meta["step"]))
         preset, data_spec, tok_name = meta.get("preset"), meta["data"], meta["tokenizer"]
         val_fraction = meta.get("val_fraction", args.val_fraction)

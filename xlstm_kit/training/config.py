@@ -11,6 +11,10 @@ from ..models.config import checkpoint_blocks
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 PRECISIONS = ("auto", "bf16", "fp32")
+RESUME_FROZEN = ("batch_size", "seq_len", "seed", "grad_accum", "pack")
+"""The settings a resumed run keeps from its checkpoint, in the library and on the command line
+alike: they decide which tokens each step reads (batch shape, sampling order, document packing)
+and how a step's gradient is summed, so changing one would make the resumed run another run."""
 
 
 @dataclass

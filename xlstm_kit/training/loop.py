@@ -36,7 +36,7 @@ from ..io.checkpoint import (TRAIN_STATE_FILE, CheckpointError, atomic_write, lo
                              load_training_state, load_weights_into, read_train_meta, remove_stale_staging,
                              resolve_checkpoint, restore_rng, save_checkpoint)
 from .compiling import CompileClock, compile_failure, prepare_model
-from .config import METRICS_FILE, PLOT_FILE, TrainConfig
+from .config import METRICS_FILE, PLOT_FILE, RESUME_FROZEN, TrainConfig
 from .data import BatchSampler, TokenData, val_batches
 from .distributed import DistInfo, default_device
 from .evaluate import evaluate
@@ -121,7 +121,7 @@ class _Run:
             saved = TrainConfig.from_dict(state["train_config"])
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{ckpt / TRAIN_STATE_FILE} holds an invalid train_config: {e}") from None
-        for name in ("batch_size", "seq_len", "seed", "pack"):
+        for name in RESUME_FROZEN:
             if getattr(saved, name) != getattr(self.config, name):
                 raise CheckpointError(
                     f"cannot resume with {name}={getattr(self.config, name)}: the checkpoint was trained "
