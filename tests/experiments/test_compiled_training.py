@@ -21,6 +21,7 @@ from xlstm_kit.experiments import task_loop
 from xlstm_kit.experiments.config import RunConfig, quick_config
 from xlstm_kit.experiments.experiment import run_formal
 from xlstm_kit.experiments.registry import get_task
+from xlstm_kit.io.checkpoint import load_weights_into, resolve_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -73,8 +74,7 @@ def test_checkpoint_resume_with_compile_equals_the_uninterrupted_run(tmp_path, m
     with pytest.raises(ex.RunPaused, match="after step 4 of 8"):
         run_formal("parity", "transformer", cfg, checkpoint=ckpt, stop_at=1e11, progress=progress)
     plain = ex.build_model("transformer", get_task("parity", "paper").vocab_size, d_model=16, n_heads=2)
-    saved = torch.load(ckpt, weights_only=True)["model"]
-    assert list(saved) == list(plain.state_dict())  # no "_orig_mod." prefixes
+    load_weights_into(plain, resolve_checkpoint(ckpt))  # strict: no "_orig_mod." prefixes
     pause["now"] = False
     rest = run_formal("parity", "transformer", cfg, checkpoint=ckpt)
     assert rest["steps_done"] == whole["steps_done"] == 8 and rest["compiled"]["options"] == "aot_eager"

@@ -276,9 +276,8 @@ def test_a_paused_run_scored_as_it_stands(tmp_path, monkeypatch, capsys):
     score as evaluating the checkpoint afresh), into its progress file, message and report."""
     import itertools
 
-    import torch
-
     from xlstm_kit.experiments import experiment as ex
+    from xlstm_kit.io.checkpoint import load_weights_into, resolve_checkpoint
 
     job = pr.formal_plan(["parity"], ["lstm-plain"], pr.PROTOCOLS["quick"], lrs=[1e-2], seeds=[0])[0]
     ticks = itertools.count()
@@ -291,7 +290,7 @@ def test_a_paused_run_scored_as_it_stands(tmp_path, monkeypatch, capsys):
     task = ex.get_task("parity", cfg.tasks)
     model = ex.build_model("lstm-plain", task.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads,
                            n_blocks=cfg.n_blocks, slstm=cfg.slstm)
-    model.load_state_dict(torch.load(tmp_path / "runs" / f"{job.id}.ckpt", weights_only=True)["model"])
+    load_weights_into(model, resolve_checkpoint(tmp_path / "runs" / f"{job.id}.ckpt"))
     again = ex.evaluate_formal(model, task, cfg.test_lengths, cfg.eval_samples, seed=cfg.seed + 1,
                                batch_size=cfg.eval_batch_size, precision=cfg.precision,
                                teacher_forcing=cfg.teacher_forcing)

@@ -37,6 +37,7 @@ import math
 import multiprocessing as mp
 import os
 import re
+import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -210,8 +211,8 @@ def run_job(job: Job, runs_dir: str | Path, device: str, progress=None, stop_at:
             score_paused: bool = False) -> dict[str, Any]:
     """Run one grid point on `device` and write runs_dir/<job.id>.json (an error is recorded too).
 
-    Training is checkpointed to runs_dir/<job.id>.ckpt, its losses so far to <job.id>.progress
-    (both deleted when the run is done), and continues from there if the checkpoint exists.
+    Training is checkpointed to the run folder runs_dir/<job.id>.ckpt (xlstm_kit.io.checkpoint's
+    format), its losses so far to <job.id>.progress (both deleted when the run is done), and continues from there if the checkpoint exists.
     Past `stop_at` (a time.time() value) the run saves its checkpoint and returns
     {..., "paused": True} without a results file (with `score_paused`, after scoring the model
     as it stands into the progress file); a grid point not started by then returns that at once."""
@@ -241,7 +242,7 @@ def run_job(job: Job, runs_dir: str | Path, device: str, progress=None, stop_at:
     tmp.write_text(json.dumps(r, indent=1))
     os.replace(tmp, path)
     if "error" not in r:
-        ckpt.unlink(missing_ok=True)
+        shutil.rmtree(ckpt, ignore_errors=True)
         progress_path(ckpt).unlink(missing_ok=True)
     return r
 

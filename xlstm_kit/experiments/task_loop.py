@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import XLSTMKitError
+from ..io.checkpoint import (LATEST_FILE, TRAIN_STATE_FILE, atomic_write, load_optimizer_state, load_training_state,
+                             load_weights_into, resolve_checkpoint, restore_rng, save_checkpoint)
 from ..training import TimeBudget, TrainConfig, autocast, lr_at, make_optimizer, train_step
 from ..training.compiling import CompileClock, CompiledLoss
 from .config import RunConfig
@@ -95,11 +97,10 @@ CHECKPOINT_EVERY_S = 120.0
 
 def _save_checkpoint(path: Path, model: nn.Module, opt, rng: np.random.Generator, step: int, sched: TrainConfig,
                      log: TrainLog, seconds: float) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "numpy_rng": rng.bit_generator.state,
-                "torch_rng": torch.get_rng_state(), "step": step, "steps": sched.steps,
-                "warmup_steps": sched.warmup_steps, "losses": log.losses, "seconds": seconds}, tmp)
-    os.replace(tmp, path)  # a run killed while saving keeps the previous checkpoint
+    # the library's run folder (atomic, checksummed: a run killed while saving keeps the
+    # previous checkpoint); the task sampler's state and the curve ride along as `extra`
+    save_checkpoint(path, model, opt, step, sched, keep=1,
+                    extra={"numpy_rng": rng.bit_generator.state, "losses": log.losses, "seconds": seconds})
     # the losses so far also in a small text file next to it: the checkpoint (model, optimizer)
     # is too big to bring back from a lent machine, and a run lost with it keeps its curve
     _write_progress(progress_path(path), {"steps_done": step, "planned_steps": sched.steps,
@@ -107,14 +108,12 @@ def _save_checkpoint(path: Path, model: nn.Module, opt, rng: np.random.Generator
 
 
 def _write_progress(path: Path, curve: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(curve))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(curve))
 
 
 def progress_path(checkpoint: str | Path) -> Path:
-    """The JSON file (steps_done, planned_steps, seconds, losses) that every save of
-    `checkpoint` rewrites; a finished run deletes both."""
+    """The JSON file (steps_done, planned_steps, seconds, losses) that every save of the run
+    folder `checkpoint` rewrites; a finished run deletes both."""
     return Path(checkpoint).with_suffix(".progress")
 
 
@@ -127,9 +126,10 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
     steps that fit (the first steps carry one-time costs such as kernel compilation; with
     `cfg.compile` the compilation and any fallback happen within the first three steps, so
     they count against the budget but not as step time).
-    `checkpoint`: a file that the run continues from when it exists (model, optimizer, data and
-    torch random states, step, schedule, losses: the continued run equals an uninterrupted one)
-    and saves to every CHECKPOINT_EVERY_S seconds. `stop_at` (a time.time() value, needs
+    `checkpoint`: a run folder (xlstm_kit.io.checkpoint's format) that the run continues from
+    when it holds a checkpoint (model, optimizer, data and torch random states, step, schedule,
+    losses: the continued run equals an uninterrupted one) and saves to every
+    CHECKPOINT_EVERY_S seconds. `stop_at` (a time.time() value, needs
     `checkpoint`): past it, the run saves and raises RunPaused.
     """
     if stop_at is not None and checkpoint is None:
@@ -142,16 +142,19 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
     log = TrainLog(planned_steps=cfg.steps)
     step, loss, seconds_before = 0, torch.zeros(()), 0.0
     checkpoint = None if checkpoint is None else Path(checkpoint)
-    if checkpoint is not None and checkpoint.exists():
-        # on the CPU: the torch RNG state must stay a CPU ByteTensor, and load_state_dict puts
-        # the model and optimizer tensors on their parameters' device anyway
-        ck = torch.load(checkpoint, map_location="cpu", weights_only=True)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        rng.bit_generator.state = ck["numpy_rng"]
-        torch.set_rng_state(ck["torch_rng"])
-        step, log.losses, seconds_before = ck["step"], ck["losses"], ck["seconds"]
-        sched = dataclasses.replace(sched, steps=ck["steps"], warmup_steps=ck["warmup_steps"])
+    if checkpoint is not None and (checkpoint / LATEST_FILE).is_file():
+        ck = resolve_checkpoint(checkpoint)
+        state = load_training_state(ck)
+        load_weights_into(model, ck)
+        load_optimizer_state(opt, state["optimizer"], ck / TRAIN_STATE_FILE)
+        restore_rng(state, device, ck / TRAIN_STATE_FILE)
+        extra = state.get("extra") or {}
+        if not {"numpy_rng", "losses", "seconds"} <= set(extra):
+            raise XLSTMKitError(f"{ck} is not a checkpoint of a synthetic-task run (no sampler state)")
+        rng.bit_generator.state = extra["numpy_rng"]
+        step, log.losses, seconds_before = int(state["step"]), list(extra["losses"]), extra["seconds"]
+        saved = state["train_config"]
+        sched = dataclasses.replace(sched, steps=saved["steps"], warmup_steps=saved["warmup_steps"])
         time_budget_s = None if time_budget_s is None else max(0.0, time_budget_s - seconds_before)
     # batches with per-row scored positions (MQAR) run the head at those positions only
     at_positions = sample(np.random.default_rng(0)).positions is not None

@@ -500,13 +500,15 @@ def save_checkpoint(
     config,
     meta: dict[str, Any] | None = None,
     keep: int = 2,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write a complete resumable checkpoint of ``step`` atomically and point ``latest`` at it.
 
     ``config`` is the TrainConfig (anything with ``to_dict()``). Returns the checkpoint folder.
     ``meta`` (JSON-serialisable; e.g. tokenizer and data spec) is stored in ``train_meta.json``;
-    its "tokenizer" also goes to ``tokenizer.json``. Older checkpoints beyond ``keep`` are
-    removed afterwards.
+    its "tokenizer" also goes to ``tokenizer.json``. ``extra`` (tensors and plain containers)
+    goes into ``train_state.pt`` beside the optimizer, for a loop's own state (the synthetic
+    experiments' sampler and loss curve). Older checkpoints beyond ``keep`` are removed afterwards.
     """
     out_dir = Path(out_dir)
     root = out_dir / CHECKPOINTS_DIR
@@ -519,7 +521,7 @@ def save_checkpoint(
     try:
         _save_any_model(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None))
         state = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer": optimizer.state_dict(),
-                 "train_config": config.to_dict(), "rng": _rng_state()}
+                 "train_config": config.to_dict(), "rng": _rng_state(), **({"extra": extra} if extra else {})}
         torch.save(state, staging / TRAIN_STATE_FILE)
         _write_checksums(staging, [WEIGHTS_FILE, TRAIN_STATE_FILE])
         info = {"format": CHECKPOINT_FORMAT, "xlstm_kit_version": __version__, "step": step,
