@@ -38,8 +38,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_e2e import child_env, run_child  # noqa: E402
+from xlstm_kit.bench.scripts import child_env, run_child
 
 MODELS = ("xlstm[0:1]", "xlstm[1:1]", "xlstm[1:0]", "transformer", "lstm", "lstm-plain")
 LOG_EVERY = 25  # the RunConfig default: the loss is read back (a device sync) every 25 steps

@@ -33,8 +33,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_e2e import child_env, run_child  # noqa: E402
+from xlstm_kit.bench.scripts import child_env, run_child
 
 JOBS = ("x125", "l13b", "x7b", "tf125", "tf13b", "off13b", "off7b")
 VOCAB = 50304

@@ -21,8 +21,7 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_e2e import child_env, event_ms, run_child  # noqa: E402
+from xlstm_kit.bench.scripts import child_env, event_ms, run_child
 
 JOBS = ("fit", "prefill", "prefill_official")
 

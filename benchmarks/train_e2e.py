@@ -49,19 +49,17 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import glob
 import json
 import math
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from xlstm_kit.bench.scripts import install_wheels, run_child
 
 REPO = Path(__file__).resolve().parent.parent
 PEAK_TFLOPS = 989.0  # H200 SXM dense bf16 (no sparsity)
@@ -554,88 +552,6 @@ def child_main(name: str, opts: dict) -> None:
 
 
 # ============================================================================== parent side
-def run_child(cmd: list[str], timeout_s: float, env: dict | None = None) -> dict:
-    """Run `cmd` in its own process group; kill the whole group at the time limit. Returns
-    rc (None on timeout), the parsed `RESULT {json}` lines printed before it ended, the tail of
-    its stderr, and the wall time."""
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child and its compile workers
-        except ProcessLookupError:
-            pass
-        out, err = proc.communicate()
-    results = []
-    for line in (out or "").splitlines():
-        if line.startswith("RESULT "):
-            try:
-                results.append(json.loads(line[len("RESULT "):]))
-            except json.JSONDecodeError:
-                pass
-    return dict(rc=None if timed_out else proc.returncode, timed_out=timed_out, results=results,
-                stderr=(err or "")[-4000:], wall_s=time.time() - t0)
-
-
-def install_wheels(wheel_dir: str, log) -> tuple[str | None, str]:
-    """pip-install DIR/*.whl into a fresh temporary folder -> (folder or None, note)."""
-    wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
-    if not wheels:
-        return None, f"no wheels in {wheel_dir}"
-    site = tempfile.mkdtemp(prefix="e2e-site-")
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--target", site, *wheels]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        return None, "pip install timed out"
-    log.write(f"## pip install\n{r.stdout[-2000:]}{r.stderr[-2000:]}\n")
-    if r.returncode != 0:
-        return None, f"pip install failed: {r.stderr.strip().splitlines()[-1:] or r.returncode}"
-    return site, "installed " + ", ".join(os.path.basename(w).split("-")[0] + " " + os.path.basename(w).split("-")[1]
-                                          for w in wheels)
-
-
-def event_ms(fn, reps: int, warmup: int = 1, cuda: bool | None = None) -> list[float]:
-    """ms of each of `reps` calls of fn() after `warmup` calls: CUDA events for GPU work (cuda
-    None: when a GPU is there), else the wall clock."""
-    import torch
-
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return times
-
-
-def child_env(wheel_dir: str | None) -> dict:
-    """os.environ for the children, with DIR/*.whl installed on their PYTHONPATH (the note on stderr)."""
-    env = dict(os.environ)
-    if wheel_dir:
-        path, note = install_wheels(wheel_dir, sys.stderr)
-        if path:
-            env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
-        print(note, file=sys.stderr)
-    return env
-
-
 def _fmt(v, spec: str = ",.0f", none: str = "—") -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return none

@@ -15,7 +15,6 @@ SCRIPT = ROOT / "benchmarks" / "generate_speed.py"
 
 
 def _load():
-    sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("generate_speed", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -9,7 +9,7 @@ Suites:
 - ops: the sequence ops forward and forward+backward, the decode steps forward;
 - model: one training step of the language model (forward, cross-entropy, backward, gradient
   clipping, AdamW), in tokens/s;
-- generate: greedy generation with `XLSTMLanguageModel.generate`, in tokens/s.
+- generate: greedy generation with `xlstm_kit.generation.generate`, in tokens/s.
 
 FLOP and byte counts are the work of the algorithm at that shape (not what a kernel happens to
 execute), so the same count serves every implementation of a case, peers included: a rate is
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..errors import XLSTMKitError
+from ..generation.generate import generate
 from ..models import XLSTMConfig, XLSTMLanguageModel
 from ..ops import dplr_step, mlstm_step, slstm_recurrent
 from ..training import lm_loss, train_step
@@ -392,7 +393,7 @@ def _build_generate(shape: Shape, env: Env) -> Timed:
     model = XLSTMLanguageModel(cfg).to(env.device, env.dtype).eval()
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (shape["batch"], shape["prompt"]), generator=g).to(env.device)
-    return Timed(lambda: model.generate(prompt, shape["new"], temperature=0))
+    return Timed(lambda: generate(model, prompt, shape["new"], temperature=0))
 
 
 def _generate_work(shape: Shape, env: Env) -> Work:

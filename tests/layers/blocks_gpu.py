@@ -1,8 +1,9 @@
 """One 125M mLSTM / sLSTM block on the GPU: forward+backward time, peak memory and saved bytes
 per token, fused (this branch) against the unfused reference path (tests/layers/reference_layers.py),
-bf16 autocast, float32 parameters, B x T = 16 x 2048. Run from the repository root:
+bf16 autocast, float32 parameters, B x T = 16 x 2048. It lives beside the reference it times
+(benchmarks/ scripts import only xlstm_kit). Run from the repository root:
 
-    PYTHONPATH=. OUT=$OUT python benchmarks/blocks_gpu.py [B T]
+    PYTHONPATH=. OUT=$OUT python tests/layers/blocks_gpu.py [B T]
 
 Writes one JSON line per case to $OUT/blocks_gpu.jsonl and prints them.
 """
