@@ -38,9 +38,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+import safetensors.torch
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model as load_weights, save_file, save_model as save_weights
 from torch import nn
 
 from .._version import __version__
@@ -180,7 +180,7 @@ def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None) ->
     if getattr(model.config, "tie_embeddings", False):
         state.pop("lm_head.weight")  # the same tensor as embedding.weight; re-tied on load
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "xlstm_kit"})
+    safetensors.torch.save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "xlstm_kit"})
     os.chmod(folder / WEIGHTS_FILE, 0o666 & ~_umask())  # safetensors writes 0600 whatever the umask
     (folder / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     _write_checksums(folder, [WEIGHTS_FILE])
@@ -237,7 +237,7 @@ def read_model_files(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
         raise XLSTMKitError(f"{cfg_path} is not valid JSON ({e}); the checkpoint is corrupt") from None
     verify_checksum(directory, WEIGHTS_FILE)
     try:
-        tensors = load_file(str(weights_path), device="cpu")
+        tensors = safetensors.torch.load_file(str(weights_path), device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
         raise XLSTMKitError(f"{weights_path} is not a readable safetensors file ({e}); the checkpoint is corrupt") from None
     return config, tensors
@@ -451,7 +451,7 @@ def _save_any_model(model: nn.Module, path: Path, tokenizer: str | None) -> None
         _write_model_files(model, path, tokenizer)
     else:  # any other language model: weights only
 
-        save_weights(model, str(path / WEIGHTS_FILE))
+        safetensors.torch.save_model(model, str(path / WEIGHTS_FILE))
         os.chmod(path / WEIGHTS_FILE, 0o666 & ~_umask())
 
 
@@ -460,7 +460,7 @@ def load_weights_into(model: nn.Module, checkpoint: Path) -> None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         verify_checksum(checkpoint, WEIGHTS_FILE)
-        load_weights(model, str(checkpoint / WEIGHTS_FILE))
+        safetensors.torch.load_model(model, str(checkpoint / WEIGHTS_FILE))
         return
     saved, tensors = read_model_files(checkpoint)
     try:

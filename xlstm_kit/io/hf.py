@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import safetensors.torch
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import XLSTMKitError
@@ -417,7 +417,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_
     names = [checkpoint.WEIGHTS_FILE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, keys in zip(names, shards):
-        save_file({k: tensors[k].detach().to("cpu").contiguous() for k in keys}, str(folder / name), metadata=metadata)
+        safetensors.torch.save_file({k: tensors[k].detach().to("cpu").contiguous() for k in keys}, str(folder / name), metadata=metadata)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}

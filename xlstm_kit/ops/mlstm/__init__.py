@@ -114,6 +114,7 @@ def mlstm_chunkwise(
     backend: str | None = None,
     recompute_states: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    config=None,
 ) -> tuple[torch.Tensor, State | None]:
     """Chunkwise-parallel mLSTM with a hand-written backward; any T (the last chunk may be partial).
 
@@ -127,6 +128,8 @@ def mlstm_chunkwise(
     `cu_seqlens`: int32/int64 [N+1] (0 = cu[0] < ... < cu[N] = T) with B = 1: N sequences packed
     along T, each starting from its own row of `initial_state` (C [N,H,K,V], n [N,H,K], m [N,H];
     None: zeros) and returning its own final state (N rows); nothing crosses a boundary.
+    `config`: the Triton kernels' `MLSTMKernelConfig` (None: the tuned defaults for the shapes);
+    unused on the PyTorch path.
     """
     B, T, H, K, V = _sequence_dims(q, k, v, i, f)
     eps = _check_eps(eps)
@@ -150,7 +153,7 @@ def mlstm_chunkwise(
         with on_device(q):
             return mlstm_chunkwise_triton(
                 q, k, v, i, f, initial_state=initial_state, output_final_state=output_final_state, eps=eps,
-                recompute_states=bool(recompute_states), **varlen)
+                config=config, recompute_states=bool(recompute_states), **varlen)
     if bounds is not None:
         return run_varlen(lambda *xs, **kw: mlstm_chunkwise(*xs, eps=eps, chunk_size=chunk_size, backend="torch", **kw),
                           (q, k, v, i, f), bounds, initial_state, output_final_state)
