@@ -23,7 +23,7 @@ from xlstm_kit.ops import dplr_chunkwise, kda_chunkwise  # noqa: E402
 from xlstm_kit.ops.backend import KERNEL_MODULES  # noqa: E402
 from xlstm_kit.ops.dplr import chunkwise as torch_chunkwise  # noqa: E402
 from xlstm_kit.ops.dplr.naive import dplr_recurrent  # noqa: E402
-from xlstm_kit.ops.dplr.triton.chunkwise import dplr_chunkwise_triton  # noqa: E402
+from xlstm_kit.ops.dplr.triton.op import dplr_chunkwise_triton  # noqa: E402
 from xlstm_kit.ops.dplr.triton.kda_op import kda_chunkwise_triton  # noqa: E402
 from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig  # noqa: E402
 
@@ -162,7 +162,7 @@ def test_mixed_dtypes_choose_the_fast_products():
     # bf16 activations with float32 gates (as models compute them): the output's products stay
     # fast; a float32 gk keeps only the gate-gradient group accurate; KDA's float32 β joins δv
     # and the K side (δβ = Σ δ(βv)·v + Σ δ(βk)·k), so only the output group is left there
-    from xlstm_kit.ops.dplr.triton.chunkwise import _config_key
+    from xlstm_kit.ops.dplr.triton.op import _config_key
     from xlstm_kit.ops.dplr.triton.config import resolve
     bf, f32 = torch.bfloat16, torch.float32
     dplr = DPLRKernelConfig.from_key(_config_key(None, (bf,), (bf,), (bf, bf, bf, bf, f32)))
@@ -607,7 +607,7 @@ def test_step_kernel_half_inputs_and_strided_views():
 def test_custom_ops_pass_opcheck():
     # schema, fake implementations (also with dynamic shapes), autograd registration and
     # forward + backward under aot_autograd against eager
-    from xlstm_kit.ops.dplr.triton.chunkwise import _fwd_op
+    from xlstm_kit.ops.dplr.triton.op import _fwd_op
     from xlstm_kit.ops.dplr.triton.step import _step_op
 
     xs, s0 = make_inputs(1, 16, 1, 16, 16, -1.0)   # H = 1, T = chunk: layout views get cloned

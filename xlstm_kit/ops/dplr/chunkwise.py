@@ -228,7 +228,7 @@ class _DPLRChunkwise(torch.autograd.Function):
         W, Cm, Ad, eGl = c["W"], c["Cm"], c["Ad"], c["eGl"]
         incl, strict = _masks(L, q.dtype, q.device)
 
-        # Sequential part: δh flows backwards through the chunks. Per chunk (seed §三):
+        # Sequential part: δh flows backwards through the chunks. Per chunk:
         #   δV2 = δC = A→Diag(γ_L) δh' + (Q←A→ᵀ⊙M)ᵀ δO
         #   δh  = Diag(γ_L) δh' + Q←ᵀ δO − Wᵀ δV2          (V2 = C − W h)
         P = c["A_qa"].mT @ do                           # [B,H,N,L,V]
@@ -309,7 +309,7 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
         q, k, a, b, gk: [B, T, H, K]; gk is the log decay (≤ 0; any magnitude is safe).
         v: [B, T, H, V].
         scale: query scale, default 1/√K.
-        initial_state: [B, H, K, V] (= Sᵀ of the seed) or None for zeros.
+        initial_state: [B, H, K, V] (= Sᵀ, the transposed state of docs/design.md) or None for zeros.
         output_final_state: return the final state.
         chunk_size: steps per chunk (any T; the last chunk is padded with identity steps).
     Returns:

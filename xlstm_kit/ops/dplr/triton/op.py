@@ -321,7 +321,7 @@ def dplr_chunkwise_triton(q, k, v, a, b, gk, *, scale=None, initial_state=None,
         q, k, a, b, gk: [B, T, H, K]; gk ≤ 0, safe down to −5 per step (package docstring).
         v: [B, T, H, V]. K, V powers of two in [16, 256]; any T.
         scale: query scale, default 1/√K.
-        initial_state: [B, H, K, V] (= Sᵀ of the seed) or None for zeros.
+        initial_state: [B, H, K, V] (= Sᵀ, the transposed state of docs/design.md) or None for zeros.
         chunk_size: 16, 32 or 64.
         config: a `DPLRKernelConfig`, default `DPLRKernelConfig()`; its low-precision mode
             applies to the products of o when q is bfloat16, of δv when v is, and of δq, δk,
