@@ -16,6 +16,7 @@ from torch import nn
 from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
+from .mlstm_cell import mlstm_cell
 from .common import (PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, _packed_blocks, _packed_bmm,
                      headwise_weight_grad, small_init_, state_dtype, wang_init_)
 from .fused import (activation_dtype, conv_inputs, conv_recompute, conv_silu, conv_state, conv_state_varlen,
@@ -149,13 +150,11 @@ class MLSTMLayer(nn.Module):
         b_m, b_z = (None, None) if self.up_proj.bias is None else self.up_proj.bias.chunk(2)
         return F.linear(x, w_m, b_m), F.linear(x, w_z, b_z)
 
-    def _qkv_gates(self, x_m: torch.Tensor, x_conv: torch.Tensor, conv):
-        """q, k, v [..., inner] and the gate pre-activations i, f [..., n_heads]; `conv` are
-        x_conv's `conv_inputs` (the readers of x_conv recompute it in their backward)."""
-        # The gates are linear in concat(q, k, v), and q, k, v are block-diagonal maps of x_conv
-        # and x_m: folding those maps into the (2H x 3 inner) gate matrix reads two inner-wide
-        # inputs instead of writing and reading a 3x-wide concatenation.
-        dtype = x_m.dtype
+    def _gate_weights(self, dtype: torch.dtype):
+        """(w_conv, w_m [2H, inner], b [2H]): the gate pre-activations [i, f] = x_conv w_convᵀ
+        + x_m w_mᵀ + b. The gates are linear in concat(q, k, v), and q, k, v are block-diagonal
+        maps of x_conv and x_m: folding those maps into the (2H x 3 inner) gate matrix reads two
+        inner-wide inputs instead of writing and reading a 3x-wide concatenation."""
         w = torch.cat([self.igate.weight, self.fgate.weight]).to(dtype)  # [2H, 3 inner]
         b = torch.cat([self.igate.bias, self.fgate.bias]).to(dtype)
         wq, wk, wv = w.split(self.inner_dim, dim=1)
@@ -164,6 +163,13 @@ class MLSTMLayer(nn.Module):
         for proj, wg in ((self.q_proj, wq), (self.k_proj, wk), (self.v_proj, wv)):
             if proj.bias is not None:
                 b = b + wg @ proj.bias.to(dtype)
+        return w_conv, w_m, b
+
+    def _qkv_gates(self, x_m: torch.Tensor, x_conv: torch.Tensor, conv):
+        """q, k, v [..., inner] and the gate pre-activations i, f [..., n_heads]; `conv` are
+        x_conv's `conv_inputs` (the readers of x_conv recompute it in their backward)."""
+        dtype = x_m.dtype
+        w_conv, w_m, b = self._gate_weights(dtype)
         q, k, gates = _ConvReadersFn.apply(
             x_conv.reshape(-1, self.inner_dim), self.q_proj.weight.to(dtype), self.k_proj.weight.to(dtype),
             w_conv, b, self.q_proj.pack, *conv)
@@ -185,6 +191,26 @@ class MLSTMLayer(nn.Module):
         ).view(*lead, self.d_model)
         return self.dropout(y) if self.dropout.p > 0 else y
 
+    def _cell_on_kernels(self, x_m: torch.Tensor) -> bool:
+        """Whether the conv, the maps and the sequence op run as one `mlstm_cell` (Triton
+        kernels, no q/k/v biases)."""
+        if any(p.bias is not None for p in (self.q_proj, self.k_proj, self.v_proj)):
+            return False
+        try:
+            return choose_backend("mlstm_chunkwise", self.backend, x_m.device, inputs=(x_m,), dtype=x_m.dtype,
+                                  head_dims=(self.head_dim, self.head_dim)) == "triton"
+        except BackendUnavailableError:
+            return False
+
+    def _cell(self, x_m: torch.Tensor, pos, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h [B, T, H, D], x_conv [B, T, inner]) from the zero state through mlstm_cell."""
+        dtype = x_m.dtype
+        w_conv, w_m, b = self._gate_weights(dtype)
+        return mlstm_cell(x_m, self.conv.weight, self.conv.bias, self.q_proj.weight.to(dtype),
+                          self.k_proj.weight.to(dtype), self.v_proj.weight.to(dtype), w_conv, w_m, b,
+                          n_heads=self.n_heads, pack=self.q_proj.pack, recompute_states=self.recompute_states,
+                          backend=self.backend, pos=pos, cu_seqlens=cu_seqlens)
+
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
                 *, norm: nn.LayerNorm | None = None, cu_seqlens: torch.Tensor | None = None):
         """`norm`: a bias-free LayerNorm that x passes through first, fused with the
@@ -200,6 +226,9 @@ class MLSTMLayer(nn.Module):
         conv_in = None if state is None else state.conv
         pos = None if cu_seqlens is None else doc_positions(cu_seqlens, T)
         conv = conv_inputs(x_m, conv_in, self.conv.weight, self.conv.bias, self.backend, pos)
+        if state is None and not return_state and self._cell_on_kernels(x_m):
+            h, x_conv = self._cell(conv[0], pos, cu_seqlens)
+            return self._output(h, x_conv, z, conv)
         x_conv = conv_silu(x_m, conv_in, self.conv.weight, self.conv.bias, backend=self.backend, pos=pos)
         q, k, v, i, f = self._qkv_gates(x_m, x_conv, conv)
         h, cell_state = mlstm_chunkwise(

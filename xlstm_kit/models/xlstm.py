@@ -117,7 +117,7 @@ class XLSTMLanguageModel(nn.Module):
         )
 
     def reset_parameters(self) -> None:
-        """The official initialisation (blocks re-initialise themselves; see nn/)."""
+        """The official initialisation (blocks re-initialise themselves; see layers/)."""
         for block in self.blocks:
             block.reset_parameters()
         self.norm.reset_parameters()

@@ -39,6 +39,7 @@ KERNEL_MODULES: dict[str, str] = {
     "dplr_step": "xlstm_kit.ops.dplr.triton.step",
     "mlstm_output": "xlstm_kit.ops.blocks.triton",
     "conv_silu": "xlstm_kit.ops.blocks.triton",
+    "mlstm_front": "xlstm_kit.ops.blocks.mlstm_front",
     "head_norm": "xlstm_kit.ops.blocks.triton",
     "gated_head_norm": "xlstm_kit.ops.blocks.triton",
     "swiglu": "xlstm_kit.ops.blocks.swiglu",

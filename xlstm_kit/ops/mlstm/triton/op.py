@@ -11,6 +11,7 @@ from torch import Tensor
 
 from . import backward, gates, output, scan, states
 from ....errors import XLSTMKitError
+from ..._checks import autocast_off
 from .config import CHUNK_SIZES, MLSTMKernelConfig, numerics
 from .varlen import chunk_table, first_stabilizers, num_chunks
 
@@ -325,3 +326,34 @@ def _check_packed(q: Tensor, cu_seqlens: Tensor, C0: Tensor | None) -> None:
         raise XLSTMKitError(f"cu_seqlens is on {cu_seqlens.device}, the inputs on {q.device}")
     if C0 is not None and C0.shape[0] != cu_seqlens.shape[0] - 1:
         raise XLSTMKitError(f"initial_state has {C0.shape[0]} rows, cu_seqlens {cu_seqlens.shape[0] - 1} sequences")
+
+
+@autocast_off
+def chunkwise_forward_for_cell(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float,
+                               recompute_states: bool, cu_seqlens: Tensor | None = None):
+    """The forward from the zero state without autograd, for a caller that keeps its own
+    autograd node (the mLSTM layer's, which recomputes q, k, v in its backward instead of
+    saving them) -> (h [B,T,H,V], saved): `saved` is what `chunkwise_backward_for_cell` needs
+    besides q, k, v, i, f. Shapes and dtypes as `mlstm_chunkwise_triton`; no final state."""
+    key = _config_key(q.shape[-1], v.shape[-1], q.dtype, None, None, bool(recompute_states))
+    args = (_rows(q), _rows(k), _rows(v), i.contiguous(), f.contiguous(), None, None, None, float(eps), key)
+    if cu_seqlens is not None:
+        _check_packed(q, cu_seqlens, None)
+        args = args + (cu_seqlens.contiguous(),)
+    out = mlstm_chunkwise_fwd(*args) if torch.compiler.is_compiling() else _forward(*args)
+    h, hlo, Cf, nf, _mf, *rest = out
+    return h, (h, hlo, Cf, nf, *rest)
+
+
+@autocast_off
+def chunkwise_backward_for_cell(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, saved, dh: Tensor,
+                                eps: float, recompute_states: bool, cu_seqlens: Tensor | None = None):
+    """(δq, δk, δv, δi, δf) of `chunkwise_forward_for_cell` for δh, from q, k, v, i, f as the
+    forward took them (recomputed by the caller) and its `saved`."""
+    key = _config_key(q.shape[-1], v.shape[-1], q.dtype, None, None, bool(recompute_states))
+    h, hlo, Cf, nf, *rest = saved
+    bwd = mlstm_chunkwise_bwd if torch.compiler.is_compiling() else _backward_impl
+    cu = None if cu_seqlens is None else cu_seqlens.contiguous()
+    dq, dk, dv, di, df, *_ = bwd(q, k, v, i.contiguous(), f.contiguous(), None, None, h, hlo, Cf, nf, *rest,
+                                 dh.contiguous(), None, None, None, float(eps), key, cu)
+    return dq, dk, dv, di, df
