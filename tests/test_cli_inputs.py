@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from xlstm_kit.cli import app as cli
+from xlstm_kit.cli import train as cli_train
 from xlstm_kit.cli.args import UsageError
 from xlstm_kit.cli.common import prepare_demo_out
 from xlstm_kit.io.checkpoint import TRAIN_META_FILE, resolve_checkpoint
@@ -64,12 +65,12 @@ def test_main_reports_library_errors_and_keeps_bugs_visible(cache, monkeypatch, 
     def bug(args):
         raise ValueError("a bug, not bad input")
 
-    monkeypatch.setattr(cli, "cmd_eval", bad_input)
+    monkeypatch.setattr(cli_train, "cmd_eval", bad_input)
     assert one_line_error(capsys, ["eval", "x"], "bad input")
-    monkeypatch.setattr(cli, "cmd_eval", bug)
+    monkeypatch.setattr(cli_train, "cmd_eval", bug)
     with pytest.raises(ValueError, match="a bug"):
         cli.main(["eval", "x"])
-    monkeypatch.setattr(cli, "cmd_eval", lambda args: open("/nonexistent/xlstm-kit-file"))
+    monkeypatch.setattr(cli_train, "cmd_eval", lambda args: open("/nonexistent/xlstm-kit-file"))
     one_line_error(capsys, ["eval", "x"], "/nonexistent/xlstm-kit-file")
     assert issubclass(UsageError, XLSTMKitError)
 

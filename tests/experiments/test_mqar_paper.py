@@ -115,7 +115,7 @@ def test_transformer_conv_feeds_q_and_k_through_the_causal_conv():
 
 
 def test_ablation_models_are_named_but_not_run_by_default():
-    from xlstm_kit.cli.experiment import MODEL_HELP
+    from xlstm_kit.cli.parsers import MODEL_HELP
     from xlstm_kit.experiments.models import ABLATION_MODELS, DEFAULT_MODELS
 
     assert all(m in MODEL_HELP for m in MODEL_NAMES)

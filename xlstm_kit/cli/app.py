@@ -13,6 +13,10 @@ DIR is a training output folder, an xlstm_kit checkpoint or a HuggingFace xLSTM 
     xlstm-kit demo     [--minutes 3]
     xlstm-kit experiment formal --task parity --model "xlstm[0:1]" | mqar --model M | sweep [--jobs N]
 
+The parser is argparse only: `--help` and a mistyped argument answer before torch is imported.
+Each command lives in its own module (train.py: train, eval, demo; generate.py; experiment.py;
+bench.py), imported by name when it runs.
+
 Bad input (unknown preset or tokenizer, missing data, empty corpus, incompatible checkpoint,
 invalid numbers, unusable device or output folder) is an ``XLSTMKitError``: it prints one line to
 stderr and exits with status 2. Any other exception is a bug and keeps its traceback.
@@ -20,6 +24,7 @@ stderr and exits with status 2. Any other exception is a bug and keeps its trace
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Sequence
 
@@ -30,9 +35,7 @@ from ..errors import DataError, XLSTMKitError
 from .args import (DEFAULT_DATA, DEFAULT_PRESET, DTYPES, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, EXIT_USAGE,
                    PROG, THREADS_HELP, Formatter, Parser, nonneg_float, nonneg_int, one_line, positive_float,
                    positive_int)
-from .train import cmd_demo, cmd_eval, cmd_train
-from .experiment import add_parser as add_experiment_parser  # the experiment command
-from .generate import add_parser as add_generate_parser  # the generate command
+from .parsers import add_experiment_parser, add_generate_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar (validation lines are still printed)")
     o.add_argument("--threads", type=positive_int, default=None, help=THREADS_HELP)
-    t.set_defaults(func=cmd_train)
+    t.set_defaults(run=("train", "cmd_train"))
 
     # ---------------------------------------------------------------- generate
 
@@ -154,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
     ev.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype (default: the file's)")
     ev.add_argument("--threads", type=positive_int, default=None, help=THREADS_HELP)
-    ev.set_defaults(func=cmd_eval)
+    ev.set_defaults(run=("train", "cmd_eval"))
 
     # ---------------------------------------------------------------- demo
     de = sub.add_parser(
@@ -175,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
     de.add_argument("--threads", type=positive_int, default=None,
                     help="CPU threads (default: torch's choice, or 1 when other processes already load the cores)")
-    de.set_defaults(func=cmd_demo)
+    de.set_defaults(run=("train", "cmd_demo"))
 
 
     add_experiment_parser(sub)
@@ -187,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _bench_arguments(be)
-    be.set_defaults(func=cmd_bench)
+    be.set_defaults(run=("bench", "cmd_bench"))
 
     for p in (t, gen, ev, de):
         for action in p._actions:
@@ -196,13 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
             elif action.metavar is None and action.type in (positive_float, nonneg_float):
                 action.metavar = "X"
     return parser
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from ..bench.runner import run
-
-    run(args)
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -219,8 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    module, name = args.run
     try:
-        return args.func(args)
+        # the command's module (and with it torch) only now, for the command that runs
+        return getattr(importlib.import_module(f"{__package__}.{module}"), name)(args)
     except (XLSTMKitError, MissingExtraError) as e:
         message = e
     except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:

@@ -8,15 +8,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from ..errors import XLSTMKitError
+from ..io.checkpoint import read_train_meta, resolve_checkpoint
+from ..io.loading import load_pretrained
+from ..io.tokenizers import get_tokenizer
+from ..training import (CHECKPOINTS_DIR, LATEST_FILE, METRICS_FILE, PLOT_FILE, CompileEvent, EvalEvent,
+                        StepEvent)
+from ..training.data import name_some
+from ..training import resources
 from .args import DTYPES, LARGE_DEFAULTS, TRAIN_DEFAULTS, UsageError
 
 
 def pick_device(name: str | None):
-    import torch
-
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -66,9 +72,6 @@ def train_defaults(preset: str) -> dict[str, Any]:
 
 def open_checkpoint(path: str, device, dtype: str | None = None):
     """(checkpoint folder, its training metadata, the model) for a DIR argument."""
-    from ..io.checkpoint import read_train_meta, resolve_checkpoint
-    from ..io.loading import load_pretrained
-
     ckpt = resolve_checkpoint(path)
     model = load_pretrained(ckpt, device=device, dtype=DTYPES.get(dtype))
     return ckpt, read_train_meta(ckpt), model
@@ -86,8 +89,6 @@ def init_tokenizer(model, requested: str | None, source: str):
 
 
 def tokenizer_for(meta: dict[str, Any], model):
-    from ..io.tokenizers import get_tokenizer
-
     if model.hf_tokenizer is not None:  # the folder's own tokenizer.json
         tok = model.hf_tokenizer
         if tok.vocab_size > model.config.vocab_size:
@@ -109,13 +110,9 @@ def tokenizer_for(meta: dict[str, Any], model):
 def use_threads(requested: int | None, device) -> str:
     """Set torch's CPU threads (--threads, else a load-aware default for CPU runs); returns
     words for the start line, e.g. "1 thread (other processes keep the cores busy)"."""
-    import torch
-
-    from ..training.resources import default_threads
-
     n, why = requested, ""
     if n is None and device is not None and device.type == "cpu":
-        n = default_threads(torch.get_num_threads())
+        n = resources.default_threads(torch.get_num_threads())
         if n is not None and n < torch.get_num_threads():
             why = " (other processes keep the cores busy; --threads to choose)"
     if n is not None:
@@ -127,22 +124,18 @@ def use_threads(requested: int | None, device) -> str:
 def out_of_memory(needed: int, available: int, what: str, shrink: str) -> UsageError:
     """The one-line refusal of a CPU run that would outgrow the memory (the kernel would kill it
     with a bare "Killed", without a checkpoint); ``shrink`` suggests smaller settings."""
-    from ..training.resources import format_gib
-
-    return UsageError(f"{what} needs about {format_gib(needed)} of memory on the CPU, "
-                      f"{format_gib(available)} is available: {shrink}, or use a GPU (--device cuda)")
+    return UsageError(f"{what} needs about {resources.format_gib(needed)} of memory on the CPU, "
+                      f"{resources.format_gib(available)} is available: {shrink}, or use a GPU (--device cuda)")
 
 
 def check_training_memory(model_config, config, preset: str) -> None:
-    from ..training.resources import available_memory, count_parameters, largest_batch, training_bytes
-
-    available = available_memory()
-    n_params = count_parameters(model_config)
+    available = resources.available_memory()
+    n_params = resources.count_parameters(model_config)
     micro = max(1, config.batch_size // config.grad_accum)
-    need = lambda b: training_bytes(model_config, n_params, b, config.seq_len)  # noqa: E731
+    need = lambda b: resources.training_bytes(model_config, n_params, b, config.seq_len)  # noqa: E731
     if available is None or need(micro) <= available:
         return
-    fits = largest_batch(need, available, micro)
+    fits = resources.largest_batch(need, available, micro)
     if fits:
         accum = next(k for k in range(-(-config.batch_size // fits), config.batch_size + 1)
                      if config.batch_size % k == 0)
@@ -155,21 +148,17 @@ def check_training_memory(model_config, config, preset: str) -> None:
 
 
 def check_eval_memory(model, batch_size: int, seq_len: int) -> None:
-    from ..training.resources import available_memory, evaluation_bytes, largest_batch
-
-    available = available_memory()
+    available = resources.available_memory()
     n_params = sum(p.numel() for p in model.parameters())
-    need = lambda b: evaluation_bytes(model.config, n_params, b, seq_len)  # noqa: E731
+    need = lambda b: resources.evaluation_bytes(model.config, n_params, b, seq_len)  # noqa: E731
     if available is None or need(batch_size) <= available:
         return
-    fits = largest_batch(need, available, batch_size)
+    fits = resources.largest_batch(need, available, batch_size)
     raise out_of_memory(need(batch_size), available, f"evaluating {batch_size}x{seq_len} tokens per batch",
                          f"use --batch-size {fits}" if fits else "use a shorter --seq-len")
 
 
 def report_skipped(data) -> None:
-    from ..training.data import name_some
-
     if data.skipped:
         print(f"skipped {len(data.skipped)} file{'s' if len(data.skipped) > 1 else ''} that "
               f"{'are' if len(data.skipped) > 1 else 'is'} not UTF-8 text: {name_some(data.skipped)}",
@@ -194,8 +183,6 @@ class Progress:
             self.bar.write(line, file=self.stream)
 
     def __call__(self, event) -> None:
-        from ..training import CompileEvent, EvalEvent, StepEvent
-
         if isinstance(event, CompileEvent):
             then = f", then {event.step_s:.2f} s per step" if event.step_s is not None else ""
             self.write(f"compiled: the first step took {event.first_step_s:.1f} s, about "
@@ -217,8 +204,6 @@ class Progress:
 
 def is_demo_run(out: Path) -> bool:
     """True when the training run in `out` was written by `demo` (its checkpoints say so)."""
-    from ..io.checkpoint import read_train_meta, resolve_checkpoint
-
     try:
         return read_train_meta(resolve_checkpoint(out)).get("demo") is True
     except (XLSTMKitError, OSError):
@@ -228,8 +213,6 @@ def is_demo_run(out: Path) -> bool:
 def prepare_demo_out(out: Path, overwrite: bool) -> None:
     """The demo replaces an earlier demo's run in `out`; any other training run (or a file or
     folder with a run's name) stays unless --overwrite. Files of other names are never touched."""
-    from ..training import CHECKPOINTS_DIR, LATEST_FILE, METRICS_FILE, PLOT_FILE
-
     check_out_dir(out)
     present = [n for n in (CHECKPOINTS_DIR, LATEST_FILE, METRICS_FILE, PLOT_FILE) if os.path.lexists(out / n)]
     if not present:
@@ -241,8 +224,6 @@ def prepare_demo_out(out: Path, overwrite: bool) -> None:
 
 
 def clear_run(out: Path) -> None:
-    from ..training import CHECKPOINTS_DIR, LATEST_FILE, METRICS_FILE, PLOT_FILE
-
     shutil.rmtree(out / CHECKPOINTS_DIR, ignore_errors=True)
     for name in (LATEST_FILE, METRICS_FILE, PLOT_FILE):
         (out / name).unlink(missing_ok=True)

@@ -27,102 +27,18 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+import torch
+
 from .._extras import install_hint
-from .args import PROG, Formatter, Parser, UsageError, nonneg_int, positive_float, positive_int
+from ..experiments import experiment as ex, protocol as pr
+from ..experiments.config import RunConfig, quick_config
+from ..experiments.formal import TASKS
+from ..experiments.models import DEFAULT_MODELS, MQAR_LR
+from ..experiments.registry import get_task, task_set
+from .args import PROG, UsageError
 from .common import check_out_dir, pick_device
 
-DEFAULT_OUT = "runs/experiments"
 PROGRESS_EVERY_S = 15.0
-MODEL_HELP = ("xlstm[0:1], xlstm[1:0], xlstm[1:1], transformer, lstm, lstm-plain, dplr, or the ablation "
-              "transformer-conv (the Transformer with the mLSTM block's causal conv in front of q and k)")
-"""experiment.MODEL_NAMES in words (the parser does not import torch)."""
-
-
-def add_parser(sub) -> None:
-    """Register ``experiment`` (with kinds formal, mqar, sweep) on the top-level subparsers."""
-    ex = sub.add_parser(
-        "experiment",
-        help="formal-language tasks and MQAR: xLSTM against a Transformer and an LSTM",
-        description="Train small models (2 blocks, same width) on the paper's synthetic tasks and "
-        "report scaled accuracy on longer test sequences (formal: 0 = chance, 1 = perfect) or "
-        "recall accuracy (MQAR). Models: " + MODEL_HELP + ".",
-    )
-    kinds = ex.add_subparsers(dest="experiment", metavar="KIND", parser_class=Parser)
-    kinds.required = True
-    fo = kinds.add_parser("formal", help="one model on one formal-language task", formatter_class=Formatter)
-    fo.add_argument("--task", required=True, help="parity, even_pairs, cycle_navigation, modular_arithmetic, "
-                    "reverse_string, stack_manipulation, bucket_sort or majority")
-    fo.add_argument("--model", required=True, help=MODEL_HELP)
-    mq = kinds.add_parser("mqar", help="one model on multi-query associative recall", formatter_class=Formatter)
-    mq.add_argument("--model", required=True, help=MODEL_HELP)
-    sw = kinds.add_parser("sweep", help="every task x model; writes table.md and heatmap.png", formatter_class=Formatter)
-    sw.add_argument("--tasks", default=None, help="comma-separated formal tasks (default: all; 'none': MQAR only)")
-    sw.add_argument("--models", default=None, help="comma-separated models (default: all but the ablation transformer-conv)")
-    sw.add_argument("--no-mqar", action="store_true", help="formal tasks only")
-    sw.add_argument("--jobs", type=positive_int, default=1, metavar="N",
-                    help="runs in parallel processes (with --protocol: per GPU)")
-    sw.add_argument("--mqar-time-limit", type=positive_float, default=None, metavar="S",
-                    help="time limit of each MQAR run (default: --time-limit)")
-    sw.add_argument("--mqar-steps", type=positive_int, default=None, metavar="N",
-                    help="most optimizer steps of each MQAR run (default: --steps)")
-    sw.add_argument("--mqar-lr", default=None, metavar="X[,Y...]",
-                    help="peak learning rate(s) of the MQAR runs; several: one MQAR column per rate "
-                    "(default: --lr if given, else 1e-3)")
-    sw.add_argument("--steps-for", default=None, metavar="TASK=N,...",
-                    help="per-task step counts for the formal tasks, e.g. parity=4000,majority=1500")
-    sw.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT/runs/*.json")
-    for p in (mq, sw):
-        p.add_argument("--setting", choices=["zoology", "fig5"], default=None,
-                       help="with --protocol: the MQAR setting (zoology: (64,4) (128,8) (256,16); fig5: T=2048 "
-                       "with 48, 96, 256 pairs); default zoology")
-        p.add_argument("--widths", default=None, metavar="D[,D...]", help="with --protocol: MQAR widths (default: the setting's)")
-        p.add_argument("--shapes", default=None, metavar="TxN[,TxN...]",
-                       help="with --protocol: the MQAR shapes (sequence length x pairs) to run instead of the "
-                       "setting's, e.g. 256x48,2048x16 (--seq-len/--pairs: one shape)")
-    for p in (fo, mq, sw):
-        p.add_argument("--protocol", choices=["paper", "quick"], default=None,
-                       help="run the paper's grid (learning rates x seeds, best lr reported as mean ± std); "
-                       "quick: its tiny CPU version")
-        p.add_argument("--lrs", default=None, metavar="X[,Y...]", help="with --protocol: the learning-rate grid")
-        p.add_argument("--seeds", default=None, metavar="N[,N...]", help="with --protocol: the seeds")
-        p.add_argument("--quick", action="store_true", help="tiny CPU smoke run (tests use it)")
-        p.add_argument("--steps", type=positive_int, default=None, metavar="N", help="most optimizer steps")
-        p.add_argument("--time-limit", type=positive_float, default=None, metavar="S",
-                       help="seconds per run, training and evaluation (the schedule fits itself to it)")
-        p.add_argument("--batch-size", type=positive_int, default=None, metavar="N")
-        p.add_argument("--lr", type=positive_float, default=None, metavar="X",
-                       help="peak learning rate (default: 3e-3 formal, 1e-3 MQAR)")
-        p.add_argument("--d-model", type=positive_int, default=None, metavar="N", help="width of every model")
-        p.add_argument("--heads", type=positive_int, default=None, metavar="N",
-                       help="heads of every model (attention, mLSTM and sLSTM heads; default 4); with --protocol: "
-                            "MQAR runs only, labelled T..-N..-hN")
-        p.add_argument("--seq-len", type=positive_int, default=None, metavar="N",
-                       help="MQAR sequence length (with --protocol and --pairs: the one shape to run, "
-                            "instead of every shape of the setting)")
-        p.add_argument("--pairs", type=positive_int, default=None, metavar="N", help="MQAR key-value pairs")
-        p.add_argument("--seed", type=nonneg_int, default=None, metavar="N")
-        p.add_argument("--eval-samples", type=positive_int, default=None, metavar="N",
-                       help="test sequences per test length (formal; MQAR: 64 x N sequences)")
-        p.add_argument("--precision", choices=["fp32", "bf16"], default=None)
-        p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                       help="train through a compiled step (torch.compile of forward, loss and backward; CUDA "
-                       "graphs on CUDA; evaluation stays eager). Default: on with --protocol paper on CUDA, "
-                       "else off")
-        p.add_argument("--backend", choices=["torch", "triton"], default=None, help="xLSTM ops backend (default: by device)")
-        p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
-        p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="CPU threads")
-        p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="output folder")
-        p.set_defaults(func=cmd_experiment)
-    for p in (fo, mq):
-        p.add_argument("--jobs", type=positive_int, default=1, metavar="N",
-                       help="with --protocol: grid points run in parallel per GPU")
-    for p in (fo, mq, sw):
-        p.add_argument("--stop-after", type=positive_float, default=None, metavar="SECONDS",
-                       help="with --protocol: after SECONDS the running grid points save a checkpoint and the "
-                            "command ends; the same command later continues them (a machine lent for a while)")
-        p.add_argument("--score-paused", action="store_true",
-                       help="with --stop-after: score the paused grid points as they stand too (into "
-                            "runs/<id>.progress and the report), for a last call whose checkpoints will be lost")
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,8 +52,6 @@ def _split(text: str) -> list[str]:
 
 def parse_steps_for(text: str | None) -> dict[str, int]:
     """"parity=4000,majority=1500" -> {"parity": 4000, "majority": 1500} (task names checked)."""
-    from ..experiments.registry import get_task
-
     steps_for = {}
     for item in _split(text or ""):
         name, sep, n = item.partition("=")
@@ -172,8 +86,6 @@ def _run_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _mqar_fields(fields: dict[str, Any], quick: bool, lr=None, steps=None, time_limit=None) -> dict[str, Any]:
-    from ..experiments.models import MQAR_LR
-
     f = dict(fields)
     lr = lr if lr is not None else fields.get("lr", None if quick else MQAR_LR)
     if lr is not None:
@@ -232,14 +144,6 @@ def _report_paths(paths: dict[str, Path | None]) -> str:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..experiments import experiment as ex
-    from ..experiments.config import RunConfig, quick_config
-    from ..experiments.formal import TASKS
-    from ..experiments.models import DEFAULT_MODELS
-    from ..experiments.registry import get_task
-
     if args.experiment == "formal":  # names first: a typo must not cost a training run
         get_task(args.task, "paper" if args.protocol else "small")
     if args.experiment in ("formal", "mqar"):
@@ -249,8 +153,6 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     out = Path(args.out)
     command = " ".join([PROG] + [shlex.quote(a) for a in sys.argv[1:]])
     if args.experiment == "sweep" and args.report_only and args.protocol:
-        from ..experiments import protocol as pr
-
         results = pr.load_protocol_results(out / "runs")
         if not results:
             raise UsageError(f"--report-only: {out / 'runs'} holds no grid-point results to report")
@@ -363,11 +265,6 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 def cmd_protocol(args: argparse.Namespace, out: Path, device: str, command: str) -> int:
-    from ..experiments import experiment as ex
-    from ..experiments import protocol as pr
-    from ..experiments.models import DEFAULT_MODELS
-    from ..experiments.registry import task_set
-
     proto = pr.get_protocol(args.protocol)
     clash = [o for o, v in (("--lr", args.lr), ("--seed", args.seed), ("--quick", args.quick),
                             ("--mqar-lr", getattr(args, "mqar_lr", None)),

@@ -8,65 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from .args import (DTYPES, THREADS_HELP, Formatter, UsageError, nonneg_float, nonneg_int, positive_float,
-                   positive_int)
+from ..generation.generate import complete_texts
+from ..training.compiling import compile_unavailable
+from .args import UsageError
 from .common import open_checkpoint, pick_device, tokenizer_for, use_threads
-
-EXAMPLES = """Examples:
-  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --max-new-tokens 200
-  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --temperature 0        # greedy
-  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --top-p 0.9 --seed 1   # reproducible
-  xlstm-kit generate runs/tiny --prompt 'ROMEO:' --stop $'\\n\\n' --repetition-penalty 1.2
-  xlstm-kit generate runs/tiny --prompts prompts.txt --temperature 0 --output out.jsonl
-  xlstm-kit generate xLSTM-7b/ --prompt 'The capital of France is' --dtype bf16 --temperature 0
-  xlstm-kit generate xLSTM-7b/ --prompt 'Once upon a time' --dtype bf16 --compile --max-new-tokens 2000
-
-With --prompts, each line of the file is a prompt (empty lines are skipped); they run as one batch \
-and each gives a JSON line {"prompt": ..., "completion": ..., "tokens": N} (tokens: generated \
-tokens, an end token not counted). Speed (tokens/s) goes to stderr, so stdout stays clean."""
-
-
-def add_parser(sub) -> argparse.ArgumentParser:
-    gen = sub.add_parser(
-        "generate",
-        help="continue a prompt (or a file of prompts) with a trained model",
-        description="Print the prompt and its continuation, sampled token by token from the "
-        "recurrent state (memory does not grow with the length). On a terminal the tokens are "
-        "printed as they are produced.",
-        epilog=EXAMPLES,
-        formatter_class=Formatter,
-    )
-    gen.add_argument("checkpoint", metavar="DIR", help="a training output folder (--out of train), a checkpoint "
-                     "folder or a HuggingFace xLSTM folder (its tokenizer.json is used, BOS prepended)")
-    what = gen.add_mutually_exclusive_group()
-    what.add_argument("--prompt", default=None, metavar="TEXT", help="text to continue (default: a newline)")
-    what.add_argument("--prompts", default=None, metavar="FILE",
-                      help="a UTF-8 file with one prompt per line (-: stdin): generated as one batch, written as JSON lines")
-    gen.add_argument("--output", default=None, metavar="FILE", help="with --prompts: write the JSON lines "
-                     "here instead of stdout")
-    gen.add_argument("--max-new-tokens", type=nonneg_int, default=200, help="tokens to generate (per prompt)")
-    gen.add_argument("--temperature", type=nonneg_float, default=0.8, help="sampling temperature (0: greedy)")
-    gen.add_argument("--top-k", type=positive_int, default=None, help="sample among the K most likely tokens")
-    gen.add_argument("--top-p", type=positive_float, default=None, help="nucleus sampling threshold in (0, 1]")
-    gen.add_argument("--repetition-penalty", type=positive_float, default=1.0, metavar="X",
-                     help="divide the positive logits (multiply the negative ones) of tokens already in the "
-                     "text by X (1: off; 1.1-1.3 curbs loops)")
-    gen.add_argument("--stop", action="append", default=None, metavar="STR",
-                     help="end a continuation where this text appears, cutting it (repeatable; in bash "
-                     "$'\\n' is a newline)")
-    gen.add_argument("--seed", type=nonneg_int, default=None, help="sampling seed (default: random)")
-    gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
-                     help="print tokens as they are produced (default: when stdout is a terminal; not with "
-                     "--prompts)")
-    gen.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
-    gen.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype (default: the file's)")
-    gen.add_argument("--threads", type=positive_int, default=None, help=THREADS_HELP)
-    gen.add_argument("--compile", action="store_true",
-                     help="torch.compile the decode step (model.compile_step: fused kernels per block; "
-                     "compiles once per batch size, so it pays for long generations on a GPU)")
-    gen.set_defaults(func=cmd_generate)
-    return gen
-
 
 def _read_prompts(path: str) -> list[str]:
     try:
@@ -96,8 +41,6 @@ def _report_speed(n_tokens: int, n_prompts: int, seconds: float) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ..generation.generate import complete_texts
-
     if args.top_p is not None and args.top_p > 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.stop is not None and not all(args.stop):
@@ -113,8 +56,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     use_threads(args.threads, device)
     if args.compile:
-        from ..training.compiling import compile_unavailable
-
         why = compile_unavailable(device)
         if why:
             raise UsageError(f"--compile: torch.compile cannot run here: {why}")

@@ -8,6 +8,17 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as torch_dist
+
+from ..generation.generate import generate_text
+from ..io.loading import load_model, load_pretrained
+from ..io.tokenizers import TOKENIZERS, get_tokenizer
+from ..models import PRESETS, XLSTMConfig, XLSTMLanguageModel
+from ..training import (RESUME_FROZEN, StepEvent, TimeBudget, TrainConfig, continue_schedule, evaluate,
+                        init_distributed, load_training_state, lr_at, read_train_meta, resolve_checkpoint,
+                        train, val_batch_count)
+from ..training.data import load_data
 from .args import (DEFAULT_DATA, DEFAULT_PRESET, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, FINETUNE_DEFAULTS,
                    PROG, UsageError)
 from .common import (Progress, check_eval_memory, check_out_dir, check_training_memory, clear_run,
@@ -16,15 +27,6 @@ from .common import (Progress, check_eval_memory, check_out_dir, check_training_
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..io.tokenizers import TOKENIZERS, get_tokenizer
-    from ..training.data import load_data
-    from ..io.loading import load_model, load_pretrained
-    from ..models import PRESETS, XLSTMConfig, XLSTMLanguageModel
-    from ..training import (RESUME_FROZEN, TrainConfig, continue_schedule, init_distributed, load_training_state,
-                            lr_at, read_train_meta, resolve_checkpoint, train)
-
     for flag in ("preset", "tokenizer", "data", "out"):  # an empty value would quietly mean the default
         if getattr(args, flag) == "":
             raise UsageError(f"--{flag} is empty; leave it out for the default")
@@ -146,8 +148,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.close()
         if dist.enabled:
-            import torch.distributed as torch_dist
-
             torch_dist.destroy_process_group()
     if dist.is_main:
         if result.interrupted:
@@ -162,9 +162,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from ..training.data import load_data
-    from ..training import evaluate, val_batch_count
-
     device = pick_device(args.device)
     use_threads(args.threads, device)
     ckpt, meta, model = open_checkpoint(args.checkpoint, device, args.dtype)
@@ -193,14 +190,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..io.tokenizers import get_tokenizer
-    from ..training.data import load_data
-    from ..generation.generate import generate_text
-    from ..models import XLSTMConfig, XLSTMLanguageModel
-    from ..training import StepEvent, TimeBudget, TrainConfig, train
-
     device = pick_device(args.device)
     threads = use_threads(args.threads, device)
     out = Path(args.out)
