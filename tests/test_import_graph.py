@@ -137,6 +137,14 @@ def test_every_module_has_a_layer():
     assert not missing, f"modules outside every layer (add them to LAYERS): {missing}"
 
 
+def test_every_package_folder_has_an_init():
+    """setuptools' find_packages ships only folders with an __init__.py: one without would import
+    from a clone and be missing from the wheel."""
+    missing = sorted(str(d.relative_to(PACKAGE.parent)) for d in [PACKAGE, *PACKAGE.rglob("*")]
+                     if d.is_dir() and d.name != "__pycache__" and not (d / "__init__.py").is_file())
+    assert not missing, f"folders without __init__.py: {missing}"
+
+
 def test_no_import_circles():
     found = circles(import_graph())
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
