@@ -123,11 +123,13 @@ def circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 
 def layer_of(module: str) -> int | None:
-    """The index in LAYERS of the longest prefix that names `module` or a package above it."""
+    """The index in LAYERS of the longest prefix that names `module` or a package above it (the
+    package itself, "xlstm_kit", names only its own __init__)."""
     best, depth = None, -1
     for i, (_, prefixes) in enumerate(LAYERS):
         for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and p.count(".") > depth:
+            below = module.startswith(p + ".") and p != "xlstm_kit"
+            if (module == p or below) and p.count(".") > depth:
                 best, depth = i, p.count(".")
     return best
 
