@@ -26,13 +26,14 @@ from .fused import _conv_bwd, _conv_fwd, _conv_kernels
 EPS = 1e-6  # the cell's eps: mlstm_chunkwise's default, which the layer's other path uses
 
 
-def _front(conv_kernels, C: int, d: int):
-    """The fused front kernels where the conv runs on Triton and a channel tile holds whole
-    head-wise blocks, else None (the PyTorch pieces)."""
-    if conv_kernels is None:
+def _front(conv_kernels, C: int, d: int, taps: int):
+    """The fused front kernels where the conv runs on Triton, a channel tile holds whole
+    head-wise blocks and the conv has at most 4 taps, else None (the PyTorch pieces)."""
+    if conv_kernels is None or taps > 4:
         return None
     front = kernel_module("mlstm_front")
-    return front if front is not None and front.FrontKernelConfig().bc % d == 0 else None
+    cfg = front.FrontKernelConfig() if front is not None else None
+    return front if cfg is not None and cfg.bc % d == 0 and cfg.dx_bc % d == 0 else None
 
 
 def front_forward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, pack: int, conv_kernels, pos,
@@ -40,7 +41,7 @@ def front_forward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, pack: int, co
     """(x_conv, q, k, v, gates [N, 2H] or None) [B, T, C] each, from x_m [B, T, C] contiguous.
     gates=False: the backward's recomputation (no gate pre-activations)."""
     B, T, C = x_m.shape
-    front = _front(conv_kernels, C, wq.shape[-1])
+    front = _front(conv_kernels, C, wq.shape[-1], conv_w.shape[1])
     if front is not None:
         with on_device(x_m):
             x_conv, q, k, v, g = front.mlstm_front_fwd(x_m, pos, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, gates,
@@ -62,6 +63,12 @@ def front_backward(dq, dk, dv, dgates, dx_conv, x_m, x_conv, conv_w, conv_b, wq,
     """Gradients (dx_m, dconv_w, dconv_b, dwq, dwk, dwv, dw_conv, dw_m, db) of `front_forward`
     from those of q, k, v [N, C], the gates [N, 2H] and x_conv (its other readers'; or None)."""
     B, T, C = x_m.shape
+    front = _front(conv_kernels, C, wq.shape[-1], conv_w.shape[1])
+    if front is not None:
+        return front.mlstm_front_bwd(
+            dq.view(B, T, C), dk.view(B, T, C), dv.view(B, T, C), dgates.contiguous(),
+            None if dx_conv is None else dx_conv.contiguous(), x_m, pos, conv_w, conv_b, wq, wk, wv, w_conv, w_m,
+            front.front_config_key())
     xc2, xm2 = x_conv.reshape(-1, C), x_m.reshape(-1, C)
     H = wq.shape[0]
     dxc = _packed_bmm(dq, _packed_blocks(wq, pack).transpose(1, 2))
