@@ -151,7 +151,7 @@ def test_front_backward_kernel_matches_the_pytorch_pieces(T, packed, taps, extra
     """The fused front backward (float32) against the PyTorch pieces' backward: every gradient,
     with and without the gradient x_conv gets from its other readers, packed documents, a
     2-tap conv, a partial channel tile (C = 84) and T not a multiple of the step tile."""
-    from xlstm_kit.nn.mlstm_cell import front_backward
+    from xlstm_kit.layers.mlstm_cell import front_backward
     from xlstm_kit.ops.blocks import mlstm_front
 
     g = torch.Generator().manual_seed(5)
@@ -165,7 +165,7 @@ def test_front_backward_kernel_matches_the_pytorch_pieces(T, packed, taps, extra
     dg = r(B * T, 2 * H)
     pos = None
     if packed:
-        from xlstm_kit.nn.fused import doc_positions
+        from xlstm_kit.layers.fused import doc_positions
         pos = doc_positions(torch.tensor([0, 13, 40], device=DEV, dtype=torch.int32), T)
     x_conv = torch.nn.functional.silu(torch.nn.functional.conv1d(
         torch.nn.functional.pad(x.transpose(1, 2), (taps - 1, 0)), cw[:, None, :], cb, groups=C)).transpose(1, 2)
