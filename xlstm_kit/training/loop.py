@@ -7,9 +7,12 @@ command line turns it into a progress bar). The same function runs under
 ``torchrun --nproc_per_node=N``: every rank computes its slice of each global batch, gradients
 are averaged by DistributedDataParallel, and rank 0 alone calls the callback and writes files.
 
-Pieces other loops reuse: :func:`train_step` (one optimizer step: forward under autocast, loss,
-backward with accumulation, clipping, learning rate, update), :class:`TimeBudget` (how many steps
-fit a wall-clock budget), :func:`lr_at` / :func:`continue_schedule` (the schedule).
+Its pieces are modules of their own, which the synthetic experiments' task loop
+(xlstm_kit.experiments.task_loop) and the training benchmark use as well: `step` (`train_step`,
+one optimizer step: forward under autocast, loss, backward with accumulation, clipping, learning
+rate, update; `TimeBudget`, how many steps fit a wall-clock budget), `optim` (AdamW groups,
+`lr_at` / `continue_schedule`), `evaluate`, `distributed`, `compiling`, and the checkpoints of
+xlstm_kit.io.checkpoint.
 
 Output folder layout (``out_dir``): the run folder of ``xlstm_kit.io.checkpoint`` (``latest``,
 ``checkpoints/step-N/``) plus ``metrics.jsonl`` (one JSON object per step / validation; after
