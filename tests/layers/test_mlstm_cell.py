@@ -93,10 +93,10 @@ def test_front_kernel_matches_the_pytorch_pieces(dtype, T, packed, gates):
     got = mlstm_front.mlstm_front_fwd(x, pos, cw, cb, wq, wk, wv, wc, wm, b, gates, mlstm_front.front_config_key())
     tol = 2e-6 if dtype == torch.float32 else 2e-3
     for n, a, w in zip(["x_conv", "q", "k", "v", "gates"], got, want):
+        if n in ("x_conv", "gates") and not gates:  # the backward's recomputation: q, k, v only
+            assert a.numel() == 0
+            continue
         if n == "gates":
-            if not gates:
-                assert a.numel() == 0
-                continue
             w = w.view(a.shape)
         assert rel_err(a.double(), w.double()) < tol, n
 

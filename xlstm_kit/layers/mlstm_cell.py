@@ -39,14 +39,15 @@ def _front(conv_kernels, C: int, d: int, taps: int):
 def front_forward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, pack: int, conv_kernels, pos,
                   gates: bool = True):
     """(x_conv, q, k, v, gates [N, 2H] or None) [B, T, C] each, from x_m [B, T, C] contiguous.
-    gates=False: the backward's recomputation (no gate pre-activations)."""
+    gates=False: the backward's recomputation (no gate pre-activations; the fused kernels also
+    skip x_conv, which their backward recomputes itself: x_conv is then None)."""
     B, T, C = x_m.shape
     front = _front(conv_kernels, C, wq.shape[-1], conv_w.shape[1])
     if front is not None:
         with on_device(x_m):
             x_conv, q, k, v, g = front.mlstm_front_fwd(x_m, pos, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, gates,
                                                        front.front_config_key())
-        return x_conv, q, k, v, (g if gates else None)
+        return (x_conv if gates else None), q, k, v, (g if gates else None)
     x_conv = _conv_fwd(conv_kernels, x_m, None, conv_w, conv_b, True, pos)
     xc2, xm2 = x_conv.view(-1, C), x_m.view(-1, C)
     q = _packed_bmm(xc2, _packed_blocks(wq, pack))

@@ -11,7 +11,7 @@ training cell of xlstm_kit/layers/mlstm_cell.py).
   x [B, T, C] contiguous (the activations' dtype), conv_w [C, K], conv_b [C] (any float dtype),
   wq, wk, wv [C/d, d, d] and w_conv, w_m [2H, C], b [2H] in x's dtype; x_conv = SiLU(conv(x)),
   q = blockdiag(wq) x_conv, k likewise, v = blockdiag(wv) x, g = x_conv w_convᵀ + x w_mᵀ + b
-  [B·T, 2H] (gates=False: g empty, for the backward's recomputation). pos: int32 [T] (packed
+  [B·T, 2H] (gates=False, the backward's recomputation: q, k, v only; x_conv and g empty). pos: int32 [T] (packed
   documents, B = 1; see ops/blocks/triton.py) or None. Conv kernels up to 4 taps.
 
 One program per tile of `bt` steps walks all C channels in `bc`-wide tiles: the gate
@@ -89,7 +89,8 @@ def _front_fwd(x_ptr, p_ptr, cw_ptr, cb_ptr, wq_ptr, wk_ptr, wv_ptr, wgc_ptr, wg
         y = _conv_rows(xb, xb, cw_ptr, cb_ptr, rows, c, cmask, T, C, K, False, pos, HAS_POS)
         xc = (y * tl.sigmoid(y)).to(dt)
         xt = tl.load(x_ptr + off, mask=m, other=0.0)
-        tl.store(xc_ptr + off, xc, mask=m)
+        if GATES:  # the forward; the backward's recomputation needs no x_conv
+            tl.store(xc_ptr + off, xc, mask=m)
         q = tl.dot(xc, _block_diag(wq_ptr, c0, C, d, BC, False), input_precision=PREC)
         tl.store(q_ptr + off, q.to(dt), mask=m)
         kk = tl.dot(xc, _block_diag(wk_ptr, c0, C, d, BC, False), input_precision=PREC)
@@ -120,7 +121,8 @@ def mlstm_front_fwd(x: Tensor, pos: Optional[Tensor], conv_w: Tensor, conv_b: Te
     cfg = FrontKernelConfig.from_key(config)
     B, T, C = x.shape
     G2 = w_conv.shape[0]
-    xc, q, k, v = (torch.empty_like(x) for _ in range(4))
+    q, k, v = (torch.empty_like(x) for _ in range(3))
+    xc = torch.empty_like(x) if gates else x.new_empty(0)
     g = x.new_empty(B * T, G2) if gates else x.new_empty(0)
     if x.numel():
         _front_fwd[(triton.cdiv(T, cfg.bt), B)](
@@ -134,7 +136,8 @@ def mlstm_front_fwd(x: Tensor, pos: Optional[Tensor], conv_w: Tensor, conv_b: Te
 def _(x, pos, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, gates, config):
     B, T, C = x.shape
     g = x.new_empty(B * T, w_conv.shape[0]) if gates else x.new_empty(0)
-    return (torch.empty_like(x), torch.empty_like(x), torch.empty_like(x), torch.empty_like(x), g)
+    xc = torch.empty_like(x) if gates else x.new_empty(0)
+    return (xc, torch.empty_like(x), torch.empty_like(x), torch.empty_like(x), g)
 
 
 @triton.jit
