@@ -1,6 +1,6 @@
 """Launch-parameter sweep of the fused block kernels (ops/blocks/triton.py) at the 125M model's
 shapes, bf16, on the GPU: every TailKernelConfig / ConvKernelConfig candidate is checked against
-the PyTorch twin (nn/fused.py) and timed; the table ends with the bandwidth floor (bytes each
+the PyTorch twin (layers/fused.py) and timed; the table ends with the bandwidth floor (bytes each
 kernel must move / the copy rate measured in the same call). Run from the repository root:
 
     PYTHONPATH=. python benchmarks/blocks_tune.py --out $OUT [--quick]
@@ -16,7 +16,7 @@ import os
 import torch
 import triton.testing
 
-from xlstm_kit.nn import fused
+from xlstm_kit.layers import fused
 from xlstm_kit.ops.blocks import triton as kern
 
 

@@ -8,7 +8,7 @@
 #   bash benchmarks/dplr_ab.sh ab                       # on the device; ≈ 150 s
 #
 # Prints one line per case and run; the tables (with each run's kernel profile) are tarred into
-# $OUT/dplr_ab.tgz. Session 13 timed the glue removal this way (results/2026-12-03-h200-dplr-glue.md).
+# $OUT/dplr_ab.tgz. The glue removal was timed this way (results/2026-12-03-h200-dplr-glue.md).
 set -u
 cd "$(dirname "$0")/.."
 OTHER=$(cd "$1" && pwd) || exit 2

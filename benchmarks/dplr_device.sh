@@ -1,6 +1,6 @@
 #!/bin/bash
-# One device call for the DPLR/KDA kernels against fla (issue 20), as run on 2026-12-02:
-#   bash benchmarks/dplr_device.sh [VARIANTS] [SHAPES]   (carry .whl: bash ../shared/bench/peer_wheels.sh .whl)
+# One device call for the DPLR/KDA kernels against fla, as run on 2026-12-02:
+#   bash benchmarks/dplr_device.sh [VARIANTS] [SHAPES]   (carry .whl: fla's wheels, pip download --no-deps -d .whl)
 # VARIANTS: a slice of dplr_tune.py's VARIANTS timed after the default (0:0, none, by default);
 # SHAPES: "1,2" (default) or "1" (only (8, 2048, ...), leaving the variants the time of shape 2).
 # fla's wheels installed from .whl; fla compiled in the background (200–240 s per case) while every
@@ -20,7 +20,7 @@ timeout 300 python3 benchmarks/dplr_tune.py --warm-fla --out $R/w > $R/w/log.txt
 # the float64 CPU references of 6 workers, threads capped (uncapped they oversubscribed 16 cores)
 ( OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout 250 python3 -m pytest -v -rA -n 6 -p no:cacheprovider \
    tests/ops/test_dplr_triton.py tests/ops/test_dplr_triton_phases.py tests/ops/test_dplr_triton_varlen.py \
-   tests/ops/test_reliability.py tests/nn/test_dplr_block.py > $R/t/tests.txt 2>&1; echo "rc $?" >> $R/t/tests.txt )
+   tests/ops/test_reliability.py tests/layers/test_dplr_block.py > $R/t/tests.txt 2>&1; echo "rc $?" >> $R/t/tests.txt )
 [ -n "$EXTRA_TESTS" ] && timeout 120 python3 -m pytest -q -rA -p no:cacheprovider $EXTRA_TESTS > $R/t/extra.txt 2>&1
 [ -n "$EXTRA_TESTS" ] && tail -5 $R/t/extra.txt
 echo "tests $(( $(date +%s) - T0 )) s: $(grep -c PASSED $R/t/tests.txt) passed, $(grep -c FAILED $R/t/tests.txt) failed"

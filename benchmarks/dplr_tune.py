@@ -1,4 +1,4 @@
-"""DPLR / KDA kernels on the GPU (issue 20): where the forward + backward time goes, and a
+"""DPLR / KDA kernels on the GPU: where the forward + backward time goes, and a
 one-field-at-a-time sweep of `DPLRKernelConfig` around its defaults, in one device call.
 
     PYTHONPATH=. python benchmarks/dplr_tune.py --out $OUT [--quick] [--limit-s 540]
@@ -13,7 +13,7 @@ with float32 gates (the inputs of `xlstm-kit bench`, `xlstm_kit.bench.registry`)
 3. (KDA, float32 and bf16 gates) the error budget: relative errors of o, every input gradient
    and the final state against the float64 PyTorch path for ours, the PyTorch path in bf16 (the 2x rule's yardstick)
    and, with --fla (fla importable), fla's chunk_kda on the same inputs: how much precision the
-   products of a faster design may give up (issue 20: "bf16 products where the budget allows").
+   products of a faster design may give up ("bf16 products where the budget allows").
 4. (--probe-prec, instead of 1-3) how far the precision lever goes, KDA with bf16 gates: fwd+bwd ms and
    the error table of the default, of every float32-accurate product (the state path: pairs,
    WY, both state kernels) as single-pass TF32 instead of 3-pass, and of that with the "bf16"
@@ -43,8 +43,8 @@ SHAPE = dict(B=8, T=2048, H=16, K=128, V=128)
 QUICK = dict(B=1, T=256, H=2, K=64, V=64)
 # without a GPU: a smoke run of the script under TRITON_INTERPRET=1 (float32, wall-clock times)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-VARIANTS = [  # ptxas spills in benchmarks/NOTES-dplr-issue20.md; one field away from the defaults
-    # (session 10's sweep made state_block_v 32, wy_warps, dv_warps and dk_warps 4 the defaults)
+VARIANTS = [  # ptxas spills in docs/kernels.md ("DPLR and KDA"); one field away from the defaults
+    # (an earlier sweep made state_block_v 32, wy_warps, dv_warps and dk_warps 4 the defaults)
     dict(state_block_v=64), dict(state_block_v=16), dict(state_warps=8),
     dict(dk_block_k=16), dict(dk_block_k=64), dict(dk_warps=8), dict(bwd_block_v=64),
     dict(dv_block_k=32), dict(dv_warps=8), dict(wy_warps=8), dict(wy_block_k=64), dict(wy_block_v=64),
@@ -99,7 +99,7 @@ def profile(step) -> list:
 
 def accuracy(shape: dict, f32_gates: bool, use_fla: bool) -> dict:
     """{name: [rel err of o, dq, dk, dv, dg, dbeta, final state]} against the float64 PyTorch
-    path (KDA); the final state's yardstick is float32 (design study, NOTES-dplr-issue20.md)."""
+    path (KDA); the final state's yardstick is float32 (design study, docs/kernels.md)."""
     env = Env(device=torch.device(DEV), dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, backend="triton")
     xs, do = kda_inputs(shape, env, f32_gates)
     x64 = [x.detach().double().requires_grad_() for x in xs]

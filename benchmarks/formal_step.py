@@ -38,8 +38,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_e2e import child_env, run_child  # noqa: E402
+from xlstm_kit.bench.scripts import child_env, run_child
 
 MODELS = ("xlstm[0:1]", "xlstm[1:1]", "xlstm[1:0]", "transformer", "lstm", "lstm-plain")
 LOG_EVERY = 25  # the RunConfig default: the loss is read back (a device sync) every 25 steps
@@ -54,15 +53,15 @@ class _Enough(Exception):
 def _config(quick: bool, mode: str):
     import torch
 
-    from xlstm_kit.tasks import experiment as ex
-    from xlstm_kit.tasks import protocol as pr
+    from xlstm_kit.experiments import protocol as pr
+    from xlstm_kit.experiments.config import RunConfig
 
     fields = {**pr.PROTOCOLS["paper"].formal, "steps": 10**7, "lr": 1e-3, "min_lr": 1e-5, "warmup_steps": 1000,
               "log_every": LOG_EVERY if not quick else 5, "compile": mode != "eager",
               "device": "cuda" if torch.cuda.is_available() and not quick else "cpu"}
     if quick:
         fields.update(d_model=32, batch_size=8, train_lengths=(3, 8), precision="fp32")
-    return ex.RunConfig(**fields)
+    return RunConfig(**fields)
 
 
 def measure(name: str, mode: str, quick: bool, start_at: float | None, window_s: float) -> dict:
@@ -71,9 +70,11 @@ def measure(name: str, mode: str, quick: bool, start_at: float | None, window_s:
     import numpy as np
     import torch
 
-    from xlstm_kit import compiling
-    from xlstm_kit.tasks import experiment as ex
-    from xlstm_kit.tasks.formal import TaskBatch, get_task, sample_train_batch
+    from xlstm_kit.training import compiling
+    from xlstm_kit.experiments import task_loop as ex
+    from xlstm_kit.experiments.models import build_model
+    from xlstm_kit.experiments.formal import TaskBatch, sample_train_batch
+    from xlstm_kit.experiments.registry import get_task
 
     cfg = _config(quick, mode)
     dev = torch.device(cfg.device)
@@ -92,7 +93,7 @@ def measure(name: str, mode: str, quick: bool, start_at: float | None, window_s:
     ex.CompiledLoss = Recorded
     task = get_task("parity", cfg.tasks)
     torch.manual_seed(0)
-    model = ex.build_model(name, task.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads, n_blocks=cfg.n_blocks,
+    model = build_model(name, task.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads, n_blocks=cfg.n_blocks,
                            backend=cfg.backend, slstm=cfg.slstm).to(dev)
 
     def sample(rng):

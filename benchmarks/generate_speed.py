@@ -1,4 +1,4 @@
-"""Generation speed on one GPU against its memory-bandwidth floor (issue 17), in one call.
+"""Generation speed on one GPU against its memory-bandwidth floor, in one call.
 
     python3 benchmarks/generate_speed.py --wheels .whl --out $OUT [--only JOB,...] [--quick]
 
@@ -10,7 +10,7 @@ random weights, greedy:
   ops/blocks/), and an A/B: "decode compiled unfused", the compiled PyTorch block steps;
 - off13b, off7b: the official `xlstm.xlstm_large.xLSTMLarge` at the sizes of l13b and x7b, its
   own `generate` (mode "inference", return_last_states=True, its default kernels);
-- tf125, tf13b: the Llama-style Transformer of `xlstm_kit.tasks.baselines` at d 768 x 12 and
+- tf125, tf13b: the Llama-style Transformer of `xlstm_kit.experiments.baselines` at d 768 x 12 and
   d 2048 x 24 (16 heads), decoding with a static KV cache, its step compiled as ours and
   replayed as a CUDA graph.
 Per job: prefill tokens/s at 32 x 2048 (no_grad forward returning the state, ours with the last
@@ -33,8 +33,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_e2e import child_env, run_child  # noqa: E402
+from xlstm_kit.bench.scripts import child_env, run_child
 
 JOBS = ("x125", "l13b", "x7b", "tf125", "tf13b", "off13b", "off7b")
 VOCAB = 50304
@@ -70,7 +69,7 @@ class KVCacheTransformer(_module_base()):
         # a buffer: CUDA graphs keep its address, so the in-place cache writes stay in the graph
         self.register_buffer("cache", torch.zeros(len(lm.blocks), 2, batch, self.H, max_len, self.hd,
                                                   device=w.device, dtype=w.dtype))
-        from xlstm_kit.tasks.baselines import rope_tables
+        from xlstm_kit.experiments.baselines import rope_tables
 
         self.cos, self.sin = rope_tables(max_len, self.hd, w.device)
         self.graph = None
@@ -103,7 +102,7 @@ class KVCacheTransformer(_module_base()):
     def _attend(self, i, x, pos, causal_prefill):
         import torch.nn.functional as F
 
-        from xlstm_kit.tasks.baselines import apply_rope
+        from xlstm_kit.experiments.baselines import apply_rope
 
         blk = self.lm.blocks[i]
         B, T, C = x.shape
@@ -191,7 +190,7 @@ def build(job: str, quick: bool):
             _, st = model(p, return_state=True, logits_to_keep=1)
             return p[:, -1], st
         gen.step_inputs = step_inputs
-        gen.step = lambda tok, st: model._step(tok, st, inplace=True)
+        gen.step = lambda tok, st: model.step(tok, st, inplace=True, check=False)
         # prefill as generate runs it: the state and the last position's logits (the official
         # forward has no such option and computes every position's)
         return (gen, lambda p: model(p, return_state=True, logits_to_keep=1), _bytes(model), lambda ctx: state,
@@ -212,7 +211,7 @@ def build(job: str, quick: bool):
         state = L * H * (k * v + k + 1) * 4
         return (lambda p, n: model.generate(p, max_length=n)[0], lambda p: model(p), _bytes(model),
                 lambda ctx: state, f"official xLSTMLarge d {d}, {L} blocks, {H} heads, {cfg.chunkwise_kernel}")
-    from xlstm_kit.tasks.baselines import TransformerLM
+    from xlstm_kit.experiments.baselines import TransformerLM
 
     d, L, H = (768, 12, 12) if job == "tf125" else (2048, 24, 16)
     if quick:

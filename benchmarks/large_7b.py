@@ -1,4 +1,4 @@
-"""The `xlstm-7b` preset on one GPU with random bf16 weights (issue 16): does forward+backward
+"""The `xlstm-7b` preset on one GPU with random bf16 weights: does forward+backward
 of one 1 x 2048 sequence fit with activation checkpointing, and prefill tokens/s at 8 x 2048
 against the official `xlstm_large` 7B model in the same call. Run from the repository root:
 
@@ -21,8 +21,7 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_e2e import child_env, event_ms, run_child  # noqa: E402
+from xlstm_kit.bench.scripts import child_env, event_ms, run_child
 
 JOBS = ("fit", "prefill", "prefill_official")
 

@@ -1,4 +1,4 @@
-"""The large (xLSTM-7B) block on the GPU, one block at a time, in one call (issue 17):
+"""The large (xLSTM-7B) block on the GPU, one block at a time, in one call:
 
 1. decode: the fused one-token step (ops/blocks/large_decode.py) at batch 1 under each
    candidate of `gemv_config`'s parameters (programs per row, tile size, warps, minimum rows),
@@ -7,7 +7,7 @@
 2. prefill: one block's no-grad forward at 32 x 2048 tokens as the model runs it, a profile of
    its kernels (where the time between the GEMMs goes), and the forward at mLSTM chunk
    lengths 128 and 256 as an A/B (the default is 64; six separate input GEMMs instead of the
-   one fused GEMM lost twice, 52.4 and 53.4 ms against 49.0 and 45.8: benchmarks/NOTES-generate.md).
+   one fused GEMM lost twice, 52.4 and 53.4 ms against 49.0 and 45.8: docs/kernels.md, "Decode kernels").
 
     PYTHONPATH=. python benchmarks/large_tune.py --out $OUT [--sizes 7b,1.3b] [--quick]
 
@@ -23,8 +23,8 @@ import time
 import torch
 import triton.testing
 
-from xlstm_kit.nn import LargeBlock
-from xlstm_kit.nn.mlstm import MLSTMState
+from xlstm_kit.layers import LargeBlock
+from xlstm_kit.layers.mlstm import MLSTMState
 from xlstm_kit.ops.blocks import large_decode
 
 # d_model, heads, qk_dim, v_dim, ffn: the presets "7b" and "large-1.3b"
@@ -75,11 +75,11 @@ def decode(out: str, size: str, quick: bool, rate: float) -> None:
             row = dict(part="decode", size=size, programs=prog, tile=tile, num_warps=warps, min_rows=min_rows)
             try:
                 with torch.no_grad():
-                    y = large_decode.large_block_step(blk, x, st)[0]
+                    y = blk.fused_step(x, st)[0]
                     ref = y if ref is None else ref
                     row["max_abs_vs_first"] = (y.float() - ref.float()).abs().max().item()
                     # a new state each call (inplace=False): the replays start from the same C
-                    us = 1e3 * triton.testing.do_bench_cudagraph(lambda: large_decode.large_block_step(blk, x, st),
+                    us = 1e3 * triton.testing.do_bench_cudagraph(lambda: blk.fused_step(x, st),
                                                                  rep=100)
                 row.update(us=us, tb_s=nbytes / us / 1e6, of_copy_rate=nbytes / us * 1e6 / rate)
             except Exception as e:  # noqa: BLE001 - reported in the row

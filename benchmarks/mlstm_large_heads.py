@@ -3,7 +3,7 @@ correctness against the float64 torch path, fwd and fwd+bwd time (median, do_ben
 per-kernel profile of configuration variants, and mlstm_kernels' `chunkwise--triton_limit_chunk`
 at the same shapes (child process, wheel installed under /tmp/site).
 
-    python3 benchmarks/mlstm_large_heads.py sweep    # tile / chunk variants (issue 15)
+    python3 benchmarks/mlstm_large_heads.py sweep    # tile / chunk variants
     python3 benchmarks/mlstm_large_heads.py final    # main's config vs the tuned default
 
 Every variant is first compiled and checked in parallel worker processes (same
@@ -29,7 +29,7 @@ if DRY:
 
 
 def old_fields(K):
-    """main's MLSTMKernelConfig.tuned(K, K, bfloat16, 64) before issue 15."""
+    """main's MLSTMKernelConfig.tuned(K, K, bfloat16, 64) of the earlier, smaller tiles."""
     return dict(chunk=64, states_bk=min(64, K), states_bv=min(64, K), states_warps=4, states_stages=3,
                 out_bk=min(128 if K <= 128 else 64, K), out_bv=min(128, K), out_warps=4, out_stages=2,
                 dstates_bk=64, dstates_bv=64, dstates_warps=4, dstates_stages=3,

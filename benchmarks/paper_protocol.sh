@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call of issue 19's paper protocol: the sweep's grid points for at most STOP seconds
+# One device call of the paper protocol: the sweep's grid points for at most STOP seconds
 # (paused ones keep their checkpoints in /tmp/paper, which the next call on the same, still warm,
 # machine continues from), then the results (run JSONs, a paused run's <id>.progress with its loss
 # curve, report, log; no checkpoints) tarred into $OUT/paper.tgz. Unpack here with
@@ -13,7 +13,7 @@
 #
 # The sweep runs under CUDA MPS, so that the kernels of the parallel runs (small models, a few
 # SMs each) share the GPU at once instead of taking turns: 18 xLSTM runs of 10k steps took
-# 192-228 s each with it and 350-370 s without (H200, sessions 9 and 11); the daemon is stopped
+# 192-228 s each with it and 350-370 s without (H200, 2026-12-02); the daemon is stopped
 # at the end, and without nvidia-cuda-mps-control it runs without. The sweep runs with
 # --protocol paper and --no-mqar (formal tasks); with --mqar-only after STOP it runs the MQAR
 # grid alone instead (--tasks none: give --setting, --widths, --seq-len/--pairs as wanted).

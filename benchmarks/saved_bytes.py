@@ -11,11 +11,11 @@ the whole backward (the torch sequence op's backward included: compare before/af
 """
 import torch
 
-import xlstm_kit.nn.mlstm as mlstm_mod
-import xlstm_kit.nn.slstm as slstm_mod
+import xlstm_kit.layers.mlstm as mlstm_mod
+import xlstm_kit.layers.slstm as slstm_mod
 from xlstm_kit import XLSTMConfig
 from xlstm_kit.bench.memory import op_counts, saved_bytes_per_token
-from xlstm_kit.nn import MLSTMBlock, SLSTMBlock
+from xlstm_kit.layers import MLSTMBlock, SLSTMBlock
 
 
 def blocks():

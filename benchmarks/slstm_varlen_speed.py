@@ -1,4 +1,4 @@
-"""Packed sequences (cu_seqlens) in the sLSTM Triton kernels (issue 18): one launch with the
+"""Packed sequences (cu_seqlens) in the sLSTM Triton kernels: one launch with the
 sequences as the kernels' batch, against padding every sequence to the longest and against
 the former Python loop over the sequences.
 
@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 
+from xlstm_kit.bench.scripts import median_fwbw_ms, packed_lengths
 from xlstm_kit.ops import slstm_recurrent
 from xlstm_kit.ops._checks import run_varlen
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from varlen_speed import lengths, timed  # noqa: E402
 
 
 def main() -> None:
@@ -40,19 +37,19 @@ def main() -> None:
     N, total, lo, hi = (3, 24, 2, 12) if args.quick else (64, 131072, 64, 4096)
     H, D = (1, 16) if args.quick else (args.heads, args.dim)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    ls = lengths(N, total, lo, hi)
+    ls = packed_lengths(N, total, lo, hi)
     cu = torch.tensor([0] + ls, device=device).cumsum(0)
     leaf = lambda *s: (torch.randn(*s, device=device) * 0.5).to(dtype).requires_grad_()  # noqa: E731
     r, b = leaf(4, H, D, D), leaf(4, H, D)
     op = lambda x, r, b, **kw: slstm_recurrent(x, r, b, backend="triton", **kw)  # noqa: E731
-    packed = timed(lambda x, r, b: op(x, r, b, cu_seqlens=cu), (leaf(1, total, 4, H, D), r, b), args.reps, device)
-    padded = timed(op, (leaf(N, max(ls), 4, H, D), r, b), args.reps, device)
+    packed = median_fwbw_ms(lambda x, r, b: op(x, r, b, cu_seqlens=cu), (leaf(1, total, 4, H, D), r, b), args.reps, device)
+    padded = median_fwbw_ms(op, (leaf(N, max(ls), 4, H, D), r, b), args.reps, device)
     bounds = cu.tolist()
 
     def loop_fn(x, r, b):  # what slstm_recurrent did before the kernels took cu_seqlens
         return run_varlen(lambda xs, **kw: op(xs, r, b, **kw), (x,), bounds, None, False)
 
-    loop = timed(loop_fn, (leaf(1, total, 4, H, D), r, b), 1, device)
+    loop = median_fwbw_ms(loop_fn, (leaf(1, total, 4, H, D), r, b), 1, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [f"# sLSTM packed sequences, forward + backward ({name}, {dtype}, median of {args.reps})", "",
              f"{N} sequences, lengths {min(ls)}…{max(ls)} (seed 0), total {total:,} tokens, H = {H}, D = {D}.", "",

@@ -1,8 +1,9 @@
-"""Whole-model training throughput on one GPU, side by side, in one call (issue 15).
+"""Whole-model training throughput on one GPU, side by side, in one call.
 
-The command on the H200, from the repository root (wheels from `bash ../shared/bench/peer_wheels.sh
-.whl`: only the mlstm-kernels and xlstm wheels are needed; the git-ignored `.whl` travels as a
-carried path; give the call a limit at least a minute above --budget-s, default 480 s):
+The command on the H200, from the repository root (a folder `.whl` with the peers' wheels, e.g.
+`pip download --no-deps xlstm==2.0.6 mlstm-kernels==2.0.6 -d .whl` where there is network: only
+those two are needed; the git-ignored `.whl` travels as a carried path; give the call a limit at
+least a minute above --budget-s, default 480 s):
 
     python3 benchmarks/train_e2e.py --wheels .whl --out $OUT
 
@@ -17,7 +18,7 @@ Jobs (each in its own child process with its own time limit, so that a crash, an
 or a hang costs its own row only):
 - x10_eager, x10_compile, x71_eager, x71_compile: the xlstm_kit `125M` preset (vocab 50304) as
   xLSTM[1:0] and xLSTM[7:1];
-- tf_compile, tf_eager: the Llama-style Transformer of `xlstm_kit.tasks.baselines`
+- tf_compile, tf_eager: the Llama-style Transformer of `xlstm_kit.experiments.baselines`
   (TransformerLM(50304, 768, 12 blocks, 12 heads): SwiGLU 2048, RoPE, SDPA), whole-model
   `torch.compile` and eager; the compiled one is the reference of the ratio columns;
 - large_compile, large_8k: the xlstm_kit `large-125M` preset (the xLSTM-7B block family at d 768,
@@ -48,19 +49,17 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import glob
 import json
 import math
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from xlstm_kit.bench.scripts import install_wheels, run_child
 
 REPO = Path(__file__).resolve().parent.parent
 PEAK_TFLOPS = 989.0  # H200 SXM dense bf16 (no sparsity)
@@ -300,7 +299,7 @@ def _build_model(st: dict, quick: bool, device):
         facts["ckpt"] = bool(st.get("ckpt")) and "model.set_activation_checkpointing('all')"
         counted = model
     elif arch == "tf":
-        from xlstm_kit.tasks.baselines import TransformerLM
+        from xlstm_kit.experiments.baselines import TransformerLM
 
         d, L, H = (32, 2, 2) if quick else (768, 12, 12)
         model = TransformerLM(V, d, L, H, rope=st.get("rope", True)).to(device)
@@ -387,7 +386,7 @@ def child_model(name: str, st: dict, opts: dict) -> None:
     if st.get("compile"):
         run, how = _compile(model, st, opts["compile_mode"], quick)
         row["compile_mode"] = how + (" (backend eager)" if quick else "")
-    from xlstm_kit.train import lm_loss, train_step
+    from xlstm_kit.training import lm_loss, train_step
 
     V, B, T = (128, 2, 64) if quick else (VOCAB, st.get("batch", BATCH), st.get("seq", SEQ))
     g = torch.Generator().manual_seed(0)
@@ -553,88 +552,6 @@ def child_main(name: str, opts: dict) -> None:
 
 
 # ============================================================================== parent side
-def run_child(cmd: list[str], timeout_s: float, env: dict | None = None) -> dict:
-    """Run `cmd` in its own process group; kill the whole group at the time limit. Returns
-    rc (None on timeout), the parsed `RESULT {json}` lines printed before it ended, the tail of
-    its stderr, and the wall time."""
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child and its compile workers
-        except ProcessLookupError:
-            pass
-        out, err = proc.communicate()
-    results = []
-    for line in (out or "").splitlines():
-        if line.startswith("RESULT "):
-            try:
-                results.append(json.loads(line[len("RESULT "):]))
-            except json.JSONDecodeError:
-                pass
-    return dict(rc=None if timed_out else proc.returncode, timed_out=timed_out, results=results,
-                stderr=(err or "")[-4000:], wall_s=time.time() - t0)
-
-
-def install_wheels(wheel_dir: str, log) -> tuple[str | None, str]:
-    """pip-install DIR/*.whl into a fresh temporary folder -> (folder or None, note)."""
-    wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
-    if not wheels:
-        return None, f"no wheels in {wheel_dir}"
-    site = tempfile.mkdtemp(prefix="e2e-site-")
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--target", site, *wheels]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        return None, "pip install timed out"
-    log.write(f"## pip install\n{r.stdout[-2000:]}{r.stderr[-2000:]}\n")
-    if r.returncode != 0:
-        return None, f"pip install failed: {r.stderr.strip().splitlines()[-1:] or r.returncode}"
-    return site, "installed " + ", ".join(os.path.basename(w).split("-")[0] + " " + os.path.basename(w).split("-")[1]
-                                          for w in wheels)
-
-
-def event_ms(fn, reps: int, warmup: int = 1, cuda: bool | None = None) -> list[float]:
-    """ms of each of `reps` calls of fn() after `warmup` calls: CUDA events for GPU work (cuda
-    None: when a GPU is there), else the wall clock."""
-    import torch
-
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return times
-
-
-def child_env(wheel_dir: str | None) -> dict:
-    """os.environ for the children, with DIR/*.whl installed on their PYTHONPATH (the note on stderr)."""
-    env = dict(os.environ)
-    if wheel_dir:
-        path, note = install_wheels(wheel_dir, sys.stderr)
-        if path:
-            env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
-        print(note, file=sys.stderr)
-    return env
-
-
 def _fmt(v, spec: str = ",.0f", none: str = "—") -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return none

@@ -1,4 +1,4 @@
-"""Packed sequences (cu_seqlens) against one unpacked sequence and against padding (issue 18).
+"""Packed sequences (cu_seqlens) against one unpacked sequence and against padding.
 
     python3 benchmarks/varlen_speed.py [--out DIR] [--device cuda] [--quick]
 
@@ -17,24 +17,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 
+from xlstm_kit.bench.scripts import median_fwbw_ms, packed_lengths
 from xlstm_kit.ops import dplr_chunkwise, mlstm_chunkwise
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_e2e import event_ms  # noqa: E402
-
-
-def lengths(n: int, total: int, lo: int, hi: int) -> list[int]:
-    g = torch.Generator().manual_seed(0)
-    raw = torch.randint(lo, hi + 1, (n,), generator=g).double()
-    ls = (raw * total / raw.sum()).floor().long().clamp(1, None)
-    ls[torch.argmax(ls)] += total - int(ls.sum())   # the rounding remainder to the longest
-    return ls.tolist()
 
 
 def inputs(op: str, B: int, T: int, H: int, K: int, device, dtype):
@@ -50,14 +38,6 @@ def inputs(op: str, B: int, T: int, H: int, K: int, device, dtype):
             leaf(unit * torch.rand(B, T, H, 1, device=device)), leaf(-0.1 * torch.rand(B, T, H, K, device=device))]
 
 
-def timed(fn, xs, reps: int, device) -> float:
-    """Median ms of forward + backward."""
-    def once():
-        out = fn(*xs)[0]
-        out.backward(torch.ones_like(out))
-    return statistics.median(event_ms(once, reps, warmup=2, cuda=device.type == "cuda"))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -69,7 +49,7 @@ def main() -> None:
     device = torch.device(args.device)
     N, total, lo, hi, H, K = (4, 256, 4, 96, 2, 16) if args.quick else (64, 131072, 64, 4096, 16, 128)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    ls = lengths(N, total, lo, hi)
+    ls = packed_lengths(N, total, lo, hi)
     cu = torch.tensor([0] + ls, device=device).cumsum(0)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     head = [f"# Packed sequences, forward + backward ({name}, {dtype}, median of {args.reps})", "",
@@ -82,9 +62,9 @@ def main() -> None:
     def add(label, fn, op):
         # each row is written as soon as it is timed: a peer that compiles for minutes and
         # runs out of the caller's time limit leaves ours on disk
-        packed = timed(lambda *x: fn(*x, cu_seqlens=cu), inputs(op, 1, total, H, K, device, dtype), args.reps, device)
-        whole = timed(fn, inputs(op, 1, total, H, K, device, dtype), args.reps, device)
-        padded = timed(fn, inputs(op, N, max(ls), H, K, device, dtype), args.reps, device)
+        packed = median_fwbw_ms(lambda *x: fn(*x, cu_seqlens=cu), inputs(op, 1, total, H, K, device, dtype), args.reps, device)
+        whole = median_fwbw_ms(fn, inputs(op, 1, total, H, K, device, dtype), args.reps, device)
+        padded = median_fwbw_ms(fn, inputs(op, N, max(ls), H, K, device, dtype), args.reps, device)
         rows.append(f"| {label} | {packed:.2f} | {whole:.2f} | {packed / whole:.2f}x | {padded:.2f} |")
         print(rows[-1], flush=True)
         with open(os.path.join(args.out, "varlen_speed.md"), "w") as f:

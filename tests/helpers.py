@@ -1,4 +1,4 @@
-"""Shared test utilities (DESIGN.md §3 tolerance vocabulary)."""
+"""Shared test utilities: the relative error every tolerance in the tests is stated in."""
 import torch
 
 

@@ -111,8 +111,8 @@ def _byte_model():
 
 
 def test_load_follows_run_folders_and_returns_eval_mode(tmp_path):
-    from xlstm_kit.checkpoint import save_checkpoint
-    from xlstm_kit.train import TrainConfig, make_optimizer
+    from xlstm_kit.io.checkpoint import save_checkpoint
+    from xlstm_kit.training import TrainConfig, make_optimizer
 
     m = _byte_model()
     save_checkpoint(tmp_path / "run", m, make_optimizer(m, TrainConfig()), 3, TrainConfig(),
@@ -148,7 +148,7 @@ def test_checkpoint_module_does_not_import_the_model():
     import ast
     import inspect
 
-    import xlstm_kit.checkpoint as ck
+    import xlstm_kit.io.checkpoint as ck
 
     tree = ast.parse(inspect.getsource(ck))
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
@@ -157,7 +157,7 @@ def test_checkpoint_module_does_not_import_the_model():
 
 
 # ------------------------------------------------------------------------------------------
-# Reliability (issue 14): checksums, refused weights, bounded configs, confined `latest`,
+# Reliability: checksums, refused weights, bounded configs, confined `latest`,
 # temporaries of killed saves, file modes.
 
 
@@ -172,7 +172,7 @@ def _rewrite_weights(folder, change):
 
 
 def test_a_flipped_byte_in_the_weights_is_refused(tmp_path):
-    from xlstm_kit.checkpoint import CheckpointError
+    from xlstm_kit.io.checkpoint import CheckpointError
 
     model().save(tmp_path / "c")
     weights = tmp_path / "c" / "model.safetensors"
@@ -186,7 +186,7 @@ def test_a_flipped_byte_in_the_weights_is_refused(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
 def test_integer_or_boolean_weights_are_refused_not_cast(tmp_path, dtype):
-    from xlstm_kit.checkpoint import CheckpointError
+    from xlstm_kit.io.checkpoint import CheckpointError
 
     model().save(tmp_path / "c")
     _rewrite_weights(tmp_path / "c", lambda ts: {k: (v * 10).to(dtype) for k, v in ts.items()})
@@ -200,7 +200,7 @@ def test_integer_or_boolean_weights_are_refused_not_cast(tmp_path, dtype):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_weights_are_refused(tmp_path, bad):
-    from xlstm_kit.checkpoint import CheckpointError
+    from xlstm_kit.io.checkpoint import CheckpointError
 
     model().save(tmp_path / "c")
 
@@ -243,8 +243,8 @@ def test_a_triton_checkpoint_loads_on_the_cpu_with_the_automatic_backend(tmp_pat
 @pytest.mark.parametrize("target", ["/etc", "../", "../../etc", "checkpoints/../../outside",
                                     "checkpoints/step-00000003/../../..", "checkpoints"])
 def test_latest_is_not_followed_outside_the_run(tmp_path, target):
-    from xlstm_kit.checkpoint import CheckpointError, resolve_checkpoint, save_checkpoint
-    from xlstm_kit.train import TrainConfig, make_optimizer
+    from xlstm_kit.io.checkpoint import CheckpointError, resolve_checkpoint, save_checkpoint
+    from xlstm_kit.training import TrainConfig, make_optimizer
 
     m = _byte_model()
     save_checkpoint(tmp_path / "run", m, make_optimizer(m, TrainConfig()), 3, TrainConfig())
@@ -258,7 +258,7 @@ def test_latest_is_not_followed_outside_the_run(tmp_path, target):
 
 
 def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
-    from xlstm_kit.checkpoint import remove_stale_staging
+    from xlstm_kit.io.checkpoint import remove_stale_staging
 
     run = tmp_path / "run"
     ck = run / "checkpoints"
@@ -286,8 +286,8 @@ _KILLED_SAVE = """
 import os, sys, torch
 import safetensors.torch as st
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
-from xlstm_kit.checkpoint import save_checkpoint
-from xlstm_kit.train import TrainConfig, make_optimizer
+from xlstm_kit.io.checkpoint import save_checkpoint
+from xlstm_kit.training import TrainConfig, make_optimizer
 m = XLSTMLanguageModel(XLSTMConfig(vocab_size=30, d_model=32, n_blocks=1, n_heads=2))
 real = st.save_file
 def die(tensors, path, *a, **k):
@@ -302,7 +302,7 @@ def test_a_kill_during_a_training_save_leaves_only_what_the_next_run_removes(tmp
     import subprocess
     import sys
 
-    from xlstm_kit.checkpoint import remove_stale_staging
+    from xlstm_kit.io.checkpoint import remove_stale_staging
 
     env = {**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])}
     r = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tmp_path / "run")], env=env,
@@ -319,8 +319,8 @@ def test_checkpoints_honour_the_umask(tmp_path, umask):
     import os
     import stat
 
-    from xlstm_kit.checkpoint import save_checkpoint
-    from xlstm_kit.train import TrainConfig, make_optimizer
+    from xlstm_kit.io.checkpoint import save_checkpoint
+    from xlstm_kit.training import TrainConfig, make_optimizer
 
     old = os.umask(umask)
     try:

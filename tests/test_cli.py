@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from xlstm_kit import cli
-from xlstm_kit.train import TRAIN_META_FILE, resolve_checkpoint
+from xlstm_kit.cli import app as cli
+from xlstm_kit.cli import train as cli_train
+from xlstm_kit.training import TRAIN_META_FILE, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 # Tiny sizes: the "tiny" preset on a few short sequences, so a run takes seconds.
@@ -76,7 +77,7 @@ def test_eval_default_is_the_whole_split_when_small(trained, cache, tmp_path, ca
     small.write_text("To be, or not to be, that is the question.\n" * 60)  # 2,640 bytes: val split 264
     assert cli.main(["eval", str(out), "--data", str(small), "--batch-size", "2"]) == 0
     assert "(all 4 validation batches, 256 tokens" in capsys.readouterr().out  # 8 windows of 32
-    monkeypatch.setattr(cli, "EVAL_WHOLE_SPLIT_UP_TO", 3)  # a larger split: the first batches only
+    monkeypatch.setattr(cli_train, "EVAL_WHOLE_SPLIT_UP_TO", 3)  # a larger split: the first batches only
     assert cli.main(["eval", str(out), "--data", str(small), "--batch-size", "1"]) == 0
     assert "(3 of 8 validation batches" in capsys.readouterr().out
 
@@ -107,6 +108,10 @@ def test_resume_continues_and_refuses_clobbering(trained, cache, tmp_path, capsy
     capsys.readouterr()
     assert cli.main(["train", "--out", str(out), "--resume", "--seq-len", "64"]) == 2
     assert "cannot change" in capsys.readouterr().err
+    # the command line refuses what the library refuses (RESUME_FROZEN), before loading anything
+    for flag in (["--grad-accum", "2"], ["--no-pack"], ["--seed", "7"]):
+        assert cli.main(["train", "--out", str(out), "--resume", *flag]) == 2
+        assert f"{flag[0].replace('no-', '')} cannot change on --resume" in capsys.readouterr().err
 
 
 def _assert_one_line_error(capsys, code, *needles):

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from xlstm_kit import XLSTMConfig, XLSTMLanguageModel, cli
-from xlstm_kit.train import TRAIN_META_FILE, resolve_checkpoint
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit.cli import app as cli
+from xlstm_kit.training import TRAIN_META_FILE, resolve_checkpoint
 
 from .test_cli_inputs import corpus  # noqa: F401  (a small text file)
 from .test_hub import VOCAB, large_model, make_tokenizer_json

@@ -1,4 +1,4 @@
-"""Bad input at the command line and the model API (issue 14): one line and exit status 2 (or an
+"""Bad input at the command line and the model API: one line and exit status 2 (or an
 XLSTMKitError), nothing of the user's deleted, no wrapped token ids, no traceback."""
 import json
 import os
@@ -7,12 +7,15 @@ import sys
 import pytest
 import torch
 
-from xlstm_kit import cli
-from xlstm_kit.checkpoint import TRAIN_META_FILE, resolve_checkpoint
-from xlstm_kit.data import DataError, list_corpus
+from xlstm_kit.cli import app as cli
+from xlstm_kit.cli import train as cli_train
+from xlstm_kit.cli.args import UsageError
+from xlstm_kit.cli.common import prepare_demo_out
+from xlstm_kit.io.checkpoint import TRAIN_META_FILE, resolve_checkpoint
+from xlstm_kit.training.data import DataError, list_corpus
 from xlstm_kit.errors import XLSTMKitError
-from xlstm_kit.generate import sample_next
-from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit.generation.generate import sample_next
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
 FAST = ["--batch-size", "2", "--seq-len", "16", "--eval-batches", "1", "--no-progress", "--device", "cpu"]
 TEXT = "To be, or not to be, that is the question.\n" * 40
@@ -62,14 +65,14 @@ def test_main_reports_library_errors_and_keeps_bugs_visible(cache, monkeypatch, 
     def bug(args):
         raise ValueError("a bug, not bad input")
 
-    monkeypatch.setattr(cli, "cmd_eval", bad_input)
+    monkeypatch.setattr(cli_train, "cmd_eval", bad_input)
     assert one_line_error(capsys, ["eval", "x"], "bad input")
-    monkeypatch.setattr(cli, "cmd_eval", bug)
+    monkeypatch.setattr(cli_train, "cmd_eval", bug)
     with pytest.raises(ValueError, match="a bug"):
         cli.main(["eval", "x"])
-    monkeypatch.setattr(cli, "cmd_eval", lambda args: open("/nonexistent/xlstm-kit-file"))
+    monkeypatch.setattr(cli_train, "cmd_eval", lambda args: open("/nonexistent/xlstm-kit-file"))
     one_line_error(capsys, ["eval", "x"], "/nonexistent/xlstm-kit-file")
-    assert issubclass(cli.UsageError, XLSTMKitError)
+    assert issubclass(UsageError, XLSTMKitError)
 
 
 # ---------------------------------------------------------------- item 1: demo deletes nothing it did not write
@@ -87,7 +90,7 @@ def test_demo_refuses_a_run_it_did_not_write(cache, corpus, tmp_path, capsys):
     ckpt = resolve_checkpoint(out)
     meta = json.loads((ckpt / TRAIN_META_FILE).read_text())
     (ckpt / TRAIN_META_FILE).write_text(json.dumps({**meta, "demo": True}))
-    cli._prepare_demo_out(out, overwrite=False)
+    prepare_demo_out(out, overwrite=False)
     assert sorted(p.name for p in out.iterdir()) == ["other.txt"]
 
 
@@ -95,12 +98,12 @@ def test_demo_into_a_folder_without_a_run_keeps_its_files(tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    cli._prepare_demo_out(out, overwrite=False)
+    prepare_demo_out(out, overwrite=False)
     assert (out / "keep.txt").read_text() == "x"
     (out / "metrics.jsonl").write_text("{}\n")  # a run's file, but no demo wrote it
     with pytest.raises(XLSTMKitError, match="--overwrite"):
-        cli._prepare_demo_out(out, overwrite=False)
-    cli._prepare_demo_out(out, overwrite=True)
+        prepare_demo_out(out, overwrite=False)
+    prepare_demo_out(out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
 
 

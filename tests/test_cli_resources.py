@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from xlstm_kit import cli, resources
-from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit.cli import app as cli
+from xlstm_kit.training import resources
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -132,8 +133,8 @@ def test_memory_estimate_against_a_measured_training_step(tmp_path):
     b, t = 16, 128
     script = textwrap.dedent(f"""
         import torch
-        from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
-        from xlstm_kit.train import TrainConfig, make_optimizer, lm_loss
+        from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+        from xlstm_kit.training import TrainConfig, make_optimizer, lm_loss
         def status(key):
             for line in open("/proc/self/status"):
                 if line.startswith(key + ":"):

@@ -6,7 +6,7 @@ import xlstm
 
 from tests.helpers import rel_err
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
-from xlstm_kit.compat import from_official_xlstm, to_official_xlstm
+from xlstm_kit.io.compat import from_official_xlstm, to_official_xlstm
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny shapes (see tests/conftest.py)
@@ -110,7 +110,7 @@ def test_unsupported_official_configs_raise():
 
 
 def test_dplr_blocks_are_refused_not_mangled():
-    from xlstm_kit.compat import to_official_xlstm
+    from xlstm_kit.io.compat import to_official_xlstm
 
     cfg = XLSTMConfig(vocab_size=32, d_model=32, n_blocks=2, n_heads=4, slstm_at=[], dplr_at=[1])
     with pytest.raises(ValueError, match="DPLR"):

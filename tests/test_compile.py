@@ -13,10 +13,10 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from xlstm_kit import cli
-from xlstm_kit import train as T
+from xlstm_kit.cli import app as cli
+from xlstm_kit import training as T
 from xlstm_kit.errors import XLSTMKitError
-from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
 from tests.test_train import data  # noqa: F401  (the byte-level corpus fixture)
 
@@ -104,7 +104,7 @@ def test_fullgraph_without_slstm_blocks():
 def test_compiled_forward_checks_token_ids_without_a_graph_break():
     # Reading the ids back (int()) would sync and split the graph; under compile an asynchronous
     # device assertion checks them. uint8 ids up to 255 must pass a 256-token vocabulary.
-    from xlstm_kit.tasks.baselines import TransformerLM
+    from xlstm_kit.experiments.baselines import TransformerLM
 
     for model in (tiny(n_blocks=1, vocab_size=256), TransformerLM(256, 32, 1, 2)):
         f = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -280,7 +280,7 @@ def test_compiled_graphed_bf16_step_within_twice_the_eager_error(kw):
     """compile_step on CUDA (Inductor, coordinate-descent tuning) replayed in generate's CUDA
     graph with the state updated in place: a few steps of bf16 logits and states against a
     float64 copy of the model, within 2x the error of the eager bf16 step."""
-    from xlstm_kit.generate import GraphedStep
+    from xlstm_kit.generation.generate import GraphedStep
 
     model = tiny(**{**kw, "vocab_size": 512}).eval()
     with torch.no_grad():

@@ -1,9 +1,9 @@
-"""Corpora, tokenizers, the token cache, the split and batching (xlstm_kit.data)."""
+"""Corpora, tokenizers, the token cache, the split and batching (xlstm_kit.training.data)."""
 import numpy as np
 import pytest
 import torch
 
-from xlstm_kit import data
+from xlstm_kit.training import data
 
 SAMPLE = (
     "ROMEO:\nBut, soft! what light through yonder window breaks?\n\n"

@@ -9,9 +9,9 @@ import torch
 import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
-from xlstm_kit import train as T
-from xlstm_kit.data import load_data
-from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit import training as T
+from xlstm_kit.training.data import load_data
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
 TEXT = (
     "KING:\nNow is the winter of our discontent\nMade glorious summer by this sun of York;\n\n"

@@ -8,11 +8,12 @@ import sys
 import pytest
 import torch
 
-from xlstm_kit import XLSTMConfig, XLSTMLanguageModel, cli
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit.cli import app as cli
 from xlstm_kit.errors import XLSTMKitError
-from xlstm_kit.generate import complete_texts, generate_text
-from xlstm_kit.sampling import apply_repetition_penalty
-from xlstm_kit.textstream import IncrementalDecoder, TextRow
+from xlstm_kit.generation.generate import complete_texts, generate_text
+from xlstm_kit.generation.sampling import apply_repetition_penalty
+from xlstm_kit.generation.textstream import IncrementalDecoder, TextRow
 
 VOCAB = 64
 LENGTHS = (17, 1, 40, 5, 17)  # unsorted, one length twice: the per-length prefill puts rows back in order
@@ -76,7 +77,7 @@ def test_mixed_lengths_are_read_in_one_packed_call(monkeypatch):
     logits; a model without packed input (plain forward/step) gets the same tokens per length."""
     import functools
 
-    from xlstm_kit.generate import generate
+    from xlstm_kit.generation.generate import generate
 
     model = tiny_model()
     rows = prompts()
@@ -211,7 +212,7 @@ def test_streamed_text_adds_up_and_never_shows_a_stop_string():
 
 
 def test_incremental_decoder_emits_whole_characters_only():
-    from xlstm_kit.data import get_tokenizer
+    from xlstm_kit.io.tokenizers import get_tokenizer
 
     byte = get_tokenizer("byte")
     text = "h€llo 🦜 ü"
@@ -403,7 +404,7 @@ def test_cli_generate_argument_errors(byte_model_dir, tmp_path, capsys):
 def test_cli_compile_decodes_the_same_text(byte_model_dir, monkeypatch, capsys):
     """--compile goes through model.compile_step (here with Dynamo's aot_eager backend: Inductor's
     C++ builds take minutes on a CPU) and prints what the eager decode prints."""
-    from xlstm_kit.model import XLSTMLanguageModel
+    from xlstm_kit.models import XLSTMLanguageModel  # the class the command line loads
 
     _, folder = byte_model_dir
     base = ["generate", str(folder), "--prompt", "To be", "--max-new-tokens", "12", "--temperature", "0",
@@ -418,6 +419,6 @@ def test_cli_compile_decodes_the_same_text(byte_model_dir, monkeypatch, capsys):
         original(self, backend="aot_eager", **options)
 
     monkeypatch.setattr(XLSTMLanguageModel, "compile_step", compile_step)
-    monkeypatch.setattr("xlstm_kit.compiling.compile_unavailable", lambda device: None)
+    monkeypatch.setattr("xlstm_kit.cli.generate.compile_unavailable", lambda device: None)
     assert cli.main(base + ["--compile"]) == 0
     assert calls == [{}] and capsys.readouterr().out == plain

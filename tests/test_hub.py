@@ -1,4 +1,4 @@
-"""xlstm_kit.hub: HuggingFace-format folders (config and weight-name mapping, the lazy sharded
+"""xlstm_kit.io.hf: HuggingFace-format folders (config and weight-name mapping, the lazy sharded
 loader, dtype/device per tensor, clear errors) and tokenizers-format tokenizer.json files.
 transformers itself is exercised in test_hub_transformers.py."""
 import json
@@ -10,7 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from xlstm_kit import XLSTMConfig, XLSTMLanguageModel, hub
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit.io import hf as hub
+from xlstm_kit.io import tokenizers as tokenizers_mod
+from xlstm_kit.io.tokenizers import HFSpecialTokens
 from xlstm_kit.errors import XLSTMKitError
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny shapes (see tests/conftest.py)
@@ -51,13 +54,13 @@ def assert_same_model(a, b):
 def test_config_round_trips_through_hf_fields():
     cfg = large_config(bias=True, tie_embeddings=True, gate_soft_cap=12.0, logit_soft_cap=25.0, norm_eps=1e-5,
                        qk_dim_factor=0.25, chunk_size=32)
-    d = hub.config_to_hf(cfg, hub.HFSpecialTokens(0, 2, 1))
+    d = hub.config_to_hf(cfg, HFSpecialTokens(0, 2, 1))
     assert d["model_type"] == "xlstm" and d["architectures"] == ["xLSTMForCausalLM"]
     assert (d["hidden_size"], d["embedding_dim"], d["num_hidden_layers"], d["num_blocks"]) == (32, 32, 2, 2)
     assert (d["use_bias"], d["tie_word_embeddings"], d["output_logit_soft_cap"], d["ffn_round_up_to_multiple_of"]) \
         == (True, True, 25.0, 16)
     back, special, mode = hub.config_from_hf(json.loads(json.dumps(d)))
-    assert mode == "single" and special == hub.HFSpecialTokens(0, 2, 1)
+    assert mode == "single" and special == HFSpecialTokens(0, 2, 1)
     # context_length is not an HF field; everything that shapes the model survives
     assert back == XLSTMConfig(**{**cfg.to_dict(), "context_length": back.context_length})
 
@@ -69,7 +72,7 @@ def test_config_from_hf_defaults_are_xlstm_7b():
     for f in ("vocab_size", "d_model", "n_blocks", "n_heads", "qk_dim_factor", "v_dim_factor", "ffn_dim",
               "gate_soft_cap", "logit_soft_cap", "norm_eps", "bias", "tie_embeddings"):
         assert getattr(cfg, f) == getattr(ref, f), f
-    assert special == hub.HFSpecialTokens(None, None, None) and mode == "single"
+    assert special == HFSpecialTokens(None, None, None) and mode == "single"
     # xLSTM-7b's own config.json spells the sizes embedding_dim / num_blocks, names its GPU kernels
     # and more fields of the official package (ignored: they choose kernels, not the model)
     nxai = {"model_type": "xlstm", "architectures": ["xLSTMForCausalLM"], "embedding_dim": 4096, "num_blocks": 32,
@@ -79,7 +82,7 @@ def test_config_from_hf_defaults_are_xlstm_7b():
             "autocast_kernel_dtype": "bfloat16", "inference_state_dtype": "float32", "torch_dtype": "bfloat16",
             "force_bos_token_insert": True, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}
     cfg, special, _ = hub.config_from_hf(nxai)
-    assert special == hub.HFSpecialTokens(0, 2, 1)
+    assert special == HFSpecialTokens(0, 2, 1)
     with torch.device("meta"):
         mine, preset = XLSTMLanguageModel(cfg), XLSTMLanguageModel(ref)
     assert {k: v.shape for k, v in mine.state_dict().items()} == {k: v.shape for k, v in preset.state_dict().items()}
@@ -420,7 +423,7 @@ def test_a_folder_loads_without_the_tokenizers_package(tmp_path, monkeypatch):
     def missing(module, feature):
         raise MissingExtraError(f"{feature} needs the extra: pip install 'xlstm-kit[gpt2]'")
 
-    monkeypatch.setattr(hub, "require", missing)
+    monkeypatch.setattr(tokenizers_mod, "require", missing)
     loaded = XLSTMLanguageModel.from_pretrained(folder)
     assert_same_model(m, loaded)
     with pytest.raises(MissingExtraError, match=r"tokenizer.json of a model folder needs the extra"):

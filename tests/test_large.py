@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tests.helpers import rel_err
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
-from xlstm_kit.nn.large import LargeBlock
+from xlstm_kit.layers.large import LargeBlock
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny shapes (see tests/conftest.py)
@@ -291,7 +291,7 @@ def official_large(mode, weight_mode, bias=False):
         embedding_dim=64, num_heads=2, num_blocks=2, vocab_size=96, use_bias=bias, qk_dim_factor=0.5,
         chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
         step_kernel="native", mode=mode, chunk_size=16, weight_mode=weight_mode,
-        return_last_states=mode == "train",  # its train mode fails without (issue 16)
+        return_last_states=mode == "train",  # its train mode fails without
     )
     official = perturbed(large.xLSTMLarge(oc))
     if bias:  # a final-norm bias has no place in our model (nor in transformers')
@@ -305,7 +305,7 @@ def _logits(out):
 
 @pytest.mark.parametrize("mode,weight_mode,bias,T", [("inference", "single", False, 37), ("train", "fused", True, 32)])
 def test_official_xlstm_large_converts_both_ways(mode, weight_mode, bias, T):
-    from xlstm_kit.compat import from_official_xlstm, to_official_xlstm
+    from xlstm_kit.io.compat import from_official_xlstm, to_official_xlstm
 
     official = official_large(mode, weight_mode, bias)
     ours = from_official_xlstm(official)
@@ -321,8 +321,8 @@ def test_official_xlstm_large_converts_both_ways(mode, weight_mode, bias, T):
 
 def test_trains_through_xlstm_kit_train_and_reloads(tmp_path, monkeypatch):
     from tests.test_train import TEXT, small_config
-    from xlstm_kit import train as T
-    from xlstm_kit.data import load_data
+    from xlstm_kit import training as T
+    from xlstm_kit.training.data import load_data
 
     monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
     (tmp_path / "corpus.txt").write_text(TEXT)

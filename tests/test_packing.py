@@ -1,4 +1,4 @@
-"""Packed training (xlstm_kit.packing): a packed step equals the sum over documents of separate
+"""Packed training (xlstm_kit.training.packing): a packed step equals the sum over documents of separate
 steps; packed validation equals evaluating each document alone; documents from files / EOS."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
-from xlstm_kit.data import document_starts_from_eos, load_data, split_documents
+from xlstm_kit.training.data import document_starts_from_eos, load_data, split_documents
 from xlstm_kit.errors import XLSTMKitError
-from xlstm_kit.packing import IGNORE, PackedSampler, PackedTokens, packed_windows
-from xlstm_kit.train import TrainConfig, evaluate, lm_loss, train, train_step
+from xlstm_kit.training.packing import IGNORE, PackedSampler, PackedTokens, packed_windows
+from xlstm_kit.training import TrainConfig, evaluate, lm_loss, train, train_step
 
 VOCAB = 64
 
@@ -151,7 +151,7 @@ def test_train_pack_runs_and_refuses_without_documents(tmp_path):
 
 
 def test_cli_train_packs_a_folder_of_documents(tmp_path, monkeypatch, capsys):
-    from xlstm_kit import cli
+    from xlstm_kit.cli import app as cli
 
     monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
     corpus = tmp_path / "docs"

@@ -1,4 +1,4 @@
-"""The training loop (xlstm_kit.train): schedule, weight-decay groups, evaluation, exact resume,
+"""The training loop (xlstm_kit.training): schedule, weight-decay groups, evaluation, exact resume,
 interrupts and atomic checkpoints. A small XLSTMLanguageModel keeps every run to a few steps."""
 import dataclasses
 import json
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from xlstm_kit import train as T
-from xlstm_kit.data import load_data
-from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit import training as T
+from xlstm_kit.training.data import load_data
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
 TEXT = (
     "ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"
@@ -184,6 +184,16 @@ def test_interrupt_then_resume_is_exact(data, tmp_path, how, stop_step):
     # The metrics log continues without duplicates.
     rows = [json.loads(l) for l in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 7))
+
+
+@pytest.mark.parametrize("change", [dict(grad_accum=2), dict(pack=False), dict(seed=2)])
+def test_resume_keeps_the_frozen_settings(data, tmp_path, change):
+    """One rule for the library and the command line (RESUME_FROZEN): a resumed run reads the
+    same tokens per step and sums its gradient the same way, or it is refused."""
+    assert set(change) <= set(T.RESUME_FROZEN)
+    T.train(small_model(), data, small_config(steps=2), tmp_path / "r", device="cpu")
+    with pytest.raises(T.CheckpointError, match=f"cannot resume with {next(iter(change))}="):
+        T.train(small_model(), data, small_config(steps=4, **change), tmp_path / "r", resume=True, device="cpu")
 
 
 def test_resume_refuses_changed_batch(data, tmp_path):
@@ -419,7 +429,7 @@ def test_training_log_records_validation_size(data, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
-# Reliability (issue 14): corrupt training states, failed runs, leaked temporaries.
+# Reliability: corrupt training states, failed runs, leaked temporaries.
 
 
 def _corrupt(state, how):

@@ -1,5 +1,5 @@
 """xlstm_kit: xLSTM (sLSTM, mLSTM) and DPLR/KDA recurrences for PyTorch."""
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401
 __all__ = ["XLSTMConfig", "XLSTMLanguageModel"]
 
 

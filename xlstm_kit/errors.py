@@ -9,3 +9,7 @@ status 2; any other exception is a bug and keeps its traceback.
 
 class XLSTMKitError(ValueError):
     """Bad input to xlstm_kit, explained in one line."""
+
+
+class DataError(XLSTMKitError):
+    """Bad data input (unknown corpus or tokenizer, missing path, empty or too small corpus)."""

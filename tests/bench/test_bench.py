@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from xlstm_kit import cli
+from xlstm_kit.cli import app as cli
 from xlstm_kit.bench import peers, registry, runner, timing
 
 REQUIRED = {

@@ -15,7 +15,6 @@ SCRIPT = ROOT / "benchmarks" / "generate_speed.py"
 
 
 def _load():
-    sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("generate_speed", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -23,7 +22,7 @@ def _load():
 
 
 def test_kv_cache_transformer_decodes_like_the_full_forward():
-    from xlstm_kit.tasks.baselines import TransformerLM
+    from xlstm_kit.experiments.baselines import TransformerLM
 
     gs = _load()
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Seeded fuzzing of checkpoints and training states (issue 14).
+"""Seeded fuzzing of checkpoints and training states.
 
 One small run folder is saved once; every case copies it, corrupts one thing (truncation, a byte
 flip, a wrong dtype or shape, a missing or extra key, odd config values, a hostile `latest`,
@@ -17,8 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
-from xlstm_kit import train as T
-from xlstm_kit.checkpoint import CHECKSUMS_FILE, save_checkpoint
+from xlstm_kit import training as T
+from xlstm_kit.training.loop import _Run
+from xlstm_kit.io.checkpoint import CHECKSUMS_FILE, save_checkpoint
 from xlstm_kit.errors import XLSTMKitError
 
 SEED = 14
@@ -35,7 +36,7 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz_ckpt")
     mp.setenv("XLSTM_KIT_CACHE", str(root / "cache"))
     (root / "corpus.txt").write_text(TEXT)
-    from xlstm_kit.data import load_data
+    from xlstm_kit.training.data import load_data
 
     data = load_data(str(root / "corpus.txt"), "byte")
     torch.manual_seed(0)
@@ -278,7 +279,7 @@ def test_fuzz_training_states(run):
         torch.manual_seed(123)
         model = XLSTMLanguageModel(XLSTMConfig(vocab_size=256, d_model=32, n_blocks=2, n_heads=2, slstm_at=[1],
                                                chunk_size=8))
-        r = T._Run(model, data, cfg, run_dir, T.DistInfo(), torch.device("cpu"), {}, None)
+        r = _Run(model, data, cfg, run_dir, T.DistInfo(), torch.device("cpu"), {}, None)
         try:
             r.restore()
             x = torch.randint(0, 256, (2, 9))

@@ -1,4 +1,4 @@
-"""Seeded fuzz of the command line and the model API (issue 14): every bad invocation ends with
+"""Seeded fuzz of the command line and the model API: every bad invocation ends with
 exit status 2 and one stderr line, every bad model call with an XLSTMKitError; never a traceback.
 
 The cases are drawn from fixed pools with a fixed seed, so a failure reproduces; all run
@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from xlstm_kit import cli
+from xlstm_kit.cli import app as cli
 from xlstm_kit.errors import XLSTMKitError
-from xlstm_kit.model import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
 SEED = 14
 BAD_INTS = ["0", "-1", "ten", "1.5", "", "1e3", "nan", "99999999999999999999999x"]

@@ -53,9 +53,9 @@ import random
 import pytest
 import torch
 
-from xlstm_kit.nn.large import LargeBlock
-from xlstm_kit.nn.mlstm import MLSTMBlock
-from xlstm_kit.nn.slstm import SLSTMBlock
+from xlstm_kit.layers.large import LargeBlock
+from xlstm_kit.layers.mlstm import MLSTMBlock
+from xlstm_kit.layers.slstm import SLSTMBlock
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None

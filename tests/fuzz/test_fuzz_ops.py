@@ -1,4 +1,4 @@
-"""Seeded fuzz test of the public ops (issue 14): random small shapes (sizes 0 and 1 included),
+"""Seeded fuzz test of the public ops: random small shapes (sizes 0 and 1 included),
 dtypes (ints, bool and complex included), non-contiguous inputs, extreme gates (±inf, ±50, NaN),
 bad states, chunk sizes and backends.
 

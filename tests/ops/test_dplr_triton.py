@@ -23,7 +23,7 @@ from xlstm_kit.ops import dplr_chunkwise, kda_chunkwise  # noqa: E402
 from xlstm_kit.ops.backend import KERNEL_MODULES  # noqa: E402
 from xlstm_kit.ops.dplr import chunkwise as torch_chunkwise  # noqa: E402
 from xlstm_kit.ops.dplr.naive import dplr_recurrent  # noqa: E402
-from xlstm_kit.ops.dplr.triton.chunkwise import dplr_chunkwise_triton  # noqa: E402
+from xlstm_kit.ops.dplr.triton.op import dplr_chunkwise_triton  # noqa: E402
 from xlstm_kit.ops.dplr.triton.kda_op import kda_chunkwise_triton  # noqa: E402
 from xlstm_kit.ops.dplr.triton.config import DPLRKernelConfig  # noqa: E402
 
@@ -162,7 +162,7 @@ def test_mixed_dtypes_choose_the_fast_products():
     # bf16 activations with float32 gates (as models compute them): the output's products stay
     # fast; a float32 gk keeps only the gate-gradient group accurate; KDA's float32 β joins δv
     # and the K side (δβ = Σ δ(βv)·v + Σ δ(βk)·k), so only the output group is left there
-    from xlstm_kit.ops.dplr.triton.chunkwise import _config_key
+    from xlstm_kit.ops.dplr.triton.op import _config_key
     from xlstm_kit.ops.dplr.triton.config import resolve
     bf, f32 = torch.bfloat16, torch.float32
     dplr = DPLRKernelConfig.from_key(_config_key(None, (bf,), (bf,), (bf, bf, bf, bf, f32)))
@@ -267,9 +267,9 @@ def test_only_output_or_only_state_receives_gradient():
 
 
 def test_kernels_match_fla_naive_dplr_including_gradients():
-    # independent peer: fla's naive DPLR loop (additive convention, DESIGN.md: its a = −α⊙b, its
-    # b = a; [B,H,T,D] layout), differentiated by autograd (float32: the loop mixes in float32
-    # buffers, so both sides carry float32 rounding)
+    # independent peer: fla's naive DPLR loop (additive convention, docs/design.md "DPLR and KDA":
+    # its a = −α⊙b, its b = a; [B,H,T,D] layout), differentiated by autograd (float32: the loop
+    # mixes in float32 buffers, so both sides carry float32 rounding)
     from tests.ops.test_dplr import load_fla_naive
 
     fla = load_fla_naive("ops/generalized_delta_rule/dplr/naive.py")
@@ -494,7 +494,7 @@ def test_gpu_float32_all_grads(T):
 @pytest.mark.parametrize("T", [100, 2048])
 @pytest.mark.parametrize("gk_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_bf16_within_twice_torch_bf16_error(T, gk_dtype):
-    # gk float32 (issue 20): bf16 q, k, v, a, b with a float32 gk take the fast output/δv
+    # gk float32: bf16 q, k, v, a, b with a float32 gk take the fast output/δv
     # products and keep the float32 gate gradient at float32 accuracy
     torch.manual_seed(T)
     xs, s0 = make_inputs(1, T, 2, 128, 128, -1.0, device="cuda")
@@ -516,7 +516,7 @@ def test_gpu_bf16_within_twice_torch_bf16_error(T, gk_dtype):
 @pytest.mark.parametrize("T", [100, 2048])
 @pytest.mark.parametrize("gates", [torch.float32, torch.bfloat16])
 def test_gpu_kda_bf16_qkv_within_twice_torch_error(T, gates):
-    # the KDA kernels with bf16 q, k, v and float32 (issue 20's mixed case) or bf16 g, β
+    # the KDA kernels with bf16 q, k, v and float32 (the mixed case) or bf16 g, β
     from xlstm_kit.ops.dplr.kda import kda_chunkwise as kda_torch
     torch.manual_seed(T)
     H, K, V = 2, 128, 128
@@ -607,7 +607,7 @@ def test_step_kernel_half_inputs_and_strided_views():
 def test_custom_ops_pass_opcheck():
     # schema, fake implementations (also with dynamic shapes), autograd registration and
     # forward + backward under aot_autograd against eager
-    from xlstm_kit.ops.dplr.triton.chunkwise import _fwd_op
+    from xlstm_kit.ops.dplr.triton.op import _fwd_op
     from xlstm_kit.ops.dplr.triton.step import _step_op
 
     xs, s0 = make_inputs(1, 16, 1, 16, 16, -1.0)   # H = 1, T = chunk: layout views get cloned

@@ -19,8 +19,8 @@ if not HAS_CUDA and not INTERPRET:
 
 from xlstm_kit.errors import XLSTMKitError  # noqa: E402
 from xlstm_kit.ops import dplr_chunkwise, kda_chunkwise  # noqa: E402
-from xlstm_kit.ops.dplr.triton import chunkwise as tri  # noqa: E402
-from xlstm_kit.ops.dplr.triton.chunkwise import dplr_chunkwise_triton  # noqa: E402
+from xlstm_kit.ops.dplr.triton import op as tri  # noqa: E402
+from xlstm_kit.ops.dplr.triton.op import dplr_chunkwise_triton  # noqa: E402
 
 DEV = "cpu" if INTERPRET else "cuda"
 

@@ -1,4 +1,4 @@
-"""mLSTM ops, tested in the chain of DESIGN.md §3:
+"""mLSTM ops, tested in a chain, each link against the one before:
 recurrent reference (float64) → parallel → chunkwise → step loop, every gradient including the
 initial state's, gradcheck of the hand-written backwards, and the installed mlstm_kernels peer."""
 import pytest

@@ -282,7 +282,7 @@ def test_float16_split_products_reach_reference_rounding():
     for δh·h and δS fed to δq, δk as hi + lo, h, δq and δk are as accurate as the reference's
     rounded results and the other gradients within 2x of its error. Without the splits this
     draw had δq 4.5x, δk 4.2x, δf 2.6x the reference's error: δP = δh·(v − h)/d nearly
-    cancels, so one 16-bit rounding of P, h or δS is amplified (benchmarks/NOTES-mlstm.md)."""
+    cancels, so one 16-bit rounding of P, h or δS is amplified (docs/kernels.md, "mLSTM chunkwise")."""
     ours, ref = _fp16_case(96, 16, 16, 4)
     for name, e, r in zip("h dq dk dv di df".split(), ours, ref):
         assert e <= (1.1 if name in ("h", "dq", "dk") else 2.0) * r, (name, e, r)
@@ -428,7 +428,7 @@ def test_gpu_head_dims(K, V):
 @gpu
 @pytest.mark.parametrize("T,K,V", [(1, 64, 128), (100, 64, 128), (1, 256, 512)])
 def test_gpu_bfloat16_gradients_within_twice_reference(T, K, V):
-    """Issue 5's bf16 rule with a final-state gradient: every gradient within 2x the error of
+    """The bf16 rule with a final-state gradient: every gradient within 2x the error of
     the float32-compute loop with bf16 inputs and results (+1e-5). A gradient of fewer than 64
     elements (T = 1: δi, δf, δm0 have B·H = 2) has an RMS error that is luck; it may instead
     be within one bf16 rounding unit (2^-8), as in benchmarks/gpu_mlstm.py's check."""
@@ -445,7 +445,7 @@ def test_gpu_bfloat16_gradients_within_twice_reference(T, K, V):
 def test_gpu_large_heads_bfloat16_within_twice_reference(K, V):
     """The paper models' head sizes (125M: 384, 350M: 512; xLSTM-7B: 256 × 512) at their tuned
     bfloat16 tiles, 8 chunks: h, the final state and every gradient within 2x the error of the
-    float32-compute loop with bf16 inputs and results. main's tiles before issue 15 (_fwd_out
+    float32-compute loop with bf16 inputs and results. the earlier, smaller tiles (_fwd_out
     64-deep K-tiles on 4 warps) had 6-13x the error in h at K = 384 and 512 on the H200."""
     ours, ref = _lowp_final_state_case(512, K, V, torch.bfloat16, 0, outputs=True)
     for name, e, r in zip("h C n m dq dk dv di df dC0 dn0 dm0".split(), ours, ref):

@@ -1,4 +1,4 @@
-"""Issue 14 (ops): closed gates (log-gate −inf or far below the Triton floor of −9) agree with the recurrent
+"""Reliability of the ops: closed gates (log-gate −inf or far below the Triton floor of −9) agree with the recurrent
 reference on every path; gradient-needing steps never take a kernel without a backward; bad sizes,
 states and devices fail with one XLSTMKitError; the Triton interpreter refuses bfloat16."""
 from __future__ import annotations

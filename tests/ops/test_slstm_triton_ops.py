@@ -198,7 +198,7 @@ def test_gpu_compile_fullgraph_matches_eager():
 
 SM90_SCRIPT = r"""
 import itertools
-from xlstm_kit.ops._sm90 import sm90_resources
+from benchmarks.sm90 import sm90_resources
 from xlstm_kit.ops.slstm.triton.forward import _slstm_fwd_kernel
 from xlstm_kit.ops.slstm.triton.backward import _slstm_bwd_kernel
 from xlstm_kit.ops.slstm.triton.config import default_config, flags, launch

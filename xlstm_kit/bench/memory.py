@@ -17,6 +17,7 @@ import contextlib
 import functools
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _key(t: torch.Tensor):
@@ -117,8 +118,6 @@ def op_counts(module: torch.nn.Module, x: torch.Tensor, *, autocast: torch.dtype
     the forward and in the backward of sum(y) — on a GPU each is about one kernel launch (views
     and metadata ops excluded)}. Ops inside the `exclude` targets (see `saved_bytes`) are not
     counted in the forward; the backward count includes the sequence op's backward."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     class Count(TorchDispatchMode):
         n = 0
 

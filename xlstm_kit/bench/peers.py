@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..io.compat import config_to_official
 from . import registry, timing
 from .registry import Env, Shape, Timed
 
@@ -166,8 +167,6 @@ def _official_xlstm(case: str, shape: Shape, env: Env) -> Timed:
     """The official xLSTMLMModel of the same configuration (sLSTM backend "vanilla": its CUDA
     backend compiles C++ at first use), trained by the same step function."""
     import xlstm
-
-    from xlstm_kit.compat import config_to_official
 
     torch.manual_seed(0)
     official = xlstm.xLSTMLMModel(config_to_official(registry.model_config(shape), slstm_backend="vanilla"))

@@ -9,7 +9,7 @@ Suites:
 - ops: the sequence ops forward and forward+backward, the decode steps forward;
 - model: one training step of the language model (forward, cross-entropy, backward, gradient
   clipping, AdamW), in tokens/s;
-- generate: greedy generation with `XLSTMLanguageModel.generate`, in tokens/s.
+- generate: greedy generation with `xlstm_kit.generation.generate`, in tokens/s.
 
 FLOP and byte counts are the work of the algorithm at that shape (not what a kernel happens to
 execute), so the same count serves every implementation of a case, peers included: a rate is
@@ -25,8 +25,13 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .options import SUITES
+from .. import ops
 from ..errors import XLSTMKitError
+from ..generation.generate import generate
+from ..models import XLSTMConfig, XLSTMLanguageModel
+from ..ops import dplr_step, mlstm_step, slstm_recurrent
+from ..training import lm_loss, train_step
+from .options import SUITES
 
 Shape = dict  # name -> int (or list / str for model settings); JSON-serialisable
 
@@ -173,8 +178,6 @@ def _mlstm_recurrent_work(shape: Shape, env: Env) -> Work:
 
 def _build_mlstm_seq(op_name: str, **op_kw):
     def build(shape: Shape, env: Env) -> Timed:
-        from xlstm_kit import ops
-
         op = getattr(ops, op_name)
         xs, dh = mlstm_inputs(shape, env)
         kw = dict(op_kw, **(_backend_kw(env) if op_name != "mlstm_parallel" else {}))
@@ -185,8 +188,6 @@ def _build_mlstm_seq(op_name: str, **op_kw):
 
 
 def _build_mlstm_step(shape: Shape, env: Env) -> Timed:
-    from xlstm_kit.ops import mlstm_step
-
     B, H, K, V = (shape[x] for x in "BHKV")
     torch.manual_seed(0)
     q, k = _randn(B, H, K, env=env, grad=False), _randn(B, H, K, env=env, grad=False)
@@ -221,8 +222,6 @@ def slstm_inputs(shape: Shape, env: Env):
 
 
 def _build_slstm(shape: Shape, env: Env) -> Timed:
-    from xlstm_kit.ops import slstm_recurrent
-
     xs, dh = slstm_inputs(shape, env)
     kw = _backend_kw(env)
     fwd = lambda: slstm_recurrent(*xs, **kw)  # noqa: E731
@@ -239,7 +238,7 @@ def _slstm_work(shape: Shape, env: Env) -> Work:
 
 # ============================================================================================ DPLR
 # the "_f32gates" cases: the run's dtype for the activations, float32 gates (as models compute
-# them; issue 20: such mixed inputs used to fall back to the kernels' slow precision path)
+# them; such mixed inputs used to fall back to the kernels' slow precision path)
 F32_GATES = "_f32gates"
 
 
@@ -282,8 +281,6 @@ def kda_inputs(shape: Shape, env: Env, f32_gates: bool = False):
 
 def _build_delta(op: str, f32_gates: bool = False):
     def build(shape: Shape, env: Env) -> Timed:
-        import xlstm_kit.ops as ops
-
         xs, do = (dplr_inputs if op == "dplr_chunkwise" else kda_inputs)(shape, env, f32_gates)
         kw = _backend_kw(env)
         fwd = lambda: getattr(ops, op)(*xs, **kw)  # noqa: E731
@@ -305,8 +302,6 @@ def _dplr_work(n_k_inputs: int):
 
 
 def _build_dplr_step(shape: Shape, env: Env) -> Timed:
-    from xlstm_kit.ops import dplr_step
-
     B, H, K, V = (shape[x] for x in "BHKV")
     torch.manual_seed(0)
     f32 = dict(env=env, grad=False, dtype=torch.float32)
@@ -327,8 +322,6 @@ def _build_dplr_step(shape: Shape, env: Env) -> Timed:
 def model_config(shape: Shape):
     """The model of a model/generate shape: a preset by name (`preset`) with overrides, or an
     explicit small configuration (d_model, n_blocks, n_heads, slstm_at, vocab)."""
-    from xlstm_kit import XLSTMConfig
-
     if "preset" in shape:
         over = {"vocab_size": shape["vocab"]} if "vocab" in shape else {}
         return XLSTMConfig.from_name(shape["preset"], **over)
@@ -342,8 +335,6 @@ def train_step_fn(model: torch.nn.Module, shape: Shape, env: Env) -> Callable[[]
     through the library's own `train_step`: forward under bf16 autocast on CUDA, float32
     cross-entropy, backward, clipping to norm 1, AdamW (fused on CUDA). Random token ids:
     throughput does not depend on the text."""
-    from xlstm_kit.train import lm_loss, train_step
-
     B, T = shape["batch"], shape["seq"]
     vocab = model_config(shape).vocab_size
     g = torch.Generator().manual_seed(0)
@@ -361,8 +352,6 @@ def train_step_fn(model: torch.nn.Module, shape: Shape, env: Env) -> Callable[[]
 
 
 def _build_train_step(shape: Shape, env: Env) -> Timed:
-    from xlstm_kit import XLSTMLanguageModel
-
     torch.manual_seed(0)
     cfg = model_config(shape)
     if env.backend is not None:
@@ -376,8 +365,6 @@ def flops_per_token(cfg) -> float:
     parameter of 2+ dimensions but the embedding lookup; the head counts even when tied) plus
     the mLSTM mixing of the chunkwise form (full L x L score blocks, the state read and update),
     backward twice the forward."""
-    from xlstm_kit import XLSTMLanguageModel
-
     with torch.device("meta"):
         model = XLSTMLanguageModel(cfg)
     n_mm = sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and not n.startswith("embedding."))
@@ -398,8 +385,6 @@ def _train_work(shape: Shape, env: Env) -> Work:
 
 
 def _build_generate(shape: Shape, env: Env) -> Timed:
-    from xlstm_kit import XLSTMLanguageModel
-
     torch.manual_seed(0)
     cfg = model_config(shape)
     if env.backend is not None:
@@ -408,7 +393,7 @@ def _build_generate(shape: Shape, env: Env) -> Timed:
     model = XLSTMLanguageModel(cfg).to(env.device, env.dtype).eval()
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (shape["batch"], shape["prompt"]), generator=g).to(env.device)
-    return Timed(lambda: model.generate(prompt, shape["new"], temperature=0))
+    return Timed(lambda: generate(model, prompt, shape["new"], temperature=0))
 
 
 def _generate_work(shape: Shape, env: Env) -> Work:

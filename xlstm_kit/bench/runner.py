@@ -25,11 +25,11 @@ from typing import Sequence, TextIO
 
 import torch
 
-from . import registry, timing
+from .._version import __version__
+from ..errors import XLSTMKitError
+from . import peers as peer_mod, registry, timing
 from .options import PEER_TIMEOUT_S, SUITE_CHOICES, add_arguments
 from .registry import SUITES, Env
-from ..errors import XLSTMKitError
-
 
 
 @dataclass
@@ -67,8 +67,6 @@ def machine_slug(device: torch.device) -> str:
 
 
 def versions() -> str:
-    from xlstm_kit import __version__
-
     parts = [f"xlstm_kit {__version__}", f"torch {torch.__version__}"]
     try:
         import triton
@@ -153,8 +151,6 @@ def main_ms(result: dict) -> float | None:
 
 def collect(selected: Sequence[registry.Case], env_of, quick: bool, with_peers: bool,
             log: TextIO | None = None, peer_timeout_s: float = PEER_TIMEOUT_S) -> list[Row]:
-    from . import peers as peer_mod
-
     rows: list[Row] = []
     for case in selected:
         env: Env = env_of(case)

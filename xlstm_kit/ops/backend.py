@@ -34,7 +34,7 @@ KERNEL_MODULES: dict[str, str] = {
     "mlstm_step": "xlstm_kit.ops.mlstm.triton.step",
     "slstm_recurrent": "xlstm_kit.ops.slstm.triton.op",
     "slstm_step": "xlstm_kit.ops.slstm.triton.step",
-    "dplr_chunkwise": "xlstm_kit.ops.dplr.triton.chunkwise",
+    "dplr_chunkwise": "xlstm_kit.ops.dplr.triton.op",
     "kda_chunkwise": "xlstm_kit.ops.dplr.triton.kda_op",
     "dplr_step": "xlstm_kit.ops.dplr.triton.step",
     "mlstm_output": "xlstm_kit.ops.blocks.triton",

@@ -5,7 +5,7 @@
     (i, f) = W_g [q; k; v] + b_g,  h = the mLSTM cell step (ops/mlstm/triton/step.py)
 
 At batch 1 a step of a small model is launch-bound: compiled, the block's PyTorch step is about
-13 kernels of a few microseconds each (benchmarks/NOTES-generate.md). Here it is
+13 kernels of a few microseconds each (docs/kernels.md, "Decode kernels"). Here it is
 
 1. `_up_mix_kernel`: the LayerNorm (statistics recomputed by every program from the d_model-wide
    row) fused as the prologue of the up-projection GEMV, whose x_m row tiles (whole P-blocks of
@@ -30,6 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..backend import on_device
+from ..mlstm.triton.step import _step_
 
 MAX_BATCH = 8
 
@@ -213,8 +214,6 @@ def _block_step_(x: Tensor, ln_w: Tensor, up_w: Tensor, conv_w: Tensor, conv_b: 
     """x [B, d]; the block's parameters (contiguous, as `MLSTMBlock` holds them); conv
     [B, KC-1, C], C [B, H, D, D] float32, both updated in place; n [B, H, D], m [B, H] float32
     → (x' [B, d] in x's dtype, n', m')."""
-    from ..mlstm.triton.step import _step_
-
     B, d = x.shape
     Cn = up_w.shape[0] // 2
     H, D = C.shape[1], C.shape[2]
@@ -253,21 +252,13 @@ def _(x, ln_w, up_w, conv_w, conv_b, wq, wk, wv, wi, wf, bi, bf, norm_w, skip, d
     return torch.empty_like(x), torch.empty(C.shape[:3], **f32), torch.empty(C.shape[:2], **f32)
 
 
-def mlstm_block_step(block, x: Tensor, state, inplace: bool = False):
-    """`MLSTMBlock.step` in three launches: x [B, d_model] and an `MLSTMState` (float32) →
-    (x + layer(norm(x)) [B, d_model], new state). inplace: C and the conv state are updated in
-    place (a decode loop); otherwise the old state is left as it was."""
-    from ...nn.mlstm import MLSTMState
-
-    layer = block.layer
-    conv, C = state.conv, state.C
-    if not inplace:
-        conv, C = conv.clone(), C.clone()
-    args = (x.contiguous(), block.norm.weight, layer.up_proj.weight, layer.conv.weight, layer.conv.bias,
-            layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight, layer.igate.weight, layer.fgate.weight,
-            layer.igate.bias, layer.fgate.bias, layer.out_norm.weight, layer.skip, layer.down_proj.weight,
-            conv, C, state.n.contiguous(), state.m.contiguous(),
-            float(block.norm.eps), float(layer.out_norm.eps), 1e-6)
+def mlstm_block_step(x: Tensor, ln_w: Tensor, up_w: Tensor, conv_w: Tensor, conv_b: Tensor, wq: Tensor,
+                     wk: Tensor, wv: Tensor, wi: Tensor, wf: Tensor, bi: Tensor, bf: Tensor, norm_w: Tensor,
+                     skip: Tensor, down_w: Tensor, conv: Tensor, C: Tensor, n: Tensor, m: Tensor, ln_eps: float,
+                     norm_eps: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`MLSTMBlock.step` in three launches, on the block's tensors (see `_block_step_`; the layer,
+    `MLSTMBlock.fused_step`, gathers them): conv and C are updated in place → (x', n', m')."""
     # eagerly without the dispatcher (tens of microseconds; the three launches take about ten)
-    y, n, m = (block_step_op if torch.compiler.is_compiling() else _block_step_)(*args)
-    return y, MLSTMState(conv, C, n, m)
+    return (block_step_op if torch.compiler.is_compiling() else _block_step_)(
+        x, ln_w, up_w, conv_w, conv_b, wq, wk, wv, wi, wf, bi, bf, norm_w, skip, down_w, conv, C, n, m,
+        ln_eps, norm_eps, eps)

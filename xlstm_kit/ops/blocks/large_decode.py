@@ -43,7 +43,7 @@ def supports(op: str, *, dtype: torch.dtype, batch: int = 1, requires_grad: bool
     """backend.choose_backend's question: does the fused block step take this call?"""
     # batch 1 only: its programs read a weight tile once per batch row and the rows' programs
     # do not share it through L2 (H200, 2026-12-02: 7B at batch 4, 445 tokens/s fused against
-    # 690 for the compiled PyTorch step; 1.3B a tie; benchmarks/NOTES-generate.md)
+    # 690 for the compiled PyTorch step; 1.3B a tie; docs/kernels.md, "Decode kernels")
     return step_refusal("large", dtype=dtype, batch=batch, requires_grad=requires_grad, bias=bias, max_batch=1)
 
 
@@ -62,7 +62,7 @@ def gemv_config(rows: int, k: int, programs: int = 512, tile: int = 4096, num_wa
     the rows allow (a few hundred keep enough loads in flight to stream the weights), 16 down to
     `min_rows` rows per program (each program also loads its x and norm tiles), [block_n,
     block_k] tiles of `tile` elements. The defaults are the H200's best of the sweep in
-    benchmarks/large_tune.py (benchmarks/NOTES-generate.md)."""
+    benchmarks/large_tune.py (docs/kernels.md, "Decode kernels")."""
     bn = 16
     while bn > min_rows and rows < programs * bn:
         bn //= 2
@@ -224,20 +224,14 @@ def _(x, norm_w, wq, wk, wv, wo, wi, wf, bi, bf, head_w, w_out, ffn_norm_w, w_ga
     return torch.empty_like(x), torch.empty(C.shape[:3], **f32), torch.empty(C.shape[:2], **f32)
 
 
-def large_block_step(block, x: Tensor, state, inplace: bool = False):
-    """`LargeBlock.step` in five launches: x [B, d_model] and an `MLSTMState` (C float32) →
-    (x' [B, d_model], new state). inplace: C is updated in place (a decode loop); otherwise the
-    old state is left as it was."""
-    from ...nn.mlstm import MLSTMState
-
-    layer, ffn = block.mlstm_layer, block.ffn
-    C = state.C if inplace else state.C.clone()
-    args = (x.contiguous(), block.norm_mlstm.weight, layer.q.weight, layer.k.weight, layer.v.weight,
-            layer.ogate_preact.weight, layer.igate_preact.weight, layer.fgate_preact.weight,
-            layer.igate_preact.bias, layer.fgate_preact.bias, layer.multihead_norm.weight, layer.out_proj.weight,
-            block.norm_ffn.weight, ffn.proj_up_gate.weight, ffn.proj_up.weight, ffn.proj_down.weight,
-            C, state.n.contiguous(), state.m.contiguous(), float(block.norm_mlstm.eps), float(block.norm_ffn.eps),
-            float(layer.multihead_norm.eps), float(layer.gate_soft_cap), float(layer.eps))
+def large_block_step(x: Tensor, norm_w: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, wi: Tensor,
+                     wf: Tensor, bi: Tensor, bf: Tensor, head_w: Tensor, w_out: Tensor, ffn_norm_w: Tensor,
+                     w_gate: Tensor, w_up: Tensor, w_down: Tensor, C: Tensor, n: Tensor, m: Tensor,
+                     norm_eps: float, ffn_norm_eps: float, head_eps: float, cap: float,
+                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`LargeBlock.step` in five launches, on the block's tensors (see `_large_block_step_`; the
+    layer, `LargeBlock.fused_step`, gathers them): C is updated in place → (x', n', m')."""
     # eagerly without the dispatcher (tens of microseconds, as long as the five launches at batch 1)
-    y, n, m = (large_block_step_op if torch.compiler.is_compiling() else _large_block_step_)(*args)
-    return y, MLSTMState(state.conv, C, n, m)
+    return (large_block_step_op if torch.compiler.is_compiling() else _large_block_step_)(
+        x, norm_w, wq, wk, wv, wo, wi, wf, bi, bf, head_w, w_out, ffn_norm_w, w_gate, w_up, w_down, C, n, m,
+        norm_eps, ffn_norm_eps, head_eps, cap, eps)

@@ -1,6 +1,6 @@
 """Triton kernels of the paper mLSTM layer's front: the causal conv + SiLU of x_m, the head-wise
 (block-diagonal) q/k/v maps and the gate pre-activations, in one pass over x_m each way (the
-training cell of xlstm_kit/nn/mlstm_cell.py).
+training cell of xlstm_kit/layers/mlstm_cell.py).
 
 - `xlstm_kit::mlstm_front_fwd(x, pos, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, gates, config)
       -> (x_conv, q, k, v, g)`

@@ -193,17 +193,12 @@ def _(x, ln_w, conv_w, conv_b, gate_w, r, bias, norm_w, ffn_ln_w, up_w, down_w, 
                                                            for _ in range(4)))
 
 
-def slstm_block_step(block, x: Tensor, state):
-    """`SLSTMBlock.step` in three launches: x [B, d_model] and an `SLSTMState` (float32) →
-    (x' [B, d_model], new state)."""
-    from ...nn.slstm import SLSTMState
-
-    layer = block.layer
-    # without a convolution any tensor stands in for its parameters: the kernel never reads them
-    conv_w, conv_b = (layer.conv.weight, layer.conv.bias) if layer.conv is not None else (layer.bias,) * 2
-    args = (x.contiguous(), block.norm.weight, conv_w, conv_b, layer.gate_weight, layer.recurrent, layer.bias,
-            layer.out_norm.weight, block.ffn_norm.weight, block.ffn.up_proj.weight, block.ffn.down_proj.weight,
-            state.conv.contiguous(), *(s.contiguous() for s in state[1:]),
-            0 if layer.conv is None else layer.conv.kernel_size, float(block.norm.eps), float(layer.out_norm.eps), float(block.ffn_norm.eps))
-    y, *new = (block_step_op if torch.compiler.is_compiling() else _block_step)(*args)
-    return y, SLSTMState(*new)
+def slstm_block_step(x: Tensor, ln_w: Tensor, conv_w: Tensor, conv_b: Tensor, gate_w: Tensor, r: Tensor,
+                     bias: Tensor, norm_w: Tensor, ffn_ln_w: Tensor, up_w: Tensor, down_w: Tensor, conv: Tensor,
+                     h: Tensor, c: Tensor, n: Tensor, m: Tensor, conv_kernel: int, ln_eps: float, norm_eps: float,
+                     ffn_eps: float) -> tuple[Tensor, ...]:
+    """`SLSTMBlock.step` in three launches, on the block's tensors (see `_block_step`; the layer,
+    `SLSTMBlock.fused_step`, gathers them) → (x', conv', h', c', n', m')."""
+    return (block_step_op if torch.compiler.is_compiling() else _block_step)(
+        x, ln_w, conv_w, conv_b, gate_w, r, bias, norm_w, ffn_ln_w, up_w, down_w, conv, h, c, n, m,
+        conv_kernel, ln_eps, norm_eps, ffn_eps)

@@ -9,7 +9,7 @@ writes them; its rows may have any stride (a column slice of a wider output), it
 contiguous. y, dy [N, F] and dgu [N, 2F] = [dy · u · SiLU'(g), dy · SiLU(g)] in gu's dtype
 (float16, bfloat16 or float32), float32 arithmetic. One read of gu and one write of y forward;
 one read of gu and dy and one write of dgu backward. The layer reaches them through
-xlstm_kit.nn.fused.swiglu, which holds their PyTorch twins.
+xlstm_kit.layers.fused.swiglu, which holds their PyTorch twins.
 """
 from __future__ import annotations
 

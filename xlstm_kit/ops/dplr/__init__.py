@@ -25,7 +25,7 @@ from .triton.config import DPLRKernelConfig  # no Triton needed to build one
 # (2^{−104}; low parts ≥ 2^{−126} to a relative 2^{−22}). The floor changes a step's decay from
 # e^{gk} to at most e^{−9} ≈ 1.2e−4: the past survives such a step at most at that weight.
 # (Exact diagonal blocks, which need no such factor and no floor, cost KDA 14 % of its time on
-# the H200: benchmarks/NOTES-dplr-issue20.md, session 12.)
+# the H200: docs/kernels.md, "DPLR and KDA".)
 TRITON_LOG_DECAY_FLOOR = -9.0
 
 

@@ -1,9 +1,10 @@
-"""DPLR chunkwise in PyTorch: the WY algorithm of the seed (section 二) with its hand-written
-backward (section 三), as one ``torch.autograd.Function``.
+"""DPLR chunkwise in PyTorch: the chunkwise WY algorithm (docs/design.md, "DPLR and KDA"; the WY
+form of DeltaNet's chunkwise algorithm, Yang et al. 2024, arXiv 2406.06484) with its hand-written
+backward, as one ``torch.autograd.Function``.
 
-Notation. The sequence is cut into chunks of L steps (the seed calls the chunk length C; here C is
-the seed's matrix C_[t], written ``Cm``). Inside a chunk, with the state stored transposed
-(h = Sᵀ ∈ R^{K×V}) and G the inclusive cumulative sum of gk over the chunk (log Γ of the seed):
+Notation. The sequence is cut into chunks of L steps; ``Cm`` is the chunk's matrix U of
+docs/design.md. Inside a chunk, with the state stored transposed (h = Sᵀ ∈ R^{K×V}) and G the
+inclusive cumulative sum of gk over the chunk (log Γ):
 
     pair matrices   A_xy[r, i] = Σ_k x_r[k] y_i[k] exp(G_r[k] − G_i[k])   for i ≤ r (i < r for x=b)
                     i.e. A_qk = Q←K→ᵀ⊙M, A_qa = Q←A→ᵀ⊙M, A_bk = B←K→ᵀ⊙M₋₁, A_ba = B←A→ᵀ⊙M₋₁
@@ -14,23 +15,23 @@ the seed's matrix C_[t], written ``Cm``). Inside a chunk, with the state stored 
 E is never formed: F is unit lower triangular, so W and Cm come from one forward substitution
 (a triangular solve, LAPACK trsm) and the backward's Eᵀ(·) products from one back substitution.
 
-Numerics. The seed's Q← = Q⊙Γ, K→ = K⊘Γ factorisation overflows: with gk = −5 per step and
+Numerics. The plain Q← = Q⊙Γ, K→ = K⊘Γ factorisation overflows: with gk = −5 per step and
 L = 64, 1/Γ reaches e^320. Every quantity above, however, only needs decays exp(G_r − G_i) with
 i ≤ r (≤ 1), exp(G_r) (≤ 1) or exp(G_L − G_i) (≤ 1). So the pair matrices are built from
 sub-chunks of S ≤ SUB_CHUNK (8) steps: a block of rows R strictly below a block of columns J uses the last
 step of J as the reference point, (X_R ⊙ e^{G_R − ref}) (Y_J ⊙ e^{ref − G_J})ᵀ, both factors ≤ 1,
 one matmul; a diagonal block uses the exact pairwise decays e^{G_r − G_i} ([S, S, K] per block,
 masked before the exp so the upper triangle is e^{−inf} = 0). No factor ever exceeds 1, for any
-gk ≤ 0 and any chunk size; the cost over the seed's plain matmuls is the L·S·K pairwise tensor.
+gk ≤ 0 and any chunk size; the cost over plain matmuls is the L·S·K pairwise tensor.
 
 Precision. G = cumsum(gk) is taken in float64 and only differences (G_r − G_i, G_L − G_r, all
 small and accurate) are cast to the compute dtype before the exp: in float32 a chunk's G reaches
 −320 at gk = −5, and differences of such numbers would cost 2e-5 relative on every decay.
 
-Backward (seed section 三, with the two typos of the notes fixed: δB = δB← ⊙ Γ and
-δW = −δC h_{[t−1]}ᵀ, i.e. the state *entering* the chunk). Everything chunk-local is recomputed
+Backward (with δB = δB← ⊙ Γ and δW = −δC h_{[t−1]}ᵀ, h_{[t−1]} the state *entering* the
+chunk). Everything chunk-local is recomputed
 from the saved inputs; only the states between chunks are carried sequentially. The gate gradient
-is the seed's δlogΓ = q⊙δq + b⊙δb − k⊙δk − a⊙δa + diag(h'ᵀδh') (last row), reverse-cumsummed,
+is the identity δlogΓ = q⊙δq + b⊙δb − k⊙δk − a⊙δa + diag(h'ᵀδh') (last row), reverse-cumsummed,
 regrouped so that no O(1) terms cancel (see the comment in `backward`): under strong decay the
 true δgk is O(γ) and the plain identity would leave float32 noise of O(1e-7) in it.
 """
@@ -227,7 +228,7 @@ class _DPLRChunkwise(torch.autograd.Function):
         W, Cm, Ad, eGl = c["W"], c["Cm"], c["Ad"], c["eGl"]
         incl, strict = _masks(L, q.dtype, q.device)
 
-        # Sequential part: δh flows backwards through the chunks. Per chunk (seed §三):
+        # Sequential part: δh flows backwards through the chunks. Per chunk:
         #   δV2 = δC = A→Diag(γ_L) δh' + (Q←A→ᵀ⊙M)ᵀ δO
         #   δh  = Diag(γ_L) δh' + Q←ᵀ δO − Wᵀ δV2          (V2 = C − W h)
         P = c["A_qa"].mT @ do                           # [B,H,N,L,V]
@@ -271,7 +272,7 @@ class _DPLRChunkwise(torch.autograd.Function):
         dk = dKd * dec + dY[..., 0, :] + dqk_d * q
         da = dAd * dec + dY[..., 1, :] + dqa_d * q
 
-        # Gate gradient. The seed's identity δlogΓ = q⊙δq + b⊙δb − k⊙δk − a⊙δa (+ diag(h'ᵀδh') on the
+        # Gate gradient. The identity δlogΓ = q⊙δq + b⊙δb − k⊙δk − a⊙δa (+ diag(h'ᵀδh') on the
         # last row), followed by a reverse cumulative sum, is exact but cancels O(1) terms down to
         # the O(γ) true value under strong decay. The same sum grouped by which gk_j each factor
         # contains loses nothing:
@@ -308,7 +309,7 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
         q, k, a, b, gk: [B, T, H, K]; gk is the log decay (≤ 0; any magnitude is safe).
         v: [B, T, H, V].
         scale: query scale, default 1/√K.
-        initial_state: [B, H, K, V] (= Sᵀ of the seed) or None for zeros.
+        initial_state: [B, H, K, V] (= Sᵀ, the transposed state of docs/design.md) or None for zeros.
         output_final_state: return the final state.
         chunk_size: steps per chunk (any T; the last chunk is padded with identity steps).
     Returns:

@@ -1,4 +1,4 @@
-"""KDA (Kimi Delta Attention) as the DPLR special case a = k, b = β k, v ← β v (seed "与KDA的关系").
+"""KDA (Kimi Delta Attention) as the DPLR special case a = k, b = β k, v ← β v (Kimi Linear, arXiv 2510.26692).
 
 S_t = S_{t-1} Diag(α_t)(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ, α_t = exp(g_t): the decayed state is
 corrected towards v_t along k_t with step β_t. Gradients reach k, v, g and β through autograd of

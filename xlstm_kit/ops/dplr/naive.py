@@ -124,7 +124,7 @@ def dplr_recurrent(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
         q, k, a, b, gk: [B, T, H, K]; gk is the log decay (≤ 0).
         v: [B, T, H, V].
         scale: query scale, default 1/√K.
-        initial_state: [B, H, K, V] (= Sᵀ of the seed) or None for zeros.
+        initial_state: [B, H, K, V] (= Sᵀ, the transposed state of docs/design.md) or None for zeros.
         output_final_state: return the final state.
     Returns:
         (o [B, T, H, V] in q's dtype, final state [B, H, K, V] (float32, float64 for float64

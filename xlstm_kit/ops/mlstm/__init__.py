@@ -1,6 +1,7 @@
 """mLSTM operators: public entry points, input checks and the one backend choice.
 
-Maths (DESIGN.md §1): with log f_t = logsigmoid(f̃_t), stabilizer m_t = max(log f_t + m_{t-1}, ĩ_t),
+Maths (docs/design.md, "mLSTM"; xLSTM paper, arXiv 2405.04517, eqs. 19–27): with
+log f_t = logsigmoid(f̃_t), stabilizer m_t = max(log f_t + m_{t-1}, ĩ_t),
 C_t = f'_t C_{t-1} + i'_t k_t v_tᵀ, n_t = f'_t n_{t-1} + i'_t k_t and
 h_t = C_tᵀ q̂_t / (max(|n_tᵀ q̂_t|, exp(-m_t)) + eps), q̂_t = q_t / √K.
 
@@ -113,6 +114,7 @@ def mlstm_chunkwise(
     backend: str | None = None,
     recompute_states: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    config=None,
 ) -> tuple[torch.Tensor, State | None]:
     """Chunkwise-parallel mLSTM with a hand-written backward; any T (the last chunk may be partial).
 
@@ -126,6 +128,8 @@ def mlstm_chunkwise(
     `cu_seqlens`: int32/int64 [N+1] (0 = cu[0] < ... < cu[N] = T) with B = 1: N sequences packed
     along T, each starting from its own row of `initial_state` (C [N,H,K,V], n [N,H,K], m [N,H];
     None: zeros) and returning its own final state (N rows); nothing crosses a boundary.
+    `config`: the Triton kernels' `MLSTMKernelConfig` (None: the tuned defaults for the shapes);
+    unused on the PyTorch path.
     """
     B, T, H, K, V = _sequence_dims(q, k, v, i, f)
     eps = _check_eps(eps)
@@ -149,7 +153,7 @@ def mlstm_chunkwise(
         with on_device(q):
             return mlstm_chunkwise_triton(
                 q, k, v, i, f, initial_state=initial_state, output_final_state=output_final_state, eps=eps,
-                recompute_states=bool(recompute_states), **varlen)
+                config=config, recompute_states=bool(recompute_states), **varlen)
     if bounds is not None:
         return run_varlen(lambda *xs, **kw: mlstm_chunkwise(*xs, eps=eps, chunk_size=chunk_size, backend="torch", **kw),
                           (q, k, v, i, f), bounds, initial_state, output_final_state)
@@ -169,7 +173,7 @@ def mlstm_parallel(
     eps: float = 1e-6,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
-    """Quadratic (parallel) mLSTM, seed eqs. 71–86, with the backward of eqs. 87–105 written by hand.
+    """Quadratic (parallel) mLSTM, xLSTM paper eqs. 71–86, with its backward (eqs. 87–105) by hand.
 
     q, k [B,T,H,K]; v [B,T,H,V]; i, f [B,T,H] → (h [B,T,H,V], None). Starts from the zero state;
     O(T²) memory, meant for short sequences and as a check of the chunkwise form.

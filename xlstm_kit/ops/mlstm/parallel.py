@@ -1,17 +1,18 @@
-"""Parallel (quadratic) mLSTM: forward seed eqs. 71–86, hand-written backward eqs. 87–105.
+"""Parallel (quadratic) mLSTM: forward of the xLSTM paper's (arXiv 2405.04517) appendix eqs. 71–86,
+hand-written backward of its eqs. 87–105.
 
-Two additions to the seed's text, both needed to compute exactly what the recurrent reference
-computes (DESIGN.md §1):
+Two additions to the paper's text, both needed to compute exactly what the recurrent reference
+computes (docs/design.md, "mLSTM" and "Stabilisation"):
 
 * The zero initial state has stabilizer m_0 = 0, so row t of the stabilizer also sees the
   column "log F_{t,0} + m_0" = Σ_{k≤t} log f_k (a state with no content). It only moves m, and
   m only matters through eps, but without it the op would differ from the recurrent one by
   up to eps relative wherever every ĩ_s is below Σ log f.
 * n = max(|b|, exp(-m)) + eps. With eps the output depends on m: ∂h_t/∂m_t = -eps h_t / n_t,
-  i.e. δm_t = eps δn_t, routed to the entry of D̃ that realises the row maximum. The seed's
+  i.e. δm_t = eps δn_t, routed to the entry of D̃ that realises the row maximum. The paper's
   "gradients for m cancel" holds for eps = 0 only.
 
-Also note eq. 90: the seed's sign(n) must read sign(b) (n > 0 always).
+Also note eq. 90: the paper's sign(n) must read sign(b) (n > 0 always).
 """
 from __future__ import annotations
 

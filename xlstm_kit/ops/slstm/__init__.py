@@ -5,7 +5,8 @@
     slstm_step(x_gates [B,4,H,D], r, b, state) -> (h [B,H,D], (h, c, n, m))
 
 Gate order is (i, f, z, o) everywhere; r holds one D x D block per gate and head (the
-block-diagonal recurrent matrix), applied as h_{t-1} @ r[g, h]. The maths is DESIGN.md §1.
+block-diagonal recurrent matrix), applied as h_{t-1} @ r[g, h]. The maths is docs/design.md, "sLSTM"
+(xLSTM paper, arXiv 2405.04517, eqs. 8–17).
 """
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def _check_common(x_gates, r, b, state, state_name: str, forget_gate) -> None:
 def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
                     initial_state: Optional[State] = None, output_final_state: bool = False,
                     forget_gate: str = "sigmoid", recurrent_grad_clip: Optional[float] = None,
-                    backend: Optional[str] = None, cu_seqlens: Optional[torch.Tensor] = None
-                    ) -> Tuple[torch.Tensor, Optional[State]]:
+                    backend: Optional[str] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                    config=None) -> Tuple[torch.Tensor, Optional[State]]:
     """sLSTM over a sequence (stabilized exponential gating, per-head memory mixing).
 
     Args:
@@ -66,6 +67,8 @@ def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
         cu_seqlens: None, or int32/int64 [N+1] (0 = cu[0] < ... < cu[N] = T) with B = 1: N
             sequences packed along T, each from its own row of initial_state (each [N, H, D];
             None: zeros), returning its own final state (N rows); nothing crosses a boundary.
+        config: the Triton kernels' `SLSTMKernelConfig` (None: the default for the head size);
+            unused on the PyTorch path.
 
     Returns:
         h [B, T, H, D] in x_gates' dtype; the final state (each [B, H, D], float32, or float64
@@ -101,20 +104,22 @@ def slstm_recurrent(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor, *,
         # Packed: the kernels run the sequences side by side as a batch (no loop over them).
         return slstm_recurrent_triton(x_gates, r, b, initial_state=initial_state,
                                       output_final_state=output_final_state, forget_gate=forget_gate,
-                                      recurrent_grad_clip=recurrent_grad_clip, cu_seqlens=cu_seqlens)
+                                      recurrent_grad_clip=recurrent_grad_clip, config=config,
+                                      cu_seqlens=cu_seqlens)
 
 
 @autocast_off
 def slstm_step(x_gates: torch.Tensor, r: torch.Tensor, b: torch.Tensor,
-               state: Optional[State] = None, *, forget_gate: str = "sigmoid"
+               state: Optional[State] = None, *, forget_gate: str = "sigmoid", config=None
                ) -> Tuple[torch.Tensor, State]:
     """One sLSTM step (generation): x_gates [B, 4, H, D], r [4, H, D, D], b [4, H, D],
-    state (h, c, n, m) each [B, H, D] or None (zeros) -> (h [B, H, D], new state)."""
+    state (h, c, n, m) each [B, H, D] or None (zeros) -> (h [B, H, D], new state).
+    config: the Triton kernel's `SLSTMKernelConfig` (None: the default); unused on the PyTorch path."""
     check_tensor("x_gates", x_gates, (None, 4, None, None), "B,4,H,D")
     _check_common(x_gates, r, b, state, "state", forget_gate)
     if choose_backend("slstm_step", None, x_gates.device) == "triton":
         from .triton.step import slstm_step_triton
 
         with on_device(x_gates):
-            return slstm_step_triton(x_gates, r, b, state, forget_gate=forget_gate)
+            return slstm_step_triton(x_gates, r, b, state, forget_gate=forget_gate, config=config)
     return slstm_step_naive(x_gates, r, b, state, forget_gate=forget_gate)

@@ -1,7 +1,8 @@
 """sLSTM reference: one step and a time loop in plain PyTorch, differentiated by autograd.
 
 This is the slow reference every other sLSTM backend is tested against; it reads like the
-paper's stabilized equations (DESIGN.md §1, paper eqs. 8–17):
+paper's stabilized equations (xLSTM paper, arXiv 2405.04517, eqs. 8–17; docs/design.md,
+"sLSTM"):
 
     g̃_t = x_gates[t, g] + h_{t-1} R_g + b_g          g in (i, f, z, o), R_g block-diagonal per head
     m_t  = max(log f_t + m_{t-1}, ĩ_t)                log f_t = logsigmoid(f̃_t) or f̃_t ("exp")

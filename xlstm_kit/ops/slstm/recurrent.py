@@ -1,6 +1,8 @@
-"""sLSTM time loop with a hand-written backward pass (paper appendix eqs. 41–51).
+"""sLSTM time loop with a hand-written backward pass (xLSTM paper, arXiv 2405.04517, appendix
+eqs. 41–51).
 
-The forward runs the stabilized recurrence of DESIGN.md §1 step by step and keeps, per step, the
+The forward runs the stabilized recurrence of docs/design.md ("sLSTM", "Stabilisation") step by
+step and keeps, per step, the
 gate pre-activations and the states (h, c, n, m). The backward is one reverse-time loop.
 
 Why the backward is not eqs. 41–51 verbatim: the paper writes the un-stabilized cell. With the

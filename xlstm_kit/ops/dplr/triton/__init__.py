@@ -1,8 +1,8 @@
-"""Chunkwise DPLR in Triton: the WY algorithm of the seed (section 二) and its hand-written
-backward (section 三); the decode step (step.py).
+"""Chunkwise DPLR in Triton: the chunkwise WY algorithm (docs/design.md, "DPLR and KDA") and its
+hand-written backward; the decode step (step.py).
 
-Same maths and notation as chunkwise.py (the tested PyTorch version): per chunk of L steps, with
-G the inclusive cumulative sum of gk over the chunk (log Γ of the seed) and the state stored
+Same maths and notation as ../chunkwise.py (the tested PyTorch version): per chunk of L steps, with
+G the inclusive cumulative sum of gk over the chunk (log Γ) and the state stored
 transposed (h = Sᵀ ∈ R^{K×V}),
 
     pair matrices   A_xy[r, i] = Σ_k x_r[k] y_i[k] e^{G_r[k] − G_i[k]},  i ≤ r (i < r for x = b)
@@ -24,7 +24,7 @@ either path; only the scratch below is in the chunk layout [B·H, Tp, ·].
                               Q ⊙ e^G, K ⊙ e^{G_L−G}, A ⊙ e^{G_L−G}, e^{G_L} of the state kernels
     state.py     _fwd_state   sequential over chunks, parallel over (V-tile, b·h): V2, the
                               output, the state
-  backward (seed §三, typos fixed as in chunkwise.py; the forward's scratch is kept, not recomputed)
+  backward (as in ../chunkwise.py; the forward's scratch is kept, not recomputed)
     state.py     _bwd_state   reverse-sequential over chunks per (V-tile, b·h): δ of each chunk's
                               end state, δV2
     backward.py  _bwd_dv      parallel over (chunk, b·h): δv, GC = Eᵀ δC and the pair-matrix
@@ -39,9 +39,9 @@ Packed sequences (cu_seqlens): every kernel above takes the device-side chunk ta
 kernels (mlstm/triton/varlen.py) under VARLEN: chunks never cross a sequence boundary, the rows
 past a sequence's end are masked (no padding in memory), the per-chunk kernels run over the chunks
 of all sequences at once, and the two state kernels walk each sequence from its own initial state
-to its own final state (chunkwise.py, common.py).
+to its own final state (op.py, common.py).
   config.py      DPLRKernelConfig (precision mode, tiles, warps) and its resolution per shape
-  chunkwise.py   launchers, the custom ops xlstm_kit::dplr_chunkwise_fwd/_bwd with
+  op.py          launchers, the custom ops xlstm_kit::dplr_chunkwise_fwd/_bwd with
                  their autograd, dplr_chunkwise_triton, supports
   kda.py         the KDA-specialised kernels (a = k, b = β k, v ← β v): k, v, β read as given,
                  each distinct pair product once (A_qa = A_qk, A_ba = A_bk), U = β v + V2, the β
@@ -54,7 +54,7 @@ W, Q⊙e^G, K⊙e^{G_L−G}, A⊙e^{G_L−G}, G in float64; V2) plus one K×V st
 1.5 GB at B=8, T=2048, H=16, K=V=128; q, k, v, a, b are kept as the caller's own tensors (no
 copies).
 
-Numerics (log-gates down to −5 per step). The seed's factorisation Q← = Q⊙Γ, K→ = K⊘Γ would
+Numerics (log-gates down to −5 per step). The plain factorisation Q← = Q⊙Γ, K→ = K⊘Γ would
 need 1/Γ up to e^{320} in a chunk of 64 steps at gk = −5. The pair matrices are therefore built
 per column sub-chunk J of S = 16 steps with a reference point inside the chunk:
   rows below J:  (X ⊙ e^{G_r − G_end(J)}) (Y_J ⊙ e^{G_end(J) − G_J})ᵀ   — both factors ≤ 1, any gk;

@@ -85,7 +85,7 @@ def bwd_dv_reference(Kd, v, Aqk, Abk, E, V2, dO, dH, dV2, L: int):
 
 def chunk_operands_reference(q, k, a, b, gk, scale: float, L: int):
     """Everything the forward builds from q, k, a, b and the gates, in float64 and differentiable:
-    the pair matrices (with their diagonals), Qg = scale·q ⊙ e^G, Bg = b ⊙ e^G (B← of the seed),
+    the pair matrices (with their diagonals), Qg = scale·q ⊙ e^G, Bg = b ⊙ e^G (B← of docs/design.md),
     Kd = k ⊙ e^{G_L−G}, Ad = a ⊙ e^{G_L−G} ([BH, NC, L, K]) and eGl = e^{G_L} [BH, NC, K].
     q, k, a, b, gk: [BH, Tp, K] (gk the per-step log gates, not cumulated)."""
     BH, Tp, K = q.shape

@@ -28,7 +28,7 @@ SUB = 16  # column sub-chunk of the pair matrices (the package docstring says wh
 def _offs(n, t0, rows, cols, T, D):
     """Offsets of the tile [t0 + rows, cols] of item n of a contiguous [N, T, D] array."""
     # the flat row index first, then × D: ptxas at sm_90a spills less with this form than with
-    # n·T·D + (t0 + rows)·D (the hand-written offsets it replaced; NOTES-dplr.md, "Offsets")
+    # n·T·D + (t0 + rows)·D (the hand-written offsets it replaced; docs/kernels.md, "DPLR and KDA")
     return (n * T + t0 + rows)[:, None] * D + cols[None, :]
 
 
@@ -57,7 +57,7 @@ def _x_ld(x, bh, t0, rows, cols, nv, T, H, D):
     `_x_mask` is false (the zero padding of the chunk layout)."""
     # rows clamped to step T − 1 (in bounds even when t0 ≥ T: a column block past the end) and
     # zeroed by a select, not a masked load: on the H200 the key-gradient pair kernels run
-    # 0.3-0.7 ms faster with it (the forward pair kernels slower: benchmarks/NOTES-dplr-glue.md)
+    # 0.3-0.7 ms faster with it (the forward pair kernels slower: docs/kernels.md, "DPLR and KDA")
     p = _x_base(x, bh, t0, T, H, D) + tl.minimum(rows, T - 1 - t0)[:, None] * (H * D) + cols[None, :]
     return tl.where(_x_mask(t0, rows, nv, T)[:, None], tl.load(p), 0.0)
 

@@ -1,6 +1,6 @@
 """`DPLRKernelConfig`: the launch choices of the chunkwise DPLR kernels, one frozen value.
 
-The defaults are the timed ones (benchmarks/NOTES-dplr-issue20.md; the last sweep: H200, 2026-12-02):
+The defaults are the timed ones (docs/kernels.md, "DPLR and KDA"; the last sweep: H200, 2026-12-02):
 single-pass TF32 for the products that reach only bf16 outputs, 32-column V-tiles on 4 warps for
 the two sequential state kernels, 4 warps for `_fwd_wy` and both gradient kernels, and the tiles
 below. `None` in a field means "by chunk size".
@@ -138,10 +138,10 @@ def resolve(config: DPLRKernelConfig, K: int, V: int, L: int, interpreting: bool
     return Launch(
         prec=prec, lo_o=at("o"), lo_qk=at("o", "dv"), lo_dv=at("dv"), lo_gc=at("dv", "dk"),
         lo_dk=at("dk"),
-        # larger V-tiles at K = 256 would not fit the shared memory of one block (NOTES-dplr.md)
+        # larger V-tiles at K = 256 would not fit the shared memory of one block (docs/kernels.md, "DPLR and KDA")
         state_bv=(bv := min(config.state_block_v, V, 32 if K > 128 else 64)),
         # 8 warps on 16-column state tiles faulted on the H200 (illegal memory access in the
-        # state kernels, Triton 3.6, KDA at K = V = 128: benchmarks/NOTES-dplr-issue20.md); such tiles
+        # state kernels, Triton 3.6, KDA at K = V = 128: docs/kernels.md, "DPLR and KDA"); such tiles
         # take 4 warps until the cause is found
         state_warps=config.state_warps if bv >= 32 else 4,
         pairs_bk=min(K, config.pairs_block_k),

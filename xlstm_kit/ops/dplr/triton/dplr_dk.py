@@ -1,7 +1,7 @@
 """The general op's key gradient (δq, δk, δa, δb, δgk) in two kernels, as kda_dk.py splits KDA's,
 with the epilogue `_dk_finish`. It replaced one kernel per (chunk, K-tile), `_bwd_dk`: DPLR
 fwd+bwd 11.65 → 10.81 ms (bf16 gk), 15.14 → 12.55 (float32 gk) at (8, 2048, 16, 128, 128), H200
-(benchmarks/NOTES-dplr-issue20.md, session 12).
+(docs/kernels.md, "DPLR and KDA").
 
 `_bwd_dk_pairs`, grid (chunk × L/S sub-chunks, K-tile, b·h): the four pair matrices' gradients
 (δA_qk, δA_qa, δA_bk, δA_ba: x ∈ {q·scale, b} by row, y ∈ {k, a} by column) for the S rows of

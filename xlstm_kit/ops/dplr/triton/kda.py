@@ -1,4 +1,4 @@
-"""The KDA-specialised kernels (a = k, b = β k, v ← β v; seed "与KDA的关系"): the inputs k, v, β
+"""The KDA-specialised kernels (a = k, b = β k, v ← β v; Kimi Linear, arXiv 2510.26692): the inputs k, v, β
 are read as they are and β k, β v formed at load time, in registers, and every pair product that
 the general kernels compute twice is computed once:
 

@@ -1,5 +1,5 @@
-"""The KDA key gradient (δq, δk, δg and δβ's k part) in two kernels (NOTES-dplr-issue20.md, "Issue 20
-... design study", step 1; it replaced one kernel per (chunk, K-tile), `_bwd_dk_kda`, 11.04 →
+"""The KDA key gradient (δq, δk, δg and δβ's k part) in two kernels (docs/kernels.md,
+"DPLR and KDA"; it replaced one kernel per (chunk, K-tile), `_bwd_dk_kda`, 11.04 →
 10.14 ms fwd+bwd at (8, 2048, 16, 128, 128), bf16, H200): the terms and gate-gradient grouping of
 the general op's (dplr_dk.py), arranged so that no program runs full-height masked pair products and no
 K-tile re-reads the V side in a program of its own.

@@ -1,6 +1,6 @@
 """KDA over its own kernels (kda.py; a = k, b = β k, v ← β v read as k, v, β): launchers, the
 custom ops `xlstm_kit::kda_chunkwise_fwd` / `xlstm_kit::kda_chunkwise_bwd`, and
-`kda_chunkwise_triton`. Packed sequences and the configuration as chunkwise.py; the phases are
+`kda_chunkwise_triton`. Packed sequences and the configuration as op.py; the phases are
 those of the general op with the KDA kernels (or the KDA flag) where a = k lets a product be
 computed once, and `_bwd_state` with Kd for Ad and A_qk for A_qa. As in the general op, no
 layout copies: the kernels read q, k, v, g, β, δO and write o, δq, δk, δv, δg in the caller's
@@ -12,9 +12,9 @@ import torch
 from ...backend import interpreting
 from ..kda import check_kda_inputs
 from ..naive import check_scale
-from .chunkwise import (_STAGES, _bwd_prologue, _check, _check_packed, _config_key, _prologue, _seq_args,
+from .op import (_STAGES, _bwd_prologue, _check, _check_packed, _config_key, _prologue, _seq_args,
                         _tensors)
-from .chunkwise import supports
+from .op import supports
 from .common import SUB
 from .config import DPLRKernelConfig, resolve
 from .kda import _bwd_dv_kda, _fwd_pairs_kda
@@ -147,7 +147,7 @@ _fwd_op.register_autograd(_grad, setup_context=_setup_context)
 
 def kda_chunkwise_triton(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                          chunk_size=64, config=None, cu_seqlens=None):
-    """KDA (a = k, b = β k, v ← β v; seed "与KDA的关系") with the KDA kernels (kda.py): k, v, β
+    """KDA (a = k, b = β k, v ← β v; Kimi Linear, arXiv 2510.26692) with the KDA kernels (kda.py): k, v, β
     are read as given, β k and β v formed in registers, and every gradient, β's included,
     comes from the kernels. The low-precision groups of `config` follow the KDA outputs: o
     follows q; δv follows v and β; the K side (δq, δk, δg, the β gradient's k part) q, k, g, β.

@@ -85,7 +85,7 @@ def _bwd_state(Qg, Ad, eGl, Aqa, W, dO, dhT, dH, dV2, dh0, Tp, NC, T, H,
                K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
                HAS_DHT: tl.constexpr, PREC: tl.constexpr, tab=None, sinfo=None,
                VARLEN: tl.constexpr = False):
-    """Reverse-sequential over the chunks of one (b·h, V-tile), seed §三:
+    """Reverse-sequential over the chunks of one (b·h, V-tile), as in ../chunkwise.py:
         δV2 = (A ⊙ e^{G_L−G}) δh' + A_qaᵀ δO,   δh = Diag(γ_L) δh' + Q←ᵀ δO − Wᵀ δV2.
     dO: [B, T, H, V] (the caller's layout, common.py; T, H its sizes); dH: [BH, NC, K, V] δ of the
     state leaving each chunk; dV2: [BH, Tp, V]; dhT, dh0: [BH, K, V].

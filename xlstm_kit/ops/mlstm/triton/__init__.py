@@ -1,6 +1,7 @@
 """Chunkwise mLSTM in Triton: forward and hand-written backward kernels, and the decode step.
 
-Maths (DESIGN.md §1). Per head, the sequence is cut into NC chunks of L steps (the last chunk is
+Maths: docs/design.md, "mLSTM" and "Stabilisation". Per head, the sequence is cut into NC
+chunks of L steps (the last chunk is
 padded with steps that leave the state alone: log f = 0, ĩ = NEG, q = k = v = 0). With β the
 in-chunk cumulative log forget gate and (C_c, n_c, m_c) the state entering chunk c, row t of
 the chunk has the recurrent stabilizer exactly

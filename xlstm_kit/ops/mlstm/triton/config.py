@@ -15,7 +15,7 @@ CHUNK_SIZES = (16, 32, 64, 128)
 @dataclasses.dataclass(frozen=True)
 class MLSTMKernelConfig(KernelConfig):
     """Launch parameters of the chunkwise mLSTM kernels; `tuned(K, V, dtype, chunk)` gives the
-    H200 defaults (benchmarks/NOTES-mlstm.md). The field defaults are those of K = V = 128,
+    H200 defaults (docs/kernels.md, "mLSTM chunkwise"). The field defaults are those of K = V = 128,
     bfloat16, chunk 64. Results do not depend on any field beyond rounding.
 
     Per kernel (prefix): `*_bk`, `*_bv` tile sizes along K and V, `*_warps`, `*_stages`.
@@ -108,7 +108,7 @@ def _tuned(cls, K: int, V: int, dtype: torch.dtype, chunk: int):
     # 16-wide heads on 8 warps go wrong on the H200 with float32 inputs (Triton 3.6): _bwd_fused
     # made an illegal memory access at K = V = 16 and gave gradients off by 40-80 % at 16 x 32
     # and 32 x 16; _fwd_out lost precision at K = V = 16 (h error 1e-4 instead of 4e-7). On 4 or
-    # 2 warps all are right (benchmarks/NOTES-mlstm.md); the cause inside the compiler is not isolated.
+    # 2 warps all are right (docs/kernels.md, "mLSTM chunkwise"); the cause inside the compiler is not isolated.
     narrow = min(Kp, Vp) <= 16
     return cls(
         chunk=chunk,

@@ -3,7 +3,8 @@
     backward(r_hi, r_lo, mm, saved (hs, g, cs, ns, ms), init, dh_out, d_final, exp_forget,
              clip, config, sms, cu_seqlens) -> (δg̃ [B,T,4,H,D], (δh_0, δc_0, δn_0, δm_0) each [B,H,D])
 
-Maths: DESIGN.md §1 and the stabilized backward of `..recurrent` (paper eqs. 41–51 with the
+Maths: docs/design.md ("sLSTM") and the stabilized backward of `..recurrent` (paper eqs. 41–51
+with the
 adjoints of c and n carried scaled by n_t, and the stabilizer's adjoint routed through the max the
 way torch.maximum does), so the gradients equal autograd of `naive.slstm_recurrent_naive`.
 The kernel writes δg̃ = δx_gates per step in the state dtype. δR = Σ_t h_{t-1}ᵀ δg̃_t and

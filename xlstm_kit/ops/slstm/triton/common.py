@@ -5,7 +5,7 @@ The four gates (i, f, z, o) travel through the kernels as a tuple of four [BD, B
 per-gate operation is one `tl.static_range(4)` loop, unrolled at compile time into the same
 code the hand-unrolled kernels had (same registers, same instruction order). `_tile` and
 `_ld_init` (the program prologue both kernels share) left ptxas's report at sm_90a unchanged and
-the kernels' PTX byte-identical (bf16 D=128, fp32 D=64, bf16 D=256: benchmarks/NOTES-dplr.md,
+the kernels' PTX byte-identical (bf16 D=128, fp32 D=64, bf16 D=256: docs/kernels.md, "DPLR and KDA",
 "shared kernel code as helpers").
 """
 from __future__ import annotations

@@ -134,7 +134,7 @@ def default_config(dim: int, mm: int = 1, batch: Optional[int] = None, heads: Op
     if batch is None or heads is None or sms is None:
         return whole
     # Split: the smallest unit block (most programs, least work each: fastest measured, D = 192
-    # and 128 on the H200, benchmarks/NOTES-slstm.md) whose grid fits on the GPU at once.
+    # and 128 on the H200, docs/kernels.md, "sLSTM") whose grid fits on the GPU at once.
     for bu in (16, 32, 64):
         if bu >= bd:
             continue

@@ -1,0 +1,573 @@
+"""Checkpoints on disk: the model format, the training state, run folders and crash-safe writes.
+
+A **model checkpoint** is a folder with ``config.json`` (the model config's fields),
+``model.safetensors`` (no pickle) and ``checksums.json`` (the SHA-256 of the weights, and in a
+training checkpoint of ``train_state.pt``, verified on load; older checkpoints without it still
+load), plus ``tokenizer.json`` (``{"name": "byte"}``) when the tokenizer is known. Loading
+refuses (CheckpointError, one line) a checksum mismatch, integer or boolean tensors for float
+parameters, NaN/Inf weights, and a config whose shapes do not fit the file (checked before
+anything is allocated). Saving into an existing folder replaces those files one by one (each
+replacement atomic) and leaves other files there (e.g. training state) alone; a new folder is
+written under a temporary name beside the target and renamed into place.
+
+A **training run folder** (``train --out``)::
+
+    latest                      one line: checkpoints/<name> of the newest complete checkpoint
+                                (nothing else is followed)
+    checkpoints/step-00000030/  a model checkpoint + train_state.pt (optimizer, step, RNG)
+                                + train_meta.json (format, step, train config, tokenizer, data)
+
+A training checkpoint is written into a hidden staging folder, flushed to disk, renamed into
+place, and only then does ``latest`` (replaced atomically) point at it: a crash or kill at any
+moment leaves ``latest`` naming a complete checkpoint.
+
+This module knows no model class: it writes any model with ``.config.to_dict()`` and reads
+tensors + config dicts; ``XLSTMLanguageModel.save/load`` build on it (model.py imports this
+module, never the reverse).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+from torch import nn
+
+from .._version import __version__
+from ..errors import XLSTMKitError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+CHECKPOINT_FORMAT = 1
+LATEST_FILE = "latest"
+CHECKPOINTS_DIR = "checkpoints"
+TRAIN_STATE_FILE = "train_state.pt"
+TRAIN_META_FILE = "train_meta.json"
+CHECKSUMS_FILE = "checksums.json"
+
+
+class CheckpointError(XLSTMKitError):
+    """A missing, incomplete or incompatible training checkpoint."""
+
+
+# --------------------------------------------------------------------------------------------
+# Crash-safe writes
+# --------------------------------------------------------------------------------------------
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (a rename inside it) to disk; a no-op where folders cannot be opened."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file under ``path`` and the folder itself."""
+    for p in sorted(Path(path).rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(path)
+
+
+def atomic_write(path: str | Path, data: bytes | str | Callable[[Any], None]) -> Path:
+    """Replace ``path`` with ``data`` (bytes, text, or a function writing to a binary file).
+
+    The data goes to a uniquely named file beside ``path``, is flushed, then renamed over it:
+    readers see the old file or the complete new one, never a partial one, and processes racing
+    to write the same file are safe (the last rename wins).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A unique name opened with "x" (not mkstemp): the file gets the usual umask permissions.
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; /proc avoids the brief window where another
+    # thread would create files with the wrong mode.
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _make_hidden_dir(parent: Path, prefix: str) -> Path:
+    """A new, uniquely named folder in ``parent`` with the usual umask permissions (mkdtemp
+    would make it 0700 whatever the umask)."""
+    while True:
+        path = parent / f"{prefix}{secrets.token_hex(6)}"
+        try:
+            path.mkdir(mode=0o777)
+            return path
+        except FileExistsError:
+            continue
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_checksums(folder: Path, names: list[str]) -> None:
+    (folder / CHECKSUMS_FILE).write_text(
+        json.dumps({"sha256": {n: _file_sha256(folder / n) for n in names}}, indent=2) + "\n")
+
+
+def verify_checksum(folder: str | Path, name: str) -> None:
+    """Compare ``folder/name`` with the SHA-256 that ``checksums.json`` records for it.
+
+    CheckpointError on a mismatch or an unreadable checksums.json; nothing to check (checkpoints
+    written before checksums existed, or a file it does not list) passes.
+    """
+    folder = Path(folder)
+    f = folder / CHECKSUMS_FILE
+    if not f.is_file():
+        return
+    try:
+        recorded = json.loads(f.read_text())["sha256"]
+        expected = recorded.get(name) if isinstance(recorded, dict) else None
+        if not isinstance(recorded, dict) or not (expected is None or isinstance(expected, str)):
+            raise TypeError("not a map of file names to hex digests")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{f} is corrupt ({type(e).__name__}: {e})") from None
+    if expected is not None and _file_sha256(folder / name) != expected.lower():
+        raise CheckpointError(f"{folder / name} does not match the SHA-256 recorded in {CHECKSUMS_FILE}; "
+                              f"the file is corrupt or was changed after saving")
+
+
+# --------------------------------------------------------------------------------------------
+# Model checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None) -> list[str]:
+    state = model.state_dict()
+    if getattr(model.config, "tie_embeddings", False):
+        state.pop("lm_head.weight")  # the same tensor as embedding.weight; re-tied on load
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    safetensors.torch.save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "xlstm_kit"})
+    os.chmod(folder / WEIGHTS_FILE, 0o666 & ~_umask())  # safetensors writes 0600 whatever the umask
+    (folder / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    _write_checksums(folder, [WEIGHTS_FILE])
+    names = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
+    hf_tokenizer = getattr(model, "hf_tokenizer", None)  # a tokenizers-format tokenizer.json (xlstm_kit.io.hf)
+    if hf_tokenizer is not None:
+        names += hf_tokenizer.save(folder)
+    elif tokenizer is not None:
+        (folder / TOKENIZER_FILE).write_text(json.dumps({"name": tokenizer}) + "\n")
+        names.append(TOKENIZER_FILE)
+    return names
+
+
+def save_model(model: nn.Module, directory: str | Path, tokenizer: str | None = None) -> Path:
+    """Write ``directory``/config.json + model.safetensors (+ tokenizer.json when ``tokenizer``
+    names one) for a model with a ``config``. Returns the folder."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise XLSTMKitError(f"cannot save a checkpoint to {str(directory)!r}: it exists and is not a folder")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _make_hidden_dir(directory.parent, f".{directory.name}.tmp-")
+    try:
+        names = _write_model_files(model, tmp, tokenizer)
+        fsync_tree(tmp)
+        if directory.exists():
+            for name in names:
+                os.replace(tmp / name, directory / name)
+        else:
+            os.rename(tmp, directory)
+        fsync_dir(directory)
+        fsync_dir(directory.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def read_model_files(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The config dict and the tensors (on the CPU) of a model checkpoint folder.
+
+    FileNotFoundError when the folder or one of its two files is missing; ValueError when a
+    file is corrupt.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no checkpoint folder at {str(directory)!r}")
+    cfg_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    for p in (cfg_path, weights_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"checkpoint {str(directory)!r} has no {p.name}; is it an xlstm_kit model folder?")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise XLSTMKitError(f"{cfg_path} is not valid JSON ({e}); the checkpoint is corrupt") from None
+    verify_checksum(directory, WEIGHTS_FILE)
+    try:
+        tensors = safetensors.torch.load_file(str(weights_path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise XLSTMKitError(f"{weights_path} is not a readable safetensors file ({e}); the checkpoint is corrupt") from None
+    return config, tensors
+
+
+def check_state(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """Refuse ``tensors`` that do not fit ``model`` (which may live on the meta device, so that
+    a config naming a huge model is refused before anything is allocated): missing, unexpected
+    or mis-shaped entries (a tied head is not stored), integer or boolean tensors for floating
+    parameters, NaN or infinite values."""
+    tied = getattr(model.config, "tie_embeddings", False)
+    expected = model.state_dict()
+    if tied:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise XLSTMKitError(f"{source} does not match its config.json: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, t in tensors.items():
+        if t.shape != expected[name].shape:
+            raise XLSTMKitError(f"{source}: {name} has shape {list(t.shape)}, config.json implies {list(expected[name].shape)}")
+        # load_state_dict would cast integer or boolean tensors into float parameters silently
+        if expected[name].dtype.is_floating_point and not t.dtype.is_floating_point:
+            raise CheckpointError(f"{source}: {name} has dtype {t.dtype}, expected a floating-point tensor")
+        if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{source}: {name} holds NaN or infinite values; the checkpoint is unusable")
+
+
+def load_state_checked(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path,
+                       checked: bool = False) -> nn.Module:
+    """Copy ``tensors`` into ``model`` after :func:`check_state` (skipped when ``checked``: the
+    caller ran it). Takes the tensors' dtype when they all share one."""
+    if not checked:
+        check_state(model, tensors, source)
+    tied = getattr(model.config, "tie_embeddings", False)
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) == 1:
+        model = model.to(dtypes.pop())
+    model.load_state_dict(tensors, strict=not tied)
+    return model
+
+
+def read_tokenizer_name(checkpoint: str | Path) -> str | None:
+    """The tokenizer a checkpoint was trained with: tokenizer.json, else (checkpoints written
+    before tokenizer.json existed) train_meta.json's "tokenizer"; None when unknown, or when
+    tokenizer.json is a `tokenizers` file rather than a name (xlstm_kit.io.tokenizers.find_tokenizer)."""
+    checkpoint = Path(checkpoint)
+    names = (TOKENIZER_FILE,) if (checkpoint / TOKENIZER_FILE).is_file() else (TRAIN_META_FILE,)
+    for name in names:
+        f = checkpoint / name
+        if f.is_file():
+            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
+                d = json.loads(f.read_text())
+                value = d.get("name" if name == TOKENIZER_FILE else "tokenizer")
+                if isinstance(value, str):
+                    return value
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Run folders and training checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+_LATEST_TARGET = re.compile(re.escape(CHECKPOINTS_DIR) + r"/step-\d+(-\d+)?")
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder a path names: a checkpoint itself (has ``config.json`` or
+    ``model.safetensors``) or a training output folder (through its ``latest`` file)."""
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file() or (path / WEIGHTS_FILE).is_file():
+        return path
+    latest = path / LATEST_FILE
+    if latest.is_file():
+        try:
+            rel = latest.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"cannot read {latest}: {e}") from None
+        # `latest` only ever names checkpoints/<step folder>; anything else (an absolute path,
+        # "..") would make load or resume read a folder outside the run.
+        if not _LATEST_TARGET.fullmatch(rel):
+            raise CheckpointError(f"{latest} names {rel[:100]!r}, not a checkpoint folder of this run "
+                                  f"({CHECKPOINTS_DIR}/step-NNNNNNNN)")
+        target = path / rel
+        if not target.is_dir():
+            raise CheckpointError(f"{latest} points to a missing checkpoint {target}")
+        return target
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {str(path)!r} does not exist")
+    raise CheckpointError(f"{str(path)!r} holds no checkpoint (no config.json and no '{LATEST_FILE}' file)")
+
+
+def read_train_meta(checkpoint: str | Path) -> dict[str, Any]:
+    """The ``train_meta.json`` of a checkpoint ({} for a bare model checkpoint); refuses a
+    checkpoint written by an incompatible version of the training code."""
+    f = Path(checkpoint) / TRAIN_META_FILE
+    if not f.is_file():
+        return {}
+    try:
+        meta = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{f} is corrupt: a JSON object was expected")
+    fmt = meta.get("format")
+    if fmt != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} has training-state format {fmt!r} (written by xlstm_kit "
+            f"{meta.get('xlstm_kit_version', '?')}); this version reads format {CHECKPOINT_FORMAT}"
+        )
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{f} is corrupt: step is {step!r}, not a non-negative integer")
+    return meta
+
+
+def load_training_state(checkpoint: str | Path) -> dict[str, Any]:
+    """The ``train_state.pt`` of a checkpoint (tensors and plain containers only)."""
+    f = Path(checkpoint) / TRAIN_STATE_FILE
+    if not f.is_file():
+        raise CheckpointError(f"{checkpoint} has no {TRAIN_STATE_FILE}: it is a model checkpoint, not resumable")
+    verify_checksum(checkpoint, TRAIN_STATE_FILE)
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt or foreign file
+        raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{f} has an unsupported format; this version reads format {CHECKPOINT_FORMAT}")
+    problem = _train_state_problem(state)
+    if problem:
+        raise CheckpointError(f"{f} is corrupt: {problem}")
+    return state
+
+
+# Fields of the saved TrainConfig that resume and the command line read before building one.
+_TRAIN_CONFIG_INTS = ("steps", "batch_size", "seq_len", "grad_accum", "seed")
+
+
+def _train_state_problem(state: dict[str, Any]) -> str | None:
+    """What is wrong with a loaded train_state.pt's structure, or None (the optimizer's tensors
+    are checked against the model by :func:`load_optimizer_state`)."""
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"step is {step!r}, not a non-negative integer"
+    opt = state.get("optimizer")
+    if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
+        return "the optimizer state is missing or malformed"
+    cfg = state.get("train_config")
+    if not isinstance(cfg, dict):
+        return "train_config is missing"
+    for key in _TRAIN_CONFIG_INTS:
+        v = cfg.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or (key != "seed" and v < 1):
+            return f"train_config.{key} is {v!r}"
+    rng = state.get("rng")
+    if not isinstance(rng, dict) or not isinstance(rng.get("torch"), torch.Tensor) \
+            or rng["torch"].dtype != torch.uint8 or not isinstance(rng.get("cuda"), (list, tuple)) \
+            or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in rng["cuda"]):
+        return "the RNG state is missing or malformed"
+    return None
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any], source: str | Path) -> None:
+    """``optimizer.load_state_dict(saved)``, refusing (CheckpointError) state whose groups or
+    per-parameter tensors do not fit the optimizer's parameters: torch would accept moment
+    tensors of the wrong shape and fail inside the next step."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    groups = saved["param_groups"]
+    if len(groups) != len(optimizer.param_groups) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise CheckpointError(f"{source}: the optimizer state has {len(groups)} parameter groups, "
+                              f"the model's optimizer {len(optimizer.param_groups)}")
+    for mine, theirs in zip(optimizer.param_groups, groups):
+        for key, value in mine.items():  # numeric hyperparameters the next step reads
+            v = theirs.get(key, value)
+            if isinstance(value, bool) or value is None or key == "params":
+                continue  # flags (fused, foreach, ...) may differ between devices; torch reconciles them
+            numbers = v if isinstance(value, tuple) and isinstance(v, (tuple, list)) else (v,)
+            if (type(v) is not type(value) and not (isinstance(value, (int, float)) and isinstance(v, (int, float)))) \
+                    or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in numbers) \
+                    or (isinstance(value, tuple) and len(v) != len(value)):
+                raise CheckpointError(f"{source}: optimizer hyperparameter {key} is {v!r}")
+    # torch numbers the parameters 0, 1, ... through the groups in order
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups] \
+            or [i for g in groups for i in g["params"]] != list(range(len(params))):
+        raise CheckpointError(f"{source}: the optimizer state does not list the model's parameters")
+    for key, per_param in saved["state"].items():
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < len(params) \
+                or not isinstance(per_param, dict):
+            raise CheckpointError(f"{source}: optimizer state entry {key!r} names no parameter")
+        p = params[key]
+        for name, t in per_param.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.ndim and t.shape != p.shape:
+                raise CheckpointError(f"{source}: optimizer {name} of parameter {key} has shape "
+                                      f"{list(t.shape)}, the parameter {list(p.shape)}")
+            if not t.dtype.is_floating_point or not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"{source}: optimizer {name} of parameter {key} is not finite floating point")
+    try:
+        optimizer.load_state_dict(saved)
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{source}: the optimizer state does not fit: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _save_any_model(model: nn.Module, path: Path, tokenizer: str | None) -> None:
+    """Model files into the (new, empty) staging folder ``path``: written in place, without
+    save_model's own temporary folder, which a kill would leave beside the staging one."""
+    if hasattr(model, "config") and hasattr(model.config, "to_dict"):
+        _write_model_files(model, path, tokenizer)
+    else:  # any other language model: weights only
+
+        safetensors.torch.save_model(model, str(path / WEIGHTS_FILE))
+        os.chmod(path / WEIGHTS_FILE, 0o666 & ~_umask())
+
+
+def load_weights_into(model: nn.Module, checkpoint: Path) -> None:
+    """Load a checkpoint's weights into ``model``, refusing one of another configuration."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        verify_checksum(checkpoint, WEIGHTS_FILE)
+        safetensors.torch.load_model(model, str(checkpoint / WEIGHTS_FILE))
+        return
+    saved, tensors = read_model_files(checkpoint)
+    try:
+        same = type(config).from_dict(saved) == config
+    except (ValueError, TypeError):
+        same = False
+    if not same:
+        raise CheckpointError(f"checkpoint {checkpoint} holds a model of another configuration than the one being trained")
+    load_state_checked(model, tensors, checkpoint / WEIGHTS_FILE)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def restore_rng(state: dict[str, Any], device: torch.device, source: str | Path = "the checkpoint") -> None:
+    """Set torch's generators from a training state; CheckpointError (generators unchanged)
+    when torch refuses the saved values."""
+    before = _rng_state()
+    try:
+        torch.set_rng_state(state["rng"]["torch"])
+        if device.type == "cuda" and state["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        torch.set_rng_state(before["torch"])
+        if before["cuda"]:
+            torch.cuda.set_rng_state_all(before["cuda"])
+        raise CheckpointError(f"{source}: the RNG state is invalid: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    config,
+    meta: dict[str, Any] | None = None,
+    keep: int = 2,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write a complete resumable checkpoint of ``step`` atomically and point ``latest`` at it.
+
+    ``config`` is the TrainConfig (anything with ``to_dict()``). Returns the checkpoint folder.
+    ``meta`` (JSON-serialisable; e.g. tokenizer and data spec) is stored in ``train_meta.json``;
+    its "tokenizer" also goes to ``tokenizer.json``. ``extra`` (tensors and plain containers)
+    goes into ``train_state.pt`` beside the optimizer, for a loop's own state (the synthetic
+    experiments' sampler and loss curve). Older checkpoints beyond ``keep`` are removed afterwards.
+    """
+    out_dir = Path(out_dir)
+    root = out_dir / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:08d}"
+    final, k = root / name, 1
+    while final.exists():  # re-saving a step (resume then interrupt): never touch the old one
+        final, k = root / f"{name}-{k}", k + 1
+    staging = _make_hidden_dir(root, f".tmp-{name}-")
+    try:
+        _save_any_model(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None))
+        state = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer": optimizer.state_dict(),
+                 "train_config": config.to_dict(), "rng": _rng_state(), **({"extra": extra} if extra else {})}
+        torch.save(state, staging / TRAIN_STATE_FILE)
+        _write_checksums(staging, [WEIGHTS_FILE, TRAIN_STATE_FILE])
+        info = {"format": CHECKPOINT_FORMAT, "xlstm_kit_version": __version__, "step": step,
+                "train_config": config.to_dict(), **(meta or {})}
+        (staging / TRAIN_META_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        fsync_tree(staging)
+        os.rename(staging, final)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    atomic_write(out_dir / LATEST_FILE, f"{CHECKPOINTS_DIR}/{final.name}\n")
+    fsync_dir(out_dir)
+    _prune_checkpoints(root, keep, final)
+    return final
+
+
+def _checkpoint_step(p: Path) -> tuple[int, int]:
+    parts = p.name.split("-")  # step-00000030 or step-00000030-1
+    return int(parts[1]), int(parts[2]) if len(parts) > 2 else 0
+
+
+def _prune_checkpoints(root: Path, keep: int, latest: Path) -> None:
+    done = sorted((p for p in root.glob("step-*") if p.is_dir()), key=_checkpoint_step)
+    for p in done[:-keep]:
+        if p != latest:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# Names of the temporaries a killed save leaves: staging folders (and, from versions that saved
+# the model through save_model, its temporary folder beside them) in checkpoints/, and
+# atomic_write's files for `latest` and metrics.jsonl in the run folder. Exact patterns, so that
+# nothing else a user keeps there is touched.
+_STALE_IN_CHECKPOINTS = re.compile(r"\.\.?tmp-step-\d+-[A-Za-z0-9_]+(\.tmp-[A-Za-z0-9_]+)?")
+_STALE_IN_RUN = re.compile(r"\.(latest|metrics\.jsonl)\.\d+\.[0-9a-f]{12}\.tmp")
+
+
+def remove_stale_staging(out_dir: str | Path) -> None:
+    """Delete the temporaries left behind by a process killed mid-save (never named by ``latest``)."""
+    out_dir = Path(out_dir)
+    root = out_dir / CHECKPOINTS_DIR
+    if root.is_dir():
+        for p in root.iterdir():
+            if _STALE_IN_CHECKPOINTS.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+    if out_dir.is_dir():
+        for p in out_dir.iterdir():
+            if _STALE_IN_RUN.fullmatch(p.name) and p.is_file() and not p.is_symlink():
+                p.unlink(missing_ok=True)

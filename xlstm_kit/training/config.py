@@ -1,0 +1,119 @@
+"""TrainConfig: every choice of a training run (saved with each checkpoint, compared on resume)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import XLSTMKitError
+from ..models.config import checkpoint_blocks
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+PRECISIONS = ("auto", "bf16", "fp32")
+RESUME_FROZEN = ("batch_size", "seq_len", "seed", "grad_accum", "pack")
+"""The settings a resumed run keeps from its checkpoint, in the library and on the command line
+alike: they decide which tokens each step reads (batch shape, sampling order, document packing)
+and how a step's gradient is summed, so changing one would make the resumed run another run."""
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping settings of one training run (saved in every checkpoint)."""
+
+    steps: int = 1000
+    """Total optimizer steps; the cosine schedule ends here."""
+    batch_size: int = 16
+    """Sequences per optimizer step, summed over ranks and accumulation micro-steps."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step (each rank processes batch_size/(world*grad_accum))."""
+    lr: float = 2e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 2e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 50
+    """Linear warmup length in steps."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not biases, norms, embeddings)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW moment coefficients."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon. Parameters whose gradient is mathematically zero (the sLSTM
+    input-gate bias: c/n is invariant to it) receive rounding noise, which Adam scales up to
+    updates of up to ~lr·noise/(noise+eps); a larger eps damps that."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    eval_interval: int = 100
+    """Validate every this many steps (and at the end; 0: only at the end)."""
+    eval_batches: int = 8
+    """Validation batches (of batch_size sequences) per validation."""
+    eval_at_start: bool = True
+    """Also validate before the first step of a fresh run."""
+    checkpoint_interval: int = 200
+    """Write a checkpoint every this many steps (and at the end and on interrupt; 0: not
+    periodically)."""
+    keep_checkpoints: int = 2
+    """Completed checkpoints kept on disk (the newest ones)."""
+    seed: int = 0
+    """Seeds the data order (and torch's generator at the start of a fresh run)."""
+    precision: str = "auto"
+    """"auto" (bf16 autocast on CUDA, float32 on CPU), "bf16" or "fp32"."""
+    decay_anchor: tuple[int, float] | None = None
+    """(step, progress): from this step on, the cosine decay goes from `progress` (its fraction
+    already done) to 1 at `steps`. Set by :func:`continue_schedule` when a resumed run changes
+    `steps`, so the learning rate goes on from where it was instead of jumping."""
+    compile: bool = False
+    """torch.compile the model for training (Inductor). An xLSTM model is compiled per block
+    (``XLSTMLanguageModel.compile_blocks``: each block type is compiled once, however deep the
+    model, and checkpoints keep the plain model's keys); validation runs it eagerly. Any other
+    model is compiled whole (``model.compile()``). The first step pays the compilation; its extra
+    time is reported as a :class:`CompileEvent` and a ``compile_s`` row in metrics.jsonl.
+    Results equal eager training up to floating-point rounding."""
+    activation_checkpointing: str = "none"
+    """Recompute blocks' forward in the backward instead of storing their activations: "none",
+    "all", or one block type "mlstm" | "slstm" | "dplr" (True / False mean "all" / "none").
+    Saves memory at the cost of one more forward of those blocks; gradients are unchanged.
+    Needs a model with ``set_activation_checkpointing`` (XLSTMLanguageModel)."""
+    pack: bool | None = None
+    """Pack documents (``xlstm_kit.training.packing``): windows over the document stream, the state reset
+    at each document start (the model's ``cu_seqlens``), validation equal to evaluating each
+    document alone. None: where the data have documents and the model takes cu_seqlens."""
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        if not isinstance(self.compile, bool):
+            raise XLSTMKitError(f"TrainConfig.compile must be True or False, got {self.compile!r}")
+        if self.pack not in (None, True, False):
+            raise XLSTMKitError(f"TrainConfig.pack must be None, True or False, got {self.pack!r}")
+        self.activation_checkpointing = checkpoint_blocks(self.activation_checkpointing)
+        if self.decay_anchor is not None:
+            self.decay_anchor = (int(self.decay_anchor[0]), float(self.decay_anchor[1]))
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "keep_checkpoints"):
+            if int(getattr(self, name)) < 1:
+                raise XLSTMKitError(f"TrainConfig.{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_interval", "eval_batches", "checkpoint_interval"):
+            if int(getattr(self, name)) < 0:
+                raise XLSTMKitError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise XLSTMKitError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.weight_decay < 0 or self.grad_clip < 0 or not self.eps > 0:
+            raise XLSTMKitError("TrainConfig.weight_decay and grad_clip must be >= 0 and eps > 0")
+        if self.precision not in PRECISIONS:
+            raise XLSTMKitError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.batch_size % self.grad_accum:
+            raise XLSTMKitError(
+                f"TrainConfig.batch_size ({self.batch_size}) must be divisible by grad_accum ({self.grad_accum})"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        d["decay_anchor"] = list(self.decay_anchor) if self.decay_anchor is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
