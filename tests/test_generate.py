@@ -122,6 +122,10 @@ def test_logits_to_keep_selects_positions():
     at = torch.tensor([0, 4, 8])
     logits, state = model(tokens, return_state=True, logits_to_keep=at)
     assert same(logits, full[:, at]) and len(state) == len(model.blocks)
+    # a negative count (which slicing would read as "all but the first") or a non-int is refused
+    for bad in (-1, 1.5, True):
+        with pytest.raises(XLSTMKitError, match="logits_to_keep"):
+            model(tokens, logits_to_keep=bad)
 
 
 @pytest.mark.gpu

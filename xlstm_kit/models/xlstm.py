@@ -47,6 +47,9 @@ def keep_positions(x: torch.Tensor, logits_to_keep: "int | torch.Tensor") -> tor
         if idx.dim() == 2:
             return x.gather(1, idx.long()[..., None].expand(-1, -1, x.shape[-1]))
         return x.index_select(1, idx)
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise XLSTMKitError(f"logits_to_keep must be an int >= 0 (0 keeps every position) or a tensor of "
+                            f"positions, got {logits_to_keep!r}")
     return x[:, -logits_to_keep:] if logits_to_keep else x
 
 
