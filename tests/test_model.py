@@ -51,6 +51,11 @@ def small_model(dtype=torch.float32, noise=0.2, **kw):
     (dict(backend="cuda"), "backend"),
     (dict(chunk_size=0), "chunk_size"),
     (dict(bias="yes"), "bias must be True or False"),
+    # fields that pass one by one but multiply into a width no machine holds
+    (dict(round_proj_to=1099511627776), "round_proj_to must be at most"),
+    (dict(mlstm_proj_factor=1e12), "mlstm_inner_dim = "),
+    (dict(ffn_proj_factor=1e300, slstm_at=[0]), "ffn_dim = "),
+    (dict(n_heads=2**40), "n_heads must be at most"),
 ])
 def test_impossible_configs_raise_one_line_value_errors(kwargs, needle):
     with pytest.raises(ValueError) as e:
@@ -89,6 +94,15 @@ def test_presets_match_the_paper():
         assert abs(n / count - 1) < 0.005, (name, n)
     with pytest.raises(ValueError, match="unknown preset"):
         XLSTMConfig.from_name("13B")
+
+
+def test_pack_factor_looks_only_at_packable_counts():
+    """How many 4-wide heads pack into a 16-wide block, for a head count far beyond any model
+    (the loop once ran over every count up to it)."""
+    from xlstm_kit.layers.common import _pack_factor
+
+    assert _pack_factor(2**38, 4) == 4 and _pack_factor(6, 4) == 3 and _pack_factor(7, 4) == 1
+    assert _pack_factor(2**38, 32) == 1
 
 
 def test_config_json_round_trip():

@@ -108,7 +108,7 @@ def _pack_factor(n_heads: int, head_dim: int, target: int = 16) -> int:
     """How many heads to pack into one dense diagonal block: the largest divisor G of n_heads
     with G * head_dim <= target (at least 1)."""
     best = 1
-    for g in range(1, n_heads + 1):
+    for g in range(1, min(n_heads, target // max(head_dim, 1)) + 1):  # g * head_dim <= target bounds g
         if n_heads % g == 0 and g * head_dim <= target:
             best = g
     return best

@@ -176,6 +176,11 @@ class XLSTMConfig:
         positions = self.slstm_positions  # validates slstm_at
         dplr = self.dplr_positions  # validates dplr_at
 
+        for name in ("mlstm_inner_dim", "ffn_dim"):
+            width = getattr(self, name)
+            if width > _MAX_WIDTH:
+                raise XLSTMKitError(f"{name} = {width:,} (from d_model, the projection factor and round_proj_to) "
+                                    f"must be at most {_MAX_WIDTH:,}")
         if "m" in self.block_types:  # there is an mLSTM block: its heads split the inner width
             inner = self.mlstm_inner_dim
             for name, div in (("n_heads", self.n_heads), ("qkv_block_size", self.qkv_block_size)):
@@ -309,7 +314,11 @@ class XLSTMConfig:
 # Far above any real model (the largest vocabularies hold ~256K ids, the widest models ~16K
 # channels), far below sizes whose embedding or projections could not be allocated: a corrupt
 # config.json or a typo gets one line instead of an allocator traceback.
-_SIZE_LIMITS = {"vocab_size": 2**24, "d_model": 2**16, "n_blocks": 4096}
+_SIZE_LIMITS = {"vocab_size": 2**24, "d_model": 2**16, "n_blocks": 4096, "n_heads": 2**16, "round_proj_to": 2**16,
+                "qkv_block_size": 2**16, "conv_kernel_size": 1024, "context_length": 2**31}
+# The widest up-projection a config may derive (fields that pass one by one can still multiply
+# into a width no machine holds: refused here rather than at allocation, or in a loop over it)
+_MAX_WIDTH = 2**20
 
 
 def _check_positive_int(name: str, v) -> None:
