@@ -234,3 +234,11 @@ def test_nan_weights_give_an_error_not_a_traceback():
     for t in (0.0, 0.8):
         with pytest.raises(XLSTMKitError, match="not finite"):
             model.generate(torch.tensor([1, 2]), 2, temperature=t)
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "generate", "demo", "experiment"])
+def test_absurd_thread_counts_are_one_line(command, capsys):
+    """--threads beyond a few per core (torch crashed at 100,000) stops in argument parsing."""
+    positional = {"eval": ["runs/x"], "generate": ["runs/x"], "experiment": ["formal"]}.get(command, [])
+    argv = [command, *positional, "--threads", "100000"]
+    one_line_error(capsys, argv, "--threads", "at most")

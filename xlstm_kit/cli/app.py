@@ -34,7 +34,7 @@ from ..bench.options import add_arguments as _bench_arguments
 from ..errors import DataError, XLSTMKitError
 from .args import (DEFAULT_DATA, DEFAULT_PRESET, DTYPES, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, EXIT_USAGE,
                    PROG, THREADS_HELP, Formatter, Parser, nonneg_float, nonneg_int, one_line, positive_float,
-                   positive_int)
+                   positive_int, thread_count)
 from .parsers import add_experiment_parser, add_generate_parser
 
 
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--val-fraction", type=positive_float, default=0.1, help="share of the corpus held out for validation")
     o.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar (validation lines are still printed)")
-    o.add_argument("--threads", type=positive_int, default=None, help=THREADS_HELP)
+    o.add_argument("--threads", type=thread_count, default=None, help=THREADS_HELP)
     t.set_defaults(run=("train", "cmd_train"))
 
     # ---------------------------------------------------------------- generate
@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="held-out share of --data (default: training's)")
     ev.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
     ev.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype (default: the file's)")
-    ev.add_argument("--threads", type=positive_int, default=None, help=THREADS_HELP)
+    ev.add_argument("--threads", type=thread_count, default=None, help=THREADS_HELP)
     ev.set_defaults(run=("train", "cmd_eval"))
 
     # ---------------------------------------------------------------- demo
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--prompt", default="ROMEO:", metavar="TEXT", help="prompt of the sample")
     de.add_argument("--max-new-tokens", type=nonneg_int, default=300, help="length of the sample")
     de.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
-    de.add_argument("--threads", type=positive_int, default=None,
+    de.add_argument("--threads", type=thread_count, default=None,
                     help="CPU threads (default: torch's choice, or 1 when other processes already load the cores)")
     de.set_defaults(run=("train", "cmd_demo"))
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from ..errors import XLSTMKitError
@@ -65,6 +66,20 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+# More threads than this many per core only thrash, and torch crashes long before 100,000
+THREADS_PER_CORE = 4
+
+
+def thread_count(text: str) -> int:
+    """--threads: a positive integer up to THREADS_PER_CORE x the machine's cores."""
+    v = positive_int(text)
+    most = THREADS_PER_CORE * (os.cpu_count() or 1)
+    if v > most:
+        raise argparse.ArgumentTypeError(f"must be at most {most} ({THREADS_PER_CORE} per core of this machine's "
+                                         f"{os.cpu_count() or 1}), got {v}")
     return v
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .args import (DTYPES, THREADS_HELP, Formatter, Parser, nonneg_float, nonneg_int, positive_float,
-                   positive_int)
+                   positive_int, thread_count)
 
 
 EXAMPLES = """Examples:
@@ -57,7 +57,7 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
                      "--prompts)")
     gen.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
     gen.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype (default: the file's)")
-    gen.add_argument("--threads", type=positive_int, default=None, help=THREADS_HELP)
+    gen.add_argument("--threads", type=thread_count, default=None, help=THREADS_HELP)
     gen.add_argument("--compile", action="store_true",
                      help="torch.compile the decode step (model.compile_step: fused kernels per block; "
                      "compiles once per batch size, so it pays for long generations on a GPU)")
@@ -143,7 +143,7 @@ def add_experiment_parser(sub) -> None:
                        "else off")
         p.add_argument("--backend", choices=["torch", "triton"], default=None, help="xLSTM ops backend (default: by device)")
         p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
-        p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="CPU threads")
+        p.add_argument("--threads", type=thread_count, default=None, metavar="N", help="CPU threads")
         p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="output folder")
         p.set_defaults(run=("experiment", "cmd_experiment"))
     for p in (fo, mq):
