@@ -242,3 +242,16 @@ def test_absurd_thread_counts_are_one_line(command, capsys):
     positional = {"eval": ["runs/x"], "generate": ["runs/x"], "experiment": ["formal"]}.get(command, [])
     argv = [command, *positional, "--threads", "100000"]
     one_line_error(capsys, argv, "--threads", "at most")
+
+
+def test_train_help_names_every_preset(capsys):
+    """`train --help` lists every preset the library has (the large family and the 7B were
+    missing), in the spelling the docs use (xlstm-7b), and each listed name is accepted."""
+    from xlstm_kit.models.config import PRESETS
+
+    assert _code(["train", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for key in PRESETS:
+        name = "xlstm-7b" if key == "7b" else key
+        assert name.lower() in text.lower(), name
+        XLSTMConfig.from_name(name)

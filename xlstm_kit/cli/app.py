@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=Formatter,
     )
     t.add_argument("--preset", default=None, metavar="NAME",
-                   help=f"model size: tiny (0.5M parameters, for a CPU), or the paper's 125M, 350M, 760M or "
-                   f"1.3B (for GPUs) (default: {DEFAULT_PRESET})")
+                   help=f"model size: tiny (0.5M parameters, for a CPU); the paper's xLSTM[7:1] models 125M, "
+                   f"350M, 760M, 1.3B; the xLSTM-7B blocks at large-125M, large-350M, large-1.3B; or xlstm-7b "
+                   f"(the 7B's exact shapes) (default: {DEFAULT_PRESET})")
     t.add_argument("--data", default=None, metavar="SPEC",
                    help="'builtin:shakespeare', a text file, or a folder searched recursively for UTF-8 text "
                    f"files (others are skipped and listed) (default: {DEFAULT_DATA})")
