@@ -178,3 +178,20 @@ def test_installed_cli_trains_and_generates(installed):
     assert gpt2.returncode == 2
     assert gpt2.stderr.strip() == ("xlstm-kit train: error: --tokenizer gpt2 needs the extra: "
                                    "pip install 'xlstm-kit[gpt2]'")
+
+
+def test_triton_extra_is_bounded_to_the_tested_versions():
+    """The `triton` extra admits the versions the kernels run under (the GPU machines' 3.6, the
+    Makefile's pin for the CPU interpreter) and no later minor release (3.9's interpreter
+    refuses the kernels' masks)."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).resolve().parent.parent
+    spec = Requirement(tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+                       ["triton"][0]).specifier
+    pinned = re.search(r"triton==([0-9.]+)", (root / "Makefile").read_text()).group(1)
+    assert spec.contains("3.6.0") and spec.contains(pinned)
+    assert not spec.contains("3.9.0") and not spec.contains("3.8.0")
