@@ -122,6 +122,28 @@ def test_missing_peer_is_reported_not_fatal(tmp_path, monkeypatch):
     assert number(rows[0]["fwd+bwd ms"]) > 0
 
 
+def test_a_failed_case_keeps_its_row_and_fails_the_command(tmp_path, monkeypatch, capsys):
+    """One of our cases failing (here: made to raise) is written into the table beside the
+    cases that ran, and the command exits 2 with one line naming it, not 0."""
+    real = runner._measure_ours
+
+    def flaky(case, shape, env, quick):
+        if case.name == "mlstm_parallel":
+            raise RuntimeError("injected failure")
+        return real(case, shape, env, quick)
+
+    monkeypatch.setattr(runner, "_measure_ours", flaky)
+    code = cli.main(["bench", "--quick", "--device", "cpu", "--suite", "ops", "--case", "mlstm_parallel",
+                     "--case", "mlstm_recurrent", "--threads", "1", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the progress lines ("# case shape: result")
+    assert code == 2 and "1 of our benchmark cases failed, first mlstm_parallel" in last, err
+    assert "Traceback" not in err
+    rows = {r["case"]: r for r in table_rows(next(tmp_path.glob("*.md")).read_text())}
+    assert rows["mlstm_parallel"]["fwd ms"].startswith("error: RuntimeError: injected failure")
+    assert number(rows["mlstm_recurrent"]["fwd ms"]) > 0
+
+
 def test_peer_runs_in_a_child_process_and_gets_a_ratio(tmp_path):
     """SDPA (always installed) against mlstm_parallel: measured in a child, ratio = ours ÷ theirs."""
     assert cli.main(["bench", "--quick", "--device", "cpu", "--case", "mlstm_parallel", "--peers",

@@ -292,7 +292,8 @@ def command_line(args: argparse.Namespace, prog: str = "xlstm-kit bench") -> str
 
 def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None) -> Path | None:
     """Run `xlstm-kit bench` with parsed `args`; returns the written file (None for --list).
-    Raises ValueError for an unknown suite or case, or an unusable device."""
+    Raises XLSTMKitError (a ValueError) for an unknown suite or case, an unusable device, or
+    when any of our own cases failed (after writing the table: the rows that ran are kept)."""
     if args.suite not in SUITE_CHOICES:
         raise XLSTMKitError(f"unknown benchmark suite {args.suite!r}; choose one of {', '.join(SUITE_CHOICES)}")
     suites = list(SUITES) if args.suite == "all" else [args.suite]
@@ -330,6 +331,11 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     path.write_text(text + "\n")
     print(text, file=stdout)
     print(f"\nwritten: {path}", file=stdout)
+    failed = [r for s in suites for r in rows[s] if r.impl.startswith("xlstm_kit") and "status" in r.result]
+    if failed:  # the table keeps the rows that did run; the command still fails
+        first = failed[0]
+        raise XLSTMKitError(f"{len(failed)} of our benchmark cases failed, first {first.case} "
+                            f"{registry.shape_label(first.shape)}: {first.result['status']} (table in {path})")
     return path
 
 
