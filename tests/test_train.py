@@ -502,3 +502,53 @@ def test_resume_removes_the_temporaries_of_a_killed_save(data, tmp_path):
     T.train(small_model(), data, small_config(steps=3), out, resume=True, device="cpu")
     assert not any(p.exists() for p in leaked) and not (out / ".latest.999.0123456789ab.tmp").exists()
     assert (out / "notes.tmp").read_text() == "mine"
+
+
+def test_a_diverged_run_stops_and_keeps_its_last_finite_checkpoint(data, tmp_path):
+    """A step whose loss turns NaN stops the run with one line before its update (the run
+    printed "done" before, with NaN checkpoints pruning the finite one); the newest checkpoint
+    stays finite and a resume starts from it."""
+    out = tmp_path / "run"
+    model = small_model()
+
+    def poison(event):  # after step 5's checkpoint: step 6's loss is NaN
+        if isinstance(event, T.CheckpointEvent) and event.step == 5:
+            with torch.no_grad():
+                model.embedding.weight[:, 0] = float("nan")
+
+    with pytest.raises(T.TrainingDiverged) as e:
+        T.train(model, data, small_config(steps=9, checkpoint_interval=1, keep_checkpoints=1), out,
+                device="cpu", callback=poison)
+    msg = str(e.value)
+    assert "\n" not in msg and "diverged at step 6: loss nan" in msg and "last checkpoint (step 5) is kept" in msg
+    ckpt = T.resolve_checkpoint(out)
+    assert ckpt.name == "step-00000005"
+    loaded = XLSTMLanguageModel.load(ckpt)
+    assert all(torch.isfinite(p).all() for p in loaded.parameters())
+    res = T.train(small_model(), data, small_config(steps=7, checkpoint_interval=1, keep_checkpoints=1), out,
+                  resume=True, device="cpu")
+    assert res.step == 7 and all(math.isfinite(l) for _, l in res.losses)
+
+
+def test_train_step_refuses_a_non_finite_gradient_before_the_update():
+    """check_finite: an infinite gradient (finite loss) leaves the weights untouched."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.tensor([[1.0, 2.0, 3.0]])
+
+    class InfiniteGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            return y.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * float("inf")
+
+    loss = lambda y, t: InfiniteGrad.apply(y).sum()  # noqa: E731
+    with pytest.raises(T.NonFiniteStep) as e:
+        T.train_step(model, opt, [(x, None)], loss, lr=0.1, precision="fp32", check_finite=True)
+    assert math.isfinite(e.value.loss) and not math.isfinite(e.value.grad_norm)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())

@@ -1,6 +1,7 @@
-"""Training: the configuration, the optimizer and schedule, the one training step and loop,
-evaluation, distributed set-up and compilation. `train` is the loop the command line, the
-synthetic experiments' runs and the training benchmark all go through; checkpoints are
+"""Training: the configuration, the optimizer and schedule, the one training step, the language
+model loop, evaluation, distributed set-up and compilation. `train` is the loop of the command
+line and the Python API; the synthetic experiments' runner (xlstm_kit.experiments.task_loop) and
+the training benchmark drive the same `train_step`, optimizer and schedule; checkpoints are
 `xlstm_kit.io.checkpoint`'s."""
 from ..io.checkpoint import (CHECKPOINTS_DIR, LATEST_FILE, TRAIN_META_FILE, TRAIN_STATE_FILE, CheckpointError,
                              load_training_state, read_train_meta, resolve_checkpoint)
@@ -9,15 +10,15 @@ from .config import METRICS_FILE, PLOT_FILE, PRECISIONS, RESUME_FROZEN, TrainCon
 from .distributed import DistInfo, init_distributed
 from .evaluate import evaluate, val_batch_count
 from .events import CheckpointEvent, CompileEvent, EvalEvent, EvalMetrics, StepEvent, TrainEvent, TrainResult
-from .loop import train
+from .loop import TrainingDiverged, train
 from .optim import continue_schedule, lr_at, make_optimizer, param_groups
-from .step import StepOutput, TimeBudget, autocast, lm_loss, train_step
+from .step import NonFiniteStep, StepOutput, TimeBudget, autocast, lm_loss, train_step
 
 __all__ = [
     "CHECKPOINTS_DIR", "LATEST_FILE", "TRAIN_META_FILE", "TRAIN_STATE_FILE", "CheckpointError", "load_training_state",
     "read_train_meta", "resolve_checkpoint", "CompileClock", "CompiledLoss", "compile_unavailable", "METRICS_FILE",
     "PLOT_FILE", "PRECISIONS", "RESUME_FROZEN", "TrainConfig", "DistInfo", "init_distributed", "evaluate", "val_batch_count",
-    "CheckpointEvent", "CompileEvent", "EvalEvent", "EvalMetrics", "StepEvent", "TrainEvent", "TrainResult", "train",
-    "continue_schedule", "lr_at", "make_optimizer", "param_groups", "StepOutput", "TimeBudget", "autocast", "lm_loss",
+    "CheckpointEvent", "CompileEvent", "EvalEvent", "EvalMetrics", "StepEvent", "TrainEvent", "TrainResult", "TrainingDiverged", "train",
+    "continue_schedule", "lr_at", "make_optimizer", "param_groups", "NonFiniteStep", "StepOutput", "TimeBudget", "autocast", "lm_loss",
     "train_step",
 ]

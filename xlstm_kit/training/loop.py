@@ -47,7 +47,12 @@ from .events import CheckpointEvent, EvalEvent, StepEvent, TrainEvent, TrainResu
 from .optim import continue_schedule, lr_at, make_optimizer
 from .packing import PackedSampler
 from .plots import PLOT_MISSING_NOTE, plot_loss_curve, read_metrics
-from .step import TimeBudget, lm_loss, train_step
+from .step import NonFiniteStep, TimeBudget, lm_loss, train_step
+
+
+class TrainingDiverged(XLSTMKitError):
+    """A step's loss or gradient became NaN or infinite; the run stopped before that step's
+    update, saving nothing more."""
 
 
 class _StopRequest:
@@ -233,6 +238,9 @@ def train(
 
     Returns a :class:`TrainResult`; ``interrupted`` is True when a signal or KeyboardInterrupt
     stopped the run (after saving a checkpoint of the last completed step when ``out_dir``).
+    Raises :class:`TrainingDiverged` when a step's loss or gradient norm is NaN or infinite:
+    it stops before that step's update, nothing more is saved, and the newest checkpoint stays
+    for a resume.
     """
     dist = dist or DistInfo()
     device = torch.device(device) if device is not None else default_device(dist)
@@ -277,9 +285,19 @@ def train(
                 try:
                     out = train_step(forward_model, run.optimizer, run.micro_batches(), lm_loss, lr=lr,
                                      n_micro=config.grad_accum, precision=config.precision,
-                                     grad_clip=config.grad_clip, before_update=run.start_commit)
+                                     grad_clip=config.grad_clip, before_update=run.start_commit,
+                                     check_finite=True)
                 except compile_errors as e:
                     raise compile_failure(e) from e
+                except NonFiniteStep as e:
+                    # refused before the update: the weights are still those of the step before,
+                    # nothing more is saved, no finite checkpoint is pruned
+                    kept = "no checkpoint was written" if run.saved_step is None else \
+                        f"the last checkpoint (step {run.saved_step}) is kept"
+                    raise TrainingDiverged(
+                        f"training diverged at step {run.step + 1}: loss {e.loss}, gradient norm {e.grad_norm} "
+                        f"(lr {lr:.3g}); {kept}: lower the learning rate or lengthen the warmup, then resume"
+                    ) from None
                 run.step += 1
                 run.committing = False
                 step_loss, stop_now, out_of_time = run.agree(out.loss, stop.requested, budget.spent())

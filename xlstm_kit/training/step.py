@@ -44,6 +44,15 @@ class StepOutput:
     grad_norm: torch.Tensor  # global gradient norm before clipping
 
 
+class NonFiniteStep(XLSTMKitError):
+    """A step's loss or gradient norm was NaN or infinite; `train_step(check_finite=True)` raised
+    it before the update."""
+
+    def __init__(self, loss: float, grad_norm: float):
+        super().__init__(f"non-finite step: loss {loss}, gradient norm {grad_norm}")
+        self.loss, self.grad_norm = loss, grad_norm
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -55,6 +64,7 @@ def train_step(
     precision: str = "auto",
     grad_clip: float = 0.0,
     before_update: Callable[[], None] | None = None,
+    check_finite: bool = False,
 ) -> StepOutput:
     """One optimizer step: for each (inputs, target) of ``micro_batches`` (``n_micro`` of them),
     ``loss_fn(model(inputs), target) / n_micro`` under :func:`autocast` and its backward; then
@@ -64,6 +74,8 @@ def train_step(
     ``model`` may be DistributedDataParallel: only the last micro-batch's backward all-reduces
     the accumulated gradients. ``before_update`` runs just before ``optimizer.step()`` (the
     training loop marks there that an interrupt can no longer be saved consistently).
+    ``check_finite``: a NaN or infinite loss or gradient norm raises :class:`NonFiniteStep`
+    before the update (the weights stay those of the last step; one host sync per step).
     """
     device = next(model.parameters()).device
     loss_sum = torch.zeros((), device=device)
@@ -84,6 +96,11 @@ def train_step(
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:
         grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    if check_finite:
+        loss_v, norm_v = (float(x) for x in torch.stack([loss_sum.float(), grad_norm.float()]).cpu())
+        if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteStep(loss_v, norm_v)
     for group in optimizer.param_groups:
         group["lr"] = lr
     if before_update is not None:
