@@ -2,6 +2,7 @@
 XLSTMKitError), nothing of the user's deleted, no wrapped token ids, no traceback."""
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -11,7 +12,7 @@ from xlstm_kit.cli import app as cli
 from xlstm_kit.cli import train as cli_train
 from xlstm_kit.cli.args import UsageError
 from xlstm_kit.cli.common import prepare_demo_out
-from xlstm_kit.io.checkpoint import TRAIN_META_FILE, resolve_checkpoint
+from xlstm_kit.io.checkpoint import TRAIN_META_FILE, read_train_meta, resolve_checkpoint
 from xlstm_kit.training.data import DataError, list_corpus
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.generation.generate import sample_next
@@ -255,3 +256,17 @@ def test_train_help_names_every_preset(capsys):
         name = "xlstm-7b" if key == "7b" else key
         assert name.lower() in text.lower(), name
         XLSTMConfig.from_name(name)
+
+
+def test_demo_progress_bar_shows_one_total(tmp_path, capsys):
+    """The demo measures its speed on the warmup steps, then runs as many steps as fit: the bar
+    has no total until that is known, then the final one (it showed the warmup's 30, then
+    jumped to the fitted total)."""
+    out = tmp_path / "demo"
+    assert _code(["demo", "--minutes", "0.4", "--out", str(out), "--device", "cpu", "--threads", "2",
+                  "--max-new-tokens", "8"]) == 0
+    frames = capsys.readouterr().err.replace("\r", "\n")
+    totals = {int(t) for t in re.findall(r"\b\d+/(\d+) \[", frames)}
+    planned = read_train_meta(resolve_checkpoint(out))["train_config"]["steps"]
+    # on a slow machine the budget can end inside the warmup (30 steps): then no total at all
+    assert totals == ({planned} if planned > 30 else set()), (totals, planned)

@@ -168,7 +168,7 @@ def report_skipped(data) -> None:
 class Progress:
     """Turns training events into a tqdm bar and printed validation lines."""
 
-    def __init__(self, total: int, initial: int, enabled: bool, stream) -> None:
+    def __init__(self, total: int | None, initial: int, enabled: bool, stream) -> None:
         self.stream = stream
         self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
                         disable=not enabled, file=stream, smoothing=0.1)

@@ -210,8 +210,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     # Two phases: the warmup steps measure this machine's speed, then the run resumes with as
     # many steps as fit the budget. The learning rate during warmup does not depend on the total,
-    # so this is exactly one run of the final length.
-    progress = Progress(warmup, 0, True, sys.stderr)
+    # so this is exactly one run of the final length. The bar has no total until the speed is
+    # known (a total of the warmup steps, then of the run, read as a jump).
+    progress = Progress(None, 0, True, sys.stderr)
 
     def on_event(event) -> None:
         if isinstance(event, StepEvent):
