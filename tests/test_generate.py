@@ -369,6 +369,31 @@ def test_cli_prompts_file_to_json_lines(byte_model_dir, tmp_path, monkeypatch, c
         assert short["completion"] == (full["completion"] if i < 0 else full["completion"][:i])
 
 
+def test_cli_refuses_hostile_prompts_files_in_one_line(byte_model_dir, tmp_path, monkeypatch, capsys):
+    """--prompts /dev/zero read until memory ran out; a FIFO, a device, a folder or an oversized
+    file (or standard input beyond the limit) is now refused in one line, exit 2."""
+    import os
+
+    from xlstm_kit.cli import generate as cli_generate
+
+    _, folder = byte_model_dir
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(cli_generate, "MAX_PROMPTS_BYTES", 64)
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 65)
+    for path, needle in (("/dev/zero", "not a regular file"), (str(fifo), "not a regular file"),
+                         (str(tmp_path), "not a regular file"), (str(big), "more than the 64"),
+                         (str(tmp_path / "missing.txt"), "No such file")):
+        argv = ["generate", str(folder), "--prompts", path, "--max-new-tokens", "2", "--device", "cpu"]
+        assert cli.main(argv) == 2, path
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, (path, err)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"y" * 200), encoding="utf-8"))
+    assert cli.main(["generate", str(folder), "--prompts", "-", "--max-new-tokens", "2", "--device", "cpu"]) == 2
+    assert "more than the 64" in capsys.readouterr().err
+
+
 def test_cli_stream_prints_the_same_text_piece_by_piece(byte_model_dir, monkeypatch, capsys):
     _, folder = byte_model_dir
     base = ["generate", str(folder), "--prompt", "To be", "--max-new-tokens", "30", "--seed", "3",

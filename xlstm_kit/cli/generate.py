@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import stat
 import sys
 import time
 from pathlib import Path
@@ -13,9 +14,32 @@ from ..training.compiling import compile_unavailable
 from .args import UsageError
 from .common import open_checkpoint, pick_device, tokenizer_for, use_threads
 
+# A prompts file larger than this is not prompts (and /dev/zero would be read until memory ends)
+MAX_PROMPTS_BYTES = 64 * 2**20
+
+
 def _read_prompts(path: str) -> list[str]:
+    """The non-empty lines of `path` ("-": standard input): a regular file or a pipe of at most
+    MAX_PROMPTS_BYTES of UTF-8 text."""
+    if path == "-":
+        raw = sys.stdin.buffer.read(MAX_PROMPTS_BYTES + 1)
+    else:
+        f = Path(path)
+        try:
+            st = f.stat()
+        except OSError as e:
+            raise UsageError(f"--prompts {path}: {e.strerror or e}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"--prompts {path}: not a regular file (give a text file, or - for standard input)")
+        if st.st_size > MAX_PROMPTS_BYTES:
+            raise UsageError(f"--prompts {path}: {st.st_size:,} bytes, more than the {MAX_PROMPTS_BYTES:,} a "
+                             f"prompts file may hold")
+        with open(f, "rb") as fh:
+            raw = fh.read(MAX_PROMPTS_BYTES + 1)
+    if len(raw) > MAX_PROMPTS_BYTES:
+        raise UsageError(f"--prompts {path}: more than the {MAX_PROMPTS_BYTES:,} bytes a prompts file may hold")
     try:
-        text = (sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()).decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(f"--prompts {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     prompts = [line for line in text.splitlines() if line.strip()]
