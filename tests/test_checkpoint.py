@@ -184,6 +184,39 @@ def test_a_flipped_byte_in_the_weights_is_refused(tmp_path):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.timeout(60)  # the failure this guards against is a hang
+@pytest.mark.parametrize("special", ["dev-zero", "fifo", "folder"])
+def test_weights_that_are_not_a_regular_file_are_refused_at_once(tmp_path, special):
+    """Weights replaced by a link to /dev/zero or by a FIFO made the checksum read spin or
+    block forever (it ran before any check of the file); now one line, at once."""
+    import os
+
+    from xlstm_kit.io.checkpoint import CheckpointError
+
+    model().save(tmp_path / "c")
+    weights = tmp_path / "c" / "model.safetensors"
+    weights.unlink()
+    if special == "dev-zero":
+        weights.symlink_to("/dev/zero")
+    elif special == "fifo":
+        os.mkfifo(weights)
+    else:
+        weights.mkdir()
+    for load in (XLSTMLanguageModel.load, XLSTMLanguageModel.from_pretrained):
+        with pytest.raises(CheckpointError, match="not a regular file") as e:
+            load(tmp_path / "c")
+        assert "\n" not in str(e.value)
+
+
+def test_an_oversized_checksums_file_is_refused(tmp_path):
+    from xlstm_kit.io.checkpoint import MAX_CHECKSUMS_BYTES, CheckpointError
+
+    model().save(tmp_path / "c")
+    (tmp_path / "c" / "checksums.json").write_text(" " * (MAX_CHECKSUMS_BYTES + 1))
+    with pytest.raises(CheckpointError, match="checksums.json is corrupt"):
+        XLSTMLanguageModel.load(tmp_path / "c")
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
 def test_integer_or_boolean_weights_are_refused_not_cast(tmp_path, dtype):
     from xlstm_kit.io.checkpoint import CheckpointError

@@ -35,6 +35,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,6 +56,7 @@ CHECKPOINTS_DIR = "checkpoints"
 TRAIN_STATE_FILE = "train_state.pt"
 TRAIN_META_FILE = "train_meta.json"
 CHECKSUMS_FILE = "checksums.json"
+MAX_CHECKSUMS_BYTES = 1 << 20  # a few file names and digests
 
 
 class CheckpointError(XLSTMKitError):
@@ -136,6 +138,13 @@ def _make_hidden_dir(parent: Path, prefix: str) -> Path:
 
 
 def _file_sha256(path: Path) -> str:
+    # a FIFO would block the open, a device (a link to /dev/zero) never end: regular files only
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except OSError as e:
+        raise CheckpointError(f"{path}: {e.strerror or e}") from None
+    if not regular:
+        raise CheckpointError(f"{path} is not a regular file; the checkpoint is unusable")
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -158,6 +167,8 @@ def verify_checksum(folder: str | Path, name: str) -> None:
     f = folder / CHECKSUMS_FILE
     if not f.is_file():
         return
+    if f.stat().st_size > MAX_CHECKSUMS_BYTES:
+        raise CheckpointError(f"{f} is corrupt ({f.stat().st_size:,} bytes for a few digests)")
     try:
         recorded = json.loads(f.read_text())["sha256"]
         expected = recorded.get(name) if isinstance(recorded, dict) else None
@@ -229,6 +240,8 @@ def read_model_files(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
         raise FileNotFoundError(f"no checkpoint folder at {str(directory)!r}")
     cfg_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     for p in (cfg_path, weights_path):
+        if p.exists() and not p.is_file():  # a FIFO, a device, a folder: never opened
+            raise CheckpointError(f"{p} is not a regular file; the checkpoint is unusable")
         if not p.is_file():
             raise FileNotFoundError(f"checkpoint {str(directory)!r} has no {p.name}; is it an xlstm_kit model folder?")
     try:
