@@ -60,6 +60,16 @@ def test_schedule_values():
     assert T.lr_at(0, T.TrainConfig(warmup_steps=0, lr=0.5, min_lr=0.0, steps=10)) == pytest.approx(0.5)
 
 
+def test_config_validation_of_numbers():
+    for kw, needle in ((dict(lr=1e308), "lr <= 100"), (dict(lr=float("inf")), "finite"),
+                       (dict(eps=float("nan")), "finite"), (dict(betas=(0.9, 1.5)), "betas"),
+                       (dict(weight_decay=True), "finite number")):
+        with pytest.raises(ValueError, match=needle):
+            small_config(**kw)
+    with pytest.raises(ValueError, match="no field bogus"):
+        T.TrainConfig.from_dict({**small_config().to_dict(), "bogus": 1})
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="steps"):
         T.TrainConfig(steps=0)
@@ -449,10 +459,20 @@ def _corrupt(state, how):
         state["step"] = -5
     elif how == "batch_size":
         del state["train_config"]["batch_size"]
+    elif how == "huge_step":
+        state["step"] = 10**12
+    elif how == "negative_eps":
+        for g in opt["param_groups"]:
+            g["eps"] = -1e-8
+    elif how == "huge_lr":
+        state["train_config"]["lr"] = 1e30
+    elif how == "unknown_key":
+        state["train_config"]["no_such_setting"] = 1
 
 
 @pytest.mark.parametrize("how", ["optimizer", "rng", "train_config", "exp_avg", "exp_avg_sq", "rng_size",
-                                 "rng_dtype", "step", "batch_size"])
+                                 "rng_dtype", "step", "batch_size", "huge_step", "negative_eps", "huge_lr",
+                                 "unknown_key"])
 def test_corrupt_training_states_are_refused_in_one_line(data, tmp_path, how):
     out = tmp_path / "r"
     T.train(small_model(), data, small_config(steps=1, eval_at_start=False), out, device="cpu")

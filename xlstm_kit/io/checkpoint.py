@@ -406,6 +406,8 @@ def _train_state_problem(state: dict[str, Any]) -> str | None:
         v = cfg.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or (key != "seed" and v < 1):
             return f"train_config.{key} is {v!r}"
+    if step > cfg["steps"]:  # a run saves at most at its last step
+        return f"step {step} is past the run's {cfg['steps']} steps"
     rng = state.get("rng")
     if not isinstance(rng, dict) or not isinstance(rng.get("torch"), torch.Tensor) \
             or rng["torch"].dtype != torch.uint8 or not isinstance(rng.get("cuda"), (list, tuple)) \
@@ -434,6 +436,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
                     or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in numbers) \
                     or (isinstance(value, tuple) and len(v) != len(value)):
                 raise CheckpointError(f"{source}: optimizer hyperparameter {key} is {v!r}")
+            if (key in ("lr", "weight_decay") and v < 0) or (key == "eps" and not v > 0) \
+                    or (key == "betas" and not all(0 <= b < 1 for b in v)):
+                raise CheckpointError(f"{source}: optimizer hyperparameter {key} is {v!r}, out of range")
     # torch numbers the parameters 0, 1, ... through the groups in order
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups] \
             or [i for g in groups for i in g["params"]] != list(range(len(params))):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,10 @@ RESUME_FROZEN = ("batch_size", "seq_len", "seed", "grad_accum", "pack")
 """The settings a resumed run keeps from its checkpoint, in the library and on the command line
 alike: they decide which tokens each step reads (batch shape, sampling order, document packing)
 and how a step's gradient is summed, so changing one would make the resumed run another run."""
+
+
+# AdamW's step is about lr in size: far above this every run diverges at once
+MAX_LR = 100.0
 
 
 @dataclass
@@ -96,10 +101,17 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_interval", "eval_batches", "checkpoint_interval"):
             if int(getattr(self, name)) < 0:
                 raise XLSTMKitError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise XLSTMKitError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise XLSTMKitError(f"TrainConfig.{name} must be a finite number, got {v!r}")
+        if not (0 < self.lr <= MAX_LR and 0 <= self.min_lr <= self.lr):
+            raise XLSTMKitError(f"need 0 < lr <= {MAX_LR:g} and 0 <= min_lr <= lr, got lr={self.lr}, "
+                                f"min_lr={self.min_lr}")
         if self.weight_decay < 0 or self.grad_clip < 0 or not self.eps > 0:
             raise XLSTMKitError("TrainConfig.weight_decay and grad_clip must be >= 0 and eps > 0")
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise XLSTMKitError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.precision not in PRECISIONS:
             raise XLSTMKitError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.batch_size % self.grad_accum:
@@ -116,4 +128,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise XLSTMKitError(f"TrainConfig has no field {', '.join(unknown)}")
+        return cls(**d)
