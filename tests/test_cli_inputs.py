@@ -12,7 +12,7 @@ from xlstm_kit.cli import app as cli
 from xlstm_kit.cli import train as cli_train
 from xlstm_kit.cli.args import UsageError
 from xlstm_kit.cli.common import prepare_demo_out
-from xlstm_kit.io.checkpoint import TRAIN_META_FILE, read_train_meta, resolve_checkpoint
+from xlstm_kit.io.checkpoint import RUN_LOCK_FILE, TRAIN_META_FILE, read_train_meta, resolve_checkpoint
 from xlstm_kit.training.data import DataError, list_corpus
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.generation.generate import sample_next
@@ -92,7 +92,8 @@ def test_demo_refuses_a_run_it_did_not_write(cache, corpus, tmp_path, capsys):
     meta = json.loads((ckpt / TRAIN_META_FILE).read_text())
     (ckpt / TRAIN_META_FILE).write_text(json.dumps({**meta, "demo": True}))
     prepare_demo_out(out, overwrite=False)
-    assert sorted(p.name for p in out.iterdir()) == ["other.txt"]
+    # the run's lock file (ours, empty) stays: removing it could race with a run taking it
+    assert sorted(p.name for p in out.iterdir() if p.name != RUN_LOCK_FILE) == ["other.txt"]
 
 
 def test_demo_into_a_folder_without_a_run_keeps_its_files(tmp_path):
@@ -268,5 +269,6 @@ def test_demo_progress_bar_shows_one_total(tmp_path, capsys):
     frames = capsys.readouterr().err.replace("\r", "\n")
     totals = {int(t) for t in re.findall(r"\b\d+/(\d+) \[", frames)}
     planned = read_train_meta(resolve_checkpoint(out))["train_config"]["steps"]
-    # on a slow machine the budget can end inside the warmup (30 steps): then no total at all
-    assert totals == ({planned} if planned > 30 else set()), (totals, planned)
+    # one total, the run's (on a slow machine the budget can end in the warmup's 30 steps: then
+    # that total or none)
+    assert totals <= {planned} and (planned <= 30 or totals == {planned}), (totals, planned)

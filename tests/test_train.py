@@ -572,3 +572,23 @@ def test_train_step_refuses_a_non_finite_gradient_before_the_update():
     assert math.isfinite(e.value.loss) and not math.isfinite(e.value.grad_norm)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_run_folder_is_locked_while_a_run_writes_it(data, tmp_path):
+    """A second run into a folder another run is writing stops in one line before touching it
+    (two runs interleaved metrics.jsonl and deleted each other's staging folders); the lock goes
+    with the run, also when the run fails."""
+    from xlstm_kit.io.checkpoint import RunLocked, run_lock
+
+    out = tmp_path / "run"
+    with run_lock(out):  # stands for another process's run (flock: per open file, so this conflicts)
+        (out / "theirs.txt").write_text("x")
+        with pytest.raises(RunLocked, match="another run") as e:
+            T.train(small_model(), data, small_config(steps=2), out, device="cpu")
+        assert "\n" not in str(e.value)
+        assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["theirs.txt"]
+    with pytest.raises(ValueError):  # a failing run releases the lock
+        T.train(small_model(), data, small_config(steps=2, batch_size=3), out, device="cpu",
+                dist=T.DistInfo(rank=0, world_size=2, local_rank=0))
+    res = T.train(small_model(), data, small_config(steps=2), out, device="cpu")
+    assert res.step == 2

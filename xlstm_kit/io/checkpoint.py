@@ -46,6 +46,7 @@ from torch import nn
 
 from .._version import __version__
 from ..errors import XLSTMKitError
+from .locking import RUN_LOCK_FILE, RunLocked, run_lock  # noqa: F401 - part of this module's API
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -21,6 +21,7 @@ and ``loss.png`` (the loss curve, written at the end when matplotlib is installe
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import signal
@@ -36,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import XLSTMKitError
 from ..io.checkpoint import (TRAIN_STATE_FILE, CheckpointError, atomic_write, load_optimizer_state,
-                             load_training_state, load_weights_into, read_train_meta, remove_stale_staging,
+                             load_training_state, load_weights_into, read_train_meta, remove_stale_staging, run_lock,
                              resolve_checkpoint, restore_rng, save_checkpoint)
 from .compiling import CompileClock, compile_failure, prepare_model
 from .config import METRICS_FILE, PLOT_FILE, RESUME_FROZEN, TrainConfig
@@ -240,11 +241,19 @@ def train(
     stopped the run (after saving a checkpoint of the last completed step when ``out_dir``).
     Raises :class:`TrainingDiverged` when a step's loss or gradient norm is NaN or infinite:
     it stops before that step's update, nothing more is saved, and the newest checkpoint stays
-    for a resume.
+    for a resume. ``out_dir`` is locked while the run writes it (:func:`run_lock`: another run
+    into the same folder gets RunLocked).
     """
     dist = dist or DistInfo()
-    device = torch.device(device) if device is not None else default_device(dist)
     out_dir = Path(out_dir) if out_dir is not None else None
+    with run_lock(out_dir) if out_dir is not None and dist.is_main else contextlib.nullcontext():
+        return _train(model, data, config, out_dir, resume, callback, device, dist, meta, handle_signals,
+                      time_limit_s)
+
+
+def _train(model, data, config, out_dir, resume, callback, device, dist, meta, handle_signals,
+           time_limit_s) -> TrainResult:
+    device = torch.device(device) if device is not None else default_device(dist)
     per_rank = config.batch_size // (dist.world_size * config.grad_accum)
     if per_rank * dist.world_size * config.grad_accum != config.batch_size:
         raise XLSTMKitError(
