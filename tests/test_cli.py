@@ -238,3 +238,17 @@ def test_ctrl_c_saves_a_resumable_checkpoint(cache, tmp_path):
     assert step >= 1
     assert cli.main(["train", "--out", str(out), "--resume", "--steps", str(step + 1), "--no-progress"]) == 0
     assert resolve_checkpoint(out).name == f"step-{step + 1:08d}"
+
+
+def test_a_closed_pipe_ends_the_output_quietly():
+    """`xlstm-kit bench --list | head -1` ended in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "xlstm_kit", "bench", "--list", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does after its line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 141) and first
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -202,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_BROKEN_PIPE = 128 + 13  # the status of a process that SIGPIPE ends
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     command = ""
     try:
@@ -213,6 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # anywhere else, e.g. in the first seconds while torch is imported.
         print(f"{PROG}{command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader went away (`xlstm-kit bench --list | head`): stop quietly, as a program that
+        # SIGPIPE ends would, and keep Python's flush at exit from raising again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 def _run(args: argparse.Namespace) -> int:
