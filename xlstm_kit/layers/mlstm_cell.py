@@ -19,9 +19,13 @@ from __future__ import annotations
 import torch
 
 from ..ops._checks import LOG_GATE_FLOOR, floor_log_gate
-from ..ops.backend import kernel_module, on_device
+from ..ops.backend import BackendUnavailableError, choose_backend, kernel_module, on_device
 from .common import _packed_blocks, _packed_bmm, headwise_weight_grad
 from .fused import _conv_bwd, _conv_fwd, _conv_kernels
+
+# imported with the layer rather than on the first call: torch.compile sees the modules that
+# existed when its trace began, so an import inside the trace is a graph break per block
+_FRONT_KERNELS = kernel_module("mlstm_front")
 
 EPS = 1e-6  # the cell's eps: mlstm_chunkwise's default, which the layer's other path uses
 
@@ -31,19 +35,19 @@ def _front(conv_kernels, x: torch.Tensor, d: int, taps: int):
     head-wise block width d, conv taps), else None (the PyTorch pieces)."""
     if conv_kernels is None:
         return None
-    front = kernel_module("mlstm_front")
-    if front is None or front.supports("mlstm_front", dtype=x.dtype, block_size=d, taps=taps) is not None:
+    try:
+        use = choose_backend("mlstm_front", "triton", x.device, inputs=(x,), dtype=x.dtype, block_size=d, taps=taps)
+    except BackendUnavailableError:
         return None
-    return front
+    return _FRONT_KERNELS if use == "triton" else None
 
 
 def front_forward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, pack: int, conv_kernels, pos,
-                  gates: bool = True):
+                  gates: bool = True, front=None):
     """(x_conv, q, k, v, gates [N, 2H] or None) [B, T, C] each, from x_m [B, T, C] contiguous.
     gates=False: the backward's recomputation (no gate pre-activations; the fused kernels also
     skip x_conv, which their backward recomputes itself: x_conv is then None)."""
     B, T, C = x_m.shape
-    front = _front(conv_kernels, x_m, wq.shape[-1], conv_w.shape[1])
     if front is not None:
         with on_device(x_m):
             x_conv, q, k, v, g = front.mlstm_front_fwd(x_m, pos, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, gates,
@@ -61,11 +65,10 @@ def front_forward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, pack: int, co
 
 
 def front_backward(dq, dk, dv, dgates, dx_conv, x_m, x_conv, conv_w, conv_b, wq, wk, wv, w_conv, w_m,
-                   pack: int, conv_kernels, pos):
+                   pack: int, conv_kernels, pos, front=None):
     """Gradients (dx_m, dconv_w, dconv_b, dwq, dwk, dwv, dw_conv, dw_m, db) of `front_forward`
     from those of q, k, v [N, C], the gates [N, 2H] and x_conv (its other readers'; or None)."""
     B, T, C = x_m.shape
-    front = _front(conv_kernels, x_m, wq.shape[-1], conv_w.shape[1])
     if front is not None:
         return front.mlstm_front_bwd(
             dq.view(B, T, C), dk.view(B, T, C), dv.view(B, T, C), dgates.contiguous(),
@@ -89,20 +92,20 @@ def front_backward(dq, dk, dv, dgates, dx_conv, x_m, x_conv, conv_w, conv_b, wq,
 class _MLSTMCellFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, n_heads: int, pack: int,
-                recompute_states: bool, conv_kernels, pos, cu_seqlens):
+                recompute_states: bool, conv_kernels, front, pos, cu_seqlens):
         from xlstm_kit.ops.mlstm.triton.op import chunkwise_forward_for_cell
 
         B, T, C = x_m.shape
         H = n_heads
         x_conv, q, k, v, gates = front_forward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, pack,
-                                               conv_kernels, pos)
+                                               conv_kernels, pos, front=front)
         i, f = gates.chunk(2, dim=-1)
         shape = (B, T, H, C // H)
         h, saved = chunkwise_forward_for_cell(
             q.view(shape), k.view(shape), v.view(shape), i.reshape(B, T, H), floor_log_gate(f).reshape(B, T, H),
             EPS, recompute_states, cu_seqlens)
         ctx.save_for_backward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, gates, pos, cu_seqlens, *saved)
-        ctx.n_heads, ctx.pack, ctx.recompute, ctx.conv_kernels = H, pack, recompute_states, conv_kernels
+        ctx.n_heads, ctx.pack, ctx.recompute, ctx.conv_kernels, ctx.front = H, pack, recompute_states, conv_kernels, front
         return h, x_conv
 
     @staticmethod
@@ -113,7 +116,7 @@ class _MLSTMCellFn(torch.autograd.Function):
         B, T, C = x_m.shape
         H, pack = ctx.n_heads, ctx.pack
         x_conv, q, k, v, _ = front_forward(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, pack,
-                                           ctx.conv_kernels, pos, gates=False)
+                                           ctx.conv_kernels, pos, gates=False, front=ctx.front)
         i, f = gates.chunk(2, dim=-1)
         shape = (B, T, H, C // H)
         if dh is None:
@@ -124,13 +127,18 @@ class _MLSTMCellFn(torch.autograd.Function):
         df = torch.where(f.reshape(df.shape) >= LOG_GATE_FLOOR, df, 0)  # clamp_min's gradient
         dgates = torch.cat([di, df], dim=-1).view(-1, 2 * H).to(gates.dtype)
         grads = front_backward(dq.reshape(-1, C), dk.reshape(-1, C), dv.reshape(-1, C), dgates, dx_conv, x_m,
-                               x_conv, conv_w, conv_b, wq, wk, wv, w_conv, w_m, pack, ctx.conv_kernels, pos)
-        return (*grads, None, None, None, None, None, None)
+                               x_conv, conv_w, conv_b, wq, wk, wv, w_conv, w_m, pack, ctx.conv_kernels, pos,
+                               front=ctx.front)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def mlstm_cell(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, *, n_heads: int, pack: int,
                recompute_states: bool, backend: str | None, pos=None, cu_seqlens=None):
     """See the module docstring. x_m contiguous; `pack` heads of wq/wk/wv per batched-matmul
     block (HeadwiseLinear.pack); `pos` (int32 [T]) and `cu_seqlens` for packed documents (B = 1)."""
+    # the kernel modules are chosen here, outside the autograd.Function: torch.compile traces
+    # its forward as a subgraph, where the choice's import would be a graph break per block
+    conv_kernels = _conv_kernels(x_m, backend)
+    front = _front(conv_kernels, x_m, wq.shape[-1], conv_w.shape[1])
     return _MLSTMCellFn.apply(x_m, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, n_heads, pack,
-                              bool(recompute_states), _conv_kernels(x_m, backend), pos, cu_seqlens)
+                              bool(recompute_states), conv_kernels, front, pos, cu_seqlens)
