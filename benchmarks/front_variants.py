@@ -53,23 +53,18 @@ def layer_args(B, T):
 
 def run(fused: bool, x, ws, pack, grads, dg, dxc):
     conv_kernels = mlstm_cell._conv_kernels(x, "triton")
-    saved = mlstm_cell._front
-    if not fused:
-        mlstm_cell._front = lambda *a: None
-    try:
-        fw = lambda: mlstm_cell.front_forward(x, *ws, pack, conv_kernels, None)  # noqa: E731
-        out = fw()
-        x_conv = out[0]
+    front = mlstm_front if fused else None
+    fw = lambda: mlstm_cell.front_forward(x, *ws, pack, conv_kernels, None, front=front)  # noqa: E731
+    out = fw()
+    x_conv = out[0]
 
-        def bw():
-            return mlstm_cell.front_backward(*grads, dg, dxc, x, x_conv, *ws[:-1], pack, conv_kernels, None)
+    def bw():
+        return mlstm_cell.front_backward(*grads, dg, dxc, x, x_conv, *ws[:-1], pack, conv_kernels, None, front=front)
 
-        res = [t for t in (*out, *bw()) if t is not None]
-        tf = measure(fw, x.device, Budget(rep_s=0.3, min_reps=10), flush_cache=True).median_ms
-        tb = measure(bw, x.device, Budget(rep_s=0.3, min_reps=10), flush_cache=True).median_ms
-        return res, tf, tb
-    finally:
-        mlstm_cell._front = saved
+    res = [t for t in (*out, *bw()) if t is not None]
+    tf = measure(fw, x.device, Budget(rep_s=0.3, min_reps=10), flush_cache=True).median_ms
+    tb = measure(bw, x.device, Budget(rep_s=0.3, min_reps=10), flush_cache=True).median_ms
+    return res, tf, tb
 
 
 def main():
