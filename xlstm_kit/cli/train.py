@@ -15,6 +15,7 @@ from ..generation.generate import generate_text
 from ..io.loading import load_model, load_pretrained
 from ..io.tokenizers import TOKENIZERS, get_tokenizer
 from ..models import PRESETS, XLSTMConfig, XLSTMLanguageModel
+from ..models.lora import lora_settings, use_lora
 from ..training import (RESUME_FROZEN, StepEvent, TimeBudget, TrainConfig, continue_schedule, evaluate,
                         init_distributed, load_training_state, lr_at, read_train_meta, resolve_checkpoint,
                         train, val_batch_count)
@@ -38,9 +39,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr", "warmup_steps",
                   "weight_decay", "grad_clip", "seed", "precision", "eval_interval", "eval_batches",
-                  "checkpoint_interval", "compile", "activation_checkpointing", "pack")
+                  "checkpoint_interval", "compile", "activation_checkpointing", "pack", "lora", "lora_alpha")
         if getattr(args, k) is not None
     }
+    if args.lora_targets is not None:
+        overrides["lora_targets"] = tuple(t.strip() for t in args.lora_targets.split(","))
+    if args.lora is None and (args.lora_alpha is not None or args.lora_targets is not None):
+        raise UsageError("--lora-alpha and --lora-targets shape LoRA adapters; add --lora RANK")
+    if args.lora is not None and args.init_from is None and not args.resume:
+        raise UsageError("--lora fine-tunes a trained model: add --init-from DIR (a checkpoint, a training run or "
+                         "a HuggingFace xLSTM folder)")
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite contradict each other")
     if args.init_from is not None and (args.resume or args.preset is not None):
@@ -92,6 +100,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         defaults["warmup_steps"] = min(defaults["warmup_steps"], steps // 5)
         config = TrainConfig(**{**defaults, **overrides})
         start = 0
+        if config.lora:  # here (the model is --init-from's): a target it lacks stops the run before any work
+            use_lora(model, config.lora, config.lora_alpha, config.lora_targets, seed=config.seed)
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
     if config.steps <= start:
@@ -120,7 +130,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         meta_out["init_from"] = str(Path(init_from).resolve())
     progress = None
     if dist.is_main:
-        n_params = sum(p.numel() for p in model.parameters())
+        size = f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
+        lora = lora_settings(model)
+        if lora is not None:
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            size += (f", {trainable / 1e6:.3g}M of them trainable: LoRA adapters of rank {lora['rank']}, alpha "
+                     f"{lora['alpha']:g} on {', '.join(lora['targets'])}")
         where = f"{dist.world_size} processes" if dist.enabled else str(device)
         if device is not None and device.type == "cpu":
             where += f" ({threads})"
@@ -131,7 +146,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if data.train_docs is not None and config.pack is not False:
             where += f", {len(data.train_docs):,} documents packed (state reset at each)"
         print(
-            f"{'resuming' if args.resume else 'training'} {label} ({n_params / 1e6:.2f}M parameters) on "
+            f"{'resuming' if args.resume else 'training'} {label} ({size}) on "
             f"{data_spec} ({len(data.train):,} training tokens, tokenizer {tok_label}) for "
             f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on {where} -> {out}",
             file=sys.stderr, flush=True,

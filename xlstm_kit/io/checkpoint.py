@@ -46,6 +46,8 @@ from torch import nn
 
 from .._version import __version__
 from ..errors import XLSTMKitError
+from ..layers.lora import has_adapters
+from ..models.lora import adapter_config
 from .locking import RUN_LOCK_FILE, RunLocked, run_lock  # noqa: F401 - part of this module's API
 
 CONFIG_FILE = "config.json"
@@ -57,6 +59,7 @@ CHECKPOINTS_DIR = "checkpoints"
 TRAIN_STATE_FILE = "train_state.pt"
 TRAIN_META_FILE = "train_meta.json"
 CHECKSUMS_FILE = "checksums.json"
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # a model with LoRA adapters (xlstm_kit.io.lora)
 MAX_CHECKSUMS_BYTES = 1 << 20  # a few file names and digests
 
 
@@ -197,6 +200,9 @@ def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None) ->
     (folder / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     _write_checksums(folder, [WEIGHTS_FILE])
     names = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
+    if has_adapters(model):  # the weights hold them; loaders rebuild the same adapters from this first
+        (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config(model), indent=2, sort_keys=True) + "\n")
+        names.append(ADAPTER_CONFIG_FILE)
     hf_tokenizer = getattr(model, "hf_tokenizer", None)  # a tokenizers-format tokenizer.json (xlstm_kit.io.hf)
     if hf_tokenizer is not None:
         names += hf_tokenizer.save(folder)
@@ -220,6 +226,8 @@ def save_model(model: nn.Module, directory: str | Path, tokenizer: str | None = 
         if directory.exists():
             for name in names:
                 os.replace(tmp / name, directory / name)
+            if ADAPTER_CONFIG_FILE not in names:  # a stale one would put adapters on the loaded model
+                (directory / ADAPTER_CONFIG_FILE).unlink(missing_ok=True)
         else:
             os.rename(tmp, directory)
         fsync_dir(directory)

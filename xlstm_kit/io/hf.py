@@ -42,6 +42,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..errors import XLSTMKitError
+from ..layers.lora import has_adapters
 from ..models.config import XLSTMConfig
 from . import checkpoint
 from .tokenizers import HFSpecialTokens
@@ -438,6 +439,9 @@ def save_pretrained(model: nn.Module, path: str | Path, format: str = "hf",
         return checkpoint.save_model(model, path, tokenizer=model.tokenizer_name)
     if format != "hf":
         raise XLSTMKitError(f"format must be 'hf' or 'xlstm_kit', got {format!r}")
+    if has_adapters(model):
+        raise XLSTMKitError("a HuggingFace folder holds plain weights: fold the LoRA adapters in first "
+                            "(xlstm_kit.lora.merge_lora(model)), or save them alone with save_adapters")
     parse_size(max_shard_size)
     tok = getattr(model, "hf_tokenizer", None)
     special = getattr(model, "hf_special_tokens", None) or HFSpecialTokens()

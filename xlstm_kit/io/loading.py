@@ -13,6 +13,8 @@ import torch
 from ..errors import XLSTMKitError
 from ..models import XLSTMConfig, XLSTMLanguageModel
 from . import checkpoint
+from ..models.lora import merge_lora
+from .lora import adapters_from_folder
 from .hf import (HF_MODEL_TYPE, TOKENIZER_NAME_KEY, check_device, check_sources, config_from_hf, is_hf_config,
                  materialise, read_headers, target_dtype)
 from .tokenizers import HFSpecialTokens, find_tokenizer, json_object
@@ -51,7 +53,8 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
                model_class: type = XLSTMLanguageModel) -> XLSTMLanguageModel:
     """Read a model written by `checkpoint.save_model`, or the newest checkpoint of a `train --out`
     run folder (through its `latest` file). Returns it (a `model_class`) in eval mode, with
-    `tokenizer_name` set when the checkpoint records its tokenizer. FileNotFoundError if
+    `tokenizer_name` set when the checkpoint records its tokenizer; a model saved with LoRA
+    adapters comes back with them, unmerged (a resumable LoRA run). FileNotFoundError if
     missing, XLSTMKitError if corrupt."""
     path = Path(path)
     if not path.is_dir():
@@ -68,8 +71,9 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     config = _runnable_on(_config(config_dict, path / checkpoint.CONFIG_FILE), check_device(device), path)
     source = path / checkpoint.WEIGHTS_FILE
     with torch.device("meta"):  # the config's shapes, checked against the file before allocating
-        checkpoint.check_state(model_class(config), tensors, source)
-    model = checkpoint.load_state_checked(model_class(config), tensors, source, checked=True)
+        checkpoint.check_state(adapters_from_folder(model_class(config), path), tensors, source)
+    model = checkpoint.load_state_checked(adapters_from_folder(model_class(config), path), tensors, source,
+                                          checked=True)
     model.tokenizer_name = checkpoint.read_tokenizer_name(path)
     model.hf_tokenizer = find_tokenizer(path)
     model.eval()
@@ -85,7 +89,8 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
     `dtype` (default: the file's, float32 if mixed) and placed on `device` (default: cpu) on
     its own, so a 7B model loads in bf16 without a float32 or second copy. Names and shapes
     are checked against config.json first. A tokenizer.json in the folder becomes
-    `model.hf_tokenizer`. Returns the model (a `model_class`) in eval mode."""
+    `model.hf_tokenizer`. A checkpoint with LoRA adapters (adapter_config.json) loads with the
+    adapters merged into its weights. Returns the model (a `model_class`) in eval mode."""
     path = _model_folder(path, "model")
     cfg_path = path / checkpoint.CONFIG_FILE
     raw = json_object(cfg_path)
@@ -108,7 +113,7 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
         # stored head is the one it computes with, whatever tie_word_embeddings says
         config = dataclasses.replace(config, tie_embeddings=False)
     with torch.device("meta"):  # shapes only: nothing is allocated until a tensor is read
-        model = model_class(config)
+        model = model_class(config) if hf else adapters_from_folder(model_class(config), path)
     expected = model.state_dict()
     if config.tie_embeddings:
         expected.pop("lm_head.weight")
@@ -120,6 +125,7 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # a parameter the file does not hold and the check above missed
         raise XLSTMKitError(f"{named} leaves {left[:5]} unset")
+    merge_lora(model)  # a model to use: adapters folded in, as fast as the base model
     named_tokenizer = raw.get(TOKENIZER_NAME_KEY) if hf else checkpoint.read_tokenizer_name(path)
     model.tokenizer_name = named_tokenizer if isinstance(named_tokenizer, str) else None
     model.hf_tokenizer = find_tokenizer(path, special)

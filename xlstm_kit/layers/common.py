@@ -15,6 +15,7 @@ from torch import nn
 from ..errors import XLSTMKitError
 from .fused import (activation_dtype, bmm_into, conv_silu, conv_state, conv_state_varlen, doc_positions,
                     gelu_mul_linear, head_norm, norm_up)
+from .lora import lora_weight
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -247,12 +248,12 @@ class GatedFeedForward(nn.Module):
         (its normalised output is recomputed in the backward instead of kept)."""
         if norm is None:
             xa = x.to(activation_dtype(x))
-            w_g, w_u = self.up_proj.weight.chunk(2, dim=0)
+            w_g, w_u = lora_weight(self.up_proj).chunk(2, dim=0)
             b_g, b_u = (None, None) if self.up_proj.bias is None else self.up_proj.bias.chunk(2)
             g, u = F.linear(xa, w_g, b_g), F.linear(xa, w_u, b_u)
         else:
-            g, u = norm_up(x, norm.weight, norm.eps, self.up_proj.weight, self.up_proj.bias)
-        y = gelu_mul_linear(g, u, self.down_proj.weight, self.down_proj.bias)
+            g, u = norm_up(x, norm.weight, norm.eps, lora_weight(self.up_proj), self.up_proj.bias)
+        y = gelu_mul_linear(g, u, lora_weight(self.down_proj), self.down_proj.bias)
         return self.dropout(y) if self.dropout.p > 0 else y
 
 

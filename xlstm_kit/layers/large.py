@@ -26,6 +26,7 @@ from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
 from .common import small_init_, state_dtype, wang_init_
 from .fused import _head_norm_fwd_torch, gated_head_norm, head_norm, swiglu
+from .lora import lora_weight
 from .mlstm import MLSTMState
 
 
@@ -154,14 +155,14 @@ class LargeMLSTMLayer(nn.Module):
         each token, tripling the step's memory traffic)."""
         maps = (self.q, self.k, self.v, self.ogate_preact, self.igate_preact, self.fgate_preact)
         if one_matmul:
-            w = torch.cat([m.weight for m in maps])
+            w = torch.cat([lora_weight(m) for m in maps])
             b = None
             if self.q.bias is not None:
                 b = torch.cat([m.bias for m in maps[:4]] + [self.q.bias.new_zeros(2 * self.n_heads)])
             q, k, v, o, g = F.linear(x, w, b).split(self._splits, dim=-1)
         else:
             q, k, v, o = (m(x) for m in maps[:4])
-            g = F.linear(x, torch.cat([self.igate_preact.weight, self.fgate_preact.weight]))
+            g = F.linear(x, torch.cat([lora_weight(self.igate_preact), lora_weight(self.fgate_preact)]))
         # the gates in float32: the op computes them in float32 anyway, and bf16 pre-activations
         # would put rounding errors of ~0.1 into exponents
         gb = torch.cat([self.igate_preact.bias, self.fgate_preact.bias])
@@ -242,7 +243,7 @@ class SwiGLU(nn.Module):
         return self.proj_down(F.silu(self.proj_up_gate(x)) * self.proj_up(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = torch.cat([self.proj_up_gate.weight, self.proj_up.weight])
+        w = torch.cat([lora_weight(self.proj_up_gate), lora_weight(self.proj_up)])
         b = None if self.proj_up.bias is None else torch.cat([self.proj_up_gate.bias, self.proj_up.bias])
         return self.proj_down(swiglu(F.linear(x, w, b), self.backend))
 
@@ -302,10 +303,10 @@ class LargeBlock(nn.Module):
         layer, ffn = self.mlstm_layer, self.ffn
         C = state.C if inplace else state.C.clone()
         y, n, m = large_block_step(
-            x.contiguous(), self.norm_mlstm.weight, layer.q.weight, layer.k.weight, layer.v.weight,
-            layer.ogate_preact.weight, layer.igate_preact.weight, layer.fgate_preact.weight,
-            layer.igate_preact.bias, layer.fgate_preact.bias, layer.multihead_norm.weight, layer.out_proj.weight,
-            self.norm_ffn.weight, ffn.proj_up_gate.weight, ffn.proj_up.weight, ffn.proj_down.weight,
+            x.contiguous(), self.norm_mlstm.weight, *(lora_weight(m) for m in (
+                layer.q, layer.k, layer.v, layer.ogate_preact, layer.igate_preact, layer.fgate_preact)),
+            layer.igate_preact.bias, layer.fgate_preact.bias, layer.multihead_norm.weight, lora_weight(layer.out_proj),
+            self.norm_ffn.weight, lora_weight(ffn.proj_up_gate), lora_weight(ffn.proj_up), lora_weight(ffn.proj_down),
             C, state.n.contiguous(), state.m.contiguous(), float(self.norm_mlstm.eps), float(self.norm_ffn.eps),
             float(layer.multihead_norm.eps), float(layer.gate_soft_cap), float(layer.eps))
         return y, MLSTMState(state.conv, C, n, m)

@@ -16,6 +16,7 @@ from torch import nn
 from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
+from .lora import lora_weight
 from .mlstm_cell import mlstm_cell
 from .common import (PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, _packed_blocks, _packed_bmm,
                      headwise_weight_grad, small_init_, state_dtype, wang_init_)
@@ -146,7 +147,7 @@ class MLSTMLayer(nn.Module):
     def _up(self, x: torch.Tensor):
         """Up-projection into (x_m, z). Two matmuls on the halves of the weight give contiguous
         outputs (the halves of one wide output would be strided views that later ops copy)."""
-        w_m, w_z = self.up_proj.weight.chunk(2, dim=0)
+        w_m, w_z = lora_weight(self.up_proj).chunk(2, dim=0)
         b_m, b_z = (None, None) if self.up_proj.bias is None else self.up_proj.bias.chunk(2)
         return F.linear(x, w_m, b_m), F.linear(x, w_z, b_z)
 
@@ -155,7 +156,7 @@ class MLSTMLayer(nn.Module):
         + x_m w_mᵀ + b. The gates are linear in concat(q, k, v), and q, k, v are block-diagonal
         maps of x_conv and x_m: folding those maps into the (2H x 3 inner) gate matrix reads two
         inner-wide inputs instead of writing and reading a 3x-wide concatenation."""
-        w = torch.cat([self.igate.weight, self.fgate.weight]).to(dtype)  # [2H, 3 inner]
+        w = torch.cat([lora_weight(self.igate), lora_weight(self.fgate)]).to(dtype)  # [2H, 3 inner]
         b = torch.cat([self.igate.bias, self.fgate.bias]).to(dtype)
         wq, wk, wv = w.split(self.inner_dim, dim=1)
         w_conv = self.q_proj.fold_into(wq) + self.k_proj.fold_into(wk)  # [2H, inner]
@@ -187,7 +188,7 @@ class MLSTMLayer(nn.Module):
         y = mlstm_output(
             h.reshape(-1, self.n_heads, self.head_dim), x_conv.reshape(-1, self.inner_dim),
             z.reshape(-1, self.inner_dim), self.out_norm.weight, self.skip,
-            self.down_proj.weight, self.down_proj.bias, self.out_norm.eps, self.backend, conv,
+            lora_weight(self.down_proj), self.down_proj.bias, self.out_norm.eps, self.backend, conv,
         ).view(*lead, self.d_model)
         return self.dropout(y) if self.dropout.p > 0 else y
 
@@ -222,7 +223,7 @@ class MLSTMLayer(nn.Module):
         if norm is None:
             x_m, z = self._up(x.to(activation_dtype(x)))  # [B, T, inner] each
         else:
-            x_m, z = norm_up(x, norm.weight, norm.eps, self.up_proj.weight, self.up_proj.bias)
+            x_m, z = norm_up(x, norm.weight, norm.eps, lora_weight(self.up_proj), self.up_proj.bias)
         conv_in = None if state is None else state.conv
         pos = None if cu_seqlens is None else doc_positions(cu_seqlens, T)
         conv = conv_inputs(x_m, conv_in, self.conv.weight, self.conv.bias, self.backend, pos)
@@ -261,7 +262,7 @@ class MLSTMLayer(nn.Module):
         x_conv = F.silu(conv)
         q, k, v = self.q_proj.step(x_conv), self.k_proj.step(x_conv), self.v_proj.step(x_m)
         dtype = x_m.dtype
-        w = torch.cat([self.igate.weight, self.fgate.weight]).to(dtype)
+        w = torch.cat([lora_weight(self.igate), lora_weight(self.fgate)]).to(dtype)
         b = torch.cat([self.igate.bias, self.fgate.bias]).to(dtype)
         # bias added apart: torch.compile turns a one-row matmul into a fused reduction, but
         # hands a matmul with bias (addmm) to cuBLAS as two launches
@@ -309,9 +310,10 @@ class MLSTMBlock(PreNormResidual):
         if not inplace:
             conv, C = conv.clone(), C.clone()
         y, n, m = mlstm_block_step(
-            x.contiguous(), self.norm.weight, layer.up_proj.weight, layer.conv.weight, layer.conv.bias,
-            layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight, layer.igate.weight, layer.fgate.weight,
-            layer.igate.bias, layer.fgate.bias, layer.out_norm.weight, layer.skip, layer.down_proj.weight,
+            x.contiguous(), self.norm.weight, lora_weight(layer.up_proj), layer.conv.weight, layer.conv.bias,
+            layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight, lora_weight(layer.igate),
+            lora_weight(layer.fgate), layer.igate.bias, layer.fgate.bias, layer.out_norm.weight, layer.skip,
+            lora_weight(layer.down_proj),
             conv, C, state.n.contiguous(), state.m.contiguous(),
             float(self.norm.eps), float(layer.out_norm.eps), 1e-6)
         return y, MLSTMState(conv, C, n, m)

@@ -19,6 +19,7 @@ from xlstm_kit.ops.slstm import slstm_recurrent, slstm_step
 from .common import CausalConv1d, GatedFeedForward, MultiHeadNorm, small_init_, state_dtype
 from .fused import activation_dtype, conv_state, conv_state_varlen, doc_positions, head_norm
 from .fused_slstm import slstm_gates
+from .lora import lora_weight
 from ..errors import XLSTMKitError
 
 
@@ -262,7 +263,7 @@ class SLSTMBlock(nn.Module):
         conv_w, conv_b = (layer.conv.weight, layer.conv.bias) if layer.conv is not None else (layer.bias,) * 2
         y, *new = slstm_block_step(
             x.contiguous(), self.norm.weight, conv_w, conv_b, layer.gate_weight, layer.recurrent, layer.bias,
-            layer.out_norm.weight, self.ffn_norm.weight, self.ffn.up_proj.weight, self.ffn.down_proj.weight,
+            layer.out_norm.weight, self.ffn_norm.weight, lora_weight(self.ffn.up_proj), lora_weight(self.ffn.down_proj),
             state.conv.contiguous(), *(s.contiguous() for s in state[1:]),
             0 if layer.conv is None else layer.conv.kernel_size, float(self.norm.eps), float(layer.out_norm.eps),
             float(self.ffn_norm.eps))

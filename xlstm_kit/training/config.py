@@ -8,14 +8,16 @@ from typing import Any
 
 from ..errors import XLSTMKitError
 from ..models.config import checkpoint_blocks
+from ..models.lora import check_rank_alpha
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 PRECISIONS = ("auto", "bf16", "fp32")
-RESUME_FROZEN = ("batch_size", "seq_len", "seed", "grad_accum", "pack")
+RESUME_FROZEN = ("batch_size", "seq_len", "seed", "grad_accum", "pack", "lora", "lora_alpha", "lora_targets")
 """The settings a resumed run keeps from its checkpoint, in the library and on the command line
-alike: they decide which tokens each step reads (batch shape, sampling order, document packing)
-and how a step's gradient is summed, so changing one would make the resumed run another run."""
+alike: they decide which tokens each step reads (batch shape, sampling order, document packing),
+how a step's gradient is summed and which parameters it trains (the LoRA adapters' shape), so
+changing one would make the resumed run another run."""
 
 
 # AdamW's step is about lr in size: far above this every run diverges at once
@@ -85,6 +87,15 @@ class TrainConfig:
     """Pack documents (``xlstm_kit.training.packing``): windows over the document stream, the state reset
     at each document start (the model's ``cu_seqlens``), validation equal to evaluating each
     document alone. None: where the data have documents and the model takes cu_seqlens."""
+    lora: int = 0
+    """LoRA rank: > 0 trains adapters of this rank on the blocks' linear maps (``xlstm_kit.lora``,
+    through PEFT) with every other weight frozen; 0 trains the model's own parameters. A model
+    that already carries the same adapters (a resumed run) keeps them."""
+    lora_alpha: float | None = None
+    """LoRA scaling numerator: the adapters add (lora_alpha / lora) B A. None: 2 * lora."""
+    lora_targets: tuple[str, ...] | None = None
+    """Names of the blocks' linear maps that get adapters (e.g. ("q", "v")). None: every linear
+    map but the one-per-head gates (``xlstm_kit.lora.DEFAULT_TARGETS``)."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
@@ -93,6 +104,19 @@ class TrainConfig:
         if self.pack not in (None, True, False):
             raise XLSTMKitError(f"TrainConfig.pack must be None, True or False, got {self.pack!r}")
         self.activation_checkpointing = checkpoint_blocks(self.activation_checkpointing)
+        if isinstance(self.lora, bool) or not isinstance(self.lora, int) or self.lora < 0:
+            raise XLSTMKitError(f"TrainConfig.lora (the LoRA rank) must be an integer >= 0 (0: no LoRA), "
+                                f"got {self.lora!r}")
+        if self.lora_targets is not None:
+            targets = [self.lora_targets] if isinstance(self.lora_targets, str) else self.lora_targets
+            if not isinstance(targets, (list, tuple)) or not targets \
+                    or not all(isinstance(t, str) and t for t in targets):
+                raise XLSTMKitError(f"TrainConfig.lora_targets must be names of linear maps, got {self.lora_targets!r}")
+            self.lora_targets = tuple(targets)
+        if self.lora:
+            check_rank_alpha(self.lora, self.lora_alpha)
+        elif self.lora_alpha is not None or self.lora_targets is not None:
+            raise XLSTMKitError("TrainConfig.lora_alpha and lora_targets need a LoRA rank (TrainConfig.lora > 0)")
         if self.decay_anchor is not None:
             self.decay_anchor = (int(self.decay_anchor[0]), float(self.decay_anchor[1]))
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "keep_checkpoints"):
@@ -123,6 +147,7 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
         d["decay_anchor"] = list(self.decay_anchor) if self.decay_anchor is not None else None
+        d["lora_targets"] = list(self.lora_targets) if self.lora_targets is not None else None
         return d
 
     @classmethod

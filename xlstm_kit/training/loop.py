@@ -39,6 +39,7 @@ from ..errors import XLSTMKitError
 from ..io.checkpoint import (TRAIN_STATE_FILE, CheckpointError, atomic_write, load_optimizer_state,
                              load_training_state, load_weights_into, read_train_meta, remove_stale_staging, run_lock,
                              resolve_checkpoint, restore_rng, save_checkpoint)
+from ..models.lora import use_lora
 from .compiling import CompileClock, compile_failure, prepare_model
 from .config import METRICS_FILE, PLOT_FILE, RESUME_FROZEN, TrainConfig
 from .data import BatchSampler, TokenData, val_batches
@@ -267,6 +268,8 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
     meta = {"tokenizer": getattr(data.tokenizer, "name", None), **(meta or {})}  # generate(text) after load
     model.to(device)
     model.train()
+    if config.lora:  # before the optimizer is built: it takes the trainable parameters only
+        use_lora(model, config.lora, config.lora_alpha, config.lora_targets, seed=config.seed)
     prepare_model(model, config, device)
     run = _Run(model, data, config, out_dir, dist, device, meta, callback)
     if resume:
