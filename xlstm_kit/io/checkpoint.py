@@ -6,9 +6,9 @@ training checkpoint of ``train_state.pt``, verified on load; older checkpoints w
 load), plus ``tokenizer.json`` (``{"name": "byte"}``) when the tokenizer is known. Loading
 refuses (CheckpointError, one line) a checksum mismatch, integer or boolean tensors for float
 parameters, NaN/Inf weights, and a config whose shapes do not fit the file (checked before
-anything is allocated). Saving into an existing folder replaces those files one by one (each
-replacement atomic) and leaves other files there (e.g. training state) alone; a new folder is
-written under a temporary name beside the target and renamed into place.
+anything is allocated). Saves are atomic, also over an existing model (the old model or the new
+one, never a mix), and touch no file xlstm_kit did not write: see xlstm_kit.io.files, whose
+manifest ``.xlstm-kit-files.json`` every model folder, training checkpoint and run folder holds.
 
 A **training run folder** (``train --out``)::
 
@@ -37,7 +37,7 @@ import secrets
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -46,6 +46,9 @@ from torch import nn
 
 from .._version import __version__
 from ..errors import XLSTMKitError
+# the crash-safe writes and the manifest (xlstm_kit.io.files) are part of this module's API too
+from .files import (MANIFEST_FILE, _make_hidden_dir, _umask, atomic_write, claim, fsync_dir,  # noqa: F401
+                    fsync_tree, manifest_bytes, not_ours, owned_files, save_folder, write_manifest)
 from .locking import RUN_LOCK_FILE, RunLocked, run_lock  # noqa: F401 - part of this module's API
 
 CONFIG_FILE = "config.json"
@@ -62,80 +65,6 @@ MAX_CHECKSUMS_BYTES = 1 << 20  # a few file names and digests
 
 class CheckpointError(XLSTMKitError):
     """A missing, incomplete or incompatible training checkpoint."""
-
-
-# --------------------------------------------------------------------------------------------
-# Crash-safe writes
-# --------------------------------------------------------------------------------------------
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a folder's entries (a rename inside it) to disk; a no-op where folders cannot be opened."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    """Flush every file under ``path`` and the folder itself."""
-    for p in sorted(Path(path).rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fsync_dir(path)
-
-
-def atomic_write(path: str | Path, data: bytes | str | Callable[[Any], None]) -> Path:
-    """Replace ``path`` with ``data`` (bytes, text, or a function writing to a binary file).
-
-    The data goes to a uniquely named file beside ``path``, is flushed, then renamed over it:
-    readers see the old file or the complete new one, never a partial one, and processes racing
-    to write the same file are safe (the last rename wins).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique name opened with "x" (not mkstemp): the file gets the usual umask permissions.
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _umask() -> int:
-    # os.umask can only be read by setting it; /proc avoids the brief window where another
-    # thread would create files with the wrong mode.
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _make_hidden_dir(parent: Path, prefix: str) -> Path:
-    """A new, uniquely named folder in ``parent`` with the usual umask permissions (mkdtemp
-    would make it 0700 whatever the umask)."""
-    while True:
-        path = parent / f"{prefix}{secrets.token_hex(6)}"
-        try:
-            path.mkdir(mode=0o777)
-            return path
-        except FileExistsError:
-            continue
 
 
 def _file_sha256(path: Path) -> str:
@@ -208,26 +137,12 @@ def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None) ->
 
 def save_model(model: nn.Module, directory: str | Path, tokenizer: str | None = None) -> Path:
     """Write ``directory``/config.json + model.safetensors (+ tokenizer.json when ``tokenizer``
-    names one) for a model with a ``config``. Returns the folder."""
-    directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        raise XLSTMKitError(f"cannot save a checkpoint to {str(directory)!r}: it exists and is not a folder")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _make_hidden_dir(directory.parent, f".{directory.name}.tmp-")
-    try:
-        names = _write_model_files(model, tmp, tokenizer)
-        fsync_tree(tmp)
-        if directory.exists():
-            for name in names:
-                os.replace(tmp / name, directory / name)
-        else:
-            os.rename(tmp, directory)
-        fsync_dir(directory)
-        fsync_dir(directory.parent)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return directory
+    names one) for a model with a ``config``, atomically (xlstm_kit.io.files.save_folder: over
+    an earlier save the old model or the new one, never a mix; the model files of an earlier
+    save of ours that this one does not write, such as a HuggingFace index and shards, go;
+    files xlstm_kit did not write stay, and one that loading would read makes it refuse).
+    Returns the folder."""
+    return save_folder(directory, lambda folder: _write_model_files(model, folder, tokenizer))
 
 
 def read_model_files(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

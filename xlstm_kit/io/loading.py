@@ -13,6 +13,7 @@ import torch
 from ..errors import XLSTMKitError
 from ..models import XLSTMConfig, XLSTMLanguageModel
 from . import checkpoint
+from .files import finish_interrupted_save
 from .hf import (HF_MODEL_TYPE, TOKENIZER_NAME_KEY, check_device, check_sources, config_from_hf, is_hf_config,
                  materialise, read_headers, target_dtype)
 from .tokenizers import HFSpecialTokens, find_tokenizer, json_object
@@ -23,6 +24,7 @@ def _model_folder(path: str | Path, what: str) -> Path:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no {what} folder at {str(path)!r}")
+    finish_interrupted_save(path)
     if not (path / checkpoint.CONFIG_FILE).is_file():
         if not (path / checkpoint.LATEST_FILE).is_file():
             raise XLSTMKitError(f"{path} has no {checkpoint.CONFIG_FILE}: it is neither a HuggingFace xLSTM folder, "
@@ -52,10 +54,12 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     """Read a model written by `checkpoint.save_model`, or the newest checkpoint of a `train --out`
     run folder (through its `latest` file). Returns it (a `model_class`) in eval mode, with
     `tokenizer_name` set when the checkpoint records its tokenizer. FileNotFoundError if
-    missing, XLSTMKitError if corrupt."""
+    missing, XLSTMKitError if corrupt. A save into the folder that a kill interrupted after it
+    was complete is carried out first (xlstm_kit.io.files)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint folder at {str(path)!r}")
+    finish_interrupted_save(path)  # a save into it killed after it was complete: carried out first
     if not (path / checkpoint.CONFIG_FILE).exists() and (path / checkpoint.LATEST_FILE).is_file():
         path = checkpoint.resolve_checkpoint(path)
     config_dict, tensors = checkpoint.read_model_files(path)
@@ -85,7 +89,8 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
     `dtype` (default: the file's, float32 if mixed) and placed on `device` (default: cpu) on
     its own, so a 7B model loads in bf16 without a float32 or second copy. Names and shapes
     are checked against config.json first. A tokenizer.json in the folder becomes
-    `model.hf_tokenizer`. Returns the model (a `model_class`) in eval mode."""
+    `model.hf_tokenizer`. A save into the folder that a kill interrupted after it was complete
+    is carried out first (xlstm_kit.io.files). Returns the model (a `model_class`) in eval mode."""
     path = _model_folder(path, "model")
     cfg_path = path / checkpoint.CONFIG_FILE
     raw = json_object(cfg_path)
