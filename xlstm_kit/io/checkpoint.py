@@ -16,10 +16,14 @@ A **training run folder** (``train --out``)::
                                 (nothing else is followed)
     checkpoints/step-00000030/  a model checkpoint + train_state.pt (optimizer, step, RNG)
                                 + train_meta.json (format, step, train config, tokenizer, data)
+    .xlstm-kit-files.json       the run's files xlstm_kit writes (latest, metrics log, loss plot)
 
 A training checkpoint is written into a hidden staging folder, flushed to disk, renamed into
 place, and only then does ``latest`` (replaced atomically) point at it: a crash or kill at any
-moment leaves ``latest`` naming a complete checkpoint.
+moment leaves ``latest`` naming a complete checkpoint. Pruning and clearing a run remove only
+checkpoint folders that hold nothing but files of ours (:func:`is_our_checkpoint`); a run
+refuses to start over a ``latest``, metrics log or plot that xlstm_kit did not write
+(:func:`claim_run_files`).
 
 This module knows no model class: it writes any model with ``.config.to_dict()`` and reads
 tensors + config dicts; ``XLSTMLanguageModel.save/load`` build on it (model.py imports this
@@ -378,15 +382,16 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
         raise CheckpointError(f"{source}: the optimizer state does not fit: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
-def _save_any_model(model: nn.Module, path: Path, tokenizer: str | None) -> None:
+def _save_any_model(model: nn.Module, path: Path, tokenizer: str | None) -> list[str]:
     """Model files into the (new, empty) staging folder ``path``: written in place, without
-    save_model's own temporary folder, which a kill would leave beside the staging one."""
+    save_model's own temporary folder, which a kill would leave beside the staging one. Returns
+    their names."""
     if hasattr(model, "config") and hasattr(model.config, "to_dict"):
-        _write_model_files(model, path, tokenizer)
-    else:  # any other language model: weights only
-
-        safetensors.torch.save_model(model, str(path / WEIGHTS_FILE))
-        os.chmod(path / WEIGHTS_FILE, 0o666 & ~_umask())
+        return _write_model_files(model, path, tokenizer)
+    # any other language model: weights only
+    safetensors.torch.save_model(model, str(path / WEIGHTS_FILE))
+    os.chmod(path / WEIGHTS_FILE, 0o666 & ~_umask())
+    return [WEIGHTS_FILE]
 
 
 def load_weights_into(model: nn.Module, checkpoint: Path) -> None:
@@ -442,9 +447,12 @@ def save_checkpoint(
     ``meta`` (JSON-serialisable; e.g. tokenizer and data spec) is stored in ``train_meta.json``;
     its "tokenizer" also goes to ``tokenizer.json``. ``extra`` (tensors and plain containers)
     goes into ``train_state.pt`` beside the optimizer, for a loop's own state (the synthetic
-    experiments' sampler and loss curve). Older checkpoints beyond ``keep`` are removed afterwards.
+    experiments' sampler and loss curve). Older checkpoints beyond ``keep`` are removed afterwards
+    (only folders that are checkpoints of ours, as their manifest shows). A ``latest`` that
+    xlstm_kit did not write is refused, before anything is written.
     """
     out_dir = Path(out_dir)
+    claim_run_files(out_dir, ())
     root = out_dir / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
@@ -453,7 +461,7 @@ def save_checkpoint(
         final, k = root / f"{name}-{k}", k + 1
     staging = _make_hidden_dir(root, f".tmp-{name}-")
     try:
-        _save_any_model(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None))
+        names = _save_any_model(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None))
         state = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer": optimizer.state_dict(),
                  "train_config": config.to_dict(), "rng": _rng_state(), **({"extra": extra} if extra else {})}
         torch.save(state, staging / TRAIN_STATE_FILE)
@@ -461,6 +469,8 @@ def save_checkpoint(
         info = {"format": CHECKPOINT_FORMAT, "xlstm_kit_version": __version__, "step": step,
                 "train_config": config.to_dict(), **(meta or {})}
         (staging / TRAIN_META_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        names = sorted({*names, CHECKSUMS_FILE, TRAIN_STATE_FILE, TRAIN_META_FILE})
+        (staging / MANIFEST_FILE).write_bytes(manifest_bytes(names))
         fsync_tree(staging)
         os.rename(staging, final)
         fsync_dir(root)
@@ -473,24 +483,123 @@ def save_checkpoint(
     return final
 
 
-def _checkpoint_step(p: Path) -> tuple[int, int]:
-    parts = p.name.split("-")  # step-00000030 or step-00000030-1
-    return int(parts[1]), int(parts[2]) if len(parts) > 2 else 0
+_CHECKPOINT_NAME = re.compile(r"step-(\d+)(?:-(\d+))?")  # step-00000030, or step-00000030-1 for a re-save
+# The files of a training checkpoint written before manifests existed.
+_LEGACY_CHECKPOINT_FILES = {CONFIG_FILE, WEIGHTS_FILE, CHECKSUMS_FILE, TOKENIZER_FILE, "tokenizer_config.json",
+                            TRAIN_STATE_FILE, TRAIN_META_FILE}
+
+
+def is_our_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a training checkpoint of ours and nothing else, so that removing
+    it (pruning, clearing a run) deletes nothing xlstm_kit did not write: every file in it is
+    listed by its manifest, or (checkpoints written before manifests existed) has a checkpoint
+    file's name beside a train_meta.json that xlstm_kit wrote."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    entries = set(os.listdir(folder))
+    if not all((folder / n).is_file() and not (folder / n).is_symlink() for n in entries):
+        return False
+    if MANIFEST_FILE in entries:
+        return entries <= owned_files(folder) | {MANIFEST_FILE}
+    if not entries <= _LEGACY_CHECKPOINT_FILES or TRAIN_META_FILE not in entries:
+        return False
+    try:
+        meta = json.loads((folder / TRAIN_META_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(meta, dict) and "xlstm_kit_version" in meta and meta.get("format") == CHECKPOINT_FORMAT
+
+
+def _our_checkpoints(root: Path) -> list[Path]:
+    """The training checkpoints of ours in ``root``, oldest first."""
+    found = []
+    for p in root.iterdir() if root.is_dir() and not root.is_symlink() else ():
+        m = _CHECKPOINT_NAME.fullmatch(p.name)
+        if m and is_our_checkpoint(p):
+            found.append(((int(m[1]), int(m[2] or 0)), p))
+    return [p for _, p in sorted(found)]
+
+
+def _remove_checkpoint(folder: Path) -> None:
+    # renamed to a staging name first, so that it vanishes whole; a kill before the removal
+    # ends leaves a temporary that remove_stale_staging deletes
+    step = _CHECKPOINT_NAME.fullmatch(folder.name)[1]
+    trash = folder.parent / f".tmp-step-{step}-{secrets.token_hex(6)}"
+    try:
+        os.rename(folder, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _prune_checkpoints(root: Path, keep: int, latest: Path) -> None:
-    done = sorted((p for p in root.glob("step-*") if p.is_dir()), key=_checkpoint_step)
-    for p in done[:-keep]:
+    for p in _our_checkpoints(root)[:-keep]:
         if p != latest:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove_checkpoint(p)
+
+
+def _legacy_run(out_dir: Path) -> bool:
+    """A run folder written before manifests existed: no manifest, and its ``latest`` names a
+    checkpoint of it."""
+    f = out_dir / LATEST_FILE
+    if os.path.lexists(out_dir / MANIFEST_FILE):
+        return False
+    try:
+        rel = f.read_text().strip() if f.is_file() and not f.is_symlink() else ""
+    except (OSError, UnicodeDecodeError):
+        return False
+    return bool(_LATEST_TARGET.fullmatch(rel)) and (out_dir / rel / TRAIN_META_FILE).is_file()
+
+
+def claim_run_files(out_dir: str | Path, names) -> None:
+    """Before a run writes ``latest`` and ``names`` (e.g. its metrics log and loss plot) into the
+    run folder ``out_dir``: refuse (one line, nothing written) when one exists that xlstm_kit did
+    not write; else record them in the folder's manifest."""
+    out_dir = Path(out_dir)
+    names = {LATEST_FILE, *names}
+    owned = owned_files(out_dir)
+    if not names <= owned:
+        legacy = _legacy_run(out_dir)
+        for n in sorted(names - owned):
+            if not legacy and os.path.lexists(out_dir / n):
+                raise not_ours(out_dir / n, "a training run into that folder would overwrite it")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        claim(out_dir, names)
+
+
+def clear_run(out_dir: str | Path, names) -> None:
+    """Delete the training run in ``out_dir`` (to start afresh there): its checkpoints, ``latest``
+    and ``names`` (e.g. its metrics log and loss plot), as far as xlstm_kit wrote them. Refuses
+    (one line, before deleting anything) a file of those names that xlstm_kit did not write;
+    every other file or folder stays, also inside ``checkpoints/``."""
+    out_dir = Path(out_dir)
+    names = [LATEST_FILE, *names]
+    owned = owned_files(out_dir)
+    legacy = _legacy_run(out_dir)
+    for n in names:
+        if n not in owned and not legacy and os.path.lexists(out_dir / n):
+            raise not_ours(out_dir / n, "replacing the training run there would delete it")
+    if os.path.lexists(out_dir / LATEST_FILE) and not (out_dir / LATEST_FILE).is_dir():
+        (out_dir / LATEST_FILE).unlink()  # first: it must never name a removed checkpoint
+    remove_stale_staging(out_dir)
+    root = out_dir / CHECKPOINTS_DIR
+    for p in _our_checkpoints(root):
+        _remove_checkpoint(p)
+    with contextlib.suppress(OSError):
+        root.rmdir()  # only when empty: a file of someone else's keeps it
+    for n in names:
+        if os.path.lexists(out_dir / n) and not (out_dir / n).is_dir():
+            (out_dir / n).unlink()
+    if out_dir.is_dir():
+        write_manifest(out_dir, owned_files(out_dir) - set(names))
 
 
 # Names of the temporaries a killed save leaves: staging folders (and, from versions that saved
 # the model through save_model, its temporary folder beside them) in checkpoints/, and
-# atomic_write's files for `latest` and metrics.jsonl in the run folder. Exact patterns, so that
-# nothing else a user keeps there is touched.
+# atomic_write's files for `latest`, metrics.jsonl and the manifest in the run folder. Exact
+# patterns, so that nothing else a user keeps there is touched.
 _STALE_IN_CHECKPOINTS = re.compile(r"\.\.?tmp-step-\d+-[A-Za-z0-9_]+(\.tmp-[A-Za-z0-9_]+)?")
-_STALE_IN_RUN = re.compile(r"\.(latest|metrics\.jsonl)\.\d+\.[0-9a-f]{12}\.tmp")
+_STALE_IN_RUN = re.compile(r"\.(latest|metrics\.jsonl|\.xlstm-kit-files\.json)\.\d+\.[0-9a-f]{12}\.tmp")
 
 
 def remove_stale_staging(out_dir: str | Path) -> None:
