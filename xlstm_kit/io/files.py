@@ -266,9 +266,10 @@ def save_folder(target: str | Path, write: Callable[[Path], list[str]]) -> Path:
         fsync_tree(staging)
         try:
             os.rename(staging, target / COMMIT_DIR)  # the commit point
-        except OSError as e:  # another save committed meanwhile and is completing
-            raise XLSTMKitError(f"cannot save into {target}: another save into it is under way "
-                                f"({e.strerror or e})") from None
+        except OSError as e:
+            busy = (target / COMMIT_DIR).exists()  # another save committed meanwhile and is completing
+            raise XLSTMKitError(f"cannot save into {target}: "
+                                + ("another save into it is under way" if busy else str(e.strerror or e))) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
