@@ -25,7 +25,8 @@ def model(**kw):
 def test_round_trip_is_exact(tmp_path, kw):
     m = model(**kw)
     m.save(tmp_path / "ckpt")
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["checksums.json", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".xlstm-kit-files.json", "checksums.json",
+                                                                      "config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left
     loaded = XLSTMLanguageModel.load(tmp_path / "ckpt")
     assert loaded.config == m.config

@@ -92,8 +92,10 @@ def test_demo_refuses_a_run_it_did_not_write(cache, corpus, tmp_path, capsys):
     meta = json.loads((ckpt / TRAIN_META_FILE).read_text())
     (ckpt / TRAIN_META_FILE).write_text(json.dumps({**meta, "demo": True}))
     prepare_demo_out(out, overwrite=False)
-    # the run's lock file (ours, empty) stays: removing it could race with a run taking it
-    assert sorted(p.name for p in out.iterdir() if p.name != RUN_LOCK_FILE) == ["other.txt"]
+    # the run's lock file (ours, empty) stays: removing it could race with a run taking it;
+    # files xlstm_kit did not write stay too, also inside checkpoints/
+    assert sorted(p.name for p in out.iterdir() if p.name != RUN_LOCK_FILE) == ["checkpoints", "other.txt"]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["notes.txt"]
 
 
 def test_demo_into_a_folder_without_a_run_keeps_its_files(tmp_path):
@@ -105,8 +107,9 @@ def test_demo_into_a_folder_without_a_run_keeps_its_files(tmp_path):
     (out / "metrics.jsonl").write_text("{}\n")  # a run's file, but no demo wrote it
     with pytest.raises(XLSTMKitError, match="--overwrite"):
         prepare_demo_out(out, overwrite=False)
-    prepare_demo_out(out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    with pytest.raises(XLSTMKitError, match="metrics.jsonl was not written by xlstm_kit"):
+        prepare_demo_out(out, overwrite=True)  # not xlstm_kit's either: never deleted
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt", "metrics.jsonl"]
 
 
 # ---------------------------------------------------------------- item 6: --out, --device, --temperature

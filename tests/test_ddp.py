@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
 from xlstm_kit import training as T
-from xlstm_kit.io.checkpoint import RUN_LOCK_FILE
+from xlstm_kit.io.checkpoint import MANIFEST_FILE, RUN_LOCK_FILE
 from xlstm_kit.training.data import load_data
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 
@@ -105,8 +105,8 @@ def test_ddp_two_cpu_processes_match_single_process(tmp_path, monkeypatch):
     loaded = XLSTMLanguageModel.load(T.resolve_checkpoint(out))
     for k, v in ddp["params"].items():
         assert torch.equal(loaded.state_dict()[k], v)
-    assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK_FILE, "checkpoints", "latest", "loss.png",
-                                                     "metrics.jsonl"]  # the lock: rank 0's, while it wrote
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_FILE, RUN_LOCK_FILE, "checkpoints", "latest",
+                                                     "loss.png", "metrics.jsonl"]  # the lock: rank 0's, while it wrote
 
 
 def test_ddp_with_compile_and_activation_checkpointing(tmp_path, monkeypatch):

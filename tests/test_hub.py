@@ -128,7 +128,8 @@ def test_key_mapping_is_a_bijection_on_the_model():
 def test_hf_save_and_load_round_trip(tmp_path, kw):
     m = large_model(**kw)
     m.save_pretrained(tmp_path / "hf")
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [".xlstm-kit-files.json", "config.json",
+                                                                    "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left
     stored = load_file(str(tmp_path / "hf" / "model.safetensors"))
     # transformers' model never ties its head, so a tied one is stored too
@@ -156,7 +157,7 @@ def test_sharded_folder_loads_like_the_single_file(tmp_path):
     m = large_model()
     m.save_pretrained(tmp_path / "one")
     m.save_pretrained(tmp_path / "many", max_shard_size="8KB")
-    files = sorted(p.name for p in (tmp_path / "many").iterdir())
+    files = sorted(p.name for p in (tmp_path / "many").iterdir() if not p.name.startswith("."))
     shards = [f for f in files if f.startswith("model-")]
     assert len(shards) > 3 and "model.safetensors.index.json" in files and "model.safetensors" not in files
     index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
@@ -171,7 +172,8 @@ def test_sharded_folder_loads_like_the_single_file(tmp_path):
     assert_same_model(m, many)
     # saving again into the folder with another shard count leaves no stale shard behind
     m.save_pretrained(tmp_path / "many")
-    assert sorted(p.name for p in (tmp_path / "many").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "many").iterdir()) == [".xlstm-kit-files.json", "config.json",
+                                                                      "model.safetensors"]
     assert_same_model(m, XLSTMLanguageModel.from_pretrained(tmp_path / "many"))
 
 

@@ -86,8 +86,9 @@ class XLSTMLanguageModel(models_xlstm.XLSTMLanguageModel):
     def save(self, directory: str | Path, tokenizer: str | None = None) -> Path:
         """Write `directory`/config.json + model.safetensors, and tokenizer.json naming
         `tokenizer` (default: `tokenizer_name`, when set; a model with `hf_tokenizer` writes that
-        tokenizers-format tokenizer.json and tokenizer_config.json instead). Atomic; see
-        xlstm_kit.io.checkpoint."""
+        tokenizers-format tokenizer.json and tokenizer_config.json instead). Atomic, also over
+        an earlier save (the old model or the new one, never a mix); files xlstm_kit did not
+        write stay. See xlstm_kit.io.files."""
         return checkpoint.save_model(self, directory, tokenizer=tokenizer or self.tokenizer_name)
 
     @classmethod
@@ -113,5 +114,7 @@ class XLSTMLanguageModel(models_xlstm.XLSTMLanguageModel):
         (config.json, HF weight names, shards of at most `max_shard_size` such as "5GB" with
         model.safetensors.index.json, the tokenizer when known); large family only.
         format="xlstm_kit": our checkpoint format (= `save`). Atomic: a new folder appears
-        complete or not at all. Returns the folder."""
+        complete or not at all, and over an earlier save the folder loads as the old model or
+        the new one, never a mix; files xlstm_kit did not write there stay (one that loading
+        would read makes it refuse). Returns the folder. See xlstm_kit.io.files."""
         return hf.save_pretrained(self, path, format=format, max_shard_size=max_shard_size)

@@ -3,7 +3,6 @@ threads, memory checks, the progress bar."""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import XLSTMKitError
-from ..io.checkpoint import read_train_meta, resolve_checkpoint
+from ..io.checkpoint import clear_run as clear_run_folder, read_train_meta, resolve_checkpoint
 from ..io.loading import load_pretrained
 from ..io.tokenizers import get_tokenizer
 from ..training import (CHECKPOINTS_DIR, LATEST_FILE, METRICS_FILE, PLOT_FILE, CompileEvent, EvalEvent,
@@ -224,6 +223,5 @@ def prepare_demo_out(out: Path, overwrite: bool) -> None:
 
 
 def clear_run(out: Path) -> None:
-    shutil.rmtree(out / CHECKPOINTS_DIR, ignore_errors=True)
-    for name in (LATEST_FILE, METRICS_FILE, PLOT_FILE):
-        (out / name).unlink(missing_ok=True)
+    """Delete the training run in `out`, as far as xlstm_kit wrote it (xlstm_kit.io.checkpoint.clear_run)."""
+    clear_run_folder(out, (METRICS_FILE, PLOT_FILE))

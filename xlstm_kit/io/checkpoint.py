@@ -6,9 +6,9 @@ training checkpoint of ``train_state.pt``, verified on load; older checkpoints w
 load), plus ``tokenizer.json`` (``{"name": "byte"}``) when the tokenizer is known. Loading
 refuses (CheckpointError, one line) a checksum mismatch, integer or boolean tensors for float
 parameters, NaN/Inf weights, and a config whose shapes do not fit the file (checked before
-anything is allocated). Saving into an existing folder replaces those files one by one (each
-replacement atomic) and leaves other files there (e.g. training state) alone; a new folder is
-written under a temporary name beside the target and renamed into place.
+anything is allocated). Saves are atomic, also over an existing model (the old model or the new
+one, never a mix), and touch no file xlstm_kit did not write: see xlstm_kit.io.files, whose
+manifest ``.xlstm-kit-files.json`` every model folder, training checkpoint and run folder holds.
 
 A **training run folder** (``train --out``)::
 
@@ -16,10 +16,14 @@ A **training run folder** (``train --out``)::
                                 (nothing else is followed)
     checkpoints/step-00000030/  a model checkpoint + train_state.pt (optimizer, step, RNG)
                                 + train_meta.json (format, step, train config, tokenizer, data)
+    .xlstm-kit-files.json       the run's files xlstm_kit writes (latest, metrics log, loss plot)
 
 A training checkpoint is written into a hidden staging folder, flushed to disk, renamed into
 place, and only then does ``latest`` (replaced atomically) point at it: a crash or kill at any
-moment leaves ``latest`` naming a complete checkpoint.
+moment leaves ``latest`` naming a complete checkpoint. Pruning and clearing a run remove only
+checkpoint folders that hold nothing but files of ours (:func:`is_our_checkpoint`); a run
+refuses to start over a ``latest``, metrics log or plot that xlstm_kit did not write
+(:func:`claim_run_files`).
 
 This module knows no model class: it writes any model with ``.config.to_dict()`` and reads
 tensors + config dicts; ``XLSTMLanguageModel.save/load`` build on it (model.py imports this
@@ -37,7 +41,7 @@ import secrets
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -48,6 +52,9 @@ from .._version import __version__
 from ..errors import XLSTMKitError
 from ..layers.lora import has_adapters
 from ..models.lora import adapter_config
+# the crash-safe writes and the manifest (xlstm_kit.io.files) are part of this module's API too
+from .files import (MANIFEST_FILE, _make_hidden_dir, _umask, atomic_write, claim, fsync_dir,  # noqa: F401
+                    fsync_tree, manifest_bytes, not_ours, owned_files, save_folder, write_manifest)
 from .locking import RUN_LOCK_FILE, RunLocked, run_lock  # noqa: F401 - part of this module's API
 
 CONFIG_FILE = "config.json"
@@ -65,80 +72,6 @@ MAX_CHECKSUMS_BYTES = 1 << 20  # a few file names and digests
 
 class CheckpointError(XLSTMKitError):
     """A missing, incomplete or incompatible training checkpoint."""
-
-
-# --------------------------------------------------------------------------------------------
-# Crash-safe writes
-# --------------------------------------------------------------------------------------------
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a folder's entries (a rename inside it) to disk; a no-op where folders cannot be opened."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    """Flush every file under ``path`` and the folder itself."""
-    for p in sorted(Path(path).rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fsync_dir(path)
-
-
-def atomic_write(path: str | Path, data: bytes | str | Callable[[Any], None]) -> Path:
-    """Replace ``path`` with ``data`` (bytes, text, or a function writing to a binary file).
-
-    The data goes to a uniquely named file beside ``path``, is flushed, then renamed over it:
-    readers see the old file or the complete new one, never a partial one, and processes racing
-    to write the same file are safe (the last rename wins).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique name opened with "x" (not mkstemp): the file gets the usual umask permissions.
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _umask() -> int:
-    # os.umask can only be read by setting it; /proc avoids the brief window where another
-    # thread would create files with the wrong mode.
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _make_hidden_dir(parent: Path, prefix: str) -> Path:
-    """A new, uniquely named folder in ``parent`` with the usual umask permissions (mkdtemp
-    would make it 0700 whatever the umask)."""
-    while True:
-        path = parent / f"{prefix}{secrets.token_hex(6)}"
-        try:
-            path.mkdir(mode=0o777)
-            return path
-        except FileExistsError:
-            continue
 
 
 def _file_sha256(path: Path) -> str:
@@ -214,28 +147,12 @@ def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None) ->
 
 def save_model(model: nn.Module, directory: str | Path, tokenizer: str | None = None) -> Path:
     """Write ``directory``/config.json + model.safetensors (+ tokenizer.json when ``tokenizer``
-    names one) for a model with a ``config``. Returns the folder."""
-    directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        raise XLSTMKitError(f"cannot save a checkpoint to {str(directory)!r}: it exists and is not a folder")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _make_hidden_dir(directory.parent, f".{directory.name}.tmp-")
-    try:
-        names = _write_model_files(model, tmp, tokenizer)
-        fsync_tree(tmp)
-        if directory.exists():
-            for name in names:
-                os.replace(tmp / name, directory / name)
-            if ADAPTER_CONFIG_FILE not in names:  # a stale one would put adapters on the loaded model
-                (directory / ADAPTER_CONFIG_FILE).unlink(missing_ok=True)
-        else:
-            os.rename(tmp, directory)
-        fsync_dir(directory)
-        fsync_dir(directory.parent)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return directory
+    names one) for a model with a ``config``, atomically (xlstm_kit.io.files.save_folder: over
+    an earlier save the old model or the new one, never a mix; the model files of an earlier
+    save of ours that this one does not write, such as a HuggingFace index and shards, go;
+    files xlstm_kit did not write stay, and one that loading would read makes it refuse).
+    Returns the folder."""
+    return save_folder(directory, lambda folder: _write_model_files(model, folder, tokenizer))
 
 
 def read_model_files(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -471,15 +388,16 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
         raise CheckpointError(f"{source}: the optimizer state does not fit: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
-def _save_any_model(model: nn.Module, path: Path, tokenizer: str | None) -> None:
+def _save_any_model(model: nn.Module, path: Path, tokenizer: str | None) -> list[str]:
     """Model files into the (new, empty) staging folder ``path``: written in place, without
-    save_model's own temporary folder, which a kill would leave beside the staging one."""
+    save_model's own temporary folder, which a kill would leave beside the staging one. Returns
+    their names."""
     if hasattr(model, "config") and hasattr(model.config, "to_dict"):
-        _write_model_files(model, path, tokenizer)
-    else:  # any other language model: weights only
-
-        safetensors.torch.save_model(model, str(path / WEIGHTS_FILE))
-        os.chmod(path / WEIGHTS_FILE, 0o666 & ~_umask())
+        return _write_model_files(model, path, tokenizer)
+    # any other language model: weights only
+    safetensors.torch.save_model(model, str(path / WEIGHTS_FILE))
+    os.chmod(path / WEIGHTS_FILE, 0o666 & ~_umask())
+    return [WEIGHTS_FILE]
 
 
 def load_weights_into(model: nn.Module, checkpoint: Path) -> None:
@@ -535,9 +453,12 @@ def save_checkpoint(
     ``meta`` (JSON-serialisable; e.g. tokenizer and data spec) is stored in ``train_meta.json``;
     its "tokenizer" also goes to ``tokenizer.json``. ``extra`` (tensors and plain containers)
     goes into ``train_state.pt`` beside the optimizer, for a loop's own state (the synthetic
-    experiments' sampler and loss curve). Older checkpoints beyond ``keep`` are removed afterwards.
+    experiments' sampler and loss curve). Older checkpoints beyond ``keep`` are removed afterwards
+    (only folders that are checkpoints of ours, as their manifest shows). A ``latest`` that
+    xlstm_kit did not write is refused, before anything is written.
     """
     out_dir = Path(out_dir)
+    claim_run_files(out_dir, ())
     root = out_dir / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
@@ -546,7 +467,7 @@ def save_checkpoint(
         final, k = root / f"{name}-{k}", k + 1
     staging = _make_hidden_dir(root, f".tmp-{name}-")
     try:
-        _save_any_model(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None))
+        names = _save_any_model(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None))
         state = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer": optimizer.state_dict(),
                  "train_config": config.to_dict(), "rng": _rng_state(), **({"extra": extra} if extra else {})}
         torch.save(state, staging / TRAIN_STATE_FILE)
@@ -554,6 +475,8 @@ def save_checkpoint(
         info = {"format": CHECKPOINT_FORMAT, "xlstm_kit_version": __version__, "step": step,
                 "train_config": config.to_dict(), **(meta or {})}
         (staging / TRAIN_META_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        names = sorted({*names, CHECKSUMS_FILE, TRAIN_STATE_FILE, TRAIN_META_FILE})
+        (staging / MANIFEST_FILE).write_bytes(manifest_bytes(names))
         fsync_tree(staging)
         os.rename(staging, final)
         fsync_dir(root)
@@ -566,24 +489,123 @@ def save_checkpoint(
     return final
 
 
-def _checkpoint_step(p: Path) -> tuple[int, int]:
-    parts = p.name.split("-")  # step-00000030 or step-00000030-1
-    return int(parts[1]), int(parts[2]) if len(parts) > 2 else 0
+_CHECKPOINT_NAME = re.compile(r"step-(\d+)(?:-(\d+))?")  # step-00000030, or step-00000030-1 for a re-save
+# The files of a training checkpoint written before manifests existed.
+_LEGACY_CHECKPOINT_FILES = {CONFIG_FILE, WEIGHTS_FILE, CHECKSUMS_FILE, TOKENIZER_FILE, "tokenizer_config.json",
+                            TRAIN_STATE_FILE, TRAIN_META_FILE}
+
+
+def is_our_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a training checkpoint of ours and nothing else, so that removing
+    it (pruning, clearing a run) deletes nothing xlstm_kit did not write: every file in it is
+    listed by its manifest, or (checkpoints written before manifests existed) has a checkpoint
+    file's name beside a train_meta.json that xlstm_kit wrote."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    entries = set(os.listdir(folder))
+    if not all((folder / n).is_file() and not (folder / n).is_symlink() for n in entries):
+        return False
+    if MANIFEST_FILE in entries:
+        return entries <= owned_files(folder) | {MANIFEST_FILE}
+    if not entries <= _LEGACY_CHECKPOINT_FILES or TRAIN_META_FILE not in entries:
+        return False
+    try:
+        meta = json.loads((folder / TRAIN_META_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(meta, dict) and "xlstm_kit_version" in meta and meta.get("format") == CHECKPOINT_FORMAT
+
+
+def _our_checkpoints(root: Path) -> list[Path]:
+    """The training checkpoints of ours in ``root``, oldest first."""
+    found = []
+    for p in root.iterdir() if root.is_dir() and not root.is_symlink() else ():
+        m = _CHECKPOINT_NAME.fullmatch(p.name)
+        if m and is_our_checkpoint(p):
+            found.append(((int(m[1]), int(m[2] or 0)), p))
+    return [p for _, p in sorted(found)]
+
+
+def _remove_checkpoint(folder: Path) -> None:
+    # renamed to a staging name first, so that it vanishes whole; a kill before the removal
+    # ends leaves a temporary that remove_stale_staging deletes
+    step = _CHECKPOINT_NAME.fullmatch(folder.name)[1]
+    trash = folder.parent / f".tmp-step-{step}-{secrets.token_hex(6)}"
+    try:
+        os.rename(folder, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _prune_checkpoints(root: Path, keep: int, latest: Path) -> None:
-    done = sorted((p for p in root.glob("step-*") if p.is_dir()), key=_checkpoint_step)
-    for p in done[:-keep]:
+    for p in _our_checkpoints(root)[:-keep]:
         if p != latest:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove_checkpoint(p)
+
+
+def _legacy_run(out_dir: Path) -> bool:
+    """A run folder written before manifests existed: no manifest, and its ``latest`` names a
+    checkpoint of it."""
+    f = out_dir / LATEST_FILE
+    if os.path.lexists(out_dir / MANIFEST_FILE):
+        return False
+    try:
+        rel = f.read_text().strip() if f.is_file() and not f.is_symlink() else ""
+    except (OSError, UnicodeDecodeError):
+        return False
+    return bool(_LATEST_TARGET.fullmatch(rel)) and (out_dir / rel / TRAIN_META_FILE).is_file()
+
+
+def claim_run_files(out_dir: str | Path, names) -> None:
+    """Before a run writes ``latest`` and ``names`` (e.g. its metrics log and loss plot) into the
+    run folder ``out_dir``: refuse (one line, nothing written) when one exists that xlstm_kit did
+    not write; else record them in the folder's manifest."""
+    out_dir = Path(out_dir)
+    names = {LATEST_FILE, *names}
+    owned = owned_files(out_dir)
+    if not names <= owned:
+        legacy = _legacy_run(out_dir)
+        for n in sorted(names - owned):
+            if not legacy and os.path.lexists(out_dir / n):
+                raise not_ours(out_dir / n, "a training run into that folder would overwrite it")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        claim(out_dir, names)
+
+
+def clear_run(out_dir: str | Path, names) -> None:
+    """Delete the training run in ``out_dir`` (to start afresh there): its checkpoints, ``latest``
+    and ``names`` (e.g. its metrics log and loss plot), as far as xlstm_kit wrote them. Refuses
+    (one line, before deleting anything) a file of those names that xlstm_kit did not write;
+    every other file or folder stays, also inside ``checkpoints/``."""
+    out_dir = Path(out_dir)
+    names = [LATEST_FILE, *names]
+    owned = owned_files(out_dir)
+    legacy = _legacy_run(out_dir)
+    for n in names:
+        if n not in owned and not legacy and os.path.lexists(out_dir / n):
+            raise not_ours(out_dir / n, "replacing the training run there would delete it")
+    if os.path.lexists(out_dir / LATEST_FILE) and not (out_dir / LATEST_FILE).is_dir():
+        (out_dir / LATEST_FILE).unlink()  # first: it must never name a removed checkpoint
+    remove_stale_staging(out_dir)
+    root = out_dir / CHECKPOINTS_DIR
+    for p in _our_checkpoints(root):
+        _remove_checkpoint(p)
+    with contextlib.suppress(OSError):
+        root.rmdir()  # only when empty: a file of someone else's keeps it
+    for n in names:
+        if os.path.lexists(out_dir / n) and not (out_dir / n).is_dir():
+            (out_dir / n).unlink()
+    if out_dir.is_dir():
+        write_manifest(out_dir, owned_files(out_dir) - set(names))
 
 
 # Names of the temporaries a killed save leaves: staging folders (and, from versions that saved
 # the model through save_model, its temporary folder beside them) in checkpoints/, and
-# atomic_write's files for `latest` and metrics.jsonl in the run folder. Exact patterns, so that
-# nothing else a user keeps there is touched.
+# atomic_write's files for `latest`, metrics.jsonl and the manifest in the run folder. Exact
+# patterns, so that nothing else a user keeps there is touched.
 _STALE_IN_CHECKPOINTS = re.compile(r"\.\.?tmp-step-\d+-[A-Za-z0-9_]+(\.tmp-[A-Za-z0-9_]+)?")
-_STALE_IN_RUN = re.compile(r"\.(latest|metrics\.jsonl)\.\d+\.[0-9a-f]{12}\.tmp")
+_STALE_IN_RUN = re.compile(r"\.(latest|metrics\.jsonl|\.xlstm-kit-files\.json)\.\d+\.[0-9a-f]{12}\.tmp")
 
 
 def remove_stale_staging(out_dir: str | Path) -> None:

@@ -31,7 +31,6 @@ import json
 import math
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -252,10 +251,16 @@ class _Source:
 _FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def weight_files(folder: Path) -> tuple[list[Path], Path, dict[str, str] | None]:
+def weight_files(folder: Path, sharded: bool = True) -> tuple[list[Path], Path, dict[str, str] | None]:
     """The safetensors files of a folder, the file errors should name (index or single file),
-    and the index's weight map (None for a single file)."""
+    and the index's weight map (None for a single file). ``sharded=False`` (our own checkpoint
+    format, never sharded): model.safetensors only, whatever index lies beside it."""
     index, single = folder / INDEX_FILE, folder / checkpoint.WEIGHTS_FILE
+    if not sharded:
+        if single.is_file():
+            return [single], single, None
+        raise FileNotFoundError(f"{folder} has no {checkpoint.WEIGHTS_FILE}, which its {checkpoint.CONFIG_FILE} "
+                                f"(an xlstm_kit config, not a HuggingFace one) needs")
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -278,7 +283,7 @@ def weight_files(folder: Path) -> tuple[list[Path], Path, dict[str, str] | None]
 
 def read_headers(folder: Path, hf: bool, config, weight_mode: str) -> tuple[dict[str, _Source], Path]:
     """Map each of our state_dict keys to where it lives, from the safetensors headers only."""
-    files, named, weight_map = weight_files(folder)
+    files, named, weight_map = weight_files(folder, sharded=hf)
     sources: dict[str, _Source] = {}
     for f in files:
         try:
@@ -427,11 +432,6 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_
     return names
 
 
-def _stale_weight_files(folder: Path, keep: set[str]) -> list[Path]:
-    pattern = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|" + re.escape(INDEX_FILE))
-    return [p for p in folder.iterdir() if pattern.fullmatch(p.name) and p.name not in keep] if folder.is_dir() else []
-
-
 def save_pretrained(model: nn.Module, path: str | Path, format: str = "hf",
                     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """See ``XLSTMLanguageModel.save_pretrained``."""
@@ -461,37 +461,20 @@ def save_pretrained(model: nn.Module, path: str | Path, format: str = "hf",
         # refuses two names for one tensor, hence a copy)
         tensors["lm_head.weight"] = tensors["lm_head.weight"].clone()
 
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise XLSTMKitError(f"cannot save to {str(path)!r}: it exists and is not a folder")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = checkpoint._make_hidden_dir(path.parent, f".{path.name}.tmp-")
-    try:
-        names = write_safetensors(tensors, tmp, max_shard_size, {"format": "pt"})
+    def write(folder: Path) -> list[str]:
+        names = write_safetensors(tensors, folder, max_shard_size, {"format": "pt"})
         for name in names:
             if name.endswith(".safetensors"):
-                os.chmod(tmp / name, 0o666 & ~checkpoint._umask())
-        (tmp / checkpoint.CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+                os.chmod(folder / name, 0o666 & ~checkpoint._umask())
+        (folder / checkpoint.CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
         names.append(checkpoint.CONFIG_FILE)
         if tok is not None:
-            names += tok.save(tmp)
-        checkpoint.fsync_tree(tmp)
-        if path.exists():
-            # an existing folder keeps its other files; weight files of an earlier save that this
-            # one does not overwrite (other shard counts) would be read as part of the model
-            stale = _stale_weight_files(path, set(names))
-            for name in names:
-                os.replace(tmp / name, path / name)
-            for p in stale:
-                p.unlink(missing_ok=True)
-        else:
-            os.rename(tmp, path)
-        checkpoint.fsync_dir(path)
-        checkpoint.fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+            names += tok.save(folder)
+        return names
+
+    # atomic over an earlier save, whose shards and index this one does not write are removed
+    # with it (they would be read as part of the model); files xlstm_kit did not write stay
+    return checkpoint.save_folder(path, write)
 
 
 # =============================================================================================

@@ -15,6 +15,7 @@ from ..models import XLSTMConfig, XLSTMLanguageModel
 from . import checkpoint
 from ..models.lora import merge_lora
 from .lora import adapters_from_folder
+from .files import finish_interrupted_save
 from .hf import (HF_MODEL_TYPE, TOKENIZER_NAME_KEY, check_device, check_sources, config_from_hf, is_hf_config,
                  materialise, read_headers, target_dtype)
 from .tokenizers import HFSpecialTokens, find_tokenizer, json_object
@@ -25,6 +26,7 @@ def _model_folder(path: str | Path, what: str) -> Path:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no {what} folder at {str(path)!r}")
+    finish_interrupted_save(path)
     if not (path / checkpoint.CONFIG_FILE).is_file():
         if not (path / checkpoint.LATEST_FILE).is_file():
             raise XLSTMKitError(f"{path} has no {checkpoint.CONFIG_FILE}: it is neither a HuggingFace xLSTM folder, "
@@ -55,10 +57,12 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     run folder (through its `latest` file). Returns it (a `model_class`) in eval mode, with
     `tokenizer_name` set when the checkpoint records its tokenizer; a model saved with LoRA
     adapters comes back with them, unmerged (a resumable LoRA run). FileNotFoundError if
-    missing, XLSTMKitError if corrupt."""
+    missing, XLSTMKitError if corrupt. A save into the folder that a kill interrupted after it
+    was complete is carried out first (xlstm_kit.io.files)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint folder at {str(path)!r}")
+    finish_interrupted_save(path)  # a save into it killed after it was complete: carried out first
     if not (path / checkpoint.CONFIG_FILE).exists() and (path / checkpoint.LATEST_FILE).is_file():
         path = checkpoint.resolve_checkpoint(path)
     config_dict, tensors = checkpoint.read_model_files(path)
@@ -90,7 +94,9 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
     its own, so a 7B model loads in bf16 without a float32 or second copy. Names and shapes
     are checked against config.json first. A tokenizer.json in the folder becomes
     `model.hf_tokenizer`. A checkpoint with LoRA adapters (adapter_config.json) loads with the
-    adapters merged into its weights. Returns the model (a `model_class`) in eval mode."""
+    adapters merged into its weights. A save into the folder that a kill interrupted after it
+    was complete is carried out first (xlstm_kit.io.files). Returns the model (a `model_class`)
+    in eval mode."""
     path = _model_folder(path, "model")
     cfg_path = path / checkpoint.CONFIG_FILE
     raw = json_object(cfg_path)

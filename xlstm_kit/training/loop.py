@@ -36,9 +36,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import XLSTMKitError
-from ..io.checkpoint import (TRAIN_STATE_FILE, CheckpointError, atomic_write, load_optimizer_state,
-                             load_training_state, load_weights_into, read_train_meta, remove_stale_staging, run_lock,
-                             resolve_checkpoint, restore_rng, save_checkpoint)
+from ..io.checkpoint import (TRAIN_STATE_FILE, CheckpointError, atomic_write, claim_run_files,
+                             load_optimizer_state, load_training_state, load_weights_into, read_train_meta,
+                             remove_stale_staging, run_lock, resolve_checkpoint, restore_rng, save_checkpoint)
 from ..models.lora import use_lora
 from .compiling import CompileClock, compile_failure, prepare_model
 from .config import METRICS_FILE, PLOT_FILE, RESUME_FROZEN, TrainConfig
@@ -147,6 +147,8 @@ class _Run:
         if not self.writes:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        # before anything is written: a metrics log or plot of someone else's is refused, not overwritten
+        claim_run_files(self.out_dir, (METRICS_FILE, PLOT_FILE))
         remove_stale_staging(self.out_dir)
         if resume:  # drop rows of steps after the checkpoint (a run killed between checkpoints)
             self.history = read_metrics(self.metrics_path, self.step)

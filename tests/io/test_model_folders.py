@@ -1,0 +1,142 @@
+"""Model folders (`save`, `save_pretrained`): a file xlstm_kit did not write is never deleted or
+overwritten; a save that would overwrite one, or leave one that loading would read with the
+model, refuses in one line naming it; every other file stays byte for byte. Stale files of an
+earlier save of ours go (xlstm_kit.io.files)."""
+import pytest
+import torch
+
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit.errors import XLSTMKitError
+from xlstm_kit.io.files import MANIFEST_FILE
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def large(seed=0):
+    torch.manual_seed(seed)
+    m = XLSTMLanguageModel(XLSTMConfig(family="large", vocab_size=64, d_model=16, n_blocks=2, n_heads=2,
+                                       ffn_proj_factor=1.5, round_proj_to=16))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def same(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def refused(fn, name):
+    with pytest.raises(XLSTMKitError) as e:
+        fn()
+    assert name in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+
+def test_save_pretrained_refuses_shards_it_did_not_write(tmp_path):
+    x = tmp_path / "x"
+    x.mkdir()
+    for i in (1, 2):
+        (x / f"model-0000{i}-of-00002.safetensors").write_bytes(b"theirs %d" % i)
+    before = snapshot(x)
+    refused(lambda: large().save_pretrained(x, max_shard_size="10KB"), "model-00001-of-00002.safetensors")
+    refused(lambda: large().save_pretrained(x), "model-00001-of-00002.safetensors")
+    assert snapshot(x) == before
+
+    # beside a save of ours too: a shard we did not write is neither deleted nor overwritten
+    y = tmp_path / "y"
+    large(1).save_pretrained(y, max_shard_size="10KB")
+    (y / "model-00009-of-00009.safetensors").write_bytes(b"theirs")
+    before = snapshot(y)
+    refused(lambda: large(2).save_pretrained(y), "model-00009-of-00009.safetensors")
+    assert snapshot(y) == before
+
+
+def test_saves_into_a_folder_of_someone_elses_model_are_refused(tmp_path):
+    """A HuggingFace folder xlstm_kit did not write (no manifest): its files stay, byte for byte."""
+    x = tmp_path / "hf"
+    large(1).save_pretrained(x)
+    (x / MANIFEST_FILE).unlink()  # as transformers (or anyone else) writes it
+    before = snapshot(x)
+    refused(lambda: large(2).save(x), "config.json")
+    refused(lambda: large(2).save_pretrained(x), "config.json")
+    assert snapshot(x) == before
+    assert same(XLSTMLanguageModel.from_pretrained(x), large(1))
+
+
+def test_model_save_over_our_hf_folder_removes_its_index_and_shards(tmp_path):
+    x = tmp_path / "x"
+    large(1).save_pretrained(x, max_shard_size="10KB")
+    (x / "README.md").write_text("mine")
+    large(2).save(x)
+    assert sorted(p.name for p in x.iterdir()) == [MANIFEST_FILE, "README.md", "checksums.json", "config.json",
+                                                   "model.safetensors"]
+    assert (x / "README.md").read_text() == "mine"
+    assert same(XLSTMLanguageModel.from_pretrained(x), large(2))
+    assert same(XLSTMLanguageModel.load(x), large(2))
+    # and back: the HuggingFace save removes our checksums.json
+    large(3).save_pretrained(x, max_shard_size="10KB")
+    assert "checksums.json" not in {p.name for p in x.iterdir()}
+    assert same(XLSTMLanguageModel.from_pretrained(x), large(3))
+
+
+def test_a_folder_mixed_by_an_older_version_loads_what_its_config_describes(tmp_path):
+    """An xlstm_kit config.json + model.safetensors beside a stale HuggingFace index and shards
+    (what saving over a HuggingFace folder left before): the xlstm_kit model, not a refusal."""
+    x = tmp_path / "x"
+    large(1).save_pretrained(x, max_shard_size="10KB")
+    large(2).save(tmp_path / "ours")
+    for name in ("config.json", "model.safetensors", "checksums.json"):
+        (x / name).write_bytes((tmp_path / "ours" / name).read_bytes())
+    (x / MANIFEST_FILE).unlink()
+    assert (x / "model.safetensors.index.json").exists()
+    assert same(XLSTMLanguageModel.from_pretrained(x), large(2))
+
+
+def test_files_of_other_names_stay_byte_identical_through_every_save(tmp_path):
+    x = tmp_path / "x"
+    x.mkdir()
+    theirs = {"README.md": b"notes", "train_state.pt": b"optimizer", "sub/data.bin": b"\x00\xff"}
+    for name, data in theirs.items():
+        (x / name).parent.mkdir(exist_ok=True)
+        (x / name).write_bytes(data)
+    for save in (lambda: large(1).save(x, tokenizer="byte"), lambda: large(2).save_pretrained(x, max_shard_size="10KB"),
+                 lambda: large(3).save_pretrained(x), lambda: large(4).save(x)):
+        save()
+        assert {k: v for k, v in snapshot(x).items() if k in theirs} == theirs
+    assert same(XLSTMLanguageModel.load(x), large(4))
+    assert XLSTMLanguageModel.load(x).tokenizer_name is None  # the first save's tokenizer.json went with it
+
+
+def test_an_interrupted_save_that_cannot_be_completed_is_refused_in_one_line(tmp_path, monkeypatch):
+    import os
+
+    from xlstm_kit.io import files
+
+    x = tmp_path / "x"
+    large(1).save(x)
+    real = os.rename
+
+    def stop_after_commit(src, dst):  # the save is committed, then the process dies
+        real(src, dst)
+        if str(dst).endswith(files.COMMIT_DIR):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "rename", stop_after_commit)
+    with pytest.raises(KeyboardInterrupt):
+        large(2).save(x)
+    monkeypatch.setattr(os, "rename", real)
+
+    def read_only(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", read_only)
+    refused(lambda: XLSTMLanguageModel.load(x), files.COMMIT_DIR)
+    monkeypatch.undo()
+    assert same(XLSTMLanguageModel.load(x), large(2))
+    assert not (x / files.COMMIT_DIR).exists()

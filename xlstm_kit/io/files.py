@@ -1,0 +1,278 @@
+"""Crash-safe writes, and which files in a folder are ours.
+
+**Ownership.** Every folder xlstm_kit writes a model, a training checkpoint or a training run
+into holds ``.xlstm-kit-files.json`` (the *manifest*): ``{"written_by": "xlstm_kit", "files":
+[names]}``, the plain file names in that folder that xlstm_kit wrote. xlstm_kit deletes or
+overwrites a file only when a manifest lists it (or, for the hidden temporaries it names itself,
+when its name says so); any other file is *foreign* and is left byte for byte as it was. Where a
+save would have to overwrite a foreign file, or would leave one that loading reads as part of the
+model (a foreign ``config.json``, ``model.safetensors.index.json``, shard, tokenizer file,
+``checksums.json``), it refuses in one line naming the file instead. Folders written before
+manifests existed hold no manifest: their files count as foreign for a model save (the refusal
+says which to move) — run folders and training checkpoints of that age are recognised by their
+``latest`` and ``train_meta.json`` (xlstm_kit.io.checkpoint).
+
+**Saving a model folder atomically** (:func:`save_folder`). A new folder is written under a
+hidden name beside it and renamed into place: it appears complete or not at all. Over an
+existing folder the new files are written into a hidden staging folder inside it
+(``.xlstm-kit-staging-<hex>``) with the new manifest and a plan (the stale files of ours to
+delete: e.g. the shards and index of an earlier sharded save), flushed to disk, and committed by
+renaming the staging folder to ``.xlstm-kit-commit``. Before that rename the folder holds the
+old model untouched; from it on the save is complete and is only carried out: each file is
+renamed over the old one, the stale files are deleted, the manifest is replaced and the commit
+folder removed. A process killed at any point leaves either the old model or a commit folder,
+which the next load or save of that folder carries out first (:func:`finish_interrupted_save`),
+so a reader gets the old model or the new one, never a mix, never neither. A staging folder
+that was never committed is removed by the next save into the folder.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ..errors import XLSTMKitError
+
+MANIFEST_FILE = ".xlstm-kit-files.json"
+STAGING_PREFIX = ".xlstm-kit-staging-"
+COMMIT_DIR = ".xlstm-kit-commit"
+PLAN_FILE = ".xlstm-kit-plan.json"  # inside a staging / commit folder only
+MAX_MANIFEST_BYTES = 1 << 20
+
+# What loading a model folder reads (xlstm_kit.io.checkpoint, .hf, .tokenizers): a foreign file
+# of one of these names in a folder we save a model into would be overwritten or read with it.
+MODEL_FILES = re.compile(r"config\.json|model\.safetensors|model\.safetensors\.index\.json|"
+                         r"model-\d{5}-of-\d{5}\.safetensors|checksums\.json|tokenizer\.json|tokenizer_config\.json")
+_STAGING = re.compile(re.escape(STAGING_PREFIX) + r"[0-9a-f]{12}")
+
+
+# --------------------------------------------------------------------------------------------
+# Crash-safe writes
+# --------------------------------------------------------------------------------------------
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (a rename inside it) to disk; a no-op where folders cannot be opened."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file under ``path`` and the folder itself."""
+    for p in sorted(Path(path).rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(path)
+
+
+def atomic_write(path: str | Path, data: bytes | str | Callable[[Any], None]) -> Path:
+    """Replace ``path`` with ``data`` (bytes, text, or a function writing to a binary file).
+
+    The data goes to a uniquely named file beside ``path``, is flushed, then renamed over it:
+    readers see the old file or the complete new one, never a partial one, and processes racing
+    to write the same file are safe (the last rename wins).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A unique name opened with "x" (not mkstemp): the file gets the usual umask permissions.
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; /proc avoids the brief window where another
+    # thread would create files with the wrong mode.
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _make_hidden_dir(parent: Path, prefix: str) -> Path:
+    """A new, uniquely named folder in ``parent`` with the usual umask permissions (mkdtemp
+    would make it 0700 whatever the umask)."""
+    while True:
+        path = parent / f"{prefix}{secrets.token_hex(6)}"
+        try:
+            path.mkdir(mode=0o777)
+            return path
+        except FileExistsError:
+            continue
+
+
+# --------------------------------------------------------------------------------------------
+# The manifest
+# --------------------------------------------------------------------------------------------
+
+
+def _plain_name(name: Any) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
+
+
+def owned_files(folder: str | Path) -> set[str]:
+    """The names ``folder``'s manifest lists as written by xlstm_kit; empty without a (readable)
+    manifest, so that an unreadable one makes nothing deletable."""
+    f = Path(folder) / MANIFEST_FILE
+    try:
+        if not f.is_file() or f.stat().st_size > MAX_MANIFEST_BYTES:
+            return set()
+        d = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return set()
+    names = d.get("files") if isinstance(d, dict) and d.get("written_by") == "xlstm_kit" else None
+    return {n for n in names if _plain_name(n)} if isinstance(names, list) else set()
+
+
+def manifest_bytes(names: Iterable[str]) -> bytes:
+    return (json.dumps({"written_by": "xlstm_kit", "files": sorted(set(names))}, indent=2) + "\n").encode()
+
+
+def write_manifest(folder: Path, names: Iterable[str]) -> None:
+    """Replace ``folder``'s manifest by one listing ``names`` (none: no manifest)."""
+    names = set(names)
+    if names:
+        atomic_write(Path(folder) / MANIFEST_FILE, manifest_bytes(names))
+    else:
+        (Path(folder) / MANIFEST_FILE).unlink(missing_ok=True)
+
+
+def claim(folder: Path, names: Iterable[str]) -> None:
+    """Add ``names`` to ``folder``'s manifest (files xlstm_kit is about to write there)."""
+    owned = owned_files(folder)
+    if not set(names) <= owned:
+        write_manifest(folder, owned | set(names))
+
+
+def not_ours(path: Path, why: str) -> XLSTMKitError:
+    return XLSTMKitError(f"{path} was not written by xlstm_kit (no {MANIFEST_FILE} there lists it) and {why}: "
+                         f"move it away or choose another folder")
+
+
+# --------------------------------------------------------------------------------------------
+# Atomic saves of a model folder
+# --------------------------------------------------------------------------------------------
+
+
+def _foreign_model_files(folder: Path, owned: set[str], also: Iterable[str] = ()) -> list[str]:
+    also = set(also)
+    return sorted(n for n in os.listdir(folder) if n not in owned and (MODEL_FILES.fullmatch(n) or n in also))
+
+
+def _refuse_foreign(folder: Path, foreign: list[str]) -> None:
+    if foreign:
+        more = f" (and {len(foreign) - 1} more such files)" if len(foreign) > 1 else ""
+        raise not_ours(folder / foreign[0], f"a model saved into {folder} would overwrite it or be read with it{more}")
+
+
+def finish_interrupted_save(folder: str | Path) -> None:
+    """Carry out a save into ``folder`` that was committed but not completed (a process killed
+    while it renamed the new files into place): see the module docstring. Does nothing when
+    there is none; XLSTMKitError (one line) when it cannot be completed here."""
+    folder = Path(folder)
+    commit = folder / COMMIT_DIR
+    if not commit.is_dir() or commit.is_symlink():
+        return
+    try:
+        plan_file = commit / PLAN_FILE
+        # no plan: the last step (removing the commit folder) was under way, all else is done
+        remove = json.loads(plan_file.read_text())["remove"] if plan_file.exists() else []
+        if not isinstance(remove, list):
+            raise ValueError("a list of files to remove was expected")
+        for name in sorted(os.listdir(commit)):
+            if name not in (PLAN_FILE, MANIFEST_FILE):
+                with contextlib.suppress(FileNotFoundError):  # moved by a process finishing it too
+                    os.replace(commit / name, folder / name)
+        for name in remove:
+            if _plain_name(name):
+                (folder / name).unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(commit / MANIFEST_FILE, folder / MANIFEST_FILE)  # last: the old one listed the removed files
+        fsync_dir(folder)
+        shutil.rmtree(commit)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if isinstance(e, FileNotFoundError) and not commit.exists():
+            return  # another process completed it meanwhile
+        raise XLSTMKitError(f"{folder} holds a save that was interrupted after it was complete ({COMMIT_DIR}), "
+                            f"and completing it failed: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _remove_uncommitted(folder: Path) -> None:
+    for name in os.listdir(folder):
+        p = folder / name
+        if _STAGING.fullmatch(name) and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def save_folder(target: str | Path, write: Callable[[Path], list[str]]) -> Path:
+    """Save a model into the folder ``target`` atomically (see the module docstring).
+
+    ``write(folder)`` writes the model's files into an empty folder and returns their names.
+    Files in ``target`` that no manifest lists stay as they are; one of a name loading reads
+    (MODEL_FILES, or one ``write`` produced) makes it refuse, before anything is written where
+    the name pattern already shows it. Returns ``target``."""
+    target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise XLSTMKitError(f"cannot save a model to {str(target)!r}: it exists and is not a folder")
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _make_hidden_dir(target.parent, f".{target.name}.tmp-")
+        try:
+            names = write(tmp)
+            (tmp / MANIFEST_FILE).write_bytes(manifest_bytes(names))
+            fsync_tree(tmp)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fsync_dir(target.parent)
+        return target
+
+    finish_interrupted_save(target)
+    _remove_uncommitted(target)
+    owned = {n for n in owned_files(target) if os.path.lexists(target / n)}
+    _refuse_foreign(target, _foreign_model_files(target, owned))
+    staging = _make_hidden_dir(target, STAGING_PREFIX)
+    try:
+        names = write(staging)
+        _refuse_foreign(target, _foreign_model_files(target, owned, names))
+        stale = sorted(n for n in owned if MODEL_FILES.fullmatch(n) and n not in names)
+        (staging / MANIFEST_FILE).write_bytes(manifest_bytes((owned - set(stale)) | set(names)))
+        (staging / PLAN_FILE).write_text(json.dumps({"remove": stale}) + "\n")
+        fsync_tree(staging)
+        try:
+            os.rename(staging, target / COMMIT_DIR)  # the commit point
+        except OSError as e:
+            busy = (target / COMMIT_DIR).exists()  # another save committed meanwhile and is completing
+            raise XLSTMKitError(f"cannot save into {target}: "
+                                + ("another save into it is under way" if busy else str(e.strerror or e))) from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fsync_dir(target)
+    finish_interrupted_save(target)
+    return target
