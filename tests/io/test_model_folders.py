@@ -140,3 +140,25 @@ def test_an_interrupted_save_that_cannot_be_completed_is_refused_in_one_line(tmp
     monkeypatch.undo()
     assert same(XLSTMLanguageModel.load(x), large(2))
     assert not (x / files.COMMIT_DIR).exists()
+
+
+def test_save_over_a_model_of_an_earlier_version(tmp_path):
+    """A folder that `save` wrote before folders had a manifest (recognised by the weights'
+    safetensors metadata) is replaced like one of ours; a file beside it stays; weights that
+    are not ours still refuse the save."""
+    x = tmp_path / "x"
+    large(1).save(x)
+    (x / MANIFEST_FILE).unlink()  # as an earlier version left it
+    (x / "notes.txt").write_text("mine")
+    large(2).save(x)
+    assert same(XLSTMLanguageModel.load(x), large(2))
+    assert (x / "notes.txt").read_text() == "mine"
+
+    y = tmp_path / "y"
+    large(1).save(y)
+    (y / MANIFEST_FILE).unlink()
+    import safetensors.torch
+    safetensors.torch.save_file({"w": torch.zeros(2)}, str(y / "model.safetensors"))  # someone else's
+    before = snapshot(y)
+    refused(lambda: large(2).save(y), "was not written by xlstm_kit")
+    assert snapshot(y) == before

@@ -168,6 +168,34 @@ def claim(folder: Path, names: Iterable[str]) -> None:
         write_manifest(folder, owned | set(names))
 
 
+# What `XLSTMLanguageModel.save` wrote before folders had a manifest; recognised by the weights'
+# safetensors metadata {"format": "xlstm_kit"}, so that a save over a model of an earlier version
+# replaces it instead of refusing its files as foreign.
+_EARLIER_MODEL_FILES = ("config.json", "model.safetensors", "checksums.json", "tokenizer.json")
+_MAX_HEADER_BYTES = 100 << 20
+
+
+def _earlier_model_files(folder: Path) -> set[str]:
+    """The files of an `xlstm_kit` model folder written before manifests existed, or none."""
+    if (folder / MANIFEST_FILE).exists():
+        return set()
+    weights = folder / "model.safetensors"
+    try:
+        if weights.is_symlink() or not weights.is_file():
+            return set()
+        with open(weights, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 2 <= n <= _MAX_HEADER_BYTES:
+                return set()
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return set()
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not (isinstance(meta, dict) and meta.get("format") == "xlstm_kit"):
+        return set()
+    return {n for n in _EARLIER_MODEL_FILES if (folder / n).is_file() and not (folder / n).is_symlink()}
+
+
 def not_ours(path: Path, why: str) -> XLSTMKitError:
     return XLSTMKitError(f"{path} was not written by xlstm_kit (no {MANIFEST_FILE} there lists it) and {why}: "
                          f"move it away or choose another folder")
@@ -254,7 +282,7 @@ def save_folder(target: str | Path, write: Callable[[Path], list[str]]) -> Path:
 
     finish_interrupted_save(target)
     _remove_uncommitted(target)
-    owned = {n for n in owned_files(target) if os.path.lexists(target / n)}
+    owned = {n for n in owned_files(target) | _earlier_model_files(target) if os.path.lexists(target / n)}
     _refuse_foreign(target, _foreign_model_files(target, owned))
     staging = _make_hidden_dir(target, STAGING_PREFIX)
     try:
