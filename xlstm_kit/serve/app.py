@@ -277,16 +277,20 @@ class App:
         return EventStream(events(), lambda: self._cancel(reqs))
 
     async def _updates(self, reqs: list[Request], queue: asyncio.Queue):
-        """Each request's updates until all ended; an APIError (then stop) when one failed."""
+        """Each request's updates until all ended (those waiting together merged); an APIError
+        (then stop) when one failed."""
         left = len(reqs)
         while left:
-            u: Update = await queue.get()
-            if u.finish_reason in (ERROR, SHUTDOWN, CANCELLED):
-                self._cancel(reqs)
-                yield _failure(u.request)
-                return
-            left -= u.finish_reason is not None
-            yield u
+            pending = [await queue.get()]
+            while not queue.empty():
+                pending.append(queue.get_nowait())
+            for u in _merged(pending):
+                if u.finish_reason in (ERROR, SHUTDOWN, CANCELLED):
+                    self._cancel(reqs)
+                    yield _failure(u.request)
+                    return
+                left -= u.finish_reason is not None
+                yield u
 
     async def chat(self, request: HTTPRequest):
         self._auth(request)
@@ -394,6 +398,19 @@ class App:
         metric("slots", "gauge", "State slots (--max-batch).", [("", e.max_batch)])
         metric("batch_occupancy", "gauge", "Share of the slots in use.", [("", round(e.running / e.max_batch, 6))])
         return "\n".join(lines) + "\n"
+
+
+def _merged(updates: list[Update]) -> list[Update]:
+    """Updates of one request that queued up (the client reads slower than the model writes) as
+    one: one event for several tokens costs the event loop a fraction of one per token."""
+    out: list[Update] = []
+    for u in updates:
+        last = out[-1] if out else None
+        if last is not None and last.request is u.request and last.finish_reason is None:
+            out[-1] = Update(u.request, last.token_ids + u.token_ids, last.text + u.text, u.finish_reason, u.error)
+        else:
+            out.append(u)
+    return out
 
 
 def _failure(r: Request) -> APIError:

@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -163,7 +164,14 @@ class SlotStep:
             raise XLSTMKitError(f"CUDA graphs need a model on a CUDA device, this one is on {tokens.device}")
         self.buckets = _buckets(tokens.shape[0]) if use else []
         if use:
-            self._capture()
+            try:
+                self._capture()
+            except Exception as e:  # a step that cannot be recorded still decodes, eagerly
+                if cuda_graph:
+                    raise
+                warnings.warn(f"decoding without CUDA graphs ({type(e).__name__}: {e})", RuntimeWarning,
+                              stacklevel=2)
+                self.graphs, self.buckets = {}, []
 
     def eager(self, b: int) -> torch.Tensor:
         view = [type(s)(*(x[:b] for x in s)) for s in self.slots]
