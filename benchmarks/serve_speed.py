@@ -36,7 +36,6 @@ import os
 import random
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -142,9 +141,12 @@ def load(url: str, jobs: list[tuple[list[int], int]], concurrency: int, clients:
     k = max(1, min(clients, concurrency))
     shares = [concurrency // k + (i < concurrency % k) for i in range(k)]
     parts = [jobs[i::k] for i in range(k)]
-    start_at = time.monotonic() + 1.0 + 0.1 * k  # the processes start together
-    with mp.get_context("spawn").Pool(k) as pool:
-        results = pool.starmap(_client, [(url, part, share, start_at) for part, share in zip(parts, shares)])
+    if k == 1:
+        results = [_client(url, jobs, concurrency, time.monotonic())]
+    else:
+        start_at = time.monotonic() + 1.0 + 0.1 * k  # the processes start together
+        with mp.get_context("spawn").Pool(k) as pool:
+            results = pool.starmap(_client, [(url, part, share, start_at) for part, share in zip(parts, shares)])
     done = [r for part in results for r in part]
     first, last = min(r["start"] for r in done), max(r["times"][-1] for r in done)
     tokens = sum(len(r["times"]) for r in done)
@@ -234,7 +236,8 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.quick:
         args.model, args.concurrency, args.requests_per_level = "tiny-random", "1,4", 2
-        args.prompt_len, args.output_len, args.system_len, args.prefix_requests, args.clients = "4,24", "4,12", 200, 4, 2
+        args.prompt_len, args.output_len, args.system_len = "4,24", "4,12", 200
+        args.prefix_requests, args.clients = 4, 1
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else None)
     levels = [int(c) for c in args.concurrency.split(",")]
     plen, olen = (tuple(int(x) for x in s.split(",")) for s in (args.prompt_len, args.output_len))
@@ -317,7 +320,8 @@ def report(rows: list[dict], meta: dict) -> str:
     prefix = [r for r in rows if r["case"] == "prefix"]
     if prefix:
         lines += ["", f"Shared system prompt of {prefix[0]['system_len']} tokens:", "",
-                  "| prefix cache | concurrency | TTFT p50 ms | TTFT p99 ms | tokens/s |", "| --- | --- | --- | --- | --- |"]
+                  "| prefix cache | concurrency | TTFT p50 ms | TTFT p99 ms | tokens/s |",
+                  "| --- | --- | --- | --- | --- |"]
         for r in prefix:
             lines.append(f"| {'on' if r['cache'] else 'off'} | {r['concurrency']} | {_f(r['ttft_p50_ms'])} | "
                          f"{_f(r['ttft_p99_ms'])} | {_f(r['tok_s'])} |")

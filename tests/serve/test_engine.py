@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.io.tokenizers import ByteTokenizer
 from xlstm_kit.serve.engine import Engine, EngineBusy, EngineClosed, Request, SamplingParams, _buckets
 from xlstm_kit.serve.prefix_cache import PrefixCache
@@ -186,6 +187,15 @@ def test_queue_bound_and_shutdown(model):
     engine.join(30)
     assert first.finish_reason == second.finish_reason == "shutdown"
     assert first.output and not second.output
+
+
+def test_bad_prompts_are_refused_at_submit(model):
+    engine = Engine(model, ByteTokenizer())
+    for bad in ([], [1, 256], [-1]):
+        with pytest.raises(XLSTMKitError, match="token ids in \\[0, 256\\)"):
+            engine.submit([Request(bad, GREEDY)])
+    with pytest.raises(XLSTMKitError, match="temperature"):
+        engine.submit([Request([1], SamplingParams(temperature=-1))])
 
 
 def test_batch_buckets():

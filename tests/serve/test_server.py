@@ -37,8 +37,9 @@ def metrics(server) -> dict[str, float]:
 
 def post(server, path, body, headers=AUTH, **kw):
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    kw.setdefault("timeout", 60)
     return httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json", **headers},
-                      timeout=60, **kw)
+                      **kw)
 
 
 def test_openai_client_plain_and_streaming(server, reference, single_thread):
@@ -197,6 +198,16 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     assert m["xlstm_kit_requests_total{finish_reason=\"cancelled\"}"] == \
         before["xlstm_kit_requests_total{finish_reason=\"cancelled\"}"] + 1
     assert m["xlstm_kit_generation_tokens_total"] - before["xlstm_kit_generation_tokens_total"] < 100000
+    # a plain (not streamed) request whose client gives up is cancelled as well
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", {"prompt": "x", "max_tokens": 100000}, timeout=1)
+    deadline = time.monotonic() + 30
+    while metrics(server)["xlstm_kit_running_requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m = metrics(server)
+    assert m["xlstm_kit_running_requests"] == 0
+    assert m["xlstm_kit_requests_total{finish_reason=\"cancelled\"}"] == \
+        before["xlstm_kit_requests_total{finish_reason=\"cancelled\"}"] + 2
 
 
 def test_full_queue_gets_429_and_sigterm_ends_streams_cleanly(model_dir):

@@ -35,6 +35,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tokenizer = tokenizer_for(meta, model)
     if args.compile:
         model.compile_step()
+        import torch._dynamo
+
+        # the step compiles once per batch-size bucket (up to 9 for --max-batch 256): more than
+        # torch's default limit of recompilations, past which it would run eagerly
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
     template = find_chat_template(Path(folder), Path(args.checkpoint))
     name = args.model_name or Path(args.checkpoint).resolve().name
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,

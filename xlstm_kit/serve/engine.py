@@ -22,9 +22,10 @@ to max_batch) as a CUDA graph that reads and writes the slots themselves; rows n
 bucket are free slots computing nothing anyone reads. On the CPU the step runs eagerly on
 exactly n rows.
 
-Greedy requests get exactly the tokens `generate` gives each prompt alone: each row of the
-step depends on its own state only, and a prompt is read by the same forward pass. A request
-with a seed samples with its own generator, as `generate(seed=...)` does for one prompt.
+Greedy requests get the tokens `generate` gives each prompt alone: each row of the step
+depends on its own state only, and a prompt is read by the same forward pass (up to the
+rounding of kernels picked per batch size). A request with a seed samples with its own
+generator, as `generate(seed=...)` does for one prompt.
 
 Prompts are looked up in the prefix-state cache (`prefix_cache.py`) first, and states worth
 keeping are stored there as prompts are read.
@@ -279,6 +280,9 @@ class Engine:
         EngineClosed while shutting down."""
         for r in requests:
             r.params.check()
+            if r.prompt.ndim != 1 or not len(r.prompt) or r.prompt.min() < 0 or r.prompt.max() >= self.vocab:
+                raise XLSTMKitError(f"a prompt must be a non-empty list of token ids in [0, {self.vocab}), "
+                                    f"got {r.prompt.tolist()[:8]}{'...' if r.prompt.size > 8 else ''}")
         with self._cv:
             if self._closing or self._failure is not None:
                 raise EngineClosed("the server is shutting down")
