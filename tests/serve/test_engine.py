@@ -189,6 +189,15 @@ def test_queue_bound_and_shutdown(model):
     assert first.output and not second.output
 
 
+def test_requests_that_end_within_the_grace_period_finish_normally(model):
+    engine = Engine(model, ByteTokenizer(), prefix_cache_bytes=0).start()
+    r = Request([7, 8, 9], SamplingParams(max_tokens=40, temperature=0))
+    engine.submit([r])
+    engine.close(grace=60)
+    engine.join(60)
+    assert r.finish_reason == "length" and r.output == alone(model, [7, 8, 9], 40)
+
+
 def test_bad_prompts_are_refused_at_submit(model):
     engine = Engine(model, ByteTokenizer())
     for bad in ([], [1, 256], [-1]):

@@ -15,7 +15,9 @@ One thread runs the loop; each pass is a token boundary:
    prompts that start from nothing are read together in one packed call (generation's own
    prefill); a request's first token is sampled from its prompt's logits and it joins the
    decoding rows;
-3. one decode step over the decoding rows and one token sampled for each.
+3. one decode step over the decoding rows and one token sampled for each, on the device; the
+   tokens of the step before are then taken on the host (one step in flight, so that the
+   host's work overlaps the device's).
 
 On CUDA the step over rows 0..b-1 is recorded once per batch-size bucket b (powers of two up
 to max_batch) as a CUDA graph that reads and writes the slots themselves; rows n..b-1 of a
@@ -264,6 +266,7 @@ class Engine:
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self.step: SlotStep | None = None
+        self._inflight: tuple[torch.Tensor, list[Request]] | None = None  # a step's tokens not yet taken
 
     # ------------------------------------------------------------------ outside the engine's thread
     def start(self) -> "Engine":
@@ -351,7 +354,7 @@ class Engine:
     def _pass(self) -> bool:
         with self._cv:
             while not (self._incoming or self._cancel_asked or self.decoding or self.prefilling or self.waiting
-                       or self._closing):
+                       or self._inflight is not None or self._closing):
                 self._cv.wait()
             self.waiting.extend(self._incoming)
             self._incoming = []
@@ -365,10 +368,10 @@ class Engine:
         self._admit(updates)
         if self.prefilling:
             self._prefill(updates)
-        if self.decoding:
+        if self.decoding or self._inflight is not None:
             self._decode(updates)
         self._send(updates)
-        return not (closing and not (self.waiting or self.prefilling or self.decoding))
+        return not (closing and not (self.waiting or self.prefilling or self.decoding or self._inflight))
 
     def _send(self, updates: list[Update]) -> None:
         if updates and self.deliver is not None:
@@ -496,20 +499,37 @@ class Engine:
             self._free([row])
 
     def _decode(self, updates: list[Update]) -> None:
-        n = len(self.decoding)
-        try:
-            logits = self.step(n)
-            ids = self._sample(logits, self.decoding)
-            self.tokens[:n].copy_(ids)
-            host = ids.tolist()
-        except Exception as e:  # noqa: BLE001 - the rows' states are unknown now: all of them end
-            rows = list(range(n))
-            self._fail(list(self.decoding), e, updates)
-            self._free(rows)
+        """Launch a step over the decoding rows, then take the tokens of the step launched in the
+        pass before: on a GPU the host's work on those (text, stop strings, the HTTP side) runs
+        while the new step computes. A request that ended at the earlier step is still in the
+        new one (a row computed for nothing) and leaves afterwards."""
+        launched = None
+        if self.decoding:
+            n = len(self.decoding)
+            try:
+                ids = self._sample(self.step(n), self.decoding)
+                self.tokens[:n].copy_(ids)
+            except Exception as e:  # noqa: BLE001 - the rows' states are unknown now: all of them end
+                self._fail(list(self.decoding), e, updates)
+                self._free(list(range(n)))
+                self._inflight = None
+                return
+            launched = (ids, list(self.decoding))
+            self.stats.decode_steps += 1
+        pending, self._inflight = self._inflight, launched
+        if pending is None:
             return
-        self.stats.decode_steps += 1
-        ended = [i for i, (r, t) in enumerate(zip(self.decoding, host)) if self._accept(r, t, updates)]
-        self._free(ended)
+        ids, rows = pending
+        try:
+            host = ids.tolist()
+        except Exception as e:  # noqa: BLE001 - an error of the device surfaces at the sync
+            self._fail([r for r in self.decoding if r.finish_reason is None], e, updates)
+            self._free(list(range(len(self.decoding))))
+            self._inflight = None
+            return
+        ended = [r for r, t in zip(rows, host) if r.finish_reason is None and self._accept(r, t, updates)]
+        position = {id(r): i for i, r in enumerate(self.decoding)}
+        self._free([position[id(r)] for r in ended])
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """One token per row: argmax for greedy rows; sampled in groups of equal settings from the
