@@ -12,6 +12,7 @@ lowest first (a module may import its own layer and those below it, never one ab
     io           checkpoints, HuggingFace folders, official converters, tokenizers
     training     the one training loop and its pieces / generation: decoding
     experiments  the synthetic tasks / bench: the benchmark registry
+    serve        the HTTP server: scheduler, prefix cache, OpenAI API
     api          the public class with I/O and generation (xlstm_kit.model), the LoRA functions
                  (xlstm_kit.lora), the package's lazy top-level names and the old module paths kept
                  as re-exports
@@ -35,6 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("io", ("xlstm_kit.io",)),
     ("training / generation", ("xlstm_kit.training", "xlstm_kit.generation")),
     ("experiments / bench", ("xlstm_kit.experiments", "xlstm_kit.bench")),
+    ("serve", ("xlstm_kit.serve",)),
     ("api", ("xlstm_kit.model", "xlstm_kit.train", "xlstm_kit.data", "xlstm_kit.generate", "xlstm_kit.checkpoint",
              "xlstm_kit.lora", "xlstm_kit")),
     ("cli", ("xlstm_kit.cli", "xlstm_kit.__main__")),

@@ -15,6 +15,9 @@ EXTRA_OF = {
     "matplotlib": "plot",
     "triton": "triton",
     "peft": "lora",
+    "starlette": "serve",
+    "uvicorn": "serve",
+    "jinja2": "serve",
 }
 
 

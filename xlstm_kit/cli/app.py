@@ -12,10 +12,11 @@ DIR is a training output folder, an xlstm_kit checkpoint or a HuggingFace xLSTM 
 (config.json with model_type "xlstm", e.g. NX-AI/xLSTM-7b; its tokenizer.json is used).
     xlstm-kit demo     [--minutes 3]
     xlstm-kit experiment formal --task parity --model "xlstm[0:1]" | mqar --model M | sweep [--jobs N]
+    xlstm-kit serve    DIR [--host H] [--port N] [--max-batch N] [--api-key KEY]   (OpenAI-compatible HTTP)
 
 The parser is argparse only: `--help` and a mistyped argument answer before torch is imported.
 Each command lives in its own module (train.py: train, eval, demo; generate.py; experiment.py;
-bench.py), imported by name when it runs.
+bench.py; serve.py), imported by name when it runs.
 
 Bad input (unknown preset or tokenizer, missing data, empty corpus, incompatible checkpoint,
 invalid numbers, unusable device or output folder) is an ``XLSTMKitError``: it prints one line to
@@ -36,7 +37,7 @@ from ..errors import DataError, XLSTMKitError
 from .args import (DEFAULT_DATA, DEFAULT_PRESET, DTYPES, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, EXIT_USAGE,
                    PROG, THREADS_HELP, Formatter, Parser, nonneg_float, nonneg_int, one_line, positive_float,
                    positive_int, thread_count)
-from .parsers import add_experiment_parser, add_generate_parser
+from .parsers import add_experiment_parser, add_generate_parser, add_serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
     add_experiment_parser(sub)
+    add_serve_parser(sub)
 
     be = sub.add_parser(
         "bench", help="time the ops, a training step and generation (optionally against the peers)",

@@ -1,6 +1,6 @@
-"""The parsers of the ``generate`` and ``experiment`` commands: argparse only, no torch, so that
-``xlstm-kit --help`` and a mistyped argument answer at once (the commands themselves are
-`generate.py` and `experiment.py`, imported when they run)."""
+"""The parsers of the ``generate``, ``experiment`` and ``serve`` commands: argparse only, no torch,
+so that ``xlstm-kit --help`` and a mistyped argument answer at once (the commands themselves are
+`generate.py`, `experiment.py` and `serve.py`, imported when they run)."""
 from __future__ import annotations
 
 import argparse
@@ -156,3 +156,60 @@ def add_experiment_parser(sub) -> None:
         p.add_argument("--score-paused", action="store_true",
                        help="with --stop-after: score the paused grid points as they stand too (into "
                             "runs/<id>.progress and the report), for a last call whose checkpoints will be lost")
+
+
+SERVE_EXAMPLES = """Examples:
+  xlstm-kit serve runs/tiny --port 8000
+  xlstm-kit serve xLSTM-7b/ --dtype bf16 --max-batch 64 --api-key $(cat key.txt) --host 0.0.0.0
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"prompt": "ROMEO:", "max_tokens": 40, "temperature": 0}'
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (when the folder has a chat \
+template), GET /v1/models, GET /health, GET /metrics (Prometheus). Any OpenAI client works: \
+base_url http://HOST:PORT/v1. SIGTERM or Ctrl-C lets running requests finish for \
+--shutdown-grace seconds, then ends them."""
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    """Register ``serve`` (the OpenAI-compatible HTTP server) on the top-level subparsers."""
+    sv = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP with the OpenAI API (needs the [serve] extra)",
+        description="An OpenAI-compatible HTTP server: requests join the running batch at token "
+        "boundaries into free state slots, long prompts are read in chunks between decode steps, and "
+        "the state after a shared prompt prefix is cached and reused.",
+        epilog=SERVE_EXAMPLES,
+        formatter_class=Formatter,
+    )
+    sv.add_argument("checkpoint", metavar="MODEL_DIR", help="a training output folder, a checkpoint folder or a "
+                    "HuggingFace xLSTM folder")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--port", type=nonneg_int, default=8000, help="port (0: any free port; the line printed at "
+                    "start names it)")
+    sv.add_argument("--max-batch", type=positive_int, default=16, metavar="N",
+                    help="requests generating at once (state slots)")
+    sv.add_argument("--max-queue", type=nonneg_int, default=256, metavar="N",
+                    help="requests that may wait for a slot; beyond, 429 with Retry-After")
+    sv.add_argument("--max-prompt-tokens", type=positive_int, default=32768, metavar="N",
+                    help="longest prompt accepted (longer: 400)")
+    sv.add_argument("--max-tokens", type=positive_int, default=4096, metavar="N",
+                    help="most new tokens a request may ask for (and the default of chat requests)")
+    sv.add_argument("--api-key", default=None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on /v1/* (else 401)")
+    sv.add_argument("--model-name", default=None, metavar="NAME",
+                    help="the model id clients name (default: the folder's name)")
+    sv.add_argument("--prefix-cache-mb", type=nonneg_int, default=1024, metavar="MB",
+                    help="memory for cached prefix states, on the model's device (0: no cache)")
+    sv.add_argument("--prefill-chunk", type=positive_int, default=512, metavar="N",
+                    help="prompt tokens read between two decode steps")
+    sv.add_argument("--shutdown-grace", type=nonneg_float, default=30.0, metavar="S",
+                    help="seconds the running requests get after SIGTERM before they are ended")
+    sv.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    sv.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype (default: the file's)")
+    sv.add_argument("--threads", type=thread_count, default=None, help=THREADS_HELP)
+    sv.add_argument("--compile", action="store_true",
+                    help="torch.compile the decode step (model.compile_step; once per batch-size bucket at start)")
+    sv.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                    help="replay the decode step as CUDA graphs, one per batch-size bucket (default: on CUDA)")
+    sv.set_defaults(run=("serve", "cmd_serve"))
+    return sv

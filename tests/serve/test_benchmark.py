@@ -1,0 +1,31 @@
+"""benchmarks/serve_speed.py --quick end to end on the CPU: a row per load level with every
+requested token streamed back, the generate baseline, the prefix runs with and without the
+cache, and the markdown tables."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_end_to_end(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_speed.py"), "--quick", "--out",
+                          str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "serve_speed.jsonl").read_text().splitlines()]
+    load = [r for r in rows if r["case"] == "load"]
+    assert [r["concurrency"] for r in load] == [1, 4]
+    for r in load:
+        assert r["short"] == 0 and r["tokens"] > 0 and r["tok_s"] > 0
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 <= r["itl_p50_ms"] <= r["itl_p99_ms"]
+    gen = next(r for r in rows if r["case"] == "generate")
+    assert gen["batch"] == 4 and gen["tokens"] == load[1]["tokens"] and gen["tok_s"] > 0
+    prefix = {(r["cache"], r["concurrency"]): r for r in rows if r["case"] == "prefix"}
+    assert set(prefix) == {(True, 1), (True, 8), (False, 1), (False, 8)}
+    assert all(r["short"] == 0 and r["system_len"] == 200 for r in prefix.values())
+    md = (tmp_path / "serve_speed.md").read_text()
+    assert "| 4 | 8 |" in md and "| on | 1 |" in md and "| off | 8 |" in md and "model.generate" in md
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # the temporary model folder is gone

@@ -1,0 +1,613 @@
+"""The scheduler: continuous batching of generation requests over fixed-size state slots.
+
+A recurrent model's state does not grow with the text, so a batch of running requests is a
+fixed block of memory: `model.init_state(max_batch)` holds one row (slot) per request. The
+decoding requests occupy rows 0..n-1; one `model.step` over those rows advances them all by a
+token, updating the slots in place (`inplace=True`, so the mLSTM's large C is read and written
+once). A request that ends (end token, stop string, length) or is cancelled leaves at once: the
+last row is copied into its slot, so the running rows stay contiguous and the step never
+gathers or scatters states.
+
+One thread runs the loop; each pass is a token boundary:
+1. cancelled requests leave; waiting requests take free slots (first come, first served);
+2. prompts are read, at most `prefill_chunk` tokens per pass in all, so that a long prompt is
+   read in pieces between decode steps and the running streams keep flowing; whole short
+   prompts that start from nothing are read together in one packed call (generation's own
+   prefill); a request's first token is sampled from its prompt's logits and it joins the
+   decoding rows;
+3. one decode step over the decoding rows and one token sampled for each, on the device; the
+   tokens of the step before are then taken on the host (one step in flight, so that the
+   host's work overlaps the device's).
+
+On CUDA the step over rows 0..b-1 is recorded once per batch-size bucket b (powers of two up
+to max_batch) as a CUDA graph that reads and writes the slots themselves; rows n..b-1 of a
+bucket are free slots computing nothing anyone reads. On the CPU the step runs eagerly on
+exactly n rows.
+
+Greedy requests get the tokens `generate` gives each prompt alone: each row of the step
+depends on its own state only, and a prompt is read by the same forward pass (up to the
+rounding of kernels picked per batch size). A request with a seed samples with its own
+generator, as `generate(seed=...)` does for one prompt.
+
+Prompts are looked up in the prefix-state cache (`prefix_cache.py`) first, and states worth
+keeping are stored there as prompts are read.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import XLSTMKitError
+from ..generation.generate import _prefill
+from ..generation.sampling import check_sampling, sample_next
+from ..generation.textstream import TextRow
+from .prefix_cache import PrefixCache, clone_state, state_bytes
+
+STOP, LENGTH, CANCELLED, SHUTDOWN, ERROR = "stop", "length", "cancelled", "shutdown", "error"
+FINISH_REASONS = (STOP, LENGTH, CANCELLED, SHUTDOWN, ERROR)
+
+
+class EngineBusy(XLSTMKitError):
+    """The queue of waiting requests is full."""
+
+
+class EngineClosed(XLSTMKitError):
+    """The engine is shutting down and takes no new requests."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks for (checked by `check`): up to max_tokens new tokens, sampled at
+    `temperature` (0: greedy) within top_k / top_p; `seed`: its own generator; `stop`: strings
+    that end it (cut from its text); ignore_eos: do not end at the tokenizer's end token."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def check(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise XLSTMKitError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise XLSTMKitError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise XLSTMKitError(f"stop must hold non-empty strings, got {self.stop!r}")
+
+
+@dataclass
+class Update:
+    """What a request produced since its last update: new token ids, the text they completed
+    (whole characters, never a stop string), and on its last update why it ended."""
+
+    request: "Request"
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+_ids = itertools.count()
+
+
+class Request:
+    """One prompt to continue. `stream`: the engine's `deliver` gets an Update per token (else
+    only the last one). After `done` is set: `output` (the new ids), `text` (cut at a stop
+    string), `finish_reason` (stop, length, cancelled, shutdown, error) and `error`."""
+
+    def __init__(self, prompt: Sequence[int], params: SamplingParams, *, stream: bool = False, sink=None,
+                 tag=None):
+        self.id = next(_ids)
+        self.prompt = np.asarray(prompt, dtype=np.int64)
+        self.params = params
+        self.stream = stream
+        self.sink = sink  # for the caller: where its updates go
+        self.tag = tag  # for the caller: e.g. the index of a choice
+        self.output: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.cached_tokens = 0  # prompt tokens whose state came from the prefix cache
+        self.done = threading.Event()
+        self.cancelled = False
+        # the scheduler's
+        self._pos = 0  # prompt tokens read so far
+        self._state = None  # batch-1 state while the prompt is read
+        self._logits: torch.Tensor | None = None  # [vocab] after prompt[:_pos]
+        self._boundary: int | None = None  # a prefix length whose state the cache should keep
+        self._row: TextRow | None = None
+        self._pieces: list[str] = []
+        self._new: list[int] = []
+        self._generator: torch.Generator | None = None
+
+    def __repr__(self) -> str:
+        return f"Request({self.id}, prompt {len(self.prompt)} tokens, {self.finish_reason or 'running'})"
+
+
+def _buckets(max_batch: int) -> list[int]:
+    out = [1]
+    while out[-1] * 2 < max_batch:
+        out.append(out[-1] * 2)
+    return sorted(set(out + [max_batch]))
+
+
+def _copy_into(dst_state, src_state) -> None:
+    # a tensor the step updated in place is already there; the rest goes in one multi-tensor copy
+    pairs = [(d, s) for ds, ss in zip(dst_state, src_state) for d, s in zip(ds, ss)
+             if d is not s and d.numel() and d.data_ptr() != s.data_ptr()]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
+class SlotStep:
+    """The decode step over slot rows 0..n-1: `step(n)` -> logits [n, vocab] for the tokens in
+    `tokens[:n]`, the slots updated in place. CUDA graphs (one per bucket) where `cuda_graph`
+    (None: on CUDA); otherwise the eager step on exactly n rows."""
+
+    def __init__(self, model, slots, tokens: torch.Tensor, cuda_graph: bool | None = None):
+        self.model, self.slots, self.tokens = model, slots, tokens
+        self.graphs: dict[int, tuple] = {}
+        use = tokens.is_cuda if cuda_graph is None else cuda_graph
+        if use and not tokens.is_cuda:
+            raise XLSTMKitError(f"CUDA graphs need a model on a CUDA device, this one is on {tokens.device}")
+        self.buckets = _buckets(tokens.shape[0]) if use else []
+        if use:
+            try:
+                self._capture()
+            except Exception as e:  # a step that cannot be recorded still decodes, eagerly
+                if cuda_graph:
+                    raise
+                warnings.warn(f"decoding without CUDA graphs ({type(e).__name__}: {e})", RuntimeWarning,
+                              stacklevel=2)
+                self.graphs, self.buckets = {}, []
+
+    def eager(self, b: int) -> torch.Tensor:
+        view = [type(s)(*(x[:b] for x in s)) for s in self.slots]
+        logits, new = self.model.step(self.tokens[:b], view, inplace=True, check=False)
+        _copy_into(view, new)
+        return logits
+
+    def _capture(self) -> None:
+        device = self.tokens.device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up (kernel compilation, lazy allocations) off the capture
+            for b in self.buckets:
+                for _ in range(2):
+                    self.eager(b)
+        torch.cuda.current_stream(device).wait_stream(side)
+        for b in self.buckets:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self.eager(b)
+            self.graphs[b] = (graph, logits)
+
+    def __call__(self, n: int) -> torch.Tensor:
+        if not self.graphs:
+            return self.eager(n)
+        b = next(b for b in self.buckets if b >= n)
+        graph, logits = self.graphs[b]
+        graph.replay()
+        return logits[:n]
+
+
+@dataclass
+class Stats:
+    """Counters for /metrics (read from other threads: plain ints, updated by the engine only)."""
+
+    finished: dict = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually run through the model (the cache saves the rest)
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_tokens: int = 0
+
+
+class Engine:
+    """Continuous batching for one model (see the module's docstring).
+
+    max_batch: state slots (requests decoding or reading their prompt at once); max_queue:
+    requests that may wait for a slot (submit raises EngineBusy beyond); prefill_chunk: prompt
+    tokens read per pass; prefix_cache_bytes: the prefix-state cache's bound (0: off);
+    cuda_graph: None = on CUDA; deliver(updates), called from the engine's thread after each
+    pass, receives the Updates of that pass.
+    """
+
+    def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 512,
+                 prefix_cache_bytes: int = 1 << 30, prefix_min_tokens: int = 32, cuda_graph: bool | None = None,
+                 deliver: Callable[[list[Update]], None] | None = None):
+        for name, v, lo in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
+                            ("prefill_chunk", prefill_chunk, 1), ("prefix_cache_bytes", prefix_cache_bytes, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise XLSTMKitError(f"{name} must be an integer >= {lo}, got {v!r}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.vocab = model.config.vocab_size
+        self.device = next(model.parameters()).device
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos = frozenset() if eos is None else frozenset([eos])
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.cuda_graph = cuda_graph
+        self.deliver = deliver
+        self.cache = PrefixCache(prefix_cache_bytes, prefix_min_tokens)
+        self.stats = Stats()
+        self.slots = model.init_state(max_batch, device=self.device)
+        self.slot_bytes = state_bytes(self.slots) // max_batch
+        self.tokens = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.seed()
+        self.decoding: list[Request] = []  # decoding[i] is in slot i
+        self.prefilling: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self._cv = threading.Condition()
+        self._incoming: list[Request] = []
+        self._queued = 0  # submitted, not yet in a slot
+        self._cancel_asked = False
+        self._closing = False
+        self._deadline = float("inf")
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self.step: SlotStep | None = None
+        self._inflight: tuple[torch.Tensor, list[Request]] | None = None  # a step's tokens not yet taken
+
+    # ------------------------------------------------------------------ outside the engine's thread
+    def start(self) -> "Engine":
+        """Start the loop (on CUDA: record the decode graphs first); returns once it runs."""
+        self._thread = threading.Thread(target=self._main, name="xlstm-kit-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._failure is not None:
+            raise self._failure
+        return self
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Queue requests (all or none): EngineBusy when the queue cannot take them all,
+        EngineClosed while shutting down."""
+        for r in requests:
+            r.params.check()
+            if r.prompt.ndim != 1 or not len(r.prompt) or r.prompt.min() < 0 or r.prompt.max() >= self.vocab:
+                raise XLSTMKitError(f"a prompt must be a non-empty list of token ids in [0, {self.vocab}), "
+                                    f"got {r.prompt.tolist()[:8]}{'...' if r.prompt.size > 8 else ''}")
+        with self._cv:
+            if self._closing or self._failure is not None:
+                raise EngineClosed("the server is shutting down")
+            if self._queued + len(requests) > self.max_queue + max(0, self.max_batch - self.running):
+                raise EngineBusy(f"{self._queued} requests are waiting for one of {self.max_batch} slots")
+            self._queued += len(requests)
+            self._incoming.extend(requests)
+            self._cv.notify()
+
+    def cancel(self, request: Request) -> None:
+        """End a request at the next token boundary (its slot is free for the next pass)."""
+        if request.done.is_set():
+            return
+        with self._cv:
+            request.cancelled = True
+            self._cancel_asked = True
+            self._cv.notify()
+
+    def close(self, grace: float = 0.0) -> None:
+        """Take no new requests; those accepted may run for `grace` seconds more, then end with
+        finish_reason "shutdown". The thread ends once none is left."""
+        with self._cv:
+            self._closing = True
+            self._deadline = min(self._deadline, time.monotonic() + grace)
+            self._cv.notify()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Request]:
+        """Submit one request per prompt and wait for them (for scripts and tests)."""
+        requests = [Request(p, params) for p in prompts]
+        self.submit(requests)
+        for r in requests:
+            r.done.wait()
+        return requests
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    @property
+    def running(self) -> int:
+        return len(self.decoding) + len(self.prefilling)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    # ------------------------------------------------------------------ the engine's thread
+    def _main(self) -> None:
+        try:
+            with torch.no_grad():
+                self.step = SlotStep(self.model, self.slots, self.tokens, self.cuda_graph)
+                self._ready.set()
+                while self._pass():
+                    pass
+        except BaseException as e:  # noqa: BLE001 - the engine cannot go on; every request learns why
+            self._failure = e
+            if self._ready.is_set():
+                traceback.print_exc(file=sys.stderr)
+                self._fail_everything(f"the engine stopped: {type(e).__name__}: {e}")
+            self._ready.set()
+
+    def _pass(self) -> bool:
+        with self._cv:
+            while not (self._incoming or self._cancel_asked or self.decoding or self.prefilling or self.waiting
+                       or self._inflight is not None or self._closing):
+                self._cv.wait()
+            self.waiting.extend(self._incoming)
+            self._incoming = []
+            self._cancel_asked = False
+            closing, deadline = self._closing, self._deadline
+        updates: list[Update] = []
+        if closing and time.monotonic() >= deadline:
+            for r in [*self.waiting, *self.prefilling, *self.decoding]:
+                r.cancelled = True
+        self._drop_cancelled(updates, SHUTDOWN if closing and time.monotonic() >= deadline else CANCELLED)
+        self._admit(updates)
+        if self.prefilling:
+            self._prefill(updates)
+        if self.decoding or self._inflight is not None:
+            self._decode(updates)
+        self._send(updates)
+        return not (closing and not (self.waiting or self.prefilling or self.decoding or self._inflight))
+
+    def _send(self, updates: list[Update]) -> None:
+        if updates and self.deliver is not None:
+            try:
+                self.deliver(updates)
+            except Exception:  # noqa: BLE001 - a receiver's bug must not stop the other requests
+                traceback.print_exc(file=sys.stderr)
+
+    def _drop_cancelled(self, updates: list[Update], reason: str) -> None:
+        for queue in (self.waiting, self.prefilling):
+            gone = [r for r in queue if r.cancelled]
+            for r in gone:
+                queue.remove(r)
+                if queue is self.waiting:
+                    with self._cv:
+                        self._queued -= 1
+                self._finish(r, reason, updates)
+        rows = [i for i, r in enumerate(self.decoding) if r.cancelled]
+        for i in rows:
+            self._finish(self.decoding[i], reason, updates)
+        self._free(rows)
+
+    def _admit(self, updates: list[Update]) -> None:
+        while self.waiting and self.running < self.max_batch:
+            r = self.waiting.popleft()
+            with self._cv:
+                self._queued -= 1
+            self.stats.prompt_tokens += len(r.prompt)
+            p = r.params
+            r._row = TextRow(self.tokenizer, p.stop, r._pieces.append)
+            if p.seed is not None and p.temperature > 0:
+                r._generator = torch.Generator(device=self.device).manual_seed(p.seed)
+            if p.max_tokens == 0:
+                self._finish(r, LENGTH, updates)
+                continue
+            entry = self.cache.lookup(r.prompt)
+            if entry is not None:
+                self._start_from(r, entry)
+            r._boundary = self.cache.boundary(r.prompt, r._pos)
+            self.prefilling.append(r)
+
+    def _start_from(self, r: Request, entry) -> None:
+        r._pos = r.cached_tokens = len(entry.tokens)
+        # the cached state must outlive this request: a state that is read further is a copy
+        r._state = entry.state if r._pos == len(r.prompt) else clone_state(entry.state)
+        r._logits = entry.logits
+
+    def _prefill(self, updates: list[Update]) -> None:
+        budget = self.prefill_chunk
+        group: list[Request] = []
+        for r in list(self.prefilling):
+            if budget <= 0:
+                break
+            if r._pos == len(r.prompt):
+                continue
+            if r._pos == 0 and r._boundary is None and len(r.prompt) <= budget:
+                group.append(r)
+                budget -= len(r.prompt)
+                continue
+            self._read_together(group, updates)
+            group = []
+            budget -= self._read_piece(r, budget, updates)
+        self._read_together(group, updates)
+        for r in [r for r in self.prefilling if r._pos == len(r.prompt)]:
+            self.prefilling.remove(r)
+            self._start_decoding(r, updates)
+
+    def _read_together(self, group: list[Request], updates: list[Update]) -> None:
+        """Whole prompts from an empty state, in one call (packed when their lengths differ)."""
+        if not group:
+            return
+        try:
+            rows = [torch.as_tensor(r.prompt, device=self.device) for r in group]
+            logits, state = _prefill(self.model, rows)
+        except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
+            self._fail(group, e, updates)
+            return
+        for j, r in enumerate(group):
+            r._state = [type(s)(*(x[j:j + 1] for x in s)) for s in state]
+            r._logits = logits[j]
+            r._pos = len(r.prompt)
+            self.stats.prefill_tokens += len(r.prompt)
+
+    def _read_piece(self, r: Request, budget: int, updates: list[Update]) -> int:
+        """Read up to `budget` more prompt tokens of `r` from its state; returns how many."""
+        if self.cache.enabled:  # a request read just before may have stored a longer prefix
+            entry = self.cache.lookup(r.prompt)
+            if entry is not None and len(entry.tokens) > r._pos:
+                self._start_from(r, entry)
+        start = r._pos
+        try:
+            while r._pos < len(r.prompt) and budget > r._pos - start:
+                end = min(len(r.prompt), r._pos + budget - (r._pos - start))
+                if r._boundary is not None and r._pos < r._boundary:
+                    end = min(end, r._boundary)
+                piece = torch.as_tensor(r.prompt[r._pos:end], device=self.device)[None]
+                out, r._state = self.model(piece, state=r._state, return_state=True, logits_to_keep=1)
+                r._logits = out[0, -1]
+                r._pos = end
+                if end == r._boundary:
+                    self.cache.put(r.prompt[:end], r._state, r._logits)
+        except Exception as e:  # noqa: BLE001
+            self._fail([r], e, updates)
+        self.stats.prefill_tokens += r._pos - start
+        return r._pos - start
+
+    def _start_decoding(self, r: Request, updates: list[Update]) -> None:
+        if r.cached_tokens:
+            self.stats.cache_hits += 1
+            self.stats.cache_tokens += r.cached_tokens
+        elif self.cache.enabled:
+            self.stats.cache_misses += 1
+        if r.cached_tokens < len(r.prompt):
+            self.cache.put(r.prompt, r._state, r._logits)
+        if not bool(torch.isfinite(r._logits).all()):
+            self._fail([r], XLSTMKitError("the model's logits for the prompt are not finite (NaN or inf)"), updates)
+            return
+        first = int(self._sample(r._logits[None], [r])[0])
+        row = len(self.decoding)
+        _copy_into([type(s)(*(x[row:row + 1] for x in s)) for s in self.slots], r._state)
+        r._state = r._logits = None
+        self.tokens[row] = first
+        self.decoding.append(r)
+        if self._accept(r, first, updates):
+            self._free([row])
+
+    def _decode(self, updates: list[Update]) -> None:
+        """Launch a step over the decoding rows, then take the tokens of the step launched in the
+        pass before: on a GPU the host's work on those (text, stop strings, the HTTP side) runs
+        while the new step computes. A request that ended at the earlier step is still in the
+        new one (a row computed for nothing) and leaves afterwards."""
+        launched = None
+        if self.decoding:
+            n = len(self.decoding)
+            try:
+                ids = self._sample(self.step(n), self.decoding)
+                self.tokens[:n].copy_(ids)
+            except Exception as e:  # noqa: BLE001 - the rows' states are unknown now: all of them end
+                self._fail(list(self.decoding), e, updates)
+                self._free(list(range(n)))
+                self._inflight = None
+                return
+            launched = (ids, list(self.decoding))
+            self.stats.decode_steps += 1
+        pending, self._inflight = self._inflight, launched
+        if pending is None:
+            return
+        ids, rows = pending
+        try:
+            host = ids.tolist()
+        except Exception as e:  # noqa: BLE001 - an error of the device surfaces at the sync
+            self._fail([r for r in self.decoding if r.finish_reason is None], e, updates)
+            self._free(list(range(len(self.decoding))))
+            self._inflight = None
+            return
+        ended = [r for r, t in zip(rows, host) if r.finish_reason is None and self._accept(r, t, updates)]
+        position = {id(r): i for i, r in enumerate(self.decoding)}
+        self._free([position[id(r)] for r in ended])
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """One token per row: argmax for greedy rows; sampled in groups of equal settings from the
+        engine's generator, or row by row from a request's own (seeded) generator."""
+        out = logits.float().argmax(dim=-1)
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            p = r.params
+            if p.temperature == 0:
+                continue
+            if r._generator is not None:
+                out[i] = sample_next(logits[i:i + 1], p.temperature, p.top_k, p.top_p, r._generator)[0]
+            else:
+                groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+        for (t, k, p), rows in groups.items():
+            idx = torch.tensor(rows, device=logits.device)
+            out[idx] = sample_next(logits.index_select(0, idx), t, k, p, self.generator)
+        return out
+
+    def _accept(self, r: Request, token: int, updates: list[Update]) -> bool:
+        """Take a request's new token; True when it ended the request."""
+        r.output.append(token)
+        r._new.append(token)
+        self.stats.generated_tokens += 1
+        if token in self.eos and not r.params.ignore_eos:
+            r._row.finish()
+            reason = STOP
+        elif r._row.push(token):
+            reason = STOP
+        elif len(r.output) >= r.params.max_tokens:
+            r._row.finish()
+            reason = LENGTH
+        else:
+            if r.stream:
+                updates.append(Update(r, r._new, "".join(r._pieces)))
+                r._new, r._pieces[:] = [], []
+            return False
+        self._finish(r, reason, updates)
+        return True
+
+    def _finish(self, r: Request, reason: str, updates: list[Update], error: str | None = None) -> None:
+        if r._row is not None:
+            r.text = r._row.text
+        r.finish_reason, r.error = reason, error
+        r._state = r._logits = None
+        updates.append(Update(r, r._new, "".join(r._pieces), reason, error))
+        r._new, r._pieces[:] = [], []
+        self.stats.finished[reason] += 1
+        r.done.set()
+
+    def _fail(self, requests: list[Request], e: Exception, updates: list[Update]) -> None:
+        if not isinstance(e, XLSTMKitError):
+            traceback.print_exception(e, file=sys.stderr)
+        for r in requests:
+            if r in self.prefilling:
+                self.prefilling.remove(r)
+            self._finish(r, ERROR, updates, f"{type(e).__name__}: {e}" if not isinstance(e, XLSTMKitError) else str(e))
+
+    def _free(self, rows: list[int]) -> None:
+        """Remove decoding rows: the last running row moves into each freed slot."""
+        for i in sorted(rows, reverse=True):
+            last = len(self.decoding) - 1
+            if i != last:
+                src = [type(s)(*(x[last:last + 1] for x in s)) for s in self.slots]
+                _copy_into([type(s)(*(x[i:i + 1] for x in s)) for s in self.slots], src)
+                self.tokens[i] = self.tokens[last]
+                self.decoding[i] = self.decoding[last]
+            self.decoding.pop()
+
+    def _fail_everything(self, message: str) -> None:
+        updates: list[Update] = []
+        with self._cv:
+            self.waiting.extend(self._incoming)
+            self._incoming = []
+        for r in [*self.waiting, *self.prefilling, *self.decoding]:
+            if not r.done.is_set():
+                self._finish(r, ERROR, updates, message)
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.decoding.clear()
+        self._send(updates)
