@@ -156,6 +156,8 @@ def test_generate_until_equals_greedy_decoding_token_for_token(ours, model):
 def test_contexts_carry_the_bos_token_and_shared_contexts_are_read_once(hf_folder, model):
     lm = XLSTMKitLM(pretrained=model, batch_size=64)
     assert lm.add_bos_token and lm.prefix_token_id == 0
+    row = sum(t.numel() * t.element_size() for s in model.init_state(1) for t in s)
+    assert XLSTMKitLM(pretrained=model, state_memory_gib=3.5 * row / 2**30).max_batch_rows == 3
     assert lm.tok_encode("To be")[0] == 0 and lm.tok_encode("To be", add_special_tokens=False)[0] != 0
     assert lm.tok_encode("<|endoftext|>To be")[:2] != [0, 0]  # a text that starts with BOS keeps one
     seen = []

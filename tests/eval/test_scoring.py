@@ -55,7 +55,7 @@ def test_equals_one_forward_per_request_for_any_batching(kind):
     reqs.append((ctx, best))
     want = [direct(model, c, k) for c, k in reqs]
     assert want[-1][1] and not all(g for _, g in want)
-    for limits in (dict(), dict(batch_size=1), dict(batch_size=5, max_batch_tokens=40)):
+    for limits in (dict(), dict(batch_size=1), dict(batch_size=5, max_batch_tokens=40), dict(max_batch_rows=3)):
         got = score_continuations(model, reqs, **limits)
         for (lp, greedy), s in zip(want, got, strict=True):
             assert abs(s.logprob - lp) <= 1e-5 * max(1.0, abs(lp)), (limits, s, lp)
@@ -93,3 +93,23 @@ def test_bad_requests_are_refused():
         score_continuations(model, [([1], [])])
     with pytest.raises(XLSTMKitError, match="batch_size must be None or an integer >= 1"):
         score_continuations(model, [([1], [2])], batch_size=0)
+
+
+def test_state_rows_per_batch_stay_within_the_limit():
+    """Each batch holds at most max_batch_rows recurrent states (one per context and per
+    continuation), except a group larger than that, which runs alone."""
+    torch.manual_seed(0)
+    model = XLSTMLanguageModel(XLSTMConfig(**CONFIGS["paper blocks"])).eval()
+    groups = {(1, 2): 2, (3, 3, 3, 3, 3): 4, (4, 4): 1, (5, 6, 7): 7}  # context -> continuations: 3, 5, 2, 8 rows
+    reqs = [(list(ctx), [n + 1, n + 2]) for ctx, k in groups.items() for n in range(k)]
+    rows = []
+    real = model.forward
+
+    def spy(tokens, *a, **kw):
+        rows.append(len(kw["cu_seqlens"]) - 1)
+        return real(tokens, *a, **kw)
+
+    model.forward = spy
+    score_continuations(model, reqs, max_batch_rows=6)
+    per_batch = sorted(rows[k] + rows[k + 1] for k in range(0, len(rows), 2))  # contexts + continuations
+    assert per_batch == [5, 5, 8]  # (5 rows) and (3 + 2 rows) within 6; the 8-row group alone

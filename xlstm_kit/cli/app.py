@@ -155,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "HuggingFace xLSTM folder (then --data is needed)")
     ev.add_argument("--data", default=None, metavar="SPEC", help="corpus to evaluate on (default: the training corpus)")
     ev.add_argument("--seq-len", type=positive_int, default=None, help="tokens per window (default: training's)")
-    ev.add_argument("--batch-size", type=positive_int, default=16, help="windows per batch")
+    ev.add_argument("--batch-size", type=positive_int, default=None,
+                    help="windows per batch (default: 16); with --tasks, requests per packed forward (default: "
+                    "as many as 32,768 tokens hold)")
     ev.add_argument("--eval-batches", type=nonneg_int, default=None,
                     help=f"batches to evaluate (0: the whole split; default: the whole split when it holds "
                     f"at most {EVAL_WHOLE_SPLIT_UP_TO} batches, else {EVAL_WHOLE_SPLIT_UP_TO})")

@@ -80,7 +80,7 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
     use_threads(args.threads, device)
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     results = evaluate_tasks(args.checkpoint, tasks, limit=limit, num_fewshot=args.num_fewshot, manager=manager,
-                             device=str(device), dtype=DTYPES.get(args.dtype), batch_size=args.batch_size)
+                             device=str(device), dtype=DTYPES.get(args.dtype), batch_size=args.batch_size or "auto")
     if results is None:  # lm-eval returns None on the ranks other than 0 of a distributed run
         return 0
     results[MARK] = {"version": __version__, "model": str(Path(args.checkpoint).resolve()), "tasks": tasks,

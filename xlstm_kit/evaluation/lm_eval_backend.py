@@ -53,6 +53,10 @@ DEFAULT_MAX_LENGTH = 2048
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for generate_until
 # Tokens per packed forward: bounds the activations of a batch and its continuation logits.
 DEFAULT_MAX_BATCH_TOKENS = 32768
+# Recurrent states a batch may hold at once, in GiB: one per context and per continuation when
+# scoring, per prompt (twice, with the CUDA graph's buffers) when generating. The xLSTM-7B's state
+# is 0.13 GB, so a token budget alone would let short requests fill the memory with states.
+DEFAULT_STATE_MEMORY_GIB = 8.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # generation options of lm-eval tasks that `generate` takes (the others would be silently ignored)
@@ -77,6 +81,13 @@ def _batch_size(value) -> int | None:
     return _positive_int("batch_size", value)
 
 
+def _state_row_bytes(model) -> int | None:
+    """Bytes of one sequence's recurrent state (None: a model without init_state)."""
+    if not hasattr(model, "init_state"):
+        return None
+    return sum(t.numel() * t.element_size() for s in model.init_state(1, device="meta") for t in s)
+
+
 def _device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -96,21 +107,23 @@ class XLSTMKitLM(TemplateLM):
     pretrained: a training run folder, an xlstm_kit checkpoint or a HuggingFace xLSTM folder, or
     a loaded XLSTMLanguageModel. tokenizer: "byte" / "gpt2" or a tokenizer object (default: the
     model's own). dtype: float32, bfloat16, float16 or auto (the file's). device: cpu, cuda, ...
-    (default: cuda if available). batch_size: requests per packed forward ("auto": no limit but
-    max_batch_tokens). max_batch_tokens: tokens per packed forward. max_length: tokens read per
-    request, as in lm-eval's hf backend (default 2048). add_bos_token: put the BOS token in front
-    of each context (default: when the model's tokenizer has one).
+    (default: cuda if available). batch_size: requests per packed forward ("auto": as many as the
+    other limits allow). max_batch_tokens: tokens per packed forward. state_memory_gib: recurrent
+    states held at once. max_length: tokens read per request, as in lm-eval's hf backend (default
+    2048). add_bos_token: put the BOS token in front of each context (default: when the model's
+    tokenizer has one).
     """
 
     def __init__(self, pretrained, tokenizer=None, dtype: str | torch.dtype | None = None, device=None,
                  batch_size: int | str = 1, max_batch_size: int | None = None,
-                 max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS, max_length: int | None = None,
+                 max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
+                 state_memory_gib: float = DEFAULT_STATE_MEMORY_GIB, max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, add_bos_token: bool | None = None, **kwargs: Any):
         super().__init__()
         if kwargs:
             raise XLSTMKitError(f"the xlstm_kit backend does not take {', '.join(sorted(kwargs))} (model_args: "
-                                f"pretrained, tokenizer, dtype, device, batch_size, max_batch_tokens, max_length, "
-                                f"max_gen_toks, add_bos_token)")
+                                f"pretrained, tokenizer, dtype, device, batch_size, max_batch_tokens, "
+                                f"state_memory_gib, max_length, max_gen_toks, add_bos_token)")
         self._device = _device(device)
         if isinstance(pretrained, (str, Path)):
             torch_dtype = self._dtype(dtype)
@@ -131,6 +144,12 @@ class XLSTMKitLM(TemplateLM):
         if max_batch_size is not None and self.batch_size_per_call is None:
             self.batch_size_per_call = _positive_int("max_batch_size", max_batch_size)
         self.max_batch_tokens = _positive_int("max_batch_tokens", max_batch_tokens, allow_none=True)
+        if isinstance(state_memory_gib, bool) or not isinstance(state_memory_gib, (int, float)) \
+                or not state_memory_gib > 0:
+            raise XLSTMKitError(f"state_memory_gib must be a number > 0, got {state_memory_gib!r}")
+        row = _state_row_bytes(self.model)
+        # at least a context and one continuation (scoring), one prompt and its graph copy (generating)
+        self.max_batch_rows = None if not row else max(2, int(state_memory_gib * 2**30 // row))
         self._max_length = _positive_int("max_length", DEFAULT_MAX_LENGTH if max_length is None else max_length)
         self._max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
         bos = getattr(self.tokenizer, "bos_token_id", None)
@@ -252,7 +271,8 @@ class XLSTMKitLM(TemplateLM):
             pairs.append((whole[: len(whole) - len(continuation_enc)], list(continuation_enc)))
         bar = tqdm(total=len(pairs), disable=disable_tqdm, desc="Running loglikelihood requests")
         scores = score_continuations(self.model, pairs, batch_size=self.batch_size_per_call,
-                                     max_batch_tokens=self.max_batch_tokens, progress=bar.update)
+                                     max_batch_tokens=self.max_batch_tokens, max_batch_rows=self.max_batch_rows,
+                                     progress=bar.update)
         bar.close()
         out = [(s.logprob, s.greedy) for s in scores]
         for (request_str, _, _), answer in zip(requests, out):
@@ -300,7 +320,7 @@ class XLSTMKitLM(TemplateLM):
             prompts = {n: self.tok_encode(requests[n].args[0], left_truncate_len=self.max_length - max_new)
                        for n in indices}
             order = sorted(indices, key=lambda n: -len(prompts[n]))
-            step = self.batch_size_per_call or len(order)
+            step = min(self.batch_size_per_call or len(order), (self.max_batch_rows or 2 * len(order)) // 2)
             for s in range(0, len(order), step):
                 chunk = order[s:s + step]
                 for n, text in zip(chunk, self._generate([prompts[n] for n in chunk], max_new, until, sampling)):

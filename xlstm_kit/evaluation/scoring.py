@@ -61,15 +61,18 @@ def _groups(requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[_Gr
     return sorted(by_context.values(), key=lambda g: -(len(g.context) + sum(len(requests[i][1]) for i in g.members)))
 
 
-def _batches(groups: list[_Group], requests, batch_size: int | None, max_tokens: int | None) -> list[list[_Group]]:
-    """Consecutive groups, whole, up to `batch_size` requests and `max_tokens` tokens per batch
-    (a group larger than either runs alone)."""
+def _batches(groups: list[_Group], requests, batch_size: int | None, max_tokens: int | None,
+             max_rows: int | None) -> list[list[_Group]]:
+    """Consecutive groups, whole, up to `batch_size` requests, `max_tokens` tokens and `max_rows`
+    state rows (one per context and one per continuation) per batch; a group larger than a limit
+    runs alone."""
     out: list[list[_Group]] = []
     n_req = n_tok = 0
     for g in groups:
         tokens = len(g.context) + sum(len(requests[i][1]) - 1 for i in g.members)
         full = out and ((batch_size is not None and n_req + len(g.members) > batch_size)
-                        or (max_tokens is not None and n_tok + tokens > max_tokens))
+                        or (max_tokens is not None and n_tok + tokens > max_tokens)
+                        or (max_rows is not None and n_req + len(out[-1]) + 1 + len(g.members) > max_rows))
         if not out or full:
             out.append([])
             n_req = n_tok = 0
@@ -134,19 +137,22 @@ def _score_batch(model, batch: list[_Group], requests, device) -> dict[int, Scor
 @torch.no_grad()
 def score_continuations(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
                         batch_size: int | None = None, max_batch_tokens: int | None = None,
+                        max_batch_rows: int | None = None,
                         progress: Callable[[int], None] | None = None) -> list[Score]:
     """The log-probability of each continuation given its context, and whether greedy decoding
     gives it (every continuation token is the most likely one), for (context ids, continuation ids)
     pairs; context and continuation hold at least one token each.
 
     batch_size: requests per pair of packed forwards (None: no limit); max_batch_tokens: tokens
-    per batch (None: no limit). Requests that share a context are never split across batches, so
-    a batch may exceed either limit by one group. `model` is an xlstm_kit language model (packed
+    per batch; max_batch_rows: recurrent states held at once (a row per context and per
+    continuation; the xLSTM-7B's is 0.13 GB). Requests that share a context are never split
+    across batches, so a group larger than a limit runs alone. `model` is an xlstm_kit language model (packed
     input with `cu_seqlens` and an initial state per document); it runs in eval mode and is put
     back in its mode afterwards. `progress(n)` is called with the number of requests each batch
     finished.
     """
-    for name, v in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens)):
+    for name, v in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens),
+                    ("max_batch_rows", max_batch_rows)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise XLSTMKitError(f"{name} must be None or an integer >= 1, got {v!r}")
     if not requests:
@@ -158,7 +164,7 @@ def score_continuations(model, requests: Sequence[tuple[Sequence[int], Sequence[
     model.eval()
     out: dict[int, Score] = {}
     try:
-        for batch in _batches(groups, requests, batch_size, max_batch_tokens):
+        for batch in _batches(groups, requests, batch_size, max_batch_tokens, max_batch_rows):
             done = _score_batch(model, batch, requests, device)
             out.update(done)
             if progress is not None:
