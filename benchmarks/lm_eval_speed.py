@@ -89,7 +89,7 @@ def build_models(args, folder: Path):
         cfg = XLSTMConfig(family="large", vocab_size=args.vocab, d_model=64, n_blocks=2, n_heads=2,
                           qk_dim_factor=1.0, v_dim_factor=1.0, ffn_proj_factor=1.5, round_proj_to=16)
     else:
-        cfg = XLSTMConfig.preset(args.preset)
+        cfg = XLSTMConfig.from_name(args.preset)
     torch.manual_seed(0)
     with torch.device(args.device):  # a 7B model initialises in seconds there, in minutes on the CPU
         ours = XLSTMLanguageModel(cfg)
