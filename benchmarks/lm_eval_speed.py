@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--choices", type=int, default=4)
     p.add_argument("--min-tokens", type=int, default=200, help="shortest context, in tokens")
     p.add_argument("--max-tokens", type=int, default=2000, help="longest context, in tokens")
-    p.add_argument("--batch-size", default="64", help="ours: requests per packed forward ('auto': tokens only)")
+    p.add_argument("--batch-size", default="auto",
+                   help="ours: requests per packed forward (default: as many as the token and state budgets allow)")
     p.add_argument("--max-batch-tokens", type=int, default=32768, help="ours: tokens per packed forward")
     p.add_argument("--hf-batch-size", type=int, default=8, help="hf backend: requests per padded batch")
     p.add_argument("--dtype", default="bfloat16")

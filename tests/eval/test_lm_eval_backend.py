@@ -32,6 +32,13 @@ STOPS = ["\n\n", "e"]  # xk_generate.yaml's until
 MAX_GEN = 12  # xk_generate.yaml's max_gen_toks
 
 
+class Req:
+    """What generate_until reads of an lm-eval Instance."""
+
+    def __init__(self, *args):
+        self.args = args
+
+
 def evaluate(model, tasks, model_args=None, **kw):
     """lm_eval.simple_evaluate from tasks/ (their data paths are relative), HF datasets offline,
     the local tasks only (lm-eval's own 14,000 are not indexed)."""
@@ -193,6 +200,11 @@ def test_a_run_folder_by_name_through_lm_evals_registry(run_folder, in_tasks):
     for s in samples(results, "xk_rolling"):
         ref, _ = logprob_of(model, [10, *s["doc"]["text"].encode()], 1)
         assert close(s["resps"][0][0], ref)
+    # an empty prompt starts from the same newline
+    lm = XLSTMKitLM(pretrained=model)
+    want = model.generate(torch.tensor([10]), max_new_tokens=4, temperature=0)[1:].tolist()
+    assert lm.generate_until([Req("", {"until": ["\x00"], "max_gen_toks": 4})], disable_tqdm=True) == [bytes(want).decode(
+        "utf-8", errors="replace")]
 
 
 @pytest.fixture(scope="module")
@@ -231,8 +243,5 @@ def test_bad_model_args_and_generation_options_are_one_line_errors(model):
     with pytest.raises(XLSTMKitError, match="dtype must be one of"):
         XLSTMKitLM.create_from_arg_string("pretrained=x,dtype=float8")
 
-    class Req:
-        args = ("Once", {"until": ["."], "num_beams": 4})
-
     with pytest.raises(XLSTMKitError, match="num_beams not supported"):
-        XLSTMKitLM(pretrained=model).generate_until([Req()], disable_tqdm=True)
+        XLSTMKitLM(pretrained=model).generate_until([Req("Once", {"until": ["."], "num_beams": 4})], disable_tqdm=True)

@@ -24,7 +24,6 @@ trained; the byte and GPT-2 tokenizers of our own runs have none (``add_bos_toke
 from __future__ import annotations
 
 import json
-import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,12 +38,10 @@ from tqdm import tqdm
 from ..errors import XLSTMKitError
 from ..generation.generate import generate
 from ..io.loading import load_pretrained
-from ..io.tokenizers import TOKENIZERS, get_tokenizer, model_tokenizer
+from ..io.tokenizers import TOKENIZERS, HFTokenizer, get_tokenizer, model_tokenizer
 from .scoring import score_continuations
 
 __all__ = ["XLSTMKitLM", "DEFAULT_MAX_LENGTH", "DEFAULT_MAX_BATCH_TOKENS"]
-
-log = logging.getLogger(__name__)
 
 # lm-eval's hf backend reads at most this many tokens per request from a model whose config names
 # no length (transformers' xLSTMConfig names none); the same default keeps the two comparable.
@@ -192,7 +189,8 @@ class XLSTMKitLM(TemplateLM):
             tok = model_tokenizer(self.model, required=False)
             if tok is None:
                 if self.model.config.vocab_size != 256:
-                    raise XLSTMKitError("the model does not record its tokenizer; pass tokenizer=byte or tokenizer=gpt2")
+                    raise XLSTMKitError("the model does not record its tokenizer; pass tokenizer=byte or "
+                                        "tokenizer=gpt2")
                 tok = get_tokenizer("byte")  # a bare checkpoint of a byte-level model
         if tok.vocab_size > self.model.config.vocab_size:
             raise XLSTMKitError(f"the tokenizer has {tok.vocab_size} tokens but the model only "
@@ -239,10 +237,9 @@ class XLSTMKitLM(TemplateLM):
                 "max_length": self.max_length}
 
     def _plain_encode(self, text: str) -> list[int]:
-        """The ids of `text` without a BOS token (our HuggingFace tokenizer adds one to every text)."""
+        """The ids of `text` alone: HFTokenizer puts its BOS token before every text it encodes."""
         ids = list(self.tokenizer.encode(text))
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        return ids[1:] if bos is not None and ids[:1] == [bos] else ids
+        return ids[1:] if isinstance(self.tokenizer, HFTokenizer) and self.tokenizer.bos_token_id is not None else ids
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs) -> list[int]:
@@ -283,6 +280,8 @@ class XLSTMKitLM(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owner = [], []
         for n, (string,) in enumerate(req.args for req in requests):
+            # the text without BOS: the first window's prefix token is the BOS (lm-eval's hf backend
+            # encodes the text with it too, and a model whose tokenizer adds one then reads two)
             for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
                     token_list=self.tok_encode(string, add_special_tokens=False), prefix_token=self.prefix_token_id,
                     max_seq_len=self.max_length, context_len=1)):
@@ -312,13 +311,15 @@ class XLSTMKitLM(TemplateLM):
             until = [s for s in options["until"] if s]
             max_new = int(options["max_gen_toks"])
             if max_new >= self.max_length:
-                raise XLSTMKitError(f"max_gen_toks={max_new} leaves no room for a prompt in max_length={self.max_length}")
+                raise XLSTMKitError(f"max_gen_toks={max_new} leaves no room for a prompt in "
+                                    f"max_length={self.max_length}")
             sampling = dict(temperature=float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0,
                             top_k=options.get("top_k"), top_p=options.get("top_p"),
                             repetition_penalty=float(options.get("repetition_penalty", 1.0)))
             # longest prompts first, as lm-eval orders them: a batch too large fails at once
+            # an empty prompt (no BOS to add) starts from the prefix token, as an empty context does
             prompts = {n: self.tok_encode(requests[n].args[0], left_truncate_len=self.max_length - max_new)
-                       for n in indices}
+                       or [self.prefix_token_id] for n in indices}
             order = sorted(indices, key=lambda n: -len(prompts[n]))
             step = min(self.batch_size_per_call or len(order), (self.max_batch_rows or 2 * len(order)) // 2)
             for s in range(0, len(order), step):
@@ -331,9 +332,6 @@ class XLSTMKitLM(TemplateLM):
         return results  # type: ignore[return-value]
 
     def _generate(self, prompts: list[list[int]], max_new: int, until: list[str], sampling: dict) -> list[str]:
-        empty = [n for n, p in enumerate(prompts) if not p]
-        if empty:
-            raise XLSTMKitError(f"generate_until: prompt {empty[0]} is empty after tokenization")
         rows = [torch.tensor(p, dtype=torch.long, device=self._device) for p in prompts]
         eos = self.eot_token_id
         out = generate(self.model, rows, max_new, eos_token_id=eos, stop=until or None, tokenizer=self.tokenizer,
