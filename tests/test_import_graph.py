@@ -11,7 +11,7 @@ lowest first (a module may import its own layer and those below it, never one ab
     models       the config and the nn.Module of each family
     io           checkpoints, HuggingFace folders, official converters, tokenizers
     training     the one training loop and its pieces / generation: decoding
-    experiments  the synthetic tasks / bench: the benchmark registry
+    experiments  the synthetic tasks / bench: the benchmark registry / evaluation: lm-eval's backend
     serve        the HTTP server: scheduler, prefix cache, OpenAI API
     api          the public class with I/O and generation (xlstm_kit.model), the LoRA functions
                  (xlstm_kit.lora), the package's lazy top-level names and the old module paths kept
@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("xlstm_kit.models",)),
     ("io", ("xlstm_kit.io",)),
     ("training / generation", ("xlstm_kit.training", "xlstm_kit.generation")),
-    ("experiments / bench", ("xlstm_kit.experiments", "xlstm_kit.bench")),
+    ("experiments / bench / evaluation", ("xlstm_kit.experiments", "xlstm_kit.bench", "xlstm_kit.evaluation")),
     ("serve", ("xlstm_kit.serve",)),
     ("api", ("xlstm_kit.model", "xlstm_kit.train", "xlstm_kit.data", "xlstm_kit.generate", "xlstm_kit.checkpoint",
              "xlstm_kit.lora", "xlstm_kit")),

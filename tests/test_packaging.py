@@ -178,6 +178,10 @@ def test_installed_cli_trains_and_generates(installed):
     assert gpt2.returncode == 2
     assert gpt2.stderr.strip() == ("xlstm-kit train: error: --tokenizer gpt2 needs the extra: "
                                    "pip install 'xlstm-kit[gpt2]'")
+    tasks = _run(installed, exe, "eval", "run", "--tasks", "arc_easy")  # lm-eval comes with the [eval] extra
+    assert tasks.returncode == 2
+    assert tasks.stderr.strip() == ("xlstm-kit eval: error: --tasks (lm-evaluation-harness) needs the extra: "
+                                    "pip install 'xlstm-kit[eval]'")
 
 
 def test_triton_extra_is_bounded_to_the_tested_versions():

@@ -18,6 +18,7 @@ EXTRA_OF = {
     "starlette": "serve",
     "uvicorn": "serve",
     "jinja2": "serve",
+    "lm_eval": "eval",
 }
 
 

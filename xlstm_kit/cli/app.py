@@ -7,6 +7,7 @@
     xlstm-kit generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--stream]
     xlstm-kit generate DIR --prompts FILE [--output FILE] [--stop STR] ...   (a batch, JSON lines out)
     xlstm-kit eval     DIR [--data SPEC]
+    xlstm-kit eval     DIR --tasks a,b [--include-path TASK_DIR] [--limit N] [--num-fewshot K]   (lm-eval)
 
 DIR is a training output folder, an xlstm_kit checkpoint or a HuggingFace xLSTM folder
 (config.json with model_type "xlstm", e.g. NX-AI/xLSTM-7b; its tokenizer.json is used).
@@ -148,20 +149,26 @@ def build_parser() -> argparse.ArgumentParser:
     # ---------------------------------------------------------------- eval
     ev = sub.add_parser(
         "eval",
-        help="validation loss, bits per byte and perplexity of a trained model",
+        help="validation loss, bits per byte and perplexity of a trained model; lm-eval tasks",
         description="Evaluate a checkpoint on the validation split of a corpus (by default the "
-        "one it was trained on, split the same way).",
+        "one it was trained on, split the same way), or with --tasks on tasks of EleutherAI's "
+        "lm-evaluation-harness (needs the [eval] extra); their results go to a JSON file beside "
+        "the model.",
         epilog="Examples:\n"
         "  xlstm-kit eval runs/tiny\n"
         "  xlstm-kit eval runs/tiny --data other.txt --val-fraction 0.5\n"
-        "  xlstm-kit eval xLSTM-7b/ --data notes.txt --seq-len 1024",
+        "  xlstm-kit eval xLSTM-7b/ --data notes.txt --seq-len 1024\n"
+        "  xlstm-kit eval xLSTM-7b/ --tasks arc_easy,hellaswag --dtype bf16 --batch-size 64\n"
+        "  xlstm-kit eval runs/tiny --tasks my_task --include-path tasks/ --limit 100",
         formatter_class=Formatter,
     )
     ev.add_argument("checkpoint", metavar="DIR", help="a training output folder, a checkpoint folder or a "
                     "HuggingFace xLSTM folder (then --data is needed)")
     ev.add_argument("--data", default=None, metavar="SPEC", help="corpus to evaluate on (default: the training corpus)")
     ev.add_argument("--seq-len", type=positive_int, default=None, help="tokens per window (default: training's)")
-    ev.add_argument("--batch-size", type=positive_int, default=16, help="windows per batch")
+    ev.add_argument("--batch-size", type=positive_int, default=None,
+                    help="windows per batch (default: 16); with --tasks, requests per packed forward (default: "
+                    "as many as 32,768 tokens hold)")
     ev.add_argument("--eval-batches", type=nonneg_int, default=None,
                     help=f"batches to evaluate (0: the whole split; default: the whole split when it holds "
                     f"at most {EVAL_WHOLE_SPLIT_UP_TO} batches, else {EVAL_WHOLE_SPLIT_UP_TO})")
@@ -170,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
     ev.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype (default: the file's)")
     ev.add_argument("--threads", type=thread_count, default=None, help=THREADS_HELP)
+    h = ev.add_argument_group("lm-evaluation-harness (pip install 'xlstm-kit[eval]')")
+    h.add_argument("--tasks", default=None, metavar="A,B", help="lm-eval task names, comma-separated (instead of "
+                   "--data): results in DIR/lm-eval-TASKS.json; --batch-size is then requests per packed forward")
+    h.add_argument("--include-path", default=None, metavar="TASK_DIR", help="a folder of your own lm-eval task YAML files")
+    h.add_argument("--limit", type=positive_float, default=None, metavar="N",
+                   help="documents per task (a number below 1: that share of them); for a quick check")
+    h.add_argument("--num-fewshot", type=nonneg_int, default=None, metavar="K", help="few-shot examples per document")
+    h.add_argument("--output", default=None, metavar="FILE", help="the results' JSON file (default: DIR/lm-eval-TASKS.json)")
     ev.set_defaults(run=("train", "cmd_eval"))
 
     # ---------------------------------------------------------------- demo

@@ -177,6 +177,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    if any(getattr(args, k) is not None for k in ("tasks", "include_path", "limit", "num_fewshot", "output")):
+        from .harness import cmd_eval_tasks  # lm-eval's tasks: their own module, imported for them only
+
+        return cmd_eval_tasks(args)
+    args.batch_size = args.batch_size or 16
     device = pick_device(args.device)
     use_threads(args.threads, device)
     ckpt, meta, model = open_checkpoint(args.checkpoint, device, args.dtype)
