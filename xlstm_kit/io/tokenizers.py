@@ -38,7 +38,11 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, no files needed, every string round-trips."""
+    """UTF-8 bytes as tokens: vocabulary 256, no files needed, every string round-trips.
+
+    A model may have more ids than the 256 bytes (a padded vocabulary, or one fine-tuned on
+    bytes from a model with another vocabulary) and produce them: decode gives each such id
+    U+FFFD, the character an invalid byte sequence decodes to."""
 
     name = "byte"
     vocab_size = 256
@@ -51,7 +55,21 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
     def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        ids = [int(i) for i in ids]
+        if all(0 <= i < 256 for i in ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+        # Refusing would end a generation at a token the model was free to produce (the
+        # training data never holds one, so it is rare); U+FFFD shows where it was. The bytes
+        # around it decode on their own: such an id also ends a partial character.
+        pieces, run = [], []
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+            else:
+                pieces.append(bytes(run).decode("utf-8", errors="replace") + "\ufffd")
+                run = []
+        pieces.append(bytes(run).decode("utf-8", errors="replace"))
+        return "".join(pieces)
 
     def token_byte_lengths(self) -> np.ndarray:
         return np.ones(256, dtype=np.int64)
