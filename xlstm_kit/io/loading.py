@@ -15,7 +15,7 @@ from ..models import XLSTMConfig, XLSTMLanguageModel
 from . import checkpoint
 from .hf import (HF_MODEL_TYPE, TOKENIZER_NAME_KEY, check_device, check_sources, config_from_hf, is_hf_config,
                  materialise, read_headers, target_dtype)
-from .tokenizers import HFSpecialTokens, find_tokenizer, json_object
+from .tokenizers import HFSpecialTokens, find_tokenizer, hf_end_tokens, json_object
 
 
 def _model_folder(path: str | Path, what: str) -> Path:
@@ -85,7 +85,8 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
     `dtype` (default: the file's, float32 if mixed) and placed on `device` (default: cpu) on
     its own, so a 7B model loads in bf16 without a float32 or second copy. Names and shapes
     are checked against config.json first. A tokenizer.json in the folder becomes
-    `model.hf_tokenizer`. Returns the model (a `model_class`) in eval mode."""
+    `model.hf_tokenizer`; the end tokens of a HuggingFace folder (`hf_end_tokens`) become
+    `model.eos_token_ids`. Returns the model (a `model_class`) in eval mode."""
     path = _model_folder(path, "model")
     cfg_path = path / checkpoint.CONFIG_FILE
     raw = json_object(cfg_path)
@@ -124,5 +125,7 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
     model.tokenizer_name = named_tokenizer if isinstance(named_tokenizer, str) else None
     model.hf_tokenizer = find_tokenizer(path, special)
     model.hf_special_tokens = special
+    if hf:
+        model.eos_token_ids = hf_end_tokens(path, raw, config.vocab_size)
     model.eval()
     return model

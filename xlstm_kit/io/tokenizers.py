@@ -22,6 +22,7 @@ from . import checkpoint
 
 TOKENIZERS = ("byte", "gpt2")
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 _PIECE_CUT = re.compile(r"(?<=\S)\n")
 
 
@@ -308,6 +309,26 @@ def find_tokenizer(folder: str | Path, special: HFSpecialTokens | None = None) -
     eos = special.eos_token_id if special.eos_token_id is not None else _tokenizer_config_id(folder, tok, "eos")
     tok.set_special_tokens(bos, eos)
     return tok
+
+
+def hf_end_tokens(folder: str | Path, config: dict, vocab_size: int) -> tuple[int, ...]:
+    """The end tokens transformers' generate stops at for the HuggingFace folder `folder`
+    (config.json parsed as `config`): the eos_token_id (an id or a list) of
+    generation_config.json when that file sets one, else config.json's; () when neither does."""
+    folder = Path(folder)
+    source, d = folder / checkpoint.CONFIG_FILE, config
+    gen = folder / GENERATION_CONFIG_FILE
+    if gen.is_file():
+        g = json_object(gen)
+        if g.get("eos_token_id") is not None:
+            source, d = gen, g
+    v = d.get("eos_token_id")
+    ids = [] if v is None else v if isinstance(v, list) else [v]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise XLSTMKitError(f"{source}: eos_token_id {v!r} must be a token id in [0, {vocab_size}) "
+                                f"or a list of them")
+    return tuple(dict.fromkeys(ids))
 
 
 def model_tokenizer(model, required: bool = True):

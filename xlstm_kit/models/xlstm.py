@@ -70,6 +70,9 @@ class XLSTMLanguageModel(nn.Module):
     # (BOS prepended) and the token ids a HuggingFace config.json records.
     hf_tokenizer = None
     hf_special_tokens = None
+    # The end tokens generation stops at when not told otherwise: a HuggingFace folder's
+    # (generation_config.json, else config.json), as transformers' generate does.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __init__(self, config: XLSTMConfig):
         super().__init__()
