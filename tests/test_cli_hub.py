@@ -91,6 +91,28 @@ def test_train_init_from_a_huggingface_folder_then_resume_and_generate(hf_folder
     assert (tmp_path / "export" / "tokenizer.json").is_file()
 
 
+def test_init_from_a_larger_vocabulary_with_byte_tokens_then_generate(tmp_path, corpus, capsys):
+    """An HF folder of 512 tokens and no tokenizer, fine-tuned on bytes: the ids past 255 the
+    model still produces come out as U+FFFD (generate raised ValueError on them)."""
+    folder = tmp_path / "hf512"
+    model = large_model(vocab_size=512)
+    with torch.no_grad():
+        model.lm_head.weight[:256] = 0  # every byte's logit 0: the largest logit is a non-byte id
+    model.save_pretrained(folder)
+    out = tmp_path / "ft"
+    assert cli.main(["train", "--init-from", str(folder), "--tokenizer", "byte", "--data", str(corpus),
+                     "--out", str(out), "--steps", "1", "--lr", "1e-5", *SMALL]) == 0
+    capsys.readouterr()
+    tuned = XLSTMLanguageModel.load(out)
+    new = tuned.generate(torch.tensor(list(b"to")), 4, temperature=0)[2:].tolist()
+    assert any(i >= 256 for i in new)
+    assert cli.main(["generate", str(out), "--prompt", "to", "--max-new-tokens", "4", "--temperature", "0",
+                     "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    assert text == "to" + tuned.tokenizer.decode(new) + "\n" and "\ufffd" in text
+    assert tuned.generate("to", 4, temperature=0) == text[:-1]
+
+
 def test_train_init_from_our_checkpoint(tmp_path, corpus, capsys):
     m = XLSTMLanguageModel(XLSTMConfig(vocab_size=256, d_model=32, n_blocks=2, n_heads=2, slstm_at=[1]))
     m.save(tmp_path / "ours", tokenizer="byte")

@@ -237,6 +237,29 @@ def test_incremental_decoder_emits_whole_characters_only():
     assert "".join(out) == row.text == byte.decode("aé".encode("utf-8")[:-1])
 
 
+def test_byte_ids_past_256_decode_to_the_replacement_character(tmp_path, capsys):
+    """A byte-tokenizer model with a vocabulary larger than 256 (a padded one, or one trained
+    from another model's): the ids past the bytes have no text and decode to U+FFFD, as an
+    invalid byte does, in Python and on the command line (they raised ValueError)."""
+    from xlstm_kit.io.tokenizers import get_tokenizer
+
+    byte = get_tokenizer("byte")
+    assert byte.decode([104, 300, 105]) == "h\ufffdi"
+    assert byte.decode("é".encode("utf-8")[:1] + b"a") == "\ufffda"
+    assert byte.decode(list("é".encode("utf-8")[:1]) + [256, 97]) == "\ufffd\ufffda"
+    model = tiny_model(vocab=512, scale=0.5)
+    new = model.generate(torch.tensor(list(b"ab")), 12, temperature=0)[2:].tolist()
+    assert any(i >= 256 for i in new) and any(i < 256 for i in new)  # the case under test
+    expected = "ab" + byte.decode(new)
+    assert "\ufffd" in expected
+    assert model.generate("ab", 12, temperature=0, tokenizer=byte) == expected
+    folder = model.save(tmp_path / "m", tokenizer="byte")
+    assert XLSTMLanguageModel.load(folder).generate("ab", 12, temperature=0) == expected
+    assert cli.main(["generate", str(folder), "--prompt", "ab", "--max-new-tokens", "12", "--temperature", "0",
+                     "--device", "cpu", "--threads", "1"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
 # ---------------------------------------------------------------------------- sampling
 def test_seed_reproduces_single_and_batched_sampling():
     model = tiny_model()

@@ -446,3 +446,48 @@ def test_named_tokenizers_keep_working(tmp_path):
     assert not (tmp_path / "hf" / "tokenizer.json").exists()
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["xlstm_kit_tokenizer"] == "byte"
     assert XLSTMLanguageModel.from_pretrained(tmp_path / "hf").tokenizer_name == "byte"
+
+
+def test_generation_stops_at_the_folders_end_tokens(tmp_path):
+    """As transformers' generate: the eos_token_id (an id or a list) of generation_config.json
+    when it sets one, else of config.json, ends a generation by default, token and text prompts
+    alike; eos_token_id=[] turns that off, an explicit id replaces it."""
+    folder, m = _hf_folder(tmp_path)
+    prompt = torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(0))
+    free = m.generate(prompt, 12, temperature=0)[7:].tolist()
+    assert len(free) == 12 and len(set(free)) > 2  # the case under test: varied tokens
+    a = free[5]
+    b = next(t for t in free if t != a)
+    cut = lambda ends: free[:next((n + 1 for n, t in enumerate(free) if t in ends), len(free))]  # noqa: E731
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "eos_token_id": a}))
+    loaded = XLSTMLanguageModel.from_pretrained(folder)
+    assert loaded.generate(prompt, 12, temperature=0)[7:].tolist() == cut({a})
+    assert len(cut({a})) < 12
+    assert loaded.generate(prompt, 12, temperature=0, eos_token_id=[])[7:].tolist() == free
+    assert loaded.generate(prompt, 12, temperature=0, eos_token_id=b)[7:].tolist() == cut({b})
+    # text prompts (a tokenizer without an end token of its own) end there too
+    tok = _IdTokenizer()
+    text = loaded.generate([tok.decode(prompt.tolist())], 12, temperature=0, tokenizer=tok)[0]
+    assert text == tok.decode(prompt.tolist() + [t for t in cut({a}) if t != a])
+    # generation_config.json, when it sets end tokens, is what counts (a list here)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [b, VOCAB - 1]}))
+    loaded = XLSTMLanguageModel.from_pretrained(folder)
+    assert loaded.generate(prompt, 12, temperature=0)[7:].tolist() == cut({b, VOCAB - 1})
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [b, VOCAB]}))
+    with pytest.raises(XLSTMKitError, match="generation_config.json: eos_token_id"):
+        XLSTMLanguageModel.from_pretrained(folder)
+
+
+class _IdTokenizer:
+    """Token i is the character chr(0x100 + i): any id sequence round-trips; no end token."""
+
+    name = "ids"
+    vocab_size = VOCAB
+    eos_token_id = None
+
+    def encode(self, text):
+        return [ord(c) - 0x100 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(0x100 + int(i)) for i in ids)

@@ -81,6 +81,27 @@ def test_greedy_generation_matches_transformers(tmp_path):
     assert torch.equal(got, want)
 
 
+def test_generation_stops_where_transformers_stops(tmp_path):
+    """The folder's end tokens (config.json, then generation_config.json with a list) end a
+    greedy generation by default at the same token as transformers' generate."""
+    ours = noisy_(XLSTMLanguageModel(XLSTMConfig(family="large", **SHAPE)), scale=0.2).eval()
+    ours.save_pretrained(tmp_path / "hf")
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    free = ours.generate(prompt, max_new_tokens=10, temperature=0)[0, 7:].tolist()
+    assert len(set(free)) > 2  # varied tokens: the end token falls mid-way
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    others = [t for t in free if t != free[4]]
+    for ends, gen_config in ((free[4], None), (free[6], [others[0], VOCAB - 1])):
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "eos_token_id": ends, "pad_token_id": 0}))
+        if gen_config is not None:
+            transformers.GenerationConfig(eos_token_id=gen_config, pad_token_id=0).save_pretrained(tmp_path / "hf")
+        hf = transformers.xLSTMForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        want = hf.generate(prompt, max_new_tokens=10, do_sample=False)
+        got = XLSTMLanguageModel.from_pretrained(tmp_path / "hf").generate(prompt, max_new_tokens=10, temperature=0)
+        assert want.shape[1] < 17
+        assert torch.equal(got, want)
+
+
 def test_fused_weights_of_the_official_model_load_with_the_same_logits(tmp_path):
     """weight_mode "fused" (q|k|v|o, i|f and the SwiGLU up maps each one matrix): transformers
     cannot build such a model (its initialisation fails), so the official xLSTMLarge provides

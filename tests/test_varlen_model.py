@@ -85,6 +85,34 @@ def test_model_rejects_bad_cu_seqlens():
         model(torch.zeros(1, 6, dtype=torch.long), cu_seqlens=_cu([2, 3]))
     with pytest.raises(XLSTMKitError, match="B = 1"):
         model(torch.zeros(2, 5, dtype=torch.long), cu_seqlens=_cu([2, 3]))
+    with pytest.raises(XLSTMKitError, match="meta device") as err:
+        model(torch.zeros(1, 5, dtype=torch.long), cu_seqlens=_cu([2, 3]).to("meta"))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+@pytest.mark.parametrize("how", ["numpy", "data"])
+def test_packed_model_reads_a_rewritten_cu_seqlens_again(kind, how, monkeypatch):
+    """A cu_seqlens buffer rewritten between calls through numpy or .data (neither bumps the
+    tensor's version counter): the model uses the new boundaries in every layer. Within one
+    call the values are read back once, however many layers take them."""
+    from xlstm_kit.ops import _checks
+
+    model = make_model(kind)
+    tokens = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    cu = _cu([2, 4])
+    first = model(tokens, cu_seqlens=cu)
+    if how == "numpy":
+        cu.numpy()[1] = 4
+    else:
+        cu.data[1] = 4
+    reads = []
+    read = _checks.read_cu_seqlens
+    monkeypatch.setattr(_checks, "read_cu_seqlens", lambda c: reads.append(1) or read(c))
+    out = model(tokens, cu_seqlens=cu)
+    assert len(reads) == 1
+    torch.testing.assert_close(out, model(tokens, cu_seqlens=_cu([4, 2])), rtol=0, atol=0)
+    assert (out - first).abs().max() > 1e-6
 
 
 def test_packed_model_under_activation_checkpointing():

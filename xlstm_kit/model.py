@@ -61,8 +61,9 @@ class XLSTMLanguageModel(models_xlstm.XLSTMLanguageModel):
         the recurrent state, so memory does not grow with the number of generated tokens.
         temperature 0 picks the most likely token; top_k, top_p, repetition_penalty (CTRL rule)
         shape the sampling; seed makes it reproducible. A row ends at `eos_token_id` (an id or a
-        list; text prompts: also the tokenizer's end token) or at a stop string (`stop`: cut from
-        text results). streamer(row, piece) receives each new token id (token prompts) or each
+        list; None: the model's `eos_token_ids`, which a HuggingFace folder's config sets as
+        transformers reads it, and for text prompts else the tokenizer's end token; []: none)
+        or at a stop string (`stop`: cut from text results). streamer(row, piece) receives each new token id (token prompts) or each
         new piece of text (text prompts: whole characters, never a stop string) as it comes.
         Text needs `tokenizer` (default: the model's, known when it was loaded from a checkpoint
         that records it). On CUDA the decode step replays a CUDA graph (cuda_graph=None: when

@@ -65,8 +65,9 @@ def _options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalt
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise XLSTMKitError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    eos = () if eos_token_id is None else (eos_token_id,) if not isinstance(eos_token_id, (list, tuple)) \
-        else tuple(eos_token_id)
+    if eos_token_id is None:
+        eos_token_id = list(model_end_tokens(model))
+    eos = (eos_token_id,) if not isinstance(eos_token_id, (list, tuple)) else tuple(eos_token_id)
     for e in eos:
         if isinstance(e, bool) or not isinstance(e, int) or e < 0 or (vocab is not None and e >= vocab):
             raise XLSTMKitError(f"eos_token_id must be None, a token id in [0, {vocab}) or a list of them, "
@@ -83,6 +84,13 @@ def _options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalt
         raise XLSTMKitError(f"streamer must be a callable (row, piece), got {type(streamer).__name__}")
     return _Options(max_new_tokens, float(temperature), top_k, top_p, float(repetition_penalty), eos,
                     tuple(stops), seed, generator, streamer, cuda_graph)
+
+
+def model_end_tokens(model) -> tuple[int, ...]:
+    """The end tokens generation stops at when eos_token_id is None: the model's own
+    (`eos_token_ids`, set from a HuggingFace folder's config as transformers reads it)."""
+    ids = getattr(model, "eos_token_ids", None)
+    return tuple(ids) if isinstance(ids, (list, tuple)) else ()
 
 
 def _model_device(model) -> torch.device:
@@ -274,7 +282,10 @@ def generate(
     included) are divided by it when positive, multiplied by it when negative (CTRL).
     seed: sampling from a torch.Generator seeded for this call (same seed, same tokens);
     generator: your own instead.
-    eos_token_id (an id or a list of ids): a row ends with the first of them it produces.
+    eos_token_id (an id or a list of ids): a row ends with the first of them it produces;
+    None: the model's end tokens (`model.eos_token_ids`: those of the HuggingFace folder it was
+    loaded from, generation_config.json's else config.json's, as transformers; none otherwise);
+    []: none.
     stop (a str or a list, needs `tokenizer`, default model.tokenizer): a row ends with the token
     that makes its decoded continuation contain a stop string. A list result then ends each row
     there; a [B, T] result pads the rows that ended early with eos_token_id. Generation stops
@@ -408,7 +419,7 @@ def complete_texts(model, tokenizer, prompts: Sequence[str], max_new_tokens: int
     """Continue each text of `prompts` as one batch (see `generate` for the options).
 
     `tokenizer` has encode / decode / eos_token_id; the end tokens are eos_token_id, else the
-    tokenizer's (eos_token_id=[]: none). An empty prompt starts from the end-of-text token (or a newline when the
+    model's (`generate`), else the tokenizer's (eos_token_id=[]: none). An empty prompt starts from the end-of-text token (or a newline when the
     tokenizer has none). streamer(row, text) receives each row's continuation as it becomes
     final: whole characters only (a multi-byte character split over byte tokens comes out once
     complete), never a stop string; the pieces of a row add up to its `text`.
@@ -416,7 +427,9 @@ def complete_texts(model, tokenizer, prompts: Sequence[str], max_new_tokens: int
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts \
             or not all(isinstance(p, str) for p in prompts):
         raise XLSTMKitError("prompts must be a non-empty list of str")
-    eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+    if eos_token_id is None:
+        eos_token_id = list(model_end_tokens(model)) or getattr(tokenizer, "eos_token_id", None)
+        eos_token_id = [] if eos_token_id is None else eos_token_id
     o = _options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalty, eos_token_id, stop,
                  seed, generator, streamer, cuda_graph)
     device = _model_device(model)

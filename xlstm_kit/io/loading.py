@@ -18,7 +18,7 @@ from .lora import adapters_from_folder
 from .files import finish_interrupted_save
 from .hf import (HF_MODEL_TYPE, TOKENIZER_NAME_KEY, check_device, check_sources, config_from_hf, is_hf_config,
                  materialise, read_headers, target_dtype)
-from .tokenizers import HFSpecialTokens, find_tokenizer, json_object
+from .tokenizers import HFSpecialTokens, find_tokenizer, hf_end_tokens, json_object
 
 
 def _model_folder(path: str | Path, what: str) -> Path:
@@ -93,7 +93,8 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
     `dtype` (default: the file's, float32 if mixed) and placed on `device` (default: cpu) on
     its own, so a 7B model loads in bf16 without a float32 or second copy. Names and shapes
     are checked against config.json first. A tokenizer.json in the folder becomes
-    `model.hf_tokenizer`. A checkpoint with LoRA adapters (adapter_config.json) loads with the
+    `model.hf_tokenizer`; the end tokens of a HuggingFace folder (`hf_end_tokens`) become
+    `model.eos_token_ids`. A checkpoint with LoRA adapters (adapter_config.json) loads with the
     adapters merged into its weights. A save into the folder that a kill interrupted after it
     was complete is carried out first (xlstm_kit.io.files). Returns the model (a `model_class`)
     in eval mode."""
@@ -136,5 +137,7 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
     model.tokenizer_name = named_tokenizer if isinstance(named_tokenizer, str) else None
     model.hf_tokenizer = find_tokenizer(path, special)
     model.hf_special_tokens = special
+    if hf:
+        model.eos_token_ids = hf_end_tokens(path, raw, config.vocab_size)
     model.eval()
     return model

@@ -22,6 +22,7 @@ from . import checkpoint
 
 TOKENIZERS = ("byte", "gpt2")
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 _PIECE_CUT = re.compile(r"(?<=\S)\n")
 
 
@@ -38,7 +39,11 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, no files needed, every string round-trips."""
+    """UTF-8 bytes as tokens: vocabulary 256, no files needed, every string round-trips.
+
+    A model may have more ids than the 256 bytes (a padded vocabulary, or one fine-tuned on
+    bytes from a model with another vocabulary) and produce them: decode gives each such id
+    U+FFFD, the character an invalid byte sequence decodes to."""
 
     name = "byte"
     vocab_size = 256
@@ -51,7 +56,21 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
     def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        ids = [int(i) for i in ids]
+        if all(0 <= i < 256 for i in ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+        # Refusing would end a generation at a token the model was free to produce (the
+        # training data never holds one, so it is rare); U+FFFD shows where it was. The bytes
+        # around it decode on their own: such an id also ends a partial character.
+        pieces, run = [], []
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+            else:
+                pieces.append(bytes(run).decode("utf-8", errors="replace") + "\ufffd")
+                run = []
+        pieces.append(bytes(run).decode("utf-8", errors="replace"))
+        return "".join(pieces)
 
     def token_byte_lengths(self) -> np.ndarray:
         return np.ones(256, dtype=np.int64)
@@ -290,6 +309,26 @@ def find_tokenizer(folder: str | Path, special: HFSpecialTokens | None = None) -
     eos = special.eos_token_id if special.eos_token_id is not None else _tokenizer_config_id(folder, tok, "eos")
     tok.set_special_tokens(bos, eos)
     return tok
+
+
+def hf_end_tokens(folder: str | Path, config: dict, vocab_size: int) -> tuple[int, ...]:
+    """The end tokens transformers' generate stops at for the HuggingFace folder `folder`
+    (config.json parsed as `config`): the eos_token_id (an id or a list) of
+    generation_config.json when that file sets one, else config.json's; () when neither does."""
+    folder = Path(folder)
+    source, d = folder / checkpoint.CONFIG_FILE, config
+    gen = folder / GENERATION_CONFIG_FILE
+    if gen.is_file():
+        g = json_object(gen)
+        if g.get("eos_token_id") is not None:
+            source, d = gen, g
+    v = d.get("eos_token_id")
+    ids = [] if v is None else v if isinstance(v, list) else [v]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise XLSTMKitError(f"{source}: eos_token_id {v!r} must be a token id in [0, {vocab_size}) "
+                                f"or a list of them")
+    return tuple(dict.fromkeys(ids))
 
 
 def model_tokenizer(model, required: bool = True):

@@ -14,6 +14,7 @@ folders are `xlstm_kit.io`'s, decoding is `xlstm_kit.generation`'s.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Union
 
 import torch
@@ -27,7 +28,7 @@ from ..layers.large import LargeBlock, RMSNorm, at_least_float32, soft_cap
 from ..layers.mlstm import MLSTMBlock, MLSTMState
 from ..layers.slstm import SLSTMBlock, SLSTMState
 from ..layers.varlen import block_varlen
-from ..ops._checks import check_cu_seqlens
+from ..ops._checks import check_cu_seqlens, cu_seqlens_read_once
 from .config import _BLOCK_KIND, CheckpointBlocks, XLSTMConfig, _check_positive_int, checkpoint_blocks
 from .tokens import check_token_ids
 
@@ -69,6 +70,9 @@ class XLSTMLanguageModel(nn.Module):
     # (BOS prepended) and the token ids a HuggingFace config.json records.
     hf_tokenizer = None
     hf_special_tokens = None
+    # The end tokens generation stops at when not told otherwise: a HuggingFace folder's
+    # (generation_config.json, else config.json), as transformers' generate does.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __init__(self, config: XLSTMConfig):
         super().__init__()
@@ -267,24 +271,26 @@ class XLSTMLanguageModel(nn.Module):
         use_compiled = training and self._compiled is not None and bounds is None
         blocks, head = self._compiled if use_compiled else (self.blocks, self._head)
         new_state = []
-        for t, block in enumerate(blocks):
-            s = None if state is None else state[t]
-            recompute = training and t in self._recomputed
+        # the layers' ops take the boundaries read above (one host sync per call, not per layer)
+        with contextlib.nullcontext() if bounds is None else cu_seqlens_read_once(cu_seqlens, bounds):
+            for t, block in enumerate(blocks):
+                s = None if state is None else state[t]
+                recompute = training and t in self._recomputed
 
-            def call(blk, x_, s_, rs, **kw):
-                if recompute:
-                    return _recompute(blk, x_, s_, return_state=rs, use_reentrant=False, **kw)
-                return blk(x_, s_, return_state=rs, **kw)
+                def call(blk, x_, s_, rs, **kw):
+                    if recompute:
+                        return _recompute(blk, x_, s_, return_state=rs, use_reentrant=False, **kw)
+                    return blk(x_, s_, return_state=rs, **kw)
 
-            if bounds is None:
-                out = call(block, x, s, return_state)
-            else:
-                out = block_varlen(block, x, s, return_state, bounds, cu_seqlens, call)
-            if return_state:
-                x, s = out
-                new_state.append(s)
-            else:
-                x = out
+                if bounds is None:
+                    out = call(block, x, s, return_state)
+                else:
+                    out = block_varlen(block, x, s, return_state, bounds, cu_seqlens, call)
+                if return_state:
+                    x, s = out
+                    new_state.append(s)
+                else:
+                    x = out
         logits = head(keep_positions(x, logits_to_keep))
         return (logits, new_state) if return_state else logits
 

@@ -7,6 +7,7 @@ error deep inside a kernel.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from typing import Sequence
 
@@ -102,13 +103,38 @@ def autocast_off(fn):
 
 
 # ----------------------------------------------------------------------------- varlen (cu_seqlens)
+# (cu_seqlens, its boundaries) read back by the innermost `cu_seqlens_read_once` in progress
+_READ = contextvars.ContextVar("xlstm_kit_cu_seqlens_read", default=None)
+
+
+def read_cu_seqlens(cu_seqlens: torch.Tensor) -> list[int]:
+    """The values of cu_seqlens as Python ints: one host sync on an accelerator."""
+    return cu_seqlens.tolist()
+
+
+@contextlib.contextmanager
+def cu_seqlens_read_once(cu_seqlens: torch.Tensor, bounds: list[int]):
+    """Within: `check_cu_seqlens` takes `bounds` (already read from this very tensor and
+    validated) instead of reading it again.
+
+    A model passes one cu_seqlens to every layer's ops; each reading it back would be a device
+    sync per layer. Nothing else is cached: a tensor carries no sign of a write through numpy or
+    `.data` (its version counter stays), so outside such a call every check reads the values
+    the tensor holds then (on CPU a read and check of a few boundaries costs microseconds)."""
+    token = _READ.set((cu_seqlens, bounds))
+    try:
+        yield
+    finally:
+        _READ.reset(token)
+
+
 def check_cu_seqlens(cu_seqlens, batch: int, total: int, device) -> list[int]:
     """Validate `cu_seqlens` (cumulative sequence lengths, as in FlashAttention's varlen API) for
     inputs of batch `batch` and length `total`; return the boundaries as Python ints [N+1].
 
     cu_seqlens: int32/int64 1-D tensor [N+1], 0 = cu[0] < cu[1] < ... < cu[N] = total; sequence n
     is steps cu[n]:cu[n+1] of the one packed batch row. Reading the values back is one host
-    sync per call (the boundaries decide the work).
+    sync per call (per model call inside `cu_seqlens_read_once`).
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise XLSTMKitError(f"cu_seqlens must be a 1-D int32/int64 torch.Tensor [N+1], got {type(cu_seqlens).__name__}")
@@ -116,17 +142,16 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int, device) -> list[int]:
         raise XLSTMKitError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise XLSTMKitError(f"cu_seqlens must be 1-D with at least 2 entries [N+1], got shape {shape_str(cu_seqlens.shape)}")
-    if cu_seqlens.device.type != "meta" and torch.device(device).type != cu_seqlens.device.type:
+    if cu_seqlens.device.type == "meta":
+        raise XLSTMKitError("cu_seqlens is on the meta device (no data); the boundaries must be real values")
+    if torch.device(device).type != cu_seqlens.device.type:
         raise XLSTMKitError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
     if batch != 1:
         raise XLSTMKitError(f"with cu_seqlens the inputs hold the sequences packed in one batch row (B = 1), got B = {batch}")
-    # A model passes one cu_seqlens to every layer's ops: read it back (a device sync) once, and
-    # again only if it was written to since.
-    cached = getattr(cu_seqlens, "_xlstm_kit_bounds", None)
-    if cached is not None and cached[0] == cu_seqlens._version:
-        bounds = cached[1]
-    else:
-        bounds = [int(x) for x in cu_seqlens.tolist()]
+    read = _READ.get()
+    if read is not None and read[0] is cu_seqlens and read[1][-1] == total:
+        return read[1]
+    bounds = read_cu_seqlens(cu_seqlens)
     if bounds[0] != 0:
         raise XLSTMKitError(f"cu_seqlens must start at 0, got {bounds[0]}")
     bad = next((n for n in range(len(bounds) - 1) if bounds[n + 1] <= bounds[n]), None)
@@ -135,8 +160,6 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int, device) -> list[int]:
                             f"got cu_seqlens[{bad}] = {bounds[bad]} and cu_seqlens[{bad + 1}] = {bounds[bad + 1]}")
     if bounds[-1] != total:
         raise XLSTMKitError(f"cu_seqlens must end at the total length T = {total}, got {bounds[-1]}")
-    if cached is None or cached[1] is not bounds:
-        cu_seqlens._xlstm_kit_bounds = (cu_seqlens._version, bounds)
     return bounds
 
 

@@ -148,6 +148,20 @@ class _PairDecay:
         return dY
 
 
+def finite_log_gamma(G: torch.Tensor) -> torch.Tensor:
+    """G [..., L, K] (in-chunk cumulative log gates, non-increasing) with its NaN entries, the
+    steps from a NaN log-decay on, replaced by the chunk's last finite value (0 if none).
+
+    Every product over the steps of a chunk (the pair matrices, W = E B←, V2, A_qa V2) takes this
+    G: a NaN there would reach the earlier rows through the products' zero entries (0·NaN = NaN),
+    i.e. travel backwards in time. Its replacement is a valid G (as if those log-decays were 0),
+    so every factor keeps its bound. The NaN itself still reaches every output from its step on
+    through Q← = Q ⊙ e^G and the state through γ_L = e^{G_L}, which take the G with the NaN."""
+    nan = G.isnan()
+    last = torch.where(nan, 0.0, G).amin(-2, keepdim=True)
+    return torch.where(nan, last, G)
+
+
 def _masks(L: int, dtype, device):
     incl = torch.ones(L, L, dtype=dtype, device=device).tril()       # M
     return incl, incl.tril(-1)                                       # M, M₋₁
@@ -164,10 +178,12 @@ def _intra_chunk(q, k, v, a, b, gk, s):
     # and a float32 difference G_r − G_i of two such numbers would carry an absolute error ~2e-5,
     # i.e. a 2e-5 relative error on every decay (the recurrence itself is exact to ~1e-7 per step).
     G = gk.to(torch.float64).cumsum(-2)                # [B,H,N,L,K], inclusive
+    Gs = finite_log_gamma(G)
     eG = G.exp().to(cd)                                # γ_r            ≤ 1
+    eGs = Gs.exp().to(cd)
     dec = (G[..., -1:, :] - G).exp().to(cd)            # γ_L / γ_r      ≤ 1
     eGl = eG[..., -1, :]                               # γ_L            [B,H,N,K]
-    pd = _PairDecay(G, s, cd)
+    pd = _PairDecay(Gs, s, cd)
     X = torch.stack((q, b), -2)                        # [B,H,N,L,2,K]  rows: q, b
     Y = torch.stack((k, a), -2)                        # [B,H,N,L,2,K]  columns: k, a
     A = pd.gram(X, Y)                                  # [B,H,N,L,2,L,2]
@@ -175,10 +191,10 @@ def _intra_chunk(q, k, v, a, b, gk, s):
     A_qk, A_qa = A[..., :, 0, :, 0], A[..., :, 0, :, 1]
     A_bk, A_ba = A[..., :, 1, :, 0] * strict, A[..., :, 1, :, 1] * strict
     F = A_ba + torch.eye(L, dtype=q.dtype, device=q.device)
-    Bg = b * eG                                                           # B←
+    Bg = b * eGs                                                          # B←
     rhs = torch.cat((Bg, -(A_bk @ v)), -1)                                # [B,H,N,L,K+V]
     W, Cm = torch.linalg.solve_triangular(F, rhs, upper=False, unitriangular=True).split([K, v.shape[-1]], -1)
-    return dict(eG=eG, dec=dec, eGl=eGl, pd=pd, X=X, Y=Y, A_qk=A_qk, A_qa=A_qa, A_bk=A_bk,
+    return dict(eG=eG, eGs=eGs, dec=dec, eGl=eGl, pd=pd, X=X, Y=Y, A_qk=A_qk, A_qa=A_qa, A_bk=A_bk,
                 F=F, W=W, Cm=Cm, Qg=q * eG, Kd=k * dec, Ad=a * dec)
 
 
@@ -266,9 +282,9 @@ class _DPLRChunkwise(torch.autograd.Function):
         dX = c["pd"].left(dA, c["Y"])                   # δ(q, b) through the pair matrices, i < r
         dY = c["pd"].right(dA, c["X"])                  # δ(k, a) through the pair matrices, i < r
 
-        eG, dec = c["eG"], c["dec"]
+        eG, eGs, dec = c["eG"], c["eGs"], c["dec"]
         dq = dQg * eG + dX[..., 0, :] + dqk_d * k + dqa_d * a
-        db = dBg * eG + dX[..., 1, :]                   # δB = δB← ⊙ Γ (+ pair terms)
+        db = dBg * eGs + dX[..., 1, :]                  # δB = δB← ⊙ Γ (+ pair terms)
         dk = dKd * dec + dY[..., 0, :] + dqk_d * q
         da = dAd * dec + dY[..., 1, :] + dqa_d * q
 
@@ -281,7 +297,7 @@ class _DPLRChunkwise(torch.autograd.Function):
         #   Diag(γ_L) h                   contains every gk_j          → added to all rows
         #   pair i < r, e^{G_r−G_i}       contains gk_j for i < j ≤ r  → +at r, −at i, reverse sum
         up = q * dX[..., 0, :] + b * dX[..., 1, :] - k * dY[..., 0, :] - a * dY[..., 1, :]
-        up = up + c["Qg"] * dQg + (b * eG) * dBg
+        up = up + c["Qg"] * dQg + (b * eGs) * dBg
         down = c["Kd"] * dKd + c["Ad"] * dAd
         down = nnf.pad(down[..., :-1, :], (0, 0, 1, 0))                 # shift: rows r < j only
         dgk = up.flip(-2).cumsum(-2).flip(-2) + down.cumsum(-2)
@@ -306,7 +322,8 @@ def dplr_chunkwise(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_
     The gate-free form S_t = S_{t-1}(Diag(α_t) − d_t a_tᵀ) + v_t k_tᵀ is b_t = d_t / α_t.
 
     Args:
-        q, k, a, b, gk: [B, T, H, K]; gk is the log decay (≤ 0; any magnitude is safe).
+        q, k, a, b, gk: [B, T, H, K]; gk is the log decay (≤ 0, any magnitude; the public op
+            clamps it there); a NaN at step t reaches the outputs from t on only.
         v: [B, T, H, V].
         scale: query scale, default 1/√K.
         initial_state: [B, H, K, V] (= Sᵀ, the transposed state of docs/design.md) or None for zeros.

@@ -166,21 +166,45 @@ def _last(rows, nv, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _g_fallback(Gc):
+    """[BK]: the last finite value of each column of a chunk's G [L, BK] (0 if none). A NaN
+    log-decay makes G NaN from its step to the chunk's end; G is non-increasing, so the last
+    finite value is the smallest (the clamp of gk to ≤ 0 in the public ops guarantees that)."""
+    return tl.min(tl.where(Gc == Gc, Gc, 0.0), axis=0)
+
+
+@triton.jit
+def _finite_g(g, fallback):
+    """g with NaN (g != g) replaced by `fallback` (`_g_fallback`, broadcast to g's shape).
+
+    What the products over a chunk's steps take (pair matrices, B ⊙ e^G): in a dot a NaN at step
+    t would reach the rows before t through their zero entries (0·NaN), i.e. travel backwards
+    in time; as if those log-decays were 0 every factor keeps its bound. The NaN itself reaches
+    the outputs from t on through Q ⊙ e^G and the state through e^{G_L}, which keep it
+    (../chunkwise.py, `finite_log_gamma`, the same rule)."""
+    return tl.where(g == g, g, fallback)
+
+
+@triton.jit
 def _ref_factors(G, Gx, py, bh, t0, j0, kk, below, inblk, nv, Tp, K, S: tl.constexpr,
                  VARLEN: tl.constexpr):
     """The decay factors of one column block (steps t0 + j0 … t0 + j0 + S − 1) of the pair
     matrices, with the block's two reference points (package docstring, gate safety): rows below
     the block take G_end, rows inside it G_mid. Gx [L, BK]: the chunk's G (float64); py: the
     offsets of the block's rows [S, BK] in G; kk: the BK channels; nv: the chunk's valid rows. Returns fx_off, fx_in [L, BK] (0 outside their rows)
-    and fy_off (≤ 1), fy_in (≤ e^{40}) [S, BK], all float32."""
-    g_end = tl.load(G + _row(bh, t0 + _last(j0 + S - 1, nv, VARLEN), kk, Tp, K))
-    g_mid = tl.load(G + _row(bh, t0 + _last(j0 + S // 2 - 1, nv, VARLEN), kk, Tp, K))
+    and fy_off (≤ 1), fy_in (≤ e^{40}) [S, BK], all float32. The pair matrices take G without its
+    NaNs (`_finite_g`)."""
+    g_fin = _g_fallback(Gx)
+    Gx = _finite_g(Gx, g_fin)
+    g_end = _finite_g(tl.load(G + _row(bh, t0 + _last(j0 + S - 1, nv, VARLEN), kk, Tp, K)), g_fin)
+    g_mid = _finite_g(tl.load(G + _row(bh, t0 + _last(j0 + S // 2 - 1, nv, VARLEN), kk, Tp, K)), g_fin)
     fx_off = tl.exp(tl.where(below[:, None], Gx - g_end[None, :], float("-inf")).to(tl.float32))
     fx_in = tl.exp(tl.where(inblk[:, None], Gx - g_mid[None, :], float("-inf")).to(tl.float32))
     if VARLEN:
         Gy = tl.load(G + _offs(bh, t0, _last(j0 + tl.arange(0, S), nv, VARLEN), kk, Tp, K))
     else:
         Gy = tl.load(G + py)
+    Gy = _finite_g(Gy, g_fin[None, :])
     fy_off = tl.exp((g_end[None, :] - Gy).to(tl.float32))
     fy_in = tl.exp((g_mid[None, :] - Gy).to(tl.float32))
     return fx_off, fx_in, fy_off, fy_in

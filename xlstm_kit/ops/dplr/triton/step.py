@@ -27,7 +27,10 @@ def _step_kernel(q, k, v, a, b, gk, h_in, h_out, o, scale,
     vv = tl.program_id(1) * BV + tl.arange(0, BV)
     kr = tl.arange(0, K)
     ph = bh * K * V + kr[:, None] * V + vv[None, :]
-    alpha = tl.exp(tl.load(gk + bh * K + kr).to(tl.float32))
+    g = tl.load(gk + bh * K + kr).to(tl.float32)
+    # gk > 0 counts as 0, as on every path (ops.dplr.log_decay); `where`, not tl.minimum,
+    # so that a NaN stays NaN
+    alpha = tl.exp(tl.where(g > 0.0, 0.0, g))
     if HAS_STATE:
         h = tl.load(h_in + ph) * alpha[:, None]                  # Diag(α) h
     else:

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _chunk_prog, _last, _offs, _row, _st, _x_ld, _x_ld1
+from .common import _chunk_prog, _finite_g, _g_fallback, _last, _offs, _row, _st, _x_ld, _x_ld1
 
 
 @triton.jit
@@ -58,7 +58,9 @@ def _fwd_wy(q, k, a, b, v, G, Abk, Aba, E, W, Cm, Qg, Kd, Ad, eGl, scale, Tp, NC
         g_last = tl.load(G + _row(bh, t0 + nv - 1, kk, Tp, K))
         eG = tl.exp(Gc.to(tl.float32))
         dec = tl.exp((g_last[None, :] - Gc).to(tl.float32))
-        Bg = _x_ld(b, bh, t0, rows, kk, nv, T, H, K).to(tl.float32) * eG
+        # W = E B← is a product over the chunk's steps: B← takes G without its NaNs (common.py)
+        eGs = _finite_g(eG, tl.exp(_g_fallback(Gc).to(tl.float32))[None, :])
+        Bg = _x_ld(b, bh, t0, rows, kk, nv, T, H, K).to(tl.float32) * eGs
         if KDA:     # β loaded where it is used: held across the loops it spills (ptxas)
             Bg *= _x_ld1(beta, bh, t0, rows, nv, T, H).to(tl.float32)[:, None]
         _st(W + pk, tl.dot(Em, Bg, input_precision=PREC), m, VARLEN)
