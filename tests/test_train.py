@@ -592,3 +592,63 @@ def test_a_run_folder_is_locked_while_a_run_writes_it(data, tmp_path):
                 dist=T.DistInfo(rank=0, world_size=2, local_rank=0))
     res = T.train(small_model(), data, small_config(steps=2), out, device="cpu")
     assert res.step == 2
+
+
+class Regression(T.Workload):
+    """A workload of its own: batches from a generator whose state a resume must restore (the
+    synthetic experiments' kind), a mean-squared-error loss, no validation."""
+
+    def __init__(self, seed=0, end_at=None):
+        self.rng, self.end_at = np.random.default_rng(seed), end_at
+
+    def batches(self, step):
+        x = torch.from_numpy(self.rng.standard_normal((8, 3))).float()
+        return [(x, x.sum(-1, keepdim=True))]
+
+    def step(self, model, optimizer, micro_batches, **kw):
+        return T.train_step(model, optimizer, micro_batches, torch.nn.functional.mse_loss, **kw)
+
+    def after_step(self, run):
+        return "end" if run.step == self.end_at else None
+
+    def state_dict(self):
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state):
+        self.rng.bit_generator.state = state["rng"]
+
+
+def linear(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(3, 1)
+
+
+def test_a_workload_of_its_own_trains_logs_and_resumes_exactly(tmp_path):
+    cfg = T.TrainConfig(steps=8, batch_size=8, lr=0.1, min_lr=0.01, warmup_steps=0, weight_decay=0.0,
+                        eval_interval=0, checkpoint_interval=0, log_interval=3)
+    whole_model = linear()
+    whole = T.train(whole_model, Regression(), cfg, tmp_path / "a", device="cpu")
+    assert [s for s, _ in whole.losses] == [1, 3, 6, 8]  # the first, every third, the last
+    distance = lambda m: float((m.weight.detach() - 1).abs().sum())  # noqa: E731 (the target is the sum of the inputs)
+    assert whole.evals == [] and distance(whole_model) < 0.8 * distance(linear())
+    cut = T.train(linear(), Regression(), cfg, tmp_path / "b", device="cpu", callback=_stop_at(3, "keyboard"))
+    assert cut.interrupted and cut.step == 3
+    # another init and another generator seed: the weights and the batches' state come from the checkpoint
+    resumed_model = linear(seed=5)
+    resumed = T.train(resumed_model, Regression(seed=99), cfg, tmp_path / "b", resume=True, device="cpu")
+    assert resumed.losses == whole.losses[2:] and resumed.history == whole.history
+    assert torch.equal(resumed_model.weight, whole_model.weight)
+    # the run's training time counts both sessions
+    before = T.load_training_state(tmp_path / "b" / "checkpoints" / "step-00000003")["extra"]["seconds"]
+    assert resumed.seconds > before > 0
+
+
+def test_a_workload_ends_the_run_early_and_checkpoints_by_time(tmp_path):
+    cfg = T.TrainConfig(steps=8, batch_size=8, warmup_steps=0, eval_interval=0, checkpoint_interval=0,
+                        checkpoint_every_s=1e-9, keep_checkpoints=10, log_interval=4)
+    r = T.train(linear(), Regression(end_at=5), cfg, tmp_path / "r", device="cpu")
+    assert r.step == 5 and r.config.steps == 8 and not r.interrupted
+    assert [s for s, _ in r.losses] == [1, 4, 5]  # the step it ended at closes the curve
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == [f"step-0000000{s}" for s in range(1, 6)]
+    with pytest.raises(ValueError, match="checkpoint_every_s"):
+        T.TrainConfig(checkpoint_every_s=-1.0)

@@ -251,15 +251,43 @@ def test_mqar_head_at_the_query_positions_only_equals_the_masked_loss(name):
 def test_a_schedule_fitted_to_the_time_limit_keeps_the_warmup_share(monkeypatch):
     # 10 % warmup of a nominal 1000 steps, fitted to 40: 4 warmup steps (was a fifth of the run)
     from xlstm_kit.experiments import task_loop as ex
+    from xlstm_kit.training import loop
 
     class Budget(ex.TimeBudget):
         def steps_that_fit(self, done, **kw):
             return 40
 
-    scheds, real = [], ex.lr_at
+    scheds, real = [], loop.lr_at
     monkeypatch.setattr(ex, "TimeBudget", Budget)
-    monkeypatch.setattr(ex, "lr_at", lambda step, sched: scheds.append(sched) or real(step, sched))
+    monkeypatch.setattr(loop, "lr_at", lambda step, sched: scheds.append(sched) or real(step, sched))
     r = run_formal("parity", "lstm-plain", quick_config(steps=1000, warmup_steps=100, time_limit_s=600.0), None)
     assert r["planned_steps"] == r["steps_done"] == 40
     assert (scheds[0].steps, scheds[0].warmup_steps) == (1000, 100)
     assert (scheds[-1].steps, scheds[-1].warmup_steps) == (40, 4)
+
+
+def test_a_run_with_a_checkpoint_locks_its_folder(tmp_path):
+    from xlstm_kit.io.locking import RunLocked, run_lock
+
+    with run_lock(tmp_path / "run.ckpt"):  # another process training into it
+        with pytest.raises(RunLocked, match="being written by another run"):
+            run_formal("parity", "lstm-plain", quick_config(steps=2), checkpoint=tmp_path / "run.ckpt")
+    assert not (tmp_path / "run.ckpt" / "latest").exists()
+
+
+def test_an_interrupted_run_saves_and_continues_exactly(tmp_path):
+    """Ctrl-C in a run with a checkpoint saves its last step (the training loop's rule); the
+    same call then continues to the uninterrupted run's losses and accuracy."""
+    cfg = quick_config(steps=8, log_every=1)
+    whole = run_formal("parity", "xlstm[1:1]", cfg)
+
+    def interrupt(step, planned, loss):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_formal("parity", "xlstm[1:1]", cfg, checkpoint=tmp_path / "run.ckpt", progress=interrupt)
+    assert (tmp_path / "run.ckpt" / "latest").read_text().strip() == "checkpoints/step-00000003"
+    rest = run_formal("parity", "xlstm[1:1]", cfg, checkpoint=tmp_path / "run.ckpt")
+    assert rest["losses"] == whole["losses"] and rest["steps_done"] == 8
+    assert rest["scaled_accuracy"] == whole["scaled_accuracy"]

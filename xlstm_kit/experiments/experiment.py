@@ -12,8 +12,9 @@ each: mLSTM first), "transformer" (Llama-style), "lstm" (nn.LSTM in the sLSTM bl
 paper's "LSTM (Block)"), "lstm-plain" (a plain n_blocks-layer nn.LSTM language model), "dplr"
 (KDA-style DPLR blocks); the ablation "transformer-conv" (ABLATION_MODELS) runs when named only.
 
-Training: the library's optimizer step (`xlstm_kit.training.train_step`: AdamW with weight-decay
-groups, warmup + cosine schedule, clipping, autocast), cross entropy on the scored tokens only.
+Training: the library's training loop (`xlstm_kit.training.train`: AdamW with weight-decay
+groups, warmup + cosine schedule, clipping, autocast, checkpoints and resume) with the task as its
+workload (`task_loop.TaskWorkload`), cross entropy on the scored tokens only.
 With a time limit, the run first times a few steps (`xlstm_kit.training.TimeBudget`) and then
 shortens its schedule to what fits, so the cosine decay still ends. With `RunConfig.compile`
 the forward and the loss (hence the backward) run compiled, with CUDA graphs on CUDA

@@ -1,11 +1,12 @@
 """Training and evaluating on a synthetic task: masked losses over the scored positions, the
-task loop (batches from a sampler, the library's `train_step`, a time budget, pause and resume
-through a checkpoint file), and the formal-language and MQAR accuracies."""
+task as a workload of the library's training loop (`xlstm_kit.training.train`: batches from a
+sampler, a schedule fitted to a time budget, a stop once converged, a pause at a given time; the
+loop does the steps, checkpoints and resume), and the formal-language and MQAR accuracies."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import XLSTMKitError
-from ..io.checkpoint import (LATEST_FILE, TRAIN_STATE_FILE, atomic_write, load_optimizer_state, load_training_state,
-                             load_weights_into, resolve_checkpoint, restore_rng, save_checkpoint)
-from ..training import TimeBudget, TrainConfig, autocast, lr_at, make_optimizer, train_step
-from ..training.compiling import CompileClock, CompiledLoss
+from ..io.checkpoint import LATEST_FILE, atomic_write, read_train_meta, resolve_checkpoint
+from ..training import (CheckpointEvent, RunState, StepEvent, TimeBudget, TrainConfig, Workload, autocast, train,
+                        train_step)
+from ..training.compiling import CompiledLoss
 from .config import RunConfig
 from .formal import FormalTask, TaskBatch, make_batch, scaled_accuracy, sequence_accuracy
 from .mqar import VOCAB_SIZE, mqar_batch
@@ -95,18 +96,6 @@ CHECKPOINT_EVERY_S = 120.0
 """Seconds between a run's checkpoints (a killed run loses at most this much training)."""
 
 
-def _save_checkpoint(path: Path, model: nn.Module, opt, rng: np.random.Generator, step: int, sched: TrainConfig,
-                     log: TrainLog, seconds: float) -> None:
-    # the library's run folder (atomic, checksummed: a run killed while saving keeps the
-    # previous checkpoint); the task sampler's state and the curve ride along as `extra`
-    save_checkpoint(path, model, opt, step, sched, keep=1,
-                    extra={"numpy_rng": rng.bit_generator.state, "losses": log.losses, "seconds": seconds})
-    # the losses so far also in a small text file next to it: the checkpoint (model, optimizer)
-    # is too big to bring back from a lent machine, and a run lost with it keeps its curve
-    _write_progress(progress_path(path), {"steps_done": step, "planned_steps": sched.steps,
-                                          "seconds": round(seconds, 1), "losses": log.losses})
-
-
 def _write_progress(path: Path, curve: dict[str, Any]) -> None:
     atomic_write(path, json.dumps(curve))
 
@@ -117,114 +106,148 @@ def progress_path(checkpoint: str | Path) -> Path:
     return Path(checkpoint).with_suffix(".progress")
 
 
+def _curve(history: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in history if "loss" in r]
+
+
+class TaskWorkload(Workload):
+    """A synthetic task as the training loop's workload: a batch of `cfg.batch_size` sequences
+    from `sample(rng)` per step (the generator's state goes into each checkpoint), the loss over
+    the scored positions, eager or compiled as one region with the forward (`cfg.compiles`)."""
+
+    # a grid point that diverges is a result of the protocol (its loss NaN, its accuracy at
+    # chance), not an error: the protocol would run it again and again
+    stops_on_nonfinite = False
+
+    def __init__(self, model: nn.Module, sample: Callable[[np.random.Generator], TaskBatch], cfg: RunConfig,
+                 time_budget_s: float | None, stop_at: float | None) -> None:
+        self.sample, self.cfg, self.time_budget_s, self.stop_at = sample, cfg, time_budget_s, stop_at
+        self.device = torch.device(cfg.device)
+        self.rng = np.random.default_rng(cfg.seed)
+        # batches with per-row scored positions (MQAR) run the head at those positions only
+        at_positions = sample(np.random.default_rng(0)).positions is not None
+        self.net = _AtPositions(model) if at_positions else model
+        self.inputs_of = (lambda b: (b.inputs, b.positions)) if at_positions else (lambda b: b.inputs)  # noqa: E731
+        self.loss = positions_loss if at_positions else masked_loss
+        self.compiled = (CompiledLoss(self.net, positions_loss if at_positions else masked_loss_static, self.device,
+                                      hint=NO_COMPILE_HINT) if cfg.compiles else None)
+        self.compiles = self.compiled is not None
+        self.converged_at: int | None = None
+        self.paused = False
+        self.run: RunState | None = None
+
+    def batches(self, step: int) -> list[tuple[Any, TaskBatch]]:
+        batch = self.sample(self.rng)
+        batch = (batch.pin_memory() if self.device.type == "cuda" else batch).to(self.device)
+        return [(self.inputs_of(batch), batch)]
+
+    def step(self, model, optimizer, micro_batches, **kw):
+        # `model` is the plain one: a task run is a single process, and `self.net` wraps it
+        if self.compiled is None:
+            return train_step(self.net, optimizer, micro_batches, self.loss, **kw)
+        pairs = [(pair, None) for pair in micro_batches]
+        return self.compiled.run(lambda m: train_step(m, optimizer, pairs, _loss_itself, **kw),
+                                 undo=lambda: optimizer.zero_grad(set_to_none=True))
+
+    def start(self, run: RunState) -> None:
+        self.run = run
+        left = None if self.time_budget_s is None else max(0.0, self.time_budget_s - run.seconds_before)
+        # compilation and any fallback fall in the first SETTLE_CALLS steps: never timed as step time
+        self.budget = TimeBudget(left, skip_steps=run.step + max(5, CompiledLoss.SETTLE_CALLS + 2), device=self.device)
+
+    def after_step(self, run: RunState) -> str | None:
+        cfg, step = self.cfg, run.step
+        if cfg.converged_loss is not None and (step % cfg.log_every == 0 or step == 1):
+            tail = list(itertools.islice((r["loss"] for r in reversed(run.history) if "loss" in r), CONVERGED_LOGS))
+            if len(tail) == CONVERGED_LOGS and all(v < cfg.converged_loss for v in tail):
+                self.converged_at = step
+                return "end"
+        if self.time_budget_s is not None:
+            remeasure = step in (20, 200)  # again at 200: parallel runs sharing a GPU change speed
+            self.budget.step_done(step, measure=remeasure)
+            fit = self.budget.steps_that_fit(step, most=cfg.steps) if remeasure else None
+            if fit is not None:  # (None: resumed too close to the step to have measured)
+                # the warmup keeps its share of the run (the paper protocol's 10 %)
+                warm = max(1, round(cfg.warmup_steps * fit / cfg.steps)) if cfg.warmup_steps else 0
+                run.config = dataclasses.replace(run.config, steps=fit, warmup_steps=min(warm, fit // 5))
+            if self.budget.spent():  # slower than measured: stop here
+                return "end"
+        if self.stop_at is not None and step < run.config.steps and time.time() >= self.stop_at:
+            self.paused = True
+            return "pause"
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"numpy_rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "numpy_rng" not in state:
+            raise XLSTMKitError("it is not a checkpoint of a synthetic-task run (no sampler state)")
+        self.rng.bit_generator.state = state["numpy_rng"]
+
+    def progress_record(self) -> dict[str, Any]:
+        """What the run's progress file holds: steps done and planned, seconds, the loss curve."""
+        run = self.run
+        return {"steps_done": run.step, "planned_steps": run.config.steps, "seconds": round(run.seconds, 1),
+                "losses": _curve(run.history)}
+
+
 def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], TaskBatch], cfg: RunConfig,
                   time_budget_s: float | None = None, progress: ProgressFn | None = None, *,
                   checkpoint: str | Path | None = None, stop_at: float | None = None) -> TrainLog:
-    """Train `model` (already on cfg.device) on batches from `sample(rng)` with `train_step`.
+    """Train `model` (already on cfg.device) on batches from `sample(rng)` with the library's
+    training loop (`xlstm_kit.training.train`).
 
     With `time_budget_s`, steps 6..20 (and 6..200) are timed and the schedule is cut to the
     steps that fit (the first steps carry one-time costs such as kernel compilation; with
     `cfg.compile` the compilation and any fallback happen within the first three steps, so
     they count against the budget but not as step time).
-    `checkpoint`: a run folder (xlstm_kit.io.checkpoint's format) that the run continues from
-    when it holds a checkpoint (model, optimizer, data and torch random states, step, schedule,
-    losses: the continued run equals an uninterrupted one) and saves to every
-    CHECKPOINT_EVERY_S seconds. `stop_at` (a time.time() value, needs
-    `checkpoint`): past it, the run saves and raises RunPaused.
+    `checkpoint`: the run folder that the run continues from when it holds a checkpoint (model,
+    optimizer, data and torch random states, step, schedule, loss curve: the continued run
+    equals an uninterrupted one), saves to every CHECKPOINT_EVERY_S seconds and at the end, and
+    locks while it trains; every save also rewrites its `progress_path`. `stop_at` (a
+    time.time() value, needs `checkpoint`): past it, the run saves and raises RunPaused.
     """
     if stop_at is not None and checkpoint is None:
         raise XLSTMKitError("stop_at needs a checkpoint file to save the run to")
-    device = torch.device(cfg.device)
-    rng = np.random.default_rng(cfg.seed)
-    sched = TrainConfig(steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr, betas=cfg.betas,
-                        weight_decay=cfg.weight_decay, warmup_steps=min(cfg.warmup_steps, cfg.steps // 5))
-    opt = make_optimizer(model, sched)
-    log = TrainLog(planned_steps=cfg.steps)
-    step, loss, seconds_before = 0, torch.zeros(()), 0.0
     checkpoint = None if checkpoint is None else Path(checkpoint)
-    if checkpoint is not None and (checkpoint / LATEST_FILE).is_file():
-        ck = resolve_checkpoint(checkpoint)
-        state = load_training_state(ck)
-        load_weights_into(model, ck)
-        load_optimizer_state(opt, state["optimizer"], ck / TRAIN_STATE_FILE)
-        restore_rng(state, device, ck / TRAIN_STATE_FILE)
-        extra = state.get("extra") or {}
-        if not {"numpy_rng", "losses", "seconds"} <= set(extra):
-            raise XLSTMKitError(f"{ck} is not a checkpoint of a synthetic-task run (no sampler state)")
-        rng.bit_generator.state = extra["numpy_rng"]
-        step, log.losses, seconds_before = int(state["step"]), list(extra["losses"]), extra["seconds"]
-        saved = state["train_config"]
-        sched = dataclasses.replace(sched, steps=saved["steps"], warmup_steps=saved["warmup_steps"])
-        time_budget_s = None if time_budget_s is None else max(0.0, time_budget_s - seconds_before)
-    # batches with per-row scored positions (MQAR) run the head at those positions only
-    at_positions = sample(np.random.default_rng(0)).positions is not None
-    net = _AtPositions(model) if at_positions else model
-    inputs_of = (lambda b: (b.inputs, b.positions)) if at_positions else (lambda b: b.inputs)  # noqa: E731
-    compiled = (CompiledLoss(net, positions_loss if at_positions else masked_loss_static, device,
-                             hint=NO_COMPILE_HINT) if cfg.compiles else None)
-    clock, compile_s = CompileClock(compiled is not None), None
-    # compilation and any fallback fall in the first SETTLE_CALLS steps: never timed as step time
-    budget = TimeBudget(time_budget_s, skip_steps=step + max(5, CompiledLoss.SETTLE_CALLS + 2), device=device)
-    last_save = time.monotonic()
-    model.train()
+    config = TrainConfig(steps=cfg.steps, lr=cfg.lr, min_lr=cfg.min_lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                         warmup_steps=min(cfg.warmup_steps, cfg.steps // 5), grad_clip=cfg.grad_clip,
+                         precision=cfg.precision, batch_size=cfg.batch_size, seed=cfg.seed, log_interval=cfg.log_every,
+                         eval_interval=0, eval_at_start=False, checkpoint_interval=0,
+                         checkpoint_every_s=CHECKPOINT_EVERY_S, keep_checkpoints=1)
+    resume = checkpoint is not None and (checkpoint / LATEST_FILE).is_file()
+    if resume:  # the schedule a time budget fitted is the run's own: the checkpoint's
+        saved = read_train_meta(resolve_checkpoint(checkpoint))["train_config"]
+        config = dataclasses.replace(config, steps=saved["steps"], warmup_steps=saved["warmup_steps"])
+    work = TaskWorkload(model, sample, cfg, time_budget_s, stop_at)
+
+    def on_event(event) -> None:
+        if isinstance(event, StepEvent) and progress is not None:
+            progress(event.step, event.total_steps, event.loss)
+        elif isinstance(event, CheckpointEvent):
+            # the curve also in a small text file beside the run folder: the checkpoint is too
+            # big to bring back from a lent machine, and a run lost with it keeps its curve
+            _write_progress(progress_path(checkpoint), work.progress_record())
+
     try:
-        while step < sched.steps:
-            batch = sample(rng)
-            batch = (batch.pin_memory() if device.type == "cuda" else batch).to(device)
-            kw = dict(lr=lr_at(step, sched), precision=cfg.precision, grad_clip=cfg.grad_clip)
-            if compiled is None:
-                loss = train_step(net, opt, [(inputs_of(batch), batch)],
-                                  positions_loss if at_positions else masked_loss, **kw).loss
-            else:
-                t0 = time.perf_counter()
-                loss = compiled.run(lambda m: train_step(m, opt, [((inputs_of(batch), batch), None)], _loss_itself, **kw),
-                                    undo=lambda: opt.zero_grad(set_to_none=True)).loss
-                if len(clock.times) < 2:  # the first two steps, timed to the end of their device work
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    timed = clock.event(step + 1, time.perf_counter() - t0, last=step + 1 == sched.steps)
-                    compile_s = compile_s if timed is None else round(timed.compile_s, 2)
-            step += 1
-            if step % cfg.log_every == 0 or step == 1:
-                log.losses.append((step, float(loss)))
-                if progress is not None:
-                    progress(step, sched.steps, log.losses[-1][1])
-                tail = log.losses[-CONVERGED_LOGS:]
-                if (cfg.converged_loss is not None and len(tail) == CONVERGED_LOGS
-                        and all(v < cfg.converged_loss for _, v in tail)):
-                    log.converged_at = step
-                    break
-            if time_budget_s is not None:
-                remeasure = step in (20, 200)  # again at 200: parallel runs sharing a GPU change speed
-                budget.step_done(step, measure=remeasure)
-                if remeasure:
-                    fit = budget.steps_that_fit(step, most=cfg.steps)
-                    # the warmup keeps its share of the run (the paper protocol's 10 %)
-                    warm = max(1, round(cfg.warmup_steps * fit / cfg.steps)) if cfg.warmup_steps else 0
-                    sched = dataclasses.replace(sched, steps=fit, warmup_steps=min(warm, fit // 5))
-                if budget.spent():  # slower than measured: stop here
-                    break
-            if checkpoint is not None and step < sched.steps:
-                paused = stop_at is not None and time.time() >= stop_at
-                if paused or time.monotonic() - last_save >= CHECKPOINT_EVERY_S:
-                    _save_checkpoint(checkpoint, model, opt, rng, step, sched, log, seconds_before + budget.elapsed())
-                    last_save = time.monotonic()
-                if paused:
-                    last = f", loss {log.losses[-1][1]:.4f}" if log.losses else ""  # how far it got, in the sweep's log
-                    raise RunPaused(f"paused after step {step} of {sched.steps}{last}; saved to {checkpoint}")
+        result = train(model, work, config, checkpoint, resume=resume, callback=on_event, device=cfg.device,
+                       handle_signals=False)
     finally:
-        if compiled is not None:  # the options that trained (after any fallback); caches freed
-            log.compiled = {**compiled.summary(), "compile_s": compile_s}
-            compiled.close()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    log.steps_done, log.planned_steps = step, sched.steps
-    log.seconds = seconds_before + budget.elapsed()
-    if not log.losses or log.losses[-1][0] != step:
-        log.losses.append((step, float(loss)))
-        if progress is not None:
-            progress(step, sched.steps, log.losses[-1][1])
-    return log
+        if work.compiled is not None:  # the options that trained (after any fallback); caches freed
+            compiled_summary = work.compiled.summary()
+            work.compiled.close()
+    losses = _curve(result.history)
+    if result.interrupted and not work.paused:
+        raise KeyboardInterrupt
+    if work.paused:
+        last = f", loss {losses[-1][1]:.4f}" if losses else ""  # how far it got, in the sweep's log
+        raise RunPaused(f"paused after step {result.step} of {result.config.steps}{last}; saved to {checkpoint}")
+    compile_rows = [r for r in result.history if "compile_s" in r]
+    return TrainLog(steps_done=result.step, planned_steps=result.config.steps, seconds=result.seconds, losses=losses,
+                    converged_at=work.converged_at,
+                    compiled=None if work.compiled is None else
+                    {**compiled_summary, "compile_s": round(compile_rows[-1]["compile_s"], 2) if compile_rows else None})
 
 
 def _round_up(x: int, m: int) -> int:

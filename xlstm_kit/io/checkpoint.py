@@ -452,10 +452,10 @@ def save_checkpoint(
     ``config`` is the TrainConfig (anything with ``to_dict()``). Returns the checkpoint folder.
     ``meta`` (JSON-serialisable; e.g. tokenizer and data spec) is stored in ``train_meta.json``;
     its "tokenizer" also goes to ``tokenizer.json``. ``extra`` (tensors and plain containers)
-    goes into ``train_state.pt`` beside the optimizer, for a loop's own state (the synthetic
-    experiments' sampler and loss curve). Older checkpoints beyond ``keep`` are removed afterwards
-    (only folders that are checkpoints of ours, as their manifest shows). A ``latest`` that
-    xlstm_kit did not write is refused, before anything is written.
+    goes into ``train_state.pt`` beside the optimizer, for the training loop's own state (its
+    training time, its workload's sampler state). Older checkpoints beyond ``keep`` are removed
+    afterwards (only folders that are checkpoints of ours, as their manifest shows). A ``latest``
+    that xlstm_kit did not write is refused, before anything is written.
     """
     out_dir = Path(out_dir)
     claim_run_files(out_dir, ())

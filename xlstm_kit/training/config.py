@@ -52,6 +52,10 @@ class TrainConfig:
     updates of up to ~lr·noise/(noise+eps); a larger eps damps that."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
+    log_interval: int = 1
+    """Log the training loss (metrics.jsonl, StepEvent) every this many steps, and at the first
+    and the last. Reading it waits for the device: a larger interval keeps small models' steps
+    from waiting on the host."""
     eval_interval: int = 100
     """Validate every this many steps (and at the end; 0: only at the end)."""
     eval_batches: int = 8
@@ -61,6 +65,9 @@ class TrainConfig:
     checkpoint_interval: int = 200
     """Write a checkpoint every this many steps (and at the end and on interrupt; 0: not
     periodically)."""
+    checkpoint_every_s: float = 0.0
+    """Also write a checkpoint once this many seconds have passed since the last one (0: not by
+    time), so that a run killed without warning loses at most that much training."""
     keep_checkpoints: int = 2
     """Completed checkpoints kept on disk (the newest ones)."""
     seed: int = 0
@@ -119,21 +126,21 @@ class TrainConfig:
             raise XLSTMKitError("TrainConfig.lora_alpha and lora_targets need a LoRA rank (TrainConfig.lora > 0)")
         if self.decay_anchor is not None:
             self.decay_anchor = (int(self.decay_anchor[0]), float(self.decay_anchor[1]))
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "keep_checkpoints"):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_interval", "keep_checkpoints"):
             if int(getattr(self, name)) < 1:
                 raise XLSTMKitError(f"TrainConfig.{name} must be a positive integer, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_interval", "eval_batches", "checkpoint_interval"):
             if int(getattr(self, name)) < 0:
                 raise XLSTMKitError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "eps"):
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "eps", "checkpoint_every_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise XLSTMKitError(f"TrainConfig.{name} must be a finite number, got {v!r}")
         if not (0 < self.lr <= MAX_LR and 0 <= self.min_lr <= self.lr):
             raise XLSTMKitError(f"need 0 < lr <= {MAX_LR:g} and 0 <= min_lr <= lr, got lr={self.lr}, "
                                 f"min_lr={self.min_lr}")
-        if self.weight_decay < 0 or self.grad_clip < 0 or not self.eps > 0:
-            raise XLSTMKitError("TrainConfig.weight_decay and grad_clip must be >= 0 and eps > 0")
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.checkpoint_every_s < 0 or not self.eps > 0:
+            raise XLSTMKitError("TrainConfig.weight_decay, grad_clip and checkpoint_every_s must be >= 0 and eps > 0")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
             raise XLSTMKitError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.precision not in PRECISIONS:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import TYPE_CHECKING, Any, Union
 
 from .compiling import CompileEvent
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 
 @dataclass
@@ -42,7 +45,7 @@ class StepEvent:
 @dataclass
 class EvalEvent:
     step: int
-    metrics: EvalMetrics
+    metrics: EvalMetrics | Any  # a language model's; another workload's are its own
 
 
 @dataclass
@@ -60,7 +63,11 @@ class TrainResult:
     interrupted: bool
     time_limited: bool = False  # stopped by `time_limit_s` before config.steps
     losses: list[tuple[int, float]] = field(default_factory=list)  # this process's run only
-    evals: list[tuple[int, EvalMetrics]] = field(default_factory=list)
+    evals: list[tuple[int, EvalMetrics | Any]] = field(default_factory=list)
     checkpoint: Path | None = None
     plot: Path | None = None
     plot_note: str | None = None  # why there is no plot (matplotlib missing)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The metrics rows of the whole run (those of earlier sessions too): metrics.jsonl's."""
+    seconds: float = 0.0  # wall time the run trained, earlier sessions included
+    config: "TrainConfig | None" = None  # the one the run ended with (its continued schedule)

@@ -1,34 +1,34 @@
-"""Training and evaluation of language models: typed functions, no printing.
+"""The training loop of the library: typed functions, no printing.
 
 ``train`` runs AdamW (weight-decay groups) with a warmup + cosine schedule, gradient clipping
-and accumulation, bf16 autocast on CUDA, periodic validation (loss, bits per byte, perplexity),
-atomic resumable checkpoints and a loss-curve PNG. Progress is reported to a callback (the
-command line turns it into a progress bar). The same function runs under
-``torchrun --nproc_per_node=N``: every rank computes its slice of each global batch, gradients
-are averaged by DistributedDataParallel, and rank 0 alone calls the callback and writes files.
+and accumulation, bf16 autocast on CUDA, periodic validation, atomic resumable checkpoints, a
+metrics log and a loss-curve PNG. Progress is reported to a callback (the command line turns it
+into a progress bar). The same function runs under ``torchrun --nproc_per_node=N``: every rank
+computes its slice of each global batch, gradients are averaged by DistributedDataParallel, and
+rank 0 alone calls the callback and writes files.
 
-Its pieces are modules of their own, which the synthetic experiments' task loop
-(xlstm_kit.experiments.task_loop) and the training benchmark use as well: `step` (`train_step`,
-one optimizer step: forward under autocast, loss, backward with accumulation, clipping, learning
-rate, update; `TimeBudget`, how many steps fit a wall-clock budget), `optim` (AdamW groups,
-`lr_at` / `continue_schedule`), `evaluate`, `distributed`, `compiling`, and the checkpoints of
-xlstm_kit.io.checkpoint.
+What it trains on is a :class:`~xlstm_kit.training.workload.Workload`: token data for a language
+model (validation loss, bits per byte, perplexity), or the synthetic experiments' tasks
+(xlstm_kit.experiments.task_loop: their batches, masked loss, accuracy, a schedule fitted to a
+time budget). Everything else, resume included, is this loop's and the same for both. Its pieces
+are modules of their own, which the training benchmark uses as well: `step` (`train_step`, one
+optimizer step; `TimeBudget`), `optim` (AdamW groups, `lr_at` / `continue_schedule`),
+`evaluate`, `distributed`, `compiling`, and the checkpoints of xlstm_kit.io.checkpoint.
 
 Output folder layout (``out_dir``): the run folder of ``xlstm_kit.io.checkpoint`` (``latest``,
-``checkpoints/step-N/``) plus ``metrics.jsonl`` (one JSON object per step / validation; after
-a failure it keeps the rows up to the newest checkpoint, and a run that saved none leaves none)
-and ``loss.png`` (the loss curve, written at the end when matplotlib is installed).
+``checkpoints/step-N/``) plus ``metrics.jsonl`` (one JSON object per logged step / validation;
+after a failure it keeps the rows up to the newest checkpoint, and a run that saved none leaves
+none) and ``loss.png`` (the loss curve, written at the end when matplotlib is installed).
 """
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as torch_dist
@@ -42,14 +42,13 @@ from ..io.checkpoint import (TRAIN_STATE_FILE, CheckpointError, atomic_write, cl
 from ..models.lora import use_lora
 from .compiling import CompileClock, compile_failure, prepare_model
 from .config import METRICS_FILE, PLOT_FILE, RESUME_FROZEN, TrainConfig
-from .data import BatchSampler, TokenData, val_batches
+from .data import TokenData
 from .distributed import DistInfo, default_device
-from .evaluate import evaluate
 from .events import CheckpointEvent, EvalEvent, StepEvent, TrainEvent, TrainResult
 from .optim import continue_schedule, lr_at, make_optimizer
-from .packing import PackedSampler
 from .plots import PLOT_MISSING_NOTE, plot_loss_curve, read_metrics
-from .step import NonFiniteStep, TimeBudget, lm_loss, train_step
+from .step import NonFiniteStep, TimeBudget
+from .workload import LanguageModelling, Workload
 
 
 class TrainingDiverged(XLSTMKitError):
@@ -82,12 +81,14 @@ class _StopRequest:
             signal.signal(sig, old)
 
 
-class _Run:
+class RunState:
     """The state of one ``train`` call and its bookkeeping (metrics log, validation,
-    checkpoints); ``train`` below is the loop."""
+    checkpoints); ``train`` below is the loop. A workload's hooks read ``step`` (steps done),
+    ``config``, ``history`` (the metrics rows so far, earlier sessions' included) and
+    ``seconds``, and may replace ``config`` (the schedule from the next step on)."""
 
-    def __init__(self, model, data, config, out_dir, dist, device, meta, callback) -> None:
-        self.model, self.data, self.config, self.meta = model, data, config, meta
+    def __init__(self, model, work, config, out_dir, dist, device, meta, callback) -> None:
+        self.model, self.work, self.config, self.meta = model, work, config, meta
         self.out_dir, self.dist, self.device = out_dir, dist, device
         self.writes = out_dir is not None and dist.is_main
         self.emit = callback if (callback is not None and dist.is_main) else (lambda event: None)
@@ -97,30 +98,22 @@ class _Run:
         self.committing = False  # inside optimizer.step: an interrupt there cannot be saved
         self.history: list[dict[str, Any]] = []
         self.metrics_path = out_dir / METRICS_FILE if out_dir is not None else None
-        self.token_bytes = data.tokenizer.token_byte_lengths()
-        self.packed = config.pack if config.pack is not None else (
-            data.train_docs is not None and "cu_seqlens" in inspect.signature(model.forward).parameters)
-        if self.packed and data.train_docs is None:
-            raise XLSTMKitError(f"pack=True needs data with documents (several files, or an EOS token in "
-                                f"the text, loaded with documents=True); {data.source!r} has none")
-        self.sampler = (PackedSampler(data.train, data.train_docs, config.seq_len, config.batch_size, seed=config.seed)
-                        if self.packed else BatchSampler(data.train, config.seq_len, config.batch_size, seed=config.seed))
+        self.seconds_before = 0.0  # training time of the sessions before a resume
+        self.started = time.perf_counter()
         self.result = TrainResult(step=0, interrupted=False)
 
-    def micro_batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches of the next optimizer step, on the device."""
-        n = self.config.grad_accum
-        for micro in range(n):
-            x, y = self.sampler.batch(self.step, rank=self.dist.rank, world_size=self.dist.world_size,
-                                      micro=micro, n_micro=n)
-            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+    @property
+    def seconds(self) -> float:
+        """Wall time the run has trained, earlier sessions included."""
+        return self.seconds_before + time.perf_counter() - self.started
 
     def start_commit(self) -> None:
         self.committing = True
 
     def restore(self) -> None:
-        """Weights, optimizer, RNG and step from the run's latest checkpoint; the schedule goes
-        on smoothly when ``config.steps`` changed (:func:`continue_schedule`)."""
+        """Weights, optimizer, RNG, step and the workload's state from the run's latest
+        checkpoint; the schedule goes on smoothly when ``config.steps`` changed
+        (:func:`continue_schedule`)."""
         if self.out_dir is None:
             raise XLSTMKitError("resume=True needs out_dir")
         remove_stale_staging(self.out_dir)
@@ -137,6 +130,12 @@ class _Run:
                     f"cannot resume with {name}={getattr(self.config, name)}: the checkpoint was trained "
                     f"with {name}={getattr(saved, name)}"
                 )
+        extra = state.get("extra") or {}
+        try:
+            self.work.load_state_dict(extra.get("workload") or {})
+            self.seconds_before = float(extra.get("seconds", 0.0))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{ckpt / TRAIN_STATE_FILE} does not hold this run's state: {e}") from None
         load_optimizer_state(self.optimizer, state["optimizer"], ckpt / TRAIN_STATE_FILE)
         load_weights_into(self.model, ckpt)
         restore_rng(state, self.device, ckpt / TRAIN_STATE_FILE)
@@ -160,6 +159,13 @@ class _Run:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    def log_step(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, dt: float) -> None:
+        value = float(loss)  # waits for the device: only on logged steps
+        self.result.losses.append((self.step, value))
+        self.log({"step": self.step, "loss": value, "lr": lr})
+        tokens = self.config.batch_size * self.config.seq_len
+        self.emit(StepEvent(self.step, self.config.steps, value, lr, float(grad_norm), tokens / max(dt, 1e-9)))
+
     def abandon_log(self) -> None:
         """After a failure: metrics.jsonl keeps the rows up to the newest checkpoint, the point a
         resume continues from; a run that saved none (nothing to resume) leaves no log."""
@@ -172,36 +178,39 @@ class _Run:
             atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def validate(self) -> None:
-        c = self.config
-        m = evaluate(self.model, self.data.val, seq_len=c.seq_len, batch_size=c.batch_size,
-                     max_batches=c.eval_batches or None, token_bytes=self.token_bytes, device=self.device,
-                     precision=c.precision, dist=self.dist, doc_starts=self.data.val_docs if self.packed else None)
-        self.result.evals.append((self.step, m))
-        self.log({"step": self.step, "val_loss": m.loss, "val_bpb": m.bits_per_byte, "val_ppl": m.perplexity,
-                  "val_batches": m.batches, "val_tokens": m.tokens})
-        self.emit(EvalEvent(self.step, m))
+        done = self.work.validate()
+        if done is None:
+            return
+        metrics, row = done
+        self.result.evals.append((self.step, metrics))
+        self.log({"step": self.step, **row})
+        self.emit(EvalEvent(self.step, metrics))
 
     def save(self, barrier: bool = True) -> None:
         if self.writes:
-            self.result.checkpoint = save_checkpoint(self.out_dir, self.model, self.optimizer, self.step,
-                                                     self.config, self.meta, keep=self.config.keep_checkpoints)
+            self.result.checkpoint = save_checkpoint(
+                self.out_dir, self.model, self.optimizer, self.step, self.config, self.meta,
+                keep=self.config.keep_checkpoints, extra={"seconds": self.seconds, "workload": self.work.state_dict()})
             self.saved_step = self.step
             self.emit(CheckpointEvent(self.step, self.result.checkpoint))
         if barrier and self.dist.enabled:
             torch_dist.barrier()
 
-    def agree(self, loss: torch.Tensor, stop: bool, late: bool) -> tuple[float, bool, bool]:
-        """One small all-reduce carries the loss for logging and any rank's stop request or
-        spent time budget, so that every rank stops after the same step."""
+    def agree(self, loss: torch.Tensor, stop: bool, late: bool) -> tuple[torch.Tensor, bool, bool]:
+        """Under DDP one small all-reduce carries the loss for logging and any rank's stop
+        request or spent time budget, so that every rank stops after the same step. A single
+        process does not wait for the device here: it reads the loss on logged steps only."""
+        if not self.dist.enabled:
+            return loss, stop, late
         flags = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device),
                              torch.tensor(float(late), device=loss.device)])
-        if self.dist.enabled:
-            torch_dist.all_reduce(flags)
-            flags[0] /= self.dist.world_size
-        return float(flags[0]), bool(flags[1] > 0), bool(flags[2] > 0)
+        torch_dist.all_reduce(flags)
+        flags[0] /= self.dist.world_size
+        return flags[0], bool(flags[1] > 0), bool(flags[2] > 0)
 
     def finish(self) -> TrainResult:
         self.result.step = self.step
+        self.result.config, self.result.history, self.result.seconds = self.config, self.history, self.seconds
         if self.writes:
             try:
                 self.result.plot = plot_loss_curve(self.history, self.out_dir / PLOT_FILE)
@@ -212,7 +221,7 @@ class _Run:
 
 def train(
     model: nn.Module,
-    data: TokenData,
+    data: TokenData | Workload,
     config: TrainConfig,
     out_dir: str | Path | None = None,
     *,
@@ -224,14 +233,17 @@ def train(
     handle_signals: bool = True,
     time_limit_s: float | None = None,
 ) -> TrainResult:
-    """Train ``model`` (tokens [B, T] -> logits [B, T, V]) on ``data``.
+    """Train ``model`` on ``data``: token data (a language model, tokens [B, T] -> logits
+    [B, T, V], validated on ``data.val``) or any :class:`Workload`.
 
     out_dir: where checkpoints, metrics and the loss curve go (None: write nothing).
     resume: continue from ``out_dir``'s latest checkpoint: weights, optimizer, step (hence data
-      position and learning rate) and RNG are restored, so the run continues exactly as if it
-      had not stopped. ``config.steps`` may differ from the checkpoint's: the cosine decay then
+      position and learning rate), RNG and the workload's state are restored, so the run
+      continues exactly as if it had not stopped. The RESUME_FROZEN settings must be the
+      checkpoint's; ``config.steps`` may differ from the checkpoint's: the cosine decay then
       continues from the current learning rate to the new end (:func:`continue_schedule`).
-    callback: receives StepEvent / EvalEvent / CheckpointEvent on rank 0 only.
+    callback: receives StepEvent (on logged steps: every ``config.log_interval``-th, the first
+      and the last) / EvalEvent / CheckpointEvent / CompileEvent on rank 0 only.
     dist: from :func:`init_distributed`; with world_size > 1 the model is wrapped in
       DistributedDataParallel and each rank trains on its slice of every global batch.
     meta: JSON-serialisable facts stored with each checkpoint (tokenizer, data spec, preset);
@@ -240,12 +252,13 @@ def train(
     time_limit_s: wall-clock budget of this call; when spent, the run validates, saves a
       checkpoint and returns early with ``time_limited`` set (the schedule is not shortened).
 
-    Returns a :class:`TrainResult`; ``interrupted`` is True when a signal or KeyboardInterrupt
-    stopped the run (after saving a checkpoint of the last completed step when ``out_dir``).
-    Raises :class:`TrainingDiverged` when a step's loss or gradient norm is NaN or infinite:
-    it stops before that step's update, nothing more is saved, and the newest checkpoint stays
-    for a resume. ``out_dir`` is locked while the run writes it (:func:`run_lock`: another run
-    into the same folder gets RunLocked).
+    Returns a :class:`TrainResult`; ``interrupted`` is True when a signal, KeyboardInterrupt or
+    the workload's "pause" stopped the run (after saving a checkpoint of the last completed step
+    when ``out_dir``). Raises :class:`TrainingDiverged` when a step's loss or gradient norm is
+    NaN or infinite (unless the workload records divergence instead): it stops before that
+    step's update, nothing more is saved, and the newest checkpoint stays for a resume.
+    ``out_dir`` is locked while the run writes it (:func:`run_lock`: another run into the same
+    folder gets RunLocked).
     """
     dist = dist or DistInfo()
     out_dir = Path(out_dir) if out_dir is not None else None
@@ -263,22 +276,21 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
             f"batch_size {config.batch_size} is not divisible by world_size*grad_accum = "
             f"{dist.world_size * config.grad_accum}"
         )
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None and vocab < data.vocab_size:
-        raise XLSTMKitError(f"model vocab_size {vocab} is smaller than the tokenizer's {data.vocab_size}")
-
-    meta = {"tokenizer": getattr(data.tokenizer, "name", None), **(meta or {})}  # generate(text) after load
+    if isinstance(data, Workload):
+        work = data
+    else:
+        work = LanguageModelling(model, data, config, dist, device)
+        meta = {"tokenizer": getattr(data.tokenizer, "name", None), **(meta or {})}  # generate(text) after load
     model.to(device)
     model.train()
     if config.lora:  # before the optimizer is built: it takes the trainable parameters only
         use_lora(model, config.lora, config.lora_alpha, config.lora_targets, seed=config.seed)
     prepare_model(model, config, device)
-    run = _Run(model, data, config, out_dir, dist, device, meta, callback)
+    run = RunState(model, work, config, out_dir, dist, device, meta, callback)
     if resume:
         run.restore()
     else:
         torch.manual_seed(config.seed)
-    config = run.config
     run.open_log(resume)
     run.result.step = run.step
 
@@ -286,21 +298,23 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
     if dist.enabled:
         forward_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     budget = TimeBudget(time_limit_s)
-    compile_clock = CompileClock(config.compile)
+    compile_clock = CompileClock(config.compile or work.compiles)
     compile_errors = (torch._dynamo.exc.TorchDynamoException,) if config.compile else ()
-    tokens_per_step = config.batch_size * config.seq_len
+    work.start(run)
+    run.started = last_save = time.perf_counter()
     with _StopRequest(handle_signals) as stop:
         try:
-            if run.step == 0 and config.eval_at_start:
+            if run.step == 0 and run.config.eval_at_start:
                 run.validate()
-            while run.step < config.steps:
+            while run.step < run.config.steps:
+                config = run.config
                 t0 = time.perf_counter()
                 lr = lr_at(run.step, config)
                 try:
-                    out = train_step(forward_model, run.optimizer, run.micro_batches(), lm_loss, lr=lr,
-                                     n_micro=config.grad_accum, precision=config.precision,
-                                     grad_clip=config.grad_clip, before_update=run.start_commit,
-                                     check_finite=True)
+                    out = work.step(forward_model, run.optimizer, work.batches(run.step), lr=lr,
+                                    n_micro=config.grad_accum, precision=config.precision,
+                                    grad_clip=config.grad_clip, before_update=run.start_commit,
+                                    check_finite=work.stops_on_nonfinite)
                 except compile_errors as e:
                     raise compile_failure(e) from e
                 except NonFiniteStep as e:
@@ -314,18 +328,24 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
                     ) from None
                 run.step += 1
                 run.committing = False
-                step_loss, stop_now, out_of_time = run.agree(out.loss, stop.requested, budget.spent())
+                loss, stop_now, out_of_time = run.agree(out.loss, stop.requested, budget.spent())
+                if compile_clock.enabled and len(compile_clock.times) < 2 and device.type == "cuda":
+                    torch.cuda.synchronize(device)  # a compiling step is timed to the end of its device work
                 dt = time.perf_counter() - t0
-                run.result.losses.append((run.step, step_loss))
-                run.log({"step": run.step, "loss": step_loss, "lr": lr})
-                run.emit(StepEvent(run.step, config.steps, step_loss, lr, float(out.grad_norm),
-                                  tokens_per_step / max(dt, 1e-9)))
-                compiled = compile_clock.event(run.step, dt, last=run.step == config.steps)
+                logged = run.step == 1 or run.step % config.log_interval == 0
+                if logged:
+                    run.log_step(loss, lr, out.grad_norm, dt)
+                decision = work.after_step(run)
+                config = run.config
+                at_end = run.step >= config.steps or decision == "end"
+                if at_end and not logged:  # the curve ends at the run's last step
+                    run.log_step(loss, lr, out.grad_norm, dt)
+                compiled = compile_clock.event(run.step, dt, last=at_end)
                 if compiled is not None:
                     run.log({"step": compiled.step, "compile_s": compiled.compile_s,
                              "first_step_s": compiled.first_step_s, "step_s": compiled.step_s})
                     run.emit(compiled)
-                at_end = run.step == config.steps
+                stop_now = stop_now or decision == "pause"
                 if (config.eval_interval and run.step % config.eval_interval == 0) or at_end \
                         or (out_of_time and not stop_now):
                     run.validate()
@@ -333,9 +353,14 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
                     run.result.interrupted = True
                     run.save()
                     break
-                if (config.checkpoint_interval and run.step % config.checkpoint_interval == 0) or at_end or out_of_time:
+                if (config.checkpoint_interval and run.step % config.checkpoint_interval == 0) or at_end \
+                        or out_of_time or (config.checkpoint_every_s
+                                           and time.perf_counter() - last_save >= config.checkpoint_every_s):
                     run.save()
-                if out_of_time and not at_end:
+                    last_save = time.perf_counter()
+                if at_end:
+                    break
+                if out_of_time:
                     run.result.time_limited = True
                     break
         except KeyboardInterrupt:
