@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 from xlstm_kit import training as T
-from xlstm_kit.training.loop import _Run
+from xlstm_kit.training.loop import RunState
+from xlstm_kit.training.workload import LanguageModelling
 from xlstm_kit.io.checkpoint import CHECKSUMS_FILE, save_checkpoint
 from xlstm_kit.errors import XLSTMKitError
 
@@ -279,7 +280,9 @@ def test_fuzz_training_states(run):
         torch.manual_seed(123)
         model = XLSTMLanguageModel(XLSTMConfig(vocab_size=256, d_model=32, n_blocks=2, n_heads=2, slstm_at=[1],
                                                chunk_size=8))
-        r = _Run(model, data, cfg, run_dir, T.DistInfo(), torch.device("cpu"), {}, None)
+        cpu = torch.device("cpu")
+        r = RunState(model, LanguageModelling(model, data, cfg, T.DistInfo(), cpu), cfg, run_dir, T.DistInfo(), cpu,
+                     {}, None)
         try:
             r.restore()
             x = torch.randint(0, 256, (2, 9))

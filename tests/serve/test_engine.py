@@ -9,7 +9,8 @@ import torch
 
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.io.tokenizers import ByteTokenizer
-from xlstm_kit.serve.engine import Engine, EngineBusy, EngineClosed, Request, SamplingParams, _buckets
+from xlstm_kit.serve.engine import Engine, EngineBusy, EngineClosed, Request, SamplingParams
+from xlstm_kit.serve.slots import _buckets
 from xlstm_kit.serve.prefix_cache import PrefixCache
 
 from .conftest import tiny_model
