@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .args import (DTYPES, THREADS_HELP, Formatter, Parser, nonneg_float, nonneg_int, positive_float,
+from .args import (DTYPES, THREADS_HELP, Formatter, Parser, device_name, nonneg_float, nonneg_int, positive_float,
                    positive_int, thread_count)
 
 
@@ -55,7 +55,7 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                      help="print tokens as they are produced (default: when stdout is a terminal; not with "
                      "--prompts)")
-    gen.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    gen.add_argument("--device", type=device_name, default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
     gen.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype (default: the file's)")
     gen.add_argument("--threads", type=thread_count, default=None, help=THREADS_HELP)
     gen.add_argument("--compile", action="store_true",
@@ -142,7 +142,7 @@ def add_experiment_parser(sub) -> None:
                        "graphs on CUDA; evaluation stays eager). Default: on with --protocol paper on CUDA, "
                        "else off")
         p.add_argument("--backend", choices=["torch", "triton"], default=None, help="xLSTM ops backend (default: by device)")
-        p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+        p.add_argument("--device", type=device_name, default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
         p.add_argument("--threads", type=thread_count, default=None, metavar="N", help="CPU threads")
         p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="output folder")
         p.set_defaults(run=("experiment", "cmd_experiment"))

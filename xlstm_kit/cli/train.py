@@ -20,7 +20,7 @@ from ..training import (RESUME_FROZEN, StepEvent, TimeBudget, TrainConfig, conti
                         train, val_batch_count)
 from ..training.data import load_data
 from .args import (DEFAULT_DATA, DEFAULT_PRESET, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, FINETUNE_DEFAULTS,
-                   PROG, UsageError)
+                   PROG, UsageError, preset_key)
 from .common import (Progress, check_eval_memory, check_out_dir, check_training_memory, clear_run,
                      init_tokenizer, normalise_data_spec, open_checkpoint, pick_device, prepare_demo_out,
                      report_skipped, tokenizer_for, train_defaults, use_threads)
@@ -75,7 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         tok_name = init_tokenizer(model, args.tokenizer, args.init_from)
     else:
         preset = (args.preset or DEFAULT_PRESET)
-        if preset.lower() not in PRESETS:
+        if preset_key(preset) not in PRESETS:
             raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
         tok_name = args.tokenizer or "byte"
     if not args.resume:

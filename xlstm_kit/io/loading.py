@@ -12,6 +12,7 @@ import torch
 
 from ..errors import XLSTMKitError
 from ..models import XLSTMConfig, XLSTMLanguageModel
+from ..models.meta import shapes_only
 from . import checkpoint
 from .hf import (HF_MODEL_TYPE, TOKENIZER_NAME_KEY, check_device, check_sources, config_from_hf, is_hf_config,
                  materialise, read_headers, target_dtype)
@@ -67,7 +68,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
                             f"{checkpoint.CONFIG_FILE} says n_blocks={n_blocks}")
     config = _runnable_on(_config(config_dict, path / checkpoint.CONFIG_FILE), check_device(device), path)
     source = path / checkpoint.WEIGHTS_FILE
-    with torch.device("meta"):  # the config's shapes, checked against the file before allocating
+    with shapes_only():  # the config's shapes, checked against the file before allocating
         checkpoint.check_state(model_class(config), tensors, source)
     model = checkpoint.load_state_checked(model_class(config), tensors, source, checked=True)
     model.tokenizer_name = checkpoint.read_tokenizer_name(path)
@@ -107,7 +108,7 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
         # transformers' xLSTMForCausalLM never ties its head (it has no tied-weights keys): a
         # stored head is the one it computes with, whatever tie_word_embeddings says
         config = dataclasses.replace(config, tie_embeddings=False)
-    with torch.device("meta"):  # shapes only: nothing is allocated until a tensor is read
+    with shapes_only():  # shapes only: nothing is allocated until a tensor is read
         model = model_class(config)
     expected = model.state_dict()
     if config.tie_embeddings:

@@ -14,15 +14,11 @@ library's models (float32, 2026-12-01, ru_maxrss of one training step at several
 """
 from __future__ import annotations
 
-import math
 import os
-from pathlib import Path
 
-import torch
-
+from ..models.meta import GIB, available_memory, format_gib, shapes_only  # noqa: F401 - part of this module's API
 from ..models.xlstm import XLSTMLanguageModel
 
-GIB = 2**30
 # Interpreter, torch and allocator overhead that exists whatever the model (measured ~0.3 GiB).
 _BASE_BYTES = int(0.4 * GIB)
 _TRAIN_BYTES_PER_TOKEN_BLOCK_D = 225
@@ -69,7 +65,7 @@ def default_threads(torch_default: int) -> int | None:
 
 def count_parameters(config) -> int:
     """Parameters of ``XLSTMLanguageModel(config)``, counted on the meta device (no memory)."""
-    with torch.device("meta"):
+    with shapes_only():
         return sum(p.numel() for p in XLSTMLanguageModel(config).parameters())
 
 
@@ -100,31 +96,3 @@ def largest_batch(bytes_for_batch, limit: int, start: int) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def available_memory() -> int | None:
-    """Bytes this process can still allocate: MemAvailable of /proc/meminfo, lowered by a
-    cgroup (container) limit; None where neither is known (not Linux)."""
-    found = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    cgroup = Path("/sys/fs/cgroup")
-    for limit_file, usage_file in (("memory.max", "memory.current"),  # cgroup v2
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            limit = (cgroup / limit_file).read_text().strip()
-            usage = int((cgroup / usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < 2**60:  # "max" or a huge number: no limit
-            found.append(max(0, int(limit) - usage))
-        break
-    return min(found) if found else None
-
-
-def format_gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB" if n < 100 * GIB else f"{math.ceil(n / GIB):,} GiB"
