@@ -47,6 +47,7 @@ from torch import nn
 from .._version import __version__
 from ..errors import XLSTMKitError
 from .locking import RUN_LOCK_FILE, RunLocked, run_lock  # noqa: F401 - part of this module's API
+from .paths import check_writable
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -58,6 +59,7 @@ TRAIN_STATE_FILE = "train_state.pt"
 TRAIN_META_FILE = "train_meta.json"
 CHECKSUMS_FILE = "checksums.json"
 MAX_CHECKSUMS_BYTES = 1 << 20  # a few file names and digests
+STAGING_NAME_BYTES = len(".") + len(".tmp-") + 12  # what _make_hidden_dir adds to a folder's name
 
 
 class CheckpointError(XLSTMKitError):
@@ -209,9 +211,7 @@ def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None) ->
 def save_model(model: nn.Module, directory: str | Path, tokenizer: str | None = None) -> Path:
     """Write ``directory``/config.json + model.safetensors (+ tokenizer.json when ``tokenizer``
     names one) for a model with a ``config``. Returns the folder."""
-    directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        raise XLSTMKitError(f"cannot save a checkpoint to {str(directory)!r}: it exists and is not a folder")
+    directory = check_writable(directory, "cannot save a checkpoint to", folder=True, extra_bytes=STAGING_NAME_BYTES)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = _make_hidden_dir(directory.parent, f".{directory.name}.tmp-")
     try:

@@ -44,6 +44,7 @@ from torch import nn
 from ..errors import XLSTMKitError
 from ..models.config import XLSTMConfig
 from . import checkpoint
+from .paths import check_writable
 from .tokenizers import HFSpecialTokens
 
 HF_MODEL_TYPE = "xlstm"
@@ -457,9 +458,7 @@ def save_pretrained(model: nn.Module, path: str | Path, format: str = "hf",
         # refuses two names for one tensor, hence a copy)
         tensors["lm_head.weight"] = tensors["lm_head.weight"].clone()
 
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise XLSTMKitError(f"cannot save to {str(path)!r}: it exists and is not a folder")
+    path = check_writable(path, "cannot save to", folder=True, extra_bytes=checkpoint.STAGING_NAME_BYTES)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = checkpoint._make_hidden_dir(path.parent, f".{path.name}.tmp-")
     try:
