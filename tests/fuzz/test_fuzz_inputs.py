@@ -49,3 +49,20 @@ def test_odd_output_paths(small, tmp_path, how, where):
     _one_line_error(call)
     assert (tmp_path / "afile").read_text() == "x"
     assert sorted(os.listdir(tmp_path)) == ["afile", "dangling"]  # no staging folder left behind
+
+
+# ------------------------------------------------------------------------------ configs too large together
+def test_a_config_too_large_to_allocate_is_refused_before_allocating(monkeypatch):
+    # each field within its bounds, together ~160 billion parameters
+    huge = XLSTMConfig(vocab_size=262144, d_model=16384, n_blocks=48, n_heads=8)
+    message = _one_line_error(lambda: XLSTMLanguageModel(huge))
+    assert "parameters" in message and "GiB" in message and "free on cpu" in message
+    with torch.device("meta"):  # its shapes can still be inspected
+        XLSTMLanguageModel(huge)
+    from xlstm_kit.models import meta
+
+    monkeypatch.setattr(meta, "available_memory", lambda: 2**20)
+    message = _one_line_error(lambda: XLSTMLanguageModel(XLSTMConfig.from_name("tiny")))
+    assert "502,040 parameters: 1.9 MiB in float32, more than the 1.0 MiB" in message
+    monkeypatch.setattr(meta, "available_memory", lambda: None)  # unknown: no refusal
+    XLSTMLanguageModel(XLSTMConfig.from_name("tiny"))

@@ -96,6 +96,10 @@ def format_gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n < 100 * GIB else f"{math.ceil(n / GIB):,} GiB"
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < GIB else format_gib(n)
+
+
 def check_fits(n_params: int, dtype: torch.dtype, device: torch.device, what: str) -> None:
     """XLSTMKitError when ``n_params`` parameters of ``dtype`` exceed the free memory of
     ``device``; nothing where that is unknown."""
@@ -103,6 +107,6 @@ def check_fits(n_params: int, dtype: torch.dtype, device: torch.device, what: st
     need = n_params * torch.empty((), dtype=dtype, device="meta").element_size()
     if free is not None and need > free:
         raise XLSTMKitError(
-            f"{what} has {n_params:,} parameters: {format_gib(need)} in {str(dtype).removeprefix('torch.')}, more "
-            f"than the {format_gib(free)} of memory free on {device}; choose a smaller config (d_model, "
+            f"{what} has {n_params:,} parameters: {_size(need)} in {str(dtype).removeprefix('torch.')}, more "
+            f"than the {_size(free)} of memory free on {device}; choose a smaller config (d_model, "
             f"n_blocks, vocab_size), or build it under torch.device('meta') to inspect its shapes")
