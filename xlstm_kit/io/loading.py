@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import XLSTMKitError
+from ..errors import MissingFileError, XLSTMKitError
 from ..models import XLSTMConfig, XLSTMLanguageModel
 from ..models.meta import shapes_only
 from . import checkpoint
@@ -23,7 +23,7 @@ def _model_folder(path: str | Path, what: str) -> Path:
     """The checkpoint folder `path` names: itself, or a run folder's newest checkpoint."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"no {what} folder at {str(path)!r}")
+        raise MissingFileError(f"no {what} folder at {str(path)!r}")
     if not (path / checkpoint.CONFIG_FILE).is_file():
         if not (path / checkpoint.LATEST_FILE).is_file():
             raise XLSTMKitError(f"{path} has no {checkpoint.CONFIG_FILE}: it is neither a HuggingFace xLSTM folder, "
@@ -56,7 +56,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     missing, XLSTMKitError if corrupt."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint folder at {str(path)!r}")
+        raise MissingFileError(f"no checkpoint folder at {str(path)!r}")
     if not (path / checkpoint.CONFIG_FILE).exists() and (path / checkpoint.LATEST_FILE).is_file():
         path = checkpoint.resolve_checkpoint(path)
     config_dict, tensors = checkpoint.read_model_files(path)
