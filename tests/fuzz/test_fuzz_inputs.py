@@ -202,6 +202,45 @@ def test_a_torn_last_metrics_row_is_dropped_and_resume_goes_on(tmp_path, monkeyp
                                     resume=True, handle_signals=False))
 
 
+# ------------------------------------------------------------------------------ generation and training arguments
+@pytest.mark.parametrize("kwargs", [
+    dict(repetition_penalty=1e-40), dict(repetition_penalty=1e-300), dict(repetition_penalty=1e300),
+    dict(repetition_penalty=float("nan")), dict(seed=2**64), dict(seed=-1), dict(seed=1.5),
+    dict(stop="\ud800"),
+])
+@pytest.mark.parametrize("prompt", ["tokens", "text"])
+def test_absurd_generation_arguments(kwargs, prompt):
+    torch.manual_seed(0)
+    model = XLSTMLanguageModel(XLSTMConfig(d_model=32, n_blocks=1, n_heads=2))
+    model.tokenizer_name = "byte"
+    if prompt == "tokens" and "stop" in kwargs:
+        kwargs = {**kwargs, "tokenizer": model.tokenizer}
+    _one_line_error(lambda: model.generate("ab" if prompt == "text" else [torch.tensor([1, 2])], 3, temperature=1.0,
+                                           **kwargs))
+
+
+@pytest.mark.parametrize("text", ["ab\ud800", "\udcff", "x\udfff\ud800y"])
+def test_prompts_that_are_not_text(text):
+    from xlstm_kit.generation import generate as gen
+    from xlstm_kit.io.tokenizers import get_tokenizer
+
+    torch.manual_seed(0)
+    model = XLSTMLanguageModel(XLSTMConfig(d_model=32, n_blocks=1, n_heads=2))
+    model.tokenizer_name = "byte"
+    assert "lone surrogate" in _one_line_error(lambda: model.generate(text, 2))
+    _one_line_error(lambda: model.generate(["fine", text], 2))
+    _one_line_error(lambda: gen.complete_texts(model, get_tokenizer("byte"), [text], 2))
+    assert model.generate("ab", 2, repetition_penalty=1e6, seed=2**64 - 1).startswith("ab")  # the edges work
+
+
+@pytest.mark.parametrize("kwargs", [dict(seed=2**64), dict(seed=-1), dict(seed="1"), dict(lr=1e308),
+                                    dict(lr=1e-3, min_lr=1e-2)])
+def test_absurd_training_arguments(kwargs):
+    from xlstm_kit.training import TrainConfig
+
+    _one_line_error(lambda: TrainConfig(**kwargs))
+
+
 # ------------------------------------------------------------------------------ devices and dtypes
 @pytest.mark.parametrize("device", ["meta", "cuda", "cuda:99", "xla", "tpu", 3.5, "mps:7"])
 def test_impossible_devices(small, tmp_path, device):

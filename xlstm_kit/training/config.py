@@ -98,6 +98,9 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "keep_checkpoints"):
             if int(getattr(self, name)) < 1:
                 raise XLSTMKitError(f"TrainConfig.{name} must be a positive integer, got {getattr(self, name)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise XLSTMKitError(f"TrainConfig.seed must be an integer in [0, 2**64) (torch's generators take "
+                                f"64 bits), got {self.seed!r}")
         for name in ("warmup_steps", "eval_interval", "eval_batches", "checkpoint_interval"):
             if int(getattr(self, name)) < 0:
                 raise XLSTMKitError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -105,9 +108,11 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise XLSTMKitError(f"TrainConfig.{name} must be a finite number, got {v!r}")
-        if not (0 < self.lr <= MAX_LR and 0 <= self.min_lr <= self.lr):
-            raise XLSTMKitError(f"need 0 < lr <= {MAX_LR:g} and 0 <= min_lr <= lr, got lr={self.lr}, "
-                                f"min_lr={self.min_lr}")
+        if not 0 < self.lr <= MAX_LR:
+            raise XLSTMKitError(f"TrainConfig.lr must be in (0, {MAX_LR:g}] (an AdamW step is about lr in size), "
+                                f"got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise XLSTMKitError(f"TrainConfig.min_lr must be in [0, lr] = [0, {self.lr}], got {self.min_lr}")
         if self.weight_decay < 0 or self.grad_clip < 0 or not self.eps > 0:
             raise XLSTMKitError("TrainConfig.weight_decay and grad_clip must be >= 0 and eps > 0")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
@@ -116,7 +121,8 @@ class TrainConfig:
             raise XLSTMKitError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.batch_size % self.grad_accum:
             raise XLSTMKitError(
-                f"TrainConfig.batch_size ({self.batch_size}) must be divisible by grad_accum ({self.grad_accum})"
+                f"TrainConfig.batch_size ({self.batch_size}) must be divisible by TrainConfig.grad_accum "
+                f"({self.grad_accum})"
             )
 
     def to_dict(self) -> dict[str, Any]:
