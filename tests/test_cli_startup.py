@@ -75,6 +75,10 @@ def test_the_cli_knows_the_library_names():
         assert cli_args.preset_name(key.upper()) == key.upper()
         XLSTMConfig.from_name(key.upper())
     assert cli_args.preset_name("xlstm-7b") == "xlstm-7b"
+    from xlstm_kit.cli import parsers
+    from xlstm_kit.generation import sampling
+
+    assert parsers.MAX_REPETITION_PENALTY == sampling.MAX_REPETITION_PENALTY
 
 
 def test_loading_and_generating_import_neither_dynamo_nor_sympy(tmp_path):

@@ -278,3 +278,38 @@ def test_a_model_without_tokenizer_has_no_tokenizer_attribute():
     model.tokenizer_name = "byte"
     assert model.tokenizer.name == "byte"
     model.embedding  # nn.Module's own attributes still resolve  # noqa: B018
+
+
+# ------------------------------------------------------------------------------ the command line
+@pytest.mark.parametrize("argv", [
+    ["bench", "--device", "tpu", "--list"],
+    ["bench", "--threads", "0", "--list"],
+    ["train", "--lr", "1e308"],
+    ["train", "--lr", "1e-4", "--min-lr", "1e-3"],
+    ["train", "--batch-size", "6", "--grad-accum", "4"],
+    ["train", "--seed", str(2**64)],
+    ["generate", "MODEL", "--repetition-penalty", "1e-40"],
+    ["generate", "MODEL", "--seed", str(2**64)],
+    ["generate", "MODEL", "--prompt", "ab\udcff"],
+    ["generate", "MODEL", "--stop", "\ud800"],
+    ["train", "--pack", "--data", "TEXT"],
+])
+def test_cli_refusals_speak_flags(tmp_path, monkeypatch, capsys, argv):
+    from xlstm_kit.cli import app
+
+    monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    XLSTMLanguageModel(XLSTMConfig(d_model=32, n_blocks=1, n_heads=2)).save(tmp_path / "m", tokenizer="byte")
+    (tmp_path / "t.txt").write_text("one text, no documents\n" * 50)
+    argv = [str(tmp_path / "m") if a == "MODEL" else str(tmp_path / "t.txt") if a == "TEXT" else a for a in argv]
+    if argv[0] == "train":  # small and fast where nothing is wrong; the case's own options come last and win
+        argv = ["train", "--out", str(tmp_path / "run"), "--device", "cpu", "--steps", "2", "--batch-size", "2",
+                "--seq-len", "8", *argv[1:]]
+    try:
+        code = app.main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, (argv, err)
+    assert "TrainConfig" not in err[0] and "pack=True" not in err[0] and "documents=True" not in err[0], err[0]
+    assert "_" not in err[0].split("error:")[1].replace(str(tmp_path), ""), err[0]  # no Python names

@@ -35,8 +35,8 @@ from ..bench.options import add_arguments as _bench_arguments
 from ..errors import DataError, XLSTMKitError
 from ..io.paths import check_readable, check_writable
 from .args import (DEFAULT_DATA, DEFAULT_PRESET, DTYPES, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, EXIT_USAGE,
-                   PROG, THREADS_HELP, Formatter, Parser, device_name, nonneg_float, nonneg_int, one_line,
-                   positive_float, positive_int, preset_name, thread_count, tokenizer_name)
+                   PROG, THREADS_HELP, Formatter, Parser, UsageError, device_name, nonneg_float, nonneg_int, one_line,
+                   positive_float, positive_int, preset_name, seed_int, thread_count, tokenizer_name)
 from .parsers import add_experiment_parser, add_generate_parser
 
 
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=nonneg_int, default=None, help="linear warmup steps")
     g.add_argument("--weight-decay", type=nonneg_float, default=None, help="AdamW weight decay (matrices only)")
     g.add_argument("--grad-clip", type=nonneg_float, default=None, help="gradient norm clip (0: off)")
-    g.add_argument("--seed", type=nonneg_int, default=None, help="seed of initialisation and data order")
+    g.add_argument("--seed", type=seed_int, default=None, help="seed of initialisation and data order")
     g.add_argument("--precision", choices=["auto", "bf16", "fp32"], default=None,
                    help="auto = bf16 autocast on CUDA, float32 on CPU")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -193,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _bench_arguments(be)
+    for action in be._actions:  # the command line's own checks, answered before torch is imported
+        if "--device" in action.option_strings:
+            action.type = device_name
+        elif "--threads" in action.option_strings:
+            action.type = thread_count
     be.set_defaults(run=("bench", "cmd_bench"))
 
     for p in (t, gen, ev, de):
@@ -225,10 +230,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
-def _check_paths(args: argparse.Namespace) -> None:
-    """The paths named on the command line that can be judged without torch: a mistyped one is
-    answered at once, not after the seconds that importing torch takes."""
+def _check_text(text: str, flag: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = text[e.start]
+        what = f"the byte 0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else repr(c)
+        raise UsageError(f"{flag} is not UTF-8 text: {what} at position {e.start}") from None
+
+
+def _check_early(args: argparse.Namespace) -> None:
+    """What the command line names that can be judged without torch (paths, texts): a mistake
+    is answered at once, not after the seconds that importing torch takes."""
     command = args.command
+    if command in ("generate", "demo") and args.prompt is not None:
+        _check_text(args.prompt, "--prompt")
+    for stop in getattr(args, "stop", None) or ():
+        _check_text(stop, "--stop")
     if command in ("generate", "eval"):
         check_readable(args.checkpoint, "the folder")
     if getattr(args, "data", None) and command in ("train", "eval") and not args.data.startswith("builtin:"):
@@ -249,7 +267,7 @@ def _check_paths(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace) -> int:
     module, name = args.run
     try:
-        _check_paths(args)
+        _check_early(args)
         # the command's module (and with it torch) only now, for the command that runs
         return getattr(importlib.import_module(f"{__package__}.{module}"), name)(args)
     except (XLSTMKitError, MissingExtraError) as e:

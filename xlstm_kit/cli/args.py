@@ -131,6 +131,14 @@ def nonneg_int(text: str) -> int:
     return v
 
 
+def seed_int(text: str) -> int:
+    """--seed: an integer in [0, 2**64), what torch's generators take."""
+    v = nonneg_int(text)
+    if v >= 2**64:
+        raise argparse.ArgumentTypeError(f"must be below 2**64 = {2**64}, got {v}")
+    return v
+
+
 def nonneg_float(text: str) -> float:
     try:
         v = float(text)

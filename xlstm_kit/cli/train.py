@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
 
+from ..errors import XLSTMKitError
 from ..generation.generate import generate_text
 from ..io.loading import load_model, load_pretrained
 from ..io.tokenizers import TOKENIZERS, get_tokenizer
@@ -24,6 +26,18 @@ from .args import (DEFAULT_DATA, DEFAULT_PRESET, EVAL_WHOLE_SPLIT_UP_TO, EXIT_IN
 from .common import (Progress, check_eval_memory, check_out_dir, check_training_memory, clear_run,
                      init_tokenizer, normalise_data_spec, open_checkpoint, pick_device, prepare_demo_out,
                      report_skipped, tokenizer_for, train_defaults, use_threads)
+
+
+def _in_flags(message: str) -> str:
+    """A TrainConfig error in the words of the command line (TrainConfig.min_lr -> --min-lr)."""
+    return re.sub(r"TrainConfig\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), message)
+
+
+def _train_config(make, *args):
+    try:
+        return make(*args)
+    except XLSTMKitError as e:
+        raise UsageError(_in_flags(str(e))) from None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -63,7 +77,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             if key in overrides and overrides[key] != getattr(saved_config, key):
                 raise UsageError(f"--{key.replace('_', '-')} cannot change on --resume "
                                  f"(the checkpoint used {getattr(saved_config, key)})")
-        config = continue_schedule(saved_config, TrainConfig.from_dict({**saved, **overrides}), int(meta["step"]))
+        config = continue_schedule(saved_config, _train_config(TrainConfig.from_dict, {**saved, **overrides}),
+                                   int(meta["step"]))
         preset, data_spec, tok_name = meta.get("preset"), meta["data"], meta["tokenizer"]
         val_fraction = meta.get("val_fraction", args.val_fraction)
         model = load_model(ckpt)
@@ -90,7 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         steps = overrides.get("steps", defaults["steps"])
         # A short run still needs its cosine decay: warm up for at most a fifth of it.
         defaults["warmup_steps"] = min(defaults["warmup_steps"], steps // 5)
-        config = TrainConfig(**{**defaults, **overrides})
+        config = _train_config(TrainConfig.from_dict, {**defaults, **overrides})
         start = 0
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
@@ -107,6 +122,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     data = load_data(data_spec, tok_name, val_fraction=val_fraction, documents=config.pack is not False)
     if dist.is_main:
         report_skipped(data)
+    if config.pack and data.train_docs is None:
+        raise UsageError(f"--pack needs data made of documents (several files, or texts that end with the "
+                         f"tokenizer's end token); {data_spec} is one text: leave out --pack")
     if not args.resume:
         torch.manual_seed(config.seed)
         if args.init_from is None:
