@@ -111,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto = bf16 autocast on CUDA, float32 on CPU")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each block for training (faster steps after a first step that "
-                   "compiles; its time is printed; needs a C++ compiler on CPU) (default: off)")
+                   "compiles; its time is printed). On the CPU it needs a C++ compiler and the first step "
+                   "compiles for minutes (862 s for the tiny preset on 2 cores): for long runs only (default: off)")
+    g.add_argument("--on-nonfinite", choices=["stop", "skip"], default=None,
+                   help="a step whose loss or gradient is NaN or infinite stops the run (stop), or its update is "
+                   "skipped (skip: weights and optimizer unchanged, counted in metrics.jsonl; the run still stops "
+                   "after 10 such steps in a row) (default: stop)")
     g.add_argument("--activation-checkpointing", nargs="?", const="all", default=None, metavar="BLOCKS",
                    choices=["none", "all", "mlstm", "slstm", "dplr"],
                    help="recompute the forward of these blocks in the backward instead of storing their "

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from ..models import PRESETS, XLSTMConfig, XLSTMLanguageModel
 from ..training import (RESUME_FROZEN, StepEvent, TimeBudget, TrainConfig, continue_schedule, evaluate,
                         init_distributed, load_training_state, lr_at, read_train_meta, resolve_checkpoint,
                         train, val_batch_count)
+from ..training.compiling import CPU_COMPILE_NOTE, SlowCompileWarning
 from ..training.data import load_data
 from .args import (DEFAULT_DATA, DEFAULT_PRESET, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, FINETUNE_DEFAULTS,
                    PROG, UsageError, preset_key)
@@ -52,7 +54,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr", "warmup_steps",
                   "weight_decay", "grad_clip", "seed", "precision", "eval_interval", "eval_batches",
-                  "checkpoint_interval", "compile", "activation_checkpointing", "pack")
+                  "checkpoint_interval", "compile", "activation_checkpointing", "pack", "on_nonfinite")
         if getattr(args, k) is not None
     }
     if args.resume and args.overwrite:
@@ -144,6 +146,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             where += f" ({threads})"
         if config.compile:
             where += ", compiled"
+        if config.compile and (device.type == "cpu" if device is not None else not torch.cuda.is_available()):
+            print(f"{PROG} train: warning: --compile: {CPU_COMPILE_NOTE}", file=sys.stderr, flush=True)
         if config.activation_checkpointing != "none":
             where += f", recomputing {config.activation_checkpointing} blocks in the backward"
         if data.train_docs is not None and config.pack is not False:
@@ -159,9 +163,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"cosine decay to {config.min_lr:.3g} at step {config.steps} (stretched from the "
                   f"checkpoint's {saved_config.steps} steps, not restarted)", file=sys.stderr, flush=True)
         progress = Progress(config.steps, start, not args.no_progress, sys.stderr)
+    # the start line above said it, in one line (and only rank 0)
+    warnings.filterwarnings("ignore", category=SlowCompileWarning)
     try:
+        # threads=None: use_threads above applied the command line's choice
         result = train(model, data, config, out, resume=args.resume, callback=progress,
-                       device=device, dist=dist, meta=meta_out)
+                       device=device, dist=dist, meta=meta_out, threads=None)
     finally:
         if progress is not None:
             progress.close()
@@ -173,8 +180,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"interrupted at step {result.step}; saved {where}. Continue with: "
                   f"xlstm-kit train --out {out} --resume", file=sys.stderr)
             return EXIT_INTERRUPTED
+        skipped = (f"; skipped the update of {result.skipped_steps} step{'s' if result.skipped_steps > 1 else ''} "
+                   f"with a non-finite loss") if result.skipped_steps else ""
         print(f"done: step {result.step}; checkpoint {result.checkpoint}; "
-              + (f"loss curve {result.plot}" if result.plot else result.plot_note or "no loss curve"),
+              + (f"loss curve {result.plot}" if result.plot else result.plot_note or "no loss curve") + skipped,
               file=sys.stderr)
     return 0
 
@@ -243,7 +252,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         config = TrainConfig(steps=warmup, eval_interval=0, eval_batches=4, checkpoint_interval=0, **defaults)
         result = train(model, data, config, out, device=device, callback=on_event, meta=meta,
-                       time_limit_s=budget.remaining() + slack)
+                       time_limit_s=budget.remaining() + slack, threads=None)
         if not (result.interrupted or result.time_limited):
             # ~8% of what is left goes to validation (4 batches, 3 times) and the checkpoint.
             steps = budget.steps_that_fit(warmup, reserve=0.08) or warmup
@@ -252,7 +261,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, steps=steps, eval_interval=max(1, -(-steps // 3)))
             if steps > warmup:
                 result = train(model, data, config, out, resume=True, device=device, callback=on_event,
-                               meta=meta, time_limit_s=max(1.0, budget.remaining() + slack))
+                               meta=meta, time_limit_s=max(1.0, budget.remaining() + slack), threads=None)
     finally:
         progress.close()
     (_, before), (s1, after) = progress.first_eval, progress.last_eval

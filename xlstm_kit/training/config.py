@@ -20,6 +20,9 @@ and how a step's gradient is summed, so changing one would make the resumed run 
 
 # AdamW's step is about lr in size: far above this every run diverges at once
 MAX_LR = 100.0
+ON_NONFINITE = ("stop", "skip")
+# on_nonfinite="skip": a run whose steps stay non-finite this long has diverged, not hit a bad batch
+MAX_SKIPPED_IN_A_ROW = 10
 
 
 @dataclass
@@ -85,6 +88,11 @@ class TrainConfig:
     """Pack documents (``xlstm_kit.training.packing``): windows over the document stream, the state reset
     at each document start (the model's ``cu_seqlens``), validation equal to evaluating each
     document alone. None: where the data have documents and the model takes cu_seqlens."""
+    on_nonfinite: str = "stop"
+    """What a step whose loss or gradient norm is NaN or infinite does: "stop" the run
+    (TrainingDiverged, before that step's update) or "skip" its update (weights and optimizer
+    state stay those of the step before, the data and the schedule move on; metrics.jsonl counts
+    the skipped steps) and stop only after MAX_SKIPPED_IN_A_ROW skipped steps in a row."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
@@ -117,6 +125,8 @@ class TrainConfig:
             raise XLSTMKitError("TrainConfig.weight_decay and grad_clip must be >= 0 and eps > 0")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
             raise XLSTMKitError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise XLSTMKitError(f"TrainConfig.on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}")
         if self.precision not in PRECISIONS:
             raise XLSTMKitError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.batch_size % self.grad_accum:

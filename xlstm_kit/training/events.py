@@ -64,3 +64,4 @@ class TrainResult:
     checkpoint: Path | None = None
     plot: Path | None = None
     plot_note: str | None = None  # why there is no plot (matplotlib missing)
+    skipped_steps: int = 0  # updates skipped for a non-finite loss (TrainConfig.on_nonfinite="skip"), this call

@@ -14,8 +14,12 @@ library's models (float32, 2026-12-01, ru_maxrss of one training step at several
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
+import torch
+
+from ..errors import XLSTMKitError
 from ..models.meta import GIB, available_memory, format_gib, shapes_only  # noqa: F401 - part of this module's API
 from ..models.xlstm import XLSTMLanguageModel
 
@@ -56,6 +60,38 @@ def default_threads(torch_default: int) -> int | None:
     except (AttributeError, OSError):  # not on Windows
         return None
     return auto_threads(os.cpu_count() or 1, load, torch_default)
+
+
+def torch_default_threads() -> bool:
+    """Whether torch's intra-op thread count is still the one it chose itself: no OMP_NUM_THREADS
+    or MKL_NUM_THREADS, and equal to its inter-op count, which torch sets to the same default
+    (the physical cores) and which cannot be changed once used. A torch.set_num_threads(n) to
+    that very default cannot be told apart."""
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+        return False
+    return torch.get_num_threads() == torch.get_num_interop_threads()
+
+
+@contextlib.contextmanager
+def cpu_threads(device: torch.device, threads: int | str | None = "auto"):
+    """torch's CPU threads for a block (``train(threads=...)``), restored after it: an int,
+    "auto" (:func:`default_threads` on the CPU while torch's setting is its own default, see
+    :func:`torch_default_threads`) or None (no change)."""
+    if not (threads is None or threads == "auto" or (isinstance(threads, int) and not isinstance(threads, bool)
+                                                     and threads >= 1)):
+        raise XLSTMKitError(f"threads must be 'auto', None or a positive integer, got {threads!r}")
+    before = torch.get_num_threads()
+    n = threads if isinstance(threads, int) else None
+    if threads == "auto" and device.type == "cpu" and torch_default_threads():
+        n = default_threads(before)
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # --------------------------------------------------------------------------------------------
