@@ -313,3 +313,26 @@ def test_cli_refusals_speak_flags(tmp_path, monkeypatch, capsys, argv):
     assert code == 2 and len(err) == 1, (argv, err)
     assert "TrainConfig" not in err[0] and "pack=True" not in err[0] and "documents=True" not in err[0], err[0]
     assert "_" not in err[0].split("error:")[1].replace(str(tmp_path), ""), err[0]  # no Python names
+
+
+def test_resume_of_a_run_that_records_no_data(tmp_path, monkeypatch, capsys):
+    from xlstm_kit import training as T
+    from xlstm_kit.cli import app
+    from xlstm_kit.io.checkpoint import save_checkpoint
+
+    monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
+    model = XLSTMLanguageModel(XLSTMConfig(d_model=32, n_blocks=1, n_heads=2))
+    cfg = T.TrainConfig(steps=2, batch_size=2, seq_len=8)
+    save_checkpoint(tmp_path / "run", model, T.make_optimizer(model, cfg), 1, cfg, meta={"tokenizer": "byte"})
+    assert app.main(["train", "--out", str(tmp_path / "run"), "--resume", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not record the data" in err[0], err
+
+
+def test_a_subclass_with_its_own_arguments_is_still_sized():
+    class Scaled(XLSTMLanguageModel):
+        def __init__(self, config, scale):
+            super().__init__(config)
+            self.scale = scale
+
+    assert Scaled(XLSTMConfig(d_model=32, n_blocks=1, n_heads=2), 2.0).scale == 2.0

@@ -81,6 +81,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                                  f"(the checkpoint used {getattr(saved_config, key)})")
         config = continue_schedule(saved_config, _train_config(TrainConfig.from_dict, {**saved, **overrides}),
                                    int(meta["step"]))
+        missing = [key for key in ("data", "tokenizer") if not meta.get(key)]
+        if missing:
+            raise UsageError(f"{ckpt} does not record the {' and '.join(missing)} it trained on; cannot --resume it")
         preset, data_spec, tok_name = meta.get("preset"), meta["data"], meta["tokenizer"]
         val_fraction = meta.get("val_fraction", args.val_fraction)
         model = load_model(ckpt)

@@ -83,7 +83,8 @@ class XLSTMLanguageModel(nn.Module):
             # each field of a config has its bounds, but together they can still ask for more
             # memory than there is: refused here, before anything is allocated
             with shapes_only():
-                n_params = sum(p.numel() for p in type(self)(cfg).parameters())
+                # this class, not type(self): a subclass may take other arguments
+                n_params = sum(p.numel() for p in XLSTMLanguageModel(cfg).parameters())
             check_fits(n_params, torch.get_default_dtype(), device, "the model")
         self.tokenizer_name: str | None = None  # set by load() from the checkpoint
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
