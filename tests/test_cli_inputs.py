@@ -59,7 +59,9 @@ def _small_model(vocab=256, **kw):
 
 
 # ---------------------------------------------------------------- the error boundary of main
-def test_main_reports_library_errors_and_keeps_bugs_visible(cache, monkeypatch, capsys):
+def test_main_reports_library_errors_and_keeps_bugs_visible(cache, monkeypatch, capsys, tmp_path):
+    folder = str(tmp_path)  # exists: the command line checks that before the command runs
+
     def bad_input(args):
         raise XLSTMKitError("bad\ninput")
 
@@ -67,12 +69,12 @@ def test_main_reports_library_errors_and_keeps_bugs_visible(cache, monkeypatch, 
         raise ValueError("a bug, not bad input")
 
     monkeypatch.setattr(cli_train, "cmd_eval", bad_input)
-    assert one_line_error(capsys, ["eval", "x"], "bad input")
+    assert one_line_error(capsys, ["eval", folder], "bad input")
     monkeypatch.setattr(cli_train, "cmd_eval", bug)
     with pytest.raises(ValueError, match="a bug"):
-        cli.main(["eval", "x"])
+        cli.main(["eval", folder])
     monkeypatch.setattr(cli_train, "cmd_eval", lambda args: open("/nonexistent/xlstm-kit-file"))
-    one_line_error(capsys, ["eval", "x"], "/nonexistent/xlstm-kit-file")
+    one_line_error(capsys, ["eval", folder], "/nonexistent/xlstm-kit-file")
     assert issubclass(UsageError, XLSTMKitError)
 
 

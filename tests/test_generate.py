@@ -407,7 +407,7 @@ def test_cli_refuses_hostile_prompts_files_in_one_line(byte_model_dir, tmp_path,
     big.write_text("x" * 65)
     for path, needle in (("/dev/zero", "not a regular file"), (str(fifo), "not a regular file"),
                          (str(tmp_path), "not a regular file"), (str(big), "more than the 64"),
-                         (str(tmp_path / "missing.txt"), "No such file")):
+                         (str(tmp_path / "missing.txt"), "does not exist")):
         argv = ["generate", str(folder), "--prompts", path, "--max-new-tokens", "2", "--device", "cpu"]
         assert cli.main(argv) == 2, path
         err = capsys.readouterr().err.strip()

@@ -61,7 +61,7 @@ def test_schedule_values():
 
 
 def test_config_validation_of_numbers():
-    for kw, needle in ((dict(lr=1e308), "lr <= 100"), (dict(lr=float("inf")), "finite"),
+    for kw, needle in ((dict(lr=1e308), r"lr must be in \(0, 100\]"), (dict(lr=1e-3, min_lr=1e-2), r"min_lr must be in \[0, lr\]"), (dict(lr=float("inf")), "finite"),
                        (dict(eps=float("nan")), "finite"), (dict(betas=(0.9, 1.5)), "betas"),
                        (dict(weight_decay=True), "finite number")):
         with pytest.raises(ValueError, match=needle):

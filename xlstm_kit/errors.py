@@ -11,5 +11,10 @@ class XLSTMKitError(ValueError):
     """Bad input to xlstm_kit, explained in one line."""
 
 
+class MissingFileError(XLSTMKitError, FileNotFoundError):
+    """A file or folder that a call needs does not exist. Also a FileNotFoundError, which these
+    errors were before they were the library's, so `except FileNotFoundError` still catches them."""
+
+
 class DataError(XLSTMKitError):
     """Bad data input (unknown corpus or tokenizer, missing path, empty or too small corpus)."""

@@ -81,8 +81,17 @@ class XLSTMLanguageModel(models_xlstm.XLSTMLanguageModel):
     @property
     def tokenizer(self):
         """The folder's tokenizer.json in the `tokenizers` format (`hf_tokenizer`, BOS prepended),
-        else the tokenizer named by `tokenizer_name` (both set by `load` / `from_pretrained`)."""
+        else the tokenizer named by `tokenizer_name` (both set by `load` / `from_pretrained`).
+        A model that knows none raises UnknownTokenizer (an XLSTMKitError and an AttributeError:
+        ``getattr(model, "tokenizer", None)`` is None)."""
         return model_tokenizer(self)
+
+    def __getattr__(self, name: str):
+        if name == "tokenizer":
+            # the property raised UnknownTokenizer, an AttributeError, so Python asks here: raise
+            # it again, instead of nn.Module's "object has no attribute 'tokenizer'"
+            return model_tokenizer(self)
+        return super().__getattr__(name)
 
     def save(self, directory: str | Path, tokenizer: str | None = None) -> Path:
         """Write `directory`/config.json + model.safetensors, and tokenizer.json naming
@@ -96,7 +105,8 @@ class XLSTMLanguageModel(models_xlstm.XLSTMLanguageModel):
     def load(cls, path: str | Path, device: str | torch.device | None = None) -> "XLSTMLanguageModel":
         """Read a model written by `save`, or the newest checkpoint of a `train --out` run folder
         (through its `latest` file). Returns it in eval mode, with `tokenizer_name` set when the
-        checkpoint records its tokenizer. FileNotFoundError if missing, ValueError if corrupt."""
+        checkpoint records its tokenizer. MissingFileError (an XLSTMKitError and a FileNotFoundError)
+        if missing, XLSTMKitError if corrupt."""
         return load_model(path, device, model_class=cls)
 
     @classmethod

@@ -29,6 +29,7 @@ from .. import ops
 from ..errors import XLSTMKitError
 from ..generation.generate import generate
 from ..models import XLSTMConfig, XLSTMLanguageModel
+from ..models.meta import shapes_only
 from ..ops import dplr_step, mlstm_step, slstm_recurrent
 from ..training import lm_loss, train_step
 from .options import SUITES
@@ -365,7 +366,7 @@ def flops_per_token(cfg) -> float:
     parameter of 2+ dimensions but the embedding lookup; the head counts even when tied) plus
     the mLSTM mixing of the chunkwise form (full L x L score blocks, the state read and update),
     backward twice the forward."""
-    with torch.device("meta"):
+    with shapes_only():
         model = XLSTMLanguageModel(cfg)
     n_mm = sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and not n.startswith("embedding."))
     if cfg.tie_embeddings:

@@ -27,6 +27,7 @@ import torch
 
 from .._version import __version__
 from ..errors import XLSTMKitError
+from ..io.paths import check_writable
 from . import peers as peer_mod, registry, timing
 from .options import PEER_TIMEOUT_S, SUITE_CHOICES, add_arguments
 from .registry import SUITES, Env
@@ -297,9 +298,19 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     if args.suite not in SUITE_CHOICES:
         raise XLSTMKitError(f"unknown benchmark suite {args.suite!r}; choose one of {', '.join(SUITE_CHOICES)}")
     suites = list(SUITES) if args.suite == "all" else [args.suite]
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise XLSTMKitError(f"unknown device {args.device!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise XLSTMKitError(f"--device {args.device}: the benchmarks run on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise XLSTMKitError("--device cuda, but PyTorch sees no CUDA device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise XLSTMKitError(f"--device {args.device}: there are {torch.cuda.device_count()} CUDA GPUs")
+    most = 4 * (os.cpu_count() or 1)  # more only thrash, and torch crashes at 100,000
+    if args.threads is not None and not 1 <= args.threads <= most:
+        raise XLSTMKitError(f"--threads must be in [1, {most}], got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.list:
@@ -315,8 +326,11 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
         suites = [s for s in suites if selected[s]]
         if not suites:
             raise XLSTMKitError(f"no case named {', '.join(args.case)} in suite {args.suite}")
-    out_dir = Path(args.out) if args.out else default_out_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = check_writable(args.out, "--out", folder=True) if args.out else default_out_dir()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise XLSTMKitError(f"--out {out_dir}: cannot create the folder ({e.strerror or e})") from None
     when = _dt.datetime.now(_dt.timezone.utc)
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
 

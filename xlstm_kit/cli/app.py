@@ -35,9 +35,10 @@ from .._extras import MissingExtraError
 from .._version import __version__
 from ..bench.options import add_arguments as _bench_arguments
 from ..errors import DataError, XLSTMKitError
+from ..io.paths import check_readable, check_writable
 from .args import (DEFAULT_DATA, DEFAULT_PRESET, DTYPES, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, EXIT_USAGE,
-                   PROG, THREADS_HELP, Formatter, Parser, nonneg_float, nonneg_int, one_line, positive_float,
-                   positive_int, thread_count)
+                   PROG, THREADS_HELP, Formatter, Parser, UsageError, device_name, nonneg_float, nonneg_int, one_line,
+                   positive_float, positive_int, preset_name, seed_int, thread_count, tokenizer_name)
 from .parsers import add_experiment_parser, add_generate_parser, add_serve_parser
 
 
@@ -81,14 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
         "  pip install 'xlstm-kit[all]'",
         formatter_class=Formatter,
     )
-    t.add_argument("--preset", default=None, metavar="NAME",
+    t.add_argument("--preset", type=preset_name, default=None, metavar="NAME",
                    help=f"model size: tiny (0.5M parameters, for a CPU); the paper's xLSTM[7:1] models 125M, "
                    f"350M, 760M, 1.3B; the xLSTM-7B blocks at large-125M, large-350M, large-1.3B; or xlstm-7b "
                    f"(the 7B's exact shapes) (default: {DEFAULT_PRESET})")
     t.add_argument("--data", default=None, metavar="SPEC",
                    help="'builtin:shakespeare', a text file, or a folder searched recursively for UTF-8 text "
                    f"files (others are skipped and listed) (default: {DEFAULT_DATA})")
-    t.add_argument("--tokenizer", default=None, metavar="NAME", help="byte (vocabulary 256) or gpt2 (GPT-2's BPE, vocabulary 50257; needs the [gpt2] extra) (default: byte)")
+    t.add_argument("--tokenizer", type=tokenizer_name, default=None, metavar="NAME", help="byte (vocabulary 256) or gpt2 (GPT-2's BPE, vocabulary 50257; needs the [gpt2] extra) (default: byte)")
     t.add_argument("--init-from", default=None, metavar="DIR",
                    help="fine-tune: start from the weights of DIR (a HuggingFace xLSTM folder such as "
                    "NX-AI/xLSTM-7b's, an xlstm_kit checkpoint or a training run) with a fresh optimizer; "
@@ -117,12 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=nonneg_int, default=None, help="linear warmup steps")
     g.add_argument("--weight-decay", type=nonneg_float, default=None, help="AdamW weight decay (matrices only)")
     g.add_argument("--grad-clip", type=nonneg_float, default=None, help="gradient norm clip (0: off)")
-    g.add_argument("--seed", type=nonneg_int, default=None, help="seed of initialisation and data order")
+    g.add_argument("--seed", type=seed_int, default=None, help="seed of initialisation and data order")
     g.add_argument("--precision", choices=["auto", "bf16", "fp32"], default=None,
                    help="auto = bf16 autocast on CUDA, float32 on CPU")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each block for training (faster steps after a first step that "
-                   "compiles; its time is printed; needs a C++ compiler on CPU) (default: off)")
+                   "compiles; its time is printed). On the CPU it needs a C++ compiler and the first step "
+                   "compiles for minutes (862 s for the tiny preset on 2 cores): for long runs only (default: off)")
+    g.add_argument("--on-nonfinite", choices=["stop", "skip"], default=None,
+                   help="a step whose loss or gradient is NaN or infinite stops the run (stop), or its update is "
+                   "skipped (skip: weights and optimizer unchanged, counted in metrics.jsonl; the run still stops "
+                   "after 10 such steps in a row) (default: stop)")
     g.add_argument("--activation-checkpointing", nargs="?", const="all", default=None, metavar="BLOCKS",
                    choices=["none", "all", "mlstm", "slstm", "dplr"],
                    help="recompute the forward of these blocks in the backward instead of storing their "
@@ -137,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--eval-batches", type=nonneg_int, default=None, help="validation batches per validation (0: all)")
     o.add_argument("--checkpoint-interval", type=nonneg_int, default=None, help="checkpoint every N steps (0: at the end only)")
     o.add_argument("--val-fraction", type=positive_float, default=0.1, help="share of the corpus held out for validation")
-    o.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    o.add_argument("--device", type=device_name, default=None, metavar="DEV", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar (validation lines are still printed)")
     o.add_argument("--threads", type=thread_count, default=None, help=THREADS_HELP)
     t.set_defaults(run=("train", "cmd_train"))
@@ -174,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                     f"at most {EVAL_WHOLE_SPLIT_UP_TO} batches, else {EVAL_WHOLE_SPLIT_UP_TO})")
     ev.add_argument("--val-fraction", type=positive_float, default=None,
                     help="held-out share of --data (default: training's)")
-    ev.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    ev.add_argument("--device", type=device_name, default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
     ev.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype (default: the file's)")
     ev.add_argument("--threads", type=thread_count, default=None, help=THREADS_HELP)
     h = ev.add_argument_group("lm-evaluation-harness (pip install 'xlstm-kit[eval]')")
@@ -203,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "latest, metrics.jsonl and loss.png; other files stay)")
     de.add_argument("--prompt", default="ROMEO:", metavar="TEXT", help="prompt of the sample")
     de.add_argument("--max-new-tokens", type=nonneg_int, default=300, help="length of the sample")
-    de.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    de.add_argument("--device", type=device_name, default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
     de.add_argument("--threads", type=thread_count, default=None,
                     help="CPU threads (default: torch's choice, or 1 when other processes already load the cores)")
     de.set_defaults(run=("train", "cmd_demo"))
@@ -219,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _bench_arguments(be)
+    for action in be._actions:  # the command line's own checks, answered before torch is imported
+        if "--device" in action.option_strings:
+            action.type = device_name
+        elif "--threads" in action.option_strings:
+            action.type = thread_count
     be.set_defaults(run=("bench", "cmd_bench"))
 
     for p in (t, gen, ev, de):
@@ -251,9 +262,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
+def _check_text(text: str, flag: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = text[e.start]
+        what = f"the byte 0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else repr(c)
+        raise UsageError(f"{flag} is not UTF-8 text: {what} at position {e.start}") from None
+
+
+def _check_early(args: argparse.Namespace) -> None:
+    """What the command line names that can be judged without torch (paths, texts): a mistake
+    is answered at once, not after the seconds that importing torch takes."""
+    command = args.command
+    if command in ("generate", "demo") and args.prompt is not None:
+        _check_text(args.prompt, "--prompt")
+    for stop in getattr(args, "stop", None) or ():
+        _check_text(stop, "--stop")
+    if command in ("generate", "eval"):
+        check_readable(args.checkpoint, "the folder")
+    if getattr(args, "data", None) and command in ("train", "eval") and not args.data.startswith("builtin:"):
+        check_readable(args.data, "--data")
+    if command == "train" and args.init_from:
+        check_readable(args.init_from, "--init-from")
+    if command == "generate" and args.prompts not in (None, "-"):
+        check_readable(args.prompts, "--prompts")
+    if command == "generate" and args.output is not None:
+        check_writable(args.output, "--output", folder=False)
+    out = getattr(args, "out", None)
+    if command == "train":
+        out = out or f"runs/{(args.preset or DEFAULT_PRESET).lower()}"
+    if out and command in ("train", "demo", "bench", "experiment"):
+        check_writable(out, "--out", folder=True)
+
+
 def _run(args: argparse.Namespace) -> int:
     module, name = args.run
     try:
+        _check_early(args)
         # the command's module (and with it torch) only now, for the command that runs
         return getattr(importlib.import_module(f"{__package__}.{module}"), name)(args)
     except (XLSTMKitError, MissingExtraError) as e:

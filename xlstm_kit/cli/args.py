@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Any
 
 from ..errors import XLSTMKitError
@@ -28,6 +29,43 @@ FINETUNE_DEFAULTS = dict(batch_size=16, seq_len=1024, lr=1e-4, min_lr=1e-5, warm
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype of generate / eval
 THREADS_HELP = ("CPU threads (default: torch's choice, fewer when other processes already keep cores "
                  "busy; OMP_NUM_THREADS, when set, is kept)")
+
+
+# The names --preset, --tokenizer and --device accept, known here without importing torch so that
+# a mistyped one is answered at once instead of after seconds of imports (tests/test_cli_startup.py
+# holds them equal to the library's: models.PRESETS, io.tokenizers.TOKENIZERS).
+PRESET_KEYS = ("tiny", "125m", "350m", "760m", "1.3b", "7b", "large-125m", "large-350m", "large-1.3b")
+TOKENIZER_NAMES = ("byte", "gpt2")
+DEVICE_SYNTAX = re.compile(r"(cpu|cuda|mps)(:\d+)?")
+
+
+def preset_key(name: str) -> str:
+    """The key of models.PRESETS a --preset names (as XLSTMConfig.from_name reads it)."""
+    key = name.strip().lower()
+    for prefix in ("xlstm-", "xlstm_"):
+        key = key[len(prefix):] if key.startswith(prefix) else key
+    return key
+
+
+def preset_name(text: str) -> str:
+    if text and preset_key(text) not in PRESET_KEYS:
+        names = ", ".join("xlstm-7b" if k == "7b" else k for k in PRESET_KEYS)
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose one of {names}")
+    return text
+
+
+def tokenizer_name(text: str) -> str:
+    if text and text not in TOKENIZER_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown tokenizer {text!r}; choose one of {', '.join(TOKENIZER_NAMES)}")
+    return text
+
+
+def device_name(text: str) -> str:
+    """cpu, cuda, cuda:N or mps by their spelling (whether the device exists is checked once
+    torch is imported)."""
+    if not DEVICE_SYNTAX.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu, cuda or cuda:N")
+    return text
 
 
 class UsageError(XLSTMKitError):
@@ -90,6 +128,14 @@ def nonneg_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {v}")
+    return v
+
+
+def seed_int(text: str) -> int:
+    """--seed: an integer in [0, 2**64), what torch's generators take."""
+    v = nonneg_int(text)
+    if v >= 2**64:
+        raise argparse.ArgumentTypeError(f"must be below 2**64 = {2**64}, got {v}")
     return v
 
 

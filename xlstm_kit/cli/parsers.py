@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from .args import (DTYPES, THREADS_HELP, Formatter, Parser, nonneg_float, nonneg_int, positive_float,
-                   positive_int, thread_count)
+from .args import (DTYPES, THREADS_HELP, Formatter, Parser, device_name, nonneg_float, nonneg_int, positive_float,
+                   positive_int, seed_int, thread_count)
 
 
 EXAMPLES = """Examples:
@@ -45,17 +45,17 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=nonneg_float, default=0.8, help="sampling temperature (0: greedy)")
     gen.add_argument("--top-k", type=positive_int, default=None, help="sample among the K most likely tokens")
     gen.add_argument("--top-p", type=positive_float, default=None, help="nucleus sampling threshold in (0, 1]")
-    gen.add_argument("--repetition-penalty", type=positive_float, default=1.0, metavar="X",
+    gen.add_argument("--repetition-penalty", type=repetition_penalty, default=1.0, metavar="X",
                      help="divide the positive logits (multiply the negative ones) of tokens already in the "
                      "text by X (1: off; 1.1-1.3 curbs loops)")
     gen.add_argument("--stop", action="append", default=None, metavar="STR",
                      help="end a continuation where this text appears, cutting it (repeatable; in bash "
                      "$'\\n' is a newline)")
-    gen.add_argument("--seed", type=nonneg_int, default=None, help="sampling seed (default: random)")
+    gen.add_argument("--seed", type=seed_int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                      help="print tokens as they are produced (default: when stdout is a terminal; not with "
                      "--prompts)")
-    gen.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+    gen.add_argument("--device", type=device_name, default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
     gen.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype (default: the file's)")
     gen.add_argument("--threads", type=thread_count, default=None, help=THREADS_HELP)
     gen.add_argument("--compile", action="store_true",
@@ -63,6 +63,19 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
                      "compiles once per batch size, so it pays for long generations on a GPU)")
     gen.set_defaults(run=("generate", "cmd_generate"))
     return gen
+
+
+# generation.sampling.MAX_REPETITION_PENALTY, known here without importing torch
+# (tests/test_cli_startup.py holds the two equal)
+MAX_REPETITION_PENALTY = 1e6
+
+
+def repetition_penalty(text: str) -> float:
+    v = positive_float(text)
+    if not 1 / MAX_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY:
+        raise argparse.ArgumentTypeError(f"must be in [{1 / MAX_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                                         f"(1: off), got {text}")
+    return v
 
 
 DEFAULT_OUT = "runs/experiments"
@@ -133,7 +146,7 @@ def add_experiment_parser(sub) -> None:
                        help="MQAR sequence length (with --protocol and --pairs: the one shape to run, "
                             "instead of every shape of the setting)")
         p.add_argument("--pairs", type=positive_int, default=None, metavar="N", help="MQAR key-value pairs")
-        p.add_argument("--seed", type=nonneg_int, default=None, metavar="N")
+        p.add_argument("--seed", type=seed_int, default=None, metavar="N")
         p.add_argument("--eval-samples", type=positive_int, default=None, metavar="N",
                        help="test sequences per test length (formal; MQAR: 64 x N sequences)")
         p.add_argument("--precision", choices=["fp32", "bf16"], default=None)
@@ -142,7 +155,7 @@ def add_experiment_parser(sub) -> None:
                        "graphs on CUDA; evaluation stays eager). Default: on with --protocol paper on CUDA, "
                        "else off")
         p.add_argument("--backend", choices=["torch", "triton"], default=None, help="xLSTM ops backend (default: by device)")
-        p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
+        p.add_argument("--device", type=device_name, default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")
         p.add_argument("--threads", type=thread_count, default=None, metavar="N", help="CPU threads")
         p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="output folder")
         p.set_defaults(run=("experiment", "cmd_experiment"))

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
 
+from ..errors import XLSTMKitError
 from ..generation.generate import generate_text
 from ..io.loading import load_model, load_pretrained
 from ..io.tokenizers import TOKENIZERS, get_tokenizer
@@ -19,12 +22,25 @@ from ..models.lora import lora_settings, use_lora
 from ..training import (RESUME_FROZEN, StepEvent, TimeBudget, TrainConfig, continue_schedule, evaluate,
                         init_distributed, load_training_state, lr_at, read_train_meta, resolve_checkpoint,
                         train, val_batch_count)
+from ..training.compiling import CPU_COMPILE_NOTE, SlowCompileWarning
 from ..training.data import load_data
 from .args import (DEFAULT_DATA, DEFAULT_PRESET, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, FINETUNE_DEFAULTS,
-                   PROG, UsageError)
+                   PROG, UsageError, preset_key)
 from .common import (Progress, check_eval_memory, check_out_dir, check_training_memory, clear_run,
                      init_tokenizer, normalise_data_spec, open_checkpoint, pick_device, prepare_demo_out,
                      report_skipped, tokenizer_for, train_defaults, use_threads)
+
+
+def _in_flags(message: str) -> str:
+    """A TrainConfig error in the words of the command line (TrainConfig.min_lr -> --min-lr)."""
+    return re.sub(r"TrainConfig\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), message)
+
+
+def _train_config(make, *args):
+    try:
+        return make(*args)
+    except XLSTMKitError as e:
+        raise UsageError(_in_flags(str(e))) from None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -39,7 +55,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr", "warmup_steps",
                   "weight_decay", "grad_clip", "seed", "precision", "eval_interval", "eval_batches",
-                  "checkpoint_interval", "compile", "activation_checkpointing", "pack", "lora", "lora_alpha")
+                  "checkpoint_interval", "compile", "activation_checkpointing", "pack", "lora", "lora_alpha",
+                  "on_nonfinite")
         if getattr(args, k) is not None
     }
     if args.lora_targets is not None:
@@ -71,7 +88,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             if key in overrides and overrides[key] != getattr(saved_config, key):
                 raise UsageError(f"--{key.replace('_', '-')} cannot change on --resume "
                                  f"(the checkpoint used {getattr(saved_config, key)})")
-        config = continue_schedule(saved_config, TrainConfig.from_dict({**saved, **overrides}), int(meta["step"]))
+        config = continue_schedule(saved_config, _train_config(TrainConfig.from_dict, {**saved, **overrides}),
+                                   int(meta["step"]))
+        missing = [key for key in ("data", "tokenizer") if not meta.get(key)]
+        if missing:
+            raise UsageError(f"{ckpt} does not record the {' and '.join(missing)} it trained on; cannot --resume it")
         preset, data_spec, tok_name = meta.get("preset"), meta["data"], meta["tokenizer"]
         val_fraction = meta.get("val_fraction", args.val_fraction)
         model = load_model(ckpt)
@@ -83,7 +104,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         tok_name = init_tokenizer(model, args.tokenizer, args.init_from)
     else:
         preset = (args.preset or DEFAULT_PRESET)
-        if preset.lower() not in PRESETS:
+        if preset_key(preset) not in PRESETS:
             raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
         tok_name = args.tokenizer or "byte"
     if not args.resume:
@@ -98,7 +119,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         steps = overrides.get("steps", defaults["steps"])
         # A short run still needs its cosine decay: warm up for at most a fifth of it.
         defaults["warmup_steps"] = min(defaults["warmup_steps"], steps // 5)
-        config = TrainConfig(**{**defaults, **overrides})
+        config = _train_config(TrainConfig.from_dict, {**defaults, **overrides})
         start = 0
         if config.lora:  # here (the model is --init-from's): a target it lacks stops the run before any work
             use_lora(model, config.lora, config.lora_alpha, config.lora_targets, seed=config.seed)
@@ -117,6 +138,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     data = load_data(data_spec, tok_name, val_fraction=val_fraction, documents=config.pack is not False)
     if dist.is_main:
         report_skipped(data)
+    if config.pack and data.train_docs is None:
+        raise UsageError(f"--pack needs data made of documents (several files, or texts that end with the "
+                         f"tokenizer's end token); {data_spec} is one text: leave out --pack")
     if not args.resume:
         torch.manual_seed(config.seed)
         if args.init_from is None:
@@ -141,6 +165,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             where += f" ({threads})"
         if config.compile:
             where += ", compiled"
+        if config.compile and (device.type == "cpu" if device is not None else not torch.cuda.is_available()):
+            print(f"{PROG} train: warning: --compile: {CPU_COMPILE_NOTE}", file=sys.stderr, flush=True)
         if config.activation_checkpointing != "none":
             where += f", recomputing {config.activation_checkpointing} blocks in the backward"
         if data.train_docs is not None and config.pack is not False:
@@ -156,9 +182,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"cosine decay to {config.min_lr:.3g} at step {config.steps} (stretched from the "
                   f"checkpoint's {saved_config.steps} steps, not restarted)", file=sys.stderr, flush=True)
         progress = Progress(config.steps, start, not args.no_progress, sys.stderr)
+    # the start line above said it, in one line (and only rank 0)
+    warnings.filterwarnings("ignore", category=SlowCompileWarning)
     try:
+        # threads=None: use_threads above applied the command line's choice
         result = train(model, data, config, out, resume=args.resume, callback=progress,
-                       device=device, dist=dist, meta=meta_out)
+                       device=device, dist=dist, meta=meta_out, threads=None)
     finally:
         if progress is not None:
             progress.close()
@@ -170,8 +199,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"interrupted at step {result.step}; saved {where}. Continue with: "
                   f"xlstm-kit train --out {out} --resume", file=sys.stderr)
             return EXIT_INTERRUPTED
+        skipped = (f"; skipped the update of {result.skipped_steps} step{'s' if result.skipped_steps > 1 else ''} "
+                   f"with a non-finite loss") if result.skipped_steps else ""
         print(f"done: step {result.step}; checkpoint {result.checkpoint}; "
-              + (f"loss curve {result.plot}" if result.plot else result.plot_note or "no loss curve"),
+              + (f"loss curve {result.plot}" if result.plot else result.plot_note or "no loss curve") + skipped,
               file=sys.stderr)
     return 0
 
@@ -245,7 +276,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         config = TrainConfig(steps=warmup, eval_interval=0, eval_batches=4, checkpoint_interval=0, **defaults)
         result = train(model, data, config, out, device=device, callback=on_event, meta=meta,
-                       time_limit_s=budget.remaining() + slack)
+                       time_limit_s=budget.remaining() + slack, threads=None)
         if not (result.interrupted or result.time_limited):
             # ~8% of what is left goes to validation (4 batches, 3 times) and the checkpoint.
             steps = budget.steps_that_fit(warmup, reserve=0.08) or warmup
@@ -254,7 +285,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, steps=steps, eval_interval=max(1, -(-steps // 3)))
             if steps > warmup:
                 result = train(model, data, config, out, resume=True, device=device, callback=on_event,
-                               meta=meta, time_limit_s=max(1.0, budget.remaining() + slack))
+                               meta=meta, time_limit_s=max(1.0, budget.remaining() + slack), threads=None)
     finally:
         progress.close()
     (_, before), (s1, after) = progress.first_eval, progress.last_eval

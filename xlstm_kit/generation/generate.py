@@ -75,9 +75,12 @@ def _options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalt
     stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
         raise XLSTMKitError(f"stop must be None, a non-empty str or a list of them, got {stop!r}")
+    for s in stops:
+        check_text(s, "stop string")
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise XLSTMKitError(f"seed must be None or an integer >= 0, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise XLSTMKitError(f"seed must be None or an integer in [0, 2**64) (torch's generators take 64 bits), "
+                                f"got {seed!r}")
         if generator is not None:
             raise XLSTMKitError("pass seed or generator, not both")
     if streamer is not None and not callable(streamer):
@@ -91,6 +94,16 @@ def model_end_tokens(model) -> tuple[int, ...]:
     (`eos_token_ids`, set from a HuggingFace folder's config as transformers reads it)."""
     ids = getattr(model, "eos_token_ids", None)
     return tuple(ids) if isinstance(ids, (list, tuple)) else ()
+
+
+def check_text(text: str, what: str) -> None:
+    """XLSTMKitError when ``text`` cannot be encoded as UTF-8: it holds a lone surrogate, which
+    is how Python keeps bytes that were not UTF-8 (in file names, command-line arguments)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise XLSTMKitError(f"{what} is not valid text: {text[e.start]!r} at position {e.start} is a lone "
+                            f"surrogate (bytes that were not UTF-8?)") from None
 
 
 def _model_device(model) -> torch.device:
@@ -432,6 +445,8 @@ def complete_texts(model, tokenizer, prompts: Sequence[str], max_new_tokens: int
         eos_token_id = [] if eos_token_id is None else eos_token_id
     o = _options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalty, eos_token_id, stop,
                  seed, generator, streamer, cuda_graph)
+    for n, p in enumerate(prompts):
+        check_text(p, f"prompt {n}" if len(prompts) > 1 else "the prompt")
     device = _model_device(model)
     ids = [tokenizer.encode(p) or ([o.eos[0]] if o.eos else tokenizer.encode("\n")) for p in prompts]
     rows = _prompt_rows(model, [torch.tensor(i, dtype=torch.long, device=device) for i in ids],

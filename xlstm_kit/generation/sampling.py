@@ -9,20 +9,28 @@ import torch
 from ..errors import XLSTMKitError
 
 
+# A penalty scales logits by up to this factor either way: a float32 logit multiplied or divided
+# by more overflows to inf (1e-40 did: inf - inf = NaN probabilities), and a factor of a million
+# already makes a token certain or impossible.
+MAX_REPETITION_PENALTY = 1e6
+
+
 def _is_number(x) -> bool:
     return not isinstance(x, bool) and isinstance(x, (int, float))
 
 
 def check_sampling(temperature, top_k=None, top_p=None, repetition_penalty=1.0) -> None:
-    """XLSTMKitError unless temperature >= 0, top_k >= 1, top_p in (0, 1] and repetition_penalty > 0."""
+    """XLSTMKitError unless temperature >= 0, top_k >= 1, top_p in (0, 1] and repetition_penalty in
+    [1e-6, 1e6]."""
     if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise XLSTMKitError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise XLSTMKitError(f"top_k must be None or an integer >= 1, got {top_k!r}")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
         raise XLSTMKitError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
-    if not _is_number(repetition_penalty) or not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
-        raise XLSTMKitError(f"repetition_penalty must be a finite number > 0 (1 = none), got {repetition_penalty!r}")
+    if not _is_number(repetition_penalty) or not 1 / MAX_REPETITION_PENALTY <= repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise XLSTMKitError(f"repetition_penalty must be a number in [{1 / MAX_REPETITION_PENALTY:g}, "
+                            f"{MAX_REPETITION_PENALTY:g}] (1 = none), got {repetition_penalty!r}")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, present: torch.Tensor, penalty: float) -> torch.Tensor:

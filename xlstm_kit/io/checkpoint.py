@@ -49,13 +49,15 @@ from safetensors import SafetensorError
 from torch import nn
 
 from .._version import __version__
-from ..errors import XLSTMKitError
+from ..errors import MissingFileError, XLSTMKitError
 from ..layers.lora import has_adapters
 from ..models.lora import adapter_config
 # the crash-safe writes and the manifest (xlstm_kit.io.files) are part of this module's API too
 from .files import (MANIFEST_FILE, _make_hidden_dir, _umask, atomic_write, claim, fsync_dir,  # noqa: F401
                     fsync_tree, manifest_bytes, not_ours, owned_files, save_folder, write_manifest)
 from .locking import RUN_LOCK_FILE, RunLocked, run_lock  # noqa: F401 - part of this module's API
+from .jsonfile import MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, describe, read_json
+from .paths import check_writable
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -68,6 +70,7 @@ TRAIN_META_FILE = "train_meta.json"
 CHECKSUMS_FILE = "checksums.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # a model with LoRA adapters (xlstm_kit.io.lora)
 MAX_CHECKSUMS_BYTES = 1 << 20  # a few file names and digests
+STAGING_NAME_BYTES = len(".") + len(".tmp-") + 12  # what _make_hidden_dir adds to a folder's name
 
 
 class CheckpointError(XLSTMKitError):
@@ -107,7 +110,7 @@ def verify_checksum(folder: str | Path, name: str) -> None:
     if f.stat().st_size > MAX_CHECKSUMS_BYTES:
         raise CheckpointError(f"{f} is corrupt ({f.stat().st_size:,} bytes for a few digests)")
     try:
-        recorded = json.loads(f.read_text())["sha256"]
+        recorded = read_json(f, MAX_CHECKSUMS_BYTES, error=CheckpointError)["sha256"]
         expected = recorded.get(name) if isinstance(recorded, dict) else None
         if not isinstance(recorded, dict) or not (expected is None or isinstance(expected, str)):
             raise TypeError("not a map of file names to hex digests")
@@ -152,6 +155,7 @@ def save_model(model: nn.Module, directory: str | Path, tokenizer: str | None = 
     save of ours that this one does not write, such as a HuggingFace index and shards, go;
     files xlstm_kit did not write stay, and one that loading would read makes it refuse).
     Returns the folder."""
+    directory = check_writable(directory, "cannot save a checkpoint to", folder=True, extra_bytes=STAGING_NAME_BYTES)
     return save_folder(directory, lambda folder: _write_model_files(model, folder, tokenizer))
 
 
@@ -163,17 +167,14 @@ def read_model_files(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
     """
     directory = Path(directory)
     if not directory.is_dir():
-        raise FileNotFoundError(f"no checkpoint folder at {str(directory)!r}")
+        raise MissingFileError(f"no checkpoint folder at {str(directory)!r}")
     cfg_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     for p in (cfg_path, weights_path):
         if p.exists() and not p.is_file():  # a FIFO, a device, a folder: never opened
             raise CheckpointError(f"{p} is not a regular file; the checkpoint is unusable")
         if not p.is_file():
-            raise FileNotFoundError(f"checkpoint {str(directory)!r} has no {p.name}; is it an xlstm_kit model folder?")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise XLSTMKitError(f"{cfg_path} is not valid JSON ({e}); the checkpoint is corrupt") from None
+            raise MissingFileError(f"checkpoint {str(directory)!r} has no {p.name}; is it an xlstm_kit model folder?")
+    config = read_json(cfg_path, MAX_CONFIG_BYTES)
     verify_checksum(directory, WEIGHTS_FILE)
     try:
         tensors = safetensors.torch.load_file(str(weights_path), device="cpu")
@@ -224,16 +225,13 @@ def read_tokenizer_name(checkpoint: str | Path) -> str | None:
     before tokenizer.json existed) train_meta.json's "tokenizer"; None when unknown, or when
     tokenizer.json is a `tokenizers` file rather than a name (xlstm_kit.io.tokenizers.find_tokenizer)."""
     checkpoint = Path(checkpoint)
-    names = (TOKENIZER_FILE,) if (checkpoint / TOKENIZER_FILE).is_file() else (TRAIN_META_FILE,)
-    for name in names:
-        f = checkpoint / name
-        if f.is_file():
-            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
-                d = json.loads(f.read_text())
-                value = d.get("name" if name == TOKENIZER_FILE else "tokenizer")
-                if isinstance(value, str):
-                    return value
-    return None
+    if (checkpoint / TOKENIZER_FILE).is_file():
+        value = read_json(checkpoint / TOKENIZER_FILE, MAX_TOKENIZER_BYTES).get("name")
+    elif (checkpoint / TRAIN_META_FILE).is_file():
+        value = read_json(checkpoint / TRAIN_META_FILE, MAX_META_BYTES, error=CheckpointError).get("tokenizer")
+    else:
+        value = None
+    return value if isinstance(value, str) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,12 +274,7 @@ def read_train_meta(checkpoint: str | Path) -> dict[str, Any]:
     f = Path(checkpoint) / TRAIN_META_FILE
     if not f.is_file():
         return {}
-    try:
-        meta = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f} is not valid JSON: {e}") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{f} is corrupt: a JSON object was expected")
+    meta = read_json(f, MAX_META_BYTES, error=CheckpointError)
     fmt = meta.get("format")
     if fmt != CHECKPOINT_FORMAT:
         raise CheckpointError(
@@ -291,7 +284,18 @@ def read_train_meta(checkpoint: str | Path) -> dict[str, Any]:
     step = meta.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"{f} is corrupt: step is {step!r}, not a non-negative integer")
+    for key, types in _META_TYPES.items():
+        if key in meta and not isinstance(meta[key], types) or isinstance(meta.get(key), bool) and bool not in types:
+            raise CheckpointError(f"{f} is corrupt: {key} is {describe(meta[key])}")
     return meta
+
+
+# What the command line and resume read from train_meta.json besides format and step (absent or
+# null: unknown).
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "train_config": (dict,), "preset": (str, type(None)), "data": (str,), "tokenizer": (str, type(None)),
+    "val_fraction": (int, float), "init_from": (str, type(None)), "demo": (bool,),
+}
 
 
 def load_training_state(checkpoint: str | Path) -> dict[str, Any]:

@@ -40,10 +40,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from ..errors import XLSTMKitError
+from ..errors import MissingFileError, XLSTMKitError
 from ..layers.lora import has_adapters
 from ..models.config import XLSTMConfig
 from . import checkpoint
+from .jsonfile import MAX_INDEX_BYTES, read_json
+from .paths import check_writable
 from .tokenizers import HFSpecialTokens
 
 HF_MODEL_TYPE = "xlstm"
@@ -263,10 +265,10 @@ def weight_files(folder: Path, sharded: bool = True) -> tuple[list[Path], Path, 
                                 f"(an xlstm_kit config, not a HuggingFace one) needs")
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index, MAX_INDEX_BYTES, expect=None)["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError("weight_map is not a map of names to files")
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        except (KeyError, TypeError) as e:
             raise XLSTMKitError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e})") from None
         files = []
         for name in dict.fromkeys(weight_map.values()):
@@ -277,7 +279,7 @@ def weight_files(folder: Path, sharded: bool = True) -> tuple[list[Path], Path, 
         return files, index, weight_map
     if single.is_file():
         return [single], single, None
-    raise FileNotFoundError(f"{folder} has neither {checkpoint.WEIGHTS_FILE} nor {INDEX_FILE}; "
+    raise MissingFileError(f"{folder} has neither {checkpoint.WEIGHTS_FILE} nor {INDEX_FILE}; "
                             f"is it a model folder?")
 
 
@@ -364,18 +366,35 @@ def target_dtype(sources: dict[str, _Source], dtype) -> torch.dtype:
     if dtype is not None:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype.removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise XLSTMKitError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
+        if dtype not in _FLOAT_DTYPES.values():  # float8 and complex types cannot run the model
+            raise XLSTMKitError(f"dtype must be torch.float32, torch.bfloat16, torch.float16 or torch.float64, "
+                                f"got {dtype!r}")
         return dtype
     stored = {s.dtype for s in sources.values()}
     return _FLOAT_DTYPES[stored.pop()] if len(stored) == 1 else torch.float32
 
 
 def check_device(device) -> torch.device:
+    """The torch.device a model is loaded onto, refused (XLSTMKitError) when it cannot hold one:
+    not a device, the meta device (no values), a CUDA or MPS device this machine lacks."""
     try:
-        return torch.device("cpu" if device is None else device)
+        d = torch.device("cpu" if device is None else device)
     except (RuntimeError, TypeError) as e:
-        raise XLSTMKitError(f"device {device!r} is not a torch device: {e}") from None
+        raise XLSTMKitError(f"device {device!r} is not a torch device: {str(e).splitlines()[0]}") from None
+    if d.type == "meta":
+        raise XLSTMKitError("device 'meta' holds no values; load onto cpu or cuda (to see shapes only, build "
+                            "the model from its config under torch.device('meta'))")
+    if d.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise XLSTMKitError(f"device {str(d)!r} asked for, but this machine has no CUDA GPU that torch can use")
+        if d.index is not None and d.index >= count:
+            raise XLSTMKitError(f"device {str(d)!r} asked for, but there are {count} CUDA GPUs (cuda:0 to cuda:{count - 1})")
+    elif d.type == "mps" and not torch.backends.mps.is_available():
+        raise XLSTMKitError(f"device {str(d)!r} asked for, but MPS is not available")
+    elif d.type not in ("cpu", "cuda", "mps"):
+        raise XLSTMKitError(f"device {str(d)!r}: xlstm_kit loads models onto cpu, cuda or mps")
+    return d
 
 
 # =============================================================================================
@@ -460,6 +479,8 @@ def save_pretrained(model: nn.Module, path: str | Path, format: str = "hf",
         # transformers' xLSTMForCausalLM does not tie its head: it needs it stored (safetensors
         # refuses two names for one tensor, hence a copy)
         tensors["lm_head.weight"] = tensors["lm_head.weight"].clone()
+
+    path = check_writable(path, "cannot save to", folder=True, extra_bytes=checkpoint.STAGING_NAME_BYTES)
 
     def write(folder: Path) -> list[str]:
         names = write_safetensors(tensors, folder, max_shard_size, {"format": "pt"})

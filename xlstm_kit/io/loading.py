@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import XLSTMKitError
+from ..errors import MissingFileError, XLSTMKitError
 from ..models import XLSTMConfig, XLSTMLanguageModel
+from ..models.meta import shapes_only
 from . import checkpoint
 from ..models.lora import merge_lora
 from .lora import adapters_from_folder
@@ -25,7 +26,7 @@ def _model_folder(path: str | Path, what: str) -> Path:
     """The checkpoint folder `path` names: itself, or a run folder's newest checkpoint."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"no {what} folder at {str(path)!r}")
+        raise MissingFileError(f"no {what} folder at {str(path)!r}")
     finish_interrupted_save(path)
     if not (path / checkpoint.CONFIG_FILE).is_file():
         if not (path / checkpoint.LATEST_FILE).is_file():
@@ -61,7 +62,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     was complete is carried out first (xlstm_kit.io.files)."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint folder at {str(path)!r}")
+        raise MissingFileError(f"no checkpoint folder at {str(path)!r}")
     finish_interrupted_save(path)  # a save into it killed after it was complete: carried out first
     if not (path / checkpoint.CONFIG_FILE).exists() and (path / checkpoint.LATEST_FILE).is_file():
         path = checkpoint.resolve_checkpoint(path)
@@ -74,7 +75,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
                             f"{checkpoint.CONFIG_FILE} says n_blocks={n_blocks}")
     config = _runnable_on(_config(config_dict, path / checkpoint.CONFIG_FILE), check_device(device), path)
     source = path / checkpoint.WEIGHTS_FILE
-    with torch.device("meta"):  # the config's shapes, checked against the file before allocating
+    with shapes_only():  # the config's shapes, checked against the file before allocating
         checkpoint.check_state(adapters_from_folder(model_class(config), path), tensors, source)
     model = checkpoint.load_state_checked(adapters_from_folder(model_class(config), path), tensors, source,
                                           checked=True)
@@ -119,7 +120,7 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
         # transformers' xLSTMForCausalLM never ties its head (it has no tied-weights keys): a
         # stored head is the one it computes with, whatever tie_word_embeddings says
         config = dataclasses.replace(config, tie_embeddings=False)
-    with torch.device("meta"):  # shapes only: nothing is allocated until a tensor is read
+    with shapes_only():  # shapes only: nothing is allocated until a tensor is read
         model = model_class(config) if hf else adapters_from_folder(model_class(config), path)
     expected = model.state_dict()
     if config.tie_embeddings:

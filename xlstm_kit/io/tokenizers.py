@@ -6,7 +6,6 @@ A ``tokenizer.json`` in a folder is either ours (``{"name": "byte"}`` or ``"gpt2
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import re
@@ -19,6 +18,7 @@ import numpy as np
 from .._extras import package_dir, require
 from ..errors import DataError, XLSTMKitError
 from . import checkpoint
+from .jsonfile import MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES, parse, read_bytes, read_json
 
 TOKENIZERS = ("byte", "gpt2")
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -166,24 +166,16 @@ class HFSpecialTokens:
 
 
 def json_object(path: Path) -> dict:
-    """A JSON file holding an object; one-line XLSTMKitError otherwise."""
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise XLSTMKitError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise XLSTMKitError(f"{path} must hold a JSON object")
-    return d
+    """A config-sized JSON file holding an object; one-line XLSTMKitError otherwise."""
+    return read_json(path, MAX_CONFIG_BYTES)
 
 
 def is_hf_tokenizer_file(path: Path) -> bool:
-    """Whether `path` is a ``tokenizers`` tokenizer.json (ours only names a tokenizer)."""
+    """Whether `path` is a ``tokenizers`` tokenizer.json (ours only names a tokenizer); a
+    tokenizer.json that cannot be read is refused (XLSTMKitError)."""
     if not path.is_file():
         return False
-    with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError):
-        d = json.loads(path.read_text(encoding="utf-8"))
-        return isinstance(d, dict) and isinstance(d.get("model"), dict)
-    return False
+    return isinstance(read_json(path, MAX_TOKENIZER_BYTES).get("model"), dict)
 
 
 class HFTokenizer:
@@ -195,12 +187,9 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path, bos_token_id: int | None = None, eos_token_id: int | None = None):
         self.path = Path(path)
-        self._bytes = self.path.read_bytes()
-        try:
-            spec = json.loads(self._bytes)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise XLSTMKitError(f"{self.path} is not valid JSON ({e})") from None
-        if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        self._bytes = read_bytes(self.path, MAX_TOKENIZER_BYTES)
+        spec = parse(self._bytes, self.path, expect=dict)
+        if not isinstance(spec.get("model"), dict):
             raise XLSTMKitError(f"{self.path} is not a tokenizers tokenizer.json (it has no 'model')")
         self._spec = spec
         self._tokenizer = None
@@ -331,6 +320,11 @@ def hf_end_tokens(folder: str | Path, config: dict, vocab_size: int) -> tuple[in
     return tuple(dict.fromkeys(ids))
 
 
+class UnknownTokenizer(XLSTMKitError, AttributeError):
+    """A model that knows no tokenizer. Also an AttributeError, so that
+    ``getattr(model, "tokenizer", None)`` is None for such a model and ``hasattr`` False."""
+
+
 def model_tokenizer(model, required: bool = True):
     """The tokenizer a loaded model knows: its folder's tokenizer.json (`hf_tokenizer`, BOS
     prepended), else the one `tokenizer_name` names (both set by xlstm_kit.io.loading). None, or
@@ -340,7 +334,7 @@ def model_tokenizer(model, required: bool = True):
     if getattr(model, "tokenizer_name", None) is None:
         if not required:
             return None
-        raise XLSTMKitError(
+        raise UnknownTokenizer(
             "this model does not know its tokenizer (its checkpoint records none); set "
             "model.tokenizer_name = 'byte' (or 'gpt2') or pass token ids"
         )

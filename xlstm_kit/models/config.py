@@ -176,11 +176,10 @@ class XLSTMConfig:
         positions = self.slstm_positions  # validates slstm_at
         dplr = self.dplr_positions  # validates dplr_at
 
-        for name in ("mlstm_inner_dim", "ffn_dim"):
+        for name in ("mlstm_inner_dim", "ffn_dim") + (("qk_dim", "v_dim") if self.family == "large" else ()):
             width = getattr(self, name)
             if width > _MAX_WIDTH:
-                raise XLSTMKitError(f"{name} = {width:,} (from d_model, the projection factor and round_proj_to) "
-                                    f"must be at most {_MAX_WIDTH:,}")
+                raise XLSTMKitError(f"{name} = {width:,} (from d_model and its factor) must be at most {_MAX_WIDTH:,}")
         if "m" in self.block_types:  # there is an mLSTM block: its heads split the inner width
             inner = self.mlstm_inner_dim
             for name, div in (("n_heads", self.n_heads), ("qkv_block_size", self.qkv_block_size)):

@@ -30,6 +30,7 @@ from ..layers.slstm import SLSTMBlock, SLSTMState
 from ..layers.varlen import block_varlen
 from ..ops._checks import check_cu_seqlens, cu_seqlens_read_once
 from .config import _BLOCK_KIND, CheckpointBlocks, XLSTMConfig, _check_positive_int, checkpoint_blocks
+from .meta import check_fits, shapes_only
 from .tokens import check_token_ids
 
 BlockState = Union[MLSTMState, SLSTMState, DPLRState]
@@ -81,6 +82,14 @@ class XLSTMLanguageModel(nn.Module):
         self.config = cfg = config
         if cfg.family == "large" and cfg.dropout > 0:
             raise XLSTMKitError("large-family models have no dropout (as the official xLSTM-7B); set dropout=0")
+        device = torch.empty(()).device  # the default device, or that of a `with torch.device(...)`
+        if device.type != "meta":
+            # each field of a config has its bounds, but together they can still ask for more
+            # memory than there is: refused here, before anything is allocated
+            with shapes_only():
+                # this class, not type(self): a subclass may take other arguments
+                n_params = sum(p.numel() for p in XLSTMLanguageModel(cfg).parameters())
+            check_fits(n_params, torch.get_default_dtype(), device, "the model")
         self.tokenizer_name: str | None = None  # set by load() from the checkpoint
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(self._make_block(t, kind) for t, kind in enumerate(cfg.block_types))

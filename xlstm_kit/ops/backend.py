@@ -109,7 +109,18 @@ def choose_backend(op: str, backend: str | None, device: torch.device, inputs=()
     return "triton"
 
 
-@torch.compiler.assume_constant_result
+def assume_constant_result(fn):
+    """`torch.compiler.assume_constant_result` without importing torch._dynamo, which took 2.8 s
+    of the 5 s that `xlstm-kit generate` spent importing: Dynamo's decorator only marks the
+    function (tests/test_import_graph.py checks that it still does), and Dynamo is imported
+    anyway by the time anything compiles."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@assume_constant_result
 def _kernel_answer(op: str, **facts) -> tuple[bool, str | None]:
     """(whether `op`'s kernel module imports, its `supports` answer); a constant to
     torch.compile, which cannot trace the import."""

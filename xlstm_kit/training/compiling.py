@@ -5,6 +5,7 @@ CUDA (used by the synthetic experiments, ``xlstm_kit.experiments.experiment``)."
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -51,6 +52,14 @@ def compile_unavailable(device: torch.device | str) -> str | None:
     return None
 
 
+class SlowCompileWarning(UserWarning):
+    """torch.compile for the CPU: minutes of compilation before the first step."""
+
+
+CPU_COMPILE_NOTE = ("torch.compile on the CPU compiles for minutes before the first step (862 s for the tiny "
+                    "preset on a 2-core machine), then each step is faster: worth it for long runs only")
+
+
 def prepare_model(model: nn.Module, config: "TrainConfig", device: torch.device | str) -> None:
     """Apply ``config.activation_checkpointing`` and ``config.compile`` to ``model`` (in place;
     both stay set after training). XLSTMKitError when either cannot be done here."""
@@ -64,6 +73,8 @@ def prepare_model(model: nn.Module, config: "TrainConfig", device: torch.device 
         if reason is not None:
             raise XLSTMKitError(f"cannot torch.compile the model: {reason}. Train without compile "
                                 f"(leave out --compile, or TrainConfig(compile=False))")
+        if torch.device(device).type == "cpu":
+            warnings.warn(CPU_COMPILE_NOTE, SlowCompileWarning, stacklevel=4)
         if hasattr(model, "compile_blocks"):
             if not model.is_compiled:  # a second train() call keeps the graphs it has
                 model.compile_blocks()

@@ -22,6 +22,9 @@ changing one would make the resumed run another run."""
 
 # AdamW's step is about lr in size: far above this every run diverges at once
 MAX_LR = 100.0
+ON_NONFINITE = ("stop", "skip")
+# on_nonfinite="skip": a run whose steps stay non-finite this long has diverged, not hit a bad batch
+MAX_SKIPPED_IN_A_ROW = 10
 
 
 @dataclass
@@ -103,6 +106,11 @@ class TrainConfig:
     lora_targets: tuple[str, ...] | None = None
     """Names of the blocks' linear maps that get adapters (e.g. ("q", "v")). None: every linear
     map but the one-per-head gates (``xlstm_kit.lora.DEFAULT_TARGETS``)."""
+    on_nonfinite: str = "stop"
+    """What a step whose loss or gradient norm is NaN or infinite does: "stop" the run
+    (TrainingDiverged, before that step's update) or "skip" its update (weights and optimizer
+    state stay those of the step before, the data and the schedule move on; metrics.jsonl counts
+    the skipped steps) and stop only after MAX_SKIPPED_IN_A_ROW skipped steps in a row."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
@@ -129,6 +137,9 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_interval", "keep_checkpoints"):
             if int(getattr(self, name)) < 1:
                 raise XLSTMKitError(f"TrainConfig.{name} must be a positive integer, got {getattr(self, name)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise XLSTMKitError(f"TrainConfig.seed must be an integer in [0, 2**64) (torch's generators take "
+                                f"64 bits), got {self.seed!r}")
         for name in ("warmup_steps", "eval_interval", "eval_batches", "checkpoint_interval"):
             if int(getattr(self, name)) < 0:
                 raise XLSTMKitError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -136,18 +147,23 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise XLSTMKitError(f"TrainConfig.{name} must be a finite number, got {v!r}")
-        if not (0 < self.lr <= MAX_LR and 0 <= self.min_lr <= self.lr):
-            raise XLSTMKitError(f"need 0 < lr <= {MAX_LR:g} and 0 <= min_lr <= lr, got lr={self.lr}, "
-                                f"min_lr={self.min_lr}")
+        if not 0 < self.lr <= MAX_LR:
+            raise XLSTMKitError(f"TrainConfig.lr must be in (0, {MAX_LR:g}] (an AdamW step is about lr in size), "
+                                f"got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise XLSTMKitError(f"TrainConfig.min_lr must be in [0, lr] = [0, {self.lr}], got {self.min_lr}")
         if self.weight_decay < 0 or self.grad_clip < 0 or self.checkpoint_every_s < 0 or not self.eps > 0:
             raise XLSTMKitError("TrainConfig.weight_decay, grad_clip and checkpoint_every_s must be >= 0 and eps > 0")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
             raise XLSTMKitError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise XLSTMKitError(f"TrainConfig.on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}")
         if self.precision not in PRECISIONS:
             raise XLSTMKitError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.batch_size % self.grad_accum:
             raise XLSTMKitError(
-                f"TrainConfig.batch_size ({self.batch_size}) must be divisible by grad_accum ({self.grad_accum})"
+                f"TrainConfig.batch_size ({self.batch_size}) must be divisible by TrainConfig.grad_accum "
+                f"({self.grad_accum})"
             )
 
     def to_dict(self) -> dict[str, Any]:

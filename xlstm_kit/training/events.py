@@ -71,3 +71,4 @@ class TrainResult:
     """The metrics rows of the whole run (those of earlier sessions too): metrics.jsonl's."""
     seconds: float = 0.0  # wall time the run trained, earlier sessions included
     config: "TrainConfig | None" = None  # the one the run ended with (its continued schedule)
+    skipped_steps: int = 0  # updates skipped for a non-finite loss (TrainConfig.on_nonfinite="skip"), this call

@@ -41,13 +41,14 @@ from ..io.checkpoint import (TRAIN_STATE_FILE, CheckpointError, atomic_write, cl
                              remove_stale_staging, run_lock, resolve_checkpoint, restore_rng, save_checkpoint)
 from ..models.lora import use_lora
 from .compiling import CompileClock, compile_failure, prepare_model
-from .config import METRICS_FILE, PLOT_FILE, RESUME_FROZEN, TrainConfig
+from .config import MAX_SKIPPED_IN_A_ROW, METRICS_FILE, PLOT_FILE, RESUME_FROZEN, TrainConfig
 from .data import TokenData
 from .distributed import DistInfo, default_device
 from .events import CheckpointEvent, EvalEvent, StepEvent, TrainEvent, TrainResult
 from .optim import continue_schedule, lr_at, make_optimizer
 from .plots import PLOT_MISSING_NOTE, plot_loss_curve, read_metrics
-from .step import NonFiniteStep, TimeBudget
+from .resources import cpu_threads
+from .step import NonFiniteStep, StepOutput, TimeBudget
 from .workload import LanguageModelling, Workload
 
 
@@ -159,10 +160,12 @@ class RunState:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    def log_step(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, dt: float) -> None:
+    def log_step(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, dt: float,
+                 skipped_steps: int | None = None) -> None:
         value = float(loss)  # waits for the device: only on logged steps
         self.result.losses.append((self.step, value))
-        self.log({"step": self.step, "loss": value, "lr": lr})
+        self.log({"step": self.step, "loss": value, "lr": lr,
+                  **({} if skipped_steps is None else {"skipped_steps": skipped_steps})})
         tokens = self.config.batch_size * self.config.seq_len
         self.emit(StepEvent(self.step, self.config.steps, value, lr, float(grad_norm), tokens / max(dt, 1e-9)))
 
@@ -232,6 +235,7 @@ def train(
     meta: dict[str, Any] | None = None,
     handle_signals: bool = True,
     time_limit_s: float | None = None,
+    threads: int | str | None = "auto",
 ) -> TrainResult:
     """Train ``model`` on ``data``: token data (a language model, tokens [B, T] -> logits
     [B, T, V], validated on ``data.val``) or any :class:`Workload`.
@@ -252,17 +256,27 @@ def train(
     time_limit_s: wall-clock budget of this call; when spent, the run validates, saves a
       checkpoint and returns early with ``time_limited`` set (the schedule is not shortened).
 
+    threads: torch's CPU threads during the call, restored afterwards (CPU runs only). "auto":
+      the command line's policy (:func:`resources.default_threads`: fewer threads when other
+      processes keep the cores busy; a thread that shares its core with a busy process stalls
+      every operator, which made training 20x slower on a loaded 2-core machine), applied only
+      while torch's setting is its own default: after your ``torch.set_num_threads(n)`` (n other
+      than torch's default) or with OMP_NUM_THREADS / MKL_NUM_THREADS set, yours is kept. An int:
+      that many. None: torch's setting as it is.
+
     Returns a :class:`TrainResult`; ``interrupted`` is True when a signal, KeyboardInterrupt or
     the workload's "pause" stopped the run (after saving a checkpoint of the last completed step
     when ``out_dir``). Raises :class:`TrainingDiverged` when a step's loss or gradient norm is
-    NaN or infinite (unless the workload records divergence instead): it stops before that
-    step's update, nothing more is saved, and the newest checkpoint stays for a resume.
-    ``out_dir`` is locked while the run writes it (:func:`run_lock`: another run into the same
-    folder gets RunLocked).
+    NaN or infinite (unless the workload records divergence instead; with ``config.on_nonfinite="skip"``: the MAX_SKIPPED_IN_A_ROW-th in a row; before, such a
+    step's update is skipped): it stops before that step's update, nothing more is saved, and
+    the newest checkpoint stays for a resume. ``out_dir`` is locked while the run writes it
+    (:func:`run_lock`: another run into the same folder gets RunLocked).
     """
     dist = dist or DistInfo()
     out_dir = Path(out_dir) if out_dir is not None else None
-    with run_lock(out_dir) if out_dir is not None and dist.is_main else contextlib.nullcontext():
+    target = torch.device(device) if device is not None else default_device(dist)
+    with run_lock(out_dir) if out_dir is not None and dist.is_main else contextlib.nullcontext(), \
+            cpu_threads(target, threads):
         return _train(model, data, config, out_dir, resume, callback, device, dist, meta, handle_signals,
                       time_limit_s)
 
@@ -302,6 +316,7 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
     compile_errors = (torch._dynamo.exc.TorchDynamoException,) if config.compile else ()
     work.start(run)
     run.started = last_save = time.perf_counter()
+    skipped_in_a_row = 0
     with _StopRequest(handle_signals) as stop:
         try:
             if run.step == 0 and run.config.eval_at_start:
@@ -318,14 +333,23 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
                 except compile_errors as e:
                     raise compile_failure(e) from e
                 except NonFiniteStep as e:
-                    # refused before the update: the weights are still those of the step before,
-                    # nothing more is saved, no finite checkpoint is pruned
-                    kept = "no checkpoint was written" if run.saved_step is None else \
-                        f"the last checkpoint (step {run.saved_step}) is kept"
-                    raise TrainingDiverged(
-                        f"training diverged at step {run.step + 1}: loss {e.loss}, gradient norm {e.grad_norm} "
-                        f"(lr {lr:.3g}); {kept}: lower the learning rate or lengthen the warmup, then resume"
-                    ) from None
+                    # refused before the update: the weights and optimizer state are still those
+                    # of the step before
+                    skipped_in_a_row += 1
+                    if config.on_nonfinite == "stop" or skipped_in_a_row > MAX_SKIPPED_IN_A_ROW:
+                        # nothing more is saved, no finite checkpoint is pruned
+                        kept = "no checkpoint was written" if run.saved_step is None else \
+                            f"the last checkpoint (step {run.saved_step}) is kept"
+                        again = f" ({skipped_in_a_row} steps in a row)" if config.on_nonfinite == "skip" else ""
+                        raise TrainingDiverged(
+                            f"training diverged at step {run.step + 1}{again}: loss {e.loss}, gradient norm "
+                            f"{e.grad_norm} (lr {lr:.3g}); {kept}: lower the learning rate or lengthen the warmup, "
+                            f"then resume"
+                        ) from None
+                    run.result.skipped_steps += 1
+                    out = StepOutput(torch.tensor(e.loss, device=device), torch.tensor(e.grad_norm, device=device))
+                else:
+                    skipped_in_a_row = 0
                 run.step += 1
                 run.committing = False
                 loss, stop_now, out_of_time = run.agree(out.loss, stop.requested, budget.spent())
@@ -333,8 +357,9 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
                     torch.cuda.synchronize(device)  # a compiling step is timed to the end of its device work
                 dt = time.perf_counter() - t0
                 logged = run.step == 1 or run.step % config.log_interval == 0
+                logged = logged or skipped_in_a_row > 0  # a skipped step is always in the log
                 if logged:
-                    run.log_step(loss, lr, out.grad_norm, dt)
+                    run.log_step(loss, lr, out.grad_norm, dt, run.result.skipped_steps if skipped_in_a_row else None)
                 decision = work.after_step(run)
                 config = run.config
                 at_end = run.step >= config.steps or decision == "end"

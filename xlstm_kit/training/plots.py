@@ -1,8 +1,6 @@
 """The metrics log (metrics.jsonl) and the loss curve (loss.png, when matplotlib is installed)."""
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -10,18 +8,38 @@ from typing import Any, Iterable
 import numpy as np
 
 from .._extras import install_hint
+from ..errors import XLSTMKitError
+from ..io.jsonfile import describe, read_json_lines
 
 
 def read_metrics(path: Path, up_to_step: int | None) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl up to step ``up_to_step`` (all: None). A last row cut short
+    by a kill is dropped; any other damage (a row that is not an object with an integer step and
+    numeric values, bytes that are not UTF-8 or JSON) is refused in one line rather than dropped,
+    since resuming rewrites the file with the rows it read."""
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            row = json.loads(line)
-            if up_to_step is None or row.get("step", 0) <= up_to_step:
-                rows.append(row)
+    for n, row in read_json_lines(path):
+        why = _row_problem(row)
+        if why:
+            raise XLSTMKitError(f"{path} line {n} is not a metrics row ({why}); repair or remove the file, "
+                                f"then resume")
+        if up_to_step is None or row["step"] <= up_to_step:
+            rows.append(row)
     return rows
+
+
+def _row_problem(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return f"{describe(row)}, not an object"
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"step is {describe(step) if not isinstance(step, int) else step}"
+    for key, value in row.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{key} is {describe(value)}, not a number"
+    return None
 
 
 PLOT_MISSING_NOTE = f"loss plot skipped: matplotlib is not installed ({install_hint('matplotlib')})"

@@ -14,15 +14,15 @@ library's models (float32, 2026-12-01, ru_maxrss of one training step at several
 """
 from __future__ import annotations
 
-import math
+import contextlib
 import os
-from pathlib import Path
 
 import torch
 
+from ..errors import XLSTMKitError
+from ..models.meta import GIB, available_memory, format_gib, shapes_only  # noqa: F401 - part of this module's API
 from ..models.xlstm import XLSTMLanguageModel
 
-GIB = 2**30
 # Interpreter, torch and allocator overhead that exists whatever the model (measured ~0.3 GiB).
 _BASE_BYTES = int(0.4 * GIB)
 _TRAIN_BYTES_PER_TOKEN_BLOCK_D = 225
@@ -62,6 +62,38 @@ def default_threads(torch_default: int) -> int | None:
     return auto_threads(os.cpu_count() or 1, load, torch_default)
 
 
+def torch_default_threads() -> bool:
+    """Whether torch's intra-op thread count is still the one it chose itself: no OMP_NUM_THREADS
+    or MKL_NUM_THREADS, and equal to its inter-op count, which torch sets to the same default
+    (the physical cores) and which cannot be changed once used. A torch.set_num_threads(n) to
+    that very default cannot be told apart."""
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+        return False
+    return torch.get_num_threads() == torch.get_num_interop_threads()
+
+
+@contextlib.contextmanager
+def cpu_threads(device: torch.device, threads: int | str | None = "auto"):
+    """torch's CPU threads for a block (``train(threads=...)``), restored after it: an int,
+    "auto" (:func:`default_threads` on the CPU while torch's setting is its own default, see
+    :func:`torch_default_threads`) or None (no change)."""
+    if not (threads is None or threads == "auto" or (isinstance(threads, int) and not isinstance(threads, bool)
+                                                     and threads >= 1)):
+        raise XLSTMKitError(f"threads must be 'auto', None or a positive integer, got {threads!r}")
+    before = torch.get_num_threads()
+    n = threads if isinstance(threads, int) else None
+    if threads == "auto" and device.type == "cpu" and torch_default_threads():
+        n = default_threads(before)
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 # --------------------------------------------------------------------------------------------
 # Memory
 # --------------------------------------------------------------------------------------------
@@ -69,7 +101,7 @@ def default_threads(torch_default: int) -> int | None:
 
 def count_parameters(config) -> int:
     """Parameters of ``XLSTMLanguageModel(config)``, counted on the meta device (no memory)."""
-    with torch.device("meta"):
+    with shapes_only():
         return sum(p.numel() for p in XLSTMLanguageModel(config).parameters())
 
 
@@ -100,31 +132,3 @@ def largest_batch(bytes_for_batch, limit: int, start: int) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def available_memory() -> int | None:
-    """Bytes this process can still allocate: MemAvailable of /proc/meminfo, lowered by a
-    cgroup (container) limit; None where neither is known (not Linux)."""
-    found = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    cgroup = Path("/sys/fs/cgroup")
-    for limit_file, usage_file in (("memory.max", "memory.current"),  # cgroup v2
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            limit = (cgroup / limit_file).read_text().strip()
-            usage = int((cgroup / usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < 2**60:  # "max" or a huge number: no limit
-            found.append(max(0, int(limit) - usage))
-        break
-    return min(found) if found else None
-
-
-def format_gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB" if n < 100 * GIB else f"{math.ceil(n / GIB):,} GiB"

@@ -31,6 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._config import KernelConfig
+from ..backend import assume_constant_result
 from .triton import _conv_rows, _row_pos
 
 
@@ -337,7 +338,7 @@ def _(dq, dk, dv, dg, dx_conv, x, pos, conv_w, conv_b, wq, wk, wv, w_conv, w_m, 
             w_conv.new_empty(w_conv.shape[0]))
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def front_config_key() -> str:
     """The default configuration's key (a constant to torch.compile)."""
     return _FRONT_KEY

@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._config import KernelConfig
+from ..backend import assume_constant_result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +187,7 @@ def _(h, x_conv, z, w, skip, mean, rstd, du, config):
             torch.empty_like(w), torch.empty_like(skip))
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def config_key() -> str:
     """The default configuration's key (a constant to torch.compile, which cannot trace json)."""
     return _DEFAULT_KEY
@@ -490,7 +491,7 @@ def _(dout, x, state, w, b, act, config, pos=None):
     return torch.empty_like(x), ds, torch.empty_like(w), torch.empty_like(b)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def conv_config_key() -> str:
     return _CONV_KEY
 

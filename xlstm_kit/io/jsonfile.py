@@ -1,0 +1,143 @@
+"""The one reader of the JSON files the library opens: a model folder's config.json,
+tokenizer.json, tokenizer_config.json, model.safetensors.index.json and checksums.json, a
+checkpoint's train_meta.json, a run's metrics.jsonl.
+
+Such a file may be damaged or written by someone else, and Python's json module turns some of
+that into exceptions far from a one-line error: nesting deeper than the interpreter's recursion
+limit (RecursionError), an integer of more than 4300 digits (ValueError, and smaller huge
+integers overflow wherever they are used), bytes that are not UTF-8. Here each of those, a file
+that is not a regular file (a FIFO would block, /dev/zero never end), one larger than its kind
+of file can be, and a value of the wrong JSON type is an XLSTMKitError naming the file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from ..errors import MissingFileError, XLSTMKitError
+
+MAX_DEPTH = 64  # the files above nest a few levels; tokenizers' files under ten
+MAX_INT_DIGITS = 24  # every integer of these files fits in 64 bits (20 digits)
+MAX_LINE_BYTES = 1 << 20  # a metrics.jsonl row is a few hundred bytes
+# The largest each kind of file can be: configs, metadata and indexes are kilobytes; the
+# tokenizer.json of a 256K vocabulary is ~35 MB.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_META_BYTES = 16 << 20
+MAX_INDEX_BYTES = 64 << 20
+MAX_TOKENIZER_BYTES = 256 << 20
+
+_TYPE_NAMES = {dict: "a JSON object", list: "a list", str: "a string", int: "an integer", float: "a number",
+               bool: "true or false", type(None): "null"}
+
+
+class JSONFileError(XLSTMKitError):
+    """A JSON file that cannot be read as the library needs it."""
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"it holds an integer of {digits} digits")
+    return int(text)
+
+
+def _depth(value: Any) -> int:
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d > MAX_DEPTH:
+                break
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def describe(value: Any) -> str:
+    """The JSON type of ``value`` in words ("a list", "null")."""
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def parse(text: str | bytes, source: str | Path, expect: type | tuple | None = None,
+          error: type[XLSTMKitError] = JSONFileError) -> Any:
+    """``text`` (bytes: UTF-8) as JSON, refused (``error``, naming ``source``) when it is not
+    UTF-8, not JSON, nested deeper than MAX_DEPTH, holds an integer of more than MAX_INT_DIGITS
+    digits, or (``expect``) is not of that Python type."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise error(f"{source} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        value = json.loads(text, parse_int=_bounded_int)
+    except RecursionError:
+        raise error(f"{source} is nested too deeply to be one of the library's JSON files") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{source} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})") from None
+    except ValueError as e:  # from _bounded_int, or the interpreter's own limit on digits
+        raise error(f"{source} is not usable JSON: {str(e).split(';')[0]}") from None
+    if _depth(value) > MAX_DEPTH:
+        raise error(f"{source} is nested more than {MAX_DEPTH} levels deep")
+    if expect is not None and not isinstance(value, expect):
+        wanted = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in (expect if isinstance(expect, tuple) else (expect,)))
+        raise error(f"{source} must hold {wanted}, not {describe(value)}")
+    return value
+
+
+def _regular_file(path: Path, error: type[XLSTMKitError]) -> os.stat_result:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise MissingFileError(f"{path} does not exist") from None
+    except OSError as e:
+        raise error(f"{path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{path} is not a regular file")
+    return st
+
+
+def read_bytes(path: str | Path, max_bytes: int, error: type[XLSTMKitError] = JSONFileError) -> bytes:
+    """The content of the regular file ``path``, refused when it is larger than ``max_bytes``."""
+    path = Path(path)
+    st = _regular_file(path, error)
+    if st.st_size > max_bytes:
+        raise error(f"{path} is {st.st_size:,} bytes, more than the {max_bytes:,} such a file may have")
+    with open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:  # grew since the stat
+        raise error(f"{path} is more than the {max_bytes:,} bytes such a file may have")
+    return data
+
+
+def read_json(path: str | Path, max_bytes: int, expect: type | tuple | None = dict,
+              error: type[XLSTMKitError] = JSONFileError) -> Any:
+    """The JSON value of the file ``path`` (see :func:`parse` and :func:`read_bytes`);
+    MissingFileError (also a FileNotFoundError) when it does not exist."""
+    return parse(read_bytes(path, max_bytes, error), path, expect, error)
+
+
+def read_json_lines(path: str | Path, error: type[XLSTMKitError] = JSONFileError) -> list[tuple[int, Any]]:
+    """(line number, value) of each non-empty line of a JSON-lines file, read line by line; a
+    last line without its newline that does not parse (a process killed while appending it) is
+    left out, any other bad line refused."""
+    path = Path(path)
+    _regular_file(path, error)
+    rows: list[tuple[int, Any]] = []
+    with open(path, "rb") as f:
+        n = 0
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            n += 1
+            if len(line) > MAX_LINE_BYTES:
+                raise error(f"{path} line {n} is more than {MAX_LINE_BYTES:,} bytes long; its rows are a few hundred")
+            if not line.strip():
+                continue
+            try:
+                rows.append((n, parse(line, f"{path} line {n}", error=error)))
+            except XLSTMKitError:
+                if not line.endswith(b"\n") and not f.read(1):
+                    break
+                raise
+    return rows
