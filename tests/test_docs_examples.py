@@ -108,3 +108,9 @@ def test_docs_cite_only_the_repository() -> None:
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
             if "://" not in target:
                 assert (path.parent / target).exists(), f"{path.name}: link to missing {target}"
+
+
+def test_readme_stays_short() -> None:
+    """The README is for users: what it is, the two commands, install, support, limitations, two
+    tours and the headline numbers; guides and design notes live in docs/."""
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
