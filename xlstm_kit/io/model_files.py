@@ -1,0 +1,198 @@
+"""Model checkpoints on disk: the folder format (``config.json``, ``model.safetensors``,
+``checksums.json``, ``tokenizer.json``), its SHA-256 checksums, the save and the checked load of
+the state (shapes before allocation, dtypes, finite values). Run folders and training
+checkpoints build on it in xlstm_kit.io.checkpoint, which re-exports these names."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+from torch import nn
+
+from ..errors import MissingFileError, XLSTMKitError
+from ..layers.lora import has_adapters
+from ..models.lora import adapter_config
+from .files import _umask, save_folder
+from .jsonfile import MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, read_json
+from .paths import check_writable
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+CHECKPOINT_FORMAT = 1
+LATEST_FILE = "latest"
+CHECKPOINTS_DIR = "checkpoints"
+TRAIN_STATE_FILE = "train_state.pt"
+TRAIN_META_FILE = "train_meta.json"
+CHECKSUMS_FILE = "checksums.json"
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # a model with LoRA adapters (xlstm_kit.io.lora)
+MAX_CHECKSUMS_BYTES = 1 << 20  # a few file names and digests
+STAGING_NAME_BYTES = len(".") + len(".tmp-") + 12  # what _make_hidden_dir adds to a folder's name
+
+
+class CheckpointError(XLSTMKitError):
+    """A missing, incomplete or incompatible training checkpoint."""
+
+
+def _file_sha256(path: Path) -> str:
+    # a FIFO would block the open, a device (a link to /dev/zero) never end: regular files only
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except OSError as e:
+        raise CheckpointError(f"{path}: {e.strerror or e}") from None
+    if not regular:
+        raise CheckpointError(f"{path} is not a regular file; the checkpoint is unusable")
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_checksums(folder: Path, names: list[str]) -> None:
+    (folder / CHECKSUMS_FILE).write_text(
+        json.dumps({"sha256": {n: _file_sha256(folder / n) for n in names}}, indent=2) + "\n")
+
+
+def verify_checksum(folder: str | Path, name: str) -> None:
+    """Compare ``folder/name`` with the SHA-256 that ``checksums.json`` records for it.
+
+    CheckpointError on a mismatch or an unreadable checksums.json; nothing to check (checkpoints
+    written before checksums existed, or a file it does not list) passes.
+    """
+    folder = Path(folder)
+    f = folder / CHECKSUMS_FILE
+    if not f.is_file():
+        return
+    if f.stat().st_size > MAX_CHECKSUMS_BYTES:
+        raise CheckpointError(f"{f} is corrupt ({f.stat().st_size:,} bytes for a few digests)")
+    try:
+        recorded = read_json(f, MAX_CHECKSUMS_BYTES, error=CheckpointError)["sha256"]
+        expected = recorded.get(name) if isinstance(recorded, dict) else None
+        if not isinstance(recorded, dict) or not (expected is None or isinstance(expected, str)):
+            raise TypeError("not a map of file names to hex digests")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{f} is corrupt ({type(e).__name__}: {e})") from None
+    if expected is not None and _file_sha256(folder / name) != expected.lower():
+        raise CheckpointError(f"{folder / name} does not match the SHA-256 recorded in {CHECKSUMS_FILE}; "
+                              f"the file is corrupt or was changed after saving")
+
+
+# --------------------------------------------------------------------------------------------
+# Model checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None) -> list[str]:
+    state = model.state_dict()
+    if getattr(model.config, "tie_embeddings", False):
+        state.pop("lm_head.weight")  # the same tensor as embedding.weight; re-tied on load
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    safetensors.torch.save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "xlstm_kit"})
+    os.chmod(folder / WEIGHTS_FILE, 0o666 & ~_umask())  # safetensors writes 0600 whatever the umask
+    (folder / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    _write_checksums(folder, [WEIGHTS_FILE])
+    names = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
+    if has_adapters(model):  # the weights hold them; loaders rebuild the same adapters from this first
+        (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config(model), indent=2, sort_keys=True) + "\n")
+        names.append(ADAPTER_CONFIG_FILE)
+    hf_tokenizer = getattr(model, "hf_tokenizer", None)  # a tokenizers-format tokenizer.json (xlstm_kit.io.hf)
+    if hf_tokenizer is not None:
+        names += hf_tokenizer.save(folder)
+    elif tokenizer is not None:
+        (folder / TOKENIZER_FILE).write_text(json.dumps({"name": tokenizer}) + "\n")
+        names.append(TOKENIZER_FILE)
+    return names
+
+
+def save_model(model: nn.Module, directory: str | Path, tokenizer: str | None = None) -> Path:
+    """Write ``directory``/config.json + model.safetensors (+ tokenizer.json when ``tokenizer``
+    names one) for a model with a ``config``, atomically (xlstm_kit.io.files.save_folder: over
+    an earlier save the old model or the new one, never a mix; the model files of an earlier
+    save of ours that this one does not write, such as a HuggingFace index and shards, go;
+    files xlstm_kit did not write stay, and one that loading would read makes it refuse).
+    Returns the folder."""
+    directory = check_writable(directory, "cannot save a checkpoint to", folder=True, extra_bytes=STAGING_NAME_BYTES)
+    return save_folder(directory, lambda folder: _write_model_files(model, folder, tokenizer))
+
+
+def read_model_files(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The config dict and the tensors (on the CPU) of a model checkpoint folder.
+
+    FileNotFoundError when the folder or one of its two files is missing; ValueError when a
+    file is corrupt.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise MissingFileError(f"no checkpoint folder at {str(directory)!r}")
+    cfg_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    for p in (cfg_path, weights_path):
+        if p.exists() and not p.is_file():  # a FIFO, a device, a folder: never opened
+            raise CheckpointError(f"{p} is not a regular file; the checkpoint is unusable")
+        if not p.is_file():
+            raise MissingFileError(f"checkpoint {str(directory)!r} has no {p.name}; is it an xlstm_kit model folder?")
+    config = read_json(cfg_path, MAX_CONFIG_BYTES)
+    verify_checksum(directory, WEIGHTS_FILE)
+    try:
+        tensors = safetensors.torch.load_file(str(weights_path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise XLSTMKitError(f"{weights_path} is not a readable safetensors file ({e}); the checkpoint is corrupt") from None
+    return config, tensors
+
+
+def check_state(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """Refuse ``tensors`` that do not fit ``model`` (which may live on the meta device, so that
+    a config naming a huge model is refused before anything is allocated): missing, unexpected
+    or mis-shaped entries (a tied head is not stored), integer or boolean tensors for floating
+    parameters, NaN or infinite values."""
+    tied = getattr(model.config, "tie_embeddings", False)
+    expected = model.state_dict()
+    if tied:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise XLSTMKitError(f"{source} does not match its config.json: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, t in tensors.items():
+        if t.shape != expected[name].shape:
+            raise XLSTMKitError(f"{source}: {name} has shape {list(t.shape)}, config.json implies {list(expected[name].shape)}")
+        # load_state_dict would cast integer or boolean tensors into float parameters silently
+        if expected[name].dtype.is_floating_point and not t.dtype.is_floating_point:
+            raise CheckpointError(f"{source}: {name} has dtype {t.dtype}, expected a floating-point tensor")
+        if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{source}: {name} holds NaN or infinite values; the checkpoint is unusable")
+
+
+def load_state_checked(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path,
+                       checked: bool = False) -> nn.Module:
+    """Copy ``tensors`` into ``model`` after :func:`check_state` (skipped when ``checked``: the
+    caller ran it). Takes the tensors' dtype when they all share one."""
+    if not checked:
+        check_state(model, tensors, source)
+    tied = getattr(model.config, "tie_embeddings", False)
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) == 1:
+        model = model.to(dtypes.pop())
+    model.load_state_dict(tensors, strict=not tied)
+    return model
+
+
+def read_tokenizer_name(checkpoint: str | Path) -> str | None:
+    """The tokenizer a checkpoint was trained with: tokenizer.json, else (checkpoints written
+    before tokenizer.json existed) train_meta.json's "tokenizer"; None when unknown, or when
+    tokenizer.json is a `tokenizers` file rather than a name (xlstm_kit.io.tokenizers.find_tokenizer)."""
+    checkpoint = Path(checkpoint)
+    if (checkpoint / TOKENIZER_FILE).is_file():
+        value = read_json(checkpoint / TOKENIZER_FILE, MAX_TOKENIZER_BYTES).get("name")
+    elif (checkpoint / TRAIN_META_FILE).is_file():
+        value = read_json(checkpoint / TRAIN_META_FILE, MAX_META_BYTES, error=CheckpointError).get("tokenizer")
+    else:
+        value = None
+    return value if isinstance(value, str) else None
