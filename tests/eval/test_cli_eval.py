@@ -49,7 +49,9 @@ def test_tasks_run_and_their_json_lands_beside_the_run(run_folder, in_tasks, cap
     (["--tasks", "a,,b"], "without empty ones"),
     (["--tasks", "xk_choice", "--output", "."], "is a folder"),
 ])
-def test_flags_that_cannot_go_together_are_one_line_errors(run_folder, capsys, extra, needle):
+def test_flags_that_cannot_go_together_are_one_line_errors(run_folder, capsys, extra, needle, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.txt").write_text("text")  # an existing --data file: the combination is what is refused
     assert needle in error_line(capsys, ["eval", str(run_folder), *extra])
 
 
@@ -62,7 +64,7 @@ def test_an_unknown_task_fails_before_the_model_loads(run_folder, in_tasks, caps
 
     monkeypatch.setattr(tasks, "TaskManager", LocalOnly)
     err = error_line(capsys, ["eval", str(run_folder / "nowhere"), "--tasks", "xk_choice"])
-    assert "no such model folder" in err
+    assert "nowhere does not exist" in err
     err = error_line(capsys, ["eval", str(run_folder), "--tasks", "xk_nope", "--include-path", str(in_tasks),
                               "--output", str(run_folder / "x.json")])
     assert "unknown task xk_nope" in err and not (run_folder / "x.json").exists()
