@@ -4,6 +4,7 @@ loss and bits per byte). The synthetic experiments supply their own
 (xlstm_kit.experiments.task_loop: a task's batches, its masked loss, its accuracy)."""
 from __future__ import annotations
 
+import abc
 import inspect
 from typing import Any, Iterable
 
@@ -19,7 +20,7 @@ from .packing import PackedSampler
 from .step import StepOutput, lm_loss, train_step
 
 
-class Workload:
+class Workload(abc.ABC):
     """The batches, the step and the checks of a training run; the loop (schedule, stopping,
     checkpoints, resume, the metrics log) is :func:`xlstm_kit.training.train`'s.
 
@@ -33,9 +34,9 @@ class Workload:
     stops_on_nonfinite = True
     """A NaN or infinite loss stops the run (TrainingDiverged) before it updates the weights."""
 
+    @abc.abstractmethod
     def batches(self, step: int) -> Iterable[tuple[Any, Any]]:
         """This rank's (inputs, target) micro-batches of optimizer step ``step`` (0-based), on the device."""
-        raise NotImplementedError
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Iterable[tuple[Any, Any]],
              **kw: Any) -> StepOutput:
