@@ -471,6 +471,6 @@ def test_cli_compile_decodes_the_same_text(byte_model_dir, monkeypatch, capsys):
         original(self, backend="aot_eager", **options)
 
     monkeypatch.setattr(XLSTMLanguageModel, "compile_step", compile_step)
-    monkeypatch.setattr("xlstm_kit.cli.generate.compile_unavailable", lambda device: None)
+    monkeypatch.setattr("xlstm_kit.cli.common.compile_unavailable", lambda device: None)
     assert cli.main(base + ["--compile"]) == 0
     assert calls == [{}] and capsys.readouterr().out == plain

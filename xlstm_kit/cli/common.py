@@ -18,6 +18,7 @@ from ..training import (CHECKPOINTS_DIR, LATEST_FILE, METRICS_FILE, PLOT_FILE, C
                         StepEvent)
 from ..training.data import name_some
 from ..training import resources
+from ..training.compiling import compile_unavailable
 from .args import DTYPES, LARGE_DEFAULTS, TRAIN_DEFAULTS, UsageError
 
 
@@ -118,6 +119,18 @@ def use_threads(requested: int | None, device) -> str:
         torch.set_num_threads(n)
     n = torch.get_num_threads()
     return f"{n} thread{'s' if n > 1 else ''}{why}"
+
+
+def decode_device(args):
+    """The device of a decoding command (generate, serve) with its CPU threads set; a one-line
+    refusal of --compile where torch.compile cannot run."""
+    device = pick_device(args.device)
+    use_threads(args.threads, device)
+    if args.compile:
+        why = compile_unavailable(device)
+        if why:
+            raise UsageError(f"--compile: torch.compile cannot run here: {why}")
+    return device
 
 
 def out_of_memory(needed: int, available: int, what: str, shrink: str) -> UsageError:

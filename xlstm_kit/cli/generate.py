@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 from ..generation.generate import complete_texts
-from ..training.compiling import compile_unavailable
 from .args import UsageError
-from .common import open_checkpoint, pick_device, tokenizer_for, use_threads
+from .common import decode_device, open_checkpoint, tokenizer_for
 
 # A prompts file larger than this is not prompts (and /dev/zero would be read until memory ends)
 MAX_PROMPTS_BYTES = 64 * 2**20
@@ -77,12 +76,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out_file = _check_output(args.output) if args.output is not None else None
     stream = args.prompts is None and (sys.stdout.isatty() if args.stream is None else args.stream)
 
-    device = pick_device(args.device)
-    use_threads(args.threads, device)
-    if args.compile:
-        why = compile_unavailable(device)
-        if why:
-            raise UsageError(f"--compile: torch.compile cannot run here: {why}")
+    device = decode_device(args)
     _, meta, model = open_checkpoint(args.checkpoint, device, args.dtype)
     if args.compile:
         model.compile_step()

@@ -5,9 +5,8 @@ import argparse
 from pathlib import Path
 
 from .._extras import require
-from ..training.compiling import compile_unavailable
 from .args import UsageError
-from .common import open_checkpoint, pick_device, tokenizer_for, use_threads
+from .common import decode_device, open_checkpoint, tokenizer_for
 
 PROG = "xlstm-kit serve"
 
@@ -23,12 +22,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be at least 1")
-    device = pick_device(args.device)
-    use_threads(args.threads, device)
-    if args.compile:
-        why = compile_unavailable(device)
-        if why:
-            raise UsageError(f"--compile: torch.compile cannot run here: {why}")
+    device = decode_device(args)
     if args.cuda_graph and device.type != "cuda":
         raise UsageError(f"--cuda-graph needs a CUDA device, the model runs on {device}")
     folder, meta, model = open_checkpoint(args.checkpoint, device, args.dtype)
