@@ -33,6 +33,14 @@ VARIANTS = {
     "fwd_bt64_8w": dict(bt=64, warps=8),
     "fwd_bc64_8w": dict(bc=64, warps=8),
     "dx_bt32": dict(dx_bt=32, dx_bc=64, dx_warps=4),
+    # register caps: more programs resident per SM for some spills (ptxas, sm_90a: the first
+    # backward pass spills 788 bytes on 4 warps at 128 registers, 912 on 8 at 96)
+    "bwd4w_r128": dict(bwd_warps=4, bwd_maxnreg=128),
+    "bwd4w_r128_p1024": dict(bwd_warps=4, bwd_maxnreg=128, programs=1024),
+    "bwd8w_r96_p1024": dict(bwd_maxnreg=96, programs=1024),
+    "bwd4w_r96_p1024": dict(bwd_warps=4, bwd_maxnreg=96, programs=1024),
+    "fwd_r96": dict(maxnreg=96),
+    "fwd_r128": dict(maxnreg=128),
 }
 
 

@@ -42,7 +42,9 @@ class FrontKernelConfig(KernelConfig):
     (`bwd_warps`, at most `programs` programs along the steps), `dx_bt` x `dx_bc` tiles on
     `dx_warps` for its second. Defaults: the largest tiles without register spills for sm_90
     (ptxas, Triton 3.7, bf16): forward 243 registers (64 x 64 tiles spilled 800 bytes on 4
-    warps, 250 on 8); first backward pass 248 on 8 warps (128 bytes spilled on 4)."""
+    warps, 250 on 8); first backward pass 248 on 8 warps (128 bytes spilled on 4).
+    `maxnreg` / `bwd_maxnreg` (0: no cap) cap the registers per thread of the forward and of
+    the backward's first pass, trading spills for more programs resident per SM."""
     bt: int = 32
     bc: int = 32
     warps: int = 4
@@ -51,6 +53,8 @@ class FrontKernelConfig(KernelConfig):
     dx_bt: int = 64
     dx_bc: int = 64
     dx_warps: int = 8
+    maxnreg: int = 0
+    bwd_maxnreg: int = 0
 
 
 def supports(op: str, *, dtype: torch.dtype, block_size: int = 4, taps: int = 4, **_) -> str | None:
@@ -142,7 +146,8 @@ def mlstm_front_fwd(x: Tensor, pos: Optional[Tensor], conv_w: Tensor, conv_b: Te
         _front_fwd[(triton.cdiv(T, cfg.bt), B)](
             x, x if pos is None else pos, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, xc, q, k, v, g, T, C, G2,
             K=conv_w.shape[1], d=wq.shape[-1], HAS_POS=pos is not None, GATES=gates, BT=cfg.bt, BC=cfg.bc,
-            BG=max(16, triton.next_power_of_2(G2)), PREC=_prec(x), num_warps=cfg.warps)
+            BG=max(16, triton.next_power_of_2(G2)), PREC=_prec(x), num_warps=cfg.warps,
+            maxnreg=cfg.maxnreg or None)
     return xc, q, k, v, g
 
 
@@ -317,7 +322,8 @@ def mlstm_front_bwd(dq: Tensor, dk: Tensor, dv: Tensor, dg: Tensor, dx_conv: Opt
         _front_bwd_pre[(triton.cdiv(C, cfg.bc), P)](
             x, p, conv_w, conv_b, wq, wk, w_conv, dq, dk, dv, dg, x if dx_conv is None else dx_conv, dpre,
             wpart, gpart, cpart, T, C, G2, NT, B * NT, K=K, d=d, HAS_POS=pos is not None,
-            HAS_DXE=dx_conv is not None, BT=cfg.bt, BC=cfg.bc, BG=BG, PREC=_prec(x), num_warps=cfg.bwd_warps)
+            HAS_DXE=dx_conv is not None, BT=cfg.bt, BC=cfg.bc, BG=BG, PREC=_prec(x), num_warps=cfg.bwd_warps,
+            maxnreg=cfg.bwd_maxnreg or None)
         _front_bwd_dx[(triton.cdiv(T, cfg.dx_bt), triton.cdiv(C, cfg.dx_bc), B)](
             dpre, p, conv_w, wv, w_m, dv, dg, dx, T, C, G2, K=K, d=d, HAS_POS=pos is not None,
             BT=cfg.dx_bt, BC=cfg.dx_bc, BG=BG, PREC=_prec(x), num_warps=cfg.dx_warps)
