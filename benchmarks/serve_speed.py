@@ -45,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 3600  # a 7B model's load and compiled, graphed steps take minutes
+PREFIX_QUESTION = (8, 32)  # tokens of the short question after the shared system prompt
 
 
 # ------------------------------------------------------------------------------ the workload
@@ -250,7 +251,7 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
 
     common = ["--device", device, "--max-tokens", str(max(olen[1], 16)), "--max-queue", "100000",
-              "--max-prompt-tokens", str(args.system_len + plen[1] + 16)]
+              "--max-prompt-tokens", str(args.system_len + max(plen[1], PREFIX_QUESTION[1]) + 16)]
     if dtype:
         common += ["--dtype", {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]]
     if args.compile:
@@ -267,8 +268,8 @@ def main(argv=None) -> int:
 
         def prefix_runs(server, cache: bool):
             for c in (1, 8):
-                jobs = workload(args.prefix_requests, min(vocab, 50257), (8, 32), (8, 8), args.seed + 1000 + c,
-                                prefix=system)
+                jobs = workload(args.prefix_requests, min(vocab, 50257), PREFIX_QUESTION, (8, 8),
+                                args.seed + 1000 + c, prefix=system)
                 record({"case": "prefix", "cache": cache, "concurrency": c, "system_len": args.system_len,
                         **load(server.url, jobs, c, min(args.clients, c))})
 
