@@ -33,10 +33,13 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(bias=True, tie_embeddings=True)])
+@pytest.mark.parametrize("kw", [dict(), dict(bias=True, tie_embeddings=True),
+                                # 48 x 2.667 = 128.02: a width just past a multiple, which the 7B's own
+                                # rounding keeps at 128 (as large-125M's 768 x 2.667 stays 2048)
+                                dict(d_model=48, ffn_proj_factor=2.667)])
 def test_our_folder_loads_in_transformers_with_the_same_logits(tmp_path, kw):
     # float32 only: transformers' model returns float32 logits from a float64 model too
-    ours = noisy_(XLSTMLanguageModel(XLSTMConfig(family="large", **SHAPE, **kw))).eval()
+    ours = noisy_(XLSTMLanguageModel(XLSTMConfig(family="large", **{**SHAPE, **kw}))).eval()
     ours.save_pretrained(tmp_path / "hf")
     hf = transformers.xLSTMForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.weight_mode == "single" and hf.config.tie_word_embeddings == ours.config.tie_embeddings

@@ -272,6 +272,12 @@ class XLSTMConfig:
 
     @property
     def ffn_dim(self) -> int:
+        if self.family == "large":
+            # xLSTM-7B's own rounding (its package and transformers' xLSTMConfig): (x + m - 1) // m
+            # on the unrounded float, which is not a ceiling (768 x 2.667 = 2048.3 gives 2048, not
+            # 2112); HF folders must match it to the entry
+            m = self.round_proj_to
+            return int((self.ffn_proj_factor * self.d_model + m - 1) // m * m)
         return round_up(self.ffn_proj_factor * self.d_model, self.round_proj_to)
 
     # ------------------------------------------------------------------ (de)serialisation
