@@ -1,4 +1,5 @@
-"""Shared test utilities: the relative error every tolerance in the tests is stated in."""
+"""Shared test utilities: the relative error every tolerance in the tests is stated in, and
+hostile files in place of the files the library reads."""
 import torch
 
 
@@ -25,3 +26,33 @@ def run_outside_interpreter(code: str) -> str:
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
+
+
+HOSTILE_FILES = ("fifo", "oversized", "nested")
+"""The kinds of hostile file `make_hostile` puts in place of a file the library reads."""
+
+
+def make_hostile(path, kind: str, max_bytes: int) -> None:
+    """Replace the file ``path`` (if any) by a FIFO without a writer (a plain read blocks for
+    ever), a sparse file one byte larger than ``max_bytes`` (its reader's bound; no disk used), or
+    JSON nested 100,000 levels deep (json.loads: RecursionError; 200 kB, so it reaches
+    the parser of readers whose bound is larger)."""
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_symlink() or path.exists():
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "oversized":
+        with open(path, "wb") as f:
+            f.truncate(max_bytes + 1)
+    elif kind == "nested":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        raise ValueError(f"unknown kind {kind!r}; one of {HOSTILE_FILES}")
+
+
+HOSTILE_MESSAGES = {"fifo": "not a regular file", "oversized": "more than the", "nested": "nested"}
+"""A phrase of the one-line error that each kind of `make_hostile` file gets from xlstm_kit.io.jsonfile."""

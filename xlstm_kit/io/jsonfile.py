@@ -87,26 +87,41 @@ def parse(text: str | bytes, source: str | Path, expect: type | tuple | None = N
     return value
 
 
-def _regular_file(path: Path, error: type[XLSTMKitError]) -> os.stat_result:
+def _open_regular(path: Path, error: type[XLSTMKitError]) -> tuple[int, os.stat_result]:
+    """A descriptor of ``path`` opened for reading, and its stat, once it is known to be a regular
+    file. Opened first and checked after (fstat): a check of the name before opening would let a
+    FIFO put there in between block the open; O_NONBLOCK keeps the open of a FIFO from waiting
+    for a writer."""
     try:
-        st = os.stat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise MissingFileError(f"{path} does not exist") from None
     except OSError as e:
         raise error(f"{path}: {e.strerror or e}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise error(f"{path} is not a regular file")
-    return st
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path} is not a regular file")
+        # a regular file reads the same with or without O_NONBLOCK; cleared anyway, so that
+        # nothing depends on that
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 def read_bytes(path: str | Path, max_bytes: int, error: type[XLSTMKitError] = JSONFileError) -> bytes:
     """The content of the regular file ``path``, refused when it is larger than ``max_bytes``."""
     path = Path(path)
-    st = _regular_file(path, error)
-    if st.st_size > max_bytes:
-        raise error(f"{path} is {st.st_size:,} bytes, more than the {max_bytes:,} such a file may have")
-    with open(path, "rb") as f:
-        data = f.read(max_bytes + 1)
+    fd, st = _open_regular(path, error)
+    with open(fd, "rb") as f:
+        if st.st_size > max_bytes:
+            raise error(f"{path} is {st.st_size:,} bytes, more than the {max_bytes:,} such a file may have")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as e:
+            raise error(f"{path}: {e.strerror or e}") from None
     if len(data) > max_bytes:  # grew since the stat
         raise error(f"{path} is more than the {max_bytes:,} bytes such a file may have")
     return data
@@ -124,9 +139,9 @@ def read_json_lines(path: str | Path, error: type[XLSTMKitError] = JSONFileError
     last line without its newline that does not parse (a process killed while appending it) is
     left out, any other bad line refused."""
     path = Path(path)
-    _regular_file(path, error)
+    fd, _ = _open_regular(path, error)
     rows: list[tuple[int, Any]] = []
-    with open(path, "rb") as f:
+    with open(fd, "rb") as f:
         n = 0
         while line := f.readline(MAX_LINE_BYTES + 1):
             n += 1

@@ -1,0 +1,65 @@
+"""xlstm_kit.io.jsonfile, the one bounded reader of the library's JSON files: a file that is not
+a regular file, one larger than its bound or JSON nested too deeply is a one-line JSONFileError
+naming it, at once (the readers of each kind of file have their own tests of the same)."""
+import os
+
+import pytest
+
+from tests.helpers import HOSTILE_FILES, HOSTILE_MESSAGES, make_hostile
+from xlstm_kit.errors import MissingFileError, XLSTMKitError
+from xlstm_kit.io.jsonfile import JSONFileError, read_bytes, read_json, read_json_lines
+
+
+def refused(call, needle):
+    with pytest.raises(JSONFileError) as e:
+        call()
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO would cause is a hang
+@pytest.mark.parametrize("kind", HOSTILE_FILES)
+def test_hostile_files_are_refused_in_one_line(tmp_path, kind):
+    f, bound = tmp_path / "f.json", 1 << 20  # the nested JSON is 200 kB
+    make_hostile(f, kind, bound)
+    refused(lambda: read_json(f, bound), HOSTILE_MESSAGES[kind])
+    if kind != "nested":
+        refused(lambda: read_bytes(f, bound), HOSTILE_MESSAGES[kind])
+    if kind == "fifo":
+        refused(lambda: read_json_lines(f), "not a regular file")
+
+
+@pytest.mark.timeout(60)
+def test_devices_folders_and_links_to_them_are_refused(tmp_path):
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "to-fifo").symlink_to(tmp_path / "fifo")
+    for path in ("/dev/zero", tmp_path / "zero", tmp_path, tmp_path / "to-fifo"):
+        refused(lambda: read_json(path, 1000), "not a regular file")
+        refused(lambda: read_json_lines(path), "not a regular file")
+
+
+def test_a_missing_file_is_missing_file_error(tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for path in (tmp_path / "absent.json", tmp_path / "dangling"):
+        with pytest.raises(MissingFileError, match="does not exist"):
+            read_json(path, 1000)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
+def test_an_unreadable_file_is_one_line(tmp_path):
+    f = tmp_path / "locked.json"
+    f.write_text("{}")
+    f.chmod(0)
+    with pytest.raises(XLSTMKitError, match="Permission denied"):
+        read_json(f, 1000)
+
+
+def test_the_error_type_is_the_callers(tmp_path):
+    class Mine(XLSTMKitError):
+        pass
+
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(Mine, match="not a regular file"):
+        read_json(tmp_path / "fifo", 1000, error=Mine)
+    (tmp_path / "ok.json").write_text('{"a": [1, {"b": null}]}')
+    assert read_json(tmp_path / "ok.json", 1000) == {"a": [1, {"b": None}]}
