@@ -10,9 +10,15 @@ from pathlib import Path
 
 from .._extras import require
 from ..errors import XLSTMKitError
+from ..io.jsonfile import MAX_META_BYTES, read_bytes, read_json
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
+# tokenizer_config.json carries the added-tokens table besides the template: hundreds of kB
+# where a vocabulary has thousands of special tokens, so the bound of other configs (1 MiB) is
+# too tight; templates themselves are a few kB.
+MAX_TOKENIZER_CONFIG_BYTES = MAX_META_BYTES
+MAX_TEMPLATE_BYTES = 1 << 20
 
 
 class ChatTemplate:
@@ -58,15 +64,18 @@ def find_chat_template(*folders: Path) -> ChatTemplate | None:
     for folder in folders:
         folder = Path(folder)
         config = {}
-        if (folder / CONFIG_FILE).is_file():
-            try:
-                config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise XLSTMKitError(f"{folder / CONFIG_FILE} is not valid JSON ({e})") from None
+        # exists(), not is_file(): a FIFO or a folder of that name is refused in one line rather
+        # than passed over (serving without the template the folder means to have)
+        if (folder / CONFIG_FILE).exists():
+            config = read_json(folder / CONFIG_FILE, MAX_TOKENIZER_CONFIG_BYTES, expect=None)
             config = config if isinstance(config, dict) else {}
         source = None
-        if (folder / TEMPLATE_FILE).is_file():
-            source = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
+        if (folder / TEMPLATE_FILE).exists():
+            raw = read_bytes(folder / TEMPLATE_FILE, MAX_TEMPLATE_BYTES, error=XLSTMKitError)
+            try:
+                source = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise XLSTMKitError(f"{folder / TEMPLATE_FILE} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         else:
             source = config.get("chat_template")
             if isinstance(source, list):  # named templates: the default one
