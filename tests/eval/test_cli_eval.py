@@ -79,3 +79,28 @@ def test_without_the_extra_the_error_names_it(run_folder, monkeypatch, capsys):
 
     assert main() == 2
     assert "pip install 'xlstm-kit[eval]'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO would cause is a hang
+@pytest.mark.parametrize("kind", ["fifo", "oversized", "nested", "a link to nothing", "a JSON string"])
+def test_a_hostile_file_at_the_output_is_refused_in_one_line_at_once(tmp_path, kind):
+    """The check that an existing results file is ours read it whole: a FIFO there hung it, deep
+    nesting was a RecursionError traceback, a JSON string holding the mark passed for ours."""
+    from tests.helpers import HOSTILE_MESSAGES, make_hostile
+    from xlstm_kit.cli.args import UsageError
+    from xlstm_kit.cli.harness import MAX_RESULTS_BYTES, _check_output
+
+    out = tmp_path / "results.json"
+    if kind == "a link to nothing":
+        out.symlink_to(tmp_path / "nowhere")
+    elif kind == "a JSON string":
+        out.write_text(json.dumps(f"not a results file, whatever it says: {MARK}"))
+    else:
+        make_hostile(out, kind, MAX_RESULTS_BYTES)
+    with pytest.raises(UsageError) as e:
+        _check_output(out, explicit=True)
+    message = str(e.value)
+    assert "was not written by 'xlstm-kit eval --tasks'" in message and "\n" not in message, message
+    assert {"a link to nothing": "a link to nothing", "a JSON string": "must hold a JSON object"}.get(
+        kind, HOSTILE_MESSAGES.get(kind, "")) in message
+    assert out.is_symlink() or out.exists()  # left where it was

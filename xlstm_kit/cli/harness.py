@@ -13,12 +13,17 @@ from pathlib import Path
 
 from .._extras import require
 from .._version import __version__
+from ..errors import MissingFileError, XLSTMKitError
 from ..io.checkpoint import atomic_write
+from ..io.jsonfile import read_json
 from .args import DTYPES, PROG, UsageError
 from .common import pick_device, use_threads
 
 # The key that marks a results file as this command's: only such a file is ever replaced.
 MARK = "xlstm_kit_eval"
+# A results file of ours holds every task's config besides its scores: a few MB for suites of
+# dozens of tasks; the bound keeps a huge file from being read only to look for MARK.
+MAX_RESULTS_BYTES = 64 << 20
 _PERPLEXITY_ONLY = ("data", "seq_len", "eval_batches", "val_fraction")
 _SLUG_CHARS = re.compile(r"[^A-Za-z0-9._+-]+")
 
@@ -50,11 +55,13 @@ def _check_output(path: Path, explicit: bool) -> None:
         raise UsageError(f"cannot write {path}: {path.parent} is not writable{hint}")
     if path.exists() or path.is_symlink():
         try:
-            ours = MARK in json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, TypeError):
-            ours = False
+            ours, why = MARK in read_json(path, MAX_RESULTS_BYTES), ""
+        except MissingFileError:
+            ours, why = False, " (a link to nothing)"
+        except XLSTMKitError as e:  # unreadable (a FIFO, a huge or deeply nested file): not ours
+            ours, why = False, f" ({e})"
         if not ours:
-            raise UsageError(f"{path} exists and was not written by '{PROG} eval --tasks'; move it away or "
+            raise UsageError(f"{path} exists and was not written by '{PROG} eval --tasks'{why}; move it away or "
                              f"choose another file with --output")
 
 
