@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from tests.helpers import HOSTILE_FILES, HOSTILE_MESSAGES, make_hostile
 from xlstm_kit.cli import main
 from xlstm_kit.experiments.config import quick_config
 from xlstm_kit.experiments.experiment import run_formal, run_mqar, run_sweep
@@ -291,3 +292,19 @@ def test_an_interrupted_run_saves_and_continues_exactly(tmp_path):
     rest = run_formal("parity", "xlstm[1:1]", cfg, checkpoint=tmp_path / "run.ckpt")
     assert rest["losses"] == whole["losses"] and rest["steps_done"] == 8
     assert rest["scaled_accuracy"] == whole["scaled_accuracy"]
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO would cause is a hang
+@pytest.mark.parametrize("kind", HOSTILE_FILES)
+def test_a_hostile_results_file_is_one_line_at_once(tmp_path, kind, capsys):
+    from xlstm_kit.errors import XLSTMKitError
+    from xlstm_kit.experiments.experiment import MAX_RUN_FILE_BYTES, load_results
+
+    (tmp_path / "runs").mkdir()
+    make_hostile(tmp_path / "runs" / "formal__parity__lstm.json", kind, MAX_RUN_FILE_BYTES)
+    with pytest.raises(XLSTMKitError) as e:
+        load_results(tmp_path / "runs")
+    assert HOSTILE_MESSAGES[kind] in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert main(["experiment", "sweep", "--report-only", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--report-only" in err and HOSTILE_MESSAGES[kind] in err, err

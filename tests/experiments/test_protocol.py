@@ -4,9 +4,11 @@ import json
 import numpy as np
 import pytest
 
+from tests.helpers import HOSTILE_FILES, HOSTILE_MESSAGES, make_hostile
 from xlstm_kit.cli import main
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.experiments import protocol as pr
+from xlstm_kit.experiments.experiment import MAX_RUN_FILE_BYTES
 
 
 def test_formal_grid_expansion():
@@ -342,3 +344,51 @@ def test_cli_protocol_mqar_heads(tmp_path, capsys):
                  "--out", str(tmp_path / "y")]) == 0
     (one,) = (tmp_path / "y" / "runs").glob("*.json")
     assert json.loads(one.read_text())["config"]["n_heads"] == 2
+
+
+def _one_line(call, needle):
+    with pytest.raises(XLSTMKitError) as e:
+        call()
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO would cause is a hang
+@pytest.mark.parametrize("kind", HOSTILE_FILES)
+def test_hostile_results_and_progress_files(tmp_path, kind, capsys):
+    """A FIFO or an oversized file is none that a run writes: a one-line error at once, from the
+    resume check, the report and --report-only. JSON nested too deeply is damaged content, like
+    a file cut short: the grid point is not finished and the report leaves it out."""
+    job = pr.formal_plan(["parity"], ["lstm"], pr.PROTOCOLS["quick"])[0]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    result = runs / f"{job.id}.json"
+    make_hostile(result, kind, MAX_RUN_FILE_BYTES)
+    report_only = ["experiment", "sweep", "--protocol", "quick", "--report-only", "--out", str(tmp_path)]
+    if kind == "nested":
+        assert not pr.finished(job, runs) and pr.load_protocol_results(runs) == []
+    else:
+        _one_line(lambda: pr.finished(job, runs), HOSTILE_MESSAGES[kind])
+        _one_line(lambda: pr.load_protocol_results(runs), HOSTILE_MESSAGES[kind])
+        _one_line(lambda: pr.run_plan([job], tmp_path), HOSTILE_MESSAGES[kind])  # before any run starts
+        capsys.readouterr()
+        assert main(report_only) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and HOSTILE_MESSAGES[kind] in err, err
+    result.unlink()
+    progress = runs / f"{job.id}.progress"
+    make_hostile(progress, kind, MAX_RUN_FILE_BYTES)
+    done = _fake("formal", "parity", "lstm", 32, 1e-3, 0, 1.0)
+    if kind == "nested":
+        assert pr._unfinished(runs) == []
+    else:
+        _one_line(lambda: pr._unfinished(runs), HOSTILE_MESSAGES[kind])
+        _one_line(lambda: pr.write_protocol_report([done], tmp_path), HOSTILE_MESSAGES[kind])
+
+
+def test_a_progress_file_with_missing_or_mistyped_fields_is_left_out_of_the_report(tmp_path):
+    good = {"steps_done": 10, "planned_steps": 20, "seconds": 3.0, "losses": [[5, 2.0]]}
+    for name, curve in {"a": {}, "b": {**good, "losses": [[5]]}, "c": {**good, "steps_done": "ten"},
+                        "d": {**good, "losses": 3}, "ok": good}.items():
+        (tmp_path / f"{name}.progress").write_text(json.dumps(curve))
+    rows = [r for r in pr._unfinished(tmp_path) if r.startswith("| ") and "---" not in r and "| run |" not in r]
+    assert [r.split(" | ")[0] for r in rows] == ["| ok"]

@@ -30,6 +30,7 @@ from typing import Any, Callable, TextIO
 import torch
 
 from .._extras import install_hint
+from ..errors import XLSTMKitError
 from ..experiments import experiment as ex, protocol as pr
 from ..experiments.config import RunConfig, quick_config
 from ..experiments.formal import TASKS
@@ -167,8 +168,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
                              f"run the sweep first, or pass its --out")
         try:
             results = ex.load_results(out / "runs")
-        except ValueError as e:  # a results file that is not JSON
-            raise UsageError(f"--report-only: a results file in {out / 'runs'} is not valid JSON ({e})") from None
+        except XLSTMKitError as e:  # a results file that cannot be read; the message names it
+            raise UsageError(f"--report-only: {e}") from None
         paths = ex.write_report(results, out)  # keeps the sweep's command
         print(_report_paths(paths))
         return 0

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..errors import XLSTMKitError
+from ..io.jsonfile import read_json
 from .config import RunConfig
 from .formal import TaskBatch, sample_train_batch, scaled_accuracy
 from .models import MODEL_NAMES, build_model, check_model_name, model_slug
@@ -55,6 +56,10 @@ RESULTS_TABLE = "table.md"
 RESULTS_PLOT = "heatmap.png"
 RESULTS_ALL = "results.json"
 COMMAND_FILE = "command.txt"
+MAX_RUN_FILE_BYTES = 16 << 20
+"""The most a run's results or progress file may hold: its loss curve, one row per logged step,
+is most of it: tens of kB at the paper protocol's 25,000 steps logged every 25, a few MB with
+every step of 100,000 logged."""
 
 
 def _run_header(kind: str, task: str, model_name: str, model: nn.Module, cfg: RunConfig) -> dict[str, Any]:
@@ -102,6 +107,7 @@ def _train_scoring_a_pause(model: nn.Module, sample, cfg: RunConfig, share: floa
             raise
         fields = score()
         path = progress_path(checkpoint)
+        # not a file of someone else's: the save at the pause has just written it, in this process
         curve = json.loads(path.read_text())
         curve["at_pause"] = {k: fields[k] for k in ("accuracy", "scaled_accuracy")}
         _write_progress(path, curve)
@@ -260,8 +266,10 @@ def run_sweep(tasks: Sequence[str], models: Sequence[str], cfg: RunConfig, out_d
 
 
 def load_results(runs_dir: str | Path) -> list[dict[str, Any]]:
-    """Every results file under `runs_dir` (as written by run_formal / run_mqar)."""
-    return [json.loads(p.read_text()) for p in sorted(Path(runs_dir).glob("*.json"))]
+    """Every results file under `runs_dir` (as written by run_formal / run_mqar); a one-line
+    JSONFileError (an XLSTMKitError) for one that is not a regular file, is larger than
+    MAX_RUN_FILE_BYTES or is not a JSON object."""
+    return [read_json(p, MAX_RUN_FILE_BYTES) for p in sorted(Path(runs_dir).glob("*.json"))]
 
 
 def write_report(results: Sequence[dict[str, Any]], out_dir: str | Path, *, command: str | None = None) -> dict[str, Path]:

@@ -48,8 +48,9 @@ import numpy as np
 import torch
 
 from ..errors import XLSTMKitError
-from .experiment import (MODEL_NAMES, RunConfig, RunPaused, check_model_name, model_slug, progress_path,
-                         run_formal, run_mqar)
+from ..io.jsonfile import JSONFileError, parse, read_bytes
+from .experiment import (MAX_RUN_FILE_BYTES, MODEL_NAMES, RunConfig, RunPaused, check_model_name, model_slug,
+                         progress_path, run_formal, run_mqar)
 from .mqar import MQAR_SETTINGS, check_mqar_shape
 from .registry import get_task, task_set
 
@@ -196,15 +197,25 @@ def mqar_plan(models: Sequence[str], protocol: Protocol, setting: str, *, widths
 
 
 # ------------------------------------------------------------------------------------ running
+def read_run_file(path: str | Path) -> dict[str, Any] | None:
+    """A grid point's results or progress file; None when its content is not a JSON object (a file
+    cut short by a killed run, or otherwise damaged: it is run or left out again). A file that is
+    not a regular file or is larger than MAX_RUN_FILE_BYTES is none that a run writes: a one-line
+    JSONFileError, rather than a sweep that passes over it or a read that never ends."""
+    data = read_bytes(path, MAX_RUN_FILE_BYTES)
+    try:
+        return parse(data, path, expect=dict)
+    except JSONFileError:
+        return None
+
+
 def finished(job: Job, runs_dir: str | Path) -> bool:
     """Whether `job` has a results file without an error (a resumed plan skips it)."""
     path = Path(runs_dir) / f"{job.id}.json"
     if not path.exists():
         return False
-    try:
-        return "error" not in json.loads(path.read_text())
-    except ValueError:  # a file cut short by a killed run
-        return False
+    r = read_run_file(path)
+    return r is not None and "error" not in r
 
 
 def run_job(job: Job, runs_dir: str | Path, device: str, progress=None, stop_at: float | None = None,
@@ -321,11 +332,8 @@ def load_protocol_results(runs_dir: str | Path) -> list[dict[str, Any]]:
     """Every grid-point file under runs_dir (those with an "id")."""
     out = []
     for p in sorted(Path(runs_dir).glob("*.json")):
-        try:
-            r = json.loads(p.read_text())
-        except ValueError:
-            continue
-        if "id" in r:
+        r = read_run_file(p)
+        if r is not None and "id" in r:
             out.append(r)
     return out
 
@@ -414,16 +422,18 @@ def _unfinished(runs_dir: Path) -> list[str]:
     for p in sorted(runs_dir.glob("*.progress")):
         if p.with_suffix(".json").exists():
             continue
-        try:
-            g = json.loads(p.read_text())
-        except ValueError:
+        g = read_run_file(p)
+        if g is None:
             continue
-        last = f"{g['losses'][-1][1]:.4f}" if g.get("losses") else "—"
-        score = f"{g['at_pause']['scaled_accuracy']:.3f}" if "at_pause" in g else "—"
-        pairs = re.match(r"mqar__T\d+-N(\d+)", p.stem)
-        end = _plateau(g.get("losses"), int(pairs[1])) if pairs else ""
-        rows.append(f"| {p.stem} | {g['steps_done']:,} / {g['planned_steps']:,} | {last} | {score} | {end} | "
-                    f"{g['seconds']:.0f} |")
+        try:
+            last = f"{g['losses'][-1][1]:.4f}" if g.get("losses") else "—"
+            score = f"{g['at_pause']['scaled_accuracy']:.3f}" if "at_pause" in g else "—"
+            pairs = re.match(r"mqar__T\d+-N(\d+)", p.stem)
+            end = _plateau(g.get("losses"), int(pairs[1])) if pairs else ""
+            rows.append(f"| {p.stem} | {g['steps_done']:,} / {g['planned_steps']:,} | {last} | {score} | {end} | "
+                        f"{g['seconds']:.0f} |")
+        except (KeyError, IndexError, TypeError, ValueError):  # fields missing or mistyped: damaged like the above
+            continue
     if not rows:
         return []
     return ["", "Unfinished runs (paused, not resumed): steps, last training loss, the score at the pause "
