@@ -5,6 +5,7 @@ earlier save of ours go (xlstm_kit.io.files)."""
 import pytest
 import torch
 
+from tests.helpers import HOSTILE_FILES, make_hostile
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.io.files import MANIFEST_FILE
@@ -162,3 +163,21 @@ def test_save_over_a_model_of_an_earlier_version(tmp_path):
     before = snapshot(y)
     refused(lambda: large(2).save(y), "was not written by xlstm_kit")
     assert snapshot(y) == before
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO would cause is a hang
+@pytest.mark.parametrize("kind", HOSTILE_FILES)
+def test_a_manifest_that_cannot_be_read_makes_nothing_ours(tmp_path, kind):
+    """A FIFO, an oversized file or JSON nested too deeply as the manifest lists nothing (deep
+    nesting was a RecursionError traceback): no file counts as ours, so a save over the folder
+    refuses in one line, at once, and leaves every file as it was; the model still loads."""
+    from xlstm_kit.io import files
+
+    x = tmp_path / "x"
+    large(1).save(x)
+    make_hostile(x / MANIFEST_FILE, kind, files.MAX_MANIFEST_BYTES)
+    assert files.owned_files(x) == set()
+    before = snapshot(x)
+    refused(lambda: large(2).save(x), "was not written by xlstm_kit")
+    assert snapshot(x) == before
+    assert same(XLSTMLanguageModel.load(x), large(1))

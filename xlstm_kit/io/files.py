@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..errors import XLSTMKitError
+from .jsonfile import read_json
 
 MANIFEST_FILE = ".xlstm-kit-files.json"
 STAGING_PREFIX = ".xlstm-kit-staging-"
@@ -139,10 +140,8 @@ def owned_files(folder: str | Path) -> set[str]:
     manifest, so that an unreadable one makes nothing deletable."""
     f = Path(folder) / MANIFEST_FILE
     try:
-        if not f.is_file() or f.stat().st_size > MAX_MANIFEST_BYTES:
-            return set()
-        d = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        d = read_json(f, MAX_MANIFEST_BYTES)
+    except (OSError, XLSTMKitError):  # none, a FIFO, too large, too deep, not JSON, not an object
         return set()
     names = d.get("files") if isinstance(d, dict) and d.get("written_by") == "xlstm_kit" else None
     return {n for n in names if _plain_name(n)} if isinstance(names, list) else set()
