@@ -181,3 +181,112 @@ def test_a_manifest_that_cannot_be_read_makes_nothing_ours(tmp_path, kind):
     refused(lambda: large(2).save(x), "was not written by xlstm_kit")
     assert snapshot(x) == before
     assert same(XLSTMLanguageModel.load(x), large(1))
+
+
+def _interrupted_after_commit(x, monkeypatch, save):
+    """Run ``save`` until its commit, then stop it as a killed process would: the folder holds
+    the old model and the commit folder that the next load carries out."""
+    import os
+
+    from xlstm_kit.io import files
+
+    real = os.rename
+
+    def stop_after_commit(src, dst):
+        real(src, dst)
+        if str(dst).endswith(files.COMMIT_DIR):
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "rename", stop_after_commit)
+        with pytest.raises(KeyboardInterrupt):
+            save()
+    return x / files.COMMIT_DIR
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO would cause is a hang
+@pytest.mark.parametrize("kind", HOSTILE_FILES)
+def test_a_plan_that_cannot_be_read_is_refused_in_one_line_and_changes_nothing(tmp_path, monkeypatch, kind):
+    from xlstm_kit.io import files
+
+    x = tmp_path / "x"
+    large(1).save(x)
+    commit = _interrupted_after_commit(x, monkeypatch, lambda: large(2).save_pretrained(x, max_shard_size="10KB"))
+    make_hostile(commit / files.PLAN_FILE, kind, files.MAX_MANIFEST_BYTES)
+    before = sorted(p.name for p in x.iterdir()), sorted(p.name for p in commit.iterdir())
+    refused(lambda: XLSTMLanguageModel.load(x), files.COMMIT_DIR)
+    assert (sorted(p.name for p in x.iterdir()), sorted(p.name for p in commit.iterdir())) == before
+
+
+def test_a_plan_deletes_only_model_files_that_the_manifest_lists(tmp_path, monkeypatch):
+    """The plan of an interrupted save may be someone else's (a folder copied from elsewhere): a
+    name it lists is deleted only when the folder's manifest lists it as ours and it is one of
+    the model files a save removes, never a file xlstm_kit did not write."""
+    import json
+
+    from xlstm_kit.io import files
+
+    x = tmp_path / "x"
+    large(1).save_pretrained(x, max_shard_size="10KB")
+    commit = _interrupted_after_commit(x, monkeypatch, lambda: large(2).save(x))
+    # files of someone else's, a model file among them (a save would have refused it before)
+    theirs = {"README.md": "notes", "tokenizer.json": "{}", "train_state.pt": "optimizer"}
+    for name, text in theirs.items():
+        (x / name).write_text(text)
+    (tmp_path / "outside.txt").write_text("mine")
+    plan = json.loads((commit / files.PLAN_FILE).read_text())
+    assert plan["remove"] and set(plan["remove"]) <= files.owned_files(x)  # what a save plans: ours
+    shards = list(plan["remove"])
+    plan["remove"] += [*theirs, "../outside.txt", str(tmp_path / "outside.txt"), files.MANIFEST_FILE, ".", ""]
+    (commit / files.PLAN_FILE).write_text(json.dumps(plan))
+    assert same(XLSTMLanguageModel.load(x), large(2))
+    assert {n: (x / n).read_text() for n in theirs} == theirs and (tmp_path / "outside.txt").read_text() == "mine"
+    assert not any((x / n).exists() for n in shards) and not commit.exists()
+
+
+def test_an_interrupted_save_never_replaces_a_file_it_did_not_write(tmp_path, monkeypatch):
+    """A file in the commit folder whose name is a file of the folder that no manifest lists (put
+    there by someone else, or since the save committed) is refused in one line, and nothing is
+    moved; once it is moved away the save completes."""
+    from xlstm_kit.io import files
+
+    x = tmp_path / "x"
+    large(1).save(x)
+    commit = _interrupted_after_commit(x, monkeypatch, lambda: large(2).save_pretrained(x, max_shard_size="10KB"))
+    shard = sorted(p.name for p in commit.iterdir() if p.name.startswith("model-"))[0]
+    (x / shard).write_text("theirs")
+    (commit / "README.md").write_text("from the commit folder")
+    (x / "README.md").write_text("mine")
+    before = sorted(p.name for p in commit.iterdir())
+    refused(lambda: XLSTMLanguageModel.load(x), files.COMMIT_DIR)
+    assert (x / shard).read_text() == "theirs" and (x / "README.md").read_text() == "mine"
+    assert sorted(p.name for p in commit.iterdir()) == before  # nothing moved
+    (x / shard).unlink()
+    (commit / "README.md").unlink()
+    assert same(XLSTMLanguageModel.from_pretrained(x), large(2))
+    assert (x / "README.md").read_text() == "mine"
+
+
+def test_a_save_over_an_earlier_versions_model_killed_while_finishing_completes(tmp_path, monkeypatch):
+    """The earlier version's files are written into the manifest before the commit: once the new
+    weights (safetensors metadata "pt") are in, nothing else shows that its checksums.json is
+    ours, and the save, carried out again, must still remove it."""
+    import os
+
+    x = tmp_path / "x"
+    large(1).save(x)
+    (x / MANIFEST_FILE).unlink()  # as an earlier version left it
+    real = os.unlink
+
+    def stop_at_first_removal(path, *args, **kwargs):
+        if str(path).endswith("checksums.json"):
+            raise KeyboardInterrupt
+        return real(path, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "unlink", stop_at_first_removal)
+        with pytest.raises(KeyboardInterrupt):
+            large(2).save_pretrained(x)
+    assert (x / "checksums.json").exists()
+    assert same(XLSTMLanguageModel.from_pretrained(x), large(2))
+    assert not (x / "checksums.json").exists()

@@ -227,15 +227,27 @@ def finish_interrupted_save(folder: str | Path) -> None:
     try:
         plan_file = commit / PLAN_FILE
         # no plan: the last step (removing the commit folder) was under way, all else is done
-        remove = json.loads(plan_file.read_text())["remove"] if plan_file.exists() else []
+        remove = read_json(plan_file, MAX_MANIFEST_BYTES)["remove"] if plan_file.exists() else []
         if not isinstance(remove, list):
             raise ValueError("a list of files to remove was expected")
-        for name in sorted(os.listdir(commit)):
-            if name not in (PLAN_FILE, MANIFEST_FILE):
-                with contextlib.suppress(FileNotFoundError):  # moved by a process finishing it too
-                    os.replace(commit / name, folder / name)
+        # The commit folder and its plan may be someone else's (a folder copied from elsewhere
+        # holds whatever it holds): a file of the folder is replaced or deleted only when the
+        # folder's manifest says it is ours, as for a save, which refuses foreign files before
+        # it commits and so never plans more. The old manifest is replaced last, so a process
+        # that carries the save out again gets the same answer.
+        ours = owned_files(folder) | _earlier_model_files(folder)
+        moves = [n for n in sorted(os.listdir(commit)) if n not in (PLAN_FILE, MANIFEST_FILE)]
+        for name in moves:
+            # folder first, then commit: a file moved there meanwhile by a process finishing the
+            # save too has left the commit folder (a rename is atomic)
+            if name not in ours and os.path.lexists(folder / name) and os.path.lexists(commit / name):
+                raise not_ours(folder / name, "the interrupted save would replace it")
+        for name in moves:
+            with contextlib.suppress(FileNotFoundError):  # moved by a process finishing it too
+                os.replace(commit / name, folder / name)
         for name in remove:
-            if _plain_name(name):
+            # only model files of ours: all that a save removes (stale shards, index, checksums)
+            if _plain_name(name) and name in ours and MODEL_FILES.fullmatch(name):
                 (folder / name).unlink(missing_ok=True)
         with contextlib.suppress(FileNotFoundError):
             os.replace(commit / MANIFEST_FILE, folder / MANIFEST_FILE)  # last: the old one listed the removed files
@@ -291,6 +303,10 @@ def save_folder(target: str | Path, write: Callable[[Path], list[str]]) -> Path:
         (staging / MANIFEST_FILE).write_bytes(manifest_bytes((owned - set(stale)) | set(names)))
         (staging / PLAN_FILE).write_text(json.dumps({"remove": stale}) + "\n")
         fsync_tree(staging)
+        # The files of an earlier version's model (no manifest) into the manifest first:
+        # finishing the save replaces or removes only what the manifest lists, and once the
+        # new files are in, the earlier weights that vouch for the others may be gone.
+        claim(target, owned)
         try:
             os.rename(staging, target / COMMIT_DIR)  # the commit point
         except OSError as e:
