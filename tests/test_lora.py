@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import rel_err
+from tests.helpers import HOSTILE_FILES, HOSTILE_MESSAGES, make_hostile, rel_err
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 from xlstm_kit.cli import app as cli
 from xlstm_kit.errors import XLSTMKitError
@@ -272,3 +272,25 @@ def test_bad_settings_stop_in_one_line(tmp_path, capsys, monkeypatch):
     assert "done: step 3" in capsys.readouterr().err
     assert cli.main(["train", *fast, "--resume", "--steps", "4", "--lora", "8"]) == 2
     assert "--lora cannot change on --resume" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO would cause is a hang
+@pytest.mark.parametrize("kind", HOSTILE_FILES)
+def test_a_hostile_adapter_config_is_one_line_at_once(tmp_path, kind):
+    """adapter_config.json as a FIFO (passed over before: the model loaded without adapters), an
+    oversized file or JSON nested too deeply (a RecursionError traceback): one line, in an adapter
+    folder and in a model folder."""
+    from xlstm_kit.io.jsonfile import MAX_CONFIG_BYTES
+    from xlstm_kit.io.lora import read_adapter_config
+
+    model = _base(FAMILIES["large"])
+    model.save(tmp_path / "m")
+    (tmp_path / "a").mkdir()
+    for folder in (tmp_path / "a", tmp_path / "m"):
+        make_hostile(folder / "adapter_config.json", kind, MAX_CONFIG_BYTES)
+    calls = [lambda: read_adapter_config(tmp_path / "a"), lambda: load_adapters(copy.deepcopy(model), tmp_path / "a"),
+             lambda: XLSTMLanguageModel.load(tmp_path / "m"), lambda: XLSTMLanguageModel.from_pretrained(tmp_path / "m")]
+    for call in calls:
+        with pytest.raises(XLSTMKitError) as e:
+            call()
+        assert HOSTILE_MESSAGES[kind] in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -27,6 +27,7 @@ from .._extras import require
 from ..errors import XLSTMKitError
 from ..models.lora import ADAPTER, adapter_config, apply_lora, lora_settings, merge_lora
 from .checkpoint import ADAPTER_CONFIG_FILE, _umask, atomic_write
+from .jsonfile import MAX_CONFIG_BYTES, read_json
 
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 # a PEFT LoraConfig with these values is what the blocks' fused paths can compute (plain LoRA)
@@ -45,15 +46,15 @@ def read_adapter_config(folder: str | Path) -> dict | None:
     """(rank, alpha, targets) from `folder`/adapter_config.json, None without one; one-line
     errors for a corrupt file or adapters other than plain LoRA."""
     f = Path(folder) / ADAPTER_CONFIG_FILE
-    if not f.is_file():
+    # exists(), not is_file(): a FIFO or a folder of that name is refused in one line rather than
+    # passed over (a model loaded without the adapters its folder says it has)
+    if not f.exists():
         return None
+    raw = read_json(f, MAX_CONFIG_BYTES)  # PEFT's config is a few hundred bytes
     try:
-        raw = json.loads(f.read_text())
-        if not isinstance(raw, dict):
-            raise TypeError("not a JSON object")
         settings = {"rank": raw["r"], "alpha": raw["lora_alpha"], "targets": raw["target_modules"]}
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise XLSTMKitError(f"{f} is not a LoRA adapter config ({type(e).__name__}: {e})") from None
+    except KeyError as e:
+        raise XLSTMKitError(f"{f} is not a LoRA adapter config (KeyError: {e})") from None
     if raw.get("peft_type", "LORA") != "LORA":
         raise XLSTMKitError(f"{f} describes {raw.get('peft_type')} adapters; xlstm_kit loads LoRA adapters only")
     odd = sorted(k for k, v in _PLAIN.items() if raw.get(k, v) not in (v, None))
