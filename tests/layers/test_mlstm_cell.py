@@ -195,6 +195,9 @@ block = XLSTMLanguageModel(cfg).to(torch.float16).blocks[0]
 x = torch.randn(1, 32, 64, dtype=torch.float16, requires_grad=True)
 ex = torch._dynamo.explain(block)(x)
 print(ex.graph_count, ex.graph_break_count)
+with torch.autocast("cpu", dtype=torch.float16):  # as training runs: the ops turn autocast off inside
+    ex = torch._dynamo.explain(block)(x)
+print(ex.graph_count, ex.graph_break_count)
 """
 
 
@@ -202,7 +205,8 @@ print(ex.graph_count, ex.graph_break_count)
 def test_cell_block_compiles_in_one_graph():
     """The paper mLSTM block on the cell compiles to one graph in a fresh process (the first
     trace is the one a user's compile_blocks makes; an import of the kernel modules inside it
-    broke the graph per block, 8 breaks at the 125M model)."""
+    broke the graph per block, 8 breaks at the 125M model), also under autocast (where the ops'
+    autocast_off broke it 5 times)."""
     import os
     import subprocess
     import sys
@@ -212,4 +216,4 @@ def test_cell_block_compiles_in_one_graph():
     run = subprocess.run([sys.executable, "-c", _NO_BREAK], env=env, cwd=root, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split()[-2:] == ["1", "0"], run.stdout
+    assert run.stdout.split()[-4:] == ["1", "0", "1", "0"], run.stdout
