@@ -24,23 +24,17 @@ from xlstm_kit.ops.blocks.mlstm_front import FrontKernelConfig
 
 DEV, DT = "cuda", torch.bfloat16  # --quick: the CPU under TRITON_INTERPRET=1, float16
 
-VARIANTS = {
+VARIANTS = {  # H100 numbers of each: docs/kernels.md ("The paper mLSTM layer's front")
     "default": {},
-    "p512": dict(programs=512),
-    "p2048": dict(programs=2048),
-    "bwd4w_p1024": dict(bwd_warps=4, programs=1024),
-    "bt64_p1024": dict(bt=64, programs=1024),
-    "fwd_bt64_8w": dict(bt=64, warps=8),
+    "before": dict(bwd_warps=8, programs=128, maxnreg=0),  # the defaults until 2026-12-07
+    "p128": dict(programs=128),
+    "bwd8w": dict(bwd_warps=8),
+    "bt64_8w": dict(bt=64, warps=8, bwd_warps=8, programs=128),
     "fwd_bc64_8w": dict(bc=64, warps=8),
     "dx_bt32": dict(dx_bt=32, dx_bc=64, dx_warps=4),
-    # register caps: more programs resident per SM for some spills (ptxas, sm_90a: the first
-    # backward pass spills 788 bytes on 4 warps at 128 registers, 912 on 8 at 96)
-    "bwd4w_r128": dict(bwd_warps=4, bwd_maxnreg=128),
-    "bwd4w_r128_p1024": dict(bwd_warps=4, bwd_maxnreg=128, programs=1024),
-    "bwd8w_r96_p1024": dict(bwd_maxnreg=96, programs=1024),
-    "bwd4w_r96_p1024": dict(bwd_warps=4, bwd_maxnreg=96, programs=1024),
+    "bwd_r128": dict(bwd_maxnreg=128),
     "fwd_r96": dict(maxnreg=96),
-    "fwd_r128": dict(maxnreg=128),
+    "fwd_uncapped": dict(maxnreg=0),
 }
 
 

@@ -38,22 +38,25 @@ from .triton import _conv_rows, _row_pos
 @dataclasses.dataclass(frozen=True)
 class FrontKernelConfig(KernelConfig):
     """Launch parameters of the front kernels: tiles of `bt` steps x `bc` channels (a multiple
-    of the head-wise block size) for the forward (`warps`) and the backward's first pass
-    (`bwd_warps`, at most `programs` programs along the steps), `dx_bt` x `dx_bc` tiles on
-    `dx_warps` for its second. Defaults: the largest tiles without register spills for sm_90
-    (ptxas, Triton 3.7, bf16): forward 243 registers (64 x 64 tiles spilled 800 bytes on 4
-    warps, 250 on 8); first backward pass 248 on 8 warps (128 bytes spilled on 4).
-    `maxnreg` / `bwd_maxnreg` (0: no cap) cap the registers per thread of the forward and of
-    the backward's first pass, trading spills for more programs resident per SM."""
+    of the head-wise block size) for the forward (`warps`, at most `maxnreg` registers per
+    thread; 0: no cap) and the backward's first pass (`bwd_warps`, `bwd_maxnreg`, at most
+    `programs` programs along the steps), `dx_bt` x `dx_bc` tiles on `dx_warps` for its second.
+
+    Defaults measured at the `125M` layer (C = 1536, 4 heads, blocks of 4) on an H100, bf16
+    (benchmarks/front_variants.py, docs/kernels.md): the forward capped at 128 registers
+    (0.48 ms at batch 16 x 2048 against 0.56 uncapped: ptxas otherwise takes 158 and fewer
+    programs fit per SM); the first backward pass on 4 warps with up to 1024 programs (1.92 ms
+    against 2.22 on 8 warps with 128 at batch 16, 0.55 against 0.70 at batch 4). Larger tiles,
+    tighter caps and more warps measured slower."""
     bt: int = 32
     bc: int = 32
     warps: int = 4
-    bwd_warps: int = 8
-    programs: int = 128
+    bwd_warps: int = 4
+    programs: int = 1024
     dx_bt: int = 64
     dx_bc: int = 64
     dx_warps: int = 8
-    maxnreg: int = 0
+    maxnreg: int = 128
     bwd_maxnreg: int = 0
 
 
