@@ -31,6 +31,11 @@ from ..errors import XLSTMKitError
 from ..ops._checks import compute_dtype
 from ..ops.backend import choose_backend, kernel_module, on_device
 
+# the kernel modules are imported with the layers: torch.compile traces a lookup in sys.modules
+# but not importlib, so an import on the first call inside a trace is a graph break per block
+for _op in ("swiglu", "conv_silu", "head_norm", "gated_head_norm", "mlstm_output"):
+    kernel_module(_op)
+
 
 def activation_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a layer's activations take: the autocast dtype where autocast is on, else x's."""
