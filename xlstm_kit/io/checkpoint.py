@@ -58,6 +58,7 @@ from .paths import check_writable
 # the model checkpoint format (xlstm_kit.io.model_files) is part of this module's API too
 from .model_files import (  # noqa: F401
     ADAPTER_CONFIG_FILE, CHECKPOINTS_DIR, CHECKPOINT_FORMAT, CHECKSUMS_FILE, CONFIG_FILE, CheckpointError, LATEST_FILE, MAX_CHECKSUMS_BYTES, STAGING_NAME_BYTES, TOKENIZER_FILE, TRAIN_META_FILE, TRAIN_STATE_FILE, WEIGHTS_FILE, _file_sha256, _write_checksums, _write_model_files, check_state, load_state_checked, read_model_files, read_tokenizer_name, save_model, verify_checksum)
+from .model_files import SHARDED_INDEX_FILE, is_sharded, read_sharded_weights  # noqa: F401
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +154,9 @@ def _train_state_problem(state: dict[str, Any]) -> str | None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return f"step is {step!r}, not a non-negative integer"
     opt = state.get("optimizer")
-    if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
+    if state.get("sharded") is True:
+        pass  # the optimizer state is in the checkpoint's shards
+    elif not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
         return "the optimizer state is missing or malformed"
     cfg = state.get("train_config")
     if not isinstance(cfg, dict):
@@ -287,7 +290,19 @@ def save_checkpoint(
     afterwards (only folders that are checkpoints of ours, as their manifest shows). A ``latest``
     that xlstm_kit did not write is refused, before anything is written.
     """
-    out_dir = Path(out_dir)
+    root, final, staging = _start_checkpoint(Path(out_dir), step)
+    try:
+        names = _save_any_model(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None))
+        names += _write_train_files(staging, step, config, meta, extra, {"optimizer": optimizer.state_dict()},
+                                    [WEIGHTS_FILE, TRAIN_STATE_FILE])
+        return _commit_checkpoint(Path(out_dir), root, staging, final, names, keep)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _start_checkpoint(out_dir: Path, step: int) -> tuple[Path, Path, Path]:
+    """(checkpoints folder, the new checkpoint's final path, its new staging folder)."""
     claim_run_files(out_dir, ())
     root = out_dir / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -295,28 +310,103 @@ def save_checkpoint(
     final, k = root / name, 1
     while final.exists():  # re-saving a step (resume then interrupt): never touch the old one
         final, k = root / f"{name}-{k}", k + 1
-    staging = _make_hidden_dir(root, f".tmp-{name}-")
-    try:
-        names = _save_any_model(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None))
-        state = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer": optimizer.state_dict(),
-                 "train_config": config.to_dict(), "rng": _rng_state(), **({"extra": extra} if extra else {})}
-        torch.save(state, staging / TRAIN_STATE_FILE)
-        _write_checksums(staging, [WEIGHTS_FILE, TRAIN_STATE_FILE])
-        info = {"format": CHECKPOINT_FORMAT, "xlstm_kit_version": __version__, "step": step,
-                "train_config": config.to_dict(), **(meta or {})}
-        (staging / TRAIN_META_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        names = sorted({*names, CHECKSUMS_FILE, TRAIN_STATE_FILE, TRAIN_META_FILE})
-        (staging / MANIFEST_FILE).write_bytes(manifest_bytes(names))
-        fsync_tree(staging)
-        os.rename(staging, final)
-        fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    return root, final, _make_hidden_dir(root, f".tmp-{name}-")
+
+
+def _write_train_files(staging: Path, step: int, config, meta, extra, state: dict[str, Any],
+                       checksummed: list[str]) -> list[str]:
+    state = {"format": CHECKPOINT_FORMAT, "step": step, **state, "train_config": config.to_dict(),
+             "rng": _rng_state(), **({"extra": extra} if extra else {})}
+    torch.save(state, staging / TRAIN_STATE_FILE)
+    _write_checksums(staging, checksummed)
+    info = {"format": CHECKPOINT_FORMAT, "xlstm_kit_version": __version__, "step": step,
+            "train_config": config.to_dict(), **(meta or {})}
+    (staging / TRAIN_META_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    return [CHECKSUMS_FILE, TRAIN_STATE_FILE, TRAIN_META_FILE]
+
+
+def _commit_checkpoint(out_dir: Path, root: Path, staging: Path, final: Path, names: list[str], keep: int) -> Path:
+    """Flush the complete staging folder, rename it into place, then point ``latest`` at it:
+    until that rename a kill leaves ``latest`` on the previous checkpoint."""
+    (staging / MANIFEST_FILE).write_bytes(manifest_bytes(sorted(set(names))))
+    fsync_tree(staging)
+    os.rename(staging, final)
+    fsync_dir(root)
     atomic_write(out_dir / LATEST_FILE, f"{CHECKPOINTS_DIR}/{final.name}\n")
     fsync_dir(out_dir)
     _prune_checkpoints(root, keep, final)
     return final
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded training checkpoints (FSDP2, through torch.distributed.checkpoint)
+# --------------------------------------------------------------------------------------------
+
+
+def save_sharded_checkpoint(out_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                            config, meta: dict[str, Any] | None = None, keep: int = 2,
+                            extra: dict[str, Any] | None = None) -> Path | None:
+    """:func:`save_checkpoint` for a model sharded by FSDP2, called by every rank of the process
+    group: each rank writes its shards of the weights and of the optimizer state into the one
+    staging folder (torch.distributed.checkpoint), then rank 0 adds the config and training
+    state and commits the folder as a single-file save is committed. Returns the checkpoint
+    folder on rank 0, None elsewhere."""
+    import torch.distributed as torch_dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    out_dir = Path(out_dir)
+    main = torch_dist.get_rank() == 0
+    box: list[Any] = [None, None, None, None]
+    if main:
+        try:
+            box[:3] = _start_checkpoint(out_dir, step)
+        except Exception as e:  # the other ranks must not wait for a folder that never comes
+            box[3] = e
+    torch_dist.broadcast_object_list(box, src=0)
+    if box[3] is not None:
+        raise box[3] if main else XLSTMKitError(f"rank 0 could not start the checkpoint: {box[3]}")
+    root, final, staging = box[:3]
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
+        if not main:
+            return None
+        names = [p.name for p in staging.iterdir()]  # the shard files and their index
+        names += _write_model_files(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None),
+                                    weights=False)
+        names += _write_train_files(staging, step, config, meta, extra, {"sharded": True}, [TRAIN_STATE_FILE])
+        return _commit_checkpoint(out_dir, root, staging, final, names, keep)
+    except BaseException:
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def load_sharded_into(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+    """Load a sharded checkpoint's weights and optimizer state into an FSDP2-sharded ``model``
+    and its optimizer, on every rank; the checkpoint may have been written by another number of
+    processes (torch.distributed.checkpoint reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not is_sharded(checkpoint):
+        raise CheckpointError(f"checkpoint {checkpoint} holds no sharded weights: it was written by a run "
+                              f"without parallel='fsdp'")
+    try:
+        saved = json.loads((checkpoint / CONFIG_FILE).read_text())
+        same = type(model.config).from_dict(saved) == model.config
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError, AttributeError):
+        same = False
+    if not same:
+        raise CheckpointError(f"checkpoint {checkpoint} holds a model of another configuration than the one being trained")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    try:
+        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(checkpoint))
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"cannot load the sharded checkpoint {checkpoint}: {msg[:300]}") from None
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
 _CHECKPOINT_NAME = re.compile(r"step-(\d+)(?:-(\d+))?")  # step-00000030, or step-00000030-1 for a re-save

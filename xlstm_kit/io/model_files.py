@@ -90,16 +90,18 @@ def verify_checksum(folder: str | Path, name: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None) -> list[str]:
-    state = model.state_dict()
-    if getattr(model.config, "tie_embeddings", False):
-        state.pop("lm_head.weight")  # the same tensor as embedding.weight; re-tied on load
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    safetensors.torch.save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "xlstm_kit"})
-    os.chmod(folder / WEIGHTS_FILE, 0o666 & ~_umask())  # safetensors writes 0600 whatever the umask
+def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None, weights: bool = True) -> list[str]:
+    names = [CONFIG_FILE]
+    if weights:  # a sharded training checkpoint keeps its weights in the shard files instead
+        state = model.state_dict()
+        if getattr(model.config, "tie_embeddings", False):
+            state.pop("lm_head.weight")  # the same tensor as embedding.weight; re-tied on load
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        safetensors.torch.save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "xlstm_kit"})
+        os.chmod(folder / WEIGHTS_FILE, 0o666 & ~_umask())  # safetensors writes 0600 whatever the umask
+        _write_checksums(folder, [WEIGHTS_FILE])
+        names += [WEIGHTS_FILE, CHECKSUMS_FILE]
     (folder / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
-    _write_checksums(folder, [WEIGHTS_FILE])
-    names = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
     if has_adapters(model):  # the weights hold them; loaders rebuild the same adapters from this first
         (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config(model), indent=2, sort_keys=True) + "\n")
         names.append(ADAPTER_CONFIG_FILE)
@@ -133,12 +135,18 @@ def read_model_files(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
     if not directory.is_dir():
         raise MissingFileError(f"no checkpoint folder at {str(directory)!r}")
     cfg_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    for p in (cfg_path, weights_path):
+    sharded = is_sharded(directory)
+    for p in (cfg_path,) if sharded else (cfg_path, weights_path):
         if p.exists() and not p.is_file():  # a FIFO, a device, a folder: never opened
             raise CheckpointError(f"{p} is not a regular file; the checkpoint is unusable")
         if not p.is_file():
             raise MissingFileError(f"checkpoint {str(directory)!r} has no {p.name}; is it an xlstm_kit model folder?")
     config = read_json(cfg_path, MAX_CONFIG_BYTES)
+    if sharded:
+        tensors = read_sharded_weights(directory)
+        if isinstance(config, dict) and config.get("tie_embeddings"):
+            tensors.pop("lm_head.weight", None)  # the same tensor as embedding.weight; re-tied on load
+        return config, tensors
     verify_checksum(directory, WEIGHTS_FILE)
     try:
         tensors = safetensors.torch.load_file(str(weights_path), device="cpu")
@@ -196,3 +204,38 @@ def read_tokenizer_name(checkpoint: str | Path) -> str | None:
     else:
         value = None
     return value if isinstance(value, str) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded weights (FSDP2 training checkpoints, through torch.distributed.checkpoint)
+# --------------------------------------------------------------------------------------------
+
+SHARDED_INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index of the shard files
+
+
+def is_sharded(checkpoint: str | Path) -> bool:
+    """Whether a checkpoint keeps its weights in torch.distributed.checkpoint shards (written
+    by an FSDP run) rather than one model.safetensors."""
+    checkpoint = Path(checkpoint)
+    return (checkpoint / SHARDED_INDEX_FILE).is_file() and not (checkpoint / WEIGHTS_FILE).exists()
+
+
+def read_sharded_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The full model tensors (on the CPU) of a sharded checkpoint, in this one process:
+    torch.distributed.checkpoint assembles each from the shards of every rank that wrote it.
+    Never joins a process group, so a process that is part of one reads alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(checkpoint))
+    try:
+        index = reader.read_metadata().state_dict_metadata
+        tensors = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
+                   for k, m in index.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+        if not tensors:
+            raise ValueError("it holds no model tensors")
+        dcp.load({"model": tensors}, storage_reader=reader, no_dist=True)
+    except Exception as e:  # a missing shard file, a truncated one, a foreign index
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"cannot read the sharded weights of {checkpoint}: {msg[:300]}") from None
+    return tensors
