@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step, all processes together")
     g.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence")
     g.add_argument("--grad-accum", type=positive_int, default=None, help="micro-steps per optimizer step")
+    g.add_argument("--parallel", choices=["ddp", "fsdp"], default=None,
+                   help="under torchrun: ddp replicates the model on every process, fsdp (FSDP2) shards weights, "
+                   "gradients and optimizer state per block and writes sharded checkpoints (default: ddp)")
     g.add_argument("--lr", type=positive_float, default=None, help="peak learning rate")
     g.add_argument("--min-lr", type=nonneg_float, default=None, help="final learning rate of the cosine decay")
     g.add_argument("--warmup-steps", type=nonneg_int, default=None, help="linear warmup steps")

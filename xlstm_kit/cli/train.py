@@ -43,20 +43,30 @@ def _train_config(make, *args):
         raise UsageError(_in_flags(str(e))) from None
 
 
+def _parallel(args: argparse.Namespace, out: Path) -> str:
+    """--parallel, else on --resume the checkpoint's: it decides how the processes join up."""
+    if args.parallel is not None or not args.resume:
+        return args.parallel or "ddp"
+    try:
+        return str(load_training_state(resolve_checkpoint(out))["train_config"].get("parallel", "ddp"))
+    except (XLSTMKitError, OSError, AttributeError):
+        return "ddp"  # the resume below reports what is wrong with the checkpoint
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     for flag in ("preset", "tokenizer", "data", "out"):  # an empty value would quietly mean the default
         if getattr(args, flag) == "":
             raise UsageError(f"--{flag} is empty; leave it out for the default")
-    dist = init_distributed()
+    out = Path(args.out or f"runs/{(args.preset or DEFAULT_PRESET).lower()}")
+    dist = init_distributed(parallel=_parallel(args, out))
     device = pick_device(args.device) if args.device or not dist.enabled else None
     threads = use_threads(args.threads, device)
-    out = Path(args.out or f"runs/{(args.preset or DEFAULT_PRESET).lower()}")
     overrides = {
         k: getattr(args, k)
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr", "warmup_steps",
                   "weight_decay", "grad_clip", "seed", "precision", "eval_interval", "eval_batches",
                   "checkpoint_interval", "compile", "activation_checkpointing", "pack", "lora", "lora_alpha",
-                  "on_nonfinite")
+                  "on_nonfinite", "parallel")
         if getattr(args, k) is not None
     }
     if args.lora_targets is not None:
@@ -191,7 +201,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             progress.close()
-        if dist.enabled:
+        if torch_dist.is_initialized():
             torch_dist.destroy_process_group()
     if dist.is_main:
         if result.interrupted:

@@ -37,13 +37,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import XLSTMKitError
 from ..io.checkpoint import (TRAIN_STATE_FILE, CheckpointError, atomic_write, claim_run_files,
-                             load_optimizer_state, load_training_state, load_weights_into, read_train_meta,
-                             remove_stale_staging, run_lock, resolve_checkpoint, restore_rng, save_checkpoint)
+                             load_optimizer_state, load_sharded_into, load_training_state, load_weights_into,
+                             read_train_meta, remove_stale_staging, run_lock, resolve_checkpoint, restore_rng,
+                             save_checkpoint, save_sharded_checkpoint)
 from ..models.lora import use_lora
 from .compiling import CompileClock, compile_failure, prepare_model
 from .config import MAX_SKIPPED_IN_A_ROW, METRICS_FILE, PLOT_FILE, RESUME_FROZEN, TrainConfig
 from .data import TokenData
-from .distributed import DistInfo, default_device
+from .distributed import DistInfo, default_device, shard_model
 from .events import CheckpointEvent, EvalEvent, StepEvent, TrainEvent, TrainResult
 from .optim import continue_schedule, lr_at, make_optimizer
 from .plots import PLOT_MISSING_NOTE, plot_loss_curve, read_metrics
@@ -137,8 +138,11 @@ class RunState:
             self.seconds_before = float(extra.get("seconds", 0.0))
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{ckpt / TRAIN_STATE_FILE} does not hold this run's state: {e}") from None
-        load_optimizer_state(self.optimizer, state["optimizer"], ckpt / TRAIN_STATE_FILE)
-        load_weights_into(self.model, ckpt)
+        if self.config.parallel == "fsdp":
+            load_sharded_into(self.model, self.optimizer, ckpt)
+        else:
+            load_optimizer_state(self.optimizer, state["optimizer"], ckpt / TRAIN_STATE_FILE)
+            load_weights_into(self.model, ckpt)
         restore_rng(state, self.device, ckpt / TRAIN_STATE_FILE)
         self.step = self.saved_step = int(state["step"])
         self.config = continue_schedule(saved, self.config, self.step)
@@ -190,7 +194,14 @@ class RunState:
         self.emit(EvalEvent(self.step, metrics))
 
     def save(self, barrier: bool = True) -> None:
-        if self.writes:
+        if self.config.parallel == "fsdp" and self.out_dir is not None:  # every rank writes its shards
+            path = save_sharded_checkpoint(
+                self.out_dir, self.model, self.optimizer, self.step, self.config, self.meta,
+                keep=self.config.keep_checkpoints, extra={"seconds": self.seconds, "workload": self.work.state_dict()})
+            if self.writes:
+                self.result.checkpoint, self.saved_step = path, self.step
+                self.emit(CheckpointEvent(self.step, path))
+        elif self.writes:
             self.result.checkpoint = save_checkpoint(
                 self.out_dir, self.model, self.optimizer, self.step, self.config, self.meta,
                 keep=self.config.keep_checkpoints, extra={"seconds": self.seconds, "workload": self.work.state_dict()})
@@ -300,6 +311,8 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
     if config.lora:  # before the optimizer is built: it takes the trainable parameters only
         use_lora(model, config.lora, config.lora_alpha, config.lora_targets, seed=config.seed)
     prepare_model(model, config, device)
+    if config.parallel == "fsdp":  # before the optimizer is built: it must hold the sharded parameters
+        shard_model(model, dist, device, config.precision)
     run = RunState(model, work, config, out_dir, dist, device, meta, callback)
     if resume:
         run.restore()
@@ -309,7 +322,7 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
     run.result.step = run.step
 
     forward_model = model
-    if dist.enabled:
+    if dist.enabled and config.parallel == "ddp":
         forward_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     budget = TimeBudget(time_limit_s)
     compile_clock = CompileClock(config.compile or work.compiles)
