@@ -43,11 +43,21 @@ def evaluate(
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64)  # loss nats, tokens, bytes, batches
     def plain():
+        done = 0
         for x, y in val_batches(tokens, seq_len, batch_size, max_batches, rank=dist.rank, world_size=dist.world_size):
             x, y = x.to(device), y.to(device)
             with autocast(device, precision):
                 logits = model(x)
+            done += 1
             yield lm_loss(logits, y, reduction="sum"), y
+        if dist.enabled and _sharded(model):
+            # FSDP gathers each block's weights in every forward, collectively: a rank with fewer
+            # batches than another runs forwards that count for nothing until all ran as many
+            total = -(-_windows(len(tokens), seq_len, batch_size, max_batches) // batch_size)
+            x, _ = next(val_batches(tokens, seq_len, 1, 1))
+            for _ in range(-(-total // dist.world_size) - done):
+                with autocast(device, precision):
+                    model(x.to(device))
 
     try:
         losses = plain() if doc_starts is None else evaluate_packed(
@@ -78,6 +88,19 @@ def evaluate(
         batches=int(n_batches),
         split_batches=val_batch_count(len(tokens), seq_len, batch_size),
     )
+
+
+def _sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _windows(n_tokens: int, seq_len: int, batch_size: int, max_batches: int | None) -> int:
+    """How many windows ``data.val_batches`` reads of a split of ``n_tokens`` tokens."""
+    seq = min(seq_len, n_tokens - 1)
+    n = (n_tokens - 1) // seq if seq >= 1 else 0
+    return n if max_batches is None else min(n, max_batches * batch_size)
 
 
 def val_batch_count(n_tokens: int, seq_len: int, batch_size: int) -> int:
