@@ -1,4 +1,8 @@
-"""The FSDP settings' one-line refusals (the multi-process FSDP tests are not in the suite yet)."""
+"""The FSDP settings' one-line refusals; the multi-process FSDP runs are in tests/test_fsdp_mp.py."""
+import os
+import pickle
+import shutil
+
 import pytest
 
 from xlstm_kit import training as T
@@ -22,3 +26,96 @@ def test_fsdp_without_torchrun_is_refused_in_one_line(monkeypatch):
         init_distributed(parallel="fsdp")
     assert "\n" not in str(e.value)
     assert not init_distributed().enabled  # ddp without torchrun: one process, as before
+
+
+# ------------------------------------------------------------------ sharded checkpoints, read back
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """A run trained by FSDP2 in a process group of one (this process), with its sharded checkpoint."""
+    import torch
+    import torch.distributed as dist
+
+    from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+    from xlstm_kit.training.data import load_data
+
+    tmp = tmp_path_factory.mktemp("sharded")
+    os.environ["XLSTM_KIT_CACHE"] = str(tmp / "cache")
+    (tmp / "c.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    torch.manual_seed(0)
+    model = XLSTMLanguageModel(XLSTMConfig(vocab_size=256, d_model=16, n_blocks=2, n_heads=1, slstm_at=[1],
+                                           context_length=16, chunk_size=8))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        T.train(model, load_data(str(tmp / "c.txt"), "byte"),
+                T.TrainConfig(steps=2, batch_size=2, seq_len=16, eval_batches=1, parallel="fsdp"), tmp / "run",
+                device="cpu", dist=T.DistInfo(), handle_signals=False)
+        weights = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    finally:
+        dist.destroy_process_group()
+        os.environ.pop("XLSTM_KIT_CACHE")
+    return tmp / "run", weights
+
+
+def _copy(run, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(run, dst, ignore=shutil.ignore_patterns(".xlstm-kit.lock"))
+    return dst, T.resolve_checkpoint(dst)
+
+
+def test_sharded_checkpoint_loads_whole_and_generates(sharded_run, tmp_path, capsys):
+    import torch
+
+    from xlstm_kit import XLSTMLanguageModel
+    from xlstm_kit.cli import app
+    from xlstm_kit.io.checkpoint import is_sharded
+
+    run, weights = sharded_run
+    ckpt = T.resolve_checkpoint(run)
+    assert is_sharded(ckpt) and not (ckpt / "model.safetensors").exists()
+    for model in (XLSTMLanguageModel.load(run), XLSTMLanguageModel.from_pretrained(run, dtype=torch.float32)):
+        for k, v in weights.items():
+            assert torch.equal(model.state_dict()[k], v), k
+    assert XLSTMLanguageModel.from_pretrained(run, dtype=torch.bfloat16).lm_head.weight.dtype == torch.bfloat16
+    assert app.main(["generate", str(run), "--prompt", "the ", "--max-new-tokens", "4", "--seed", "0"]) == 0
+    assert capsys.readouterr().out.startswith("the ")
+
+
+def test_a_crafted_shard_index_runs_no_code(sharded_run, tmp_path):
+    from xlstm_kit import XLSTMLanguageModel
+
+    run, ckpt = _copy(sharded_run[0], tmp_path)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(XLSTMKitError, match="not a readable checkpoint index: the index names .*system") as e:
+        XLSTMLanguageModel.load(run)
+    assert "\n" not in str(e.value) and not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "unlisted"])
+def test_a_damaged_shard_is_one_line(sharded_run, tmp_path, damage):
+    import json
+
+    from xlstm_kit import XLSTMLanguageModel
+
+    run, ckpt = _copy(sharded_run[0], tmp_path)
+    shard = ckpt / "__0_0.distcp"
+    data = shard.read_bytes()
+    if damage == "truncated":
+        shard.write_bytes(data[: len(data) // 2])
+        expect = "lies past the end of __0_0.distcp"
+    elif damage == "flipped":
+        shard.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+        expect = "does not match the SHA-256"
+    else:
+        sums = json.loads((ckpt / "checksums.json").read_text())
+        del sums["sha256"]["__0_0.distcp"]
+        (ckpt / "checksums.json").write_text(json.dumps(sums))
+        expect = "records no SHA-256 of __0_0.distcp"
+    with pytest.raises(XLSTMKitError, match=expect) as e:
+        XLSTMLanguageModel.load(run)
+    assert "\n" not in str(e.value)

@@ -21,7 +21,8 @@ A **training run folder** (``train --out``)::
 
 A training checkpoint is written into a hidden staging folder, flushed to disk, renamed into
 place, and only then does ``latest`` (replaced atomically) point at it: a crash or kill at any
-moment leaves ``latest`` naming a complete checkpoint. Pruning and clearing a run remove only
+moment leaves ``latest`` naming a complete checkpoint. An FSDP run's checkpoints hold its weights
+and optimizer state as shards written by every rank (xlstm_kit.io.sharded), committed the same way. Pruning and clearing a run remove only
 checkpoint folders that hold nothing but files of ours (:func:`is_our_checkpoint`); a run
 refuses to start over a ``latest``, metrics log or plot that xlstm_kit did not write
 (:func:`claim_run_files`).
@@ -58,7 +59,7 @@ from .paths import check_writable
 # the model checkpoint format (xlstm_kit.io.model_files) is part of this module's API too
 from .model_files import (  # noqa: F401
     ADAPTER_CONFIG_FILE, CHECKPOINTS_DIR, CHECKPOINT_FORMAT, CHECKSUMS_FILE, CONFIG_FILE, CheckpointError, LATEST_FILE, MAX_CHECKSUMS_BYTES, STAGING_NAME_BYTES, TOKENIZER_FILE, TRAIN_META_FILE, TRAIN_STATE_FILE, WEIGHTS_FILE, _file_sha256, _write_checksums, _write_model_files, check_state, load_state_checked, read_model_files, read_tokenizer_name, save_model, verify_checksum)
-from .model_files import SHARDED_INDEX_FILE, is_sharded, read_sharded_weights  # noqa: F401
+from .model_files import SHARDED_INDEX_FILE, is_sharded  # noqa: F401
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,11 +315,11 @@ def _start_checkpoint(out_dir: Path, step: int) -> tuple[Path, Path, Path]:
 
 
 def _write_train_files(staging: Path, step: int, config, meta, extra, state: dict[str, Any],
-                       checksummed: list[str]) -> list[str]:
+                       checksummed: list[str], known: dict[str, str] | None = None) -> list[str]:
     state = {"format": CHECKPOINT_FORMAT, "step": step, **state, "train_config": config.to_dict(),
              "rng": _rng_state(), **({"extra": extra} if extra else {})}
     torch.save(state, staging / TRAIN_STATE_FILE)
-    _write_checksums(staging, checksummed)
+    _write_checksums(staging, checksummed, known)
     info = {"format": CHECKPOINT_FORMAT, "xlstm_kit_version": __version__, "step": step,
             "train_config": config.to_dict(), **(meta or {})}
     (staging / TRAIN_META_FILE).write_text(json.dumps(info, indent=2) + "\n")
@@ -336,77 +337,6 @@ def _commit_checkpoint(out_dir: Path, root: Path, staging: Path, final: Path, na
     fsync_dir(out_dir)
     _prune_checkpoints(root, keep, final)
     return final
-
-
-# --------------------------------------------------------------------------------------------
-# Sharded training checkpoints (FSDP2, through torch.distributed.checkpoint)
-# --------------------------------------------------------------------------------------------
-
-
-def save_sharded_checkpoint(out_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                            config, meta: dict[str, Any] | None = None, keep: int = 2,
-                            extra: dict[str, Any] | None = None) -> Path | None:
-    """:func:`save_checkpoint` for a model sharded by FSDP2, called by every rank of the process
-    group: each rank writes its shards of the weights and of the optimizer state into the one
-    staging folder (torch.distributed.checkpoint), then rank 0 adds the config and training
-    state and commits the folder as a single-file save is committed. Returns the checkpoint
-    folder on rank 0, None elsewhere."""
-    import torch.distributed as torch_dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    out_dir = Path(out_dir)
-    main = torch_dist.get_rank() == 0
-    box: list[Any] = [None, None, None, None]
-    if main:
-        try:
-            box[:3] = _start_checkpoint(out_dir, step)
-        except Exception as e:  # the other ranks must not wait for a folder that never comes
-            box[3] = e
-    torch_dist.broadcast_object_list(box, src=0)
-    if box[3] is not None:
-        raise box[3] if main else XLSTMKitError(f"rank 0 could not start the checkpoint: {box[3]}")
-    root, final, staging = box[:3]
-    try:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
-        if not main:
-            return None
-        names = [p.name for p in staging.iterdir()]  # the shard files and their index
-        names += _write_model_files(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None),
-                                    weights=False)
-        names += _write_train_files(staging, step, config, meta, extra, {"sharded": True}, [TRAIN_STATE_FILE])
-        return _commit_checkpoint(out_dir, root, staging, final, names, keep)
-    except BaseException:
-        if main:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def load_sharded_into(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
-    """Load a sharded checkpoint's weights and optimizer state into an FSDP2-sharded ``model``
-    and its optimizer, on every rank; the checkpoint may have been written by another number of
-    processes (torch.distributed.checkpoint reshards)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    if not is_sharded(checkpoint):
-        raise CheckpointError(f"checkpoint {checkpoint} holds no sharded weights: it was written by a run "
-                              f"without parallel='fsdp'")
-    try:
-        saved = json.loads((checkpoint / CONFIG_FILE).read_text())
-        same = type(model.config).from_dict(saved) == model.config
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError, AttributeError):
-        same = False
-    if not same:
-        raise CheckpointError(f"checkpoint {checkpoint} holds a model of another configuration than the one being trained")
-    model_state, optim_state = get_state_dict(model, optimizer)
-    try:
-        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(checkpoint))
-    except Exception as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"cannot load the sharded checkpoint {checkpoint}: {msg[:300]}") from None
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
 _CHECKPOINT_NAME = re.compile(r"step-(\d+)(?:-(\d+))?")  # step-00000030, or step-00000030-1 for a re-save

@@ -56,9 +56,11 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_checksums(folder: Path, names: list[str]) -> None:
-    (folder / CHECKSUMS_FILE).write_text(
-        json.dumps({"sha256": {n: _file_sha256(folder / n) for n in names}}, indent=2) + "\n")
+def _write_checksums(folder: Path, names: list[str], known: dict[str, str] | None = None) -> None:
+    """checksums.json of ``names`` plus ``known`` (digests already taken: the shards that each
+    rank of a sharded save hashed itself)."""
+    digests = {**(known or {}), **{n: _file_sha256(folder / n) for n in names}}
+    (folder / CHECKSUMS_FILE).write_text(json.dumps({"sha256": digests}, indent=2) + "\n")
 
 
 def verify_checksum(folder: str | Path, name: str) -> None:
@@ -135,18 +137,12 @@ def read_model_files(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
     if not directory.is_dir():
         raise MissingFileError(f"no checkpoint folder at {str(directory)!r}")
     cfg_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    sharded = is_sharded(directory)
-    for p in (cfg_path,) if sharded else (cfg_path, weights_path):
+    for p in (cfg_path, weights_path):
         if p.exists() and not p.is_file():  # a FIFO, a device, a folder: never opened
             raise CheckpointError(f"{p} is not a regular file; the checkpoint is unusable")
         if not p.is_file():
             raise MissingFileError(f"checkpoint {str(directory)!r} has no {p.name}; is it an xlstm_kit model folder?")
     config = read_json(cfg_path, MAX_CONFIG_BYTES)
-    if sharded:
-        tensors = read_sharded_weights(directory)
-        if isinstance(config, dict) and config.get("tie_embeddings"):
-            tensors.pop("lm_head.weight", None)  # the same tensor as embedding.weight; re-tied on load
-        return config, tensors
     verify_checksum(directory, WEIGHTS_FILE)
     try:
         tensors = safetensors.torch.load_file(str(weights_path), device="cpu")
@@ -206,36 +202,11 @@ def read_tokenizer_name(checkpoint: str | Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-# --------------------------------------------------------------------------------------------
-# Sharded weights (FSDP2 training checkpoints, through torch.distributed.checkpoint)
-# --------------------------------------------------------------------------------------------
-
-SHARDED_INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index of the shard files
+SHARDED_INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index of the shard files (xlstm_kit.io.sharded)
 
 
 def is_sharded(checkpoint: str | Path) -> bool:
     """Whether a checkpoint keeps its weights in torch.distributed.checkpoint shards (written
-    by an FSDP run) rather than one model.safetensors."""
+    by an FSDP run; read by xlstm_kit.io.sharded) rather than one model.safetensors."""
     checkpoint = Path(checkpoint)
     return (checkpoint / SHARDED_INDEX_FILE).is_file() and not (checkpoint / WEIGHTS_FILE).exists()
-
-
-def read_sharded_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    """The full model tensors (on the CPU) of a sharded checkpoint, in this one process:
-    torch.distributed.checkpoint assembles each from the shards of every rank that wrote it.
-    Never joins a process group, so a process that is part of one reads alone."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(checkpoint))
-    try:
-        index = reader.read_metadata().state_dict_metadata
-        tensors = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
-                   for k, m in index.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-        if not tensors:
-            raise ValueError("it holds no model tensors")
-        dcp.load({"model": tensors}, storage_reader=reader, no_dist=True)
-    except Exception as e:  # a missing shard file, a truncated one, a foreign index
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"cannot read the sharded weights of {checkpoint}: {msg[:300]}") from None
-    return tensors

@@ -37,9 +37,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import XLSTMKitError
 from ..io.checkpoint import (TRAIN_STATE_FILE, CheckpointError, atomic_write, claim_run_files,
-                             load_optimizer_state, load_sharded_into, load_training_state, load_weights_into,
-                             read_train_meta, remove_stale_staging, run_lock, resolve_checkpoint, restore_rng,
-                             save_checkpoint, save_sharded_checkpoint)
+                             load_optimizer_state, load_training_state, load_weights_into, read_train_meta,
+                             remove_stale_staging, run_lock, resolve_checkpoint, restore_rng, save_checkpoint)
+from ..io.sharded import load_sharded_into, save_sharded_checkpoint
 from ..models.lora import use_lora
 from .compiling import CompileClock, compile_failure, prepare_model
 from .config import MAX_SKIPPED_IN_A_ROW, METRICS_FILE, PLOT_FILE, RESUME_FROZEN, TrainConfig
@@ -195,12 +195,11 @@ class RunState:
 
     def save(self, barrier: bool = True) -> None:
         if self.config.parallel == "fsdp" and self.out_dir is not None:  # every rank writes its shards
-            path = save_sharded_checkpoint(
+            self.result.checkpoint = save_sharded_checkpoint(
                 self.out_dir, self.model, self.optimizer, self.step, self.config, self.meta,
                 keep=self.config.keep_checkpoints, extra={"seconds": self.seconds, "workload": self.work.state_dict()})
-            if self.writes:
-                self.result.checkpoint, self.saved_step = path, self.step
-                self.emit(CheckpointEvent(self.step, path))
+            self.saved_step = self.step
+            self.emit(CheckpointEvent(self.step, self.result.checkpoint))
         elif self.writes:
             self.result.checkpoint = save_checkpoint(
                 self.out_dir, self.model, self.optimizer, self.step, self.config, self.meta,
