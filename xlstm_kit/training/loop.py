@@ -209,17 +209,18 @@ class RunState:
         if barrier and self.dist.enabled:
             torch_dist.barrier()
 
-    def agree(self, loss: torch.Tensor, stop: bool, late: bool) -> tuple[torch.Tensor, bool, bool]:
-        """Under DDP one small all-reduce carries the loss for logging and any rank's stop
-        request or spent time budget, so that every rank stops after the same step. A single
-        process does not wait for the device here: it reads the loss on logged steps only."""
+    def agree(self, loss: torch.Tensor, stop: bool, late: bool, save_due: bool) -> tuple[torch.Tensor, bool, bool, bool]:
+        """Under several processes one small all-reduce carries the loss for logging and any
+        rank's stop request, spent time budget or due timed checkpoint, so that every rank stops
+        (and saves: a sharded save is collective, a DDP save ends in a barrier) after the same
+        step. A single process does not wait for the device here: it reads the loss on logged
+        steps only."""
         if not self.dist.enabled:
-            return loss, stop, late
-        flags = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device),
-                             torch.tensor(float(late), device=loss.device)])
+            return loss, stop, late, save_due
+        flags = torch.stack([loss.float()] + [torch.tensor(float(f), device=loss.device) for f in (stop, late, save_due)])
         torch_dist.all_reduce(flags)
         flags[0] /= self.dist.world_size
-        return flags[0], bool(flags[1] > 0), bool(flags[2] > 0)
+        return flags[0], bool(flags[1] > 0), bool(flags[2] > 0), bool(flags[3] > 0)
 
     def finish(self) -> TrainResult:
         self.result.step = self.step
@@ -364,7 +365,8 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
                     skipped_in_a_row = 0
                 run.step += 1
                 run.committing = False
-                loss, stop_now, out_of_time = run.agree(out.loss, stop.requested, budget.spent())
+                timed_save = bool(config.checkpoint_every_s) and time.perf_counter() - last_save >= config.checkpoint_every_s
+                loss, stop_now, out_of_time, timed_save = run.agree(out.loss, stop.requested, budget.spent(), timed_save)
                 if compile_clock.enabled and len(compile_clock.times) < 2 and device.type == "cuda":
                     torch.cuda.synchronize(device)  # a compiling step is timed to the end of its device work
                 dt = time.perf_counter() - t0
@@ -391,8 +393,7 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
                     run.save()
                     break
                 if (config.checkpoint_interval and run.step % config.checkpoint_interval == 0) or at_end \
-                        or out_of_time or (config.checkpoint_every_s
-                                           and time.perf_counter() - last_save >= config.checkpoint_every_s):
+                        or out_of_time or timed_save:
                     run.save()
                     last_save = time.perf_counter()
                 if at_end:
@@ -406,7 +407,8 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
             # One during optimizer.step cannot be saved consistently; the last checkpoint stays.
             run.result.interrupted = True
             run.optimizer.zero_grad(set_to_none=True)
-            if not run.committing:
+            # a sharded save is collective: the other ranks, not interrupted, would never join it
+            if not run.committing and not (config.parallel == "fsdp" and dist.enabled):
                 run.save(barrier=False)
         except BaseException:
             run.abandon_log()
