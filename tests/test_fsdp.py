@@ -28,6 +28,66 @@ def test_fsdp_without_torchrun_is_refused_in_one_line(monkeypatch):
     assert not init_distributed().enabled  # ddp without torchrun: one process, as before
 
 
+def _corpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "c.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    return str(tmp_path / "c.txt")
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_cli_refuses_fsdp_without_torchrun_before_importing_torch(tmp_path, monkeypatch, capsys):
+    from xlstm_kit.cli import app
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert app.main(["train", "--parallel", "fsdp", "--steps", "2", "--out", str(tmp_path / "run")]) == 2
+    line = _error_line(capsys)
+    assert "--parallel fsdp needs torchrun" in line and "--nproc-per-node" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_world_size_that_does_not_divide_the_batch_is_one_line(tmp_path, monkeypatch, capsys):
+    from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+    from xlstm_kit.cli import app, train as cli_train
+    from xlstm_kit.training.data import load_data
+
+    corpus = _corpus(tmp_path, monkeypatch)
+    # the library: refused before any collective (no process group is needed to see it)
+    model = XLSTMLanguageModel(XLSTMConfig(vocab_size=256, d_model=16, n_blocks=1, n_heads=1))
+    with pytest.raises(XLSTMKitError, match="batch_size 4 is not divisible by world_size"):
+        T.train(model, load_data(corpus, "byte"), T.TrainConfig(steps=1, batch_size=4, seq_len=8), None,
+                device="cpu", dist=T.DistInfo(rank=0, world_size=3), handle_signals=False)
+    # the command line, as rank 0 of three processes: before data or model are read
+    monkeypatch.setattr(cli_train, "init_distributed", lambda parallel: T.DistInfo(rank=0, world_size=3))
+    monkeypatch.setattr(cli_train, "load_data", lambda *a, **k: pytest.fail("read the data before refusing"))
+    assert app.main(["train", "--data", corpus, "--batch-size", "4", "--grad-accum", "2", "--steps", "2",
+                     "--device", "cpu", "--out", str(tmp_path / "run")]) == 2
+    line = _error_line(capsys)
+    assert "--batch-size 4" in line and "3 processes x --grad-accum 2" in line and "multiple of 6" in line
+
+
+def test_resuming_with_another_parallel_is_one_line(tmp_path, monkeypatch, capsys):
+    from xlstm_kit.cli import app, train as cli_train
+
+    corpus = _corpus(tmp_path, monkeypatch)
+    run = str(tmp_path / "run")
+    assert app.main(["train", "--data", corpus, "--batch-size", "2", "--seq-len", "16", "--steps", "2",
+                     "--eval-batches", "1", "--device", "cpu", "--no-progress", "--out", run]) == 0
+    capsys.readouterr()
+    # under torchrun's variables: refused before the processes join up
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(cli_train, "init_distributed", lambda parallel: pytest.fail("joined the process group"))
+    assert app.main(["train", "--out", run, "--resume", "--steps", "4", "--parallel", "fsdp"]) == 2
+    line = _error_line(capsys)
+    assert "--parallel fsdp cannot resume a run trained with --parallel ddp" in line
+
+
 # ------------------------------------------------------------------ sharded checkpoints, read back
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory):

@@ -39,7 +39,7 @@ from ..io.paths import check_readable, check_writable
 from .args import (DEFAULT_DATA, DEFAULT_PRESET, DTYPES, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, EXIT_USAGE,
                    PROG, THREADS_HELP, Formatter, Parser, UsageError, device_name, nonneg_float, nonneg_int, one_line,
                    positive_float, positive_int, preset_name, seed_int, thread_count, tokenizer_name)
-from .parsers import add_experiment_parser, add_generate_parser, add_serve_parser
+from .parsers import add_experiment_parser, add_export_parser, add_generate_parser, add_serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_experiment_parser(sub)
     add_serve_parser(sub)
+    add_export_parser(sub)
 
     be = sub.add_parser(
         "bench", help="time the ops, a training step and generation (optionally against the peers)",
@@ -282,12 +283,15 @@ def _check_early(args: argparse.Namespace) -> None:
         _check_text(args.prompt, "--prompt")
     for stop in getattr(args, "stop", None) or ():
         _check_text(stop, "--stop")
-    if command in ("generate", "eval"):
+    if command in ("generate", "eval", "export"):
         check_readable(args.checkpoint, "the folder")
     if getattr(args, "data", None) and command in ("train", "eval") and not args.data.startswith("builtin:"):
         check_readable(args.data, "--data")
     if command == "train" and args.init_from:
         check_readable(args.init_from, "--init-from")
+    if command == "train" and args.parallel == "fsdp" and not ("WORLD_SIZE" in os.environ and "RANK" in os.environ):
+        raise UsageError("--parallel fsdp needs torchrun, which starts the processes it shards over: "
+                         "torchrun --nproc-per-node N -m xlstm_kit train --parallel fsdp ...")
     if command == "generate" and args.prompts not in (None, "-"):
         check_readable(args.prompts, "--prompts")
     if command == "generate" and args.output is not None:
@@ -295,7 +299,7 @@ def _check_early(args: argparse.Namespace) -> None:
     out = getattr(args, "out", None)
     if command == "train":
         out = out or f"runs/{(args.preset or DEFAULT_PRESET).lower()}"
-    if out and command in ("train", "demo", "bench", "experiment"):
+    if out and command in ("train", "demo", "bench", "experiment", "export"):
         check_writable(out, "--out", folder=True)
 
 

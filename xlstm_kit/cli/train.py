@@ -44,13 +44,18 @@ def _train_config(make, *args):
 
 
 def _parallel(args: argparse.Namespace, out: Path) -> str:
-    """--parallel, else on --resume the checkpoint's: it decides how the processes join up."""
-    if args.parallel is not None or not args.resume:
+    """--parallel, else on --resume the checkpoint's: it decides how the processes join up, so a
+    --parallel that differs from the checkpoint's is refused before they do."""
+    if not args.resume:
         return args.parallel or "ddp"
     try:
-        return str(load_training_state(resolve_checkpoint(out))["train_config"].get("parallel", "ddp"))
+        saved = str(load_training_state(resolve_checkpoint(out))["train_config"].get("parallel", "ddp"))
     except (XLSTMKitError, OSError, AttributeError):
-        return "ddp"  # the resume below reports what is wrong with the checkpoint
+        return args.parallel or "ddp"  # the resume below reports what is wrong with the checkpoint
+    if args.parallel is not None and args.parallel != saved:
+        raise UsageError(f"--parallel {args.parallel} cannot resume a run trained with --parallel {saved} "
+                         f"(its checkpoints are {'sharded' if saved == 'fsdp' else 'whole'}); leave --parallel out")
+    return saved
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -135,6 +140,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             use_lora(model, config.lora, config.lora_alpha, config.lora_targets, seed=config.seed)
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
+    if config.batch_size % (dist.world_size * config.grad_accum):
+        raise UsageError(f"--batch-size {config.batch_size} (the global batch) does not divide into {dist.world_size} "
+                         f"process{'es' if dist.world_size > 1 else ''} x --grad-accum {config.grad_accum}: "
+                         f"make it a multiple of {dist.world_size * config.grad_accum}")
     if config.steps <= start:
         raise UsageError(f"the checkpoint is already at step {start}; pass --steps larger than that to train on")
     init_from = args.init_from or (meta.get("init_from") if args.resume else None)

@@ -38,7 +38,7 @@ def init_distributed(device_type: str | None = None, parallel: str = "ddp") -> D
     """
     if parallel == "fsdp" and not ("WORLD_SIZE" in os.environ and "RANK" in os.environ):
         raise XLSTMKitError("--parallel fsdp needs torchrun (no WORLD_SIZE/RANK in the environment): "
-                            "torchrun --nproc-per-node N -m xlstm_kit.cli train ... --parallel fsdp")
+                            "torchrun --nproc-per-node N -m xlstm_kit train ... --parallel fsdp")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 and parallel != "fsdp":
         return DistInfo()
