@@ -179,3 +179,29 @@ def test_a_damaged_shard_is_one_line(sharded_run, tmp_path, damage):
     with pytest.raises(XLSTMKitError, match=expect) as e:
         XLSTMLanguageModel.load(run)
     assert "\n" not in str(e.value)
+
+
+def test_a_sharded_save_that_fails_to_commit_raises_and_leaves_nothing(tmp_path, monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+    from xlstm_kit.io import sharded
+    from xlstm_kit.training.distributed import shard_model
+    from xlstm_kit.training.optim import make_optimizer
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sharded, "_commit_checkpoint", disk_full)
+    model = XLSTMLanguageModel(XLSTMConfig(vocab_size=256, d_model=16, n_blocks=1, n_heads=1))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        shard_model(model, T.DistInfo(), torch.device("cpu"), "fp32")
+        config = T.TrainConfig(steps=1, batch_size=1, seq_len=8, parallel="fsdp")
+        with pytest.raises(OSError, match="No space left"):
+            sharded.save_sharded_checkpoint(tmp_path / "run", model, make_optimizer(model, config), 1, config)
+    finally:
+        dist.destroy_process_group()
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == []  # the staging folder went
+    assert not (tmp_path / "run" / "latest").exists()

@@ -227,15 +227,18 @@ def save_sharded_checkpoint(out_dir: str | Path, model: nn.Module, optimizer: to
 
     out_dir = Path(out_dir)
     rank = torch_dist.get_rank()
+    # rank 0's outcomes go to the others as paths or one-line messages (an exception object
+    # need not pickle), so that no rank is left waiting for a folder or a commit that never comes
     box: list[Any] = [None, None]
+    failure: BaseException | None = None
     if rank == 0:
         try:
             box[0] = _start_checkpoint(out_dir, step)
-        except Exception as e:  # noqa: BLE001 - the other ranks must not wait for a folder that never comes
-            box[1] = e
+        except Exception as e:  # noqa: BLE001 - raised below, here and on every rank
+            failure, box[1] = e, _one_line(e)
     torch_dist.broadcast_object_list(box, src=0)
     if box[1] is not None:
-        raise box[1] if rank == 0 else XLSTMKitError(f"rank 0 could not start the checkpoint: {_one_line(box[1])}")
+        raise failure if failure is not None else XLSTMKitError(f"rank 0 could not start the checkpoint: {box[1]}")
     root, final, staging = box[0]
     try:
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -243,7 +246,7 @@ def save_sharded_checkpoint(out_dir: str | Path, model: nn.Module, optimizer: to
         own = {n: _file_sha256(staging / n) for n in _shard_files(staging) if _SHARD_FILE.fullmatch(n)[1] == str(rank)}
         digests: list[dict[str, str] | None] = [None] * torch_dist.get_world_size()
         torch_dist.all_gather_object(digests, own)
-        outcome: list[Any] = [None]
+        outcome: list[Any] = [None, None]
         if rank == 0:
             try:
                 known = {k: v for d in digests for k, v in d.items()}
@@ -253,18 +256,18 @@ def save_sharded_checkpoint(out_dir: str | Path, model: nn.Module, optimizer: to
                 names += _write_train_files(staging, step, config, meta, extra, {"sharded": True},
                                             [TRAIN_STATE_FILE, SHARDED_INDEX_FILE], known)
                 outcome[0] = _commit_checkpoint(out_dir, root, staging, final, names, keep)
-            except Exception as e:  # noqa: BLE001 - reported to every rank below
-                outcome[0] = e
+            except Exception as e:  # noqa: BLE001 - raised below, here and on every rank
+                failure, outcome[1] = e, _one_line(e)
         torch_dist.broadcast_object_list(outcome, src=0)
     except BaseException:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    if isinstance(outcome[0], BaseException):
+    if outcome[1] is not None:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-            raise outcome[0]
-        raise XLSTMKitError(f"rank 0 could not commit the checkpoint: {_one_line(outcome[0])}")
+            raise failure
+        raise XLSTMKitError(f"rank 0 could not commit the checkpoint: {outcome[1]}")
     return outcome[0]
 
 
