@@ -39,7 +39,7 @@ from ..io.paths import check_readable, check_writable
 from .args import (DEFAULT_DATA, DEFAULT_PRESET, DTYPES, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, EXIT_USAGE,
                    PROG, THREADS_HELP, Formatter, Parser, UsageError, device_name, nonneg_float, nonneg_int, one_line,
                    positive_float, positive_int, preset_name, seed_int, thread_count, tokenizer_name)
-from .parsers import add_experiment_parser, add_generate_parser, add_serve_parser
+from .parsers import add_experiment_parser, add_export_parser, add_generate_parser, add_serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step, all processes together")
     g.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence")
     g.add_argument("--grad-accum", type=positive_int, default=None, help="micro-steps per optimizer step")
+    g.add_argument("--parallel", choices=["ddp", "fsdp"], default=None,
+                   help="under torchrun: ddp replicates the model on every process, fsdp (FSDP2) shards weights, "
+                   "gradients and optimizer state per block and writes sharded checkpoints (default: ddp)")
     g.add_argument("--lr", type=positive_float, default=None, help="peak learning rate")
     g.add_argument("--min-lr", type=nonneg_float, default=None, help="final learning rate of the cosine decay")
     g.add_argument("--warmup-steps", type=nonneg_int, default=None, help="linear warmup steps")
@@ -217,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_experiment_parser(sub)
     add_serve_parser(sub)
+    add_export_parser(sub)
 
     be = sub.add_parser(
         "bench", help="time the ops, a training step and generation (optionally against the peers)",
@@ -279,12 +283,15 @@ def _check_early(args: argparse.Namespace) -> None:
         _check_text(args.prompt, "--prompt")
     for stop in getattr(args, "stop", None) or ():
         _check_text(stop, "--stop")
-    if command in ("generate", "eval"):
+    if command in ("generate", "eval", "export"):
         check_readable(args.checkpoint, "the folder")
     if getattr(args, "data", None) and command in ("train", "eval") and not args.data.startswith("builtin:"):
         check_readable(args.data, "--data")
     if command == "train" and args.init_from:
         check_readable(args.init_from, "--init-from")
+    if command == "train" and args.parallel == "fsdp" and not ("WORLD_SIZE" in os.environ and "RANK" in os.environ):
+        raise UsageError("--parallel fsdp needs torchrun, which starts the processes it shards over: "
+                         "torchrun --nproc-per-node N -m xlstm_kit train --parallel fsdp ...")
     if command == "generate" and args.prompts not in (None, "-"):
         check_readable(args.prompts, "--prompts")
     if command == "generate" and args.output is not None:
@@ -292,7 +299,7 @@ def _check_early(args: argparse.Namespace) -> None:
     out = getattr(args, "out", None)
     if command == "train":
         out = out or f"runs/{(args.preset or DEFAULT_PRESET).lower()}"
-    if out and command in ("train", "demo", "bench", "experiment"):
+    if out and command in ("train", "demo", "bench", "experiment", "export"):
         check_writable(out, "--out", folder=True)
 
 

@@ -1,6 +1,6 @@
-"""The parsers of the ``generate``, ``experiment`` and ``serve`` commands: argparse only, no torch,
-so that ``xlstm-kit --help`` and a mistyped argument answer at once (the commands themselves are
-`generate.py`, `experiment.py` and `serve.py`, imported when they run)."""
+"""The parsers of the ``generate``, ``experiment``, ``serve`` and ``export`` commands: argparse
+only, no torch, so that ``xlstm-kit --help`` and a mistyped argument answer at once (the commands
+themselves are `generate.py`, `experiment.py`, `serve.py` and `export.py`, imported when they run)."""
 from __future__ import annotations
 
 import argparse
@@ -226,3 +226,31 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                     help="replay the decode step as CUDA graphs, one per batch-size bucket (default: on CUDA)")
     sv.set_defaults(run=("serve", "cmd_serve"))
     return sv
+
+
+def add_export_parser(sub) -> argparse.ArgumentParser:
+    """Register ``export`` (a model folder from a run or checkpoint) on the top-level subparsers."""
+    ex = sub.add_parser(
+        "export",
+        help="write a HuggingFace xLSTM folder (or an xlstm_kit model folder) from a run or checkpoint",
+        description="Read a model whole (a training run's newest checkpoint, also the sharded one of an "
+        "FSDP run; a checkpoint folder; a HuggingFace folder), fold LoRA adapters into its weights and "
+        "write it to --out: --format hf gives the folder transformers' xLSTMForCausalLM loads (xLSTM-7B "
+        "block family only), --format xlstm_kit our own model folder. The write is atomic.",
+        epilog="Examples:\n"
+        "  xlstm-kit export runs/large --format hf --out large-hf/\n"
+        "  xlstm-kit export runs/ft --format hf --dtype bf16 --max-shard-size 5GB --out ft-hf/\n"
+        "  xlstm-kit export runs/fsdp --format xlstm_kit --out model/     # one model.safetensors",
+        formatter_class=Formatter,
+    )
+    ex.add_argument("checkpoint", metavar="DIR", help="a training output folder, a checkpoint folder or a "
+                    "HuggingFace xLSTM folder")
+    ex.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new, or an earlier export)")
+    ex.add_argument("--format", choices=["hf", "xlstm_kit"], default="hf",
+                    help="hf: transformers' xLSTMForCausalLM folder; xlstm_kit: config.json + model.safetensors "
+                    "(default: hf)")
+    ex.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype (default: the checkpoint's)")
+    ex.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                    help="--format hf: largest weight file, e.g. 5GB or 500MB (default: 5GB)")
+    ex.set_defaults(run=("export", "cmd_export"))
+    return ex

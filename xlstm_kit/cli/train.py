@@ -43,20 +43,35 @@ def _train_config(make, *args):
         raise UsageError(_in_flags(str(e))) from None
 
 
+def _parallel(args: argparse.Namespace, out: Path) -> str:
+    """--parallel, else on --resume the checkpoint's: it decides how the processes join up, so a
+    --parallel that differs from the checkpoint's is refused before they do."""
+    if not args.resume:
+        return args.parallel or "ddp"
+    try:
+        saved = str(load_training_state(resolve_checkpoint(out))["train_config"].get("parallel", "ddp"))
+    except (XLSTMKitError, OSError, AttributeError):
+        return args.parallel or "ddp"  # the resume below reports what is wrong with the checkpoint
+    if args.parallel is not None and args.parallel != saved:
+        raise UsageError(f"--parallel {args.parallel} cannot resume a run trained with --parallel {saved} "
+                         f"(its checkpoints are {'sharded' if saved == 'fsdp' else 'whole'}); leave --parallel out")
+    return saved
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     for flag in ("preset", "tokenizer", "data", "out"):  # an empty value would quietly mean the default
         if getattr(args, flag) == "":
             raise UsageError(f"--{flag} is empty; leave it out for the default")
-    dist = init_distributed()
+    out = Path(args.out or f"runs/{(args.preset or DEFAULT_PRESET).lower()}")
+    dist = init_distributed(parallel=_parallel(args, out))
     device = pick_device(args.device) if args.device or not dist.enabled else None
     threads = use_threads(args.threads, device)
-    out = Path(args.out or f"runs/{(args.preset or DEFAULT_PRESET).lower()}")
     overrides = {
         k: getattr(args, k)
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr", "warmup_steps",
                   "weight_decay", "grad_clip", "seed", "precision", "eval_interval", "eval_batches",
                   "checkpoint_interval", "compile", "activation_checkpointing", "pack", "lora", "lora_alpha",
-                  "on_nonfinite")
+                  "on_nonfinite", "parallel")
         if getattr(args, k) is not None
     }
     if args.lora_targets is not None:
@@ -125,6 +140,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             use_lora(model, config.lora, config.lora_alpha, config.lora_targets, seed=config.seed)
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
+    if config.batch_size % (dist.world_size * config.grad_accum):
+        raise UsageError(f"--batch-size {config.batch_size} (the global batch) does not divide into {dist.world_size} "
+                         f"process{'es' if dist.world_size > 1 else ''} x --grad-accum {config.grad_accum}: "
+                         f"make it a multiple of {dist.world_size * config.grad_accum}")
     if config.steps <= start:
         raise UsageError(f"the checkpoint is already at step {start}; pass --steps larger than that to train on")
     init_from = args.init_from or (meta.get("init_from") if args.resume else None)
@@ -191,7 +210,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             progress.close()
-        if dist.enabled:
+        if torch_dist.is_initialized():
             torch_dist.destroy_process_group()
     if dist.is_main:
         if result.interrupted:

@@ -21,7 +21,8 @@ A **training run folder** (``train --out``)::
 
 A training checkpoint is written into a hidden staging folder, flushed to disk, renamed into
 place, and only then does ``latest`` (replaced atomically) point at it: a crash or kill at any
-moment leaves ``latest`` naming a complete checkpoint. Pruning and clearing a run remove only
+moment leaves ``latest`` naming a complete checkpoint. An FSDP run's checkpoints hold its weights
+and optimizer state as shards written by every rank (xlstm_kit.io.sharded), committed the same way. Pruning and clearing a run remove only
 checkpoint folders that hold nothing but files of ours (:func:`is_our_checkpoint`); a run
 refuses to start over a ``latest``, metrics log or plot that xlstm_kit did not write
 (:func:`claim_run_files`).
@@ -58,6 +59,7 @@ from .paths import check_writable
 # the model checkpoint format (xlstm_kit.io.model_files) is part of this module's API too
 from .model_files import (  # noqa: F401
     ADAPTER_CONFIG_FILE, CHECKPOINTS_DIR, CHECKPOINT_FORMAT, CHECKSUMS_FILE, CONFIG_FILE, CheckpointError, LATEST_FILE, MAX_CHECKSUMS_BYTES, STAGING_NAME_BYTES, TOKENIZER_FILE, TRAIN_META_FILE, TRAIN_STATE_FILE, WEIGHTS_FILE, _file_sha256, _write_checksums, _write_model_files, check_state, load_state_checked, read_model_files, read_tokenizer_name, save_model, verify_checksum)
+from .model_files import SHARDED_INDEX_FILE, is_sharded  # noqa: F401
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +155,9 @@ def _train_state_problem(state: dict[str, Any]) -> str | None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return f"step is {step!r}, not a non-negative integer"
     opt = state.get("optimizer")
-    if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
+    if state.get("sharded") is True:
+        pass  # the optimizer state is in the checkpoint's shards
+    elif not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
         return "the optimizer state is missing or malformed"
     cfg = state.get("train_config")
     if not isinstance(cfg, dict):
@@ -287,7 +291,19 @@ def save_checkpoint(
     afterwards (only folders that are checkpoints of ours, as their manifest shows). A ``latest``
     that xlstm_kit did not write is refused, before anything is written.
     """
-    out_dir = Path(out_dir)
+    root, final, staging = _start_checkpoint(Path(out_dir), step)
+    try:
+        names = _save_any_model(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None))
+        names += _write_train_files(staging, step, config, meta, extra, {"optimizer": optimizer.state_dict()},
+                                    [WEIGHTS_FILE, TRAIN_STATE_FILE])
+        return _commit_checkpoint(Path(out_dir), root, staging, final, names, keep)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _start_checkpoint(out_dir: Path, step: int) -> tuple[Path, Path, Path]:
+    """(checkpoints folder, the new checkpoint's final path, its new staging folder)."""
     claim_run_files(out_dir, ())
     root = out_dir / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -295,24 +311,28 @@ def save_checkpoint(
     final, k = root / name, 1
     while final.exists():  # re-saving a step (resume then interrupt): never touch the old one
         final, k = root / f"{name}-{k}", k + 1
-    staging = _make_hidden_dir(root, f".tmp-{name}-")
-    try:
-        names = _save_any_model(model, staging, (meta or {}).get("tokenizer") or getattr(model, "tokenizer_name", None))
-        state = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer": optimizer.state_dict(),
-                 "train_config": config.to_dict(), "rng": _rng_state(), **({"extra": extra} if extra else {})}
-        torch.save(state, staging / TRAIN_STATE_FILE)
-        _write_checksums(staging, [WEIGHTS_FILE, TRAIN_STATE_FILE])
-        info = {"format": CHECKPOINT_FORMAT, "xlstm_kit_version": __version__, "step": step,
-                "train_config": config.to_dict(), **(meta or {})}
-        (staging / TRAIN_META_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        names = sorted({*names, CHECKSUMS_FILE, TRAIN_STATE_FILE, TRAIN_META_FILE})
-        (staging / MANIFEST_FILE).write_bytes(manifest_bytes(names))
-        fsync_tree(staging)
-        os.rename(staging, final)
-        fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    return root, final, _make_hidden_dir(root, f".tmp-{name}-")
+
+
+def _write_train_files(staging: Path, step: int, config, meta, extra, state: dict[str, Any],
+                       checksummed: list[str], known: dict[str, str] | None = None) -> list[str]:
+    state = {"format": CHECKPOINT_FORMAT, "step": step, **state, "train_config": config.to_dict(),
+             "rng": _rng_state(), **({"extra": extra} if extra else {})}
+    torch.save(state, staging / TRAIN_STATE_FILE)
+    _write_checksums(staging, checksummed, known)
+    info = {"format": CHECKPOINT_FORMAT, "xlstm_kit_version": __version__, "step": step,
+            "train_config": config.to_dict(), **(meta or {})}
+    (staging / TRAIN_META_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    return [CHECKSUMS_FILE, TRAIN_STATE_FILE, TRAIN_META_FILE]
+
+
+def _commit_checkpoint(out_dir: Path, root: Path, staging: Path, final: Path, names: list[str], keep: int) -> Path:
+    """Flush the complete staging folder, rename it into place, then point ``latest`` at it:
+    until that rename a kill leaves ``latest`` on the previous checkpoint."""
+    (staging / MANIFEST_FILE).write_bytes(manifest_bytes(sorted(set(names))))
+    fsync_tree(staging)
+    os.rename(staging, final)
+    fsync_dir(root)
     atomic_write(out_dir / LATEST_FILE, f"{CHECKPOINTS_DIR}/{final.name}\n")
     fsync_dir(out_dir)
     _prune_checkpoints(root, keep, final)

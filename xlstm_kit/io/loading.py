@@ -13,10 +13,11 @@ import torch
 from ..errors import MissingFileError, XLSTMKitError
 from ..models import XLSTMConfig, XLSTMLanguageModel
 from ..models.meta import shapes_only
-from . import checkpoint
+from . import checkpoint, sharded
 from ..models.lora import merge_lora
 from .lora import adapters_from_folder
 from .files import finish_interrupted_save
+from .jsonfile import MAX_CONFIG_BYTES, read_json
 from .hf import (HF_MODEL_TYPE, TOKENIZER_NAME_KEY, check_device, check_sources, config_from_hf, is_hf_config,
                  materialise, read_headers, target_dtype)
 from .tokenizers import HFSpecialTokens, find_tokenizer, hf_end_tokens, json_object
@@ -66,15 +67,27 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     finish_interrupted_save(path)  # a save into it killed after it was complete: carried out first
     if not (path / checkpoint.CONFIG_FILE).exists() and (path / checkpoint.LATEST_FILE).is_file():
         path = checkpoint.resolve_checkpoint(path)
-    config_dict, tensors = checkpoint.read_model_files(path)
+    if checkpoint.is_sharded(path):  # an FSDP run's checkpoint: its shards, assembled here
+        config_dict = read_json(path / checkpoint.CONFIG_FILE, MAX_CONFIG_BYTES)
+        names = sharded.stored_weight_names(path)
+    else:
+        config_dict, tensors = checkpoint.read_model_files(path)
+        names = set(tensors)
     n_blocks = config_dict.get("n_blocks") if isinstance(config_dict, dict) else None
-    in_file = {k.split(".")[1] for k in tensors if k.startswith("blocks.")}
+    in_file = {k.split(".")[1] for k in names if k.startswith("blocks.")}
     if isinstance(n_blocks, int) and n_blocks != len(in_file):
         # before the config is even validated: that walks all n_blocks positions
-        raise XLSTMKitError(f"{path / checkpoint.WEIGHTS_FILE} holds {len(in_file)} blocks, its "
+        raise XLSTMKitError(f"{path} holds the weights of {len(in_file)} blocks, its "
                             f"{checkpoint.CONFIG_FILE} says n_blocks={n_blocks}")
     config = _runnable_on(_config(config_dict, path / checkpoint.CONFIG_FILE), check_device(device), path)
-    source = path / checkpoint.WEIGHTS_FILE
+    if checkpoint.is_sharded(path):
+        with shapes_only():
+            expected = adapters_from_folder(model_class(config), path).state_dict()
+        if config.tie_embeddings:
+            expected.pop("lm_head.weight")
+        tensors, source = sharded.read_sharded_weights(path, {k: v.shape for k, v in expected.items()}), path
+    else:
+        source = path / checkpoint.WEIGHTS_FILE
     with shapes_only():  # the config's shapes, checked against the file before allocating
         checkpoint.check_state(adapters_from_folder(model_class(config), path), tensors, source)
     model = checkpoint.load_state_checked(adapters_from_folder(model_class(config), path), tensors, source,
@@ -109,6 +122,13 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
     elif "model_type" in raw:
         raise XLSTMKitError(f"{cfg_path} has model_type {raw['model_type']!r}; xlstm_kit reads HuggingFace "
                             f"folders of model_type {HF_MODEL_TYPE!r} only")
+    elif checkpoint.is_sharded(path):  # an FSDP run's checkpoint: assembled whole, as load_model reads it
+        target = check_device(device)
+        cast = target_dtype({}, dtype) if dtype is not None else None
+        model = load_model(path, model_class=model_class)
+        merge_lora(model)
+        model.hf_special_tokens = special
+        return model.to(device=target, dtype=cast)
     else:
         config = _config(raw, cfg_path)
         checkpoint.verify_checksum(path, checkpoint.WEIGHTS_FILE)

@@ -56,9 +56,11 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_checksums(folder: Path, names: list[str]) -> None:
-    (folder / CHECKSUMS_FILE).write_text(
-        json.dumps({"sha256": {n: _file_sha256(folder / n) for n in names}}, indent=2) + "\n")
+def _write_checksums(folder: Path, names: list[str], known: dict[str, str] | None = None) -> None:
+    """checksums.json of ``names`` plus ``known`` (digests already taken: the shards that each
+    rank of a sharded save hashed itself)."""
+    digests = {**(known or {}), **{n: _file_sha256(folder / n) for n in names}}
+    (folder / CHECKSUMS_FILE).write_text(json.dumps({"sha256": digests}, indent=2) + "\n")
 
 
 def verify_checksum(folder: str | Path, name: str) -> None:
@@ -90,16 +92,18 @@ def verify_checksum(folder: str | Path, name: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None) -> list[str]:
-    state = model.state_dict()
-    if getattr(model.config, "tie_embeddings", False):
-        state.pop("lm_head.weight")  # the same tensor as embedding.weight; re-tied on load
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    safetensors.torch.save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "xlstm_kit"})
-    os.chmod(folder / WEIGHTS_FILE, 0o666 & ~_umask())  # safetensors writes 0600 whatever the umask
+def _write_model_files(model: nn.Module, folder: Path, tokenizer: str | None, weights: bool = True) -> list[str]:
+    names = [CONFIG_FILE]
+    if weights:  # a sharded training checkpoint keeps its weights in the shard files instead
+        state = model.state_dict()
+        if getattr(model.config, "tie_embeddings", False):
+            state.pop("lm_head.weight")  # the same tensor as embedding.weight; re-tied on load
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        safetensors.torch.save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "xlstm_kit"})
+        os.chmod(folder / WEIGHTS_FILE, 0o666 & ~_umask())  # safetensors writes 0600 whatever the umask
+        _write_checksums(folder, [WEIGHTS_FILE])
+        names += [WEIGHTS_FILE, CHECKSUMS_FILE]
     (folder / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
-    _write_checksums(folder, [WEIGHTS_FILE])
-    names = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
     if has_adapters(model):  # the weights hold them; loaders rebuild the same adapters from this first
         (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config(model), indent=2, sort_keys=True) + "\n")
         names.append(ADAPTER_CONFIG_FILE)
@@ -196,3 +200,13 @@ def read_tokenizer_name(checkpoint: str | Path) -> str | None:
     else:
         value = None
     return value if isinstance(value, str) else None
+
+
+SHARDED_INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index of the shard files (xlstm_kit.io.sharded)
+
+
+def is_sharded(checkpoint: str | Path) -> bool:
+    """Whether a checkpoint keeps its weights in torch.distributed.checkpoint shards (written
+    by an FSDP run; read by xlstm_kit.io.sharded) rather than one model.safetensors."""
+    checkpoint = Path(checkpoint)
+    return (checkpoint / SHARDED_INDEX_FILE).is_file() and not (checkpoint / WEIGHTS_FILE).exists()

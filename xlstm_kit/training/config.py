@@ -13,11 +13,14 @@ from ..models.lora import check_rank_alpha
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 PRECISIONS = ("auto", "bf16", "fp32")
-RESUME_FROZEN = ("batch_size", "seq_len", "seed", "grad_accum", "pack", "lora", "lora_alpha", "lora_targets")
+PARALLEL = ("ddp", "fsdp")
+RESUME_FROZEN = ("batch_size", "seq_len", "seed", "grad_accum", "pack", "lora", "lora_alpha", "lora_targets",
+                 "parallel")
 """The settings a resumed run keeps from its checkpoint, in the library and on the command line
 alike: they decide which tokens each step reads (batch shape, sampling order, document packing),
 how a step's gradient is summed and which parameters it trains (the LoRA adapters' shape), so
-changing one would make the resumed run another run."""
+changing one would make the resumed run another run; and the checkpoint's layout (one file, or
+shards of an FSDP run) is the parallelism's."""
 
 
 # AdamW's step is about lr in size: far above this every run diverges at once
@@ -97,6 +100,13 @@ class TrainConfig:
     """Pack documents (``xlstm_kit.training.packing``): windows over the document stream, the state reset
     at each document start (the model's ``cu_seqlens``), validation equal to evaluating each
     document alone. None: where the data have documents and the model takes cu_seqlens."""
+    parallel: str = "ddp"
+    """How several processes (``torchrun``) share the work: "ddp" (every rank holds the whole
+    model, optimizer state included; gradients are all-reduced) or "fsdp" (FSDP2: the weights,
+    gradients and optimizer state of each block are sharded over the ranks and gathered for its
+    forward and backward; checkpoints are written by every rank through
+    torch.distributed.checkpoint). "fsdp" needs a process group, also for one process. A
+    single process ignores "ddp"."""
     lora: int = 0
     """LoRA rank: > 0 trains adapters of this rank on the blocks' linear maps (``xlstm_kit.lora``,
     through PEFT) with every other weight frozen; 0 trains the model's own parameters. A model
@@ -158,6 +168,8 @@ class TrainConfig:
             raise XLSTMKitError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.on_nonfinite not in ON_NONFINITE:
             raise XLSTMKitError(f"TrainConfig.on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}")
+        if self.parallel not in PARALLEL:
+            raise XLSTMKitError(f"TrainConfig.parallel must be one of {PARALLEL}, got {self.parallel!r}")
         if self.precision not in PRECISIONS:
             raise XLSTMKitError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.batch_size % self.grad_accum:

@@ -49,6 +49,7 @@ def evaluate(
                 logits = model(x)
             yield lm_loss(logits, y, reduction="sum"), y
 
+    lockstep = _Lockstep(model, device) if dist.enabled and _sharded(model) else None
     try:
         losses = plain() if doc_starts is None else evaluate_packed(
             model, tokens, doc_starts, seq_len=seq_len, max_windows=None if max_batches is None else
@@ -62,7 +63,16 @@ def evaluate(
             sums[3] += 1
         if doc_starts is not None:  # windows one by one (their state carried): count batches of them
             sums[3] = math.ceil(sums[3] / batch_size)
+        if lockstep is not None:
+            idle = torch.zeros(1, max(1, min(len(tokens), seq_len)), dtype=torch.long, device=device)
+
+            def idle_forward():
+                with autocast(device, precision):
+                    model(idle)
+            lockstep.drain(idle_forward)
     finally:
+        if lockstep is not None:
+            lockstep.close()
         model.train(was_training)
     if dist.enabled:
         sums = sums.to(device)
@@ -78,6 +88,44 @@ def evaluate(
         batches=int(n_batches),
         split_batches=val_batch_count(len(tokens), seq_len, batch_size),
     )
+
+
+class _Lockstep:
+    """FSDP gathers each block's weights in every forward, collectively, so all ranks must run
+    the same number of forwards; validation shares its windows out unevenly (and reads some
+    packed windows in two pieces). Before each forward a rank tells the others (an all-reduce
+    of 1); a rank that has run out of work joins the others' forwards with forwards that count
+    for nothing (:meth:`drain`, an all-reduce of 0 per round) until no rank has any left."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.device, self.idle = device, False
+        # before FSDP's own pre-forward hook, whose all-gather must not meet another rank's all-reduce
+        self.handle = model.register_forward_pre_hook(self._before, prepend=True)
+
+    def _before(self, *_) -> None:
+        if not self.idle:
+            torch_dist.all_reduce(torch.ones(1, device=self.device))
+
+    def drain(self, forward) -> None:
+        while True:
+            busy = torch.zeros(1, device=self.device)
+            torch_dist.all_reduce(busy)
+            if not busy.item():
+                return
+            self.idle = True
+            try:
+                forward()
+            finally:
+                self.idle = False
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def _sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def val_batch_count(n_tokens: int, seq_len: int, batch_size: int) -> int:

@@ -39,11 +39,12 @@ from ..errors import XLSTMKitError
 from ..io.checkpoint import (TRAIN_STATE_FILE, CheckpointError, atomic_write, claim_run_files,
                              load_optimizer_state, load_training_state, load_weights_into, read_train_meta,
                              remove_stale_staging, run_lock, resolve_checkpoint, restore_rng, save_checkpoint)
+from ..io.sharded import load_sharded_into, save_sharded_checkpoint
 from ..models.lora import use_lora
 from .compiling import CompileClock, compile_failure, prepare_model
 from .config import MAX_SKIPPED_IN_A_ROW, METRICS_FILE, PLOT_FILE, RESUME_FROZEN, TrainConfig
 from .data import TokenData
-from .distributed import DistInfo, default_device
+from .distributed import DistInfo, default_device, shard_model
 from .events import CheckpointEvent, EvalEvent, StepEvent, TrainEvent, TrainResult
 from .optim import continue_schedule, lr_at, make_optimizer
 from .plots import PLOT_MISSING_NOTE, plot_loss_curve, read_metrics
@@ -137,8 +138,11 @@ class RunState:
             self.seconds_before = float(extra.get("seconds", 0.0))
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{ckpt / TRAIN_STATE_FILE} does not hold this run's state: {e}") from None
-        load_optimizer_state(self.optimizer, state["optimizer"], ckpt / TRAIN_STATE_FILE)
-        load_weights_into(self.model, ckpt)
+        if self.config.parallel == "fsdp":
+            load_sharded_into(self.model, self.optimizer, ckpt)
+        else:
+            load_optimizer_state(self.optimizer, state["optimizer"], ckpt / TRAIN_STATE_FILE)
+            load_weights_into(self.model, ckpt)
         restore_rng(state, self.device, ckpt / TRAIN_STATE_FILE)
         self.step = self.saved_step = int(state["step"])
         self.config = continue_schedule(saved, self.config, self.step)
@@ -190,7 +194,13 @@ class RunState:
         self.emit(EvalEvent(self.step, metrics))
 
     def save(self, barrier: bool = True) -> None:
-        if self.writes:
+        if self.config.parallel == "fsdp" and self.out_dir is not None:  # every rank writes its shards
+            self.result.checkpoint = save_sharded_checkpoint(
+                self.out_dir, self.model, self.optimizer, self.step, self.config, self.meta,
+                keep=self.config.keep_checkpoints, extra={"seconds": self.seconds, "workload": self.work.state_dict()})
+            self.saved_step = self.step
+            self.emit(CheckpointEvent(self.step, self.result.checkpoint))
+        elif self.writes:
             self.result.checkpoint = save_checkpoint(
                 self.out_dir, self.model, self.optimizer, self.step, self.config, self.meta,
                 keep=self.config.keep_checkpoints, extra={"seconds": self.seconds, "workload": self.work.state_dict()})
@@ -199,17 +209,18 @@ class RunState:
         if barrier and self.dist.enabled:
             torch_dist.barrier()
 
-    def agree(self, loss: torch.Tensor, stop: bool, late: bool) -> tuple[torch.Tensor, bool, bool]:
-        """Under DDP one small all-reduce carries the loss for logging and any rank's stop
-        request or spent time budget, so that every rank stops after the same step. A single
-        process does not wait for the device here: it reads the loss on logged steps only."""
+    def agree(self, loss: torch.Tensor, stop: bool, late: bool, save_due: bool) -> tuple[torch.Tensor, bool, bool, bool]:
+        """Under several processes one small all-reduce carries the loss for logging and any
+        rank's stop request, spent time budget or due timed checkpoint, so that every rank stops
+        (and saves: a sharded save is collective, a DDP save ends in a barrier) after the same
+        step. A single process does not wait for the device here: it reads the loss on logged
+        steps only."""
         if not self.dist.enabled:
-            return loss, stop, late
-        flags = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device),
-                             torch.tensor(float(late), device=loss.device)])
+            return loss, stop, late, save_due
+        flags = torch.stack([loss.float()] + [torch.tensor(float(f), device=loss.device) for f in (stop, late, save_due)])
         torch_dist.all_reduce(flags)
         flags[0] /= self.dist.world_size
-        return flags[0], bool(flags[1] > 0), bool(flags[2] > 0)
+        return flags[0], bool(flags[1] > 0), bool(flags[2] > 0), bool(flags[3] > 0)
 
     def finish(self) -> TrainResult:
         self.result.step = self.step
@@ -300,6 +311,8 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
     if config.lora:  # before the optimizer is built: it takes the trainable parameters only
         use_lora(model, config.lora, config.lora_alpha, config.lora_targets, seed=config.seed)
     prepare_model(model, config, device)
+    if config.parallel == "fsdp":  # before the optimizer is built: it must hold the sharded parameters
+        shard_model(model, dist, device, config.precision)
     run = RunState(model, work, config, out_dir, dist, device, meta, callback)
     if resume:
         run.restore()
@@ -309,7 +322,7 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
     run.result.step = run.step
 
     forward_model = model
-    if dist.enabled:
+    if dist.enabled and config.parallel == "ddp":
         forward_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     budget = TimeBudget(time_limit_s)
     compile_clock = CompileClock(config.compile or work.compiles)
@@ -352,7 +365,8 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
                     skipped_in_a_row = 0
                 run.step += 1
                 run.committing = False
-                loss, stop_now, out_of_time = run.agree(out.loss, stop.requested, budget.spent())
+                timed_save = bool(config.checkpoint_every_s) and time.perf_counter() - last_save >= config.checkpoint_every_s
+                loss, stop_now, out_of_time, timed_save = run.agree(out.loss, stop.requested, budget.spent(), timed_save)
                 if compile_clock.enabled and len(compile_clock.times) < 2 and device.type == "cuda":
                     torch.cuda.synchronize(device)  # a compiling step is timed to the end of its device work
                 dt = time.perf_counter() - t0
@@ -379,8 +393,7 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
                     run.save()
                     break
                 if (config.checkpoint_interval and run.step % config.checkpoint_interval == 0) or at_end \
-                        or out_of_time or (config.checkpoint_every_s
-                                           and time.perf_counter() - last_save >= config.checkpoint_every_s):
+                        or out_of_time or timed_save:
                     run.save()
                     last_save = time.perf_counter()
                 if at_end:
@@ -394,7 +407,8 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
             # One during optimizer.step cannot be saved consistently; the last checkpoint stays.
             run.result.interrupted = True
             run.optimizer.zero_grad(set_to_none=True)
-            if not run.committing:
+            # a sharded save is collective: the other ranks, not interrupted, would never join it
+            if not run.committing and not (config.parallel == "fsdp" and dist.enabled):
                 run.save(barrier=False)
         except BaseException:
             run.abandon_log()

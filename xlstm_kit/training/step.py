@@ -82,6 +82,8 @@ def train_step(
     n_done = 0
     for micro, (inputs, target) in enumerate(micro_batches):
         last = micro == n_micro - 1
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter once, after the last micro-batch
+            model.set_requires_gradient_sync(last)
         with (model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext()):
             with autocast(device, precision):
                 logits = model_forward(model, inputs)
@@ -95,7 +97,9 @@ def train_step(
     if grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:
-        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(grad_norm, "full_tensor"):  # sharded (FSDP2) gradients: the norm over every rank's shards
+        grad_norm = grad_norm.full_tensor()
     if check_finite:
         loss_v, norm_v = (float(x) for x in torch.stack([loss_sum.float(), grad_norm.float()]).cpu())
         if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
