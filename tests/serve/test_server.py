@@ -265,3 +265,35 @@ def test_serve_needs_its_extra_and_a_model(tmp_path, monkeypatch, capsys):
     assert cli.main(["serve", str(tmp_path), "--port", "0"]) == 2
     assert capsys.readouterr().err.strip() == ("xlstm-kit serve: error: xlstm-kit serve needs the extra: "
                                                "pip install 'xlstm-kit[serve]'")
+
+
+def test_connections_send_each_event_at_once():
+    # Nagle's algorithm would hold a token's small write until the client acknowledged the one
+    # before, which a client delays by 40 ms or more: the connections the server accepts (on
+    # the socket it binds, through asyncio as uvicorn does) must have TCP_NODELAY
+    import asyncio
+    import socket
+
+    from xlstm_kit.serve.server import _bind
+
+    async def accepted_nodelay() -> int:
+        sock = _bind("127.0.0.1", 0)
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                s = transport.get_extra_info("socket")
+                seen.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            value = await asyncio.wait_for(seen, 30)
+            writer.close()
+            return value
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accepted_nodelay()) != 0
