@@ -61,6 +61,28 @@ def test_batched_chunked_prefill_equals_generate_alone(model):
     assert engine.stats.prefill_tokens == sum(map(len, ps))
 
 
+def test_the_first_token_goes_out_before_the_decode_step(model):
+    # a request's first token comes from its prompt's logits: its update is sent in the pass
+    # that read the prompt, before that pass's step (which on the CPU computes before it returns)
+    steps_at_first: dict[int, int] = {}
+
+    def deliver(updates):
+        for u in updates:
+            if u.token_ids:
+                steps_at_first.setdefault(u.request.id, engine.stats.decode_steps)
+
+    engine = Engine(model, ByteTokenizer(), prefix_cache_bytes=0, deliver=deliver).start()
+    lone = Request(prompts([5])[0], SamplingParams(max_tokens=4, temperature=0), stream=True)
+    try:
+        engine.submit([lone])
+        assert lone.done.wait(60)
+    finally:
+        engine.close()
+        engine.join(30)
+    assert lone.output == alone(model, prompts([5])[0], 4)
+    assert steps_at_first == {lone.id: 0}
+
+
 def test_prefix_cache_changes_no_token_and_saves_prefill(model):
     shared = prompts([70], seed=2)[0]
     ps = prompts([4, 9, 1, 13], seed=3, prefix=shared)

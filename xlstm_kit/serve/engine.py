@@ -13,8 +13,8 @@ One thread runs the loop; each pass is a token boundary:
 2. prompts are read, at most `prefill_chunk` tokens per pass in all, so that a long prompt is
    read in pieces between decode steps and the running streams keep flowing; whole short
    prompts that start from nothing are read together in one packed call (generation's own
-   prefill); a request's first token is sampled from its prompt's logits and it joins the
-   decoding rows;
+   prefill); a request's first token is sampled from its prompt's logits and sent at once,
+   and it joins the decoding rows;
 3. one decode step over the decoding rows and one token sampled for each, on the device; the
    tokens of the step before are then taken on the host (one step in flight, so that the
    host's work overlaps the device's).
@@ -301,6 +301,10 @@ class Engine:
         self._admit(updates)
         if self.prefilling:
             self._prefill(updates)
+        # first tokens go out before the decode step: on the CPU the step computes before it
+        # returns, and on a GPU taking the step before's tokens waits for the device
+        self._send(updates)
+        updates = []
         if self.decoding or self._inflight is not None:
             self._decode(updates)
         self._send(updates)
@@ -442,12 +446,12 @@ class Engine:
             try:
                 ids = self._sample(self.step(n), self.decoding)
                 self.tokens[:n].copy_(ids)
+                launched = (ids, list(self.decoding))
             except Exception as e:  # noqa: BLE001 - the rows' states are unknown now: all of them end
                 self._fail(list(self.decoding), e, updates)
                 self._free(list(range(n)))
                 self._inflight = None
                 return
-            launched = (ids, list(self.decoding))
             self.stats.decode_steps += 1
         pending, self._inflight = self._inflight, launched
         if pending is None:
