@@ -83,6 +83,28 @@ def test_the_first_token_goes_out_before_the_decode_step(model):
     assert steps_at_first == {lone.id: 0}
 
 
+def test_a_steps_tokens_are_taken_after_their_copy_to_the_host(model, monkeypatch):
+    # on CUDA each step's tokens are copied to the host behind the step and taken once that
+    # copy (not the next step) is done; here the copy and its event are stand-ins
+    from xlstm_kit.serve import engine as engine_module
+
+    events = []
+
+    class Copied:
+        def __init__(self):
+            self.waited = False
+            events.append(self)
+
+        def synchronize(self):
+            self.waited = True
+
+    monkeypatch.setattr(engine_module, "_to_host", lambda ids: (ids.clone(), Copied()))
+    ps = prompts([3, 9, 4])
+    reqs = run(Engine(model, ByteTokenizer(), max_batch=2, prefix_cache_bytes=0), ps)
+    assert [r.output for r in reqs] == [alone(model, p) for p in ps]
+    assert events and all(e.waited for e in events)
+
+
 def test_prefix_cache_changes_no_token_and_saves_prefill(model):
     shared = prompts([70], seed=2)[0]
     ps = prompts([4, 9, 1, 13], seed=3, prefix=shared)

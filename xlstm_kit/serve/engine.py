@@ -16,8 +16,8 @@ One thread runs the loop; each pass is a token boundary:
    prefill); a request's first token is sampled from its prompt's logits and sent at once,
    and it joins the decoding rows;
 3. one decode step over the decoding rows and one token sampled for each, on the device; the
-   tokens of the step before are then taken on the host (one step in flight, so that the
-   host's work overlaps the device's).
+   tokens of the step before are then taken on the host (one step in flight, its tokens copied
+   to the host behind it, so that the host's work overlaps the device's).
 
 On CUDA the step over rows 0..b-1 is recorded once per batch-size bucket b (powers of two up
 to max_batch) as a CUDA graph that reads and writes the slots themselves; rows n..b-1 of a
@@ -153,6 +153,20 @@ class Stats:
     cache_tokens: int = 0
 
 
+def _to_host(ids: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """Start copying a step's tokens to the host: (the copy, an event recorded after it, None off
+    CUDA). A plain `.tolist()` of CUDA tensors waits for everything queued before it, so taking
+    a step's tokens after launching the next step would wait for that one too and leave the
+    device idle while the host handles the tokens."""
+    if ids.device.type != "cuda":
+        return ids, None
+    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    host.copy_(ids, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(ids.device))
+    return host, copied
+
+
 class Engine:
     """Continuous batching for one model (see the module's docstring).
 
@@ -199,7 +213,7 @@ class Engine:
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self.step: SlotStep | None = None
-        self._inflight: tuple[torch.Tensor, list[Request]] | None = None  # a step's tokens not yet taken
+        self._inflight: tuple | None = None  # a step's tokens not yet taken: (ids, copied, rows)
 
     # ------------------------------------------------------------------ outside the engine's thread
     def start(self) -> "Engine":
@@ -446,7 +460,7 @@ class Engine:
             try:
                 ids = self._sample(self.step(n), self.decoding)
                 self.tokens[:n].copy_(ids)
-                launched = (ids, list(self.decoding))
+                launched = (*_to_host(ids), list(self.decoding))
             except Exception as e:  # noqa: BLE001 - the rows' states are unknown now: all of them end
                 self._fail(list(self.decoding), e, updates)
                 self._free(list(range(n)))
@@ -456,8 +470,10 @@ class Engine:
         pending, self._inflight = self._inflight, launched
         if pending is None:
             return
-        ids, rows = pending
+        ids, copied, rows = pending
         try:
+            if copied is not None:
+                copied.synchronize()
             host = ids.tolist()
         except Exception as e:  # noqa: BLE001 - an error of the device surfaces at the sync
             self._fail([r for r in self.decoding if r.finish_reason is None], e, updates)
