@@ -7,14 +7,16 @@
 
 A preset name builds the model with random weights (seed 0, --dtype, bf16 by default on CUDA)
 and saves it to a temporary folder first (the `gpt2` extra is needed for vocabularies other than
-bytes). Then, each against a fresh server process (`xlstm-kit serve ... --port 0`):
+bytes). Then, each against a fresh server process (`xlstm-kit serve ... --port 0`) that first
+gets a few requests not measured (warm_up):
 
 - load: for each concurrency c of --concurrency (1, 8, 32, 128), --requests-per-level x c
   requests (at least 16) with prompt and output lengths drawn uniformly from --prompt-len and
   --output-len (seeded: the same requests every run), greedy, end token ignored (every request
   runs its full length), streamed; c of them in flight at any time from --clients client
-  processes. Per level: output tokens/s over the wall time, time to first token (TTFT) p50/p99,
-  inter-token latency (ITL: gaps between streamed tokens) p50/p99.
+  processes. Per level: output tokens/s over the wall time, time to first token (TTFT: from
+  sending the request to the first event that carries a token) p50/p99, inter-token latency
+  (ITL: gaps between streamed tokens) p50/p99.
 - generate: the same requests of the c = 32 level (or the largest level below) through
   `model.generate` in this process, in batches of c (each batch runs to its longest output; only
   the requested tokens count), after the server is stopped: the target is the server at
@@ -159,6 +161,17 @@ def load(url: str, jobs: list[tuple[list[int], int]], concurrency: int, clients:
             "short": sum(len(r["times"]) != r["n"] for r in done)}
 
 
+def warm_up(url: str, vocab: int, lengths: list[int], seed: int) -> None:
+    """Requests of these prompt lengths (2 new tokens each), one at a time and then together,
+    before anything is measured, as generate_baseline runs a batch first: a server's first
+    prompts pay one-time costs (the prefill's kernels compiled or loaded for their shapes,
+    allocations) that its decode step paid before it started listening."""
+    rng = random.Random(seed)
+    jobs = [([rng.randrange(vocab) for _ in range(n)], 2) for n in lengths]
+    load(url, jobs, 1, 1)
+    load(url, jobs, len(jobs), 1)
+
+
 # ------------------------------------------------------------------------------ the model
 def model_folder(spec: str, dtype: str | None, device: str, work: Path, quick: bool) -> tuple[str, int]:
     """(folder, vocabulary size): a folder as given, or a preset with random weights saved."""
@@ -273,10 +286,13 @@ def main(argv=None) -> int:
                 record({"case": "prefix", "cache": cache, "concurrency": c, "system_len": args.system_len,
                         **load(server.url, jobs, c, min(args.clients, c))})
 
+        # random prompts that share no prefix with the measured ones, up to the prefix runs' length
+        warm_lengths = [plen[0], plen[1], args.system_len + PREFIX_QUESTION[1]]
         # one server for the load levels and the prefix runs with the cache (the levels' prompts
         # share no prefix with the system prompt), one without the cache
         server = Server(folder, [*common, "--max-batch", str(args.max_batch or max(levels))])
         try:
+            warm_up(server.url, min(vocab, 50257), warm_lengths, args.seed + 2000)
             for c in levels:
                 record({"case": "load", "concurrency": c, **load(server.url, per_level[c], c, args.clients)})
             prefix_runs(server, cache=True)
@@ -284,6 +300,7 @@ def main(argv=None) -> int:
             server.stop()
         server = Server(folder, [*common, "--max-batch", str(args.max_batch or max(levels)), "--prefix-cache-mb", "0"])
         try:
+            warm_up(server.url, min(vocab, 50257), warm_lengths, args.seed + 2000)
             prefix_runs(server, cache=False)
         finally:
             server.stop()
