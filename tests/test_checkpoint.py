@@ -367,3 +367,38 @@ def test_checkpoints_honour_the_umask(tmp_path, umask):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask, folder
     for f in [*(tmp_path / "plain").iterdir(), *final.iterdir(), tmp_path / "run" / "latest"]:
         assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "oversized"])
+def test_a_hostile_latest_is_one_line(tmp_path, kind):
+    from xlstm_kit.errors import XLSTMKitError
+    from xlstm_kit.io.checkpoint import CheckpointError, resolve_checkpoint, save_checkpoint
+    from xlstm_kit.training import TrainConfig, make_optimizer
+
+    from .helpers import make_hostile
+
+    m = _byte_model()
+    save_checkpoint(tmp_path / "run", m, make_optimizer(m, TrainConfig()), 3, TrainConfig())
+    make_hostile(tmp_path / "run" / "latest", kind, 4096)
+    if kind == "fifo":  # the name checks see no file: the run then holds no checkpoint it names
+        with pytest.raises(XLSTMKitError):
+            resolve_checkpoint(tmp_path / "run")
+        return
+    with pytest.raises(CheckpointError, match="more than the") as e:
+        resolve_checkpoint(tmp_path / "run")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["oversized", "nested"])
+def test_a_hostile_train_meta_makes_a_folder_not_ours(tmp_path, kind):
+    from xlstm_kit.io.checkpoint import TRAIN_META_FILE, is_our_checkpoint
+    from xlstm_kit.io.jsonfile import MAX_META_BYTES
+
+    from .helpers import make_hostile
+
+    folder = tmp_path / "step-00000003"
+    folder.mkdir()
+    make_hostile(folder / TRAIN_META_FILE, kind, MAX_META_BYTES)
+    assert not is_our_checkpoint(folder)  # no RecursionError, no read of the whole file
+    assert (folder / TRAIN_META_FILE).exists()

@@ -53,7 +53,7 @@ from ..errors import MissingFileError, XLSTMKitError
 from .files import (MANIFEST_FILE, _make_hidden_dir, _umask, atomic_write, claim, fsync_dir,  # noqa: F401
                     fsync_tree, manifest_bytes, not_ours, owned_files, save_folder, write_manifest)
 from .locking import RUN_LOCK_FILE, RunLocked, run_lock  # noqa: F401 - part of this module's API
-from .jsonfile import MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, describe, read_json
+from .jsonfile import MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, describe, read_bytes, read_json
 from .paths import check_writable
 
 # the model checkpoint format (xlstm_kit.io.model_files) is part of this module's API too
@@ -68,6 +68,7 @@ from .model_files import SHARDED_INDEX_FILE, is_sharded  # noqa: F401
 
 
 _LATEST_TARGET = re.compile(re.escape(CHECKPOINTS_DIR) + r"/step-\d+(-\d+)?")
+_MAX_LATEST_BYTES = 4096  # "checkpoints/step-NNNNNNNN" and a newline
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -78,9 +79,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     latest = path / LATEST_FILE
     if latest.is_file():
-        try:
-            rel = latest.read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
+        try:  # a file of one short line: bounded, and refused when swapped for a FIFO
+            rel = read_bytes(latest, _MAX_LATEST_BYTES, CheckpointError).decode().strip()
+        except UnicodeDecodeError as e:
             raise CheckpointError(f"cannot read {latest}: {e}") from None
         # `latest` only ever names checkpoints/<step folder>; anything else (an absolute path,
         # "..") would make load or resume read a folder outside the run.
@@ -360,8 +361,8 @@ def is_our_checkpoint(folder: Path) -> bool:
     if not entries <= _LEGACY_CHECKPOINT_FILES or TRAIN_META_FILE not in entries:
         return False
     try:
-        meta = json.loads((folder / TRAIN_META_FILE).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        meta = read_json(folder / TRAIN_META_FILE, MAX_META_BYTES)
+    except XLSTMKitError:
         return False
     return isinstance(meta, dict) and "xlstm_kit_version" in meta and meta.get("format") == CHECKPOINT_FORMAT
 
@@ -401,8 +402,8 @@ def _legacy_run(out_dir: Path) -> bool:
     if os.path.lexists(out_dir / MANIFEST_FILE):
         return False
     try:
-        rel = f.read_text().strip() if f.is_file() and not f.is_symlink() else ""
-    except (OSError, UnicodeDecodeError):
+        rel = read_bytes(f, _MAX_LATEST_BYTES).decode().strip() if f.is_file() and not f.is_symlink() else ""
+    except (XLSTMKitError, UnicodeDecodeError):
         return False
     return bool(_LATEST_TARGET.fullmatch(rel)) and (out_dir / rel / TRAIN_META_FILE).is_file()
 
