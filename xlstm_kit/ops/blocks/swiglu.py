@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._config import KernelConfig
+from ..backend import assume_constant_result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +121,7 @@ def _(gu, dy, config):
     return gu.new_empty(gu.shape[0], gu.shape[1])
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def config_key() -> str:
     """The default configuration's key (a constant to torch.compile, which cannot trace json)."""
     return _DEFAULT_KEY

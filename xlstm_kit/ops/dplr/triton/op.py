@@ -19,7 +19,7 @@ import torch
 
 from ....errors import XLSTMKitError
 from ..._checks import check_tensor
-from ...backend import interpreting
+from ...backend import assume_constant_result, interpreting
 from ...mlstm.triton.varlen import chunk_table, num_chunks
 from ..naive import check_chunk, check_dplr_inputs, check_scale
 from .backward import _bwd_dv
@@ -279,7 +279,7 @@ def _cached_key(config: DPLRKernelConfig | None, o: tuple, dv: tuple, dk: tuple)
     return (config or DPLRKernelConfig()).for_dtypes(o=o, dv=dv, dk=dk).key()
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _config_key(config: DPLRKernelConfig | None, o: tuple, dv: tuple, dk: tuple) -> str:
     """The key of `config` (None: the defaults) for outputs of the dtypes o, dv, dk (tuples,
     `DPLRKernelConfig.for_dtypes`): cached per call site's values, and a constant to

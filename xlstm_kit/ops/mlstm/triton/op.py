@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from . import backward, gates, output, scan, states
+from ...backend import assume_constant_result
 from ....errors import XLSTMKitError
 from ..._checks import autocast_off
 from .config import CHUNK_SIZES, MLSTMKernelConfig, numerics
@@ -241,7 +242,7 @@ class _EagerChunkwise(torch.autograd.Function):
         return _grads(_backward_impl, ctx, dh, dCf, dnf, dmf)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _config_key(K: int, V: int, dtype: torch.dtype, chunk_size: int | None, config: MLSTMKernelConfig | None,
                 recompute_states: bool = False) -> str:
     """The custom ops' configuration string (a constant to torch.compile, which cannot trace
