@@ -38,6 +38,7 @@ import traceback
 from pathlib import Path
 
 from xlstm_kit.bench.scripts import run_child
+from xlstm_kit.bench.timing import timed_call
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB, BATCH, SEQ = 50304, 16, 2048
@@ -111,17 +112,9 @@ def child(opts: dict) -> None:
             torch.cuda.reset_peak_memory_stats(device)
         ms = []
         for _ in range(opts["steps"]):
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                losses.append(step())
-                b.record()
-                sync()
-                ms.append(a.elapsed_time(b))
-            else:
-                t = time.perf_counter()
-                losses.append(step())
-                ms.append(1e3 * (time.perf_counter() - t))
+            loss, t = timed_call(step, device)
+            losses.append(loss)
+            ms.append(t)
     except torch.cuda.OutOfMemoryError:
         row["status"] = "oom"
         _emit(row)

@@ -55,6 +55,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the library besi
     sys.path.insert(0, str(REPO))
 
 from xlstm_kit.bench.scripts import run_child  # noqa: E402
+from xlstm_kit.bench.timing import timed_call  # noqa: E402
 
 SEQ = 2048
 # name -> (model, kernels, batch, time limit in seconds)
@@ -232,17 +233,9 @@ def child(job: str, opts: dict) -> None:
         n = 2 if quick else min(opts["steps"], int((deadline - time.monotonic()) / max(est, 1e-3)))
         ms = [] if n > 0 else [1e3 * est]
         for _ in range(n):
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                losses.append(step())
-                b.record()
-                sync()
-                ms.append(a.elapsed_time(b))
-            else:
-                t = time.perf_counter()
-                losses.append(step())
-                ms.append(1e3 * (time.perf_counter() - t))
+            loss, t = timed_call(step, device)
+            losses.append(loss)
+            ms.append(t)
     except torch.cuda.OutOfMemoryError as e:
         memory()
         row.update(status="out of memory", error=str(e).splitlines()[0][:300])

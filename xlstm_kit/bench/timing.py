@@ -100,6 +100,22 @@ def _measure_cuda(fn, device: torch.device, reps: int, flush_cache: bool) -> Tim
     return Timing(statistics.median(times), min(times), reps)
 
 
+def timed_call(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any, float]:
+    """(fn(), milliseconds): CUDA events around the call on a GPU (synchronised after), the
+    wall clock elsewhere. For whole training steps, one timing each; `measure` for kernels."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = fn()
+        b.record()
+        torch.cuda.synchronize(device)
+        return out, a.elapsed_time(b)
+    t = time.perf_counter()
+    out = fn()
+    return out, 1e3 * (time.perf_counter() - t)
+
+
 def peak_memory_mib(fn: Callable[[], Any], device: torch.device | str) -> float | None:
     """Memory allocated by one call of `fn` beyond what was allocated before it, in MiB
     (CUDA only: None on the CPU, where PyTorch keeps no such counter)."""
