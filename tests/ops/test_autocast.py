@@ -32,3 +32,28 @@ def test_ops_ignore_enclosing_autocast():
         out.backward(g)
         for x, y in zip(cast, plain):
             torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0, msg=name)
+
+
+def test_autocast_off_traces_in_one_graph_under_autocast():
+    """torch.compile traces an autocast_off op inside an autocast region without a graph break
+    (an ExitStack of autocast contexts broke every compiled block's graph under bf16 training),
+    and autocast is really off inside: the op's matmul stays float32."""
+    from torch._dynamo.utils import counters
+
+    from xlstm_kit.ops._checks import autocast_off
+
+    @autocast_off
+    def inner(a, b):
+        return a @ b
+
+    def f(a, b):
+        return inner(a, b), a @ b
+
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        off, on = torch.compile(f, backend="eager", fullgraph=True)(a, b)
+    assert off.dtype == torch.float32 and on.dtype == torch.bfloat16
+    torch.testing.assert_close(off, a @ b)
+    assert sum(counters["graph_break"].values()) == 0

@@ -91,13 +91,20 @@ def autocast_off(fn):
     otherwise be recast to bf16 and collide with its float32 accumulators and states.
     """
 
+    # plain nested `with` blocks: torch.compile cannot trace an ExitStack holding autocast
+    # contexts (a graph break in every compiled block under bf16 autocast)
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with contextlib.ExitStack() as stack:
-            for device_type in ("cpu", "cuda"):
-                if torch.is_autocast_enabled(device_type):
-                    stack.enter_context(torch.autocast(device_type, enabled=False))
-            return fn(*args, **kwargs)
+        if torch.is_autocast_enabled("cuda"):
+            with torch.autocast("cuda", enabled=False):
+                if torch.is_autocast_enabled("cpu"):
+                    with torch.autocast("cpu", enabled=False):
+                        return fn(*args, **kwargs)
+                return fn(*args, **kwargs)
+        if torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
 
     return wrapper
 
