@@ -57,3 +57,23 @@ def test_autocast_off_traces_in_one_graph_under_autocast():
     assert off.dtype == torch.float32 and on.dtype == torch.bfloat16
     torch.testing.assert_close(off, a @ b)
     assert sum(counters["graph_break"].values()) == 0
+
+
+def test_compiled_ops_backward_ignores_enclosing_autocast():
+    """Under torch.compile, AOT autograd traces a hand-written backward under the forward's
+    ambient autocast, where Dynamo sees the op's own autocast_off: each op's backward must turn
+    autocast off itself (the mLSTM's float32 accumulators met bf16 matmuls: a dtype error); and
+    fullgraph: the sLSTM's backward wrote through out= into strided views, which Dynamo refuses."""
+    for name, op, inputs in _cases():
+        plain = [t.clone().requires_grad_() for t in inputs]
+        cast = [t.clone().requires_grad_() for t in inputs]
+        ref = op(*plain)
+        torch._dynamo.reset()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch.compile(op, backend="aot_eager", fullgraph=True)(*cast)
+        assert out.dtype == torch.float32, name
+        g = torch.randn_like(ref)
+        ref.backward(g)
+        out.backward(g)
+        for x, y in zip(cast, plain):  # aot_eager's decompositions reorder some float32 sums
+            assert ((x.grad - y.grad).abs().max() / y.grad.abs().max()).item() < 1e-5, name

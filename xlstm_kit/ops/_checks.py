@@ -109,6 +109,27 @@ def autocast_off(fn):
     return wrapper
 
 
+
+def backward_autocast_off(backward):
+    """Run an op's hand-written `autograd.Function.backward` with autocast disabled.
+
+    Eagerly a backward runs where `loss.backward()` is called, usually outside autocast. Under
+    torch.compile it does not: AOT autograd traces the backward together with the forward, under
+    the forward's ambient autocast, while Dynamo, tracing the backward inside the op's
+    `autocast_off` region, sees autocast off and records no context of its own. So the region is
+    entered here unconditionally, for the device of the incoming gradients.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        device = next((g.device.type for g in grads if isinstance(g, torch.Tensor)), None)
+        if device is None:
+            return backward(ctx, *grads)
+        with torch.autocast(device, enabled=False):
+            return backward(ctx, *grads)
+
+    return wrapper
+
 # ----------------------------------------------------------------------------- varlen (cu_seqlens)
 # (cu_seqlens, its boundaries) read back by the innermost `cu_seqlens_read_once` in progress
 _READ = contextvars.ContextVar("xlstm_kit_cu_seqlens_read", default=None)

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as nnf
 from torch.autograd.function import once_differentiable
 
+from .._checks import backward_autocast_off
+
 from .naive import check_chunk, check_dplr_inputs, check_scale, compute_dtype
 
 # Largest sub-chunk of the pair matrices. The diagonal blocks cost ~S·L·K elementwise work per
@@ -230,6 +232,7 @@ class _DPLRChunkwise(torch.autograd.Function):
         return o, hT
 
     @staticmethod
+    @backward_autocast_off
     @once_differentiable
     def backward(ctx, do, dhT):
         q, k, v, a, b, gk, h0 = ctx.saved_tensors

@@ -40,6 +40,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._checks import backward_autocast_off
+
 
 def _to_chunks(x: torch.Tensor, NC: int, L: int, dtype: torch.dtype, fill: float = 0.0,
                scale: float | torch.Tensor | None = None) -> torch.Tensor:
@@ -278,6 +280,7 @@ class _MLSTMChunkwise(torch.autograd.Function):
         return h, C_T.view(B, H, K, V), n_T.view(B, H, K), m_states[NC].reshape(B, H)
 
     @staticmethod
+    @backward_autocast_off
     def backward(ctx, dh, dC_T, dn_T, dm_T):
         (qc, kc, vc, u, cm, m_states, mrow, alpha, w, den, zsign, h, sig_negf, C0, n0, C_T, n_T,
          P, aux) = ctx.saved_tensors

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._checks import backward_autocast_off
+
 
 def _gate_matrix(ig: torch.Tensor, fg: torch.Tensor):
     """ig, fg [B,H,T] → log-forget cumsum [B,H,T], D̃ [B,H,T,T] (−inf above the diagonal), m [B,H,T],
@@ -52,6 +54,7 @@ class _MLSTMParallel(torch.autograd.Function):
         return h.transpose(1, 2)
 
     @staticmethod
+    @backward_autocast_off
     def backward(ctx, dh):
         Q, Kt, V, ig, fg, b, n = ctx.saved_tensors
         eps = ctx.eps

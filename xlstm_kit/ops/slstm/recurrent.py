@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .._checks import compute_dtype
+from .._checks import backward_autocast_off, compute_dtype
 from .naive import State
 
 
@@ -104,6 +104,7 @@ class SLSTMRecurrentFunction(torch.autograd.Function):
                 _state_out(ms[steps]))
 
     @staticmethod
+    @backward_autocast_off
     @once_differentiable  # the backward is not itself differentiable: fail loudly on double grad
     def backward(ctx, dh_out, dh_T, dc_T, dn_T, dm_T):
         pre_all, hs, cs, ns, ms, rr = ctx.saved_tensors
@@ -165,21 +166,23 @@ class SLSTMRecurrentFunction(torch.autograd.Function):
         rr_t = rr.transpose(1, 2)  # [H, 4D, D]
         dpre_all = torch.empty_like(pre_all)
 
+        # copy_ into the per-gate views rather than out=: torch.compile refuses out= on a
+        # non-contiguous view (a graph break around the whole backward)
         for t in range(steps - 1, -1, -1):
             dh = dh_ext[t] + (dh_rec.clamp(-clip, clip) if clip is not None else dh_rec)  # (41)
             cn_hat = torch.addcmul(cn_hat * rho_next[t], cn_coef[t], dh)              # (42), (43)
             c_hat, n_hat = cn_hat[0], cn_hat[1]
             di, df, dz, do = dpre_all[t].split(dim, dim=-1)
-            torch.mul(dh, do_coef[t], out=do)                        # (47)
-            torch.mul(c_hat, dz_coef[t], out=dz)                     # (46)
+            do.copy_(dh * do_coef[t])                                # (47)
+            dz.copy_(c_hat * dz_coef[t])                             # (46)
             p = torch.addcmul(c_hat * phi[t], n_hat, rho[t])         # f' δf'  (44)
             # i' δi' (45) is u − p, where u = Ĉ h̃ + N̂ since ρ + κ = 1 and φ + κ z = h̃.
             u = torch.addcmul(n_hat, c_hat, h_tilde[t])
             # Adjoint of m_t: its own (from m_{t+1}) minus what f' and i' take, routed by the max.
             da = torch.addcmul(p, dm - u, w_a[t])                    # δ(log f_t + m_{t-1})
-            torch.sub(dm, da, out=di)                                # δĩ = (u − p) + (δm − u)(1 − w_a)
+            di.copy_(dm - da)                                        # δĩ = (u − p) + (δm − u)(1 − w_a)
             if dlogf_df is not None:
-                torch.mul(da, dlogf_df[t], out=df)
+                df.copy_(da * dlogf_df[t])
             else:
                 df.copy_(da)
             dm = da                                                  # δm_{t-1}

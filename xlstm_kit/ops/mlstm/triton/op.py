@@ -12,7 +12,7 @@ from torch import Tensor
 from . import backward, gates, output, scan, states
 from ...backend import assume_constant_result
 from ....errors import XLSTMKitError
-from ..._checks import autocast_off
+from ..._checks import autocast_off, backward_autocast_off
 from .config import CHUNK_SIZES, MLSTMKernelConfig, numerics
 from .varlen import chunk_table, first_stabilizers, num_chunks
 
@@ -219,6 +219,7 @@ def _setup_context(ctx, inputs, output):
     _save(ctx, inputs, output)
 
 
+@backward_autocast_off
 def _backward(ctx, dh, dhlo, dCf, dnf, dmf, *_):
     return _grads(mlstm_chunkwise_bwd, ctx, dh, dCf, dnf, dmf)
 
@@ -238,6 +239,7 @@ class _EagerChunkwise(torch.autograd.Function):
         return out[0], out[2], out[3], out[4]
 
     @staticmethod
+    @backward_autocast_off
     def backward(ctx, dh, dCf, dnf, dmf):
         return _grads(_backward_impl, ctx, dh, dCf, dnf, dmf)
 

@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..._checks import compute_dtype
+from ..._checks import backward_autocast_off, compute_dtype
 from ..naive import State
 from ....errors import XLSTMKitError
 from . import backward as _backward_phase
@@ -181,6 +181,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@backward_autocast_off
 def _backward(ctx, dh, dh_T, dc_T, dn_T, dm_T, *_saved_grads):
     r, h, hs, g, cs, ns, ms, h0, c0, n0, m0, cu_seqlens = ctx.saved_tensors
     grads = recurrent_grads(ctx, r, h, (hs, g, cs, ns, ms), (h0, c0, n0, m0), dh,

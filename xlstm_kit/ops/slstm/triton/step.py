@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..._checks import compute_dtype
+from ..._checks import backward_autocast_off, compute_dtype
 from ..naive import State, slstm_step_naive
 from . import forward as _forward_phase
 from .common import prepare_r
@@ -62,6 +62,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@backward_autocast_off
 def _backward(ctx, dh, dh_T, dc_T, dn_T, dm_T):
     x_gates, r, b, *init = ctx.saved_tensors
     with torch.no_grad():
