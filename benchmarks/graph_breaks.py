@@ -4,6 +4,7 @@ and prints Dynamo's graph count and every graph-break reason with its count. A d
 tool: a break inside a block splits every block's graph (the blocks share their compiled code).
 
     python3 benchmarks/graph_breaks.py [--preset 125M] [--slstm-at 1:0] [--blocks 2] [--batch 2] [--seq 256]
+                                       [--precision bf16|fp16|fp32]
 
 On the CPU set TRITON_INTERPRET=1 to trace the Triton paths (float32, slow: keep it small).
 """
@@ -26,6 +27,8 @@ def main():
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+                    help="autocast of the step (default: bf16 on CUDA, fp32 elsewhere)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -37,7 +40,7 @@ def main():
     batch = torch.randint(0, 256, (args.batch, args.seq + 1), device=dev)
     for _ in range(2):
         train_step(model, opt, [(batch[:, :-1], batch[:, 1:])], lm_loss, lr=1e-4,
-                   precision="bf16" if cuda else "fp32", grad_clip=1.0)
+                   precision=args.precision or ("bf16" if cuda else "fp32"), grad_clip=1.0)
     print(json.dumps(dict(device=str(dev), stats=dict(counters["stats"]),
                           breaks=sum(counters["graph_break"].values()))))
     for reason, n in counters["graph_break"].most_common():
