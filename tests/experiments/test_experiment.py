@@ -308,3 +308,44 @@ def test_a_hostile_results_file_is_one_line_at_once(tmp_path, kind, capsys):
     assert main(["experiment", "sweep", "--report-only", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--report-only" in err and HOSTILE_MESSAGES[kind] in err, err
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO would cause is a hang
+@pytest.mark.parametrize("kind", ["fifo", "oversized", "not UTF-8"])
+@pytest.mark.parametrize("protocol", [False, True])
+def test_a_hostile_command_file_is_one_line(tmp_path, capsys, kind, protocol):
+    """The sweep's command.txt, read again for --report-only (either report) and by write_report:
+    a FIFO (a plain read blocks for ever), an oversized file or bytes that are not UTF-8 give a
+    one-line error at once, not a hang or a traceback."""
+    import xlstm_kit.experiments.experiment as ex
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    result = {"id": "r", "kind": "formal", "task": "parity", "model": "lstm", "width": 32, "lr": 1e-3, "seed": 0,
+              "error": "not run"}
+    (runs / "r.json").write_text(json.dumps(result))
+    command = tmp_path / ex.COMMAND_FILE
+    if kind == "not UTF-8":
+        command.write_bytes(b"xlstm-kit experiment sweep \xff\n")
+        needle = "not UTF-8"
+    else:
+        make_hostile(command, kind, ex.MAX_COMMAND_BYTES)
+        needle = HOSTILE_MESSAGES[kind]
+    capsys.readouterr()
+    argv = ["experiment", "sweep", "--report-only", "--out", str(tmp_path)] + (["--protocol", "quick"] if protocol else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and ex.COMMAND_FILE in err and "Traceback" not in err, err
+    if not protocol:
+        with pytest.raises(ex.XLSTMKitError) as e:
+            ex.write_report([result], tmp_path)
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_command_file_heads_the_report(tmp_path):
+    import xlstm_kit.experiments.experiment as ex
+
+    result = {"kind": "formal", "task": "parity", "model": "lstm", "error": "not run"}
+    (tmp_path / ex.COMMAND_FILE).write_text("xlstm-kit experiment sweep --tasks parity\n")
+    ex.write_report([result], tmp_path)
+    assert "xlstm-kit experiment sweep --tasks parity" in (tmp_path / ex.RESULTS_TABLE).read_text()

@@ -290,3 +290,60 @@ def test_a_save_over_an_earlier_versions_model_killed_while_finishing_completes(
     assert (x / "checksums.json").exists()
     assert same(XLSTMLanguageModel.from_pretrained(x), large(2))
     assert not (x / "checksums.json").exists()
+
+
+def test_a_planted_commit_manifest_makes_no_file_of_the_users_ours(tmp_path):
+    """The commit folder of an interrupted save may be someone else's (a folder copied from
+    elsewhere), its manifest too. Carrying the save out makes ours only what the folder's own
+    manifest listed and what the commit folder brings in; a file of the user's that the planted
+    manifest names stays foreign, so a later save refuses it instead of deleting it as a stale
+    file of ours (it deleted tokenizer_config.json), and no file of the user's counts as ours."""
+    from xlstm_kit.io import files
+
+    x = tmp_path / "x"
+    large(1).save(x)
+    ours = files.owned_files(x)
+    theirs = {"tokenizer_config.json": "mine", "notes.txt": "mine too"}
+    for name, text in theirs.items():
+        (x / name).write_text(text)
+    commit = x / files.COMMIT_DIR
+    commit.mkdir()
+    (commit / "extra.txt").write_text("brought by the commit folder")
+    (commit / MANIFEST_FILE).write_bytes(files.manifest_bytes(ours | set(theirs) | {"extra.txt"}))
+    assert same(XLSTMLanguageModel.load(x), large(1))  # carries the "save" out
+    assert not commit.exists()
+    assert files.owned_files(x) == ours | {"extra.txt"}
+    refused(lambda: large(2).save(x), "tokenizer_config.json")
+    assert {n: (x / n).read_text() for n in theirs} == theirs
+
+
+def test_a_save_whose_finishing_was_killed_keeps_its_new_files_ours(tmp_path, monkeypatch):
+    """A process carrying out an interrupted save is killed after it moved the new files in but
+    before it replaced the manifest: the next one, finding them no longer in the commit folder,
+    still counts them as ours (a later save removes the stale shards rather than refusing them)."""
+    import os
+
+    from xlstm_kit.io import files
+
+    x = tmp_path / "x"
+    large(1).save(x)
+    commit = _interrupted_after_commit(x, monkeypatch, lambda: large(2).save_pretrained(x, max_shard_size="10KB"))
+    shards = sorted(p.name for p in commit.iterdir() if p.name.startswith("model-"))
+    assert shards
+    real = os.replace
+
+    def killed_at_the_manifest(src, dst):
+        if str(src) == str(commit / MANIFEST_FILE):
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", killed_at_the_manifest)
+        with pytest.raises(KeyboardInterrupt):
+            XLSTMLanguageModel.from_pretrained(x)
+    assert all((x / n).exists() for n in shards) and not any((commit / n).exists() for n in shards)
+    assert same(XLSTMLanguageModel.from_pretrained(x), large(2))
+    assert set(shards) <= files.owned_files(x)
+    large(3).save(x)
+    assert not any((x / n).exists() for n in shards)
+    assert same(XLSTMLanguageModel.load(x), large(3))

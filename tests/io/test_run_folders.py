@@ -122,3 +122,22 @@ def test_clear_run_of_a_run_written_before_manifests(data, tmp_path):
     clear_run(out, ("metrics.jsonl", "loss.png"))
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if not p.name.startswith(".")) \
         == ["checkpoints", "checkpoints/theirs.txt"]
+
+
+def test_a_planted_commit_manifest_in_a_run_folder_makes_no_file_ours(tmp_path):
+    """A commit folder planted in a run folder (loading the run carries it out first) cannot make
+    the user's metrics.jsonl ours through its manifest: clearing the run refuses it instead of
+    deleting it."""
+    from xlstm_kit.io import files
+    from xlstm_kit.io.checkpoint import claim_run_files
+
+    run = tmp_path / "run"
+    claim_run_files(run, [])  # a run folder of ours: its manifest lists `latest`
+    (run / "metrics.jsonl").write_text("mine\n")
+    commit = run / files.COMMIT_DIR
+    commit.mkdir()
+    (commit / MANIFEST_FILE).write_bytes(files.manifest_bytes({"latest", "metrics.jsonl"}))
+    files.finish_interrupted_save(run)
+    assert not commit.exists() and files.owned_files(run) == {"latest"}
+    refused(lambda: clear_run(run, ["metrics.jsonl"]), "metrics.jsonl")
+    assert (run / "metrics.jsonl").read_text() == "mine\n"

@@ -43,3 +43,32 @@ def test_a_hostile_template_file_is_one_line(tmp_path, kind):
     else:
         make_hostile(tmp_path / TEMPLATE_FILE, kind, MAX_TEMPLATE_BYTES)
         refused(tmp_path, HOSTILE_MESSAGES[kind])
+
+
+def test_loading_and_serving_read_tokenizer_config_with_one_bound(tmp_path):
+    """tokenizer_config.json is read by loading (the BOS/EOS of a folder's tokenizer.json) and by
+    serving (the chat template): with one bound, so that a folder that serves also loads and
+    vice versa. One of more than 1 MiB (a large added-tokens table beside the template) loaded
+    only for serving; one over the bound is refused by both, in one line."""
+    pytest.importorskip("jinja2")
+    import json
+
+    from xlstm_kit.io.tokenizers import find_tokenizer
+
+    vocab = {"<s>": 0, "</s>": 1, "a": 2}
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordLevel", "vocab": vocab, "unk_token": "a"}}))
+    added = {str(i): {"content": f"<|reserved_special_token_{i}|>", "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i in range(3, 10_003)}
+    text = json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE,
+                       "added_tokens_decoder": added}, indent=2)
+    assert 1 << 20 < len(text) < MAX_TOKENIZER_CONFIG_BYTES
+    (tmp_path / CONFIG_FILE).write_text(text)
+    tok = find_tokenizer(tmp_path)
+    assert (tok.bos_token_id, tok.eos_token_id) == (0, 1)
+    assert find_chat_template(tmp_path).render([{"role": "user", "content": "hi"}]) == "<user>hi"
+
+    make_hostile(tmp_path / CONFIG_FILE, "oversized", MAX_TOKENIZER_CONFIG_BYTES)
+    for read in (find_tokenizer, find_chat_template):
+        with pytest.raises(XLSTMKitError) as e:
+            read(tmp_path)
+        assert HOSTILE_MESSAGES["oversized"] in str(e.value) and "\n" not in str(e.value), str(e.value)

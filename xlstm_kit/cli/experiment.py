@@ -157,9 +157,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         results = pr.load_protocol_results(out / "runs")
         if not results:
             raise UsageError(f"--report-only: {out / 'runs'} holds no grid-point results to report")
-        command_file = out / ex.COMMAND_FILE
-        paths = pr.write_protocol_report(results, out, command=command_file.read_text().strip()
-                                         if command_file.exists() else None)
+        paths = pr.write_protocol_report(results, out, command=ex.read_command(out))
         print(f"report: {paths['report']}")
         return 0
     if args.experiment == "sweep" and args.report_only:

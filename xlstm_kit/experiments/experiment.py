@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ..errors import XLSTMKitError
-from ..io.jsonfile import read_json
+from ..io.jsonfile import read_bytes, read_json
 from .config import RunConfig
 from .formal import TaskBatch, sample_train_batch, scaled_accuracy
 from .models import MODEL_NAMES, build_model, check_model_name, model_slug
@@ -56,6 +56,9 @@ RESULTS_TABLE = "table.md"
 RESULTS_PLOT = "heatmap.png"
 RESULTS_ALL = "results.json"
 COMMAND_FILE = "command.txt"
+MAX_COMMAND_BYTES = 1 << 20
+"""The most the sweep's command.txt may hold: one command line, a few hundred bytes (Linux
+caps one argument at 128 KiB and all of them with the environment at 2 MiB by default)."""
 MAX_RUN_FILE_BYTES = 16 << 20
 """The most a run's results or progress file may hold: its loss curve, one row per logged step,
 is most of it: tens of kB at the paper protocol's 25,000 steps logged every 25, a few MB with
@@ -272,6 +275,20 @@ def load_results(runs_dir: str | Path) -> list[dict[str, Any]]:
     return [read_json(p, MAX_RUN_FILE_BYTES) for p in sorted(Path(runs_dir).glob("*.json"))]
 
 
+def read_command(out_dir: str | Path) -> str | None:
+    """The sweep's command saved in `out_dir`/command.txt, None without one; a one-line
+    XLSTMKitError for one that is not a regular file (a FIFO would block the read), is larger
+    than MAX_COMMAND_BYTES or is not UTF-8 text."""
+    path = Path(out_dir) / COMMAND_FILE
+    if not path.exists():  # exists(), not is_file(): a FIFO or a folder of that name is refused
+        return None
+    data = read_bytes(path, MAX_COMMAND_BYTES, error=XLSTMKitError)
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise XLSTMKitError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def write_report(results: Sequence[dict[str, Any]], out_dir: str | Path, *, command: str | None = None) -> dict[str, Path]:
     """Write `out_dir`/results.json (summaries), table.md (scaled accuracy, models x tasks, plus
     steps and seconds per run) and heatmap.png (Figure-4 style). Returns the paths. Without
@@ -279,8 +296,8 @@ def write_report(results: Sequence[dict[str, Any]], out_dir: str | Path, *, comm
     matplotlib the heatmap is skipped: "plot" is then None."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if command is None and (out_dir / COMMAND_FILE).exists():
-        command = (out_dir / COMMAND_FILE).read_text().strip()
+    if command is None:
+        command = read_command(out_dir)
     keep = ("kind", "task", "model", "scaled_accuracy", "accuracy", "train_lengths_scaled_accuracy",
             "steps_done", "planned_steps", "train_seconds", "total_seconds", "parameters", "loss_first",
             "loss_last", "device", "error")

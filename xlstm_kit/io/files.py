@@ -22,8 +22,10 @@ old model untouched; from it on the save is complete and is only carried out: ea
 renamed over the old one, the stale files are deleted, the manifest is replaced and the commit
 folder removed. A process killed at any point leaves either the old model or a commit folder,
 which the next load or save of that folder carries out first (:func:`finish_interrupted_save`),
-so a reader gets the old model or the new one, never a mix, never neither. A staging folder
-that was never committed is removed by the next save into the folder.
+so a reader gets the old model or the new one, never a mix, never neither. A commit folder may
+be someone else's (a folder copied from elsewhere): carrying it out replaces or deletes only files
+the folder's manifest lists, and its manifest makes ours only those and the files it brings in.
+A staging folder that was never committed is removed by the next save into the folder.
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ MAX_MANIFEST_BYTES = 1 << 20
 MODEL_FILES = re.compile(r"config\.json|model\.safetensors|model\.safetensors\.index\.json|"
                          r"model-\d{5}-of-\d{5}\.safetensors|checksums\.json|tokenizer\.json|tokenizer_config\.json")
 _STAGING = re.compile(re.escape(STAGING_PREFIX) + r"[0-9a-f]{12}")
+# atomic_write's temporary of the manifest (claim), left by a process killed while writing it
+_MANIFEST_TMP = re.compile(re.escape(f".{MANIFEST_FILE}.") + r"\d+\.[0-9a-f]{12}\.tmp")
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,18 +234,27 @@ def finish_interrupted_save(folder: str | Path) -> None:
         remove = read_json(plan_file, MAX_MANIFEST_BYTES)["remove"] if plan_file.exists() else []
         if not isinstance(remove, list):
             raise ValueError("a list of files to remove was expected")
-        # The commit folder and its plan may be someone else's (a folder copied from elsewhere
-        # holds whatever it holds): a file of the folder is replaced or deleted only when the
-        # folder's manifest says it is ours, as for a save, which refuses foreign files before
-        # it commits and so never plans more. The old manifest is replaced last, so a process
-        # that carries the save out again gets the same answer.
-        ours = owned_files(folder) | _earlier_model_files(folder)
+        # The commit folder, its plan and its manifest may be someone else's (a folder copied
+        # from elsewhere holds whatever it holds): a file of the folder is replaced or deleted
+        # only when the folder's manifest says it is ours, as for a save, which refuses foreign
+        # files before it commits and so never plans more. The old manifest is replaced last, so
+        # a process that carries the save out again gets the same answer.
+        # The commit folder is listed before the folder's manifest is read: a file missing from
+        # it was moved by a process carrying the save out too, which claimed it first (below).
         moves = [n for n in sorted(os.listdir(commit)) if n not in (PLAN_FILE, MANIFEST_FILE)]
+        ours = owned_files(folder) | _earlier_model_files(folder)
         for name in moves:
             # folder first, then commit: a file moved there meanwhile by a process finishing the
             # save too has left the commit folder (a rename is atomic)
             if name not in ours and os.path.lexists(folder / name) and os.path.lexists(commit / name):
                 raise not_ours(folder / name, "the interrupted save would replace it")
+        # The new manifest may make ours only what is ours already and what the commit folder
+        # brings in (all that a save's manifest lists): a name more, a file of the user's, would
+        # be deleted or overwritten by the next save as one of ours. The files brought in go into
+        # the folder's manifest before they move, so that a process carrying the save out again
+        # (this one killed, or another at once) that no longer finds them here counts them too.
+        claimable = ours | set(moves)
+        claim(folder, claimable)
         for name in moves:
             with contextlib.suppress(FileNotFoundError):  # moved by a process finishing it too
                 os.replace(commit / name, folder / name)
@@ -249,8 +262,15 @@ def finish_interrupted_save(folder: str | Path) -> None:
             # only model files of ours: all that a save removes (stale shards, index, checksums)
             if _plain_name(name) and name in ours and MODEL_FILES.fullmatch(name):
                 (folder / name).unlink(missing_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(commit / MANIFEST_FILE, folder / MANIFEST_FILE)  # last: the old one listed the removed files
+        # last: the old manifest listed the removed files. An unreadable one lists nothing: it
+        # goes in as it is, and then nothing in the folder counts as ours.
+        listed = owned_files(commit)
+        if listed <= claimable:
+            with contextlib.suppress(FileNotFoundError):  # moved by a process finishing it too
+                os.replace(commit / MANIFEST_FILE, folder / MANIFEST_FILE)
+        else:  # it names files that are not ours: left out
+            atomic_write(folder / MANIFEST_FILE, manifest_bytes(listed & claimable))
+            (commit / MANIFEST_FILE).unlink(missing_ok=True)
         fsync_dir(folder)
         shutil.rmtree(commit)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -265,6 +285,8 @@ def _remove_uncommitted(folder: Path) -> None:
         p = folder / name
         if _STAGING.fullmatch(name) and p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
+        elif _MANIFEST_TMP.fullmatch(name) and p.is_file() and not p.is_symlink():
+            p.unlink(missing_ok=True)
 
 
 def save_folder(target: str | Path, write: Callable[[Path], list[str]]) -> Path:

@@ -28,6 +28,11 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_META_BYTES = 16 << 20
 MAX_INDEX_BYTES = 64 << 20
 MAX_TOKENIZER_BYTES = 256 << 20
+# tokenizer_config.json carries the added-tokens table (and often the chat template) besides
+# BOS/EOS: hundreds of kB where a vocabulary has thousands of special tokens, so the bound of
+# other configs is too tight. One bound for its every reader (loading a tokenizer's BOS/EOS,
+# serving's chat template): a folder that serves also loads, and the other way round.
+MAX_TOKENIZER_CONFIG_BYTES = 16 << 20
 
 _TYPE_NAMES = {dict: "a JSON object", list: "a list", str: "a string", int: "an integer", float: "a number",
                bool: "true or false", type(None): "null"}

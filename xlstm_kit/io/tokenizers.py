@@ -18,7 +18,7 @@ import numpy as np
 from .._extras import package_dir, require
 from ..errors import DataError, XLSTMKitError
 from . import checkpoint
-from .jsonfile import MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES, parse, read_bytes, read_json
+from .jsonfile import MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES, MAX_TOKENIZER_CONFIG_BYTES, parse, read_bytes, read_json
 
 TOKENIZERS = ("byte", "gpt2")
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -277,7 +277,7 @@ def _tokenizer_config_id(folder: Path, tok: HFTokenizer, what: str) -> int | Non
     f = folder / TOKENIZER_CONFIG_FILE
     if not f.is_file():
         return None
-    d = json_object(f)
+    d = read_json(f, MAX_TOKENIZER_CONFIG_BYTES)
     if isinstance(d.get(f"{what}_token_id"), int):
         return d[f"{what}_token_id"]
     token = d.get(f"{what}_token")

@@ -10,14 +10,12 @@ from pathlib import Path
 
 from .._extras import require
 from ..errors import XLSTMKitError
-from ..io.jsonfile import MAX_META_BYTES, read_bytes, read_json
+from ..io.jsonfile import MAX_TOKENIZER_CONFIG_BYTES, read_bytes, read_json
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
-# tokenizer_config.json carries the added-tokens table besides the template: hundreds of kB
-# where a vocabulary has thousands of special tokens, so the bound of other configs (1 MiB) is
-# too tight; templates themselves are a few kB.
-MAX_TOKENIZER_CONFIG_BYTES = MAX_META_BYTES
+# tokenizer_config.json: read with the bound loading reads it with (MAX_TOKENIZER_CONFIG_BYTES);
+# templates themselves are a few kB.
 MAX_TEMPLATE_BYTES = 1 << 20
 
 
