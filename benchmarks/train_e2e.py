@@ -99,7 +99,7 @@ JOBS: dict[str, tuple[str, dict, float]] = {
     "x10_8k": ("model", dict(arch="x10", compile=True, batch=4, seq=8192), 200),
     # the host's share at small batch: per-block compile with CUDA graphs, and whole-model compile
     **{f"x10_b{b}_graphs": ("model", dict(arch="x10", compile=True, batch=b, compile_mode="block-graphs"), 240)
-       for b in (4, 16)},
+       for b in (1, 4, 8, 16)},
     "x10_b4_model": ("model", dict(arch="x10", compile=True, batch=4, compile_mode="model"), 240),
     # the official NeurIPS stack: xlstm.xLSTMLMModel, 24 mLSTM blocks, compiled and eager
     **{f"neurips_b{b}": ("model", dict(arch="neurips", compile=True, batch=b), 240) for b in (1, 4, 8, 16)},
