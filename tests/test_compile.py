@@ -6,6 +6,7 @@ get and run them eagerly): Inductor's C++ builds of even these tiny models take 
 2-core CPU, so the one real Inductor test is marked slow. The CPU runs the PyTorch paths of the
 ops; on CUDA the Triton kernels are torch.library custom ops (their opcheck tests are under
 tests/ops/)."""
+import importlib.util
 import json
 
 import pytest
@@ -91,6 +92,38 @@ def test_compiled_blocks_match_eager_for_every_block_type():
     with torch.no_grad():
         torch.testing.assert_close(out, model(tokens[:, :5]), atol=0, rtol=0)
     assert torch.equal(text, model.generate(tokens[0, :4], 3, temperature=0)) and text.shape == (7,)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_compiled_prefill_matches_eager_and_reuses_its_graphs_across_lengths():
+    """compile_prefill on the GPU's (Triton) path, interpreted: without gradients the compiled
+    blocks read prompts with dynamic shapes, giving eager's logits and states for every block
+    type, from zero and from a state; once the shapes are dynamic a new length compiles
+    nothing; `generate`'s prefill then reads prompts of different lengths unpacked (a length at
+    a time) and gives eager's tokens."""
+    model = tiny(n_blocks=3, slstm_at=[1], dplr_at=[2], chunk_size=16, backend="triton")
+    tokens = torch.randint(0, 64, (2, 40))
+    prompts = [tokens[0, :5], tokens[1, :9]]
+    with torch.no_grad():
+        want = [model(tokens[:, :n], return_state=True) for n in (5, 17, 23)]
+        want_cont = model(tokens[:, 23:], state=want[2][1], return_state=True)
+    text = model.generate(prompts, 3, temperature=0)
+    model.compile_prefill(backend="eager")
+    assert model.prefill_compiled and not model.is_compiled
+    with torch.no_grad():
+        got = [model(tokens[:, :n], return_state=True) for n in (5, 17)]
+        n = graphs()
+        got.append(model(tokens[:, :23], return_state=True))
+        assert graphs() == n  # a third length: no new graph
+        got_cont = model(tokens[:, 23:], state=got[2][1], return_state=True)
+    assert n > 0
+    for (lw, sw), (lg, sg) in zip(want + [want_cont], got + [got_cont]):
+        torch.testing.assert_close(lg, lw, atol=1e-5, rtol=1e-5)
+        for a, b in zip(sw, sg):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
+    assert want[0][0].abs().max() > 0.1  # not a trivial match
+    assert all(torch.equal(a, b) for a, b in zip(model.generate(prompts, 3, temperature=0), text))
 
 
 def test_fullgraph_without_slstm_blocks():

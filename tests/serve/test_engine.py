@@ -254,3 +254,14 @@ def test_bad_prompts_are_refused_at_submit(model):
 
 def test_batch_buckets():
     assert _buckets(1) == [1] and _buckets(8) == [1, 2, 4, 8] and _buckets(12) == [1, 2, 4, 8, 12]
+
+
+def test_a_compiled_prefill_gives_the_tokens_of_generate_alone():
+    """With compile_prefill (xlstm-kit serve --compile) the engine's prompt reads go through the
+    compiled blocks, a length at a time instead of packed: the tokens stay generate's."""
+    m = tiny_model()
+    ps = prompts([3, 9, 9, 20], seed=4)
+    want = [alone(m, p) for p in ps]
+    m.compile_prefill(backend="eager")
+    reqs = run(Engine(m, ByteTokenizer(), max_batch=4, prefix_cache_bytes=0), ps)
+    assert [r.output for r in reqs] == want

@@ -221,7 +221,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     sv.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype (default: the file's)")
     sv.add_argument("--threads", type=thread_count, default=None, help=THREADS_HELP)
     sv.add_argument("--compile", action="store_true",
-                    help="torch.compile the decode step (model.compile_step; once per batch-size bucket at start)")
+                    help="torch.compile the decode step (model.compile_step; once per batch-size bucket at start) "
+                    "and the prompt reads (model.compile_prefill: dynamic shapes, compiled on the first prompts)")
     sv.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                     help="replay the decode step as CUDA graphs, one per batch-size bucket (default: on CUDA)")
     sv.set_defaults(run=("serve", "cmd_serve"))

@@ -29,6 +29,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tokenizer = tokenizer_for(meta, model)
     if args.compile:
         model.compile_step()
+        model.compile_prefill()  # eager, a prompt read is bound by the host's launches
         import torch._dynamo
 
         # the step compiles once per batch-size bucket (up to 9 for --max-batch 256): more than

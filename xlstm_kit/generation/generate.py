@@ -152,7 +152,8 @@ def _prefill(model, rows: list[torch.Tensor]):
     if len(set(lengths)) == 1:
         out, state = model(torch.stack([r.long() for r in rows]), return_state=True, **last)
         return out[:, -1], state
-    if {"cu_seqlens", "logits_to_keep"} <= params:
+    # a compiled prefill reads unpacked rows only (compile_prefill): one call per length
+    if {"cu_seqlens", "logits_to_keep"} <= params and not getattr(model, "prefill_compiled", False):
         device = rows[0].device
         cu = torch.tensor([0] + lengths, device=device).cumsum(0)
         out, state = model(torch.cat([r.long() for r in rows])[None], return_state=True, cu_seqlens=cu,
