@@ -193,7 +193,7 @@ def model_folder(spec: str, dtype: str | None, device: str, work: Path, quick: b
 
 
 def generate_baseline(folder: str, jobs: list[tuple[list[int], int]], batch: int, device: str, dtype: str | None,
-                      compile_step: bool) -> dict:
+                      compile: bool) -> dict:
     """`model.generate` on the same requests in batches of `batch` (each to its longest output)."""
     import torch
 
@@ -202,8 +202,9 @@ def generate_baseline(folder: str, jobs: list[tuple[list[int], int]], batch: int
     if device == "cpu":
         torch.set_num_threads(1)  # as the server runs (--threads 1)
     model = XLSTMLanguageModel.from_pretrained(folder, dtype=dtype and getattr(torch, dtype), device=device)
-    if compile_step:
+    if compile:  # as the server's --compile
         model.compile_step()
+        model.compile_prefill()
     batches = [jobs[i:i + batch] for i in range(0, len(jobs), batch)]
 
     def once(b):
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="weights (default: bfloat16 on CUDA, float32 on the CPU)")
-    ap.add_argument("--compile", action="store_true", help="serve (and generate) with model.compile_step()")
+    ap.add_argument("--compile", action="store_true", help="serve (and generate) with model.compile_step() and compile_prefill()")
     ap.add_argument("--concurrency", default="1,8,32,128", help="levels, comma-separated")
     ap.add_argument("--requests-per-level", type=int, default=4, help="requests per level, x concurrency")
     ap.add_argument("--prompt-len", default="16,512", help="MIN,MAX prompt tokens")
