@@ -423,3 +423,19 @@ def test_parallel_matches_mlstm_kernels_parallel():
     dh = torch.randn_like(h)
     for a, b in zip(grads(h, args, dh), grads(h_p, args, dh.transpose(1, 2))):
         assert rel_err(a, b) < 1e-9
+
+
+def test_chunkwise_compiles_with_dynamic_lengths():
+    """torch.compile with a symbolic T (dynamic=True, or Dynamo's automatic dynamic shapes after
+    a second length): the chunk layout's arithmetic on T must trace (divmod of a symbolic int
+    does not), and every length gives the eager result without a graph break."""
+    def op(*t):
+        return mlstm_chunkwise(*t, chunk_size=16, backend="torch")[0]
+
+    compiled = torch.compile(op, dynamic=True, fullgraph=True, backend="aot_eager")
+    for T in (37, 45):
+        q, k, v = (torch.randn(2, T, 2, 8) for _ in range(3))
+        i, f = torch.randn(2, T, 2), torch.randn(2, T, 2) + 2
+        ref = op(q, k, v, i, f)
+        assert ref.abs().max() > 0.1
+        torch.testing.assert_close(compiled(q, k, v, i, f), ref, atol=1e-5, rtol=1e-5)

@@ -55,7 +55,7 @@ def _to_chunks(x: torch.Tensor, NC: int, L: int, dtype: torch.dtype, fill: float
     perm = (1, 0, 3, 2) + tuple(range(4, 4 + len(rest)))   # [B, n, L, H, *] ↔ [n, B, H, L, *]
     if isinstance(scale, torch.Tensor):
         scale = scale.view(NC, B, H, L, *([1] * len(rest)))
-    nf, r = divmod(T, L)
+    nf, r = T // L, T % L  # not divmod: Dynamo cannot take a symbolic (dynamic) T there
 
     def put(dst, src, sc):
         src = src.permute(perm)
@@ -90,7 +90,7 @@ def _from_chunks(xc: torch.Tensor, B: int, T: int, H: int, dtype: torch.dtype,
         scale = scale.view(NC, B, H, L, *([1] * len(rest))).permute(1, 0, 3, 2, *range(4, 4 + len(rest)))
     perm = (1, 0, 3, 2) + tuple(range(4, 4 + len(rest)))
     out = torch.empty((B, T, H) + rest, dtype=dtype, device=xc.device)
-    nf, r = divmod(T, L)
+    nf, r = T // L, T % L  # not divmod: Dynamo cannot take a symbolic (dynamic) T there
 
     def put(dst, src, sc):
         if sc is not None and dst.dtype == src.dtype and not torch.compiler.is_compiling():
