@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
 
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.io.tokenizers import ByteTokenizer
@@ -257,11 +259,19 @@ def test_batch_buckets():
 
 
 def test_a_compiled_prefill_gives_the_tokens_of_generate_alone():
-    """With compile_prefill (xlstm-kit serve --compile) the engine's prompt reads go through the
-    compiled blocks, a length at a time instead of packed: the tokens stay generate's."""
+    """With compile_prefill (xlstm-kit serve --compile) the engine compiles the prompt reads as it
+    starts, and reads prompts through the compiled blocks a length at a time instead of packed:
+    the tokens stay generate's."""
     m = tiny_model()
     ps = prompts([3, 9, 9, 20], seed=4)
     want = [alone(m, p) for p in ps]
     m.compile_prefill(backend="eager")
-    reqs = run(Engine(m, ByteTokenizer(), max_batch=4, prefix_cache_bytes=0), ps)
+    torch._dynamo.reset()
+    engine = Engine(m, ByteTokenizer(), max_batch=4, prefix_cache_bytes=0).start()
+    try:
+        assert counters["stats"]["unique_graphs"] > 0  # compiled at start, before any request
+        reqs = engine.generate(ps, GREEDY)
+    finally:
+        engine.close()
+        engine.join(30)
     assert [r.output for r in reqs] == want

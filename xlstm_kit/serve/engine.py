@@ -217,7 +217,8 @@ class Engine:
 
     # ------------------------------------------------------------------ outside the engine's thread
     def start(self) -> "Engine":
-        """Start the loop (on CUDA: record the decode graphs first); returns once it runs."""
+        """Start the loop (on CUDA: record the decode graphs first; with model.compile_prefill:
+        compile the prompt reads); returns once it runs."""
         self._thread = threading.Thread(target=self._main, name="xlstm-kit-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -288,6 +289,7 @@ class Engine:
         try:
             with torch.no_grad():
                 self.step = SlotStep(self.model, self.slots, self.tokens, self.cuda_graph)
+                self._compile_prefill()
                 self._ready.set()
                 while self._pass():
                     pass
@@ -297,6 +299,14 @@ class Engine:
                 traceback.print_exc(file=sys.stderr)
                 self._fail_everything(f"the engine stopped: {type(e).__name__}: {e}")
             self._ready.set()
+
+    def _compile_prefill(self) -> None:
+        """With model.compile_prefill: compile the prompt reads before the first request waits for
+        them. The shapes are dynamic, but a length or a batch of 1 is a graph of its own."""
+        if not getattr(self.model, "prefill_compiled", False):
+            return
+        for batch, length in ((1, 1), (1, 2), (2, 2)):
+            _prefill(self.model, [torch.zeros(length, dtype=torch.long, device=self.device)] * batch)
 
     def _pass(self) -> bool:
         with self._cv:
