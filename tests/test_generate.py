@@ -417,6 +417,41 @@ def test_cli_refuses_hostile_prompts_files_in_one_line(byte_model_dir, tmp_path,
     assert "more than the 64" in capsys.readouterr().err
 
 
+def test_prompts_file_swapped_for_a_fifo_after_the_check_is_refused(tmp_path, monkeypatch):
+    """--prompts checked the name (stat) and then opened it: a FIFO put there in between blocked
+    the open for ever. The file is now opened without blocking and its descriptor checked. The
+    swap is simulated by a stat that still sees the regular file; the read runs in a thread, and
+    a hang is ended by opening the FIFO for writing (the reader then sees end of file)."""
+    import os
+    import threading
+
+    from xlstm_kit.cli import generate as cli_generate
+
+    regular, fifo = tmp_path / "p.txt", tmp_path / "fifo"
+    regular.write_text("a prompt\n")
+    os.mkfifo(fifo)
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(regular if str(p) == str(fifo) else p, *a, **k))
+    result = {}
+
+    def read():
+        try:
+            result["value"] = cli_generate._read_prompts(str(fifo))
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(2)
+    hung = thread.is_alive()
+    if hung:  # a writer's open lets the blocked reader's open return; its close is end of file
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(5)
+    assert not hung, "reading a FIFO swapped in after the check blocked"
+    err = result.get("error")
+    assert isinstance(err, XLSTMKitError) and "not a regular file" in str(err) and "\n" not in str(err), result
+
+
 def test_cli_stream_prints_the_same_text_piece_by_piece(byte_model_dir, monkeypatch, capsys):
     _, folder = byte_model_dir
     base = ["generate", str(folder), "--prompt", "To be", "--max-new-tokens", "30", "--seed", "3",

@@ -72,3 +72,34 @@ def test_loading_and_serving_read_tokenizer_config_with_one_bound(tmp_path):
         with pytest.raises(XLSTMKitError) as e:
             read(tmp_path)
         assert HOSTILE_MESSAGES["oversized"] in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.timeout(60)  # a FIFO read by name would hang
+@pytest.mark.parametrize("kind", ["fifo", "folder", "a list", "a string"])
+def test_loading_and_serving_refuse_the_same_tokenizer_configs(tmp_path, kind):
+    """Loading passed over a tokenizer_config.json that was a FIFO or a folder (is_file) while
+    serving refused it, and only loading refused JSON other than an object (serving took it for
+    no template). Both now read it with one reader: refused by both, in the same one line. Loading
+    reads it even where config.json names BOS and EOS, so that a folder that loads also serves."""
+    import json
+    import os
+
+    from xlstm_kit.io.tokenizers import HFSpecialTokens, find_tokenizer
+
+    vocab = {"<s>": 0, "</s>": 1, "a": 2}
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordLevel", "vocab": vocab, "unk_token": "a"}}))
+    config, needle = tmp_path / CONFIG_FILE, "not a regular file"
+    if kind == "fifo":
+        os.mkfifo(config)
+    elif kind == "folder":
+        config.mkdir()
+    else:
+        config.write_text(json.dumps([TEMPLATE] if kind == "a list" else TEMPLATE))
+        needle = f"must hold a JSON object, not {kind}"
+    messages = []
+    for read in (find_tokenizer, lambda f: find_tokenizer(f, HFSpecialTokens(0, 1)), find_chat_template):
+        with pytest.raises(XLSTMKitError) as e:
+            read(tmp_path)
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+        messages.append(str(e.value))
+    assert len(set(messages)) == 1, messages

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import stat
 import sys
 import time
 from pathlib import Path
 
+from ..errors import XLSTMKitError
 from ..generation.generate import complete_texts
+from ..io.jsonfile import read_bytes
 from .args import UsageError
 from .common import decode_device, open_checkpoint, tokenizer_for
 
@@ -23,18 +24,13 @@ def _read_prompts(path: str) -> list[str]:
     if path == "-":
         raw = sys.stdin.buffer.read(MAX_PROMPTS_BYTES + 1)
     else:
-        f = Path(path)
+        # read_bytes opens without blocking and checks the open descriptor: a check of the name
+        # before opening let a FIFO put there in between block the open for ever
         try:
-            st = f.stat()
-        except OSError as e:
-            raise UsageError(f"--prompts {path}: {e.strerror or e}") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"--prompts {path}: not a regular file (give a text file, or - for standard input)")
-        if st.st_size > MAX_PROMPTS_BYTES:
-            raise UsageError(f"--prompts {path}: {st.st_size:,} bytes, more than the {MAX_PROMPTS_BYTES:,} a "
-                             f"prompts file may hold")
-        with open(f, "rb") as fh:
-            raw = fh.read(MAX_PROMPTS_BYTES + 1)
+            raw = read_bytes(path, MAX_PROMPTS_BYTES, error=UsageError)
+        except XLSTMKitError as e:
+            hint = " (give a text file, or - for standard input)" if "not a regular file" in str(e) else ""
+            raise UsageError(f"--prompts {e}{hint}") from None
     if len(raw) > MAX_PROMPTS_BYTES:
         raise UsageError(f"--prompts {path}: more than the {MAX_PROMPTS_BYTES:,} bytes a prompts file may hold")
     try:

@@ -15,7 +15,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import MissingFileError, XLSTMKitError
 
@@ -114,6 +114,14 @@ def _open_regular(path: Path, error: type[XLSTMKitError]) -> tuple[int, os.stat_
         os.close(fd)
         raise
     return fd, st
+
+
+def open_regular(path: str | Path, error: type[XLSTMKitError] = JSONFileError) -> BinaryIO:
+    """``path`` opened for binary reading, refused (``error``) unless the open descriptor is a
+    regular file; no bound on its size (for files that are read in pieces or may be gigabytes,
+    such as a training corpus). MissingFileError when it does not exist."""
+    fd, _ = _open_regular(Path(path), error)
+    return open(fd, "rb")
 
 
 def read_bytes(path: str | Path, max_bytes: int, error: type[XLSTMKitError] = JSONFileError) -> bytes:

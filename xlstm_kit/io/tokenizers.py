@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from .._extras import package_dir, require
-from ..errors import DataError, XLSTMKitError
+from ..errors import DataError, MissingFileError, XLSTMKitError
 from . import checkpoint
 from .jsonfile import MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES, MAX_TOKENIZER_CONFIG_BYTES, parse, read_bytes, read_json
 
@@ -272,12 +272,19 @@ class HFTokenizer:
         return [checkpoint.TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
 
 
-def _tokenizer_config_id(folder: Path, tok: HFTokenizer, what: str) -> int | None:
-    """`what`_token_id from tokenizer_config.json (an id, or a token string to look up)."""
-    f = folder / TOKENIZER_CONFIG_FILE
-    if not f.is_file():
+def read_tokenizer_config(folder: str | Path) -> dict | None:
+    """The JSON object of `folder`'s tokenizer_config.json, None when there is none. Anything
+    else of that name (a FIFO, a folder, a file over MAX_TOKENIZER_CONFIG_BYTES, JSON that is not
+    an object) is a one-line XLSTMKitError, not passed over. Its one reader, for loading (BOS/EOS)
+    and serving (the chat template): a folder that loads also serves, and the other way round."""
+    try:
+        return read_json(Path(folder) / TOKENIZER_CONFIG_FILE, MAX_TOKENIZER_CONFIG_BYTES)
+    except MissingFileError:
         return None
-    d = read_json(f, MAX_TOKENIZER_CONFIG_BYTES)
+
+
+def _tokenizer_config_id(d: dict, tok: HFTokenizer, what: str) -> int | None:
+    """`what`_token_id from tokenizer_config.json's object `d` (an id, or a token string to look up)."""
     if isinstance(d.get(f"{what}_token_id"), int):
         return d[f"{what}_token_id"]
     token = d.get(f"{what}_token")
@@ -294,8 +301,10 @@ def find_tokenizer(folder: str | Path, special: HFSpecialTokens | None = None) -
         return None
     special = special or HFSpecialTokens()
     tok = HFTokenizer(f)
-    bos = special.bos_token_id if special.bos_token_id is not None else _tokenizer_config_id(folder, tok, "bos")
-    eos = special.eos_token_id if special.eos_token_id is not None else _tokenizer_config_id(folder, tok, "eos")
+    # read even where config.json names both: one that serving would refuse is refused here too
+    config = read_tokenizer_config(folder) or {}
+    bos = special.bos_token_id if special.bos_token_id is not None else _tokenizer_config_id(config, tok, "bos")
+    eos = special.eos_token_id if special.eos_token_id is not None else _tokenizer_config_id(config, tok, "eos")
     tok.set_special_tokens(bos, eos)
     return tok
 

@@ -10,12 +10,13 @@ from pathlib import Path
 
 from .._extras import require
 from ..errors import XLSTMKitError
-from ..io.jsonfile import MAX_TOKENIZER_CONFIG_BYTES, read_bytes, read_json
+from ..io.jsonfile import MAX_TOKENIZER_CONFIG_BYTES, read_bytes  # noqa: F401 - its bound, named here too
+from ..io.tokenizers import TOKENIZER_CONFIG_FILE, read_tokenizer_config
 
 TEMPLATE_FILE = "chat_template.jinja"
-CONFIG_FILE = "tokenizer_config.json"
-# tokenizer_config.json: read with the bound loading reads it with (MAX_TOKENIZER_CONFIG_BYTES);
-# templates themselves are a few kB.
+CONFIG_FILE = TOKENIZER_CONFIG_FILE
+# tokenizer_config.json: read by loading's reader (io.tokenizers.read_tokenizer_config, bound
+# MAX_TOKENIZER_CONFIG_BYTES); templates themselves are a few kB.
 MAX_TEMPLATE_BYTES = 1 << 20
 
 
@@ -61,12 +62,9 @@ def find_chat_template(*folders: Path) -> ChatTemplate | None:
     """The chat template of the first folder that has one (None: no folder has)."""
     for folder in folders:
         folder = Path(folder)
-        config = {}
-        # exists(), not is_file(): a FIFO or a folder of that name is refused in one line rather
-        # than passed over (serving without the template the folder means to have)
-        if (folder / CONFIG_FILE).exists():
-            config = read_json(folder / CONFIG_FILE, MAX_TOKENIZER_CONFIG_BYTES, expect=None)
-            config = config if isinstance(config, dict) else {}
+        # loading's reader: a FIFO, a folder or JSON other than an object of that name is refused
+        # in one line (not passed over: serving without the template the folder means to have)
+        config = read_tokenizer_config(folder) or {}
         source = None
         if (folder / TEMPLATE_FILE).exists():
             raw = read_bytes(folder / TEMPLATE_FILE, MAX_TEMPLATE_BYTES, error=XLSTMKitError)

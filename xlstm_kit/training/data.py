@@ -23,8 +23,9 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from ..errors import DataError
+from ..errors import DataError, XLSTMKitError
 from ..io.checkpoint import atomic_write
+from ..io.jsonfile import open_regular
 from ..io.tokenizers import ByteTokenizer, GPT2Tokenizer, get_tokenizer
 
 BUILTIN_PREFIX = "builtin:"
@@ -123,9 +124,43 @@ def builtin_corpus_path(name: str, cache_dir: Path | None = None) -> Path:
     return path
 
 
+def _read_file(path: Path, what: str = "corpus file", limit: int = -1) -> bytes:
+    """The bytes of the regular file ``path`` (at most ``limit``; -1: all), else a one-line
+    DataError. Opened without blocking and checked by its descriptor, not by its name: a FIFO or
+    a device would block or never end, and one put in place of a file after a check of the
+    name would still be opened. No bound on the size: a corpus can be gigabytes."""
+    try:
+        with open_regular(path, DataError) as f:
+            return f.read(limit)
+    except XLSTMKitError as e:
+        raise DataError(f"{what} {e}") from None
+    except OSError as e:
+        raise DataError(f"{what} {path}: {e.strerror or e}") from None
+
+
+def _load_array(path: Path, dtype) -> np.ndarray:
+    """A 1-D ``dtype`` array of the token cache's .npy file ``path``, memory-mapped from the
+    descriptor that was checked (np.load reopens by name)."""
+    try:
+        with open_regular(path, DataError) as f:
+            version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"format version {version}")
+            fmt = np.lib.format
+            shape, _, stored = (fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0)(f)
+            if stored != np.dtype(dtype) or len(shape) != 1:
+                raise ValueError(f"{stored} {shape}, not a 1-D {np.dtype(dtype)} array")
+            if shape[0] == 0:
+                return np.zeros(0, dtype=dtype)
+            return np.memmap(f, dtype=stored, mode="r", shape=shape, offset=f.tell())
+    except XLSTMKitError as e:
+        raise DataError(f"token cache file {e}") from None
+    except (ValueError, OSError) as e:
+        raise DataError(f"token cache file {path} is damaged ({e}); delete it to rebuild it") from None
+
+
 def _looks_like_text(path: Path) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(8192)
+    head = _read_file(path, limit=8192)
     if b"\x00" in head:
         return False
     try:
@@ -156,13 +191,14 @@ def list_corpus(spec: str, cache_dir: Path | None = None) -> CorpusListing:
     path = Path(spec).expanduser()
     if not path.exists():
         raise DataError(f"data path {spec!r} does not exist")
-    if path.is_file():
+    if not path.is_dir():  # a FIFO or a device too: _looks_like_text refuses it
         if not _looks_like_text(path):  # a folder skips such files; one named alone is a mistake
             raise DataError(f"data file {spec!r} is not UTF-8 text (binary, or another encoding)")
         return CorpusListing((path,))
     files, skipped = [], []
     for p in sorted(path.rglob("*")):
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts):
+        # anything but a folder or a dangling link is opened: a FIFO or a device is refused
+        if p.exists() and not p.is_dir() and not any(part.startswith(".") for part in p.relative_to(path).parts):
             (files if _looks_like_text(p) else skipped).append(p)
     if not files:
         what = f"; not UTF-8 text: {name_some(skipped)}" if skipped else ""
@@ -185,7 +221,7 @@ def read_corpus(spec: str, cache_dir: Path | None = None, *, files: Sequence[Pat
     """The whole corpus as one string (files joined by a blank line); ``files`` saves listing
     the spec again."""
     files = corpus_files(spec, cache_dir) if files is None else files
-    parts = [p.read_bytes().decode("utf-8", errors="replace") for p in files]
+    parts = [_read_file(p).decode("utf-8", errors="replace") for p in files]
     return "\n\n".join(part.strip("\n") for part in parts if part.strip())
 
 
@@ -218,7 +254,7 @@ def tokenize_corpus(
         if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:  # pragma: no cover - both fit
             raise DataError(f"tokenizer {tokenizer.name} does not fit the uint16 token cache")
         atomic_write(path, lambda f: np.save(f, np.ascontiguousarray(ids, dtype=np.uint16)))
-    return np.load(path, mmap_mode="r")
+    return _load_array(path, np.uint16)
 
 
 def tokenize_documents(
@@ -228,7 +264,7 @@ def tokenize_documents(
     starts [D] int64, the first 0). Each non-empty file is tokenized on its own (no separator
     between documents: packing resets the state at each start). Cached like `tokenize_corpus`."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    parts = [p.read_bytes().decode("utf-8", errors="replace").strip("\n") for p in files]
+    parts = [_read_file(p).decode("utf-8", errors="replace").strip("\n") for p in files]
     parts = [t for t in parts if t.strip()]
     if not parts:
         raise DataError(f"corpus {spec!r} is empty")
@@ -240,7 +276,7 @@ def tokenize_documents(
         starts = np.cumsum([0] + [len(d) for d in docs[:-1]]).astype(np.int64)
         atomic_write(starts_path, lambda f: np.save(f, starts))
         atomic_write(ids_path, lambda f: np.save(f, np.concatenate(docs)))
-    return np.load(ids_path, mmap_mode="r"), np.load(starts_path)
+    return _load_array(ids_path, np.uint16), np.array(_load_array(starts_path, np.int64))
 
 
 def document_starts_from_eos(ids: np.ndarray, eos: int | None) -> np.ndarray | None:
