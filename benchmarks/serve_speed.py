@@ -226,6 +226,43 @@ def generate_baseline(folder: str, jobs: list[tuple[list[int], int]], batch: int
             "all_rows_tok_s": ran / seconds}
 
 
+def prefill_latency(folder: str, lengths: list[int], device: str, dtype: str | None,
+                    **compile_options) -> list[dict]:
+    """One prompt's read (`generate`'s prefill: the state and the last position's logits), eager
+    and after `compile_prefill`, per prompt length: median ms of 5 after 2 warm-ups, the device
+    synchronised around each (what a request's first token waits for beside the queue)."""
+    import statistics
+
+    import torch
+
+    from xlstm_kit import XLSTMLanguageModel
+    from xlstm_kit.generation.generate import _prefill
+
+    model = XLSTMLanguageModel.from_pretrained(folder, dtype=dtype and getattr(torch, dtype), device=device)
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(model.config.vocab_size, 50257)
+    rows = []
+    for compiled in (False, True):
+        if compiled:
+            model.compile_prefill(**compile_options)
+        for n in lengths:
+            prompt = [torch.randint(0, vocab, (n,), generator=gen).to(device)]
+            times = []
+            with torch.no_grad():
+                for i in range(7):
+                    if device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    _prefill(model, prompt)
+                    if device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    if i >= 2:
+                        times.append((time.perf_counter() - t) * 1e3)
+            rows.append({"case": "prefill", "compiled": compiled, "length": n, "ms": statistics.median(times)})
+    return rows
+
+
 # ------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -243,6 +280,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-requests", type=int, default=32, help="requests of each prefix run")
     ap.add_argument("--max-batch", type=int, default=None, help="server slots (default: the largest level)")
     ap.add_argument("--clients", type=int, default=8, help="client processes of the load generator")
+    ap.add_argument("--prefill-lens", default="16,128,512,1024",
+                    help="prompt lengths of the prompt-read timings (eager and compiled); empty: none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for serve_speed.{jsonl,md}")
     args = ap.parse_args(argv)
@@ -252,7 +291,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.model, args.concurrency, args.requests_per_level = "tiny-random", "1,4", 2
         args.prompt_len, args.output_len, args.system_len = "4,24", "4,12", 200
-        args.prefix_requests, args.clients = 4, 1
+        args.prefix_requests, args.clients, args.prefill_lens = 4, 1, "5,9"
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else None)
     levels = [int(c) for c in args.concurrency.split(",")]
     plen, olen = (tuple(int(x) for x in s.split(",")) for s in (args.prompt_len, args.output_len))
@@ -308,6 +347,11 @@ def main(argv=None) -> int:
         ref_level = max([c for c in levels if c <= 32] or levels[:1])
         record({"case": "generate", "concurrency": ref_level,
                 **generate_baseline(folder, per_level[ref_level], ref_level, device, dtype, args.compile)})
+        if args.prefill_lens:
+            # --quick: Dynamo without Inductor (a C++ compile per graph would take minutes)
+            for row in prefill_latency(folder, [int(n) for n in args.prefill_lens.split(",")], device, dtype,
+                                       **({"backend": "eager"} if args.quick else {})):
+                record(row)
     meta = {"model": args.model, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
             "dtype": dtype or "float32", "compile": args.compile, "date": time.strftime("%Y-%m-%d")}
     (out / "serve_speed.jsonl").write_text("".join(json.dumps({**meta, **r}) + "\n" for r in rows))
@@ -344,6 +388,15 @@ def report(rows: list[dict], meta: dict) -> str:
         for r in prefix:
             lines.append(f"| {'on' if r['cache'] else 'off'} | {r['concurrency']} | {_f(r['ttft_p50_ms'])} | "
                          f"{_f(r['ttft_p99_ms'])} | {_f(r['tok_s'])} |")
+    reads = [r for r in rows if r["case"] == "prefill"]
+    if reads:
+        lens = sorted({r["length"] for r in reads})
+        lines += ["", "One prompt's read (`generate`'s prefill), median ms:", "",
+                  "| prompt tokens | " + " | ".join(str(n) for n in lens) + " |",
+                  "| --- |" + " --- |" * len(lens)]
+        for compiled in (False, True):
+            ms = {r["length"]: r["ms"] for r in reads if r["compiled"] == compiled}
+            lines.append(f"| {'compiled' if compiled else 'eager'} | " + " | ".join(_f(ms.get(n), 1) for n in lens) + " |")
     return "\n".join(lines) + "\n"
 
 

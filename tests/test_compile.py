@@ -99,8 +99,7 @@ def test_compiled_prefill_matches_eager_and_reuses_its_graphs_across_lengths():
     """compile_prefill on the GPU's (Triton) path, interpreted: without gradients the compiled
     blocks read prompts with dynamic shapes, giving eager's logits and states for every block
     type, from zero and from a state; once the shapes are dynamic a new length compiles
-    nothing; `generate`'s prefill then reads prompts of different lengths unpacked (a length at
-    a time) and gives eager's tokens."""
+    nothing; `generate` still gives eager's tokens."""
     model = tiny(n_blocks=3, slstm_at=[1], dplr_at=[2], chunk_size=16, backend="triton")
     tokens = torch.randint(0, 64, (2, 40))
     prompts = [tokens[0, :5], tokens[1, :9]]

@@ -1,6 +1,6 @@
 """benchmarks/serve_speed.py --quick end to end on the CPU: a row per load level with every
 requested token streamed back, the generate baseline, the prefix runs with and without the
-cache, and the markdown tables."""
+cache, one prompt's read eager and compiled, and the markdown tables."""
 import json
 import os
 import subprocess
@@ -26,6 +26,9 @@ def test_quick_run_end_to_end(tmp_path):
     prefix = {(r["cache"], r["concurrency"]): r for r in rows if r["case"] == "prefix"}
     assert set(prefix) == {(True, 1), (True, 8), (False, 1), (False, 8)}
     assert all(r["short"] == 0 and r["system_len"] == 200 for r in prefix.values())
+    reads = {(r["compiled"], r["length"]): r["ms"] for r in rows if r["case"] == "prefill"}
+    assert set(reads) == {(False, 5), (False, 9), (True, 5), (True, 9)} and min(reads.values()) > 0
     md = (tmp_path / "serve_speed.md").read_text()
     assert "| 4 | 8 |" in md and "| on | 1 |" in md and "| off | 8 |" in md and "model.generate" in md
+    assert "| eager |" in md and "| compiled |" in md
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # the temporary model folder is gone

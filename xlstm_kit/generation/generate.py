@@ -152,8 +152,9 @@ def _prefill(model, rows: list[torch.Tensor]):
     if len(set(lengths)) == 1:
         out, state = model(torch.stack([r.long() for r in rows]), return_state=True, **last)
         return out[:, -1], state
-    # a compiled prefill reads unpacked rows only (compile_prefill): one call per length
-    if {"cu_seqlens", "logits_to_keep"} <= params and not getattr(model, "prefill_compiled", False):
+    # one packed (eager) call, even where compile_prefill compiled the unpacked reads: one call
+    # per length cost more at 32 prompts of distinct lengths on an H100 (serve_speed.py)
+    if {"cu_seqlens", "logits_to_keep"} <= params:
         device = rows[0].device
         cu = torch.tensor([0] + lengths, device=device).cumsum(0)
         out, state = model(torch.cat([r.long() for r in rows])[None], return_state=True, cu_seqlens=cu,

@@ -208,7 +208,7 @@ class XLSTMLanguageModel(nn.Module):
         again. Eager, a prompt read is bound by the host (the 125M model: about 900 launches through
         Python, ~40 ms on an H100 whatever the prompt's length, for ~5 ms of GPU work). Packed
         documents (`cu_seqlens`) stay eager, their boundaries being Python values the graphs would
-        specialise on; `generate` then reads prompts of different lengths one length at a time.
+        specialise on: prompts of different lengths read together stay one packed eager call.
         `options` go to torch.compile over the default dynamic=True (e.g. backend="aot_eager")."""
         opts = {"dynamic": True, **options}
         self._compiled_prefill = (tuple(torch.compile(block, **opts) for block in self.blocks),
