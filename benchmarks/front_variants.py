@@ -28,6 +28,9 @@ VARIANTS = {  # H100 numbers of each: docs/kernels.md ("The paper mLSTM layer's 
     "default": {},
     "before": dict(bwd_warps=8, programs=128, maxnreg=0),  # the defaults until 2026-12-07
     "p128": dict(programs=128),
+    "p256": dict(programs=256),
+    "p512": dict(programs=512),
+    "p256_bt64": dict(programs=256, bt=64),
     "bwd8w": dict(bwd_warps=8),
     "bt64_8w": dict(bt=64, warps=8, bwd_warps=8, programs=128),
     "fwd_bc64_8w": dict(bc=64, warps=8),

@@ -314,9 +314,12 @@ def mlstm_front_bwd(dq: Tensor, dk: Tensor, dv: Tensor, dg: Tensor, dx_conv: Opt
     NT = triton.cdiv(T, cfg.bt)
     P = max(1, min(cfg.programs, B * NT))
     f32 = dict(device=x.device, dtype=torch.float32)
-    wpart = torch.zeros(P, 3, C // d, d, d, **f32)
-    gpart = torch.zeros(P, 2, G2, C, **f32)
-    cpart = torch.zeros(P, 5, C, **f32)
+    # _front_bwd_pre writes every entry (all channel tiles of every program along the steps):
+    # no zero fill, which cost as much traffic as the partial sums themselves; zeros for empty x
+    alloc = torch.empty if x.numel() else torch.zeros
+    wpart = alloc(P, 3, C // d, d, d, **f32)
+    gpart = alloc(P, 2, G2, C, **f32)
+    cpart = alloc(P, 5, C, **f32)
     dx = torch.empty_like(x)
     if x.numel():
         dpre = torch.empty(B, T, C, **f32)
