@@ -230,7 +230,8 @@ def prefill_latency(folder: str, lengths: list[int], device: str, dtype: str | N
                     **compile_options) -> list[dict]:
     """One prompt's read (`generate`'s prefill: the state and the last position's logits), eager
     and after `compile_prefill`, per prompt length: median ms of 5 after 2 warm-ups, the device
-    synchronised around each (what a request's first token waits for beside the queue)."""
+    synchronised around each (what a request's first token waits for beside the queue), and
+    the first call's ms (a new length: kernels compiled or specialised for it)."""
     import statistics
 
     import torch
@@ -248,7 +249,7 @@ def prefill_latency(folder: str, lengths: list[int], device: str, dtype: str | N
             model.compile_prefill(**compile_options)
         for n in lengths:
             prompt = [torch.randint(0, vocab, (n,), generator=gen).to(device)]
-            times = []
+            times, first = [], None
             with torch.no_grad():
                 for i in range(7):
                     if device.startswith("cuda"):
@@ -257,9 +258,12 @@ def prefill_latency(folder: str, lengths: list[int], device: str, dtype: str | N
                     _prefill(model, prompt)
                     if device.startswith("cuda"):
                         torch.cuda.synchronize()
+                    if i == 0:
+                        first = (time.perf_counter() - t) * 1e3
                     if i >= 2:
                         times.append((time.perf_counter() - t) * 1e3)
-            rows.append({"case": "prefill", "compiled": compiled, "length": n, "ms": statistics.median(times)})
+            rows.append({"case": "prefill", "compiled": compiled, "length": n, "ms": statistics.median(times),
+                         "first_ms": first})
     return rows
 
 
@@ -280,7 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-requests", type=int, default=32, help="requests of each prefix run")
     ap.add_argument("--max-batch", type=int, default=None, help="server slots (default: the largest level)")
     ap.add_argument("--clients", type=int, default=8, help="client processes of the load generator")
-    ap.add_argument("--prefill-lens", default="16,128,512,1024",
+    ap.add_argument("--prefill-lens", default="16,128,200,512,777,1024",
                     help="prompt lengths of the prompt-read timings (eager and compiled); empty: none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for serve_speed.{jsonl,md}")
@@ -397,6 +401,9 @@ def report(rows: list[dict], meta: dict) -> str:
         for compiled in (False, True):
             ms = {r["length"]: r["ms"] for r in reads if r["compiled"] == compiled}
             lines.append(f"| {'compiled' if compiled else 'eager'} | " + " | ".join(_f(ms.get(n), 1) for n in lens) + " |")
+            first = {r["length"]: r["first_ms"] for r in reads if r["compiled"] == compiled}
+            lines.append(f"| {'compiled' if compiled else 'eager'}, first call | "
+                         + " | ".join(_f(first.get(n), 1) for n in lens) + " |")
     return "\n".join(lines) + "\n"
 
 
