@@ -26,9 +26,9 @@ DEV, DT = "cuda", torch.bfloat16  # --quick: the CPU under TRITON_INTERPRET=1, f
 
 VARIANTS = {  # H100 numbers of each: docs/kernels.md ("The paper mLSTM layer's front")
     "default": {},
-    "before": dict(bwd_warps=8, programs=128, maxnreg=0),  # the defaults until 2026-12-07
+    "before": dict(bwd_warps=8, programs=128, maxnreg=0),  # earlier defaults
+    "p1024": dict(programs=1024),  # the default before 256
     "p128": dict(programs=128),
-    "p256": dict(programs=256),
     "p512": dict(programs=512),
     "p256_bt64": dict(programs=256, bt=64),
     "bwd8w": dict(bwd_warps=8),

@@ -31,12 +31,6 @@ VARIANTS = {
     "chunk32": (32, {}),
     "chunk32_scan": (32, {"seq_scan": True}),
     "chunk128": (128, {}),
-    # long chunks in 64-row sub-tiles, on the chunk-64 tiles (tuned(.., 64) with chunk replaced)
-    "c128r64": (64, {"chunk": 128, "tile_rows": 64}),
-    "c128r64_rec": (64, {"chunk": 128, "tile_rows": 64, "recompute_states": True}),
-    "c256r64_rec": (64, {"chunk": 256, "tile_rows": 64, "recompute_states": True, "states_stages": 2,
-                         "dstates_stages": 2}),
-    "c128r32_rec": (64, {"chunk": 128, "tile_rows": 32, "recompute_states": True}),
 }
 
 

@@ -144,35 +144,6 @@ def test_chunkwise_several_k_tiles_and_odd_dims():
     check_against_reference(2, 45, 1, 40, 24, config=c)
 
 
-@pytest.mark.parametrize("T,chunk,rows,gates", [(45, 32, 16, "normal"), (70, 64, 16, "extreme"), (9, 64, 16, "normal")])
-def test_sub_tiled_long_chunks_match_recurrent(T, chunk, rows, gates):
-    """Long chunks taken in R x R sub-tiles (tile_rows): 2 and 4 sub-tiles per chunk, a
-    masked tail inside a later sub-tile (45 = 32 + 13) and a chunk whose later sub-tiles are all
-    padding (T = 9); extreme gates move the stabilizer between sub-tiles of one chunk. Every
-    gradient, the initial state's too, against the float64 loop, K ≠ V, several K-tiles."""
-    c = cfg(32, 16, chunk, tile_rows=rows, out_bk=16, dqk_bk=16, dqk_bv=16, dv_bk=16, fused_max_k=128)
-    check_against_reference(2, T, 2, 32, 16, gates=gates, config=c)
-
-
-def test_sub_tiles_equal_whole_chunks():
-    """tile_rows changes how a chunk's products are grouped, nothing else: chunk 32 in 16-row
-    sub-tiles against whole 32-row chunks, forward and backward (float32)."""
-    xs, st, _, _ = make_inputs(1, 60, 2, 16, 16)
-    ups = tuple(torch.randn(*shape, device=DEV) for shape in [(1, 60, 2, 16), (1, 2, 16, 16), (1, 2, 16), (1, 2)])
-    got = [run_and_grad(lambda a, s: mlstm_chunkwise_triton(*a, initial_state=s, output_final_state=True,
-                                                            config=cfg(16, 16, 32, tile_rows=r, fused_max_k=0)),
-                        xs, st, ups) for r in (16, 0)]
-    for a, b in zip(got[0][0] + got[0][1], got[1][0] + got[1][1]):
-        assert rel_err(a, b) < 1e-5
-    assert got[0][1][0].abs().max() > 0.1
-
-
-def test_tile_rows_must_divide_the_chunk():
-    for bad in (8, 48, 128):
-        with pytest.raises(ValueError, match="tile_rows"):
-            MLSTMKernelConfig(chunk=64, tile_rows=bad)
-
-
 def test_recomputed_states_large_head_tiles_match_recurrent():
     """recompute_states (the forward keeps no chunk states; the backward runs the state
     passing again) with the tiling of large bfloat16 heads scaled down: K = V = 48 (not a power

@@ -74,9 +74,8 @@ def _separately(fn, lens, cu):
 
 def _triton(cu=None, **kw):
     def fn(xs, st):
-        return mlstm_chunkwise_triton(*xs, initial_state=st, output_final_state=True,
-                                      cu_seqlens=None if cu is None else cu.to(DEV),
-                                      **({"chunk_size": L} if "config" not in kw else {}), **kw)
+        return mlstm_chunkwise_triton(*xs, initial_state=st, output_final_state=True, chunk_size=L,
+                                      cu_seqlens=None if cu is None else cu.to(DEV), **kw)
     return fn
 
 
@@ -91,13 +90,10 @@ CASES = [
     ([33], 2, True, "normal", {}),
     ([16, 9, 20], 1, True, "normal",
      {"config": MLSTMKernelConfig.tuned(K, V, torch.float32, L).replace(fused_max_k=0)}),
-    # chunks of 2 L in L-row sub-tiles: sequences end inside either sub-tile, spare chunks
-    ([5, 40, 1, 23], 2, True, "extreme",
-     {"config": MLSTMKernelConfig.tuned(K, V, torch.float32, 2 * L).replace(tile_rows=L)}),
 ]
 
 
-@pytest.mark.parametrize("lens,H,state,gates,kw", CASES, ids=["mixed-recompute", "len1", "one", "ktiled", "subtiled"])
+@pytest.mark.parametrize("lens,H,state,gates,kw", CASES, ids=["mixed-recompute", "len1", "one", "ktiled"])
 def test_packed_equals_each_sequence_alone(lens, H, state, gates, kw):
     """Packed run == each sequence through the same op alone (float32, the same kernels: equal
     up to rounding) and == the float64 recurrent reference; h, final states, every gradient."""

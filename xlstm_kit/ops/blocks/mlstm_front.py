@@ -45,14 +45,15 @@ class FrontKernelConfig(KernelConfig):
     Defaults measured at the `125M` layer (C = 1536, 4 heads, blocks of 4) on an H100, bf16
     (benchmarks/front_variants.py, docs/kernels.md): the forward capped at 128 registers
     (0.48 ms at batch 16 x 2048 against 0.56 uncapped: ptxas otherwise takes 158 and fewer
-    programs fit per SM); the first backward pass on 4 warps with up to 1024 programs (1.92 ms
-    against 2.22 on 8 warps with 128 at batch 16, 0.55 against 0.70 at batch 4). Larger tiles,
-    tighter caps and more warps measured slower."""
+    programs fit per SM); the first backward pass on 4 warps with up to 256 programs along the
+    steps (1.50 ms at batch 16 against 1.63 with 512, 1.85 with 1024 and 2.22 on 8 warps with
+    128; 0.52 at batch 4, where 256 programs are all there are). Larger tiles, tighter caps and
+    more warps measured slower."""
     bt: int = 32
     bc: int = 32
     warps: int = 4
     bwd_warps: int = 4
-    programs: int = 1024
+    programs: int = 256
     dx_bt: int = 64
     dx_bc: int = 64
     dx_warps: int = 8

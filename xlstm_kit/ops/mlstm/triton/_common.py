@@ -98,37 +98,6 @@ def _chunk_program(c_off, T, NC, tab_ptr, L: tl.constexpr, BH_AXIS: tl.constexpr
 
 
 @triton.jit
-def _sub_program(c_off, T, NC, tab_ptr, L: tl.constexpr, R: tl.constexpr, BH_AXIS: tl.constexpr,
-                 VARLEN: tl.constexpr):
-    """Sub-tile i (R rows) of chunk c = program 0 // (L/R) + c_off, i = program 0 % (L/R), of
-    b·h = program BH_AXIS: (c, i, bh, bh64, g_base, row0, end, seq), as _chunk_program (end:
-    the first step past the chunk's sequence); _sub_rows gives any sub-tile's rows."""
-    NSUB: tl.constexpr = L // R
-    pid = tl.program_id(0)
-    c = pid // NSUB + c_off
-    i = pid % NSUB
-    bh = tl.program_id(BH_AXIS)
-    bh64 = bh.to(tl.int64)
-    if VARLEN:
-        seq = tl.load(tab_ptr + c * 4)
-        row0 = tl.load(tab_ptr + c * 4 + 1)
-        end = tl.load(tab_ptr + c * 4 + 2)
-    else:
-        seq = c * 0
-        row0 = c * L
-        end = T
-    return c, i, bh, bh64, bh64 * NC * L, row0, end, seq
-
-
-@triton.jit
-def _sub_rows(c, j, row0, end, L: tl.constexpr, R: tl.constexpr):
-    """Sub-tile j of chunk c: (offs [R] its steps' offsets from the chunk's first step row0,
-    rmask (steps inside the sequence), prow [R] its entries in the [B,H,NC·L] per-row tensors)."""
-    offs = j * R + tl.arange(0, R)
-    return offs, row0 + offs < end, c * L + offs
-
-
-@triton.jit
 def _seq_program(pid, sinfo_ptr, T, H, NC, VARLEN: tl.constexpr):
     """The sequence walked by program `pid` of a kernel that runs along whole sequences (one
     program per b·h, or per n·H + h with VARLEN): (hb, n, bos, eos, c0, c1): hb the head's

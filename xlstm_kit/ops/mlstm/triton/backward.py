@@ -1,15 +1,14 @@
 """Backward per row and per chunk, with every stabilizer held fixed (their own influence is
 added by gates._gate_tail): _bwd_rows (the per-row factors of δh), then per chunk either
 _bwd_fused (all of K in one program: δq, δk, δv and the log-gate gradients) or, for K above
-cfg.fused_max_k or chunks in sub-tiles, _bwd_dqk (per sub-tile and K-tile: δq, δk, log-gate
-shares) and _bwd_dv (per sub-tile and V-tile)."""
+cfg.fused_max_k, _bwd_dqk (per K-tile: δq, δk, log-gate shares) and _bwd_dv (per V-tile)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import _NEG, _chunk_program, _dot_l, _dot_r, _load_rows, _seq_base, _span, _sub_program, _sub_rows, pow2
+from ._common import _NEG, _chunk_program, _dot_l, _dot_r, _load_rows, _seq_base, _span, pow2
 
 
 @triton.jit
@@ -85,69 +84,37 @@ def _chunk_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, ms_ptr, g_base, ms_base, c, p
 
 
 @triton.jit
-def _qk_full(a_base, b_base, offs_a, ma, offs_b, mb, HD, D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr,
+def _qk_full(q_base, k_base, rows, rmask, HK, L: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
              PREC: tl.constexpr):
-    """Rows offs_a of a times rows offs_b of b, transposed, over all D columns of one head
-    ([R, R] float32): q kᵀ or δh vᵀ of a pair of sub-tiles."""
-    S = tl.zeros([R, R], dtype=tl.float32)
-    for dt in range((D + BD - 1) // BD):
-        offs_d, md = _span(dt, BD, D)
-        a = _load_rows(a_base, offs_a, ma, offs_d, md, HD)
-        b = _load_rows(b_base, offs_b, mb, offs_d, md, HD)
-        S += tl.dot(a, tl.trans(b), input_precision=PREC)
+    """S = q kᵀ over all of K, [L, L] float32."""
+    S = tl.zeros([L, L], dtype=tl.float32)
+    for kt in range((K + BK - 1) // BK):
+        offs_k, mk = _span(kt, BK, K)
+        qt = _load_rows(q_base, rows, rmask, offs_k, mk, HK)
+        kk = _load_rows(k_base, rows, rmask, offs_k, mk, HK)
+        S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
     return S
-
-
-@triton.jit
-def _row_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, g_base, prow, m_prev):
-    """β (hi, lo), ĩ and the stabilizer m of the rows prow of one chunk entered with m_prev."""
-    beta = tl.load(beta_ptr + g_base + prow)
-    blo = tl.load(blo_ptr + g_base + prow)
-    ig = tl.load(ig_ptr + g_base + prow)
-    u = tl.load(u_ptr + g_base + prow)
-    return beta, blo, ig, tl.maximum(beta + m_prev, u)
-
-
-@triton.jit
-def _pair(q_base, k_base, v_base, dh_base, offs_a, ma, offs_b, mb, beta_a, blo_a, mrow_a, rd_a, g_a,
-          beta_b, blo_b, ig_b, HK, HV, scale,
-          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
-          PREC: tl.constexpr):
-    """The off-diagonal block of query sub-tile a and key sub-tile b < a of one chunk:
-    (δS [Ra, Rb] w.r.t. q̂·k, δP⊙P) from S = q_a k_bᵀ and δP = δh_a v_bᵀ over all of K and V."""
-    S = _qk_full(q_base, k_base, offs_a, ma, offs_b, mb, HK, K, BK, R, PREC)
-    dP = _qk_full(dh_base, v_base, offs_a, ma, offs_b, mb, HV, V, BV, R, PREC)
-    E = tl.exp((beta_a[:, None] - beta_b[None, :]) + (blo_a[:, None] - blo_b[None, :]) + ig_b[None, :]
-               - mrow_a[:, None])
-    dP = dP * rd_a[:, None] + g_a[:, None]
-    return dP * E, dP * (S * scale * E)
 
 
 @triton.jit
 def _bwd_dqk(
     q_ptr, k_ptr, v_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, g_ptr, ms_ptr,
     cs_ptr, ns_ptr, dcs_ptr, dns_ptr,
-    dq_ptr, dk_ptr, dlf_ptr, di_ptr, z_ptr, tab_ptr,
+    dq_ptr, dk_ptr, dlf_ptr, di_ptr, tab_ptr,
     T, H, NC, NS, BHNCL, scale, c_off,
-    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STATE_MODE: tl.constexpr, PREC: tl.constexpr, DS_SPLIT: tl.constexpr,
     DC_LAST: tl.constexpr, D_MODE: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """δq, δk of one sub-tile i (R rows) of one chunk and K-tile, and this tile's share of the
-    chunk's fixed-stabilizer log-gate gradients. The quadratic part is taken one R x R block
-    at a time: the diagonal block, then for δq the blocks of key sub-tiles j < i and for δk
-    those of query sub-tiles j > i. R = L: dlf[kt] = δlog f, di[kt] = δĩ per row. R < L (the
-    suffix sum behind δlog f crosses sub-tiles): dlf[kt] = δβ, di[kt] = δĩ and z[kt] the
-    chunk-wide term's share per row, for sub_tile_gates. Chunk c = program 0 // (L/R) + c_off.
-    DC_LAST: dcs_ptr is the float32 δC_T [B·H, K, V] of the last chunk (see last_chunk_apart);
-    D_MODE: _dot_r mode of the products with δC. VARLEN: chunks from the varlen table
-    (_sub_program); spare chunks return at once."""
-    NSUB: tl.constexpr = L // R
-    c, i, bh, bh64, g_base, row0, end, seq = _sub_program(c_off, T, NC, tab_ptr, L, R, 2, VARLEN)
+    """δq, δk of one chunk and K-tile, and this tile's share of the chunk's fixed-stabilizer
+    log-gate gradients: dlf[kt] = δlog f, di[kt] = δĩ. Chunk c = program 0 + c_off. DC_LAST:
+    dcs_ptr is the float32 δC_T [B·H, K, V] of the last chunk (see last_chunk_apart); D_MODE:
+    _dot_r mode of the products with δC. VARLEN: chunks from the varlen table (_chunk_program);
+    spare chunks return at once."""
+    c, bh, bh64, offs_l, rows, rmask, g_base, prow, row0, seq = _chunk_program(c_off, T, NC, tab_ptr, L, 2, VARLEN)
     if VARLEN:
         if seq < 0:
             return
-    offs_l, rmask, prow = _sub_rows(c, i, row0, end, L, R)
     pid_k = tl.program_id(1)
     offs_k, mk = _span(pid_k, BK, K)
     st = bh64 * NC + c
@@ -163,9 +130,9 @@ def _bwd_dqk(
     qt = tl.load(q_ptr + out_off, mask=lk, other=0.0)
     kk = tl.load(k_ptr + out_off, mask=lk, other=0.0)
 
-    dP = tl.zeros([R, R], dtype=tl.float32)
-    acc_q = tl.zeros([R, BK], dtype=tl.float32)       # δh C_cᵀ      (inter-chunk part of δq)
-    acc_k = tl.zeros([R, BK], dtype=tl.float32)       # v δC_{c+1}ᵀ  (state part of δk)
+    dP = tl.zeros([L, L], dtype=tl.float32)
+    acc_q = tl.zeros([L, BK], dtype=tl.float32)       # δh C_cᵀ      (inter-chunk part of δq)
+    acc_k = tl.zeros([L, BK], dtype=tl.float32)       # v δC_{c+1}ᵀ  (state part of δk)
     zb = tl.zeros([BK], dtype=tl.float32)             # rows of <δC_{c+1}, C_c>
     for j in range((V + BV - 1) // BV):
         offs_v, mv = _span(j, BV, V)
@@ -180,53 +147,18 @@ def _bwd_dqk(
         acc_k += _dot_r(vt, tl.trans(dCn), D_MODE, PREC)
         zb += tl.sum(dCn.to(tl.float32) * Cp.to(tl.float32), axis=1)
 
-    m_prev = tl.load(ms_ptr + bh64 * (NC + NS) + seq + c)
-    m_next = tl.load(ms_ptr + bh64 * (NC + NS) + seq + c + 1)
-    beta, blo, ig, m_row = _row_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, g_base, prow, m_prev)
-    beta_last = tl.load(beta_ptr + g_base + c * L + L - 1)
-    blo_last = tl.load(blo_ptr + g_base + c * L + L - 1)
-    causal = offs_l[:, None] >= offs_l[None, :]
-    D = (beta[:, None] - beta[None, :]) + (blo[:, None] - blo[None, :]) + ig[None, :] - m_row[:, None]
-    E = tl.exp(tl.where(causal, D, _NEG))
-    ea = tl.exp(beta + m_prev - m_row)                                      # e^{a_t}
-    ew = tl.exp((beta_last - beta) + (blo_last - blo) + ig - m_next)        # e^{w_s}
-    eb = tl.exp(beta_last + m_prev - m_next)                                # e^{b}
-    S = _qk_full(q_ptr + qk_base, k_ptr + qk_base, offs_l, rmask, offs_l, rmask, H * K, K, BK, R, PREC)
-    P = S * scale * E                                                       # [R, R]
+    E, ea, ew, eb = _chunk_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + NS) + seq, c, prow, offs_l, L)
+    S = _qk_full(q_ptr + qk_base, k_ptr + qk_base, offs_l, rmask, H * K, L, K, BK, PREC)
+    P = S * scale * E                                                       # [L, L]
     n_prev = tl.load(ns_ptr + st * K + offs_k, mask=mk, other=0.0)
     dn_next = tl.load(dns_ptr + st * K + offs_k, mask=mk, other=0.0)
     dP = dP * rd[:, None] + gg[:, None]                                     # δP w.r.t. P
     dS = dP * E                                                             # δ w.r.t. q̂·k
     sea = scale * ea
     dq_inter = (sea * rd)[:, None] * acc_q + (sea * gg)[:, None] * n_prev[None, :]
-    dqs = _dot_l(dS, kk, DS_SPLIT, PREC)
+    dq = scale * _dot_l(dS, kk, DS_SPLIT, PREC) + dq_inter
     dk_state = ew[:, None] * (acc_k + dn_next[None, :])
-    dks = _dot_l(tl.trans(dS), qt, DS_SPLIT, PREC)
-    dPP = dP * P
-    row_p = tl.sum(dPP, axis=1)
-    col_p = tl.sum(dPP, axis=0)
-    for j in range(0, i):  # δq from the key sub-tiles before this one
-        offs_j, mj, prow_j = _sub_rows(c, j, row0, end, L, R)
-        beta_j, blo_j, ig_j, _ = _row_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, g_base, prow_j, m_prev)
-        dSj, dPPj = _pair(q_ptr + qk_base, k_ptr + qk_base, v_base, dh_base, offs_l, rmask, offs_j, mj,
-                          beta, blo, m_row, rd, gg, beta_j, blo_j, ig_j, H * K, H * V, scale, K, V, BK, BV, R, PREC)
-        kj = tl.load(k_ptr + qk_base + offs_j[:, None] * (H * K) + offs_k[None, :], mask=mj[:, None] & mk[None, :],
-                     other=0.0)
-        dqs += _dot_l(dSj, kj, DS_SPLIT, PREC)
-        row_p += tl.sum(dPPj, axis=1)
-    for j in range(i + 1, NSUB):  # δk from the query sub-tiles after this one
-        offs_j, mj, prow_j = _sub_rows(c, j, row0, end, L, R)
-        beta_j, blo_j, _, mrow_j = _row_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, g_base, prow_j, m_prev)
-        rd_j = tl.load(rd_ptr + g_base + prow_j)
-        g_j = tl.load(g_ptr + g_base + prow_j)
-        dSj, dPPj = _pair(q_ptr + qk_base, k_ptr + qk_base, v_base, dh_base, offs_j, mj, offs_l, rmask,
-                          beta_j, blo_j, mrow_j, rd_j, g_j, beta, blo, ig, H * K, H * V, scale, K, V, BK, BV, R, PREC)
-        qj = tl.load(q_ptr + qk_base + offs_j[:, None] * (H * K) + offs_k[None, :], mask=mj[:, None] & mk[None, :],
-                     other=0.0)
-        dks += _dot_l(tl.trans(dSj), qj, DS_SPLIT, PREC)
-        col_p += tl.sum(dPPj, axis=0)
-    dq = scale * dqs + dq_inter
-    dk = scale * dks + dk_state
+    dk = scale * _dot_l(tl.trans(dS), qt, DS_SPLIT, PREC) + dk_state
     tl.store(dq_ptr + out_off, dq.to(dq_ptr.dtype.element_ty), mask=lk)
     tl.store(dk_ptr + out_off, dk.to(dk_ptr.dtype.element_ty), mask=lk)
 
@@ -235,18 +167,15 @@ def _bwd_dqk(
     # <δC_{c+1}, C_{c+1}> + <δn_{c+1}, n_{c+1}> = e^b(<δC_{c+1}, C_c> + <δn_{c+1}, n_c>) + Σ_s k_s·δk_s(state).
     # Products with q and k here are per K-tile shares; the dP⊙P sums go to tile 0 only.
     first = (pid_k == 0).to(tl.float32)
-    row_q = row_p * first + tl.sum(qt.to(tl.float32) * dq_inter, axis=1)
-    col_k = col_p * first
+    dPP = dP * P
+    row_q = tl.sum(dPP, axis=1) * first + tl.sum(qt.to(tl.float32) * dq_inter, axis=1)
+    col_k = tl.sum(dPP, axis=0) * first
     dw = tl.sum(kk.to(tl.float32) * dk_state, axis=1)
     dbeta = row_q - col_k - dw
-    zc = eb * (tl.sum(zb, axis=0) + tl.sum(dn_next * n_prev, axis=0))      # once per chunk: sub-tile 0
+    z = eb * (tl.sum(zb, axis=0) + tl.sum(dn_next * n_prev, axis=0)) + tl.sum(dw, axis=0)
+    dlf = tl.sum(dbeta, axis=0) - tl.cumsum(dbeta, axis=0) + dbeta + z      # Σ_{t≥r} δβ_t + z
     part = pid_k.to(tl.int64) * BHNCL + g_base + prow
-    if NSUB == 1:
-        dlf = tl.sum(dbeta, axis=0) - tl.cumsum(dbeta, axis=0) + dbeta + zc + tl.sum(dw, axis=0)  # Σ_{t≥r} δβ_t + z
-        tl.store(dlf_ptr + part, dlf)
-    else:
-        tl.store(dlf_ptr + part, dbeta)
-        tl.store(z_ptr + part, dw + tl.where(offs_l == 0, zc, 0.0))
+    tl.store(dlf_ptr + part, dlf)
     tl.store(di_ptr + part, col_k + dw)
 
 
@@ -254,35 +183,23 @@ def _bwd_dqk(
 def _bwd_dv(
     q_ptr, k_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, ms_ptr, dcs_ptr, dv_ptr, tab_ptr,
     T, H, NC, NS, scale, c_off,
-    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STATE_MODE: tl.constexpr, PREC: tl.constexpr, DC_LAST: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """δv of one sub-tile i (R rows) of one chunk and V-tile: Σ_{j ≥ i} P_jiᵀ(δh_j/d_j) +
-    e^{w} k δC_{c+1}, summing over K-tiles. c_off, DC_LAST, VARLEN: as in _bwd_dqk
-    (STATE_MODE is then the mode of the δC products)."""
-    NSUB: tl.constexpr = L // R
-    c, i, bh, bh64, g_base, row0, end, seq = _sub_program(c_off, T, NC, tab_ptr, L, R, 2, VARLEN)
+    """δv of one chunk and V-tile: Pᵀ(δh/d) + e^{w} k δC_{c+1}, summing over K-tiles.
+    c_off, DC_LAST, VARLEN: as in _bwd_dqk (STATE_MODE is then the mode of the δC products)."""
+    c, bh, bh64, offs_l, rows, rmask, g_base, prow, row0, seq = _chunk_program(c_off, T, NC, tab_ptr, L, 2, VARLEN)
     if VARLEN:
         if seq < 0:
             return
-    offs_l, rmask, prow = _sub_rows(c, i, row0, end, L, R)
     offs_v, mv = _span(tl.program_id(1), BV, V)
     st = bh64 * NC + c
     q_base = q_ptr + _seq_base(bh, row0, T, H, K)
     k_base = k_ptr + _seq_base(bh, row0, T, H, K)
-    dh_base = _seq_base(bh, row0, T, H, V)
-    m_prev = tl.load(ms_ptr + bh64 * (NC + NS) + seq + c)
-    m_next = tl.load(ms_ptr + bh64 * (NC + NS) + seq + c + 1)
-    beta, blo, ig, m_row = _row_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, g_base, prow, m_prev)
-    beta_last = tl.load(beta_ptr + g_base + c * L + L - 1)
-    blo_last = tl.load(blo_ptr + g_base + c * L + L - 1)
-    causal = offs_l[:, None] >= offs_l[None, :]
-    D = (beta[:, None] - beta[None, :]) + (blo[:, None] - blo[None, :]) + ig[None, :] - m_row[:, None]
-    E = tl.exp(tl.where(causal, D, _NEG))
-    ew = tl.exp((beta_last - beta) + (blo_last - blo) + ig - m_next)
+    E, ea, ew, eb = _chunk_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + NS) + seq, c, prow, offs_l, L)
     rd = tl.load(rd_ptr + g_base + prow)
-    S = tl.zeros([R, R], dtype=tl.float32)
-    acc = tl.zeros([R, BV], dtype=tl.float32)
+    S = tl.zeros([L, L], dtype=tl.float32)
+    acc = tl.zeros([L, BV], dtype=tl.float32)
     for kt in range((K + BK - 1) // BK):
         offs_k, mk = _span(kt, BK, K)
         qt = _load_rows(q_base, offs_l, rmask, offs_k, mk, H * K)
@@ -293,19 +210,9 @@ def _bwd_dv(
         acc += _dot_r(kk, dCn, STATE_MODE, PREC)
     P = S * scale * E
     lv = rmask[:, None] & mv[None, :]
-    off = dh_base + offs_l[:, None] * (H * V) + offs_v[None, :]
+    off = _seq_base(bh, row0, T, H, V) + offs_l[:, None] * (H * V) + offs_v[None, :]
     dht = tl.load(dh_ptr + off, mask=lv, other=0.0)
     dv = tl.dot(tl.trans((P * rd[:, None]).to(dht.dtype)), dht, input_precision=PREC) + ew[:, None] * acc
-    for j in range(i + 1, NSUB):  # the query sub-tiles after this one
-        offs_j, mj, prow_j = _sub_rows(c, j, row0, end, L, R)
-        beta_j, blo_j, _, mrow_j = _row_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, g_base, prow_j, m_prev)
-        rd_j = tl.load(rd_ptr + g_base + prow_j)
-        S = _qk_full(q_base, k_base, offs_j, mj, offs_l, rmask, H * K, K, BK, R, PREC)
-        E = tl.exp((beta_j[:, None] - beta[None, :]) + (blo_j[:, None] - blo[None, :]) + ig[None, :]
-                   - mrow_j[:, None])
-        dhj = tl.load(dh_ptr + dh_base + offs_j[:, None] * (H * V) + offs_v[None, :], mask=mj[:, None] & mv[None, :],
-                      other=0.0)
-        dv += tl.dot(tl.trans((S * scale * E * rd_j[:, None]).to(dhj.dtype)), dhj, input_precision=PREC)
     tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=lv)
 
 
@@ -466,9 +373,8 @@ def last_chunk_apart(NC, dcs, dCf, varlen=False):
 
 def bwd_chunks(q, k, v, dh, beta, blo, ig, u, rd, g, ms, cs, ns, dcs, dns, dCf, cfg, smode, prec, vl=None):
     """δq, δk, δv (input dtype) and the fixed-stabilizer log-gate gradients dlf, di
-    [B,H,NC·L] float32 of every chunk: _bwd_fused when pow2(K) ≤ cfg.fused_max_k and the
-    chunk is one sub-tile (cfg.rows = L), else _bwd_dqk + _bwd_dv. vl: the varlen.ChunkTable
-    or None."""
+    [B,H,NC·L] float32 of every chunk: _bwd_fused when pow2(K) ≤ cfg.fused_max_k, else
+    _bwd_dqk + _bwd_dv. vl: the varlen.ChunkTable or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NC = cs.shape[2]
@@ -483,7 +389,7 @@ def bwd_chunks(q, k, v, dh, beta, blo, ig, u, rd, g, ms, cs, ns, dcs, dns, dCf, 
     tab, NS = (vl.tab, vl.n) if varlen else (ms, 1)
     # float32 δ-states of 16-bit inputs (packed sequences with a final-state gradient): split
     d_split = dcs.dtype == torch.float32 and cs.dtype != torch.float32
-    if pow2(K) <= cfg.fused_max_k and cfg.rows == L:
+    if pow2(K) <= cfg.fused_max_k:
         dlf = torch.empty(B, H, NCL, device=q.device, dtype=torch.float32)
         di = torch.empty_like(dlf)
         for c_off, n_c, dsrc, last in last_chunk_apart(NC, dcs, dCf, varlen):
@@ -497,33 +403,24 @@ def bwd_chunks(q, k, v, dh, beta, blo, ig, u, rd, g, ms, cs, ns, dcs, dns, dCf, 
                 num_warps=cfg.fused_warps, num_stages=cfg.fused_stages,
             )
         return dq, dk, dv, dlf, di
-    R = cfg.rows
-    nsub = L // R
     nkt = triton.cdiv(K, cfg.dqk_bk)
     dlf = torch.empty(nkt, B, H, NCL, device=q.device, dtype=torch.float32)
     di = torch.empty_like(dlf)
-    z = torch.empty_like(dlf) if nsub > 1 else dlf
     for c_off, n_c, dsrc, last in last_chunk_apart(NC, dcs, dCf, varlen):
-        _bwd_dqk[(n_c * nsub, nkt, B * H)](
+        _bwd_dqk[(n_c, nkt, B * H)](
             q, k, v, dh, beta, blo, ig, u, rd, g, ms, cs, ns, dsrc, dns,
-            dq, dk, dlf, di, z, tab,
+            dq, dk, dlf, di, tab,
             T, H, NC, NS, B * H * NCL, scale, c_off,
-            K=K, V=V, L=L, R=R, BK=cfg.dqk_bk, BV=cfg.dqk_bv, STATE_MODE=smode, PREC=prec,
+            K=K, V=V, L=L, BK=cfg.dqk_bk, BV=cfg.dqk_bv, STATE_MODE=smode, PREC=prec,
             DS_SPLIT=int(ds_split), DC_LAST=last, D_MODE=1 if last or d_split else smode, VARLEN=varlen,
             num_warps=cfg.dqk_warps, num_stages=cfg.dqk_stages,
         )
-        _bwd_dv[(n_c * nsub, triton.cdiv(V, cfg.dv_bv), B * H)](
+        _bwd_dv[(n_c, triton.cdiv(V, cfg.dv_bv), B * H)](
             q, k, dh, beta, blo, ig, u, rd, ms, dsrc, dv, tab,
             T, H, NC, NS, scale, c_off,
-            K=K, V=V, L=L, R=R, BK=cfg.dv_bk, BV=cfg.dv_bv, STATE_MODE=1 if last or d_split else smode, PREC=prec,
+            K=K, V=V, L=L, BK=cfg.dv_bk, BV=cfg.dv_bv, STATE_MODE=1 if last or d_split else smode, PREC=prec,
             DC_LAST=last, VARLEN=varlen, num_warps=cfg.dv_warps, num_stages=cfg.dv_stages,
         )
-    di = di.sum(0) if nkt > 1 else di[0]
-    dlf = dlf.sum(0) if nkt > 1 else dlf[0]
-    if nsub > 1:
-        # δlog f_r = Σ_{t≥r} δβ_t + z within each chunk: the suffix crosses the sub-tiles'
-        # programs, so it is summed here (float32, over one chunk's L rows)
-        dbeta = dlf.view(B, H, NC, L)
-        zc = z.sum(0).view(B, H, NC, L).sum(-1, keepdim=True)
-        dlf = (dbeta.flip(-1).cumsum(-1).flip(-1) + zc).view(B, H, NCL)
-    return dq, dk, dv, dlf, di
+    if nkt > 1:
+        return dq, dk, dv, dlf.sum(0), di.sum(0)
+    return dq, dk, dv, dlf[0], di[0]

@@ -9,7 +9,7 @@ import torch
 from ..._config import KernelConfig
 from ._common import pow2
 
-CHUNK_SIZES = (16, 32, 64, 128, 256)
+CHUNK_SIZES = (16, 32, 64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,11 +20,7 @@ class MLSTMKernelConfig(KernelConfig):
 
     Per kernel (prefix): `*_bk`, `*_bv` tile sizes along K and V, `*_warps`, `*_stages`.
     """
-    chunk: int = 64                 # chunk length L of forward and backward (16, 32, 64, 128, 256)
-    # rows R of the sub-tiles of a chunk's quadratic part in _fwd_out, _bwd_dqk, _bwd_dv (0: the
-    # whole chunk): a chunk of L = n·R rows is taken one R x R block at a time, so long chunks
-    # (fewer chunk states to write and read) need no L x L tiles; _bwd_fused takes R = L only
-    tile_rows: int = 0
+    chunk: int = 64                 # chunk length L of forward and backward (16, 32, 64, 128)
     states_bk: int = 64             # _fwd_states (sequential forward state passing)
     states_bv: int = 64
     states_warps: int = 4
@@ -70,9 +66,6 @@ class MLSTMKernelConfig(KernelConfig):
     def __post_init__(self):
         if self.chunk not in CHUNK_SIZES:
             raise ValueError(f"chunk must be one of {CHUNK_SIZES}, got {self.chunk!r}")
-        if self.tile_rows and not (isinstance(self.tile_rows, int) and self.tile_rows >= 16
-                                   and self.tile_rows & (self.tile_rows - 1) == 0 and self.tile_rows <= self.chunk):
-            raise ValueError(f"tile_rows must be 0 or a power of two from 16 to chunk={self.chunk}, got {self.tile_rows!r}")
         if self.seq_scan not in (True, False, "auto"):
             raise ValueError(f"seq_scan must be True, False or 'auto', got {self.seq_scan!r}")
         for fld in dataclasses.fields(self):
@@ -86,11 +79,6 @@ class MLSTMKernelConfig(KernelConfig):
             raise ValueError(f"recompute_states must be True or False, got {self.recompute_states!r}")
         if self.tail_bt and self.tail_bt & (self.tail_bt - 1):
             raise ValueError(f"tail_bt must be 0 or a power of two, got {self.tail_bt!r}")
-
-    @property
-    def rows(self) -> int:
-        """The sub-tile rows R in effect (tile_rows, or the chunk length)."""
-        return self.tile_rows or self.chunk
 
     @classmethod
     def tuned(cls, K: int, V: int, dtype: torch.dtype, chunk: int = 64) -> "MLSTMKernelConfig":

@@ -292,7 +292,7 @@ def mlstm_chunkwise_triton(
     zeros where None) and returns its own final state (N rows). Its values are the caller's
     to check (xlstm_kit.ops._checks: checking them here would synchronise with the host); the
     shapes are checked here. See varlen.py for how the kernels handle the boundaries. `config` defaults to MLSTMKernelConfig.tuned(K, V, dtype, chunk_size or 64);
-    `chunk_size` (one of CHUNK_SIZES: 16 to 256) must agree with `config.chunk` when both are given. The
+    `chunk_size` (16, 32, 64 or 128) must agree with `config.chunk` when both are given. The
     result does not depend on the chunk length or any other configuration beyond rounding.
     Inputs are assumed validated by the caller (xlstm_kit.ops.mlstm).
     """
@@ -300,7 +300,7 @@ def mlstm_chunkwise_triton(
     if dt not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"the Triton mLSTM kernels take float16, bfloat16 or float32 q, got {dt}")
     if chunk_size is not None and chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size for the Triton backend must be one of {CHUNK_SIZES}, got {chunk_size}")
+        raise ValueError(f"chunk_size for the Triton backend must be 16, 32, 64 or 128, got {chunk_size}")
     key = _config_key(q.shape[-1], v.shape[-1], dt, chunk_size, config, bool(recompute_states))
     if initial_state is None:
         C0 = n0 = m0 = None
