@@ -31,9 +31,6 @@ VARIANTS = {
     "chunk32": (32, {}),
     "chunk32_scan": (32, {"seq_scan": True}),
     "chunk128": (128, {}),
-    "recompute_inplace": (64, {"recompute_states": True, "scores_apart": False}),
-    "recompute_scores": (64, {"recompute_states": True, "scores_apart": True}),
-    "recompute_scores_bd128": (64, {"recompute_states": True, "scores_apart": True, "scores_bd": 128}),
 }
 
 

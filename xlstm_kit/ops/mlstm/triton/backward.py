@@ -97,74 +97,20 @@ def _qk_full(q_base, k_base, rows, rmask, HK, L: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
-def _bwd_scores(
-    q_ptr, k_ptr, v_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, g_ptr, ms_ptr,
-    ds_ptr, dslo_ptr, prd_ptr, rowp_ptr, colp_ptr, tab_ptr,
-    T, H, NC, NS, scale,
-    K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-    DS_SPLIT: tl.constexpr, VARLEN: tl.constexpr,
-):
-    """The quadratic part's tiles of one chunk, formed once for all K-tiles of _bwd_dqk and
-    V-tiles of _bwd_dv (each of which formed q kᵀ and δh vᵀ over all of K and V again):
-    δS w.r.t. q̂·k [L, L] in the input dtype (with DS_SPLIT its rounding residual too), P/d
-    [L, L] in the input dtype, and the row and column sums of δP⊙P [B,H,NC·L] float32."""
-    c, bh, bh64, offs_l, rows, rmask, g_base, prow, row0, seq = _chunk_program(0, T, NC, tab_ptr, L, 1, VARLEN)
-    if VARLEN:
-        if seq < 0:
-            return
-    qk0 = _seq_base(bh, row0, T, H, K)
-    v0 = _seq_base(bh, row0, T, H, V)
-    rd = tl.load(rd_ptr + g_base + prow)
-    gg = tl.load(g_ptr + g_base + prow)
-    S = _qk_full(q_ptr + qk0, k_ptr + qk0, offs_l, rmask, H * K, L, K, BD, PREC)
-    dP = _qk_full(dh_ptr + v0, v_ptr + v0, offs_l, rmask, H * V, L, V, BD, PREC)
-    E, ea, ew, eb = _chunk_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + NS) + seq, c, prow,
-                                 offs_l, L)
-    P = S * scale * E
-    dP = dP * rd[:, None] + gg[:, None]                                     # δP w.r.t. P
-    dPP = dP * P
-    tl.store(rowp_ptr + g_base + prow, tl.sum(dPP, axis=1))
-    tl.store(colp_ptr + g_base + prow, tl.sum(dPP, axis=0))
-    dS = dP * E
-    dt = ds_ptr.dtype.element_ty
-    tile = (bh64 * NC + c) * (L * L) + offs_l[:, None] * L + offs_l[None, :]
-    hi = dS.to(dt)
-    tl.store(ds_ptr + tile, hi)
-    if DS_SPLIT:
-        tl.store(dslo_ptr + tile, (dS - hi.to(tl.float32)).to(dt))
-    tl.store(prd_ptr + tile, (P * rd[:, None]).to(dt))
-
-
-@triton.jit
-def _ds_dot(ds_ptr, dslo_ptr, tile, b, TRANS: tl.constexpr, DS_SPLIT: tl.constexpr, PREC: tl.constexpr):
-    """δS @ b (TRANS: δSᵀ @ b) from _bwd_scores' stored parts."""
-    hi = tl.load(ds_ptr + tile)
-    if TRANS:
-        hi = tl.trans(hi)
-    out = tl.dot(hi, b, input_precision=PREC)
-    if DS_SPLIT:
-        lo = tl.load(dslo_ptr + tile)
-        if TRANS:
-            lo = tl.trans(lo)
-        out = tl.dot(lo, b, acc=out, input_precision=PREC)
-    return out
-
-
-@triton.jit
 def _bwd_dqk(
     q_ptr, k_ptr, v_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, g_ptr, ms_ptr,
     cs_ptr, ns_ptr, dcs_ptr, dns_ptr,
-    dq_ptr, dk_ptr, dlf_ptr, di_ptr, tab_ptr, ds_ptr, dslo_ptr, rowp_ptr, colp_ptr,
+    dq_ptr, dk_ptr, dlf_ptr, di_ptr, tab_ptr,
     T, H, NC, NS, BHNCL, scale, c_off,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STATE_MODE: tl.constexpr, PREC: tl.constexpr, DS_SPLIT: tl.constexpr,
-    DC_LAST: tl.constexpr, D_MODE: tl.constexpr, VARLEN: tl.constexpr, SCORES: tl.constexpr,
+    DC_LAST: tl.constexpr, D_MODE: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """δq, δk of one chunk and K-tile, and this tile's share of the chunk's fixed-stabilizer
     log-gate gradients: dlf[kt] = δlog f, di[kt] = δĩ. Chunk c = program 0 + c_off. DC_LAST:
     dcs_ptr is the float32 δC_T [B·H, K, V] of the last chunk (see last_chunk_apart); D_MODE:
     _dot_r mode of the products with δC. VARLEN: chunks from the varlen table (_chunk_program);
-    spare chunks return at once. SCORES: δS and the δP⊙P sums from _bwd_scores' buffers."""
+    spare chunks return at once."""
     c, bh, bh64, offs_l, rows, rmask, g_base, prow, row0, seq = _chunk_program(c_off, T, NC, tab_ptr, L, 2, VARLEN)
     if VARLEN:
         if seq < 0:
@@ -196,34 +142,23 @@ def _bwd_dqk(
         mkv = mk[:, None] & mv[None, :]
         Cp = tl.load(cs_ptr + st * K * V + kv_off, mask=mkv, other=0.0)     # [BK, BV]
         dCn = tl.load(dcs_ptr + (bh64 if DC_LAST else st) * K * V + kv_off, mask=mkv, other=0.0)
-        if not SCORES:
-            dP += tl.dot(dht, tl.trans(vt), input_precision=PREC)
+        dP += tl.dot(dht, tl.trans(vt), input_precision=PREC)
         acc_q += _dot_r(dht, tl.trans(Cp), STATE_MODE, PREC)
         acc_k += _dot_r(vt, tl.trans(dCn), D_MODE, PREC)
         zb += tl.sum(dCn.to(tl.float32) * Cp.to(tl.float32), axis=1)
 
     E, ea, ew, eb = _chunk_gates(beta_ptr, blo_ptr, ig_ptr, u_ptr, ms_ptr, g_base, bh64 * (NC + NS) + seq, c, prow, offs_l, L)
+    S = _qk_full(q_ptr + qk_base, k_ptr + qk_base, offs_l, rmask, H * K, L, K, BK, PREC)
+    P = S * scale * E                                                       # [L, L]
     n_prev = tl.load(ns_ptr + st * K + offs_k, mask=mk, other=0.0)
     dn_next = tl.load(dns_ptr + st * K + offs_k, mask=mk, other=0.0)
+    dP = dP * rd[:, None] + gg[:, None]                                     # δP w.r.t. P
+    dS = dP * E                                                             # δ w.r.t. q̂·k
     sea = scale * ea
     dq_inter = (sea * rd)[:, None] * acc_q + (sea * gg)[:, None] * n_prev[None, :]
+    dq = scale * _dot_l(dS, kk, DS_SPLIT, PREC) + dq_inter
     dk_state = ew[:, None] * (acc_k + dn_next[None, :])
-    if SCORES:
-        tile = st * (L * L) + offs_l[:, None] * L + offs_l[None, :]
-        dq = scale * _ds_dot(ds_ptr, dslo_ptr, tile, kk, False, DS_SPLIT, PREC) + dq_inter
-        dk = scale * _ds_dot(ds_ptr, dslo_ptr, tile, qt, True, DS_SPLIT, PREC) + dk_state
-        row_p = tl.load(rowp_ptr + g_base + prow)
-        col_p = tl.load(colp_ptr + g_base + prow)
-    else:
-        S = _qk_full(q_ptr + qk_base, k_ptr + qk_base, offs_l, rmask, H * K, L, K, BK, PREC)
-        P = S * scale * E                                                   # [L, L]
-        dP = dP * rd[:, None] + gg[:, None]                                 # δP w.r.t. P
-        dS = dP * E                                                         # δ w.r.t. q̂·k
-        dq = scale * _dot_l(dS, kk, DS_SPLIT, PREC) + dq_inter
-        dk = scale * _dot_l(tl.trans(dS), qt, DS_SPLIT, PREC) + dk_state
-        dPP = dP * P
-        row_p = tl.sum(dPP, axis=1)
-        col_p = tl.sum(dPP, axis=0)
+    dk = scale * _dot_l(tl.trans(dS), qt, DS_SPLIT, PREC) + dk_state
     tl.store(dq_ptr + out_off, dq.to(dq_ptr.dtype.element_ty), mask=lk)
     tl.store(dk_ptr + out_off, dk.to(dk_ptr.dtype.element_ty), mask=lk)
 
@@ -232,8 +167,9 @@ def _bwd_dqk(
     # <δC_{c+1}, C_{c+1}> + <δn_{c+1}, n_{c+1}> = e^b(<δC_{c+1}, C_c> + <δn_{c+1}, n_c>) + Σ_s k_s·δk_s(state).
     # Products with q and k here are per K-tile shares; the dP⊙P sums go to tile 0 only.
     first = (pid_k == 0).to(tl.float32)
-    row_q = row_p * first + tl.sum(qt.to(tl.float32) * dq_inter, axis=1)
-    col_k = col_p * first
+    dPP = dP * P
+    row_q = tl.sum(dPP, axis=1) * first + tl.sum(qt.to(tl.float32) * dq_inter, axis=1)
+    col_k = tl.sum(dPP, axis=0) * first
     dw = tl.sum(kk.to(tl.float32) * dk_state, axis=1)
     dbeta = row_q - col_k - dw
     z = eb * (tl.sum(zb, axis=0) + tl.sum(dn_next * n_prev, axis=0)) + tl.sum(dw, axis=0)
@@ -245,15 +181,13 @@ def _bwd_dqk(
 
 @triton.jit
 def _bwd_dv(
-    q_ptr, k_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, ms_ptr, dcs_ptr, dv_ptr, tab_ptr, prd_ptr,
+    q_ptr, k_ptr, dh_ptr, beta_ptr, blo_ptr, ig_ptr, u_ptr, rd_ptr, ms_ptr, dcs_ptr, dv_ptr, tab_ptr,
     T, H, NC, NS, scale, c_off,
     K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STATE_MODE: tl.constexpr, PREC: tl.constexpr, DC_LAST: tl.constexpr, VARLEN: tl.constexpr,
-    SCORES: tl.constexpr,
 ):
     """δv of one chunk and V-tile: Pᵀ(δh/d) + e^{w} k δC_{c+1}, summing over K-tiles.
-    c_off, DC_LAST, VARLEN: as in _bwd_dqk (STATE_MODE is then the mode of the δC products);
-    SCORES: P/d from _bwd_scores' buffer."""
+    c_off, DC_LAST, VARLEN: as in _bwd_dqk (STATE_MODE is then the mode of the δC products)."""
     c, bh, bh64, offs_l, rows, rmask, g_base, prow, row0, seq = _chunk_program(c_off, T, NC, tab_ptr, L, 2, VARLEN)
     if VARLEN:
         if seq < 0:
@@ -268,21 +202,17 @@ def _bwd_dv(
     acc = tl.zeros([L, BV], dtype=tl.float32)
     for kt in range((K + BK - 1) // BK):
         offs_k, mk = _span(kt, BK, K)
+        qt = _load_rows(q_base, offs_l, rmask, offs_k, mk, H * K)
         kk = _load_rows(k_base, offs_l, rmask, offs_k, mk, H * K)
-        if not SCORES:
-            qt = _load_rows(q_base, offs_l, rmask, offs_k, mk, H * K)
-            S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
+        S += tl.dot(qt, tl.trans(kk), input_precision=PREC)
         dCn = tl.load(dcs_ptr + (bh64 if DC_LAST else st) * K * V + offs_k[:, None] * V + offs_v[None, :],
                       mask=mk[:, None] & mv[None, :], other=0.0)
         acc += _dot_r(kk, dCn, STATE_MODE, PREC)
+    P = S * scale * E
     lv = rmask[:, None] & mv[None, :]
     off = _seq_base(bh, row0, T, H, V) + offs_l[:, None] * (H * V) + offs_v[None, :]
     dht = tl.load(dh_ptr + off, mask=lv, other=0.0)
-    if SCORES:
-        prd = tl.load(prd_ptr + st * (L * L) + offs_l[:, None] * L + offs_l[None, :])
-    else:
-        prd = (S * scale * E * rd[:, None]).to(dht.dtype)
-    dv = tl.dot(tl.trans(prd), dht, input_precision=PREC) + ew[:, None] * acc
+    dv = tl.dot(tl.trans((P * rd[:, None]).to(dht.dtype)), dht, input_precision=PREC) + ew[:, None] * acc
     tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=lv)
 
 
@@ -476,34 +406,20 @@ def bwd_chunks(q, k, v, dh, beta, blo, ig, u, rd, g, ms, cs, ns, dcs, dns, dCf, 
     nkt = triton.cdiv(K, cfg.dqk_bk)
     dlf = torch.empty(nkt, B, H, NCL, device=q.device, dtype=torch.float32)
     di = torch.empty_like(dlf)
-    sc = cfg.scores_apart
-    if sc:  # the chunks' L x L tiles, formed once (see _bwd_scores)
-        ds = torch.empty(B * H * NC * L * L, device=q.device, dtype=q.dtype)
-        dslo = torch.empty_like(ds) if ds_split else ds
-        prd = torch.empty_like(ds)
-        rowp = torch.empty(B, H, NCL, device=q.device, dtype=torch.float32)
-        colp = torch.empty_like(rowp)
-        _bwd_scores[(NC, B * H)](
-            q, k, v, dh, beta, blo, ig, u, rd, g, ms, ds, dslo, prd, rowp, colp, tab,
-            T, H, NC, NS, scale, K=K, V=V, L=L, BD=cfg.scores_bd, PREC=prec, DS_SPLIT=ds_split, VARLEN=varlen,
-            num_warps=cfg.scores_warps, num_stages=2,
-        )
-    else:
-        ds = dslo = prd = rowp = colp = dlf
     for c_off, n_c, dsrc, last in last_chunk_apart(NC, dcs, dCf, varlen):
         _bwd_dqk[(n_c, nkt, B * H)](
             q, k, v, dh, beta, blo, ig, u, rd, g, ms, cs, ns, dsrc, dns,
-            dq, dk, dlf, di, tab, ds, dslo, rowp, colp,
+            dq, dk, dlf, di, tab,
             T, H, NC, NS, B * H * NCL, scale, c_off,
             K=K, V=V, L=L, BK=cfg.dqk_bk, BV=cfg.dqk_bv, STATE_MODE=smode, PREC=prec,
             DS_SPLIT=int(ds_split), DC_LAST=last, D_MODE=1 if last or d_split else smode, VARLEN=varlen,
-            SCORES=sc, num_warps=cfg.dqk_warps, num_stages=cfg.dqk_stages,
+            num_warps=cfg.dqk_warps, num_stages=cfg.dqk_stages,
         )
         _bwd_dv[(n_c, triton.cdiv(V, cfg.dv_bv), B * H)](
-            q, k, dh, beta, blo, ig, u, rd, ms, dsrc, dv, tab, prd,
+            q, k, dh, beta, blo, ig, u, rd, ms, dsrc, dv, tab,
             T, H, NC, NS, scale, c_off,
             K=K, V=V, L=L, BK=cfg.dv_bk, BV=cfg.dv_bv, STATE_MODE=1 if last or d_split else smode, PREC=prec,
-            DC_LAST=last, VARLEN=varlen, SCORES=sc, num_warps=cfg.dv_warps, num_stages=cfg.dv_stages,
+            DC_LAST=last, VARLEN=varlen, num_warps=cfg.dv_warps, num_stages=cfg.dv_stages,
         )
     if nkt > 1:
         return dq, dk, dv, dlf.sum(0), di.sum(0)

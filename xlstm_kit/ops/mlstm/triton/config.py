@@ -45,11 +45,6 @@ class MLSTMKernelConfig(KernelConfig):
     dv_bv: int = 128
     dv_warps: int = 8
     dv_stages: int = 2
-    # the K-tiled backward: q kᵀ, δh vᵀ and the δP⊙P sums formed once per chunk by
-    # _bwd_scores (scores_bd-wide K and V tiles, scores_warps), not in every K- and V-tile's program
-    scores_apart: bool = False
-    scores_bd: int = 64
-    scores_warps: int = 4
     # State passing: True = parallel local terms + scan over chunks, False = the sequential
     # kernels, "auto" = the scan where the sequential kernels would be latency-bound (see
     # scan.use_scan).
@@ -80,10 +75,6 @@ class MLSTMKernelConfig(KernelConfig):
                 raise ValueError(f"{fld.name} must be a power of two, got {val!r}")
             if fld.name.endswith(("_warps", "_stages")) and not (isinstance(val, int) and val >= 1):
                 raise ValueError(f"{fld.name} must be a positive integer, got {val!r}")
-        if not isinstance(self.scores_apart, bool):
-            raise ValueError(f"scores_apart must be True or False, got {self.scores_apart!r}")
-        if not (isinstance(self.scores_bd, int) and self.scores_bd >= 16 and self.scores_bd & (self.scores_bd - 1) == 0):
-            raise ValueError(f"scores_bd must be a power of two >= 16, got {self.scores_bd!r}")
         if not isinstance(self.recompute_states, bool):
             raise ValueError(f"recompute_states must be True or False, got {self.recompute_states!r}")
         if self.tail_bt and self.tail_bt & (self.tail_bt - 1):
@@ -134,7 +125,6 @@ def _tuned(cls, K: int, V: int, dtype: torch.dtype, chunk: int):
         dqk_stages=2 if big else 1,
         dv_bk=min(64, Kp), dv_bv=min(64 if f32_long or (big and V <= 384) else 128, Vp),
         dv_warps=4 if big and V <= 384 else 8, dv_stages=2,
-        scores_apart=big,
         seq_scan="auto", local_bk=min(64, Kp), local_bv=min(64, Vp), local_warps=4,
         scan_be=128, scan_g=16, scan_warps=1, tail_bt=0,
     )

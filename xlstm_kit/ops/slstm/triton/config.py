@@ -147,7 +147,7 @@ def default_config(dim: int, mm: int = 1, batch: Optional[int] = None, heads: Op
         if bu >= bd:
             continue
         cfg = SLSTMKernelConfig(num_warps=4, r_resident=_r_bytes(dim, bu, mm) <= 160 * 1024,
-                                block_u=bu, poll_load=True)
+                                block_u=bu)
         if fits(cfg, dim, batch, heads, sms):
             return cfg
     return whole
