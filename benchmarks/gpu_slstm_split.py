@@ -2,8 +2,7 @@
 
     python3 benchmarks/gpu_slstm_split.py PLAN [OLD_PYTHONPATH]
 
-PLAN: `variants` (kernel variants at the 125M shape and D = 128), `poll` (the barrier's
-polling: atomics vs acquire loads), `compare` (old vs new
+PLAN: `variants` (kernel variants at the 125M shape and D = 128), `compare` (old vs new
 default at the issue's shapes). Checks (float64 reference, NaN) come first; each group of
 checks and timings runs in a child process under `timeout` (a barrier that never opens must
 not eat the call); results go to $OUT/slstm-split.jsonl, one line each on stdout.
@@ -111,8 +110,8 @@ def spawn(specs, pythonpath, limit):
             print(res["stderr"][-800:], flush=True)
 
 
-def cfg(bu, warps=4, prefetch=True, resident=True, poll_load=False):
-    return dict(num_warps=warps, r_resident=resident, prefetch=prefetch, block_u=bu, poll_load=poll_load)
+def cfg(bu, warps=4, prefetch=True, resident=True):
+    return dict(num_warps=warps, r_resident=resident, prefetch=prefetch, block_u=bu)
 
 
 SHAPES = [(16, 2048, 4, 192), (16, 1024, 4, 128), (16, 2048, 4, 256), (8, 2048, 4, 384),
@@ -129,13 +128,6 @@ def plan(name):
         specs += [dict(kind="time", shape=s192, cfg=c) for c in (cfg(64), cfg(64, 8), cfg(32), cfg(16))]
         specs += [dict(kind="time", shape=s128, cfg=c) for c in (None, cfg(64), cfg(32))]
         yield "new", specs, 180
-    elif name == "poll":  # the barrier's polling: scalar acquire atomics vs plain acquire loads
-        specs = [dict(kind="check", shape=(16, 48, 4, 192), cfg=cfg(16, poll_load=True), seed=1),
-                 dict(kind="check", shape=(8, 48, 4, 384), cfg=cfg(32, poll_load=True), seed=2),
-                 dict(kind="check", shape=(16, 48, 4, 128), cfg=cfg(16, poll_load=True), seed=3)]
-        for shape, bu in (((16, 2048, 4, 192), 16), ((16, 1024, 4, 128), 16)):
-            specs += [dict(kind="time", shape=shape, cfg=cfg(bu, poll_load=p)) for p in (False, True)]
-        yield "new", specs, 150
     elif name == "compare":  # old vs new default at the shapes
         specs = [dict(kind="check", shape=(16, 48, 4, 192), cfg=None, seed=1),
                  dict(kind="check", shape=(8, 48, 4, 384), cfg=None, seed=2),

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .common import (_ld, _ld_gates, _ld_init, _ld_shared, _live, _load_r, _load_r_chunks, _log_sigmoid,
                      _mm, _sigmoid, _st, _st_gates, _sync, _tanh, _tile)
-from .config import SLSTMKernelConfig, flags, grid_of, launch, sync_mode
+from .config import SLSTMKernelConfig, flags, grid_of, launch
 
 
 @triton.jit
@@ -253,7 +253,7 @@ def backward(r_hi, r_lo, mm: int, saved, init, dh_out, d_final, exp_forget: bool
         BT=bt, BU=lc.bu, KC=lc.kc, NKC=lc.nkc, **flags(batch, dim, bt, lc, varlen),
         EXP_FORGET=exp_forget, HAS_INIT=init is not None, HAS_DH=has_dh,
         HAS_DFINAL=has_dfinal, CLIP=clip is not None, MM=mm, R_RESIDENT=config.r_resident,
-        PREFETCH=config.prefetch, SCRATCH=lc.scratch, SYNC=sync_mode(config, lc), VARLEN=varlen,
+        PREFETCH=config.prefetch, SCRATCH=lc.scratch, SYNC=lc.p > 1, VARLEN=varlen,
         num_warps=config.num_warps, num_stages=1,
     )
     return dg, d_init

@@ -135,33 +135,20 @@ def _ld_shared(ptr, mask, EVEN: tl.constexpr, SYNC: tl.constexpr):
 
 
 @triton.jit
-def _ld_acquire(ptr):
-    """ptr's int32 with acquire semantics at GPU scope, read by every thread (a plain load: no
-    read-modify-write at L2, no broadcast through shared memory)."""
-    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
 def _sync(cnt_ptr, k, P, SYNC: tl.constexpr):
     """Barrier number k (1, 2, ...) among the P programs of a group: every thread's stores before
-    it are visible to the group's loads after it. SYNC 0: the program only (P = 1).
+    it are visible to the group's loads after it. SYNC False: the program only (P = 1).
 
     The group's counter in global memory only grows: barrier k is passed when it reaches k·P.
     One thread per program adds (release: after the block barrier, its add orders the whole
-    block's stores). SYNC 1 polls with a scalar acquire atomic, whose result reaches all threads
-    through shared memory (a uniform loop condition); SYNC 2 polls with every thread's own
-    acquire load. Needs all P programs resident at once."""
+    block's stores) and polls (acquire); the scalar atomic's result reaches all threads through
+    shared memory, so the loop condition is uniform. Needs all P programs resident at once."""
     tl.debug_barrier()
     if SYNC:
         target = k * P
         cnt = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") + 1
-        if SYNC == 2:
-            while cnt < target:
-                cnt = _ld_acquire(cnt_ptr)
-        else:
-            while cnt < target:
-                cnt = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+        while cnt < target:
+            cnt = tl.atomic_add(cnt_ptr, 0, sem="acquire")
         tl.debug_barrier()
 
 

@@ -38,14 +38,12 @@ class SLSTMKernelConfig(KernelConfig):
     prefetch: bool = True
     block_b: int = 16
     block_u: Optional[int] = None
-    # a split head's barrier polls with plain acquire loads (True) or scalar acquire atomics
-    poll_load: bool = False
 
     def __post_init__(self):
         if not _pow2(self.num_warps):
             raise ValueError(f"num_warps must be a power of two, got {self.num_warps!r}")
-        if not all(isinstance(v, bool) for v in (self.r_resident, self.prefetch, self.poll_load)):
-            raise ValueError("r_resident, prefetch and poll_load must be bool")
+        if not isinstance(self.r_resident, bool) or not isinstance(self.prefetch, bool):
+            raise ValueError("r_resident and prefetch must be bool")
         if self.k_chunk is not None and not (_pow2(self.k_chunk) and self.k_chunk >= 16):
             raise ValueError(f"k_chunk must be None or a power of two >= 16, got {self.k_chunk!r}")
         if not (_pow2(self.block_b) and self.block_b >= 16):
@@ -83,12 +81,6 @@ def launch(config: SLSTMKernelConfig, dim: int) -> Launch:
         # The largest power of two up to 64 that divides D: no padded K columns (D = 192: 64).
         kc = next((k for k in (64, 32, 16) if dim % k == 0 and k <= bd), min(bd, 64))
     return Launch(bu, p, kc, triton.cdiv(dim, kc), p > 1 or kc < bd)
-
-
-def sync_mode(config: SLSTMKernelConfig, lc: Launch) -> int:
-    """The kernels' SYNC: 0 without a barrier (one program per head), 1 atomic polling, 2 load
-    polling (see common._sync)."""
-    return 0 if lc.p == 1 else 2 if config.poll_load else 1
 
 
 def flags(batch: int, dim: int, bt: int, lc, varlen: bool = False) -> dict:

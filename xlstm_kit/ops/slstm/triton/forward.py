@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .common import (_ld, _ld_gates, _ld_init, _ld_shared, _live, _load_r, _load_r_chunks, _log_sigmoid,
                      _mm, _sigmoid, _st, _st_gates, _sync, _tanh, _tile)
-from .config import SLSTMKernelConfig, flags, grid_of, launch, sync_mode
+from .config import SLSTMKernelConfig, flags, grid_of, launch
 
 
 @triton.jit
@@ -214,7 +214,7 @@ def forward(x, r_hi, r_lo, mm: int, b, init, exp_forget: bool, save: bool,
         BT=bt, BU=lc.bu, KC=lc.kc, NKC=lc.nkc, **flags(rows, dim, bt, lc, varlen),
         EXP_FORGET=exp_forget, HAS_INIT=init is not None, SAVE=save, SAVE_H=save_h, MM=mm,
         R_RESIDENT=config.r_resident, PREFETCH=config.prefetch, SCRATCH=lc.scratch,
-        SYNC=sync_mode(config, lc), VARLEN=varlen, num_warps=config.num_warps, num_stages=1,
+        SYNC=lc.p > 1, VARLEN=varlen, num_warps=config.num_warps, num_stages=1,
     )
     saved = (hs, g, cs, ns, ms) if save else None
     return h_out, tuple(final), saved
