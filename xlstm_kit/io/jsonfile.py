@@ -124,6 +124,22 @@ def open_regular(path: str | Path, error: type[XLSTMKitError] = JSONFileError) -
     return open(fd, "rb")
 
 
+def regular_file_exists(path: str | Path, error: type[XLSTMKitError] = JSONFileError) -> bool:
+    """Whether the file ``path`` is there: False when nothing is (nor at the end of a link), True
+    for a regular file, ``error`` for anything else (a FIFO, a socket, a device, a folder) or one
+    that cannot be opened. For files that may be absent: a check of the name (``is_file``) passes
+    over such a file as if it were absent, and a model would load without the file it has. Opened
+    and checked as :func:`open_regular` does, then closed. Where a reader opens the file by name
+    afterwards (safetensors, a run's ``latest``), this refuses what is there now; what is put
+    there in between is the reader's to refuse."""
+    try:
+        fd, _ = _open_regular(Path(path), error)
+    except MissingFileError:
+        return False
+    os.close(fd)
+    return True
+
+
 def read_bytes(path: str | Path, max_bytes: int, error: type[XLSTMKitError] = JSONFileError) -> bytes:
     """The content of the regular file ``path``, refused when it is larger than ``max_bytes``."""
     path = Path(path)
