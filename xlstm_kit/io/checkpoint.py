@@ -101,9 +101,10 @@ def read_train_meta(checkpoint: str | Path) -> dict[str, Any]:
     """The ``train_meta.json`` of a checkpoint ({} for a bare model checkpoint); refuses a
     checkpoint written by an incompatible version of the training code."""
     f = Path(checkpoint) / TRAIN_META_FILE
-    if not f.is_file():
+    try:  # a FIFO or a folder of that name is refused, not taken for a bare model checkpoint
+        meta = read_json(f, MAX_META_BYTES, error=CheckpointError)
+    except MissingFileError:
         return {}
-    meta = read_json(f, MAX_META_BYTES, error=CheckpointError)
     fmt = meta.get("format")
     if fmt != CHECKPOINT_FORMAT:
         raise CheckpointError(

@@ -193,12 +193,15 @@ def read_tokenizer_name(checkpoint: str | Path) -> str | None:
     before tokenizer.json existed) train_meta.json's "tokenizer"; None when unknown, or when
     tokenizer.json is a `tokenizers` file rather than a name (xlstm_kit.io.tokenizers.find_tokenizer)."""
     checkpoint = Path(checkpoint)
-    if (checkpoint / TOKENIZER_FILE).is_file():
+    # read, not checked by name first: a FIFO or a folder of either name is refused in one line
+    # rather than passed over (the model would load without the tokenizer it was trained with)
+    try:
         value = read_json(checkpoint / TOKENIZER_FILE, MAX_TOKENIZER_BYTES).get("name")
-    elif (checkpoint / TRAIN_META_FILE).is_file():
-        value = read_json(checkpoint / TRAIN_META_FILE, MAX_META_BYTES, error=CheckpointError).get("tokenizer")
-    else:
-        value = None
+    except MissingFileError:
+        try:
+            value = read_json(checkpoint / TRAIN_META_FILE, MAX_META_BYTES, error=CheckpointError).get("tokenizer")
+        except MissingFileError:
+            value = None
     return value if isinstance(value, str) else None
 
 

@@ -1,0 +1,124 @@
+"""Files of a model folder, a checkpoint or a run that may be missing (tokenizer.json,
+generation_config.json, train_meta.json, checksums.json, a sharded checkpoint's index, ...) and
+are planted as something other than a regular file: a FIFO, a device, a folder. Each one the
+library reads is refused in one line naming it, at once: never passed over as if it were absent
+(a model loaded without its tokenizer or end tokens, weights loaded unchecked), never a hang on
+a FIFO without a writer. A file that is absent stays fine."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit.errors import MissingFileError, XLSTMKitError
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SPECIAL = ("fifo", "device", "folder")
+VOCAB = 64
+
+
+def remove(path):
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()
+
+
+def plant(path, kind):
+    """Put a FIFO without a writer (a plain open blocks for ever), a link to a character device or
+    a folder where the file ``path`` was."""
+    remove(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to(os.devnull)
+    elif kind == "folder":
+        path.mkdir()
+        (path / "inside").write_text("{}")
+    else:
+        raise ValueError(kind)
+
+
+def refused(fn, name, needle="not a regular file"):
+    with pytest.raises(XLSTMKitError) as e:
+        fn()
+    message = str(e.value)
+    assert name in message and needle in message and "\n" not in message, message
+
+
+def ours(folder, tokenizer=None):
+    torch.manual_seed(0)
+    m = XLSTMLanguageModel(XLSTMConfig(vocab_size=VOCAB, d_model=16, n_blocks=2, n_heads=2, slstm_at=[1], chunk_size=8))
+    m.save(folder, tokenizer=tokenizer)
+    return folder
+
+
+def hf(folder):
+    torch.manual_seed(0)
+    m = XLSTMLanguageModel(XLSTMConfig(family="large", vocab_size=VOCAB, d_model=16, n_blocks=2, n_heads=2,
+                                       ffn_proj_factor=1.5, round_proj_to=16))
+    m.save_pretrained(folder)
+    return folder
+
+
+def tokenizer_json(path):
+    vocab = {"<s>": 0, "</s>": 1, **{chr(97 + i): 2 + i for i in range(20)}}
+    path.write_text(json.dumps({"model": {"type": "WordLevel", "vocab": vocab, "unk_token": "a"}}))
+
+
+LOADS = {"load": XLSTMLanguageModel.load, "from_pretrained": XLSTMLanguageModel.from_pretrained}
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO read by name would cause is a hang
+@pytest.mark.parametrize("kind", SPECIAL)
+@pytest.mark.parametrize("name", ["tokenizer.json", "train_meta.json"])
+def test_a_checkpoints_tokenizer_files_are_refused_not_passed_over(tmp_path, kind, name):
+    """tokenizer.json (our tokenizer's name, or a tokenizers file) and train_meta.json (where
+    checkpoints written before tokenizer.json recorded the tokenizer) were read only when a name
+    check saw a regular file: a FIFO or a folder there loaded the model without its tokenizer."""
+    from xlstm_kit.io.checkpoint import read_train_meta
+
+    folder = ours(tmp_path / "m")
+    for load in LOADS.values():  # absent: the model loads and knows no tokenizer
+        m = load(folder)
+        assert m.tokenizer_name is None and m.hf_tokenizer is None
+    plant(folder / name, kind)
+    for load in LOADS.values():
+        refused(lambda: load(folder), name)
+    if name == "train_meta.json":  # resume and the command line read it too
+        refused(lambda: read_train_meta(folder), name)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_find_tokenizer_refuses_a_tokenizer_json_that_is_not_a_file(tmp_path, kind):
+    """Through find_tokenizer alone, which loading and serving share; absent: no tokenizer."""
+    from xlstm_kit.io.tokenizers import find_tokenizer, is_hf_tokenizer_file
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    tokenizer_json(folder / "tokenizer.json")
+    assert is_hf_tokenizer_file(folder / "tokenizer.json") and find_tokenizer(folder) is not None
+    plant(folder / "tokenizer.json", kind)
+    refused(lambda: is_hf_tokenizer_file(folder / "tokenizer.json"), "tokenizer.json")
+    refused(lambda: find_tokenizer(folder), "tokenizer.json")
+    remove(folder / "tokenizer.json")
+    assert not is_hf_tokenizer_file(folder / "tokenizer.json") and find_tokenizer(folder) is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", SPECIAL)
+@pytest.mark.parametrize("name", ["tokenizer.json", "generation_config.json"])
+def test_a_huggingface_folders_tokenizer_and_end_tokens_are_refused_not_passed_over(tmp_path, kind, name):
+    """generation_config.json sets the end tokens generation stops at: one that was a FIFO or a
+    folder was passed over (is_file), and generation ran past the model's end tokens."""
+    folder = hf(tmp_path / "hf")
+    tokenizer_json(folder / "tokenizer.json")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    m = XLSTMLanguageModel.from_pretrained(folder)
+    assert m.hf_tokenizer is not None and m.eos_token_ids == (1, 2)
+    plant(folder / name, kind)
+    refused(lambda: XLSTMLanguageModel.from_pretrained(folder), name)
