@@ -300,3 +300,60 @@ def test_a_damaged_token_cache_file_is_one_line(cache, tmp_path):
         with pytest.raises(data.DataError) as e:
             data.tokenize_corpus(str(f), tok)
         assert "damaged" in str(e.value) and str(cached) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO read by name would cause is a hang
+@pytest.mark.parametrize("kind", ["fifo", "folder", "device"])
+@pytest.mark.parametrize("documents", [False, True])
+def test_a_token_cache_file_that_is_not_a_file_is_one_line(cache, tmp_path, kind, documents):
+    """Token cache files were looked up with is_file: a folder in place of one made the cache
+    rebuild it and fail with an IsADirectoryError traceback at the rename, and a FIFO or a link to
+    a device was replaced without a word. Each is refused in one line naming it (the cache is the
+    library's; what it holds that the library did not write is for its owner to remove)."""
+    import os
+    import shutil
+
+    d = tmp_path / "texts"
+    d.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (d / name).write_text(SAMPLE + name)
+    tok = data.get_tokenizer("byte")
+    read = (lambda: data.tokenize_documents(str(d), tok, files=data.corpus_files(str(d)))) if documents \
+        else (lambda: data.tokenize_corpus(str(d), tok))
+    expected = [np.array(a) for a in (read() if documents else (read(),))]
+    files = sorted((cache / "tokens").glob("*.npy"))
+    assert len(files) == (2 if documents else 1)
+    for f in files:
+        saved = f.read_bytes()
+        f.unlink()
+        if kind == "fifo":
+            os.mkfifo(f)
+        elif kind == "folder":
+            f.mkdir()
+        else:
+            f.symlink_to(os.devnull)
+        error = _without_hang(read, f)
+        _refused(error)
+        assert str(error).startswith(f"token cache file {f} ")
+        assert os.path.lexists(f) and not f.is_file()  # left as it was, not replaced
+        shutil.rmtree(f) if kind == "folder" else f.unlink()
+        f.write_bytes(saved)
+    # absent: rebuilt, and read back the same
+    for f in files:
+        f.unlink()
+    got = read() if documents else (read(),)
+    assert all(np.array_equal(np.array(a), b) for a, b in zip(got, expected))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_builtin_corpus_cache_file_that_is_not_a_file_is_one_line(cache, kind):
+    """Same for the converted text of a built-in corpus."""
+    import os
+
+    path = data.builtin_corpus_path("shakespeare")
+    path.unlink()
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    with pytest.raises(data.DataError) as e:
+        data.builtin_corpus_path("shakespeare")
+    assert str(path) in str(e.value) and "not a regular file" in str(e.value) and "\n" not in str(e.value)
