@@ -122,3 +122,44 @@ def test_a_huggingface_folders_tokenizer_and_end_tokens_are_refused_not_passed_o
     assert m.hf_tokenizer is not None and m.eos_token_ids == (1, 2)
     plant(folder / name, kind)
     refused(lambda: XLSTMLanguageModel.from_pretrained(folder), name)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_a_checksums_file_that_is_not_a_file_is_refused_not_a_load_unchecked(tmp_path, kind):
+    """checksums.json passed over when it was not a regular file: the weights loaded without the
+    check of their digest."""
+    from xlstm_kit.io.checkpoint import verify_checksum
+
+    folder = ours(tmp_path / "m")
+    plant(folder / "checksums.json", kind)
+    refused(lambda: verify_checksum(folder, "model.safetensors"), "checksums.json")
+    for load in LOADS.values():
+        refused(lambda: load(folder), "checksums.json")
+    remove(folder / "checksums.json")
+    verify_checksum(folder, "model.safetensors")  # absent: checkpoints written before checksums load
+    XLSTMLanguageModel.load(folder)
+
+
+def _stat_sees_a_regular_file(monkeypatch, fifo, stand_in):
+    """A check by name that sees `stand_in` where `fifo` is: a FIFO put in place of a file between
+    a check of its name and its opening."""
+    real_stat, real_lstat = os.stat, os.lstat
+    swap = lambda p: stand_in if os.fspath(p) == os.fspath(fifo) else p  # noqa: E731
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(swap(p), *a, **k))
+    monkeypatch.setattr(os, "lstat", lambda p, *a, **k: real_lstat(swap(p), *a, **k))
+
+
+@pytest.mark.timeout(60)
+def test_a_file_swapped_for_a_fifo_after_its_check_is_refused_by_its_checksum(tmp_path, monkeypatch):
+    """The checksum of a file was taken after a stat of its name: a FIFO put there in between
+    blocked the open for ever."""
+    from xlstm_kit.io.checkpoint import CheckpointError, verify_checksum
+
+    folder = ours(tmp_path / "m")
+    stand_in = tmp_path / "stand-in"
+    shutil.copy(folder / "model.safetensors", stand_in)
+    plant(folder / "model.safetensors", "fifo")
+    _stat_sees_a_regular_file(monkeypatch, folder / "model.safetensors", stand_in)
+    with pytest.raises(CheckpointError, match="model.safetensors is not a regular file"):
+        verify_checksum(folder, "model.safetensors")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,8 @@ from ..errors import MissingFileError, XLSTMKitError
 from ..layers.lora import has_adapters
 from ..models.lora import adapter_config
 from .files import _umask, save_folder
-from .jsonfile import MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, read_json
+from .jsonfile import (MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, open_regular, read_json,
+                       regular_file_exists)
 from .paths import check_writable
 
 CONFIG_FILE = "config.json"
@@ -42,17 +42,19 @@ class CheckpointError(XLSTMKitError):
 
 
 def _file_sha256(path: Path) -> str:
-    # a FIFO would block the open, a device (a link to /dev/zero) never end: regular files only
+    # a FIFO would block the open, a device (a link to /dev/zero) never end: regular files only,
+    # checked by the open descriptor (one put there after a check of the name would be opened)
     try:
-        regular = stat.S_ISREG(os.stat(path).st_mode)
-    except OSError as e:
-        raise CheckpointError(f"{path}: {e.strerror or e}") from None
-    if not regular:
-        raise CheckpointError(f"{path} is not a regular file; the checkpoint is unusable")
+        f = open_regular(path, CheckpointError)
+    except MissingFileError as e:
+        raise CheckpointError(str(e)) from None
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    with f:
+        try:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        except OSError as e:
+            raise CheckpointError(f"{path}: {e.strerror or e}") from None
     return h.hexdigest()
 
 
@@ -71,7 +73,8 @@ def verify_checksum(folder: str | Path, name: str) -> None:
     """
     folder = Path(folder)
     f = folder / CHECKSUMS_FILE
-    if not f.is_file():
+    # a FIFO or a folder of that name is refused, not passed over: the weights would load unchecked
+    if not regular_file_exists(f, CheckpointError):
         return
     if f.stat().st_size > MAX_CHECKSUMS_BYTES:
         raise CheckpointError(f"{f} is corrupt ({f.stat().st_size:,} bytes for a few digests)")
