@@ -73,7 +73,7 @@ def test_regular_file_exists_is_false_only_for_nothing_there(tmp_path):
     (tmp_path / "to-file").symlink_to(tmp_path / "file")
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     assert regular_file_exists(tmp_path / "file") and regular_file_exists(tmp_path / "to-file")
-    for path in (tmp_path / "absent", tmp_path / "dangling", tmp_path / "absent" / "file"):
+    for path in (tmp_path / "absent", tmp_path / "dangling", tmp_path / "absent" / "file", tmp_path / "file" / "x"):
         assert not regular_file_exists(path)
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "to-fifo").symlink_to(tmp_path / "fifo")

@@ -141,6 +141,40 @@ def test_a_checksums_file_that_is_not_a_file_is_refused_not_a_load_unchecked(tmp
     XLSTMLanguageModel.load(folder)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_a_config_that_is_not_a_file_is_named_as_such(tmp_path, kind):
+    """from_pretrained said the folder "has no config.json" when one was there as a FIFO."""
+    folder = ours(tmp_path / "m")
+    plant(folder / "config.json", kind)
+    for load in LOADS.values():
+        refused(lambda: load(folder), "config.json")
+
+
+def _checkpoint(tmp_path):
+    from xlstm_kit.io.checkpoint import save_checkpoint
+    from xlstm_kit.training import TrainConfig, make_optimizer
+
+    torch.manual_seed(0)
+    m = XLSTMLanguageModel(XLSTMConfig(vocab_size=VOCAB, d_model=16, n_blocks=2, n_heads=2, slstm_at=[1], chunk_size=8))
+    return save_checkpoint(tmp_path / "run", m, make_optimizer(m, TrainConfig()), 3, TrainConfig(),
+                           meta={"tokenizer": "byte"})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_a_runs_latest_that_is_not_a_file_is_refused_as_such(tmp_path, kind):
+    """`latest` as a FIFO made the run folder look like one that holds no checkpoint."""
+    from xlstm_kit.io.checkpoint import resolve_checkpoint
+
+    final = _checkpoint(tmp_path)
+    assert resolve_checkpoint(tmp_path / "run") == final
+    plant(tmp_path / "run" / "latest", kind)
+    refused(lambda: resolve_checkpoint(tmp_path / "run"), "latest")
+    for load in LOADS.values():
+        refused(lambda: load(tmp_path / "run"), "latest")
+
+
 def _stat_sees_a_regular_file(monkeypatch, fifo, stand_in):
     """A check by name that sees `stand_in` where `fifo` is: a FIFO put in place of a file between
     a check of its name and its opening."""

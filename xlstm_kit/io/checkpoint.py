@@ -53,7 +53,8 @@ from ..errors import MissingFileError, XLSTMKitError
 from .files import (MANIFEST_FILE, _make_hidden_dir, _umask, atomic_write, claim, fsync_dir,  # noqa: F401
                     fsync_tree, manifest_bytes, not_ours, owned_files, save_folder, write_manifest)
 from .locking import RUN_LOCK_FILE, RunLocked, run_lock  # noqa: F401 - part of this module's API
-from .jsonfile import MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, describe, read_bytes, read_json
+from .jsonfile import (MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, describe, read_bytes, read_json,
+                       regular_file_exists)
 from .paths import check_writable
 
 # the model checkpoint format (xlstm_kit.io.model_files) is part of this module's API too
@@ -75,10 +76,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """The checkpoint folder a path names: a checkpoint itself (has ``config.json`` or
     ``model.safetensors``) or a training output folder (through its ``latest`` file)."""
     path = Path(path)
-    if (path / CONFIG_FILE).is_file() or (path / WEIGHTS_FILE).is_file():
+    # not is_file(): a FIFO or a folder at one of these names is refused, not passed over for the
+    # next way to find a checkpoint (and then "holds no checkpoint")
+    if any(regular_file_exists(path / name, CheckpointError) for name in (CONFIG_FILE, WEIGHTS_FILE)):
         return path
     latest = path / LATEST_FILE
-    if latest.is_file():
+    if regular_file_exists(latest, CheckpointError):
         try:  # a file of one short line: bounded, and refused when swapped for a FIFO
             rel = read_bytes(latest, _MAX_LATEST_BYTES, CheckpointError).decode().strip()
         except UnicodeDecodeError as e:

@@ -99,7 +99,7 @@ def _open_regular(path: Path, error: type[XLSTMKitError]) -> tuple[int, os.stat_
     for a writer."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the latter: a file where a folder of its path should be
         raise MissingFileError(f"{path} does not exist") from None
     except OSError as e:
         raise error(f"{path}: {e.strerror or e}") from None
