@@ -151,6 +151,31 @@ def test_a_config_that_is_not_a_file_is_named_as_such(tmp_path, kind):
         refused(lambda: load(folder), "config.json")
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", SPECIAL)
+@pytest.mark.parametrize("name", ["model.safetensors", "model.safetensors.index.json"])
+def test_a_huggingface_folders_weights_that_are_not_files_are_refused(tmp_path, kind, name):
+    """A FIFO index beside model.safetensors was passed over (the weights it does not list were
+    loaded); weights that were a FIFO were reported missing ("has neither ...")."""
+    folder = hf(tmp_path / "hf")
+    XLSTMLanguageModel.from_pretrained(folder)
+    plant(folder / name, kind)
+    refused(lambda: XLSTMLanguageModel.from_pretrained(folder), name)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_a_huggingface_shard_that_is_not_a_file_is_refused(tmp_path, kind):
+    torch.manual_seed(0)
+    m = XLSTMLanguageModel(XLSTMConfig(family="large", vocab_size=VOCAB, d_model=16, n_blocks=2, n_heads=2,
+                                       ffn_proj_factor=1.5, round_proj_to=16))
+    m.save_pretrained(tmp_path / "hf", max_shard_size="10KB")
+    shards = sorted(json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(set(shards)) > 1
+    plant(tmp_path / "hf" / shards[-1], kind)
+    refused(lambda: XLSTMLanguageModel.from_pretrained(tmp_path / "hf"), shards[-1])
+
+
 def _checkpoint(tmp_path):
     from xlstm_kit.io.checkpoint import save_checkpoint
     from xlstm_kit.training import TrainConfig, make_optimizer
@@ -197,3 +222,12 @@ def test_a_file_swapped_for_a_fifo_after_its_check_is_refused_by_its_checksum(tm
     _stat_sees_a_regular_file(monkeypatch, folder / "model.safetensors", stand_in)
     with pytest.raises(CheckpointError, match="model.safetensors is not a regular file"):
         verify_checksum(folder, "model.safetensors")
+
+
+def test_our_config_without_weights_is_one_line_through_from_pretrained(tmp_path):
+    """A bare FileNotFoundError (a traceback on the command line) before."""
+    folder = ours(tmp_path / "m")
+    (folder / "model.safetensors").unlink()
+    (folder / "checksums.json").unlink()
+    with pytest.raises(MissingFileError, match="has no model.safetensors"):
+        XLSTMLanguageModel.from_pretrained(folder)
