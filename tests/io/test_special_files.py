@@ -188,6 +188,21 @@ def _checkpoint(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", SPECIAL)
+def test_a_training_state_that_is_not_a_file_is_refused_as_such(tmp_path, kind):
+    """train_state.pt as a FIFO: "has no train_state.pt: it is a model checkpoint", and the
+    check of the name was followed by an open by name."""
+    from xlstm_kit.io.checkpoint import load_training_state
+
+    final = _checkpoint(tmp_path)
+    assert load_training_state(final)["step"] == 3
+    plant(final / "train_state.pt", kind)
+    refused(lambda: load_training_state(final), "train_state.pt")
+    remove(final / "train_state.pt")
+    refused(lambda: load_training_state(final), "train_state.pt", "it is a model checkpoint, not resumable")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", SPECIAL)
 def test_a_runs_latest_that_is_not_a_file_is_refused_as_such(tmp_path, kind):
     """`latest` as a FIFO made the run folder look like one that holds no checkpoint."""
     from xlstm_kit.io.checkpoint import resolve_checkpoint

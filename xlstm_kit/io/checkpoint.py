@@ -53,8 +53,8 @@ from ..errors import MissingFileError, XLSTMKitError
 from .files import (MANIFEST_FILE, _make_hidden_dir, _umask, atomic_write, claim, fsync_dir,  # noqa: F401
                     fsync_tree, manifest_bytes, not_ours, owned_files, save_folder, write_manifest)
 from .locking import RUN_LOCK_FILE, RunLocked, run_lock  # noqa: F401 - part of this module's API
-from .jsonfile import (MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, describe, read_bytes, read_json,
-                       regular_file_exists)
+from .jsonfile import (MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, describe, open_regular, read_bytes,
+                       read_json, regular_file_exists)
 from .paths import check_writable
 
 # the model checkpoint format (xlstm_kit.io.model_files) is part of this module's API too
@@ -134,13 +134,19 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
 def load_training_state(checkpoint: str | Path) -> dict[str, Any]:
     """The ``train_state.pt`` of a checkpoint (tensors and plain containers only)."""
     f = Path(checkpoint) / TRAIN_STATE_FILE
-    if not f.is_file():
-        raise CheckpointError(f"{checkpoint} has no {TRAIN_STATE_FILE}: it is a model checkpoint, not resumable")
-    verify_checksum(checkpoint, TRAIN_STATE_FILE)
+    # read from the descriptor that was checked: a FIFO or a folder of that name is refused as
+    # such (is_file took it for a model checkpoint's missing file), and one put there later
+    # cannot block torch.load's open of the name
     try:
-        state = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt or foreign file
-        raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        handle = open_regular(f, CheckpointError)
+    except MissingFileError:
+        raise CheckpointError(f"{checkpoint} has no {TRAIN_STATE_FILE}: it is a model checkpoint, not resumable") from None
+    with handle:
+        verify_checksum(checkpoint, TRAIN_STATE_FILE)
+        try:
+            state = torch.load(handle, map_location="cpu", weights_only=True)
+        except Exception as e:  # corrupt or foreign file
+            raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{f} has an unsupported format; this version reads format {CHECKPOINT_FORMAT}")
     problem = _train_state_problem(state)
