@@ -215,6 +215,20 @@ def test_a_runs_latest_that_is_not_a_file_is_refused_as_such(tmp_path, kind):
         refused(lambda: load(tmp_path / "run"), "latest")
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_a_sharded_index_that_is_not_a_file_is_refused(tmp_path, kind):
+    """A FIFO at a sharded checkpoint's index (.metadata), without model.safetensors, made the
+    checkpoint look like one whose model.safetensors is missing."""
+    from xlstm_kit.io.checkpoint import is_sharded
+
+    folder = ours(tmp_path / "m")
+    (folder / "model.safetensors").unlink()
+    assert not is_sharded(folder)
+    plant(folder / ".metadata", kind)
+    refused(lambda: is_sharded(folder), ".metadata")
+
+
 def _stat_sees_a_regular_file(monkeypatch, fifo, stand_in):
     """A check by name that sees `stand_in` where `fifo` is: a FIFO put in place of a file between
     a check of its name and its opening."""
@@ -246,3 +260,16 @@ def test_our_config_without_weights_is_one_line_through_from_pretrained(tmp_path
     (folder / "checksums.json").unlink()
     with pytest.raises(MissingFileError, match="has no model.safetensors"):
         XLSTMLanguageModel.from_pretrained(folder)
+
+
+@pytest.mark.timeout(60)
+def test_a_sharded_index_swapped_for_a_fifo_after_its_check_is_refused(tmp_path, monkeypatch):
+    from xlstm_kit.io.checkpoint import CheckpointError
+    from xlstm_kit.io.sharded import read_index
+
+    stand_in = tmp_path / "stand-in"
+    stand_in.write_bytes(b"not a pickle")
+    plant(tmp_path / ".metadata", "fifo")
+    _stat_sees_a_regular_file(monkeypatch, tmp_path / ".metadata", stand_in)
+    with pytest.raises(CheckpointError, match=r"\.metadata .*not a regular file"):
+        read_index(tmp_path)

@@ -215,4 +215,7 @@ def is_sharded(checkpoint: str | Path) -> bool:
     """Whether a checkpoint keeps its weights in torch.distributed.checkpoint shards (written
     by an FSDP run; read by xlstm_kit.io.sharded) rather than one model.safetensors."""
     checkpoint = Path(checkpoint)
-    return (checkpoint / SHARDED_INDEX_FILE).is_file() and not (checkpoint / WEIGHTS_FILE).exists()
+    # not is_file(): a FIFO or a folder as the index is refused, not taken for a checkpoint whose
+    # model.safetensors is missing
+    index = regular_file_exists(checkpoint / SHARDED_INDEX_FILE, CheckpointError)
+    return index and not (checkpoint / WEIGHTS_FILE).exists()
