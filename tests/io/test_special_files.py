@@ -273,3 +273,19 @@ def test_a_sharded_index_swapped_for_a_fifo_after_its_check_is_refused(tmp_path,
     _stat_sees_a_regular_file(monkeypatch, tmp_path / ".metadata", stand_in)
     with pytest.raises(CheckpointError, match=r"\.metadata .*not a regular file"):
         read_index(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_earlier_weights_swapped_for_a_fifo_are_not_taken_for_ours(tmp_path, monkeypatch):
+    """A save over a folder without a manifest opened its model.safetensors by name after a name
+    check, to see whether an earlier version of xlstm_kit wrote it."""
+    from xlstm_kit.io.files import MANIFEST_FILE, _earlier_model_files
+
+    folder = ours(tmp_path / "m")
+    (folder / MANIFEST_FILE).unlink()
+    assert "model.safetensors" in _earlier_model_files(folder)
+    stand_in = tmp_path / "stand-in"
+    shutil.copy(folder / "model.safetensors", stand_in)
+    plant(folder / "model.safetensors", "fifo")
+    _stat_sees_a_regular_file(monkeypatch, folder / "model.safetensors", stand_in)
+    assert _earlier_model_files(folder) == set()

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..errors import XLSTMKitError
-from .jsonfile import read_json
+from .jsonfile import open_regular, read_json
 
 MANIFEST_FILE = ".xlstm-kit-files.json"
 STAGING_PREFIX = ".xlstm-kit-staging-"
@@ -212,9 +212,11 @@ def _earlier_model_files(folder: Path) -> set[str]:
         return set()
     weights = folder / "model.safetensors"
     try:
-        if weights.is_symlink() or not weights.is_file():
+        if weights.is_symlink():
             return set()
-        with open(weights, "rb") as fh:
+        # checked by the open descriptor: a FIFO put there after a check of the name would block
+        # an open of the name for ever; anything but a regular file is not an earlier save's
+        with open_regular(weights) as fh:
             n = int.from_bytes(fh.read(8), "little")
             if not 2 <= n <= _MAX_HEADER_BYTES:
                 return set()
