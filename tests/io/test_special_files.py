@@ -289,3 +289,22 @@ def test_earlier_weights_swapped_for_a_fifo_are_not_taken_for_ours(tmp_path, mon
     plant(folder / "model.safetensors", "fifo")
     _stat_sees_a_regular_file(monkeypatch, folder / "model.safetensors", stand_in)
     assert _earlier_model_files(folder) == set()
+
+
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_weights_of_a_model_without_config_that_are_not_a_file_are_refused(tmp_path, kind):
+    """Resuming a model of another kind (no config) handed model.safetensors to safetensors by
+    name, unchecked where checksums.json does not list it: a FIFO blocked the resume for ever,
+    holding the GIL (hence the child process)."""
+    from safetensors.torch import save_model
+
+    from tests.helpers import in_child
+    from xlstm_kit.io.checkpoint import load_weights_into
+
+    folder = tmp_path / "c"
+    folder.mkdir()
+    save_model(torch.nn.Linear(3, 2), str(folder / "model.safetensors"))
+    load_weights_into(torch.nn.Linear(3, 2), folder)
+    plant(folder / "model.safetensors", kind)
+    error = in_child(lambda: load_weights_into(torch.nn.Linear(3, 2), folder))
+    assert error is not None and error[2] and "model.safetensors is not a regular file" in error[1], error

@@ -45,6 +45,7 @@ from typing import Any
 
 import safetensors.torch
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from .._version import __version__
@@ -249,8 +250,16 @@ def load_weights_into(model: nn.Module, checkpoint: Path) -> None:
     """Load a checkpoint's weights into ``model``, refusing one of another configuration."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
+        weights = checkpoint / WEIGHTS_FILE
+        # safetensors opens the name itself, in native code that holds the GIL: a FIFO there
+        # would block the whole process, a folder or a device raise a bare OSError
+        if not regular_file_exists(weights, CheckpointError):
+            raise MissingFileError(f"checkpoint {checkpoint} has no {WEIGHTS_FILE}")
         verify_checksum(checkpoint, WEIGHTS_FILE)
-        safetensors.torch.load_model(model, str(checkpoint / WEIGHTS_FILE))
+        try:
+            safetensors.torch.load_model(model, str(weights))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{weights} is not a readable safetensors file ({e})") from None
         return
     saved, tensors = read_model_files(checkpoint)
     try:
