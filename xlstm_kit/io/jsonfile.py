@@ -99,7 +99,7 @@ def _open_regular(path: Path, error: type[XLSTMKitError]) -> tuple[int, os.stat_
     for a writer."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the latter: a file where a folder of its path should be
         raise MissingFileError(f"{path} does not exist") from None
     except OSError as e:
         raise error(f"{path}: {e.strerror or e}") from None
@@ -122,6 +122,22 @@ def open_regular(path: str | Path, error: type[XLSTMKitError] = JSONFileError) -
     such as a training corpus). MissingFileError when it does not exist."""
     fd, _ = _open_regular(Path(path), error)
     return open(fd, "rb")
+
+
+def regular_file_exists(path: str | Path, error: type[XLSTMKitError] = JSONFileError) -> bool:
+    """Whether the file ``path`` is there: False when nothing is (nor at the end of a link), True
+    for a regular file, ``error`` for anything else (a FIFO, a socket, a device, a folder) or one
+    that cannot be opened. For files that may be absent: a check of the name (``is_file``) passes
+    over such a file as if it were absent, and a model would load without the file it has. Opened
+    and checked as :func:`open_regular` does, then closed. Where a reader opens the file by name
+    afterwards (safetensors, a run's ``latest``), this refuses what is there now; what is put
+    there in between is the reader's to refuse."""
+    try:
+        fd, _ = _open_regular(Path(path), error)
+    except MissingFileError:
+        return False
+    os.close(fd)
+    return True
 
 
 def read_bytes(path: str | Path, max_bytes: int, error: type[XLSTMKitError] = JSONFileError) -> bytes:

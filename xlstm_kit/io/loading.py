@@ -17,7 +17,7 @@ from . import checkpoint, sharded
 from ..models.lora import merge_lora
 from .lora import adapters_from_folder
 from .files import finish_interrupted_save
-from .jsonfile import MAX_CONFIG_BYTES, read_json
+from .jsonfile import MAX_CONFIG_BYTES, read_json, regular_file_exists
 from .hf import (HF_MODEL_TYPE, TOKENIZER_NAME_KEY, check_device, check_sources, config_from_hf, is_hf_config,
                  materialise, read_headers, target_dtype)
 from .tokenizers import HFSpecialTokens, find_tokenizer, hf_end_tokens, json_object
@@ -29,8 +29,9 @@ def _model_folder(path: str | Path, what: str) -> Path:
     if not path.is_dir():
         raise MissingFileError(f"no {what} folder at {str(path)!r}")
     finish_interrupted_save(path)
-    if not (path / checkpoint.CONFIG_FILE).is_file():
-        if not (path / checkpoint.LATEST_FILE).is_file():
+    # not is_file(): a FIFO or a folder of either name is refused, not reported missing
+    if not regular_file_exists(path / checkpoint.CONFIG_FILE):
+        if not regular_file_exists(path / checkpoint.LATEST_FILE):
             raise XLSTMKitError(f"{path} has no {checkpoint.CONFIG_FILE}: it is neither a HuggingFace xLSTM folder, "
                                 f"an xlstm_kit checkpoint nor a training run folder")
         path = checkpoint.resolve_checkpoint(path)
@@ -65,7 +66,9 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     if not path.is_dir():
         raise MissingFileError(f"no checkpoint folder at {str(path)!r}")
     finish_interrupted_save(path)  # a save into it killed after it was complete: carried out first
-    if not (path / checkpoint.CONFIG_FILE).exists() and (path / checkpoint.LATEST_FILE).is_file():
+    config, latest = (regular_file_exists(path / name, checkpoint.CheckpointError)
+                      for name in (checkpoint.CONFIG_FILE, checkpoint.LATEST_FILE))
+    if not config and latest:
         path = checkpoint.resolve_checkpoint(path)
     if checkpoint.is_sharded(path):  # an FSDP run's checkpoint: its shards, assembled here
         config_dict = read_json(path / checkpoint.CONFIG_FILE, MAX_CONFIG_BYTES)

@@ -24,10 +24,10 @@ from safetensors import SafetensorError
 from torch import nn
 
 from .._extras import require
-from ..errors import XLSTMKitError
+from ..errors import MissingFileError, XLSTMKitError
 from ..models.lora import ADAPTER, adapter_config, apply_lora, lora_settings, merge_lora
 from .checkpoint import ADAPTER_CONFIG_FILE, _umask, atomic_write
-from .jsonfile import MAX_CONFIG_BYTES, read_json
+from .jsonfile import MAX_CONFIG_BYTES, open_regular, read_json
 
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 # a PEFT LoraConfig with these values is what the blocks' fused paths can compute (plain LoRA)
@@ -96,12 +96,23 @@ def load_adapters(model: nn.Module, directory: str | Path) -> nn.Module:
     Returns `model`."""
     directory = Path(directory)
     weights = directory / ADAPTER_WEIGHTS_FILE
-    if read_adapter_config(directory) is None or not weights.is_file():
-        raise XLSTMKitError(f"{directory} is not an adapter folder (no {ADAPTER_CONFIG_FILE} and "
-                            f"{ADAPTER_WEIGHTS_FILE} side by side)")
+    not_adapters = XLSTMKitError(f"{directory} is not an adapter folder (no {ADAPTER_CONFIG_FILE} and "
+                                 f"{ADAPTER_WEIGHTS_FILE} side by side)")
+    if read_adapter_config(directory) is None:
+        raise not_adapters
+    # Read whole from the descriptor that was checked (adapters are a small fraction of a model):
+    # a FIFO, a device or a folder there is refused as such rather than reported missing, and
+    # safetensors' own open of the name would block on a FIFO put there after any check of it.
     try:
-        tensors = safetensors.torch.load_file(str(weights), device="cpu")
-    except (SafetensorError, OSError, ValueError) as e:
+        with open_regular(weights, XLSTMKitError) as f:
+            data = f.read()
+    except MissingFileError:
+        raise not_adapters from None
+    except OSError as e:
+        raise XLSTMKitError(f"{weights}: {e.strerror or e}") from None
+    try:
+        tensors = safetensors.torch.load(data)
+    except (SafetensorError, ValueError) as e:
         raise XLSTMKitError(f"{weights} is not a readable safetensors file ({e})") from None
     peft = require("peft", "LoRA")
     adapters_from_folder(model, directory)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,8 @@ from ..errors import MissingFileError, XLSTMKitError
 from ..layers.lora import has_adapters
 from ..models.lora import adapter_config
 from .files import _umask, save_folder
-from .jsonfile import MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, read_json
+from .jsonfile import (MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, open_regular, read_json,
+                       regular_file_exists)
 from .paths import check_writable
 
 CONFIG_FILE = "config.json"
@@ -42,17 +42,19 @@ class CheckpointError(XLSTMKitError):
 
 
 def _file_sha256(path: Path) -> str:
-    # a FIFO would block the open, a device (a link to /dev/zero) never end: regular files only
+    # a FIFO would block the open, a device (a link to /dev/zero) never end: regular files only,
+    # checked by the open descriptor (one put there after a check of the name would be opened)
     try:
-        regular = stat.S_ISREG(os.stat(path).st_mode)
-    except OSError as e:
-        raise CheckpointError(f"{path}: {e.strerror or e}") from None
-    if not regular:
-        raise CheckpointError(f"{path} is not a regular file; the checkpoint is unusable")
+        f = open_regular(path, CheckpointError)
+    except MissingFileError as e:
+        raise CheckpointError(str(e)) from None
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    with f:
+        try:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        except OSError as e:
+            raise CheckpointError(f"{path}: {e.strerror or e}") from None
     return h.hexdigest()
 
 
@@ -71,7 +73,8 @@ def verify_checksum(folder: str | Path, name: str) -> None:
     """
     folder = Path(folder)
     f = folder / CHECKSUMS_FILE
-    if not f.is_file():
+    # a FIFO or a folder of that name is refused, not passed over: the weights would load unchecked
+    if not regular_file_exists(f, CheckpointError):
         return
     if f.stat().st_size > MAX_CHECKSUMS_BYTES:
         raise CheckpointError(f"{f} is corrupt ({f.stat().st_size:,} bytes for a few digests)")
@@ -193,12 +196,15 @@ def read_tokenizer_name(checkpoint: str | Path) -> str | None:
     before tokenizer.json existed) train_meta.json's "tokenizer"; None when unknown, or when
     tokenizer.json is a `tokenizers` file rather than a name (xlstm_kit.io.tokenizers.find_tokenizer)."""
     checkpoint = Path(checkpoint)
-    if (checkpoint / TOKENIZER_FILE).is_file():
+    # read, not checked by name first: a FIFO or a folder of either name is refused in one line
+    # rather than passed over (the model would load without the tokenizer it was trained with)
+    try:
         value = read_json(checkpoint / TOKENIZER_FILE, MAX_TOKENIZER_BYTES).get("name")
-    elif (checkpoint / TRAIN_META_FILE).is_file():
-        value = read_json(checkpoint / TRAIN_META_FILE, MAX_META_BYTES, error=CheckpointError).get("tokenizer")
-    else:
-        value = None
+    except MissingFileError:
+        try:
+            value = read_json(checkpoint / TRAIN_META_FILE, MAX_META_BYTES, error=CheckpointError).get("tokenizer")
+        except MissingFileError:
+            value = None
     return value if isinstance(value, str) else None
 
 
@@ -209,4 +215,7 @@ def is_sharded(checkpoint: str | Path) -> bool:
     """Whether a checkpoint keeps its weights in torch.distributed.checkpoint shards (written
     by an FSDP run; read by xlstm_kit.io.sharded) rather than one model.safetensors."""
     checkpoint = Path(checkpoint)
-    return (checkpoint / SHARDED_INDEX_FILE).is_file() and not (checkpoint / WEIGHTS_FILE).exists()
+    # not is_file(): a FIFO or a folder as the index is refused, not taken for a checkpoint whose
+    # model.safetensors is missing
+    index = regular_file_exists(checkpoint / SHARDED_INDEX_FILE, CheckpointError)
+    return index and not (checkpoint / WEIGHTS_FILE).exists()

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..errors import XLSTMKitError
 from .checkpoint import _commit_checkpoint, _start_checkpoint, _write_train_files
-from .jsonfile import MAX_CONFIG_BYTES, read_json
+from .jsonfile import MAX_CONFIG_BYTES, open_regular, read_json
 from .model_files import (CHECKSUMS_FILE, CONFIG_FILE, MAX_CHECKSUMS_BYTES, SHARDED_INDEX_FILE, TRAIN_STATE_FILE,
                           CheckpointError, _file_sha256, _write_model_files, is_sharded, verify_checksum)
 
@@ -78,13 +78,15 @@ def read_index(folder: Path):
 
     path = folder / SHARDED_INDEX_FILE
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
-        if st.st_size > MAX_INDEX_BYTES:
-            raise ValueError(f"{st.st_size:,} bytes, more than an index of shards holds")
-        with open(path, "rb") as f:
+        # checked by the open descriptor: a FIFO put there after a check of the name would block
+        # an open of the name for ever
+        with open_regular(path, CheckpointError) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_INDEX_BYTES:
+                raise ValueError(f"{size:,} bytes, more than an index of shards holds")
             md = _IndexUnpickler(f).load()
+    except XLSTMKitError as e:  # missing, or not a regular file: its message names the file
+        raise CheckpointError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - whatever a crafted or truncated pickle raises
         raise CheckpointError(f"{path} is not a readable checkpoint index: {_one_line(e)}") from None
     problem = None

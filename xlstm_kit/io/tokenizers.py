@@ -171,11 +171,14 @@ def json_object(path: Path) -> dict:
 
 
 def is_hf_tokenizer_file(path: Path) -> bool:
-    """Whether `path` is a ``tokenizers`` tokenizer.json (ours only names a tokenizer); a
-    tokenizer.json that cannot be read is refused (XLSTMKitError)."""
-    if not path.is_file():
+    """Whether `path` is a ``tokenizers`` tokenizer.json (ours only names a tokenizer); False when
+    there is none. One that cannot be read, a FIFO or a folder of that name included, is refused
+    (XLSTMKitError), not passed over: the model would load without its tokenizer."""
+    try:
+        spec = read_json(path, MAX_TOKENIZER_BYTES)
+    except MissingFileError:
         return False
-    return isinstance(read_json(path, MAX_TOKENIZER_BYTES).get("model"), dict)
+    return isinstance(spec.get("model"), dict)
 
 
 class HFTokenizer:
@@ -316,10 +319,14 @@ def hf_end_tokens(folder: str | Path, config: dict, vocab_size: int) -> tuple[in
     folder = Path(folder)
     source, d = folder / checkpoint.CONFIG_FILE, config
     gen = folder / GENERATION_CONFIG_FILE
-    if gen.is_file():
+    try:
         g = json_object(gen)
-        if g.get("eos_token_id") is not None:
-            source, d = gen, g
+    except MissingFileError:
+        g = {}
+    # a FIFO or a folder of that name is refused above, not passed over: generation would run
+    # past the end tokens it sets
+    if g.get("eos_token_id") is not None:
+        source, d = gen, g
     v = d.get("eos_token_id")
     ids = [] if v is None else v if isinstance(v, list) else [v]
     for i in ids:

