@@ -260,19 +260,23 @@ def test_batch_buckets():
 
 def test_a_compiled_prefill_gives_the_tokens_of_generate_alone():
     """With compile_prefill (xlstm-kit serve --compile) the engine compiles the prompt reads as it
-    starts, and reads prompts through the compiled blocks a length at a time instead of packed:
-    each request gets the tokens `generate` gives its prompt alone with the same compiled reads
-    (compiled and eager logits may differ in the last bits, which can flip a greedy choice of a
-    random model)."""
+    starts, for every kind of length (WARM_LENGTHS): requests of other lengths, alone or continued
+    from a cached prefix, compile nothing more, and each gets the tokens `generate` gives its
+    prompt alone with the same compiled reads (compiled and eager logits may differ in the last
+    bits, which can flip a greedy choice of a random model)."""
     m = tiny_model()
-    ps = prompts([3, 9, 20], seed=4)
+    ps = prompts([3, 9, 20, 45], seed=4)
     m.compile_prefill(backend="eager")
     torch._dynamo.reset()
-    engine = Engine(m, ByteTokenizer(), max_batch=4, prefix_cache_bytes=0).start()
+    engine = Engine(m, ByteTokenizer(), max_batch=4, prefix_cache_bytes=1 << 20, prefix_min_tokens=4).start()
     try:
-        assert counters["stats"]["unique_graphs"] > 0  # compiled at start, before any request
-        reqs = engine.generate(ps, GREEDY)
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0  # compiled at start, before any request
+        reqs = [engine.generate([p], GREEDY)[0] for p in ps]  # one at a time: the compiled reads
+        again = engine.generate([ps[3] + [7, 8, 9]], GREEDY)[0]  # its prefix from the cache
+        assert counters["stats"]["unique_graphs"] == graphs
     finally:
         engine.close()
         engine.join(30)
     assert [r.output for r in reqs] == [alone(m, p) for p in ps]
+    assert again.cached_tokens == len(ps[3]) and again.output == alone(m, ps[3] + [7, 8, 9])
