@@ -27,6 +27,7 @@ VARIANTS = {
     "default": (64, {}),
     "recompute": (64, {"recompute_states": True}),
     "scan": (64, {"seq_scan": True}),
+    "recompute_scan": (64, {"recompute_states": True, "seq_scan": True}),
     "seq": (64, {"seq_scan": False}),
     "chunk32": (32, {}),
     "chunk32_scan": (32, {"seq_scan": True}),
@@ -63,7 +64,7 @@ def check(name, T, dev):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="16,4", help="batch sizes B of (B, 2048, 4, 384, 384)")
+    ap.add_argument("--shapes", default="16,4", help="batch sizes B of (B, 2048, 4, 384, 384), e.g. 16,4,1")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
