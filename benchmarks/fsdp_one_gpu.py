@@ -34,10 +34,9 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
-from xlstm_kit.bench.scripts import run_child
+from xlstm_kit.bench.scripts import child_exit, run_child
 from xlstm_kit.bench.timing import timed_call
 
 REPO = Path(__file__).resolve().parent.parent
@@ -173,15 +172,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        code = 0
-        try:
-            child(json.loads(args.child))
-        except BaseException:  # noqa: BLE001 - the parent reports the last line of the traceback
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # no interpreter shutdown: a hanging CUDA or NCCL teardown would hold the job
+        child_exit(lambda: child(json.loads(args.child)))
     batch = args.batch or (2 if args.quick else BATCH)
     seq = args.seq or (64 if args.quick else SEQ)
     steps = args.steps or (2 if args.quick else 10)

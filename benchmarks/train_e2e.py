@@ -56,10 +56,9 @@ import shutil
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
-from xlstm_kit.bench.scripts import install_wheels, run_child
+from xlstm_kit.bench.scripts import child_exit, install_wheels, run_child
 
 REPO = Path(__file__).resolve().parent.parent
 PEAK_TFLOPS = 989.0  # H200 SXM dense bf16 (no sparsity)
@@ -681,17 +680,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        code = 0
-        try:
-            child_main(args.child, json.loads(args.child_opts))
-        except BaseException:  # noqa: BLE001 - the parent reports the last line of the traceback
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # no interpreter shutdown: a compile-worker pool or CUDA teardown that hangs at exit
-        # would otherwise hold the job until its time limit, results already printed
-        os._exit(code)
+        child_exit(lambda: child_main(args.child, json.loads(args.child_opts)))
     t_start = time.time()
     jobs = job_list(args.only, args.ckpt)
     out_dir = Path(args.out or os.environ.get("OUT") or ".")

@@ -44,6 +44,24 @@ def run_child(cmd: list[str], timeout_s: float, env: dict | None = None) -> dict
                 stderr=(err or "")[-4000:], wall_s=time.time() - t0)
 
 
+def child_exit(job) -> None:
+    """Run a child process's job (a callable) and leave the process at once: status 0, or 1
+    with the traceback printed (the parent reports its last line). No interpreter shutdown: a
+    compile-worker pool, a CUDA or NCCL teardown that hangs at exit would otherwise hold the
+    job until its time limit, its results already printed."""
+    import traceback
+
+    code = 0
+    try:
+        job()
+    except BaseException:  # noqa: BLE001 - any failure, KeyboardInterrupt included, is the parent's to report
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def install_wheels(wheel_dir: str, log) -> tuple[str | None, str]:
     """pip-install DIR/*.whl into a fresh temporary folder -> (folder or None, note)."""
     wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
