@@ -44,7 +44,7 @@ from ..errors import MissingFileError, XLSTMKitError
 from ..layers.lora import has_adapters
 from ..models.config import XLSTMConfig
 from . import checkpoint
-from .jsonfile import MAX_INDEX_BYTES, read_json, regular_file_exists
+from .jsonfile import MAX_INDEX_BYTES, checked_path, read_json, regular_file_exists
 from .paths import check_writable
 from .tokenizers import HFSpecialTokens
 
@@ -290,12 +290,14 @@ def read_headers(folder: Path, hf: bool, config, weight_mode: str) -> tuple[dict
     files, named, weight_map = weight_files(folder, sharded=hf)
     sources: dict[str, _Source] = {}
     for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                names = list(handle.keys())
-                meta = {n: (handle.get_slice(n).get_shape(), handle.get_slice(n).get_dtype()) for n in names}
-        except (SafetensorError, OSError, ValueError) as e:
-            raise XLSTMKitError(f"{f} is not a readable safetensors file ({e})") from None
+        # weight_files checked the name, which may be a FIFO by now
+        with checked_path(f, XLSTMKitError) as opened:
+            try:
+                with safe_open(opened, framework="pt") as handle:
+                    names = list(handle.keys())
+                    meta = {n: (handle.get_slice(n).get_shape(), handle.get_slice(n).get_dtype()) for n in names}
+            except (SafetensorError, OSError, ValueError) as e:
+                raise XLSTMKitError(f"{f} is not a readable safetensors file ({e})") from None
         for name in names:
             if weight_map is not None and weight_map.get(name) != f.name:
                 raise XLSTMKitError(f"{f} holds {name!r}, which {INDEX_FILE} does not assign to it")
@@ -354,7 +356,8 @@ def materialise(sources: dict[str, _Source], dtype: torch.dtype, device: torch.d
     for key, src in sources.items():
         by_file.setdefault(src.file, []).append(key)
     for f, keys in by_file.items():
-        with safe_open(str(f), framework="pt", device="cpu") as handle:
+        # opened again, by a name that may be a FIFO since read_headers
+        with checked_path(f, XLSTMKitError) as opened, safe_open(opened, framework="pt", device="cpu") as handle:
             for key in keys:
                 src = sources[key]
                 t = handle.get_slice(src.name)[src.rows[0]:src.rows[1]] if src.rows else handle.get_tensor(src.name)
