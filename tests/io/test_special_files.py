@@ -454,3 +454,35 @@ def test_weights_swapped_for_a_fifo_as_from_pretrained_opens_them_load_or_are_re
         _one_line_refusal(error, target.name)
     else:
         assert error is None
+
+
+@pytest.mark.parametrize("replacement", ["other tensors", "other shapes", "other dtypes", "not safetensors"])
+def test_weights_replaced_by_another_file_between_from_pretrained_reads_are_one_line(tmp_path, monkeypatch, replacement):
+    """from_pretrained reads a file's headers, checks them against the config, then opens the file
+    again for its tensors: a regular file put at its name in between that does not hold what the
+    headers said was a SafetensorError traceback (a tensor it lacks) or torch's multi-line error
+    (another shape)."""
+    import safetensors.torch
+
+    from xlstm_kit.io import loading
+
+    folder = hf(tmp_path / "hf")
+    weights = folder / "model.safetensors"
+    tensors = safetensors.torch.load_file(str(weights))
+    other = {"other tensors": {"other": torch.zeros(2)},
+             "other shapes": {k: torch.zeros(*v.shape[:-1], v.shape[-1] + 1, dtype=v.dtype) for k, v in tensors.items()},
+             "other dtypes": {k: v.to(torch.float16 if v.dtype != torch.float16 else torch.float32) for k, v in tensors.items()},
+             "not safetensors": None}[replacement]
+    real = loading.read_headers
+
+    def then_replaced(*args, **kwargs):
+        result = real(*args, **kwargs)
+        weights.unlink()
+        if other is None:
+            weights.write_bytes(b"\x00" * 64)
+        else:
+            safetensors.torch.save_file(other, str(weights))
+        return result
+
+    monkeypatch.setattr(loading, "read_headers", then_replaced)
+    refused(lambda: XLSTMLanguageModel.from_pretrained(folder), "model.safetensors", "was it replaced while loading?")
