@@ -7,7 +7,8 @@ import pytest
 
 from tests.helpers import HOSTILE_FILES, HOSTILE_MESSAGES, make_hostile
 from xlstm_kit.errors import MissingFileError, XLSTMKitError
-from xlstm_kit.io.jsonfile import JSONFileError, read_bytes, read_json, read_json_lines, regular_file_exists
+from xlstm_kit.io.jsonfile import (JSONFileError, checked_path, read_bytes, read_json, read_json_lines,
+                                  regular_file_exists)
 
 
 def refused(call, needle):
@@ -85,3 +86,68 @@ def test_regular_file_exists_is_false_only_for_nothing_there(tmp_path):
 
     with pytest.raises(Mine, match="fifo is not a regular file"):
         regular_file_exists(tmp_path / "fifo", error=Mine)
+
+
+def _open_descriptors():
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux's /proc/self/fd")
+def test_checked_path_opens_the_file_checked_whatever_is_at_its_name_by_then(tmp_path):
+    """The name checked_path yields (for safetensors, which opens names itself) opens the file
+    that was checked: a FIFO put at its name afterwards is never what is opened. The descriptor
+    is closed when the block ends, also on an error."""
+    f = tmp_path / "weights"
+    f.write_bytes(b"checked")
+    before = _open_descriptors()
+    with checked_path(f) as name:
+        assert name != str(f)
+        f.unlink()
+        os.mkfifo(f)
+        with open(name, "rb") as g:  # a plain open: the FIFO's would block for ever
+            assert g.read() == b"checked"
+    assert _open_descriptors() == before
+    (tmp_path / "again").write_bytes(b"x")
+    with pytest.raises(RuntimeError, match="in the block"):
+        with checked_path(tmp_path / "again"):
+            raise RuntimeError("in the block")
+    assert _open_descriptors() == before
+
+
+@pytest.mark.timeout(60)
+def test_checked_path_refuses_what_is_not_a_regular_file(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "to-fifo").symlink_to(tmp_path / "fifo")
+    for path in (tmp_path / "fifo", tmp_path / "to-fifo", "/dev/null", tmp_path):
+        refused(lambda: checked_path(path).__enter__(), "not a regular file")
+    with pytest.raises(MissingFileError, match="absent does not exist"):
+        with checked_path(tmp_path / "absent"):
+            pass
+
+    class Mine(XLSTMKitError):
+        pass
+
+    with pytest.raises(Mine, match="fifo is not a regular file"):
+        with checked_path(tmp_path / "fifo", error=Mine):
+            pass
+
+
+def test_checked_path_without_proc_yields_the_name(tmp_path, monkeypatch):
+    """Where /proc/self/fd is absent or names something else (not Linux, /proc not mounted), the
+    name itself: there is no other name of a descriptor to hand a reader by name."""
+    f = tmp_path / "weights"
+    f.write_bytes(b"x")
+    real_stat = os.stat
+
+    def no_proc(p, *args, **kwargs):
+        if os.fspath(p).startswith("/proc/"):
+            raise FileNotFoundError(2, "No such file or directory", os.fspath(p))
+        return real_stat(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", no_proc)
+    with checked_path(f) as name:
+        assert name == str(f)
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(tmp_path if os.fspath(p).startswith("/proc/") else p, *a, **k))
+    with checked_path(f) as name:
+        assert name == str(f)

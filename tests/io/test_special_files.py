@@ -308,3 +308,181 @@ def test_weights_of_a_model_without_config_that_are_not_a_file_are_refused(tmp_p
     plant(folder / "model.safetensors", kind)
     error = in_child(lambda: load_weights_into(torch.nn.Linear(3, 2), folder))
     assert error is not None and error[2] and "model.safetensors is not a regular file" in error[1], error
+
+
+# Weights handed to safetensors. It opens the name it is given itself, in native code that holds
+# the GIL: a FIFO at that name blocks the whole process for ever (hence the child process), and a
+# check of the file before that open, by name or by a descriptor then closed, leaves the name
+# free to be swapped in between. The library hands it the name of the descriptor it checked
+# (/proc/self/fd/N) instead, which reopens the file checked, whatever is at its name by then.
+
+needs_proc_fd = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"),
+                                   reason="without /proc/self/fd safetensors is handed the name itself")
+
+
+def _fifo_when_opened(monkeypatch, target, at=1):
+    """safetensors' open, wrapped: at its ``at``-th open of the file ``target`` (told by its
+    inode, whatever name it is handed) a FIFO is put at ``target``'s name first. The file was a
+    regular one for every check before; it is a FIFO once safetensors opens."""
+    import safetensors
+    import safetensors.torch
+
+    from xlstm_kit.io import hf as hf_module
+
+    real, inode = safetensors.safe_open, (os.stat(target).st_dev, os.stat(target).st_ino)
+    opens = []
+
+    def opening(name, *args, **kwargs):
+        st = os.stat(name)
+        if (st.st_dev, st.st_ino) == inode:
+            opens.append(name)
+            if len(opens) == at:
+                plant(target, "fifo")
+        return real(name, *args, **kwargs)
+
+    for module in (safetensors, safetensors.torch, hf_module):
+        monkeypatch.setattr(module, "safe_open", opening)
+
+
+def _same_state(expected):
+    def check(model):
+        state = model.state_dict()
+        for key, value in expected.items():
+            assert torch.equal(state[key], value), key
+    return check
+
+
+def _one_line_refusal(error, name):
+    assert error is not None and error[2], error
+    assert f"{name} is not a regular file" in error[1] and "\n" not in error[1], error
+
+
+@needs_proc_fd
+@pytest.mark.parametrize("how", ["load", "read_model_files", "load_weights_into"])
+def test_our_weights_swapped_for_a_fifo_as_safetensors_opens_them_still_load(tmp_path, monkeypatch, how):
+    """read_model_files (load, a resume of our model) checked model.safetensors, then handed
+    safetensors its name: a FIFO put there in between blocked the process for ever."""
+    from tests.helpers import in_child
+    from xlstm_kit.io.checkpoint import load_weights_into, read_model_files
+
+    folder = ours(tmp_path / "m")
+    model = XLSTMLanguageModel.load(folder)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    _fifo_when_opened(monkeypatch, folder / "model.safetensors")
+
+    def call():
+        if how == "load":
+            _same_state(expected)(XLSTMLanguageModel.load(folder))
+        elif how == "read_model_files":
+            tensors = read_model_files(folder)[1]
+            assert tensors and all(torch.equal(t, expected[k]) for k, t in tensors.items())
+        else:
+            fresh = XLSTMLanguageModel(model.config)
+            load_weights_into(fresh, folder)
+            _same_state(expected)(fresh)
+
+    assert in_child(call, seconds=20) is None
+
+
+@needs_proc_fd
+def test_weights_of_a_model_without_config_swapped_for_a_fifo_as_safetensors_opens_them_still_load(tmp_path, monkeypatch):
+    from safetensors.torch import save_model
+
+    from tests.helpers import in_child
+    from xlstm_kit.io.checkpoint import load_weights_into
+
+    folder = tmp_path / "c"
+    folder.mkdir()
+    torch.manual_seed(1)
+    saved = torch.nn.Linear(3, 2)
+    save_model(saved, str(folder / "model.safetensors"))
+    _fifo_when_opened(monkeypatch, folder / "model.safetensors")
+
+    def call():
+        model = torch.nn.Linear(3, 2)
+        load_weights_into(model, folder)
+        _same_state(saved.state_dict())(model)
+
+    assert in_child(call, seconds=20) is None
+
+
+@pytest.mark.timeout(60)
+def test_our_weights_a_fifo_where_a_stat_of_their_name_sees_a_file_are_refused(tmp_path, monkeypatch):
+    """read_model_files checked model.safetensors by its name (is_file), and without a
+    checksums.json (checkpoints written before them) nothing opened it before safetensors did."""
+    from tests.helpers import in_child
+    from xlstm_kit.io.checkpoint import read_model_files
+
+    folder = ours(tmp_path / "m")
+    (folder / "checksums.json").unlink()
+    stand_in = tmp_path / "stand-in"
+    shutil.copy(folder / "model.safetensors", stand_in)
+    plant(folder / "model.safetensors", "fifo")
+    _stat_sees_a_regular_file(monkeypatch, folder / "model.safetensors", stand_in)
+    _one_line_refusal(in_child(lambda: read_model_files(folder), seconds=20), "model.safetensors")
+
+
+def _sharded_hf(folder):
+    torch.manual_seed(0)
+    m = XLSTMLanguageModel(XLSTMConfig(family="large", vocab_size=VOCAB, d_model=16, n_blocks=2, n_heads=2,
+                                       ffn_proj_factor=1.5, round_proj_to=16))
+    m.save_pretrained(folder, max_shard_size="10KB")
+    return folder
+
+
+@needs_proc_fd
+@pytest.mark.parametrize("opened", ["headers", "tensors"])
+@pytest.mark.parametrize("kind", ["ours", "hf", "hf sharded"])
+def test_weights_swapped_for_a_fifo_as_from_pretrained_opens_them_load_or_are_refused(tmp_path, monkeypatch, kind, opened):
+    """from_pretrained opens each weights file twice, for its headers and for its tensors, each time
+    by the name that weight_files had checked: a FIFO put there before either open blocked the
+    process for ever. Put there as the headers are read, the file is refused at the second open;
+    put there as the tensors are read, they are read from the file that was checked."""
+    from tests.helpers import in_child
+
+    folder = {"ours": ours, "hf": hf, "hf sharded": _sharded_hf}[kind](tmp_path / "m")
+    expected = {k: v.clone() for k, v in XLSTMLanguageModel.from_pretrained(folder).state_dict().items()}
+    if kind == "hf sharded":
+        shards = sorted(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()))
+        assert len(shards) > 1
+        target = folder / shards[-1]
+    else:
+        target = folder / "model.safetensors"
+    _fifo_when_opened(monkeypatch, target, at=1 if opened == "headers" else 2)
+    error = in_child(lambda: _same_state(expected)(XLSTMLanguageModel.from_pretrained(folder)), seconds=20)
+    if opened == "headers":
+        _one_line_refusal(error, target.name)
+    else:
+        assert error is None
+
+
+@pytest.mark.parametrize("replacement", ["other tensors", "other shapes", "other dtypes", "not safetensors"])
+def test_weights_replaced_by_another_file_between_from_pretrained_reads_are_one_line(tmp_path, monkeypatch, replacement):
+    """from_pretrained reads a file's headers, checks them against the config, then opens the file
+    again for its tensors: a regular file put at its name in between that does not hold what the
+    headers said was a SafetensorError traceback (a tensor it lacks) or torch's multi-line error
+    (another shape)."""
+    import safetensors.torch
+
+    from xlstm_kit.io import loading
+
+    folder = hf(tmp_path / "hf")
+    weights = folder / "model.safetensors"
+    tensors = safetensors.torch.load_file(str(weights))
+    other = {"other tensors": {"other": torch.zeros(2)},
+             "other shapes": {k: torch.zeros(*v.shape[:-1], v.shape[-1] + 1, dtype=v.dtype) for k, v in tensors.items()},
+             "other dtypes": {k: v.to(torch.float16 if v.dtype != torch.float16 else torch.float32) for k, v in tensors.items()},
+             "not safetensors": None}[replacement]
+    real = loading.read_headers
+
+    def then_replaced(*args, **kwargs):
+        result = real(*args, **kwargs)
+        weights.unlink()
+        if other is None:
+            weights.write_bytes(b"\x00" * 64)
+        else:
+            safetensors.torch.save_file(other, str(weights))
+        return result
+
+    monkeypatch.setattr(loading, "read_headers", then_replaced)
+    refused(lambda: XLSTMLanguageModel.from_pretrained(folder), "model.safetensors", "was it replaced while loading?")

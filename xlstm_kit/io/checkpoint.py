@@ -54,8 +54,8 @@ from ..errors import MissingFileError, XLSTMKitError
 from .files import (MANIFEST_FILE, _make_hidden_dir, _umask, atomic_write, claim, fsync_dir,  # noqa: F401
                     fsync_tree, manifest_bytes, not_ours, owned_files, save_folder, write_manifest)
 from .locking import RUN_LOCK_FILE, RunLocked, run_lock  # noqa: F401 - part of this module's API
-from .jsonfile import (MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, describe, open_regular, read_bytes,
-                       read_json, regular_file_exists)
+from .jsonfile import (MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, checked_path, describe, open_regular,
+                       read_bytes, read_json, regular_file_exists)
 from .paths import check_writable
 
 # the model checkpoint format (xlstm_kit.io.model_files) is part of this module's API too
@@ -251,15 +251,16 @@ def load_weights_into(model: nn.Module, checkpoint: Path) -> None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         weights = checkpoint / WEIGHTS_FILE
-        # safetensors opens the name itself, in native code that holds the GIL: a FIFO there
-        # would block the whole process, a folder or a device raise a bare OSError
+        # a folder or a device there would be a bare OSError from safetensors, a FIFO a hang
+        # (its open holds the GIL), and an absent file is this message rather than checked_path's
         if not regular_file_exists(weights, CheckpointError):
             raise MissingFileError(f"checkpoint {checkpoint} has no {WEIGHTS_FILE}")
         verify_checksum(checkpoint, WEIGHTS_FILE)
-        try:
-            safetensors.torch.load_model(model, str(weights))
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{weights} is not a readable safetensors file ({e})") from None
+        with checked_path(weights, CheckpointError) as opened:  # the name may be a FIFO by now
+            try:
+                safetensors.torch.load_model(model, opened)
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{weights} is not a readable safetensors file ({e})") from None
         return
     saved, tensors = read_model_files(checkpoint)
     try:

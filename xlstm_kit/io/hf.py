@@ -44,7 +44,7 @@ from ..errors import MissingFileError, XLSTMKitError
 from ..layers.lora import has_adapters
 from ..models.config import XLSTMConfig
 from . import checkpoint
-from .jsonfile import MAX_INDEX_BYTES, read_json, regular_file_exists
+from .jsonfile import MAX_INDEX_BYTES, checked_path, read_json, regular_file_exists
 from .paths import check_writable
 from .tokenizers import HFSpecialTokens
 
@@ -290,12 +290,14 @@ def read_headers(folder: Path, hf: bool, config, weight_mode: str) -> tuple[dict
     files, named, weight_map = weight_files(folder, sharded=hf)
     sources: dict[str, _Source] = {}
     for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                names = list(handle.keys())
-                meta = {n: (handle.get_slice(n).get_shape(), handle.get_slice(n).get_dtype()) for n in names}
-        except (SafetensorError, OSError, ValueError) as e:
-            raise XLSTMKitError(f"{f} is not a readable safetensors file ({e})") from None
+        # weight_files checked the name, which may be a FIFO by now
+        with checked_path(f, XLSTMKitError) as opened:
+            try:
+                with safe_open(opened, framework="pt") as handle:
+                    names = list(handle.keys())
+                    meta = {n: (handle.get_slice(n).get_shape(), handle.get_slice(n).get_dtype()) for n in names}
+            except (SafetensorError, OSError, ValueError) as e:
+                raise XLSTMKitError(f"{f} is not a readable safetensors file ({e})") from None
         for name in names:
             if weight_map is not None and weight_map.get(name) != f.name:
                 raise XLSTMKitError(f"{f} holds {name!r}, which {INDEX_FILE} does not assign to it")
@@ -354,14 +356,33 @@ def materialise(sources: dict[str, _Source], dtype: torch.dtype, device: torch.d
     for key, src in sources.items():
         by_file.setdefault(src.file, []).append(key)
     for f, keys in by_file.items():
-        with safe_open(str(f), framework="pt", device="cpu") as handle:
-            for key in keys:
-                src = sources[key]
-                t = handle.get_slice(src.name)[src.rows[0]:src.rows[1]] if src.rows else handle.get_tensor(src.name)
-                t = t.to(device=device, dtype=dtype)
-                if not bool(torch.isfinite(t).all()):
-                    raise checkpoint.CheckpointError(f"{f}: {src.name} holds NaN or infinite values; the weights are unusable")
-                yield key, t.contiguous()
+        # opened again, by a name that may be a FIFO since read_headers
+        with checked_path(f, XLSTMKitError) as opened:
+            try:
+                handle = safe_open(opened, framework="pt", device="cpu")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise XLSTMKitError(f"{f} is not a readable safetensors file ({e}); was it replaced while loading?") from None
+            with handle:
+                for key in keys:
+                    src = sources[key]
+                    t = _read(handle, f, src).to(device=device, dtype=dtype)
+                    if not bool(torch.isfinite(t).all()):
+                        raise checkpoint.CheckpointError(f"{f}: {src.name} holds NaN or infinite values; the weights are unusable")
+                    yield key, t.contiguous()
+
+
+def _read(handle, f: Path, src: _Source) -> torch.Tensor:
+    # The file was opened again after read_headers, and a regular file put at its name in between
+    # (checked_path refuses anything else) need not hold what the headers checked: safetensors'
+    # error would be a traceback, a tensor of another shape torch's multi-line one.
+    try:
+        t = handle.get_slice(src.name)[src.rows[0]:src.rows[1]] if src.rows else handle.get_tensor(src.name)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise XLSTMKitError(f"{f} is not a readable safetensors file ({e}); was it replaced while loading?") from None
+    if list(t.shape) != src.shape or t.dtype != _FLOAT_DTYPES.get(src.dtype):
+        raise XLSTMKitError(f"{f}: {src.name} is {t.dtype} {list(t.shape)}, its header said {src.dtype} {src.shape}; "
+                            f"was it replaced while loading?")
+    return t
 
 
 def target_dtype(sources: dict[str, _Source], dtype) -> torch.dtype:

@@ -11,11 +11,12 @@ of file can be, and a value of the wrong JSON type is an XLSTMKitError naming th
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterator
 
 from ..errors import MissingFileError, XLSTMKitError
 
@@ -130,14 +131,47 @@ def regular_file_exists(path: str | Path, error: type[XLSTMKitError] = JSONFileE
     that cannot be opened. For files that may be absent: a check of the name (``is_file``) passes
     over such a file as if it were absent, and a model would load without the file it has. Opened
     and checked as :func:`open_regular` does, then closed. Where a reader opens the file by name
-    afterwards (safetensors, a run's ``latest``), this refuses what is there now; what is put
-    there in between is the reader's to refuse."""
+    afterwards (a run's ``latest``), this refuses what is there now; what is put there in
+    between is the reader's to refuse. safetensors is handed :func:`checked_path`'s name."""
     try:
         fd, _ = _open_regular(Path(path), error)
     except MissingFileError:
         return False
     os.close(fd)
     return True
+
+
+def _descriptor_name(fd: int, st: os.stat_result) -> str | None:
+    """/proc/self/fd/``fd`` where it names the file open as ``fd`` (Linux): an open of it opens
+    that inode again, not whatever is at the file's name by then. None elsewhere."""
+    name = f"/proc/self/fd/{fd}"
+    try:
+        there = os.stat(name)
+    except OSError:
+        return None
+    return name if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino) else None
+
+
+@contextlib.contextmanager
+def checked_path(path: str | Path, error: type[XLSTMKitError] = JSONFileError) -> Iterator[str]:
+    """A name to hand a reader that opens files only by name (safetensors), for ``path`` opened
+    and checked as :func:`open_regular` does; the descriptor stays open until the block ends.
+
+    safetensors opens the name itself, in native code that holds the GIL: a FIFO at that name
+    blocks the whole process for ever, beyond any timeout, and any check of the name before
+    (even through a descriptor then closed) leaves it free to be swapped in between. The name
+    yielded is that of the checked descriptor, /proc/self/fd/N, whose open reopens the file that
+    was checked. Where there is no such name (not Linux, /proc not mounted) it is ``path``
+    itself, and a FIFO put there after the check still blocks: safetensors takes neither a
+    descriptor nor a file object, and reading the file into memory instead would not do for
+    weights of many gigabytes. ``error`` for anything but a regular file; MissingFileError when
+    nothing is there."""
+    path = Path(path)
+    fd, st = _open_regular(path, error)
+    try:
+        yield _descriptor_name(fd, st) or str(path)
+    finally:
+        os.close(fd)
 
 
 def read_bytes(path: str | Path, max_bytes: int, error: type[XLSTMKitError] = JSONFileError) -> bytes:

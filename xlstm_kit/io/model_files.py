@@ -19,8 +19,8 @@ from ..errors import MissingFileError, XLSTMKitError
 from ..layers.lora import has_adapters
 from ..models.lora import adapter_config
 from .files import _umask, save_folder
-from .jsonfile import (MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, open_regular, read_json,
-                       regular_file_exists)
+from .jsonfile import (MAX_CONFIG_BYTES, MAX_META_BYTES, MAX_TOKENIZER_BYTES, checked_path, open_regular,
+                       read_json, regular_file_exists)
 from .paths import check_writable
 
 CONFIG_FILE = "config.json"
@@ -147,10 +147,12 @@ def read_model_files(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
             raise MissingFileError(f"checkpoint {str(directory)!r} has no {p.name}; is it an xlstm_kit model folder?")
     config = read_json(cfg_path, MAX_CONFIG_BYTES)
     verify_checksum(directory, WEIGHTS_FILE)
-    try:
-        tensors = safetensors.torch.load_file(str(weights_path), device="cpu")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise XLSTMKitError(f"{weights_path} is not a readable safetensors file ({e}); the checkpoint is corrupt") from None
+    # the checks above were of the name, which may be a FIFO by now
+    with checked_path(weights_path, CheckpointError) as opened:
+        try:
+            tensors = safetensors.torch.load_file(opened, device="cpu")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise XLSTMKitError(f"{weights_path} is not a readable safetensors file ({e}); the checkpoint is corrupt") from None
     return config, tensors
 
 
