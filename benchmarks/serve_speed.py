@@ -283,6 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--system-len", type=int, default=1000, help="shared system prompt of the prefix runs")
     ap.add_argument("--prefix-requests", type=int, default=32, help="requests of each prefix run")
     ap.add_argument("--max-batch", type=int, default=None, help="server slots (default: the largest level)")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="the server's prompt tokens per pass (default: the server's own)")
     ap.add_argument("--clients", type=int, default=8, help="client processes of the load generator")
     ap.add_argument("--prefill-lens", default="16,128,200,512,777,1024",
                     help="prompt lengths of the prompt-read timings (eager and compiled); empty: none")
@@ -313,6 +315,8 @@ def main(argv=None) -> int:
         common += ["--dtype", {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]]
     if args.compile:
         common.append("--compile")
+    if args.prefill_chunk:
+        common += ["--prefill-chunk", str(args.prefill_chunk)]
     if device == "cpu":
         common += ["--threads", "1"]
     with tempfile.TemporaryDirectory(dir=out) as work:
