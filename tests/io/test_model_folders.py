@@ -267,6 +267,39 @@ def test_an_interrupted_save_never_replaces_a_file_it_did_not_write(tmp_path, mo
     assert (x / "README.md").read_text() == "mine"
 
 
+def test_a_file_put_into_the_commit_folder_moves_in_but_stays_the_users(tmp_path, monkeypatch):
+    """A file in the commit folder that its manifest does not list (put there by someone else while
+    the save was interrupted) moves in with the save but is never claimed, not even while the save
+    is carried out (it was, until the commit folder's manifest replaced the folder's: a process
+    killed in between left it listed as ours): the next save leaves it as it is instead of
+    removing it as a stale file of ours."""
+    import os
+
+    from xlstm_kit.io import files
+
+    x = tmp_path / "x"
+    large(1).save(x)
+    commit = _interrupted_after_commit(x, monkeypatch, lambda: large(2).save_pretrained(x))
+    (commit / "notes.txt").write_text("theirs")
+    real = os.replace
+
+    def killed_at_first_move(src, dst, *a, **kw):
+        if files.COMMIT_DIR in str(src):
+            raise KeyboardInterrupt
+        return real(src, dst, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", killed_at_first_move)
+        with pytest.raises(KeyboardInterrupt):
+            files.finish_interrupted_save(x)
+    assert "notes.txt" not in files.owned_files(x) and "model.safetensors" in files.owned_files(x)
+    assert same(XLSTMLanguageModel.from_pretrained(x), large(2))
+    assert (x / "notes.txt").read_text() == "theirs" and "notes.txt" not in files.owned_files(x)
+    assert "model.safetensors" in files.owned_files(x)
+    large(3).save(x)
+    assert (x / "notes.txt").read_text() == "theirs" and same(XLSTMLanguageModel.load(x), large(3))
+
+
 def test_a_save_over_an_earlier_versions_model_killed_while_finishing_completes(tmp_path, monkeypatch):
     """The earlier version's files are written into the manifest before the commit: once the new
     weights (safetensors metadata "pt") are in, nothing else shows that its checksums.json is

@@ -283,7 +283,10 @@ def finish_interrupted_save(folder: str | Path) -> None:
         # be deleted or overwritten by the next save as one of ours. The files brought in go into
         # the folder's manifest before they move, so that a process carrying the save out again
         # (this one killed, or another at once) that no longer finds them here counts them too.
-        claimable = ours | set(moves)
+        # Only the names the commit folder's own manifest lists: a file put into the commit folder
+        # by anyone else moves with the save but stays the user's (not deletable by a later save).
+        listed = owned_files(commit)
+        claimable = ours | (set(moves) & listed)
         claim(folder, claimable)
         for name in moves:
             with contextlib.suppress(FileNotFoundError):  # moved by a process finishing it too
@@ -294,7 +297,6 @@ def finish_interrupted_save(folder: str | Path) -> None:
                 (folder / name).unlink(missing_ok=True)
         # last: the old manifest listed the removed files. An unreadable one lists nothing: it
         # goes in as it is, and then nothing in the folder counts as ours.
-        listed = owned_files(commit)
         if listed <= claimable:
             with contextlib.suppress(FileNotFoundError):  # moved by a process finishing it too
                 os.replace(commit / MANIFEST_FILE, folder / MANIFEST_FILE)
