@@ -310,6 +310,22 @@ def test_weights_of_a_model_without_config_that_are_not_a_file_are_refused(tmp_p
     assert error is not None and error[2] and "model.safetensors is not a regular file" in error[1], error
 
 
+def test_weights_of_another_model_without_config_are_one_line(tmp_path):
+    """A model of another kind (no config) resumed from weights of another shape or other names:
+    torch's load raised its multi-line RuntimeError."""
+    from safetensors.torch import save_model
+
+    from xlstm_kit.io.checkpoint import CheckpointError, load_weights_into
+
+    folder = tmp_path / "c"
+    folder.mkdir()
+    save_model(torch.nn.Linear(3, 2), str(folder / "model.safetensors"))
+    for other in (torch.nn.Linear(4, 2), torch.nn.Sequential(torch.nn.Linear(3, 2))):
+        with pytest.raises(CheckpointError, match="holds weights of another model") as e:
+            load_weights_into(other, folder)
+        assert "\n" not in str(e.value)
+
+
 # Weights handed to safetensors. It opens the name it is given itself, in native code that holds
 # the GIL: a FIFO at that name blocks the whole process for ever (hence the child process), and a
 # check of the file before that open, by name or by a descriptor then closed, leaves the name

@@ -261,6 +261,9 @@ def load_weights_into(model: nn.Module, checkpoint: Path) -> None:
                 safetensors.torch.load_model(model, opened)
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{weights} is not a readable safetensors file ({e})") from None
+            except RuntimeError as e:  # missing or unexpected keys, other shapes: torch's many lines
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise CheckpointError(f"{weights} holds weights of another model ({first})") from None
         return
     saved, tensors = read_model_files(checkpoint)
     try:
