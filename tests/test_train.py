@@ -169,7 +169,9 @@ def _stop_at(step, how):
 
 
 @pytest.mark.parametrize("how,stop_step", [("keyboard", 3), ("sigterm", 3)])
-def test_interrupt_then_resume_is_exact(data, tmp_path, how, stop_step):
+def test_interrupt_then_resume_is_exact(data, tmp_path, how, stop_step, single_thread):
+    # one thread: the "auto" thread policy follows the machine's load, and two thread counts sum
+    # in different orders
     cfg = small_config(steps=6, checkpoint_interval=0)
     full_model = small_model()
     full = T.train(full_model, data, cfg, tmp_path / "full", device="cpu")
@@ -623,7 +625,7 @@ def linear(seed=0):
     return torch.nn.Linear(3, 1)
 
 
-def test_a_workload_of_its_own_trains_logs_and_resumes_exactly(tmp_path):
+def test_a_workload_of_its_own_trains_logs_and_resumes_exactly(tmp_path, single_thread):
     cfg = T.TrainConfig(steps=8, batch_size=8, lr=0.1, min_lr=0.01, warmup_steps=0, weight_decay=0.0,
                         eval_interval=0, checkpoint_interval=0, log_interval=3)
     whole_model = linear()

@@ -3,7 +3,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from tests.helpers import HOSTILE_FILES, HOSTILE_MESSAGES, make_hostile
 from xlstm_kit.cli import main
@@ -140,20 +139,11 @@ def test_workers_per_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["formal", "mqar"])
-def test_a_paused_grid_point_continues_to_the_uninterrupted_result(tmp_path, monkeypatch, kind):
+def test_a_paused_grid_point_continues_to_the_uninterrupted_result(tmp_path, monkeypatch, kind, single_thread):
     """--stop-after: a run stopped mid-way (checkpoint) and continued gives exactly the result of
-    an uninterrupted run: same losses, same accuracy; the checkpoint is gone when it is done."""
-    # one CPU thread throughout: the "auto" thread policy follows the machine's load, and two
-    # thread counts sum in different orders (the resumed run once differed in the 7th digit)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _paused_and_continued(tmp_path, monkeypatch, kind)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _paused_and_continued(tmp_path, monkeypatch, kind):
+    an uninterrupted run: same losses, same accuracy; the checkpoint is gone when it is done. One
+    CPU thread throughout: the "auto" thread policy follows the machine's load, and two thread
+    counts sum in different orders (the resumed run once differed in the 7th digit)."""
     import itertools
 
     from xlstm_kit.experiments import experiment as ex
