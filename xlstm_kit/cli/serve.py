@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from .._extras import require
@@ -39,6 +40,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
     template = find_chat_template(Path(folder), Path(args.checkpoint))
     name = args.model_name or Path(args.checkpoint).resolve().name
+    if device.type == "cuda" or args.compile:  # Engine.start records and compiles before it returns
+        print(f"{PROG}: preparing the decode step and the prompt reads (compiled on first use: up to a "
+              "few minutes)...", file=sys.stderr, flush=True)
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                     prefill_chunk=args.prefill_chunk, prefix_cache_bytes=args.prefix_cache_mb << 20,
                     cuda_graph=args.cuda_graph).start()
