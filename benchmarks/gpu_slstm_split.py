@@ -2,7 +2,8 @@
 
     python3 benchmarks/gpu_slstm_split.py PLAN [OLD_PYTHONPATH]
 
-PLAN: `variants` (kernel variants at the 125M shape and D = 128), `compare` (old vs new
+PLAN: `variants` (kernel variants at the 125M shape and D = 128), `stack` (the forward's
+gates as one stacked operand against four), `compare` (old vs new
 default at the issue's shapes). Checks (float64 reference, NaN) come first; each group of
 checks and timings runs in a child process under `timeout` (a barrier that never opens must
 not eat the call); results go to $OUT/slstm-split.jsonl, one line each on stdout.
@@ -110,8 +111,8 @@ def spawn(specs, pythonpath, limit):
             print(res["stderr"][-800:], flush=True)
 
 
-def cfg(bu, warps=4, prefetch=True, resident=True):
-    return dict(num_warps=warps, r_resident=resident, prefetch=prefetch, block_u=bu)
+def cfg(bu, warps=4, prefetch=True, resident=True, stack=False):
+    return dict(num_warps=warps, r_resident=resident, prefetch=prefetch, block_u=bu, stack_gates=stack)
 
 
 SHAPES = [(16, 2048, 4, 192), (16, 1024, 4, 128), (16, 2048, 4, 256), (8, 2048, 4, 384),
@@ -128,6 +129,15 @@ def plan(name):
         specs += [dict(kind="time", shape=s192, cfg=c) for c in (cfg(64), cfg(64, 8), cfg(32), cfg(16))]
         specs += [dict(kind="time", shape=s128, cfg=c) for c in (None, cfg(64), cfg(32))]
         yield "new", specs, 180
+    elif name == "stack":  # the forward's four gates as one stacked operand (M = 4·BU) or four
+        specs = [dict(kind="check", shape=(16, 48, 4, 192), cfg=cfg(16, stack=True), seed=1),
+                 dict(kind="check", shape=(8, 48, 4, 384), cfg=cfg(32, stack=True), seed=2),
+                 dict(kind="check", shape=(16, 48, 4, 128), cfg=cfg(16, stack=True), seed=3),
+                 dict(kind="check", shape=(16, 48, 4, 128), cfg=dict(num_warps=8, r_resident=True, prefetch=False,
+                                                                     stack_gates=True), seed=4)]
+        for shape, bu in (((16, 2048, 4, 192), 16), ((16, 1024, 4, 128), 16), ((64, 2048, 4, 192), 32)):
+            specs += [dict(kind="time", shape=shape, cfg=cfg(bu, stack=st)) for st in (False, True)]
+        yield "new", specs, 200
     elif name == "compare":  # old vs new default at the shapes
         specs = [dict(kind="check", shape=(16, 48, 4, 192), cfg=None, seed=1),
                  dict(kind="check", shape=(8, 48, 4, 384), cfg=None, seed=2),

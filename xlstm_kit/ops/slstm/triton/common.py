@@ -195,6 +195,35 @@ def _load_r_chunks(R, RLO, hd, NH, D, ru, KC: tl.constexpr, NKC: tl.constexpr,
 
 
 @triton.jit
+def _load_r_stacked(R, RLO, hd, NH, D, BU: tl.constexpr, rk, EVEN_D: tl.constexpr, MM: tl.constexpr):
+    """(hi, lo) of the four gates' R_gᵀ rows of this program's units (program 0 along the unit
+    blocks) stacked into one [4·BU, KC] tile for the K columns rk: row g·BU + j is unit j of
+    gate g, so one dot of M = 4·BU takes all four gates."""
+    rr = tl.arange(0, 4 * BU)
+    g = rr // BU
+    u = tl.program_id(0) * BU + rr % BU
+    off = ((g * NH + hd).to(tl.int64) * D * D)[:, None] + rk[None, :] * D + u[:, None]
+    rmask = (u < D)[:, None] & (rk < D)[None, :]
+    r_hi = _ld(R + off, rmask, EVEN_D)
+    if MM == 2:
+        r_lo = _ld(RLO + off, rmask, EVEN_D)
+    else:
+        r_lo = r_hi
+    return r_hi, r_lo
+
+
+@triton.jit
+def _split_gates(acc, BU: tl.constexpr, BT: tl.constexpr):
+    """The four [BU, BT] gate tiles (i, f, z, o) of a stacked [4·BU, BT] product."""
+    a = tl.permute(tl.reshape(acc, [4, BU, BT]), (1, 2, 0))    # [BU, BT, 4]: gate q = 2·p + r
+    a = tl.reshape(a, [BU, BT, 2, 2])
+    even, odd = tl.split(a)                                     # r = 0: gates 0, 2; r = 1: gates 1, 3
+    g_i, g_z = tl.split(even)
+    g_f, g_o = tl.split(odd)
+    return g_i, g_f, g_z, g_o
+
+
+@triton.jit
 def _ld_gates(base, off, HD, mask, EVEN: tl.constexpr):
     """The four gate tiles of a [.., 4, H, D] tensor: base + g * HD + off for g = i, f, z, o."""
     out = ()

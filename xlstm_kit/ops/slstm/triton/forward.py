@@ -32,32 +32,53 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_ld, _ld_gates, _ld_init, _ld_shared, _live, _load_r, _load_r_chunks, _log_sigmoid,
-                     _mm, _sigmoid, _st, _st_gates, _sync, _tanh, _tile)
+from .common import (_ld, _ld_gates, _ld_init, _ld_shared, _live, _load_r, _load_r_chunks, _load_r_stacked,
+                     _log_sigmoid, _mm, _sigmoid, _split_gates, _st, _st_gates, _sync, _tanh, _tile)
 from .config import SLSTMKernelConfig, flags, grid_of, launch
 
 
 @triton.jit
 def _matvec(g, h, HX, col_h, slot, mask_b, rs, R, RLO, hd, NH, D, HD, ru,
             KC: tl.constexpr, NKC: tl.constexpr, EVEN_HK: tl.constexpr, EVEN_D: tl.constexpr,
-            MM: tl.constexpr, R_RESIDENT: tl.constexpr, SCRATCH: tl.constexpr, SYNC: tl.constexpr):
+            MM: tl.constexpr, R_RESIDENT: tl.constexpr, SCRATCH: tl.constexpr, SYNC: tl.constexpr,
+            STACK: tl.constexpr, BU: tl.constexpr, BT: tl.constexpr):
     """g_k += R_kᵀ[units ru, :] @ h_{t-1}ᵀ for the four gates: h from registers (the program
-    holds the whole head, one K chunk) or, with SCRATCH, from slot `slot` of HX in NKC chunks."""
-    for c in tl.static_range(NKC):
-        rk = c * KC + tl.arange(0, KC)
-        if SCRATCH:
-            h_k = _ld_shared(HX + col_h + slot * HD + rk[:, None], (rk < D)[:, None] & mask_b,
-                             EVEN_HK, SYNC)
-        else:
-            h_k = h
-        acc = ()
-        for k in tl.static_range(4):
-            if R_RESIDENT:
-                r_k, rk_lo = rs[k * NKC + c]
+    holds the whole head, one K chunk) or, with SCRATCH, from slot `slot` of HX in NKC chunks.
+    STACK: the four gates' rows as one [4·BU, KC] operand (one dot of M = 4·BU per chunk instead
+    of four of M = BU), the product split into the gates after the K chunks."""
+    # (an if/else, not an early return: the compiler would still build what follows a return)
+    if STACK:
+        stacked = tl.zeros([4 * BU, BT], dtype=g[0].dtype)
+        for c in tl.static_range(NKC):
+            rk = c * KC + tl.arange(0, KC)
+            if SCRATCH:
+                h_k = _ld_shared(HX + col_h + slot * HD + rk[:, None], (rk < D)[:, None] & mask_b,
+                                 EVEN_HK, SYNC)
             else:
-                r_k, rk_lo = _load_r(R, RLO, k, hd, NH, D, ru, rk, EVEN_D, True, MM)
-            acc = acc + (_mm(r_k, rk_lo, h_k, g[k], MM),)
-        g = acc
+                h_k = h
+            if R_RESIDENT:
+                r_hi, r_lo = rs[c]
+            else:
+                r_hi, r_lo = _load_r_stacked(R, RLO, hd, NH, D, BU, rk, EVEN_D, MM)
+            stacked = _mm(r_hi, r_lo, h_k, stacked, MM)
+        parts = _split_gates(stacked, BU, BT)
+        g = (g[0] + parts[0], g[1] + parts[1], g[2] + parts[2], g[3] + parts[3])
+    else:
+        for c in tl.static_range(NKC):
+            rk = c * KC + tl.arange(0, KC)
+            if SCRATCH:
+                h_k = _ld_shared(HX + col_h + slot * HD + rk[:, None], (rk < D)[:, None] & mask_b,
+                                 EVEN_HK, SYNC)
+            else:
+                h_k = h
+            acc = ()
+            for k in tl.static_range(4):
+                if R_RESIDENT:
+                    r_k, rk_lo = rs[k * NKC + c]
+                else:
+                    r_k, rk_lo = _load_r(R, RLO, k, hd, NH, D, ru, rk, EVEN_D, True, MM)
+                acc = acc + (_mm(r_k, rk_lo, h_k, g[k], MM),)
+            g = acc
     return g
 
 
@@ -71,6 +92,7 @@ def _slstm_fwd_kernel(
     EVEN_D: tl.constexpr, EVEN_HK: tl.constexpr, EXP_FORGET: tl.constexpr, HAS_INIT: tl.constexpr,
     SAVE: tl.constexpr, SAVE_H: tl.constexpr, MM: tl.constexpr, R_RESIDENT: tl.constexpr,
     PREFETCH: tl.constexpr, SCRATCH: tl.constexpr, SYNC: tl.constexpr, VARLEN: tl.constexpr,
+    STACK: tl.constexpr,
 ):
     # X [B,T,4,H,D], HOUT/HS/CS/NS/MS [B,T,H,D], G [B,T,4,H,D], states [B,H,D]; all contiguous.
     # Tiles are [BU, BT]: BU units of one head (rows) for BT batch entries (columns), so that
@@ -104,7 +126,11 @@ def _slstm_fwd_kernel(
         bias = bias + (_ld(BIAS + (k * NH + hd) * D + ru, md, EVEN_D).to(sdt)[:, None],)
     rs = ()
     if R_RESIDENT:
-        rs = _load_r_chunks(R, RLO, hd, NH, D, ru, KC, NKC, EVEN_D, True, MM)
+        if STACK:
+            for kc in tl.static_range(NKC):  # (not c: the cell state's name here)
+                rs = rs + (_load_r_stacked(R, RLO, hd, NH, D, BU, kc * KC + tl.arange(0, KC), EVEN_D, MM),)
+        else:
+            rs = _load_r_chunks(R, RLO, hd, NH, D, ru, KC, NKC, EVEN_D, True, MM)
     if SCRATCH:
         _st(HX + col_h + 1 * HD + u0, h, mask, EVEN)  # h_{-1} in slot (−1) mod 2
         _sync(CNT + grp, 1, P, SYNC)
@@ -129,7 +155,7 @@ def _slstm_fwd_kernel(
         for k in tl.static_range(4):
             g = g + (x[k].to(sdt) + bias[k],)
         g = _matvec(g, h, HX, col_h, (t + 1) % 2, mask_b, rs, R, RLO, hd, NH, D, HD, ru, KC, NKC,
-                    EVEN_HK, EVEN_D, MM, R_RESIDENT, SCRATCH, SYNC)
+                    EVEN_HK, EVEN_D, MM, R_RESIDENT, SCRATCH, SYNC, STACK, BU, BT)
 
         g_i, g_f, g_z, g_o = g
         if EXP_FORGET:
@@ -214,7 +240,7 @@ def forward(x, r_hi, r_lo, mm: int, b, init, exp_forget: bool, save: bool,
         BT=bt, BU=lc.bu, KC=lc.kc, NKC=lc.nkc, **flags(rows, dim, bt, lc, varlen),
         EXP_FORGET=exp_forget, HAS_INIT=init is not None, SAVE=save, SAVE_H=save_h, MM=mm,
         R_RESIDENT=config.r_resident, PREFETCH=config.prefetch, SCRATCH=lc.scratch,
-        SYNC=lc.p > 1, VARLEN=varlen, num_warps=config.num_warps, num_stages=1,
+        SYNC=lc.p > 1, VARLEN=varlen, STACK=config.stack_gates, num_warps=config.num_warps, num_stages=1,
     )
     saved = (hs, g, cs, ns, ms) if save else None
     return h_out, tuple(final), saved
