@@ -38,6 +38,18 @@ from .config import SLSTMKernelConfig, flags, grid_of, launch
 
 
 @triton.jit
+def _h_chunk(h, HX, col_h, slot, mask_b, rk, D, HD, EVEN_HK: tl.constexpr, SCRATCH: tl.constexpr,
+             SYNC: tl.constexpr):
+    """K chunk rk of h_{t-1} [KC, BT]: from slot `slot` of the scratch HX (SCRATCH), else h itself
+    (the program holds the whole head in one chunk)."""
+    if SCRATCH:
+        h_k = _ld_shared(HX + col_h + slot * HD + rk[:, None], (rk < D)[:, None] & mask_b, EVEN_HK, SYNC)
+    else:
+        h_k = h
+    return h_k
+
+
+@triton.jit
 def _matvec(g, h, HX, col_h, slot, mask_b, rs, R, RLO, hd, NH, D, HD, ru,
             KC: tl.constexpr, NKC: tl.constexpr, EVEN_HK: tl.constexpr, EVEN_D: tl.constexpr,
             MM: tl.constexpr, R_RESIDENT: tl.constexpr, SCRATCH: tl.constexpr, SYNC: tl.constexpr,
@@ -51,11 +63,7 @@ def _matvec(g, h, HX, col_h, slot, mask_b, rs, R, RLO, hd, NH, D, HD, ru,
         stacked = tl.zeros([4 * BU, BT], dtype=g[0].dtype)
         for c in tl.static_range(NKC):
             rk = c * KC + tl.arange(0, KC)
-            if SCRATCH:
-                h_k = _ld_shared(HX + col_h + slot * HD + rk[:, None], (rk < D)[:, None] & mask_b,
-                                 EVEN_HK, SYNC)
-            else:
-                h_k = h
+            h_k = _h_chunk(h, HX, col_h, slot, mask_b, rk, D, HD, EVEN_HK, SCRATCH, SYNC)
             if R_RESIDENT:
                 r_hi, r_lo = rs[c]
             else:
@@ -66,11 +74,7 @@ def _matvec(g, h, HX, col_h, slot, mask_b, rs, R, RLO, hd, NH, D, HD, ru,
     else:
         for c in tl.static_range(NKC):
             rk = c * KC + tl.arange(0, KC)
-            if SCRATCH:
-                h_k = _ld_shared(HX + col_h + slot * HD + rk[:, None], (rk < D)[:, None] & mask_b,
-                                 EVEN_HK, SYNC)
-            else:
-                h_k = h
+            h_k = _h_chunk(h, HX, col_h, slot, mask_b, rk, D, HD, EVEN_HK, SCRATCH, SYNC)
             acc = ()
             for k in tl.static_range(4):
                 if R_RESIDENT:
