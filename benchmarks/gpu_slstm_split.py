@@ -3,7 +3,7 @@
     python3 benchmarks/gpu_slstm_split.py PLAN [OLD_PYTHONPATH]
 
 PLAN: `variants` (kernel variants at the 125M shape and D = 128), `stack` (the forward's
-gates as one stacked operand against four), `compare` (old vs new
+gates as one stacked operand against four), `stack32` (the same, float32 R), `compare` (old vs new
 default at the issue's shapes). Checks (float64 reference, NaN) come first; each group of
 checks and timings runs in a child process under `timeout` (a barrier that never opens must
 not eat the call); results go to $OUT/slstm-split.jsonl, one line each on stdout.
@@ -34,7 +34,8 @@ def job(spec):
     dev = "cuda"
     torch.manual_seed(spec.get("seed", 0))
     x = (torch.randn(B, T, 4, H, D, device=dev)).to(dt)
-    r = (torch.randn(4, H, D, D, device=dev) / D ** 0.5).to(dt)
+    # r_dtype float32: a model's float32 weights under bf16 autocast (split hi + lo, MM 2)
+    r = (torch.randn(4, H, D, D, device=dev) / D ** 0.5).to(getattr(torch, spec.get("r_dtype", str(dt)[6:])))
     b = (torch.randn(4, H, D, device=dev) * 0.1).to(dt)
     res = dict(spec)
 
@@ -103,7 +104,7 @@ def spawn(specs, pythonpath, limit):
     for res in done:
         with open(os.path.join(OUT, "slstm-split.jsonl"), "a") as f:
             f.write(json.dumps(res) + "\n")
-        brief = {k: res.get(k) for k in ("kind", "code", "shape", "cfg", "dtype", "fwd_ms",
+        brief = {k: res.get(k) for k in ("kind", "code", "shape", "cfg", "dtype", "r_dtype", "fwd_ms",
                                            "fwd_bwd_ms", "max_err", "ok", "nan", "failed", "wall_s")
                  if res.get(k) is not None}
         print(json.dumps(brief), flush=True)
@@ -137,6 +138,13 @@ def plan(name):
                                                                      stack_gates=True), seed=4)]
         for shape, bu in (((16, 2048, 4, 192), 16), ((16, 1024, 4, 128), 16), ((64, 2048, 4, 192), 32)):
             specs += [dict(kind="time", shape=shape, cfg=cfg(bu, stack=st)) for st in (False, True)]
+        yield "new", specs, 200
+    elif name == "stack32":  # the same with float32 R (a model's weights under autocast)
+        specs = [dict(kind="check", shape=(16, 48, 4, 192), cfg=cfg(16, stack=True), r_dtype="float32", seed=1),
+                 dict(kind="check", shape=(8, 48, 4, 384), cfg=cfg(32, stack=True), r_dtype="float32", seed=2)]
+        for shape, bu in (((16, 2048, 4, 192), 16), ((64, 2048, 4, 192), 32)):
+            specs += [dict(kind="time", shape=shape, cfg=cfg(bu, stack=st), r_dtype="float32")
+                      for st in (False, True)]
         yield "new", specs, 200
     elif name == "compare":  # old vs new default at the shapes
         specs = [dict(kind="check", shape=(16, 48, 4, 192), cfg=None, seed=1),
