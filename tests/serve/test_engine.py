@@ -260,7 +260,7 @@ def test_batch_buckets():
 
 def test_a_compiled_prefill_gives_the_tokens_of_generate_alone():
     """With compile_prefill (xlstm-kit serve --compile) the engine compiles the prompt reads as it
-    starts, for every kind of length (WARM_LENGTHS): requests of other lengths, alone or continued
+    starts, every piece length of its prompt reader: requests of other lengths, alone or continued
     from a cached prefix, compile nothing more, and each gets the tokens `generate` gives its
     prompt alone with the same compiled reads (compiled and eager logits may differ in the last
     bits, which can flip a greedy choice of a random model)."""

@@ -9,6 +9,11 @@ from ..errors import XLSTMKitError
 _UNSUPPORTED_ID_DTYPES = (torch.uint16, torch.uint32, torch.uint64)
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being recorded on the current stream of t's device."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_token_ids(tokens: torch.Tensor, vocab: int | None, what: str = "tokens") -> None:
     """Integer ids in [0, vocab), compared as Python ints: a uint8 or int8 comparison with the
     vocabulary size would wrap it (256 -> 0)."""
@@ -19,9 +24,9 @@ def check_token_ids(tokens: torch.Tensor, vocab: int | None, what: str = "tokens
                             f"int8 or uint8")
     if tokens.numel() == 0:
         return
-    if torch.compiler.is_compiling():
-        # int() of a device tensor waits for the device and splits the compiled graph (and its
-        # CUDA graph): an asynchronous device-side assertion checks the range instead
+    if torch.compiler.is_compiling() or capturing(tokens):
+        # int() of a device tensor waits for the device, splits the compiled graph and cannot be
+        # recorded in a CUDA graph: an asynchronous device-side assertion checks the range instead
         ok = tokens.min().long() >= 0  # as int64: a uint8 comparison with 256 would wrap
         if vocab is not None:
             ok = ok & (tokens.max().long() < vocab)

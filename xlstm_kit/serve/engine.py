@@ -11,10 +11,11 @@ gathers or scatters states.
 One thread runs the loop; each pass is a token boundary:
 1. cancelled requests leave; waiting requests take free slots (first come, first served);
 2. prompts are read, at most `prefill_chunk` tokens per pass in all, so that a long prompt is
-   read in pieces between decode steps and the running streams keep flowing; whole short
-   prompts that start from nothing are read together in one packed call (generation's own
-   prefill); a request's first token is sampled from its prompt's logits and sent at once,
-   and it joins the decoding rows;
+   read in pieces between decode steps and the running streams keep flowing. Each request
+   being read owns a row of the prompt reader's state rows (`prefill.py`), and all the prompt
+   tokens of a pass are read together in pieces of power-of-two lengths, CUDA graphs on a
+   GPU; a request's first token is sampled from its prompt's logits and sent at once, and it
+   joins the decoding rows;
 3. one decode step over the decoding rows and one token sampled for each, on the device; the
    tokens of the step before are then taken on the host (one step in flight, its tokens copied
    to the host behind it, so that the host's work overlaps the device's).
@@ -22,11 +23,12 @@ One thread runs the loop; each pass is a token boundary:
 On CUDA the step over rows 0..b-1 is recorded once per batch-size bucket b (powers of two up
 to max_batch) as a CUDA graph that reads and writes the slots themselves; rows n..b-1 of a
 bucket are free slots computing nothing anyone reads. On the CPU the step runs eagerly on
-exactly n rows.
+exactly n rows. Prompt reads are recorded too, one graph per (bucket, piece length); the
+reader holds two more blocks of max_batch states (its rows and the graphs' input rows).
 
 Greedy requests get the tokens `generate` gives each prompt alone: each row of the step
-depends on its own state only, and a prompt is read by the same forward pass (up to the
-rounding of kernels picked per batch size). A request with a seed samples with its own
+depends on its own state only, and a prompt read in pieces reaches the state of one read (up
+to the rounding of kernels picked per shape). A request with a seed samples with its own
 generator, as `generate(seed=...)` does for one prompt.
 
 Prompts are looked up in the prefix-state cache (`prefix_cache.py`) first, and states worth
@@ -39,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -47,19 +50,14 @@ import numpy as np
 import torch
 
 from ..errors import XLSTMKitError
-from ..generation.generate import _prefill
 from ..generation.sampling import check_sampling, sample_next
 from ..generation.textstream import TextRow
-from .prefix_cache import PrefixCache, clone_state, state_bytes
+from .prefill import PromptReader
+from .prefix_cache import PrefixCache, state_bytes
 from .slots import SlotStep, _copy_into
 
 STOP, LENGTH, CANCELLED, SHUTDOWN, ERROR = "stop", "length", "cancelled", "shutdown", "error"
 FINISH_REASONS = (STOP, LENGTH, CANCELLED, SHUTDOWN, ERROR)
-
-# Prompt lengths read at start (Engine._warm_up): 1; a multiple of 16 and not, below the chunk
-# (64) and above it
-WARM_LENGTHS = (1, 2, 16, 17, 80, 81)
-WARM_PACKED = ((16, 17), (2, 80, 81))
 
 
 class EngineBusy(XLSTMKitError):
@@ -132,7 +130,7 @@ class Request:
         self.cancelled = False
         # the scheduler's
         self._pos = 0  # prompt tokens read so far
-        self._state = None  # batch-1 state while the prompt is read
+        self._read_row: int | None = None  # the prompt reader's row while the prompt is read
         self._logits: torch.Tensor | None = None  # [vocab] after prompt[:_pos]
         self._boundary: int | None = None  # a prefix length whose state the cache should keep
         self._row: TextRow | None = None
@@ -218,12 +216,14 @@ class Engine:
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self.step: SlotStep | None = None
+        self.reader: PromptReader | None = None
+        self._free_rows = list(range(max_batch))  # the reader's rows no request holds
         self._inflight: tuple | None = None  # a step's tokens not yet taken: (ids, copied, rows)
 
     # ------------------------------------------------------------------ outside the engine's thread
     def start(self) -> "Engine":
-        """Start the loop (on CUDA: record the decode graphs first; with model.compile_prefill:
-        compile the prompt reads); returns once it runs."""
+        """Start the loop (on CUDA: record the decode and prompt-read graphs first; with
+        model.compile_prefill: compile the prompt reads); returns once it runs."""
         self._thread = threading.Thread(target=self._main, name="xlstm-kit-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -294,7 +294,7 @@ class Engine:
         try:
             with torch.no_grad():
                 self.step = SlotStep(self.model, self.slots, self.tokens, self.cuda_graph)
-                self._warm_up()
+                self.reader = self._reader()
                 self._ready.set()
                 while self._pass():
                     pass
@@ -305,25 +305,22 @@ class Engine:
                 self._fail_everything(f"the engine stopped: {type(e).__name__}: {e}")
             self._ready.set()
 
-    def _warm_up(self) -> None:
-        """Read prompts of every kind of length before the first request waits for one (on CUDA,
-        or with model.compile_prefill): the first read of a new kind compiles kernels, 2.4-10 s
-        at `125M` on an H100. Triton compiles a kernel again for an integer argument equal to 1
-        or divisible by 16 (the prompt's length, its number of chunks), torch.compile for a
-        length below and above the chunk and for a batch of 1; a read from a state (a prompt
-        continued, a prefix-cache hit) and a packed read of prompts of distinct lengths run
-        other kernels."""
-        if self.device.type != "cuda" and not getattr(self.model, "prefill_compiled", False):
-            return
-        zeros = lambda n: torch.zeros(n, dtype=torch.long, device=self.device)  # noqa: E731
-        for n in WARM_LENGTHS:
-            _prefill(self.model, [zeros(n)])
-        _prefill(self.model, [zeros(2)] * 2)
-        for lengths in WARM_PACKED:
-            _prefill(self.model, [zeros(n) for n in lengths])
-        _, state = self.model(zeros(16)[None], return_state=True, logits_to_keep=1)
-        for n in WARM_LENGTHS:
-            self.model(zeros(n)[None], state=state, return_state=True, logits_to_keep=1)
+    def _reader(self) -> PromptReader:
+        """The prompt reader, its graphs recorded (on CUDA; each shape's first read compiles
+        kernels, 2.4-10 s at `125M` on an H100, so none is left for a request to wait on), or,
+        on CUDA without graphs or with model.compile_prefill, its eager reads run once."""
+        reader = PromptReader(self.model, self.max_batch, self.prefill_chunk, self.device, self.cuda_graph)
+        try:
+            reader.capture()
+        except Exception as e:  # prompts are still read, eagerly
+            if self.cuda_graph:
+                raise
+            warnings.warn(f"reading prompts without CUDA graphs ({type(e).__name__}: {e})", RuntimeWarning,
+                          stacklevel=2)
+            reader.without_graphs()
+        if not reader.graphs and (self.device.type == "cuda" or getattr(self.model, "prefill_compiled", False)):
+            reader.warm_up()
+        return reader
 
     def _pass(self) -> bool:
         with self._cv:
@@ -385,6 +382,8 @@ class Engine:
             if p.max_tokens == 0:
                 self._finish(r, LENGTH, updates)
                 continue
+            r._read_row = self._free_rows.pop()
+            self.reader.load(r._read_row, None)
             entry = self.cache.lookup(r.prompt)
             if entry is not None:
                 self._start_from(r, entry)
@@ -393,68 +392,47 @@ class Engine:
 
     def _start_from(self, r: Request, entry) -> None:
         r._pos = r.cached_tokens = len(entry.tokens)
-        # the cached state must outlive this request: a state that is read further is a copy
-        r._state = entry.state if r._pos == len(r.prompt) else clone_state(entry.state)
+        self.reader.load(r._read_row, entry.state)  # a copy: the cached state outlives this request
         r._logits = entry.logits
 
     def _prefill(self, updates: list[Update]) -> None:
+        """Read up to `prefill_chunk` prompt tokens in all, in one read of the prompt reader per
+        round: a request stops at its cache boundary (the state there is stored), and goes on
+        in the next round while the pass's budget lasts."""
         budget = self.prefill_chunk
-        group: list[Request] = []
-        for r in list(self.prefilling):
-            if budget <= 0:
+        while budget > 0:
+            items: list[tuple[Request, int]] = []
+            for r in self.prefilling:
+                if budget <= 0:
+                    break
+                if r._pos == len(r.prompt):
+                    continue
+                if self.cache.enabled:  # a request read just before may have stored a longer prefix
+                    entry = self.cache.lookup(r.prompt)
+                    if entry is not None and len(entry.tokens) > r._pos:
+                        self._start_from(r, entry)
+                        if r._pos == len(r.prompt):
+                            continue
+                end = min(len(r.prompt), r._pos + budget)
+                if r._boundary is not None and r._pos < r._boundary:
+                    end = min(end, r._boundary)
+                items.append((r, end))
+                budget -= end - r._pos
+            if not items:
                 break
-            if r._pos == len(r.prompt):
+            try:
+                logits = self.reader.read([r._read_row for r, _ in items], [r.prompt[r._pos:end] for r, end in items])
+            except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
+                self._fail([r for r, _ in items], e, updates)
                 continue
-            if r._pos == 0 and r._boundary is None and len(r.prompt) <= budget:
-                group.append(r)
-                budget -= len(r.prompt)
-                continue
-            self._read_together(group, updates)
-            group = []
-            budget -= self._read_piece(r, budget, updates)
-        self._read_together(group, updates)
+            for (r, end), lg in zip(items, logits):
+                self.stats.prefill_tokens += end - r._pos
+                r._pos, r._logits = end, lg
+                if end == r._boundary:
+                    self.cache.put(r.prompt[:end], self.reader.row_state(r._read_row), lg)
         for r in [r for r in self.prefilling if r._pos == len(r.prompt)]:
             self.prefilling.remove(r)
             self._start_decoding(r, updates)
-
-    def _read_together(self, group: list[Request], updates: list[Update]) -> None:
-        """Whole prompts from an empty state, in one call (packed when their lengths differ)."""
-        if not group:
-            return
-        try:
-            rows = [torch.as_tensor(r.prompt, device=self.device) for r in group]
-            logits, state = _prefill(self.model, rows)
-        except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
-            self._fail(group, e, updates)
-            return
-        for j, r in enumerate(group):
-            r._state = [type(s)(*(x[j:j + 1] for x in s)) for s in state]
-            r._logits = logits[j]
-            r._pos = len(r.prompt)
-            self.stats.prefill_tokens += len(r.prompt)
-
-    def _read_piece(self, r: Request, budget: int, updates: list[Update]) -> int:
-        """Read up to `budget` more prompt tokens of `r` from its state; returns how many."""
-        if self.cache.enabled:  # a request read just before may have stored a longer prefix
-            entry = self.cache.lookup(r.prompt)
-            if entry is not None and len(entry.tokens) > r._pos:
-                self._start_from(r, entry)
-        start = r._pos
-        try:
-            while r._pos < len(r.prompt) and budget > r._pos - start:
-                end = min(len(r.prompt), r._pos + budget - (r._pos - start))
-                if r._boundary is not None and r._pos < r._boundary:
-                    end = min(end, r._boundary)
-                piece = torch.as_tensor(r.prompt[r._pos:end], device=self.device)[None]
-                out, r._state = self.model(piece, state=r._state, return_state=True, logits_to_keep=1)
-                r._logits = out[0, -1]
-                r._pos = end
-                if end == r._boundary:
-                    self.cache.put(r.prompt[:end], r._state, r._logits)
-        except Exception as e:  # noqa: BLE001
-            self._fail([r], e, updates)
-        self.stats.prefill_tokens += r._pos - start
-        return r._pos - start
 
     def _start_decoding(self, r: Request, updates: list[Update]) -> None:
         if r.cached_tokens:
@@ -462,15 +440,17 @@ class Engine:
             self.stats.cache_tokens += r.cached_tokens
         elif self.cache.enabled:
             self.stats.cache_misses += 1
+        state = self.reader.row_state(r._read_row)
         if r.cached_tokens < len(r.prompt):
-            self.cache.put(r.prompt, r._state, r._logits)
+            self.cache.put(r.prompt, state, r._logits)
         if not bool(torch.isfinite(r._logits).all()):
             self._fail([r], XLSTMKitError("the model's logits for the prompt are not finite (NaN or inf)"), updates)
             return
         first = int(self._sample(r._logits[None], [r])[0])
         row = len(self.decoding)
-        _copy_into([type(s)(*(x[row:row + 1] for x in s)) for s in self.slots], r._state)
-        r._state = r._logits = None
+        _copy_into([type(s)(*(x[row:row + 1] for x in s)) for s in self.slots], state)
+        self._release_row(r)
+        r._logits = None
         self.tokens[row] = first
         self.decoding.append(r)
         if self._accept(r, first, updates):
@@ -554,11 +534,17 @@ class Engine:
         if r._row is not None:
             r.text = r._row.text
         r.finish_reason, r.error = reason, error
-        r._state = r._logits = None
+        self._release_row(r)
+        r._logits = None
         updates.append(Update(r, r._new, "".join(r._pieces), reason, error))
         r._new, r._pieces[:] = [], []
         self.stats.finished[reason] += 1
         r.done.set()
+
+    def _release_row(self, r: Request) -> None:
+        if r._read_row is not None:
+            self._free_rows.append(r._read_row)
+            r._read_row = None
 
     def _fail(self, requests: list[Request], e: Exception, updates: list[Update]) -> None:
         if not isinstance(e, XLSTMKitError):

@@ -133,7 +133,7 @@ def _can_factor(lift: torch.Tensor) -> bool:
     gates lift by a few units per chunk; only steep in-chunk rises of ĩ − Σlog f (e.g. strongly
     closing forget gates) fail this and take the exact path.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (lift.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False  # the exact path is always valid; a data-dependent branch would break the graph
     limit = 600.0 if lift.dtype == torch.float64 else 60.0
     return bool(lift.max() <= limit)

@@ -1,0 +1,113 @@
+"""The prompt reader: pieces of power-of-two lengths from each request's own state row reach
+the state and the logits of one read (float64 on the CPU; on a GPU the recorded graphs against
+the same reads run eagerly)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+from xlstm_kit.serve.prefill import PromptReader
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def model64():
+    torch.manual_seed(0)
+    cfg = XLSTMConfig(vocab_size=256, d_model=32, n_blocks=2, n_heads=2, slstm_at=[1], chunk_size=8)
+    return XLSTMLanguageModel(cfg).double().eval()
+
+
+def flat(state):
+    return torch.cat([x.reshape(x.shape[0], -1) for s in state for x in s], 1)
+
+
+@pytest.mark.parametrize("pieces", [True, False])
+@torch.no_grad()
+def test_reads_equal_one_read_from_each_rows_state(pieces):
+    """In pieces (as the graphs read) or at once (one packed call, the reads without graphs)."""
+    m = model64()
+    reader = PromptReader(m, 6, 16, "cpu", pieces=pieces)
+    rng = np.random.default_rng(0)
+    lengths = [37, 5, 16, 1, 64, 23]
+    toks = [rng.integers(0, 256, n) for n in lengths]
+    # rows 2 and 4 continue from a state, the others start from zeros; row 5 is not read
+    _, start = m(torch.as_tensor(rng.integers(0, 256, 9))[None], return_state=True)
+    inits = [None, None, start, None, start]
+    rows = [3, 1, 2, 0, 4]
+    for row, init in zip(rows, inits):
+        reader.load(row, init)
+    reader.load(5, start)
+    before5 = reader.work[5].clone()
+    logits = reader.read(rows, toks[:5])
+    # 37 = 16+16+4+1, 5 = 4+1, 16, 1, 64 = 4 x 16: L=16 four times (64's pieces, with 37's two
+    # and 16's one alongside), L=4 once (37's and 5's), L=1 once (37's, 5's and 1)
+    assert reader.replays == (6 if pieces else 1)
+    for j, t in enumerate(toks[:5]):
+        out, state = m(torch.as_tensor(t)[None], state=inits[j], return_state=True)
+        torch.testing.assert_close(logits[j], out[0, -1], rtol=0, atol=1e-12)
+        torch.testing.assert_close(reader.work[rows[j]], flat(state)[0], rtol=0, atol=1e-12)
+        got = reader.row_state(rows[j])
+        torch.testing.assert_close(flat(got), flat(state), rtol=0, atol=1e-12)
+    assert torch.equal(reader.work[5], before5)
+
+
+@torch.no_grad()
+def test_a_piece_longer_than_the_longest_repeats_and_lengths_round_down():
+    m = model64()
+    reader = PromptReader(m, 2, 24, "cpu", pieces=True)  # pieces of 16, 8, 4, 2, 1
+    assert reader.lengths == [16, 8, 4, 2, 1]
+    t = np.random.default_rng(1).integers(0, 256, 50)  # 16 x 3 + 2
+    reader.load(0, None)
+    [lg] = reader.read([0], [t])
+    assert reader.replays == 4
+    out, state = m(torch.as_tensor(t)[None], return_state=True)
+    torch.testing.assert_close(lg, out[0, -1], rtol=0, atol=1e-12)
+    torch.testing.assert_close(reader.work[0], flat(state)[0], rtol=0, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_cuda_graphs_read_as_the_eager_pieces():
+    torch.manual_seed(0)
+    cfg = XLSTMConfig(vocab_size=256, d_model=128, n_blocks=4, n_heads=2, slstm_at=[1])
+    m = XLSTMLanguageModel(cfg).cuda().eval()
+    graphs = PromptReader(m, 4, 64, "cuda")
+    graphs.capture()
+    assert len(graphs.graphs) == len(graphs.buckets) * len(graphs.lengths)
+    eager = PromptReader(m, 4, 64, "cuda", cuda_graph=False)
+    rng = np.random.default_rng(2)
+    _, start = m(torch.as_tensor(rng.integers(0, 256, 9), device="cuda")[None], return_state=True)
+    for reads in ([100, 3, 64], [1], [7, 200, 33, 64]):
+        toks = [rng.integers(0, 256, n) for n in reads]
+        rows = list(range(len(reads)))[::-1]
+        for r in (graphs, eager):
+            for i, row in enumerate(rows):
+                r.load(row, start if i % 2 else None)
+        a, b = graphs.read(rows, toks), eager.read(rows, toks)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(graphs.work[:len(reads)], eager.work[:len(reads)], rtol=1e-4, atol=1e-4)
+        for j, t in enumerate(toks):  # and one read of the whole prompt
+            out, state = m(torch.as_tensor(t, device="cuda")[None], state=start if j % 2 else None,
+                           return_state=True)
+            torch.testing.assert_close(a[j], out[0, -1], rtol=1e-3, atol=1e-3)
+
+
+@torch.no_grad()
+def test_the_graphs_self_check_refuses_pieces_that_lose_the_state(monkeypatch):
+    """capture() ends with a probe read through the pieces and at once; a recorded read that
+    replays a stale value (here: every piece read from the zero state) must not serve."""
+    m = model64()
+    reader = PromptReader(m, 2, 16, "cpu", pieces=True)
+    reader._check_graphs()  # faithful pieces pass
+    run = reader._run
+
+    def from_zeros(L, idx, ids):
+        reader.work.index_fill_(0, idx, 0.0)
+        return run(L, idx, ids)
+
+    monkeypatch.setattr(reader, "_run", from_zeros)
+    with pytest.raises(RuntimeError, match="differ from eager ones"):
+        reader._check_graphs()

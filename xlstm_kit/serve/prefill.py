@@ -1,0 +1,235 @@
+"""Prompt reads for the engine: pieces of power-of-two lengths, recorded as CUDA graphs.
+
+Eagerly, one read of the `125M` model is bound by the host: about a thousand kernel launches
+through Python, ~40 ms on an H100 whatever the prompt's length (34 ms under `compile_prefill`),
+for ~4 ms of GPU work. A recurrent model reads a prompt in pieces, each continuing from the
+state the one before left, so every read here is made of pieces of L = 2^k tokens (L up to
+`max_piece`), and each (batch bucket b, L) is one CUDA graph: a read of 777 tokens is four
+replays (512, 256, 8, 1).
+
+Each request being read owns a row of `work`, the model's state packed flat ([max_batch, W]
+floats): a request's read starts where its row stands. One `read` takes any set of requests
+and tokens: at each length L, from the longest down, every request with at least L tokens
+left reads its next L of them, so each request's pieces come in order; the rows of those
+requests are gathered into the graph's input rows (one `index_select`), the graph runs and the
+rows are put back (one `index_copy_`). Rows of a bucket past the requests' are stale states
+computing nothing anyone reads.
+
+Without CUDA graphs (the CPU, or a model whose forward cannot be recorded) a read is one
+eager call: the requests' rows gathered, their tokens packed into one row (`cu_seqlens`, each
+request read as if alone from its own state), or one batch when all have the same length.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .slots import _buckets
+
+
+def _pow2_below(n: int) -> int:
+    p = 1
+    while p * 2 <= n:
+        p *= 2
+    return p
+
+
+class PromptReader:
+    """Reads prompt tokens into rows of `work` (see the module's docstring).
+
+    model: an xlstm_kit language model in eval mode; max_batch: rows (requests read at once at
+    most); max_piece: the longest piece (rounded down to a power of two); cuda_graph: record
+    the pieces as CUDA graphs (None: on CUDA); pieces: read in pieces even without graphs
+    (None: with graphs only; the tests' way to run the pieces on the CPU).
+    """
+
+    def __init__(self, model, max_batch: int, max_piece: int, device, cuda_graph: bool | None = None,
+                 pieces: bool | None = None):
+        self.model, self.device = model, torch.device(device)
+        template = model.init_state(1, device="meta")
+        self.kinds = [(type(s), [tuple(x.shape[1:]) for x in s]) for s in template]
+        dtypes = {x.dtype for s in template for x in s}
+        if len(dtypes) != 1:
+            raise TypeError(f"PromptReader needs one state dtype, the model's state has {sorted(map(str, dtypes))}")
+        self.width = sum(x[0].numel() for s in template for x in s)
+        dtype = dtypes.pop()
+        self.work = torch.zeros(max_batch, self.width, dtype=dtype, device=self.device)
+        self.inputs = torch.zeros(max_batch, self.width, dtype=dtype, device=self.device)
+        self.lengths = []
+        L = _pow2_below(max(1, max_piece))
+        while L >= 1:
+            self.lengths.append(L)
+            L //= 2
+        self.use_graphs = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        self.buckets = _buckets(max_batch) if self.use_graphs else []
+        self.pieces = self.use_graphs if pieces is None else pieces
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.replays = 0  # graph replays or eager pieces, for tests and metrics
+
+    # ------------------------------------------------------------------ the state, packed flat
+    def unpack(self, flat: torch.Tensor) -> list:
+        """The model's state [n rows] as strided views of flat [n, W]."""
+        out, off = [], 0
+        n = flat.shape[0]
+        for cls, shapes in self.kinds:
+            parts = []
+            for shape in shapes:
+                size = int(np.prod(shape)) if shape else 1
+                parts.append(flat[:, off:off + size].view(n, *shape))
+                off += size
+            out.append(cls(*parts))
+        return out
+
+    def row_state(self, row: int) -> list:
+        """Row `row` of `work` as a batch-1 state (views: copy before the row is reused)."""
+        return self.unpack(self.work[row:row + 1])
+
+    def load(self, row: int, state) -> None:
+        """Put a batch-1 state into row `row` (None: zeros, the state before any token)."""
+        if state is None:
+            self.work[row].zero_()
+        else:
+            self.work[row:row + 1].copy_(torch.cat([x.reshape(1, -1) for s in state for x in s], 1))
+
+    # ------------------------------------------------------------------ one piece
+    def _piece(self, n: int, ids: torch.Tensor) -> torch.Tensor:
+        """Read ids [n, L] from input rows 0..n-1, in place; logits of the last position [n, V]."""
+        state = [type(s)(*(x.contiguous() for x in s)) for s in self.unpack(self.inputs[:n])]
+        out, new = self.model(ids, state=state, return_state=True, logits_to_keep=1)
+        torch.cat([x.reshape(n, -1) for s in new for x in s], 1, out=self.inputs[:n])
+        return out[:, -1]
+
+    def capture(self) -> None:
+        """Record one graph per (bucket, length); each shape runs twice first, on a side stream
+        (kernels compiled, lazy allocations made), as torch.cuda.graphs asks. The graphs share
+        one memory pool: they replay one at a time and their outputs are read before the next."""
+        if not self.use_graphs:
+            return
+        ids = {(b, L): torch.zeros(b, L, dtype=torch.long, device=self.device)
+               for b in self.buckets for L in self.lengths}
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for (b, L), x in ids.items():
+                for _ in range(2):
+                    self._piece(b, x)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        for (b, L), x in ids.items():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._piece(b, x)
+            self.graphs[b, L] = (graph, x, logits)
+        self._check_graphs()
+
+    def _check_graphs(self) -> None:
+        """A probe prompt read through the graphs and eagerly must give the same logits (up to
+        the rounding of other pieces): a forward that reads a value on the host while it is
+        recorded would replay that value for every prompt. Raises RuntimeError otherwise."""
+        vocab = self.model.config.vocab_size
+        probe = (np.arange(37, dtype=np.int64) * 7919 + 11) % vocab
+        got = []
+        for pieces in (True, False):
+            self.pieces = pieces
+            self.work[0].zero_()
+            got.append(self.read([0], [probe])[0].float())
+        self.pieces = True
+        self.work[0].zero_()
+        err = float((got[0] - got[1]).norm() / got[1].norm().clamp_min(1e-30))
+        if not err <= 0.05:
+            raise RuntimeError(f"prompt reads recorded as CUDA graphs differ from eager ones "
+                               f"(relative error {err:.3g} on a probe prompt)")
+
+    def without_graphs(self) -> None:
+        """Read eagerly from now on (the graphs could not be recorded)."""
+        self.graphs, self.buckets, self.use_graphs, self.pieces = {}, [], False, False
+
+    def warm_up(self) -> None:
+        """Without graphs: compile_prefill's graphs for the reads to come (one batch of 1 and of
+        2 for lengths 1, 2, 16, 17, 80, 81: below and above a chunk of 64, multiples of 16 and
+        not, which Triton specialises on), and the packed reads once."""
+        for n in (1, 2):
+            for L in (1, 2, 16, 17, 80, 81):
+                self._piece(n, torch.zeros(n, L, dtype=torch.long, device=self.device))
+        self.read([0, 1], [np.zeros(3, dtype=np.int64), np.zeros(17, dtype=np.int64)])
+        self.work[:2].zero_()
+
+    # ------------------------------------------------------------------ a read
+    def read(self, rows: Sequence[int], tokens: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Read tokens[j] (non-empty) into work row rows[j]; the next-token logits [V] after
+        each. Rows must be distinct."""
+        if not tokens:
+            return []
+        if not self.pieces:
+            return self._read_at_once(rows, tokens)
+        left = [len(t) for t in tokens]
+        pos = [0] * len(tokens)
+        limit = self.buckets[-1] if self.buckets else max(1, len(tokens))
+        plan, host = [], []  # (L, requests, offset of their rows and ids in `host`)
+        size = 0
+        for L in self.lengths:
+            while True:
+                part = [j for j, n in enumerate(left) if n >= L]
+                if not part:
+                    break
+                for k in range(0, len(part), limit):
+                    group = part[k:k + limit]
+                    plan.append((L, group, size))
+                    host.append(np.asarray([rows[j] for j in group], dtype=np.int64))
+                    host.append(np.concatenate([tokens[j][pos[j]:pos[j] + L] for j in group]).astype(np.int64))
+                    size += len(group) * (L + 1)
+                    for j in group:
+                        pos[j] += L
+                        left[j] -= L
+        if not plan:
+            return []
+        # every row index and token of the read in one copy to the device, which the pieces
+        # then slice: a copy per piece from pageable memory would wait for the device each time
+        flat = torch.from_numpy(np.concatenate(host))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        else:
+            flat = flat.to(self.device)
+        logits: list = [None] * len(tokens)
+        for L, group, off in plan:
+            n = len(group)
+            last = self._run(L, flat[off:off + n], flat[off + n:off + n * (L + 1)].view(n, L))
+            for i, j in enumerate(group):
+                logits[j] = last[i]  # the last piece of a request is the last to write here
+        return logits
+
+    def _read_at_once(self, rows: Sequence[int], tokens: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        n = len(rows)
+        idx = torch.tensor(list(rows), device=self.device)
+        torch.index_select(self.work, 0, idx, out=self.inputs[:n])
+        self.replays += 1
+        lengths = [len(t) for t in tokens]
+        if len(set(lengths)) == 1:
+            last = self._piece(n, torch.as_tensor(np.stack(tokens), device=self.device))
+        else:
+            state = [type(s)(*(x.contiguous() for x in s)) for s in self.unpack(self.inputs[:n])]
+            cu = torch.tensor([0] + lengths, device=self.device).cumsum(0)
+            ids = torch.as_tensor(np.concatenate(tokens), device=self.device)[None]
+            out, new = self.model(ids, state=state, return_state=True, cu_seqlens=cu, logits_to_keep=cu[1:] - 1)
+            torch.cat([x.reshape(n, -1) for s in new for x in s], 1, out=self.inputs[:n])
+            last = out[0]
+        self.work.index_copy_(0, idx, self.inputs[:n])
+        return list(last)
+
+    def _run(self, L: int, idx: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One piece: ids [n, L] read from the work rows idx [n]; their last logits [n, V]."""
+        n = idx.shape[0]
+        torch.index_select(self.work, 0, idx, out=self.inputs[:n])
+        self.replays += 1
+        if self.graphs:
+            b = next(b for b in self.buckets if b >= n)
+            graph, x, out = self.graphs[b, L]
+            x[:n].copy_(ids)
+            graph.replay()
+            last = out[:n].clone()
+        else:
+            last = self._piece(n, ids)
+        self.work.index_copy_(0, idx, self.inputs[:n])
+        return last
