@@ -280,3 +280,24 @@ def test_a_compiled_prefill_gives_the_tokens_of_generate_alone():
         engine.join(30)
     assert [r.output for r in reqs] == [alone(m, p) for p in ps]
     assert again.cached_tokens == len(ps[3]) and again.output == alone(m, ps[3] + [7, 8, 9])
+
+
+def test_requests_wait_for_a_prompt_readers_row(model, monkeypatch):
+    """More slots than the prompt reader's rows: requests queue for a row, every one still gets
+    the tokens of its prompt alone, and no more than the rows are being read at once."""
+    import xlstm_kit.serve.engine as eng
+
+    monkeypatch.setattr(eng, "READ_ROWS", 2)
+    ps = prompts([30, 5, 17, 1, 44, 9, 23, 2], seed=5)
+    engine = Engine(model, ByteTokenizer(), max_batch=6, prefill_chunk=8, prefix_cache_bytes=0)
+    seen = []
+    admit = engine._admit
+
+    def watched(updates):
+        admit(updates)
+        seen.append(len(engine.prefilling))
+
+    engine._admit = watched
+    reqs = run(engine, ps)
+    assert max(seen) == 2 and len(engine._free_rows) == 2
+    assert [r.output for r in reqs] == [alone(model, p) for p in ps]

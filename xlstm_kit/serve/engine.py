@@ -24,7 +24,8 @@ On CUDA the step over rows 0..b-1 is recorded once per batch-size bucket b (powe
 to max_batch) as a CUDA graph that reads and writes the slots themselves; rows n..b-1 of a
 bucket are free slots computing nothing anyone reads. On the CPU the step runs eagerly on
 exactly n rows. Prompt reads are recorded too, one graph per (bucket, piece length); the
-reader holds two more blocks of max_batch states (its rows and the graphs' input rows).
+reader holds two more blocks of min(max_batch, READ_ROWS) states (its rows and the graphs'
+input rows), and a request waits for one of its rows to be read.
 
 Greedy requests get the tokens `generate` gives each prompt alone: each row of the step
 depends on its own state only, and a prompt read in pieces reaches the state of one read (up
@@ -55,6 +56,11 @@ from ..generation.textstream import TextRow
 from .prefill import PromptReader
 from .prefix_cache import PrefixCache, state_bytes
 from .slots import SlotStep, _copy_into
+
+# Requests whose prompts are read at once at most: each holds a state row of the prompt reader
+# (two rows with the graphs' inputs; an xlstm-7b state is ~134 MB), and a pass reads at most
+# `prefill_chunk` tokens anyway
+READ_ROWS = 16
 
 STOP, LENGTH, CANCELLED, SHUTDOWN, ERROR = "stop", "length", "cancelled", "shutdown", "error"
 FINISH_REASONS = (STOP, LENGTH, CANCELLED, SHUTDOWN, ERROR)
@@ -217,7 +223,7 @@ class Engine:
         self._failure: BaseException | None = None
         self.step: SlotStep | None = None
         self.reader: PromptReader | None = None
-        self._free_rows = list(range(max_batch))  # the reader's rows no request holds
+        self._free_rows = list(range(min(max_batch, READ_ROWS)))  # the reader's rows no request holds
         self._inflight: tuple | None = None  # a step's tokens not yet taken: (ids, copied, rows)
 
     # ------------------------------------------------------------------ outside the engine's thread
@@ -309,7 +315,8 @@ class Engine:
         """The prompt reader, its graphs recorded (on CUDA; each shape's first read compiles
         kernels, 2.4-10 s at `125M` on an H100, so none is left for a request to wait on), or,
         on CUDA without graphs or with model.compile_prefill, its eager reads run once."""
-        reader = PromptReader(self.model, self.max_batch, self.prefill_chunk, self.device, self.cuda_graph)
+        reader = PromptReader(self.model, min(self.max_batch, READ_ROWS), self.prefill_chunk, self.device,
+                              self.cuda_graph)
         try:
             reader.capture()
         except Exception as e:  # prompts are still read, eagerly
@@ -370,7 +377,7 @@ class Engine:
         self._free(rows)
 
     def _admit(self, updates: list[Update]) -> None:
-        while self.waiting and self.running < self.max_batch:
+        while self.waiting and self.running < self.max_batch and self._free_rows:
             r = self.waiting.popleft()
             with self._cv:
                 self._queued -= 1
