@@ -3,7 +3,8 @@
     python3 benchmarks/gpu_slstm_split.py PLAN [OLD_PYTHONPATH]
 
 PLAN: `variants` (kernel variants at the 125M shape and D = 128), `stack` (the forward's
-gates as one stacked operand against four), `stack32` (the same, float32 R), `compare` (old vs new
+gates as one stacked operand against four), `stack32` (the same, float32 R), `partials` (the
+backward's exchange by partial sums of δh against δg̃), `compare` (old vs new
 default at the issue's shapes). Checks (float64 reference, NaN) come first; each group of
 checks and timings runs in a child process under `timeout` (a barrier that never opens must
 not eat the call); results go to $OUT/slstm-split.jsonl, one line each on stdout.
@@ -112,8 +113,9 @@ def spawn(specs, pythonpath, limit):
             print(res["stderr"][-800:], flush=True)
 
 
-def cfg(bu, warps=4, prefetch=True, resident=True, stack=False):
-    return dict(num_warps=warps, r_resident=resident, prefetch=prefetch, block_u=bu, stack_gates=stack)
+def cfg(bu, warps=4, prefetch=True, resident=True, stack=False, partials=False):
+    return dict(num_warps=warps, r_resident=resident, prefetch=prefetch, block_u=bu, stack_gates=stack,
+                bwd_partials=partials)
 
 
 SHAPES = [(16, 2048, 4, 192), (16, 1024, 4, 128), (16, 2048, 4, 256), (8, 2048, 4, 384),
@@ -146,6 +148,21 @@ def plan(name):
             specs += [dict(kind="time", shape=shape, cfg=cfg(bu, stack=st), r_dtype="float32")
                       for st in (False, True)]
         yield "new", specs, 200
+    elif name == "partials":  # the backward's exchange by partial sums of δh against δg̃
+        specs = [dict(kind="check", shape=(16, 48, 4, 192), cfg=cfg(16, stack=True, partials=True), seed=1),
+                 dict(kind="check", shape=(16, 48, 4, 192), cfg=cfg(16, stack=True, partials=True),
+                      r_dtype="float32", seed=2),
+                 dict(kind="check", shape=(64, 32, 4, 192), cfg=cfg(32, stack=True, partials=True), seed=3),
+                 dict(kind="check", shape=(5, 40, 2, 48), cfg=cfg(16, stack=True, partials=True), seed=4),
+                 dict(kind="check", shape=(8, 48, 4, 384), cfg=cfg(16, stack=True, partials=True), seed=5)]
+        for shape, bu in (((16, 2048, 4, 192), 16), ((16, 1024, 4, 128), 16), ((64, 2048, 4, 192), 32),
+                          ((4, 2048, 4, 192), 16)):
+            specs += [dict(kind="time", shape=shape, cfg=cfg(bu, stack=True, partials=pa)) for pa in (False, True)]
+        specs += [dict(kind="time", shape=(16, 2048, 4, 192), cfg=cfg(16, stack=True, partials=pa),
+                       r_dtype="float32") for pa in (False, True)]
+        specs += [dict(kind="time", shape=(16, 2048, 4, 192), cfg=cfg(bu, stack=True, partials=True))
+                  for bu in (32, 64)]
+        yield "new", specs, 240
     elif name == "compare":  # old vs new default at the shapes
         specs = [dict(kind="check", shape=(16, 48, 4, 192), cfg=None, seed=1),
                  dict(kind="check", shape=(8, 48, 4, 384), cfg=None, seed=2),

@@ -111,12 +111,16 @@ def test_even_shapes_through_public_api():
                                     SLSTMKernelConfig(4, True, block_b=32),
                                     SLSTMKernelConfig(4, True, stack_gates=True),
                                     SLSTMKernelConfig(4, False, 16, stack_gates=True),
-                                    SLSTMKernelConfig(4, True, 16, stack_gates=True)])
+                                    SLSTMKernelConfig(4, True, 16, stack_gates=True),
+                                    SLSTMKernelConfig(4, True, bwd_partials=True),
+                                    SLSTMKernelConfig(4, False, 16, bwd_partials=True),
+                                    SLSTMKernelConfig(4, True, 16, stack_gates=True, bwd_partials=True)])
 def test_kernel_variants(config):
     # R reloaded per step; K-chunked matmul through the scratch (the large-head path); no prefetch;
     # a 32-wide batch tile; the four gates as one stacked operand (R resident or reloaded, whole
-    # head or K chunks). D = 20 is padded to 32: masked units and K columns.
-    tensors = make_inputs(5, 6, 1, 20 if config.stack_gates else 32, torch.float32)
+    # head or K chunks); the backward's exchange by partial sums of δh (likewise). D = 20 is
+    # padded to 32: masked units and K columns.
+    tensors = make_inputs(5, 6, 1, 20 if config.stack_gates or config.bwd_partials else 32, torch.float32)
     check_against_reference(tensors, 2e-5, fn=triton_fn(config), recurrent_grad_clip=0.5)
 
 
@@ -239,13 +243,16 @@ def test_gpu_bfloat16_two_times_rule(D, T):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("D,block_u,stack", [(192, 64, False), (192, 32, False), (128, 64, False), (128, 32, False),
-                                             (192, 16, True), (128, 16, True)])
-def test_gpu_split_head_bfloat16(D, block_u, stack):
+@pytest.mark.parametrize("D,block_u,stack,partials", [
+    (192, 64, False, False), (192, 32, False, False), (128, 64, False, False), (128, 32, False, False),
+    (192, 16, True, False), (128, 16, True, False), (192, 16, True, True), (128, 32, True, True),
+    (48, 16, False, True)])
+def test_gpu_split_head_bfloat16(D, block_u, stack, partials):
     # Each head's units split over D / block_u programs that meet at a barrier every step; bf16
     # within 2x the bf16 loop's error, initial state and final-state gradients included; stack:
-    # the forward's four gates as one stacked operand.
-    config = SLSTMKernelConfig(4, True, block_u=block_u, stack_gates=stack)
+    # the forward's four gates as one stacked operand; partials: the backward's exchange by
+    # partial sums of δh.
+    config = SLSTMKernelConfig(4, True, block_u=block_u, stack_gates=stack, bwd_partials=partials)
     tensors = make_inputs(16, 300, 3, D, torch.bfloat16, device="cuda")
     ref_outs, ref_grads, grads = reference(tensors)
     k_out, k_grad = errors(tensors, grads, ref_outs, ref_grads, triton_fn(config))

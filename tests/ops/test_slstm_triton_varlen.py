@@ -98,7 +98,8 @@ def test_packed_equals_each_sequence_alone(lengths, init, forget_gate, clip):
 
 @needs_interpreter
 @pytest.mark.parametrize("config", [SLSTMKernelConfig(4, False, 16), SLSTMKernelConfig(4, True, prefetch=False),
-                                    SLSTMKernelConfig(4, True, 16, stack_gates=True)])
+                                    SLSTMKernelConfig(4, True, 16, stack_gates=True),
+                                    SLSTMKernelConfig(4, True, 16, stack_gates=True, bwd_partials=True)])
 def test_packed_kernel_variants(config):
     # D = 32 in two K chunks of 16 (h_{t-1} and δg̃_t through the scratch, read back only for
     # the columns still running; R streamed per step); no prefetch.

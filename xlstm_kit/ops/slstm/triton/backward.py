@@ -53,17 +53,49 @@ def _load_step(G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask, lens, t, H
 
 
 @triton.jit
+def _dh_by_partials(dg, rs, R, RLO, PX, CNT, grp, slot, k, P, PS, hd, NH, D, ru, md,
+                    BU: tl.constexpr, BT: tl.constexpr, KC: tl.constexpr, NKC: tl.constexpr,
+                    EVEN_D: tl.constexpr, MM: tl.constexpr, R_RESIDENT: tl.constexpr, SYNC: tl.constexpr):
+    """δh^R_{t-1} of the program's units by partial sums: the program multiplies its own units'
+    δg̃_t (K = BU per gate) by their columns of R_g, which gives their share of δh for the whole
+    head in chunks of KC rows (M = KC: products a warpgroup's wgmma takes, δg̃ its B operand,
+    put in shared memory once for all chunks), writes it to its place in slot `slot` of PX
+    [group, 2, P, PS] (PS = BT × rows, units fastest, as the state tiles are laid out, so that
+    the sums read back need no layout conversion), meets the group at barrier k, and sums the
+    P shares of its own units. The other exchange reads every unit's δg̃ (K = 4·D) for
+    products of M = BU rows."""
+    rows = (grp * 2 + slot).to(tl.int64) * P
+    cols = tl.arange(0, BT)[None, :] * (PS // BT)  # units fastest, as the other [BU, BT] tiles
+    mine = PX + (rows + tl.program_id(0)) * PS
+    for c in tl.static_range(NKC):
+        rk = c * KC + tl.arange(0, KC)
+        part = tl.zeros([KC, BT], dtype=dg[0].dtype)
+        for g in tl.static_range(4):
+            if R_RESIDENT:
+                r_hi, r_lo = rs[g * NKC + c]
+            else:
+                r_hi, r_lo = _load_r(R, RLO, g, hd, NH, D, rk, ru, EVEN_D, False, MM)
+            part = _mm(r_hi, r_lo, dg[g], part, MM)
+        tl.store(mine + rk[:, None] + cols, part)
+    _sync(CNT + grp, k, P, SYNC)
+    acc = tl.zeros([BU, BT], dtype=dg[0].dtype)
+    for q in range(P):
+        acc += _ld_shared(PX + (rows + q) * PS + ru[:, None] + cols, md[:, None], EVEN_D, SYNC)
+    return acc
+
+
+@triton.jit
 def _slstm_bwd_kernel(
     R, RLO, DH, G, CS, NS, MS, C0, N0, M0,   # R: the forward's weights
     DHT, DCT, DNT, DMT,                      # gradients of the final state
     DG, DH0, DC0, DN0, DM0,                  # outputs
-    CNT, CU,                                 # barrier counters [groups], cu_seqlens
-    B, T, NH, D, P, clip,
+    CNT, CU, PX,                             # barrier counters [groups], cu_seqlens, partial sums
+    B, T, NH, D, P, PS, clip,
     BT: tl.constexpr, BU: tl.constexpr, KC: tl.constexpr, NKC: tl.constexpr, EVEN: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_HK: tl.constexpr, EXP_FORGET: tl.constexpr, HAS_INIT: tl.constexpr,
     HAS_DH: tl.constexpr, HAS_DFINAL: tl.constexpr, CLIP: tl.constexpr, MM: tl.constexpr,
     R_RESIDENT: tl.constexpr, PREFETCH: tl.constexpr, SCRATCH: tl.constexpr, SYNC: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, PARTIALS: tl.constexpr,
 ):
     # Same tiles as the forward ([BU, BT]); the step's matmul is
     # δh^Rᵀ [BU, BT] = Σ_g R_g[units, :] [BU, D] @ δg̃_gᵀ [D, BT]. SCRATCH: every program
@@ -76,6 +108,8 @@ def _slstm_bwd_kernel(
     # state before step t is read up to t = len_j; nothing else is selected: a kept tile lives
     # across the whole step, in registers). Every column ends at its t = 0, so the
     # initial-state gradients are those of the last step for all.
+    # PARTIALS: the exchange is of partial sums of δh instead (_dh_by_partials); DG is then
+    # only the output.
     sdt = DG.dtype.element_ty
     hd, grp, ru, rb64, md, mask_b, mask, HD, col_s, col_q, col_x, lens, steps = _tile(
         B, T, NH, D, CU, BT, BU, VARLEN)
@@ -110,7 +144,13 @@ def _slstm_bwd_kernel(
 
     rs = ()
     if R_RESIDENT:
-        rs = _load_r_chunks(R, RLO, hd, NH, D, ru, KC, NKC, EVEN_D, False, MM)
+        if PARTIALS:
+            for g in tl.static_range(4):
+                for kc in tl.static_range(NKC):
+                    rk = kc * KC + tl.arange(0, KC)
+                    rs = rs + (_load_r(R, RLO, g, hd, NH, D, rk, ru, EVEN_D, False, MM),)
+        else:
+            rs = _load_r_chunks(R, RLO, hd, NH, D, ru, KC, NKC, EVEN_D, False, MM)
 
     if PREFETCH:
         g, dh_x, c_p, n_p, m_p = _load_step(G, DH, CS, NS, MS, c0, n0, m0, col_x, col_q, ru, mask,
@@ -170,23 +210,28 @@ def _slstm_bwd_kernel(
         _st_gates(DG + col_x, ux, HD, dg, live, EVEN)
 
         # (49): δh^R_{t-1} = Σ_g δg̃_g R_gᵀ, here transposed: Σ_g R_g @ δg̃_gᵀ
-        if SCRATCH:
-            _sync(CNT + grp, tt + 1, P, SYNC)  # δg̃_t of all units visible to the group
-        acc = tl.zeros([BU, BT], sdt)
-        for c in tl.static_range(NKC):
-            rk = c * KC + tl.arange(0, KC)
-            uk = (tl.cast(t, tl.int64) * 4 * HD + rk)[:, None]
-            lm = (rk < D)[:, None] & _live(mask_b, lens, t, VARLEN)
-            for k in tl.static_range(4):
-                if SCRATCH:
-                    dg_k = _ld_shared(DG + col_x + k * HD + uk, lm, EVEN_HK, SYNC)
-                else:
-                    dg_k = dg[k]
-                if R_RESIDENT:
-                    r_k, rk_lo = rs[k * NKC + c]
-                else:
-                    r_k, rk_lo = _load_r(R, RLO, k, hd, NH, D, ru, rk, EVEN_D, False, MM)
-                acc = _mm(r_k, rk_lo, dg_k, acc, MM)
+        # (an if/else, not an early return: the compiler would still build what follows a return)
+        if PARTIALS:
+            acc = _dh_by_partials(dg, rs, R, RLO, PX, CNT, grp, tt % 2, tt + 1, P, PS, hd, NH, D, ru, md,
+                                  BU, BT, KC, NKC, EVEN_D, MM, R_RESIDENT, SYNC)
+        else:
+            if SCRATCH:
+                _sync(CNT + grp, tt + 1, P, SYNC)  # δg̃_t of all units visible to the group
+            acc = tl.zeros([BU, BT], sdt)
+            for c in tl.static_range(NKC):
+                rk = c * KC + tl.arange(0, KC)
+                uk = (tl.cast(t, tl.int64) * 4 * HD + rk)[:, None]
+                lm = (rk < D)[:, None] & _live(mask_b, lens, t, VARLEN)
+                for k in tl.static_range(4):
+                    if SCRATCH:
+                        dg_k = _ld_shared(DG + col_x + k * HD + uk, lm, EVEN_HK, SYNC)
+                    else:
+                        dg_k = dg[k]
+                    if R_RESIDENT:
+                        r_k, rk_lo = rs[k * NKC + c]
+                    else:
+                        r_k, rk_lo = _load_r(R, RLO, k, hd, NH, D, ru, rk, EVEN_D, False, MM)
+                    acc = _mm(r_k, rk_lo, dg_k, acc, MM)
         if CLIP:
             acc = tl.minimum(tl.maximum(acc, -clip), clip)
         dh_rec = acc
@@ -246,15 +291,18 @@ def backward(r_hi, r_lo, mm: int, saved, init, dh_out, d_final, exp_forget: bool
     bt = config.block_b
     grid = grid_of(batch, heads, bt, lc, sms)
     cnt = torch.zeros(grid[1] * heads, dtype=torch.int32, device=dev)
+    # partial sums [group, 2 slots, P, rows, BT]: rows cover both the K chunks and the units
+    ps = max(lc.p * lc.bu, lc.nkc * lc.kc) * bt
+    px = torch.empty(grid[1] * heads * 2 * lc.p * ps if config.bwd_partials else 0, dtype=sdt, device=dev)
     _slstm_bwd_kernel[grid](
         r_hi, r_lo, dh_out, g, cs, ns, ms, c0, n0, m0,
-        *d_final, dg, *d_init, cnt, cu_seqlens if varlen else cnt,
-        batch, steps, heads, dim, lc.p, float(clip) if clip is not None else 0.0,
+        *d_final, dg, *d_init, cnt, cu_seqlens if varlen else cnt, px,
+        batch, steps, heads, dim, lc.p, ps, float(clip) if clip is not None else 0.0,
         BT=bt, BU=lc.bu, KC=lc.kc, NKC=lc.nkc, **flags(batch, dim, bt, lc, varlen),
         EXP_FORGET=exp_forget, HAS_INIT=init is not None, HAS_DH=has_dh,
         HAS_DFINAL=has_dfinal, CLIP=clip is not None, MM=mm, R_RESIDENT=config.r_resident,
         PREFETCH=config.prefetch, SCRATCH=lc.scratch, SYNC=lc.p > 1, VARLEN=varlen,
-        num_warps=config.num_warps, num_stages=1,
+        PARTIALS=config.bwd_partials, num_warps=config.num_warps, num_stages=1,
     )
     return dg, d_init
 

@@ -40,12 +40,16 @@ class SLSTMKernelConfig(KernelConfig):
     block_u: Optional[int] = None
     # the forward's four gates as one stacked operand of M = 4·BU rows (see forward._matvec)
     stack_gates: bool = False
+    # the backward exchanges partial sums of δh (M = D products) instead of δg̃ (see
+    # backward._dh_by_partials)
+    bwd_partials: bool = False
 
     def __post_init__(self):
         if not _pow2(self.num_warps):
             raise ValueError(f"num_warps must be a power of two, got {self.num_warps!r}")
-        if not all(isinstance(v, bool) for v in (self.r_resident, self.prefetch, self.stack_gates)):
-            raise ValueError("r_resident, prefetch and stack_gates must be bool")
+        if not all(isinstance(v, bool) for v in (self.r_resident, self.prefetch, self.stack_gates,
+                                                 self.bwd_partials)):
+            raise ValueError("r_resident, prefetch, stack_gates and bwd_partials must be bool")
         if self.k_chunk is not None and not (_pow2(self.k_chunk) and self.k_chunk >= 16):
             raise ValueError(f"k_chunk must be None or a power of two >= 16, got {self.k_chunk!r}")
         if not (_pow2(self.block_b) and self.block_b >= 16):
