@@ -341,6 +341,7 @@ def main(argv=None) -> int:
         server = Server(folder, [*common, "--max-batch", str(args.max_batch or max(levels))])
         try:
             warm_up(server.url, min(vocab, 50257), warm_lengths, args.seed + 2000)
+            record({"case": "server", "prompt_read_graphs": server_metric(server.url, "prompt_read_graphs")})
             for c in levels:
                 record({"case": "load", "concurrency": c, **load(server.url, per_level[c], c, args.clients)})
             prefix_runs(server, cache=True)
@@ -368,6 +369,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def server_metric(url: str, name: str) -> float:
+    """One value of the server's /metrics (xlstm_kit_<name>)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return float(re.search(rf"^xlstm_kit_{name} (\S+)$", text, re.M).group(1))
+
+
 def _f(x, digits=1):
     return "–" if x is None else f"{x:,.{digits}f}"
 
@@ -381,6 +391,10 @@ def report(rows: list[dict], meta: dict) -> str:
         if r["case"] == "load":
             lines.append(f"| {r['concurrency']} | {r['requests']} | {_f(r['tok_s'])} | {_f(r['ttft_p50_ms'])} | "
                          f"{_f(r['ttft_p99_ms'])} | {_f(r['itl_p50_ms'], 2)} | {_f(r['itl_p99_ms'], 2)} |")
+    srv = next((r for r in rows if r["case"] == "server"), None)
+    if srv:
+        n = int(srv["prompt_read_graphs"])
+        lines += ["", f"Prompt reads: {f'{n} CUDA graphs' if n else 'eager (no CUDA graphs)'}."]
     gen = next((r for r in rows if r["case"] == "generate"), None)
     if gen:
         served = next((r for r in rows if r["case"] == "load" and r["concurrency"] == gen["concurrency"]), None)

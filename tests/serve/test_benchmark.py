@@ -31,4 +31,7 @@ def test_quick_run_end_to_end(tmp_path):
     md = (tmp_path / "serve_speed.md").read_text()
     assert "| 4 | 8 |" in md and "| on | 1 |" in md and "| off | 8 |" in md and "model.generate" in md
     assert "| eager |" in md and "| compiled |" in md
+    # the CPU server reads prompts eagerly; the table says so
+    assert next(r for r in rows if r["case"] == "server")["prompt_read_graphs"] == 0
+    assert "Prompt reads: eager (no CUDA graphs)." in md
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # the temporary model folder is gone

@@ -100,6 +100,9 @@ def test_32_concurrent_greedy_requests_equal_generate_alone(server, reference, s
     # they ran in batches (8 slots), and prompts over the 48-token chunk were read in pieces
     assert after["xlstm_kit_decode_steps_total"] - before["xlstm_kit_decode_steps_total"] < sum(new)
     assert after["xlstm_kit_generation_tokens_total"] - before["xlstm_kit_generation_tokens_total"] == sum(new)
+    # a pass reads at most the 48-token chunk, in one eager call on the CPU (no graphs)
+    reads = after["xlstm_kit_prompt_reads_total"] - before["xlstm_kit_prompt_reads_total"]
+    assert -(-sum(lengths) // 48) <= reads and after["xlstm_kit_prompt_read_graphs"] == 0
 
 
 def test_prefix_cache_gives_the_same_tokens(server, reference, single_thread):

@@ -384,6 +384,11 @@ class App:
                "prefix cache).", [("", s.prefill_tokens)])
         metric("generation_tokens_total", "counter", "Tokens generated.", [("", s.generated_tokens)])
         metric("decode_steps_total", "counter", "Batched decode steps.", [("", s.decode_steps)])
+        reader = e.reader
+        metric("prompt_reads_total", "counter", "Prompt-read passes of the model (pieces or packed calls).",
+               [("", reader.replays if reader is not None else 0)])
+        metric("prompt_read_graphs", "gauge", "Prompt reads recorded as CUDA graphs (0: read eagerly).",
+               [("", len(reader.graphs) if reader is not None else 0)])
         metric("prefix_cache_hits_total", "counter", "Requests that started from a cached prefix state.",
                [("", s.cache_hits)])
         metric("prefix_cache_misses_total", "counter", "Requests that found no cached prefix state.",
