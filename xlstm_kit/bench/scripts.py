@@ -16,8 +16,52 @@ import tempfile
 import time
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid`, children first, from Linux's /proc (elsewhere: none)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            # the command name in parentheses may itself hold spaces and parentheses
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # ended while we looked
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(0), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid`'s process group and every process below it. torchrun starts each worker in
+    a session of its own: killing torchrun's group alone would leave the workers running (a hung
+    NCCL collective holding its GPU) and holding our pipes open. They are listed before anything
+    is killed, since orphans lose their parent link."""
+    below = _descendants(pid)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the child and its compile workers
+    except ProcessLookupError:
+        pass
+    for p in below:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_child(cmd: list[str], timeout_s: float, env: dict | None = None) -> dict:
-    """Run `cmd` in its own process group; kill the whole group at the time limit. Returns
+    """Run `cmd` in its own process group; at the time limit kill it and every process it
+    started (its own group and the sessions of its own that torchrun's workers run in). Returns
     rc (None on timeout), the parsed `RESULT {json}` lines printed before it ended, the tail of
     its stderr, and the wall time."""
     t0 = time.time()
@@ -28,10 +72,7 @@ def run_child(cmd: list[str], timeout_s: float, env: dict | None = None) -> dict
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child and its compile workers
-        except ProcessLookupError:
-            pass
+        _kill_tree(proc.pid)
         out, err = proc.communicate()
     results = []
     for line in (out or "").splitlines():
