@@ -38,6 +38,8 @@ VARIANTS = {  # H100 numbers of each: docs/kernels.md ("The paper mLSTM layer's 
     "bwd_r128": dict(bwd_maxnreg=128),
     "fwd_r96": dict(maxnreg=96),
     "fwd_uncapped": dict(maxnreg=0),
+    "conv_in_dx": dict(conv_grads_in_dx=True),  # the conv's gradients in the second pass
+    "conv_in_dx_bwd_r168": dict(conv_grads_in_dx=True, bwd_maxnreg=168),
 }
 
 
