@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -24,6 +25,7 @@ from ..training import (RESUME_FROZEN, StepEvent, TimeBudget, TrainConfig, conti
                         train, val_batch_count)
 from ..training.compiling import CPU_COMPILE_NOTE, SlowCompileWarning
 from ..training.data import load_data
+from ..training.distributed import builds_on_meta
 from .args import (DEFAULT_DATA, DEFAULT_PRESET, EVAL_WHOLE_SPLIT_UP_TO, EXIT_INTERRUPTED, FINETUNE_DEFAULTS,
                    PROG, UsageError, preset_key)
 from .common import (Progress, check_eval_memory, check_out_dir, check_training_memory, clear_run,
@@ -63,7 +65,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         if getattr(args, flag) == "":
             raise UsageError(f"--{flag} is empty; leave it out for the default")
     out = Path(args.out or f"runs/{(args.preset or DEFAULT_PRESET).lower()}")
-    dist = init_distributed(parallel=_parallel(args, out))
+    parallel = _parallel(args, out)
+    dist = init_distributed(parallel=parallel)
+    # FSDP ranks other than 0 take their shards of rank 0's weights: they build shapes only
+    shapes = builds_on_meta(dist, parallel)
     device = pick_device(args.device) if args.device or not dist.enabled else None
     threads = use_threads(args.threads, device)
     overrides = {
@@ -110,12 +115,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError(f"{ckpt} does not record the {' and '.join(missing)} it trained on; cannot --resume it")
         preset, data_spec, tok_name = meta.get("preset"), meta["data"], meta["tokenizer"]
         val_fraction = meta.get("val_fraction", args.val_fraction)
-        model = load_model(ckpt)
+        model = load_model(ckpt, weights=not shapes)
         tok_name = model.hf_tokenizer or tok_name  # a tokenizers-format tokenizer.json travels with the checkpoint
         start = int(meta["step"])
     elif args.init_from is not None:
         preset = None
-        model = load_pretrained(args.init_from, dtype=torch.float32)  # fp32 master weights
+        model = load_pretrained(args.init_from, dtype=torch.float32, weights=not shapes)  # fp32 master weights
         tok_name = init_tokenizer(model, args.tokenizer, args.init_from)
     else:
         preset = (args.preset or DEFAULT_PRESET)
@@ -163,7 +168,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.resume:
         torch.manual_seed(config.seed)
         if args.init_from is None:
-            model = XLSTMLanguageModel(model_config)
+            with torch.device("meta") if shapes else contextlib.nullcontext():
+                model = XLSTMLanguageModel(model_config)
         if args.overwrite and dist.is_main:
             clear_run(out)
 

@@ -55,13 +55,15 @@ def _runnable_on(config: XLSTMConfig, target: torch.device, path: Path) -> XLSTM
 
 
 def load_model(path: str | Path, device: str | torch.device | None = None,
-               model_class: type = XLSTMLanguageModel) -> XLSTMLanguageModel:
+               model_class: type = XLSTMLanguageModel, *, weights: bool = True) -> XLSTMLanguageModel:
     """Read a model written by `checkpoint.save_model`, or the newest checkpoint of a `train --out`
     run folder (through its `latest` file). Returns it (a `model_class`) in eval mode, with
     `tokenizer_name` set when the checkpoint records its tokenizer; a model saved with LoRA
     adapters comes back with them, unmerged (a resumable LoRA run). FileNotFoundError if
     missing, XLSTMKitError if corrupt. A save into the folder that a kill interrupted after it
-    was complete is carried out first (xlstm_kit.io.files)."""
+    was complete is carried out first (xlstm_kit.io.files). ``weights=False``: the model on the
+    meta device (its shapes, adapters and tokenizer, no weights read), for an FSDP rank that
+    gets its shards from rank 0."""
     path = Path(path)
     if not path.is_dir():
         raise MissingFileError(f"no checkpoint folder at {str(path)!r}")
@@ -73,16 +75,25 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     if checkpoint.is_sharded(path):  # an FSDP run's checkpoint: its shards, assembled here
         config_dict = read_json(path / checkpoint.CONFIG_FILE, MAX_CONFIG_BYTES)
         names = sharded.stored_weight_names(path)
+    elif not weights:  # the names come with the tensors in this format: rank 0 reads and checks them
+        config_dict = read_json(path / checkpoint.CONFIG_FILE, MAX_CONFIG_BYTES)
+        names = None
     else:
         config_dict, tensors = checkpoint.read_model_files(path)
         names = set(tensors)
     n_blocks = config_dict.get("n_blocks") if isinstance(config_dict, dict) else None
-    in_file = {k.split(".")[1] for k in names if k.startswith("blocks.")}
-    if isinstance(n_blocks, int) and n_blocks != len(in_file):
+    in_file = {k.split(".")[1] for k in names or () if k.startswith("blocks.")}
+    if names is not None and isinstance(n_blocks, int) and n_blocks != len(in_file):
         # before the config is even validated: that walks all n_blocks positions
         raise XLSTMKitError(f"{path} holds the weights of {len(in_file)} blocks, its "
                             f"{checkpoint.CONFIG_FILE} says n_blocks={n_blocks}")
     config = _runnable_on(_config(config_dict, path / checkpoint.CONFIG_FILE), check_device(device), path)
+    if not weights:
+        with shapes_only():
+            model = adapters_from_folder(model_class(config), path)
+        model.tokenizer_name = checkpoint.read_tokenizer_name(path)
+        model.hf_tokenizer = find_tokenizer(path)
+        return model.eval()
     if checkpoint.is_sharded(path):
         with shapes_only():
             expected = adapters_from_folder(model_class(config), path).state_dict()
@@ -101,7 +112,8 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     return model if device is None else model.to(device)
 
 
-def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type = XLSTMLanguageModel):
+def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type = XLSTMLanguageModel, *,
+                    weights: bool = True):
     """A HuggingFace xLSTM folder (config.json with model_type "xlstm", model.safetensors or
     shards listed in model.safetensors.index.json; NX-AI/xLSTM-7b, transformers'
     save_pretrained) as a large-family model, or an xlstm_kit checkpoint / `train --out` run.
@@ -114,7 +126,8 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
     `model.eos_token_ids`. A checkpoint with LoRA adapters (adapter_config.json) loads with the
     adapters merged into its weights. A save into the folder that a kill interrupted after it
     was complete is carried out first (xlstm_kit.io.files). Returns the model (a `model_class`)
-    in eval mode."""
+    in eval mode. ``weights=False``: the same model on the meta device, no weight read (nor
+    checksummed), for an FSDP rank that gets its shards from rank 0."""
     path = _model_folder(path, "model")
     cfg_path = path / checkpoint.CONFIG_FILE
     raw = json_object(cfg_path)
@@ -128,13 +141,14 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
     elif checkpoint.is_sharded(path):  # an FSDP run's checkpoint: assembled whole, as load_model reads it
         target = check_device(device)
         cast = target_dtype({}, dtype) if dtype is not None else None
-        model = load_model(path, model_class=model_class)
+        model = load_model(path, model_class=model_class, weights=weights)
         merge_lora(model)
         model.hf_special_tokens = special
-        return model.to(device=target, dtype=cast)
+        return model.to(device=target, dtype=cast) if weights else model.to(dtype=cast)
     else:
         config = _config(raw, cfg_path)
-        checkpoint.verify_checksum(path, checkpoint.WEIGHTS_FILE)
+        if weights:
+            checkpoint.verify_checksum(path, checkpoint.WEIGHTS_FILE)
     target = check_device(device)
     config = _runnable_on(config, target, path)
 
@@ -149,13 +163,16 @@ def load_pretrained(path: str | Path, dtype=None, device=None, model_class: type
     if config.tie_embeddings:
         expected.pop("lm_head.weight")
     check_sources(sources, expected, named, hf)
-    state = dict(materialise(sources, target_dtype(sources, dtype), target))
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.embedding.weight
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:  # a parameter the file does not hold and the check above missed
-        raise XLSTMKitError(f"{named} leaves {left[:5]} unset")
+    if weights:
+        state = dict(materialise(sources, target_dtype(sources, dtype), target))
+        model.load_state_dict(state, strict=False, assign=True)
+        if config.tie_embeddings:
+            model.lm_head.weight = model.embedding.weight
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if left:  # a parameter the file does not hold and the check above missed
+            raise XLSTMKitError(f"{named} leaves {left[:5]} unset")
+    else:
+        model.to(dtype=target_dtype(sources, dtype))
     merge_lora(model)  # a model to use: adapters folded in, as fast as the base model
     named_tokenizer = raw.get(TOKENIZER_NAME_KEY) if hf else checkpoint.read_tokenizer_name(path)
     model.tokenizer_name = named_tokenizer if isinstance(named_tokenizer, str) else None

@@ -56,23 +56,61 @@ def default_device(dist: DistInfo) -> torch.device:
     return torch.device(f"cuda:{dist.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def on_meta(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters or buffers is on the meta device (shapes only)."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def builds_on_meta(dist: DistInfo, parallel: str) -> bool:
+    """Whether this process should build its model on the meta device: a rank other than 0 of
+    an FSDP run of several processes, whose weights come from rank 0 as its shards."""
+    return parallel == "fsdp" and dist.enabled and not dist.is_main
+
+
+def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for prefix, module in model.named_modules():
+        for name in sorted(getattr(module, "_non_persistent_buffers_set", ())):
+            buf = module._buffers.get(name)
+            if buf is not None:
+                out.append((f"{prefix}.{name}" if prefix else name, buf))
+    return out
+
+
 def shard_model(model: nn.Module, dist: DistInfo, device: torch.device, precision: str) -> None:
     """Shard ``model`` in place with FSDP2 over a 1-D DeviceMesh of all ranks: each block is one
     unit (its weights are gathered just before its forward and backward and freed after, so one
     block's full weights are in memory at a time), the root takes what is left (embedding, final
     norm, head). Under bf16 training on CUDA the gathered weights are bf16 while the shards, the
     optimizer state and the gradient reduction stay float32. Activation checkpointing and
-    compiled blocks must be applied before, as they wrap the blocks this shards."""
+    compiled blocks must be applied before, as they wrap the blocks this shards.
+
+    Every rank ends with its shard of rank 0's weights. Rank 0 must hold them in full; the
+    other ranks may have built ``model`` on the meta device (``builds_on_meta``), and then
+    allocate only their shards: no rank but 0 ever holds the whole model."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not torch_dist.is_initialized():
         raise XLSTMKitError("parallel='fsdp' needs a process group: run under torchrun and pass "
                             "dist=init_distributed(parallel='fsdp')")
-    # every rank starts from rank 0's weights, as DistributedDataParallel's constructor ensures
-    with torch.no_grad():
-        for t in model.state_dict().values():
-            torch_dist.broadcast(t, 0)
+    meta = on_meta(model)
+    if dist.enabled:
+        # collective, so that every rank refuses together instead of the others waiting forever
+        flags = [None] * dist.world_size
+        torch_dist.all_gather_object(flags, meta)
+        rank0_meta = bool(flags[0])
+    else:
+        rank0_meta = meta
+    if rank0_meta:
+        raise XLSTMKitError("FSDP sharding needs rank 0's model built with its weights; rank 0's is on the "
+                            "meta device (only the other ranks may build theirs there)")
+    full = None
+    if dist.enabled and dist.is_main:
+        # references to rank 0's own tensors, no copy; taken before fully_shard replaces them
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     mesh = init_device_mesh(device.type, (dist.world_size,))
     if device.type == "cuda" and precision in ("auto", "bf16"):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -81,3 +119,16 @@ def shard_model(model: nn.Module, dist: DistInfo, device: torch.device, precisio
     for block in getattr(model, "blocks", ()):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if not dist.enabled:
+        return
+    if meta:
+        model.to_empty(device=device)  # this rank's shards only: the parameters are sharded DTensors now
+    # every rank starts from rank 0's weights, as DistributedDataParallel's constructor ensures;
+    # one tensor at a time, so no rank but 0 holds more than one full tensor
+    set_model_state_dict(model, full if dist.is_main else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    # non-persistent buffers are in no state dict: rank 0's values, also over to_empty's garbage
+    with torch.no_grad():
+        for _, buf in _non_persistent_buffers(model):
+            torch_dist.broadcast(buf, 0)

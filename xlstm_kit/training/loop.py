@@ -44,7 +44,7 @@ from ..models.lora import use_lora
 from .compiling import CompileClock, compile_failure, prepare_model
 from .config import MAX_SKIPPED_IN_A_ROW, METRICS_FILE, PLOT_FILE, RESUME_FROZEN, TrainConfig
 from .data import TokenData
-from .distributed import DistInfo, default_device, shard_model
+from .distributed import DistInfo, default_device, on_meta, shard_model
 from .events import CheckpointEvent, EvalEvent, StepEvent, TrainEvent, TrainResult
 from .optim import continue_schedule, lr_at, make_optimizer
 from .plots import PLOT_MISSING_NOTE, plot_loss_curve, read_metrics
@@ -306,7 +306,12 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
     else:
         work = LanguageModelling(model, data, config, dist, device)
         meta = {"tokenizer": getattr(data.tokenizer, "name", None), **(meta or {})}  # generate(text) after load
-    model.to(device)
+    shapes_only = on_meta(model)
+    if shapes_only and not (config.parallel == "fsdp" and dist.enabled):
+        raise XLSTMKitError("the model is on the meta device (shapes without weights): only ranks other than 0 "
+                            "of parallel='fsdp' with several processes may pass one; build it with its weights")
+    if not shapes_only:  # a meta model gets its shards, and rank 0's weights, from shard_model
+        model.to(device)
     model.train()
     if config.lora:  # before the optimizer is built: it takes the trainable parameters only
         use_lora(model, config.lora, config.lora_alpha, config.lora_targets, seed=config.seed)
