@@ -225,3 +225,46 @@ def test_meta_model_where_it_cannot_be_filled_is_one_line(tmp_path, corpus):
         T.train(model, load_data(str(corpus), "byte"), T.TrainConfig(**CONFIG), None, device="cpu",
                 handle_signals=False)
     assert "\n" not in str(e.value)
+
+
+class _WithBuffers(torch.nn.Module):
+    """The xlstm_kit models have no buffers (named_buffers is empty): this stands for a model that
+    has both kinds, e.g. a rotary table (non-persistent) and running statistics (persistent)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(2))
+        self.blocks[0].register_buffer("table", torch.randn(5, 3), persistent=False)
+        self.register_buffer("stats", torch.randn(4))
+
+
+def _buffers_worker(rank, world, port, result):
+    import torch.distributed as dist
+
+    from xlstm_kit.training.distributed import shard_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(11)
+        with torch.device("meta") if rank == 1 else torch.device("cpu"):
+            model = _WithBuffers()
+        shard_model(model, T.DistInfo(rank=rank, world_size=world), torch.device("cpu"), "fp32")
+        torch.save({"buffers": {n: b.clone() for n, b in model.named_buffers()}, "weights": _gathered(model)},
+                   f"{result}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_buffers_of_both_kinds_come_from_rank0(tmp_path):
+    result = str(tmp_path / "buf.pt")
+    mp.spawn(_buffers_worker, args=(2, _free_port(), result), nprocs=2, join=True)
+    torch.manual_seed(11)
+    ref = _WithBuffers()
+    for r in range(2):
+        got = torch.load(f"{result}.{r}", weights_only=False)
+        assert sorted(got["buffers"]) == ["blocks.0.table", "stats"]
+        for n, b in ref.named_buffers():
+            assert torch.equal(got["buffers"][n], b), (r, n)
+        for k, v in ref.state_dict().items():
+            assert torch.equal(got["weights"][k], v), (r, k)
