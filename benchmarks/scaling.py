@@ -132,6 +132,7 @@ def worker(args: argparse.Namespace) -> None:
     from xlstm_kit.bench.registry import flops_per_token
     from xlstm_kit.models.meta import shapes_only
     from xlstm_kit.training import TrainConfig, Workload, init_distributed, train
+    from xlstm_kit.training.distributed import builds_on_meta
 
     t_start = time.perf_counter()
     _check_sizes(args)
@@ -151,8 +152,8 @@ def worker(args: argparse.Namespace) -> None:
                nccl=_nccl_version() if cuda else None)
 
     if cuda:
-        # Whole-model float32 copies on every rank before shard_model shards them (DDP keeps
-        # them), and weights, gradients and two AdamW moments in float32 afterwards, sharded by
+        # A whole-model float32 copy on rank 0 before shard_model shards it (on every rank under
+        # DDP, which keeps them), and weights, gradients and two AdamW moments in float32 afterwards, sharded by
         # FSDP only: a count that cannot hold these is reported without building the model.
         total = torch.cuda.get_device_properties(device).total_memory
         state = 16 * n_params / (world if args.parallel == "fsdp" else 1)
@@ -166,7 +167,9 @@ def worker(args: argparse.Namespace) -> None:
             return
 
     torch.manual_seed(0)
-    with torch.device(device):  # initialised where it trains: seconds for xLSTM-7B on a GPU, not minutes
+    # initialised where it trains: seconds for xLSTM-7B on a GPU, not minutes; FSDP's other ranks
+    # build shapes only and get their shards of rank 0's weights
+    with torch.device("meta" if builds_on_meta(info, args.parallel) else device):
         model = XLSTMLanguageModel(cfg)
     gen = torch.Generator().manual_seed(info.rank)  # every rank its own tokens, as with a real corpus
     tokens = torch.randint(0, cfg.vocab_size, (per_gpu, seq + 1), generator=gen).to(device)
