@@ -268,3 +268,25 @@ def test_buffers_of_both_kinds_come_from_rank0(tmp_path):
             assert torch.equal(got["buffers"][n], b), (r, n)
         for k, v in ref.state_dict().items():
             assert torch.equal(got["weights"][k], v), (r, k)
+
+
+def test_lora_fine_tuning_with_a_meta_rank_equals_one_process(tmp_path, corpus):
+    """--init-from with --lora: rank 1 puts its adapters on the meta model; the adapters' initial
+    values (from the seed) and the frozen base come from rank 0."""
+    from xlstm_kit.cli import app
+    from xlstm_kit.training.plots import read_metrics
+
+    torch.manual_seed(3)
+    XLSTMLanguageModel(XLSTMConfig(vocab_size=256, d_model=32, n_blocks=2, n_heads=2, slstm_at=[1])).save(
+        tmp_path / "saved", tokenizer="byte")
+    tune = ["--init-from", str(tmp_path / "saved"), "--steps", "3", "--lora", "4", "--seed", "9", "--lr", "1e-2"]
+    assert app.main(["train", "--data", str(corpus), "--out", str(tmp_path / "one"), "--device", "cpu", *tune,
+                     *CLI_SMALL]) == 0
+    ref = {row["step"]: row["loss"] for row in read_metrics(tmp_path / "one" / "metrics.jsonl", 3) if "loss" in row}
+    ranks = _cli(tmp_path, "lora", tune, setup_only=False)
+    assert ranks[1]["meta"] is True and any("lora" in k for k in ranks[0]["weights"])
+    assert sorted(dict(ranks[0]["losses"])) == sorted(ref) == [1, 2, 3]
+    for step, value in ranks[0]["losses"]:
+        assert value == pytest.approx(ref[step], rel=1e-5), step
+    for k, v in ranks[0]["weights"].items():
+        assert torch.equal(ranks[1]["weights"][k], v), k
