@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 from xlstm_kit import training as T
 from xlstm_kit.errors import XLSTMKitError
+from xlstm_kit.io.loading import load_model
 from xlstm_kit.training.data import load_data
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 80
@@ -68,9 +69,18 @@ def _cli_worker(rank, world, port, job):
         real = cli_train.train
 
         def spy(model, *args, **kwargs):
+            from xlstm_kit.training import loop
             from xlstm_kit.training.distributed import on_meta
 
             record["meta"] = on_meta(model)
+            record["materialized"] = sum(t.numel() for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
+            load = loop.load_sharded_into
+
+            def load_and_record(model, optimizer, checkpoint):
+                load(model, optimizer, checkpoint)
+                record["restored"] = _gathered(model)
+
+            loop.load_sharded_into = load_and_record
             result = real(model, *args, **kwargs)
             record["weights"] = {k: v.clone() for k, v in _gathered(model).items()}
             record["losses"] = result.losses
@@ -144,8 +154,9 @@ def test_init_from_a_huggingface_folder_sharded_from_rank0(tmp_path, corpus):
 
 
 def test_fsdp_training_and_resume_through_the_command_line_with_meta_ranks(tmp_path, corpus):
-    """Rank 1 built on meta trains to one process's losses; a resume (rank 1 again on meta, its
-    shards then read from the sharded checkpoint) continues them."""
+    """Rank 1 built on meta trains to one process's losses; a resume, where every rank (0
+    included) builds on meta and reads its shards from the sharded checkpoint, continues them
+    and starts from exactly the weights saved."""
     from xlstm_kit.cli import app
     from xlstm_kit.training.plots import read_metrics
 
@@ -158,7 +169,17 @@ def test_fsdp_training_and_resume_through_the_command_line_with_meta_ranks(tmp_p
     first = _cli(tmp_path, "two", ["--steps", "2", *common], setup_only=False)
     assert first[1]["meta"] is True and first[0]["meta"] is False
     resumed = _cli(tmp_path, "two", ["--resume", "--steps", "4"], setup_only=False)
-    assert resumed[1]["meta"] is True and resumed[0]["meta"] is False
+    for r in resumed:  # no rank read or built the whole model
+        assert r["meta"] is True and r["materialized"] == 0
+    # first[0]["weights"]: gathered after the first session, whose last step (2) it saved
+    saved = load_model(tmp_path / "two" / "checkpoints" / "step-00000002")
+    assert sorted(saved.state_dict()) == sorted(first[0]["weights"])
+    for r in resumed:
+        assert sorted(r["restored"]) == sorted(first[0]["weights"])
+        for k, v in first[0]["weights"].items():
+            got = r["restored"][k]
+            assert got.dtype == v.dtype == torch.float32 and torch.equal(got, v), k
+            assert torch.equal(saved.state_dict()[k], v), k
     losses = dict(first[0]["losses"] + resumed[0]["losses"])
     assert 4 in losses and set(losses) <= set(ref)
     for step, value in losses.items():

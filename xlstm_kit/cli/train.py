@@ -17,6 +17,7 @@ import torch.distributed as torch_dist
 from ..errors import XLSTMKitError
 from ..generation.generate import generate_text
 from ..io.loading import load_model, load_pretrained
+from ..io.sharded import resumes_from_shards
 from ..io.tokenizers import TOKENIZERS, get_tokenizer
 from ..models import PRESETS, XLSTMConfig, XLSTMLanguageModel
 from ..models.lora import lora_settings, use_lora
@@ -67,8 +68,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/{(args.preset or DEFAULT_PRESET).lower()}")
     parallel = _parallel(args, out)
     dist = init_distributed(parallel=parallel)
-    # FSDP ranks other than 0 take their shards of rank 0's weights: they build shapes only
-    shapes = builds_on_meta(dist, parallel)
+    # FSDP ranks other than 0 take their shards of rank 0's weights, and on a resume from a sharded
+    # checkpoint every rank reads its shards from it: they build shapes only
+    shapes = builds_on_meta(dist, parallel, sharded_resume=args.resume and resumes_from_shards(out))
     device = pick_device(args.device) if args.device or not dist.enabled else None
     threads = use_threads(args.threads, device)
     overrides = {

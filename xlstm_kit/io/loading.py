@@ -63,7 +63,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     missing, XLSTMKitError if corrupt. A save into the folder that a kill interrupted after it
     was complete is carried out first (xlstm_kit.io.files). ``weights=False``: the model on the
     meta device (its shapes, adapters and tokenizer, no weights read), for an FSDP rank that
-    gets its shards from rank 0."""
+    gets its shards from rank 0 or, on a resume, from the sharded checkpoint."""
     path = Path(path)
     if not path.is_dir():
         raise MissingFileError(f"no checkpoint folder at {str(path)!r}")

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..errors import XLSTMKitError
-from .checkpoint import _commit_checkpoint, _start_checkpoint, _write_train_files
+from .checkpoint import _commit_checkpoint, _start_checkpoint, _write_train_files, resolve_checkpoint
 from .jsonfile import MAX_CONFIG_BYTES, open_regular, read_json
 from .model_files import (CHECKSUMS_FILE, CONFIG_FILE, MAX_CHECKSUMS_BYTES, SHARDED_INDEX_FILE, TRAIN_STATE_FILE,
                           CheckpointError, _file_sha256, _write_model_files, is_sharded, verify_checksum)
@@ -312,6 +312,16 @@ def load_sharded_into(model: nn.Module, optimizer: torch.optim.Optimizer, checkp
     except Exception as e:  # noqa: BLE001 - DCP raises its own exception types, on every rank
         raise CheckpointError(f"cannot load the sharded checkpoint {checkpoint}: {_one_line(e)}") from None
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+def resumes_from_shards(out_dir: str | Path) -> bool:
+    """Whether a resume of the run in ``out_dir`` reads its weights from a sharded checkpoint (so
+    that no rank needs the model's weights before); False where there is no checkpoint to read,
+    which the resume itself then reports."""
+    try:
+        return is_sharded(resolve_checkpoint(out_dir))
+    except (XLSTMKitError, OSError):
+        return False
 
 
 def stored_weight_names(folder: str | Path) -> set[str]:

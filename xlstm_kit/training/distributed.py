@@ -61,10 +61,12 @@ def on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def builds_on_meta(dist: DistInfo, parallel: str) -> bool:
-    """Whether this process should build its model on the meta device: a rank other than 0 of
-    an FSDP run of several processes, whose weights come from rank 0 as its shards."""
-    return parallel == "fsdp" and dist.enabled and not dist.is_main
+def builds_on_meta(dist: DistInfo, parallel: str, sharded_resume: bool = False) -> bool:
+    """Whether this process should build its model on the meta device: a rank of an FSDP run of
+    several processes whose weights come as its shards from elsewhere: from rank 0 (every rank
+    but 0), or, when ``sharded_resume`` (a resume from a sharded checkpoint), from the checkpoint
+    (every rank, 0 included: see ``shard_model``'s ``weights_from``)."""
+    return parallel == "fsdp" and dist.enabled and (sharded_resume or not dist.is_main)
 
 
 def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -77,7 +79,11 @@ def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def shard_model(model: nn.Module, dist: DistInfo, device: torch.device, precision: str) -> None:
+WEIGHTS_FROM = ("rank0", "checkpoint")
+
+
+def shard_model(model: nn.Module, dist: DistInfo, device: torch.device, precision: str,
+                weights_from: str = "rank0") -> None:
     """Shard ``model`` in place with FSDP2 over a 1-D DeviceMesh of all ranks: each block is one
     unit (its weights are gathered just before its forward and backward and freed after, so one
     block's full weights are in memory at a time), the root takes what is left (embedding, final
@@ -85,14 +91,23 @@ def shard_model(model: nn.Module, dist: DistInfo, device: torch.device, precisio
     optimizer state and the gradient reduction stay float32. Activation checkpointing and
     compiled blocks must be applied before, as they wrap the blocks this shards.
 
-    Every rank ends with its shard of rank 0's weights. Rank 0 must hold them in full; the
-    other ranks may have built ``model`` on the meta device (``builds_on_meta``), and then
-    allocate only their shards: no rank but 0 ever holds the whole model."""
+    ``weights_from="rank0"``: every rank ends with its shard of rank 0's weights. Rank 0 must
+    hold them in full; the other ranks may have built ``model`` on the meta device
+    (``builds_on_meta``), and then allocate only their shards: no rank but 0 ever holds the
+    whole model.
+
+    ``weights_from="checkpoint"``: the caller fills the shards next from a sharded checkpoint
+    (``xlstm_kit.io.sharded.load_sharded_into``), so nothing is broadcast and any rank, 0
+    included, may be on meta: it allocates its shards uninitialised. Non-persistent buffers are
+    in no checkpoint: they are taken from rank 0 when it built its model with them, and a meta
+    rank 0 with such buffers is refused (their values would be garbage)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if weights_from not in WEIGHTS_FROM:
+        raise XLSTMKitError(f"shard_model's weights_from must be one of {WEIGHTS_FROM}, got {weights_from!r}")
     if not torch_dist.is_initialized():
         raise XLSTMKitError("parallel='fsdp' needs a process group: run under torchrun and pass "
                             "dist=init_distributed(parallel='fsdp')")
@@ -100,15 +115,24 @@ def shard_model(model: nn.Module, dist: DistInfo, device: torch.device, precisio
     if dist.enabled:
         # collective, so that every rank refuses together instead of the others waiting forever
         flags = [None] * dist.world_size
-        torch_dist.all_gather_object(flags, meta)
-        rank0_meta = bool(flags[0])
+        torch_dist.all_gather_object(flags, (meta, weights_from))
+        rank0_meta = bool(flags[0][0])
+        if len({w for _, w in flags}) > 1:
+            # some ranks would wait in the broadcast of rank 0's weights that the others skip
+            raise XLSTMKitError(f"the ranks disagree on where the weights come from: "
+                                f"{', '.join(w for _, w in flags)} (ranks 0..{dist.world_size - 1})")
     else:
         rank0_meta = meta
-    if rank0_meta:
+    from_checkpoint = weights_from == "checkpoint"
+    if from_checkpoint and rank0_meta and _non_persistent_buffers(model):
+        # the same model on every rank: every rank refuses together
+        raise XLSTMKitError("the model has non-persistent buffers, which no checkpoint holds: build rank 0's "
+                            "model with its weights (not on the meta device) to resume it under FSDP")
+    if rank0_meta and not from_checkpoint:
         raise XLSTMKitError("FSDP sharding needs rank 0's model built with its weights; rank 0's is on the "
                             "meta device (only the other ranks may build theirs there)")
     full = None
-    if dist.enabled and dist.is_main:
+    if dist.enabled and dist.is_main and not from_checkpoint:
         # references to rank 0's own tensors, no copy; taken before fully_shard replaces them
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     mesh = init_device_mesh(device.type, (dist.world_size,))
@@ -119,15 +143,16 @@ def shard_model(model: nn.Module, dist: DistInfo, device: torch.device, precisio
     for block in getattr(model, "blocks", ()):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    if not dist.enabled:
-        return
     if meta:
         model.to_empty(device=device)  # this rank's shards only: the parameters are sharded DTensors now
-    # every rank starts from rank 0's weights, as DistributedDataParallel's constructor ensures;
-    # one tensor at a time, so no rank but 0 holds more than one full tensor
-    set_model_state_dict(model, full if dist.is_main else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
+    if not dist.enabled:
+        return
+    if not from_checkpoint:
+        # every rank starts from rank 0's weights, as DistributedDataParallel's constructor ensures;
+        # one tensor at a time, so no rank but 0 holds more than one full tensor
+        set_model_state_dict(model, full if dist.is_main else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
     # non-persistent buffers are in no state dict: rank 0's values, also over to_empty's garbage
     with torch.no_grad():
         for _, buf in _non_persistent_buffers(model):

@@ -39,7 +39,7 @@ from ..errors import XLSTMKitError
 from ..io.checkpoint import (TRAIN_STATE_FILE, CheckpointError, atomic_write, claim_run_files,
                              load_optimizer_state, load_training_state, load_weights_into, read_train_meta,
                              remove_stale_staging, run_lock, resolve_checkpoint, restore_rng, save_checkpoint)
-from ..io.sharded import load_sharded_into, save_sharded_checkpoint
+from ..io.sharded import load_sharded_into, resumes_from_shards, save_sharded_checkpoint
 from ..models.lora import use_lora
 from .compiling import CompileClock, compile_failure, prepare_model
 from .config import MAX_SKIPPED_IN_A_ROW, METRICS_FILE, PLOT_FILE, RESUME_FROZEN, TrainConfig
@@ -308,8 +308,9 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
         meta = {"tokenizer": getattr(data.tokenizer, "name", None), **(meta or {})}  # generate(text) after load
     shapes_only = on_meta(model)
     if shapes_only and not (config.parallel == "fsdp" and dist.enabled):
-        raise XLSTMKitError("the model is on the meta device (shapes without weights): only ranks other than 0 "
-                            "of parallel='fsdp' with several processes may pass one; build it with its weights")
+        raise XLSTMKitError("the model is on the meta device (shapes without weights): only parallel='fsdp' with "
+                            "several processes may pass one (ranks other than 0, or every rank resuming from a "
+                            "sharded checkpoint); build it with its weights")
     if not shapes_only:  # a meta model gets its shards, and rank 0's weights, from shard_model
         model.to(device)
     model.train()
@@ -317,7 +318,9 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
         use_lora(model, config.lora, config.lora_alpha, config.lora_targets, seed=config.seed)
     prepare_model(model, config, device)
     if config.parallel == "fsdp":  # before the optimizer is built: it must hold the sharded parameters
-        shard_model(model, dist, device, config.precision)
+        # restore() overwrites every weight from a sharded checkpoint: rank 0's would go for nothing
+        from_shards = resume and out_dir is not None and resumes_from_shards(out_dir)
+        shard_model(model, dist, device, config.precision, weights_from="checkpoint" if from_shards else "rank0")
     run = RunState(model, work, config, out_dir, dist, device, meta, callback)
     if resume:
         run.restore()
