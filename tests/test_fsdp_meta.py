@@ -311,3 +311,66 @@ def test_lora_fine_tuning_with_a_meta_rank_equals_one_process(tmp_path, corpus):
         assert value == pytest.approx(ref[step], rel=1e-5), step
     for k, v in ranks[0]["weights"].items():
         assert torch.equal(ranks[1]["weights"][k], v), k
+
+
+def _shard_worker(rank, world, port, job):
+    import torch.distributed as dist
+
+    from xlstm_kit.training.distributed import shard_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(11)
+        with torch.device("meta") if rank in job["meta_ranks"] else torch.device("cpu"):
+            model = _WithBuffers()
+        try:
+            shard_model(model, T.DistInfo(rank=rank, world_size=world), torch.device("cpu"), "fp32",
+                        weights_from=job["weights_from"][rank])
+        except XLSTMKitError as e:
+            torch.save({"error": str(e)}, f"{job['result']}.{rank}")
+            return
+        torch.save({"buffers": {n: b.clone() for n, b in model.named_buffers()}}, f"{job['result']}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _shard(tmp_path, tag, meta_ranks, weights_from):
+    job = dict(result=str(tmp_path / f"{tag}.pt"), meta_ranks=meta_ranks, weights_from=weights_from)
+    mp.spawn(_shard_worker, args=(2, _free_port(), job), nprocs=2, join=True)
+    return [torch.load(f"{job['result']}.{r}", weights_only=False) for r in range(2)]
+
+
+def test_weights_from_checkpoint_and_non_persistent_buffers(tmp_path):
+    # every rank on meta: nobody holds the buffers a checkpoint lacks; both refuse in one line
+    for r in _shard(tmp_path, "allmeta", {0, 1}, ["checkpoint", "checkpoint"]):
+        assert "non-persistent buffers" in r["error"] and "\n" not in r["error"]
+    # rank 0 built with them: rank 1's non-persistent buffer is rank 0's, not to_empty's garbage
+    ranks = _shard(tmp_path, "rank0full", {1}, ["checkpoint", "checkpoint"])
+    torch.manual_seed(11)
+    table = _WithBuffers().blocks[0].table
+    for r in ranks:
+        assert torch.equal(r["buffers"]["blocks.0.table"], table)
+    # ranks that disagree would hang in a broadcast only some join: refused on both
+    for r in _shard(tmp_path, "disagree", {1}, ["rank0", "checkpoint"]):
+        assert "disagree on where the weights come from" in r["error"] and "\n" not in r["error"]
+
+
+def test_only_a_sharded_checkpoint_lets_rank0_build_on_meta(tmp_path, corpus):
+    """A resume from a checkpoint with model.safetensors (a DDP run's) keeps rank 0 building the
+    whole model; one from shards puts every rank on meta."""
+    from xlstm_kit.cli import app
+    from xlstm_kit.io.sharded import resumes_from_shards
+    from xlstm_kit.training.distributed import builds_on_meta
+
+    assert app.main(["train", "--data", str(corpus), "--out", str(tmp_path / "ddp"), "--device", "cpu",
+                     "--preset", "tiny", "--steps", "1", *CLI_SMALL]) == 0
+    assert resumes_from_shards(tmp_path / "ddp") is False
+    assert resumes_from_shards(tmp_path / "nothing") is False
+    _cli(tmp_path, "fsdp", ["--preset", "tiny", "--steps", "1"], setup_only=False)
+    assert resumes_from_shards(tmp_path / "fsdp") is True
+    rank0, rank1 = T.DistInfo(rank=0, world_size=2), T.DistInfo(rank=1, world_size=2)
+    assert builds_on_meta(rank0, "fsdp", sharded_resume=True) and builds_on_meta(rank1, "fsdp", sharded_resume=True)
+    assert not builds_on_meta(rank0, "fsdp", sharded_resume=False) and builds_on_meta(rank1, "fsdp")
+    assert not builds_on_meta(rank0, "ddp", sharded_resume=True)
+    assert not builds_on_meta(T.DistInfo(), "fsdp", sharded_resume=True)  # one process: nothing to shard over
