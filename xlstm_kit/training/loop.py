@@ -311,7 +311,7 @@ def _train(model, data, config, out_dir, resume, callback, device, dist, meta, h
         raise XLSTMKitError("the model is on the meta device (shapes without weights): only parallel='fsdp' with "
                             "several processes may pass one (ranks other than 0, or every rank resuming from a "
                             "sharded checkpoint); build it with its weights")
-    if not shapes_only:  # a meta model gets its shards, and rank 0's weights, from shard_model
+    if not shapes_only:  # a meta model gets its shards from shard_model, their values from rank 0 or restore()
         model.to(device)
     model.train()
     if config.lora:  # before the optimizer is built: it takes the trainable parameters only
