@@ -82,6 +82,15 @@ class PromptReader:
             out.append(cls(*parts))
         return out
 
+    def _inputs(self, n: int) -> list:
+        """Input rows 0..n-1 as a state the model reads (contiguous copies of the views)."""
+        return [type(s)(*(x.contiguous() for x in s)) for s in self.unpack(self.inputs[:n])]
+
+    @staticmethod
+    def _pack(state, out: torch.Tensor) -> None:
+        """Write a state of out.shape[0] rows into out [n, W], packed flat."""
+        torch.cat([x.reshape(out.shape[0], -1) for s in state for x in s], 1, out=out)
+
     def row_state(self, row: int) -> list:
         """Row `row` of `work` as a batch-1 state (views: copy before the row is reused)."""
         return self.unpack(self.work[row:row + 1])
@@ -91,14 +100,13 @@ class PromptReader:
         if state is None:
             self.work[row].zero_()
         else:
-            self.work[row:row + 1].copy_(torch.cat([x.reshape(1, -1) for s in state for x in s], 1))
+            self._pack(state, self.work[row:row + 1])
 
     # ------------------------------------------------------------------ one piece
     def _piece(self, n: int, ids: torch.Tensor) -> torch.Tensor:
         """Read ids [n, L] from input rows 0..n-1, in place; logits of the last position [n, V]."""
-        state = [type(s)(*(x.contiguous() for x in s)) for s in self.unpack(self.inputs[:n])]
-        out, new = self.model(ids, state=state, return_state=True, logits_to_keep=1)
-        torch.cat([x.reshape(n, -1) for s in new for x in s], 1, out=self.inputs[:n])
+        out, new = self.model(ids, state=self._inputs(n), return_state=True, logits_to_keep=1)
+        self._pack(new, self.inputs[:n])
         return out[:, -1]
 
     def capture(self) -> None:
@@ -209,11 +217,11 @@ class PromptReader:
         if len(set(lengths)) == 1:
             last = self._piece(n, torch.as_tensor(np.stack(tokens), device=self.device))
         else:
-            state = [type(s)(*(x.contiguous() for x in s)) for s in self.unpack(self.inputs[:n])]
             cu = torch.tensor([0] + lengths, device=self.device).cumsum(0)
             ids = torch.as_tensor(np.concatenate(tokens), device=self.device)[None]
-            out, new = self.model(ids, state=state, return_state=True, cu_seqlens=cu, logits_to_keep=cu[1:] - 1)
-            torch.cat([x.reshape(n, -1) for s in new for x in s], 1, out=self.inputs[:n])
+            out, new = self.model(ids, state=self._inputs(n), return_state=True, cu_seqlens=cu,
+                                  logits_to_keep=cu[1:] - 1)
+            self._pack(new, self.inputs[:n])
             last = out[0]
         self.work.index_copy_(0, idx, self.inputs[:n])
         return list(last)
