@@ -117,3 +117,27 @@ def in_child(call, seconds: float = 30) -> tuple[str, str, bool] | None:
     assert not hung, f"the call was still running after {seconds} s (blocked on a FIFO?)"
     assert receive.poll(), f"the child ended without a result (exit code {child.exitcode})"
     return receive.recv()
+
+
+def spawn_ranks(worker, world: int, *args) -> None:
+    """``torch.multiprocessing.spawn(worker, (world, port, *args), world)`` as torchrun runs its
+    workers: the rendezvous store is served by this process, not by rank 0, so a rank that
+    finishes first takes nothing away from the others while they tear down their process group.
+    The store picks its own free port (no window in which another test takes it)."""
+    import os
+    from datetime import timedelta
+
+    import torch.multiprocessing as mp
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    saved = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # read by the workers' rendezvous: connect, don't serve
+    try:
+        mp.spawn(worker, args=(world, store.port, *args), nprocs=world, join=True)
+    finally:
+        if saved is None:
+            del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
+        else:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+        del store

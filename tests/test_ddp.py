@@ -2,17 +2,16 @@
 global batch: the same parameters after a few AdamW steps (float32, tolerance 1e-5), and only
 rank 0 writes files."""
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
 from xlstm_kit import training as T
 from xlstm_kit.io.checkpoint import MANIFEST_FILE, RUN_LOCK_FILE
 from xlstm_kit.training.data import load_data
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
+from tests.helpers import spawn_ranks
 
 TEXT = (
     "KING:\nNow is the winter of our discontent\nMade glorious summer by this sun of York;\n\n"
@@ -71,20 +70,13 @@ def _worker(rank: int, world: int, port: int, corpus: str, cache: str, out: str,
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_two_cpu_processes_match_single_process(tmp_path, monkeypatch):
     monkeypatch.setenv("XLSTM_KIT_CACHE", str(tmp_path / "cache"))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
     out, result = tmp_path / "ddp", tmp_path / "ddp_result.pt"
     load_data(str(corpus), "byte")  # tokenize once, so the workers only read the cache
-    mp.spawn(_worker, args=(2, _free_port(), str(corpus), str(tmp_path / "cache"), str(out), str(result)),
-             nprocs=2, join=True)
+    spawn_ranks(_worker, 2, str(corpus), str(tmp_path / "cache"), str(out), str(result))
     ddp = torch.load(result, weights_only=True)
 
     single = _model()
@@ -117,8 +109,7 @@ def test_ddp_with_compile_and_activation_checkpointing(tmp_path, monkeypatch):
     corpus.write_text(TEXT)
     out, result = tmp_path / "ddp", tmp_path / "ddp_result.pt"
     load_data(str(corpus), "byte")
-    mp.spawn(_worker, args=(2, _free_port(), str(corpus), str(tmp_path / "cache"), str(out), str(result), True),
-             nprocs=2, join=True)
+    spawn_ranks(_worker, 2, str(corpus), str(tmp_path / "cache"), str(out), str(result), True)
     ddp = torch.load(result, weights_only=True)
     assert ddp["graphs"] > 0  # the workers did run compiled blocks
     single = _model(compiled=True)

@@ -3,27 +3,20 @@ device and allocate only their shards, whose values come from rank 0. Two proces
 through the command line's `train` (a fresh preset, --init-from a saved model and a HuggingFace
 folder, --resume of a sharded run) and through the library's `train`."""
 import os
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 from xlstm_kit import training as T
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.io.loading import load_model
 from xlstm_kit.training.data import load_data
+from tests.helpers import spawn_ranks
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 80
 CLI_SMALL = ["--batch-size", "2", "--seq-len", "16", "--eval-batches", "1", "--no-progress", "--threads", "1"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gathered(model) -> dict[str, torch.Tensor]:
@@ -95,7 +88,7 @@ def _cli_worker(rank, world, port, job):
 def _cli(tmp_path, tag, args, setup_only=True, world=2):
     job = dict(cache=str(tmp_path / "cache"), corpus=str(tmp_path / "c.txt"), out=str(tmp_path / tag),
                result=str(tmp_path / f"{tag}.pt"), args=args, setup_only=setup_only)
-    mp.spawn(_cli_worker, args=(world, _free_port(), job), nprocs=world, join=True)
+    spawn_ranks(_cli_worker, world, job)
     return [torch.load(f"{job['result']}.{r}", weights_only=False) for r in range(world)]
 
 
@@ -213,7 +206,7 @@ def _lib_worker(rank, world, port, job):
 def _lib(tmp_path, tag, meta_rank, model, config):
     job = dict(cache=str(tmp_path / "cache"), corpus=str(tmp_path / "c.txt"), result=str(tmp_path / f"{tag}.pt"),
                meta_rank=meta_rank, model=model, config=config)
-    mp.spawn(_lib_worker, args=(2, _free_port(), job), nprocs=2, join=True)
+    spawn_ranks(_lib_worker, 2, job)
     return [torch.load(f"{job['result']}.{r}", weights_only=False) for r in range(2)]
 
 
@@ -279,7 +272,7 @@ def _buffers_worker(rank, world, port, result):
 
 def test_buffers_of_both_kinds_come_from_rank0(tmp_path):
     result = str(tmp_path / "buf.pt")
-    mp.spawn(_buffers_worker, args=(2, _free_port(), result), nprocs=2, join=True)
+    spawn_ranks(_buffers_worker, 2, result)
     torch.manual_seed(11)
     ref = _WithBuffers()
     for r in range(2):
@@ -337,7 +330,7 @@ def _shard_worker(rank, world, port, job):
 
 def _shard(tmp_path, tag, meta_ranks, weights_from):
     job = dict(result=str(tmp_path / f"{tag}.pt"), meta_ranks=meta_ranks, weights_from=weights_from)
-    mp.spawn(_shard_worker, args=(2, _free_port(), job), nprocs=2, join=True)
+    spawn_ranks(_shard_worker, 2, job)
     return [torch.load(f"{job['result']}.{r}", weights_only=False) for r in range(2)]
 
 

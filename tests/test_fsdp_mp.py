@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from xlstm_kit import training as T
 from xlstm_kit.cli import app
 from xlstm_kit.io.checkpoint import CHECKPOINTS_DIR, is_sharded
 from xlstm_kit.training.data import load_data
+from tests.helpers import spawn_ranks
 
 TEXT = (
     "KING:\nNow is the winter of our discontent\nMade glorious summer by this sun of York;\n\n"
@@ -97,17 +97,11 @@ def _worker(rank, world, port, job):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(tmp_path, out, opts, world=2, tag="r", **job):
     result = tmp_path / f"{tag}.pt"
     job = dict(corpus=str(tmp_path / "corpus"), cache=str(tmp_path / "cache"), out=str(out), result=str(result),
                opts=opts, **job)
-    mp.spawn(_worker, args=(world, _free_port(), job), nprocs=world, join=True)
+    spawn_ranks(_worker, world, job)
     return torch.load(result, weights_only=True)
 
 
