@@ -29,7 +29,7 @@ $(STAMP): Makefile pyproject.toml
 # Default suite: CPU only, Triton kernels under the interpreter. Slow/GPU checks are opt-in.
 # One worker per core (-n auto): on CI's 2 cores 8.6 min instead of 14.1 in one process.
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(VPY) -m pytest -n auto -m "not slow and not gpu" --timeout=900
+	TRITON_INTERPRET=1 $(VPY) -m pytest -n auto -m "not slow and not gpu" --timeout=900 --durations=15
 
 test-all: $(STAMP)
 	TRITON_INTERPRET=1 $(VPY) -m pytest -m "not gpu" --timeout=1800
