@@ -41,6 +41,8 @@ VARIANTS = {
     "recompute_out128": (64, {"recompute_states": True, "out_bv": 128, "out_warps": 8}),
     "recompute_dv128": (64, {"recompute_states": True, "dv_bk": 128, "dv_bv": 128, "dv_warps": 8}),
     "recompute_dqk3": (64, {"recompute_states": True, "dqk_stages": 3}),
+    # half the V loop's trips (each three dots of depth BV and a barrier); ptxas: 12 B spilled
+    "recompute_dqk_bv64": (64, {"recompute_states": True, "dqk_bv": 64}),
 }
 
 
