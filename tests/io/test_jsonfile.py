@@ -133,11 +133,13 @@ def test_checked_path_refuses_what_is_not_a_regular_file(tmp_path):
             pass
 
 
-def test_checked_path_without_proc_yields_the_name(tmp_path, monkeypatch):
-    """Where /proc/self/fd is absent or names something else (not Linux, /proc not mounted), the
-    name itself: there is no other name of a descriptor to hand a reader by name."""
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not os.path.isdir("/dev/fd"), reason="no /dev/fd")
+def test_checked_path_without_proc_names_the_descriptor_in_dev_fd(tmp_path, monkeypatch):
+    """Without /proc/self/fd (macOS, the BSDs) /dev/fd/N names the checked descriptor: a FIFO
+    put at the file's name afterwards is still not what is opened."""
     f = tmp_path / "weights"
-    f.write_bytes(b"x")
+    f.write_bytes(b"checked")
     real_stat = os.stat
 
     def no_proc(p, *args, **kwargs):
@@ -147,7 +149,30 @@ def test_checked_path_without_proc_yields_the_name(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "stat", no_proc)
     with checked_path(f) as name:
+        assert name.startswith("/dev/fd/")
+        f.unlink()
+        os.mkfifo(f)
+        with open(name, "rb") as g:
+            assert g.read() == b"checked"
+
+
+def test_checked_path_without_a_descriptor_name_yields_the_name(tmp_path, monkeypatch):
+    """Where neither /proc/self/fd nor /dev/fd is there, or they name something else, the name
+    itself: there is no other name of a descriptor to hand a reader by name."""
+    f = tmp_path / "weights"
+    f.write_bytes(b"x")
+    real_stat = os.stat
+    fd_names = ("/proc/", "/dev/fd/")
+
+    def no_fd_names(p, *args, **kwargs):
+        if os.fspath(p).startswith(fd_names):
+            raise FileNotFoundError(2, "No such file or directory", os.fspath(p))
+        return real_stat(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", no_fd_names)
+    with checked_path(f) as name:
         assert name == str(f)
-    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(tmp_path if os.fspath(p).startswith("/proc/") else p, *a, **k))
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(tmp_path if os.fspath(p).startswith(fd_names) else p,
+                                                                 *a, **k))
     with checked_path(f) as name:
         assert name == str(f)

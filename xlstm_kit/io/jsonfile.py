@@ -142,14 +142,17 @@ def regular_file_exists(path: str | Path, error: type[XLSTMKitError] = JSONFileE
 
 
 def _descriptor_name(fd: int, st: os.stat_result) -> str | None:
-    """/proc/self/fd/``fd`` where it names the file open as ``fd`` (Linux): an open of it opens
-    that inode again, not whatever is at the file's name by then. None elsewhere."""
-    name = f"/proc/self/fd/{fd}"
-    try:
-        there = os.stat(name)
-    except OSError:
-        return None
-    return name if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino) else None
+    """A name whose open opens the file open as ``fd`` again, not whatever is at the file's name
+    by then: /proc/self/fd/``fd`` (Linux), else /dev/fd/``fd`` (macOS and the BSDs, where its
+    open duplicates the descriptor), whichever is there and names that file. None elsewhere."""
+    for name in (f"/proc/self/fd/{fd}", f"/dev/fd/{fd}"):
+        try:
+            there = os.stat(name)
+        except OSError:
+            continue
+        if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino):
+            return name
+    return None
 
 
 @contextlib.contextmanager
@@ -160,8 +163,8 @@ def checked_path(path: str | Path, error: type[XLSTMKitError] = JSONFileError) -
     safetensors opens the name itself, in native code that holds the GIL: a FIFO at that name
     blocks the whole process for ever, beyond any timeout, and any check of the name before
     (even through a descriptor then closed) leaves it free to be swapped in between. The name
-    yielded is that of the checked descriptor, /proc/self/fd/N, whose open reopens the file that
-    was checked. Where there is no such name (not Linux, /proc not mounted) it is ``path``
+    yielded is that of the checked descriptor, /proc/self/fd/N or /dev/fd/N, whose open reopens
+    the file that was checked. Where there is no such name (neither is mounted) it is ``path``
     itself, and a FIFO put there after the check still blocks: safetensors takes neither a
     descriptor nor a file object, and reading the file into memory instead would not do for
     weights of many gigabytes. ``error`` for anything but a regular file; MissingFileError when
