@@ -1,5 +1,6 @@
 """Experiment runner: model names, a quick end-to-end run, the sweep report and the CLI."""
 import json
+import os
 
 import pytest
 import torch
@@ -274,6 +275,20 @@ def test_a_run_with_a_checkpoint_locks_its_folder(tmp_path):
         with pytest.raises(RunLocked, match="being written by another run"):
             run_formal("parity", "lstm-plain", quick_config(steps=2), checkpoint=tmp_path / "run.ckpt")
     assert not (tmp_path / "run.ckpt" / "latest").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["fifo", "folder"])
+def test_a_run_whose_latest_is_not_a_file_is_refused_in_one_line(tmp_path, what):
+    """Not taken for a run that never saved (it would start over and write past it)."""
+    from xlstm_kit.io.checkpoint import CheckpointError
+
+    (tmp_path / "run.ckpt").mkdir()
+    latest = tmp_path / "run.ckpt" / "latest"
+    os.mkfifo(latest) if what == "fifo" else latest.mkdir()
+    with pytest.raises(CheckpointError, match="latest is not a regular file") as e:
+        run_formal("parity", "lstm-plain", quick_config(steps=2), checkpoint=tmp_path / "run.ckpt")
+    assert "\n" not in str(e.value)
 
 
 def test_an_interrupted_run_saves_and_continues_exactly(tmp_path, single_thread):

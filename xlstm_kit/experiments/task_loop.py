@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import XLSTMKitError
-from ..io.checkpoint import LATEST_FILE, atomic_write, read_train_meta, resolve_checkpoint
+from ..io.checkpoint import LATEST_FILE, CheckpointError, atomic_write, read_train_meta, resolve_checkpoint
+from ..io.jsonfile import regular_file_exists
 from ..training import (CheckpointEvent, RunState, StepEvent, TimeBudget, TrainConfig, Workload, autocast, train,
                         train_step)
 from ..training.compiling import CompiledLoss
@@ -216,7 +217,8 @@ def train_on_task(model: nn.Module, sample: Callable[[np.random.Generator], Task
                          precision=cfg.precision, batch_size=cfg.batch_size, seed=cfg.seed, log_interval=cfg.log_every,
                          eval_interval=0, eval_at_start=False, checkpoint_interval=0,
                          checkpoint_every_s=CHECKPOINT_EVERY_S, keep_checkpoints=1)
-    resume = checkpoint is not None and (checkpoint / LATEST_FILE).is_file()
+    # not is_file(): a FIFO or a folder at `latest` is refused in one line, not taken for a fresh start
+    resume = checkpoint is not None and regular_file_exists(checkpoint / LATEST_FILE, CheckpointError)
     if resume:  # the schedule a time budget fitted is the run's own: the checkpoint's
         saved = read_train_meta(resolve_checkpoint(checkpoint))["train_config"]
         config = dataclasses.replace(config, steps=saved["steps"], warmup_steps=saved["warmup_steps"])
