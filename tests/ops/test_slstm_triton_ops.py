@@ -55,7 +55,8 @@ def test_default_config_splits_heads_only_when_the_grid_fits():
     # D = 192 at the 125M shape: 12 programs of 16 units per head, K in 3 chunks of 64 (no
     # padding to 256); 4x the batch: 32 units per program, so that 96 programs fit on 132 SMs.
     cfg = default_config(192, 1, 16, 4, 132)
-    assert cfg.block_u == 16 and cfg.r_resident and cfg.stack_gates
+    assert cfg.block_u == 16 and cfg.r_resident and cfg.stack_gates and cfg.bwd_partials
+    assert not default_config(192, 1).bwd_partials  # one program per head: the partials are untimed there
     assert default_config(192, 2, 16, 4, 132).stack_gates  # float32 R (split hi + lo) as well
     lc = launch(cfg, 192)
     assert (lc.p, lc.kc, lc.nkc) == (12, 64, 3)
