@@ -32,17 +32,6 @@ VARIANTS = {
     "chunk32": (32, {}),
     "chunk32_scan": (32, {"seq_scan": True}),
     "chunk128": (128, {}),
-    # wider tiles at the model's setting (states recomputed), each spill-free for sm_90 (ptxas):
-    # 128 x 128 state tiles on 8 warps read k and v 3x instead of 3x / 6x; 128-wide V-tiles in
-    # _fwd_out halve the re-reads of q, k and the q kᵀ formed per V-tile
-    "recompute_states128": (64, {"recompute_states": True, "states_bk": 128, "states_warps": 8, "states_stages": 2,
-                                 "dstates_bk": 128, "dstates_warps": 8, "dstates_stages": 2}),
-    "recompute_out8w": (64, {"recompute_states": True, "out_warps": 8}),
-    "recompute_out128": (64, {"recompute_states": True, "out_bv": 128, "out_warps": 8}),
-    "recompute_dv128": (64, {"recompute_states": True, "dv_bk": 128, "dv_bv": 128, "dv_warps": 8}),
-    "recompute_dqk3": (64, {"recompute_states": True, "dqk_stages": 3}),
-    # half the V loop's trips (each three dots of depth BV and a barrier); ptxas: 12 B spilled
-    "recompute_dqk_bv64": (64, {"recompute_states": True, "dqk_bv": 64}),
 }
 
 

@@ -100,8 +100,9 @@ def _tuned(cls, K: int, V: int, dtype: torch.dtype, chunk: int):
     # bfloat16 heads above 128 (the paper models' 384, 512: K-tiled backward), measured on the
     # H200 (benchmarks/results/2026-12-01-h200-mlstm-large-heads.md): 128-wide V-tiles in the
     # state passing (half the programs re-reading each k/v row), 128-deep K-tiles in _fwd_out
-    # and _bwd_dqk (half the q kᵀ and δh vᵀ recomputation per K-tile), 8 warps with a 2-stage
-    # pipeline in _bwd_dqk; all spill-free for sm_90 (ptxas, Triton 3.6). The tiles before
+    # and _bwd_dqk (half the q kᵀ and δh vᵀ recomputation per K-tile), 8 warps with a 3-stage
+    # pipeline in _bwd_dqk (3 stages up to V = 384: 4.08 → 3.73 ms forward + backward at (16,
+    # 2048, 4, 384, 384), H100, 2026-12-07; V = 512 untimed, kept at 2); all spill-free for sm_90 (ptxas, Triton 3.6). The tiles before
     # (_fwd_out 64-deep K-tiles on 4 warps, 64×64 state tiles) gave 6-13x the error in h at
     # K = V = 384 and 512 on the H200 (not at 128 or 256×512; cause not isolated, see the notes).
     big = bf16 and K > 128
@@ -122,7 +123,7 @@ def _tuned(cls, K: int, V: int, dtype: torch.dtype, chunk: int):
         fused_warps=4 if narrow else 8,
         fused_stages=3 if bf16 else 2,
         dqk_bk=min(128 if big else 64, Kp), dqk_bv=min(32, Vp), dqk_warps=8 if big else 4,
-        dqk_stages=2 if big else 1,
+        dqk_stages=(3 if V <= 384 else 2) if big else 1,
         dv_bk=min(64, Kp), dv_bv=min(64 if f32_long or (big and V <= 384) else 128, Vp),
         dv_warps=4 if big and V <= 384 else 8, dv_stages=2,
         seq_scan="auto", local_bk=min(64, Kp), local_bv=min(64, Vp), local_warps=4,
