@@ -50,7 +50,7 @@ def _cases():
                                  DC_LAST=False, D_MODE=smode), w.dqk_warps, w.dqk_stages),
         (backward._bwd_dv, dict(kv2, BK=w.dv_bk, BV=w.dv_bv, STATE_MODE=smode, PREC=prec, DC_LAST=False),
          w.dv_warps, w.dv_stages),
-        (step._step_kernel, dict(K=128, V=128, BK=128, BV=64, HAS_STATE=True), 4, 3),
+        (step._step_kernel, dict(K=128, V=128, BK=128, BV=64, HAS_STATE=True, NP=1, NPP=1), 4, 3),
         (varlen._chunk_table, dict(L=L, BN=64, BC=64), 1, 3),
         # the 125M model's heads (K = V = 384): the large-head tiles
         (states._fwd_states, dict(kv3, BK=x.states_bk, BV=x.states_bv, HAS_INIT=True, UPD_MODE=upd, PREC=prec),
