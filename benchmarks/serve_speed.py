@@ -332,7 +332,7 @@ def main(argv=None) -> int:
                 jobs = workload(args.prefix_requests, min(vocab, 50257), PREFIX_QUESTION, (8, 8),
                                 args.seed + 1000 + c, prefix=system)
                 record({"case": "prefix", "cache": cache, "concurrency": c, "system_len": args.system_len,
-                        **load(server.url, jobs, c, min(args.clients, c))})
+                        **split_load(server.url, jobs, c, min(args.clients, c))})
 
         # random prompts that share no prefix with the measured ones, up to the prefix runs' length
         warm_lengths = [plen[0], plen[1], args.system_len + PREFIX_QUESTION[1]]
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
             warm_up(server.url, min(vocab, 50257), warm_lengths, args.seed + 2000)
             record({"case": "server", "prompt_read_graphs": server_metric(server.url, "prompt_read_graphs")})
             for c in levels:
-                record({"case": "load", "concurrency": c, **load(server.url, per_level[c], c, args.clients)})
+                record({"case": "load", "concurrency": c, **split_load(server.url, per_level[c], c, args.clients)})
             prefix_runs(server, cache=True)
         finally:
             server.stop()
@@ -378,19 +378,41 @@ def server_metric(url: str, name: str) -> float:
     return float(re.search(rf"^xlstm_kit_{name} (\S+)$", text, re.M).group(1))
 
 
+SPLIT = ("request_queue_seconds_sum", "request_prefill_seconds_sum", "time_to_first_token_seconds_sum",
+         "time_to_first_token_seconds_count")
+
+
+def split_load(url: str, jobs, concurrency: int, clients: int) -> dict:
+    """`load`, and the server's own mean split of the time to first token over the same
+    requests (waiting for a slot, reading the prompt; the rest of the client's is the HTTP side)."""
+    before = [server_metric(url, m) for m in SPLIT]
+    row = load(url, jobs, concurrency, clients)
+    queue, read, ttft, n = (b - a for a, b in zip(before, [server_metric(url, m) for m in SPLIT]))
+    if n > 0:
+        row.update(srv_queue_ms=1e3 * queue / n, srv_read_ms=1e3 * read / n, srv_ttft_ms=1e3 * ttft / n)
+    return row
+
+
 def _f(x, digits=1):
     return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def _split(r: dict) -> str:
+    """The server's mean wait for a slot and prompt read (ms), from its /metrics."""
+    return f"{_f(r.get('srv_queue_ms'), 2)} / {_f(r.get('srv_read_ms'), 2)}"
 
 
 def report(rows: list[dict], meta: dict) -> str:
     lines = [f"# serve_speed: {meta['model']} on {meta['device']}, {meta['dtype']}"
              f"{', compiled' if meta['compile'] else ''} ({meta['date']})", "",
-             "| concurrency | requests | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| concurrency | requests | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+             "| server: queue / read ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if r["case"] == "load":
             lines.append(f"| {r['concurrency']} | {r['requests']} | {_f(r['tok_s'])} | {_f(r['ttft_p50_ms'])} | "
-                         f"{_f(r['ttft_p99_ms'])} | {_f(r['itl_p50_ms'], 2)} | {_f(r['itl_p99_ms'], 2)} |")
+                         f"{_f(r['ttft_p99_ms'])} | {_f(r['itl_p50_ms'], 2)} | {_f(r['itl_p99_ms'], 2)} | "
+                         f"{_split(r)} |")
     srv = next((r for r in rows if r["case"] == "server"), None)
     if srv:
         n = int(srv["prompt_read_graphs"])
@@ -405,11 +427,11 @@ def report(rows: list[dict], meta: dict) -> str:
     prefix = [r for r in rows if r["case"] == "prefix"]
     if prefix:
         lines += ["", f"Shared system prompt of {prefix[0]['system_len']} tokens:", "",
-                  "| prefix cache | concurrency | TTFT p50 ms | TTFT p99 ms | tokens/s |",
-                  "| --- | --- | --- | --- | --- |"]
+                  "| prefix cache | concurrency | TTFT p50 ms | TTFT p99 ms | tokens/s | server: queue / read ms |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for r in prefix:
             lines.append(f"| {'on' if r['cache'] else 'off'} | {r['concurrency']} | {_f(r['ttft_p50_ms'])} | "
-                         f"{_f(r['ttft_p99_ms'])} | {_f(r['tok_s'])} |")
+                         f"{_f(r['ttft_p99_ms'])} | {_f(r['tok_s'])} | {_split(r)} |")
     reads = [r for r in rows if r["case"] == "prefill"]
     if reads:
         lens = sorted({r["length"] for r in reads})

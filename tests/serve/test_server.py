@@ -103,6 +103,14 @@ def test_32_concurrent_greedy_requests_equal_generate_alone(server, reference, s
     # a pass reads at most the 48-token chunk, in one eager call on the CPU (no graphs)
     reads = after["xlstm_kit_prompt_reads_total"] - before["xlstm_kit_prompt_reads_total"]
     assert -(-sum(lengths) // 48) <= reads and after["xlstm_kit_prompt_read_graphs"] == 0
+    # each request's time to its first token is its wait for one of the 8 slots plus its read
+    d = {k: after[f"xlstm_kit_{k}"] - before[f"xlstm_kit_{k}"] for k in (
+        "time_to_first_token_seconds_count", "time_to_first_token_seconds_sum", "request_queue_seconds_sum",
+        "request_prefill_seconds_sum")}
+    assert d["time_to_first_token_seconds_count"] == 32
+    assert d["time_to_first_token_seconds_sum"] == pytest.approx(
+        d["request_queue_seconds_sum"] + d["request_prefill_seconds_sum"], rel=1e-3, abs=1e-5)
+    assert d["request_queue_seconds_sum"] > 0 and d["request_prefill_seconds_sum"] > 0
 
 
 def test_prefix_cache_gives_the_same_tokens(server, reference, single_thread):

@@ -397,6 +397,16 @@ class App:
                [("", s.cache_tokens)])
         metric("prefix_cache_bytes", "gauge", "Bytes of cached states.", [("", e.cache.bytes)])
         metric("prefix_cache_entries", "gauge", "Cached prefix states.", [("", len(e.cache.entries))])
+        for name, help, total in (
+                ("request_queue_seconds", "Time from submission to a state slot.", s.queue_seconds),
+                ("request_prefill_seconds", "Time from a state slot to the first token sampled (the prompt "
+                 "read).", s.prefill_seconds),
+                ("time_to_first_token_seconds", "Time from submission to the first token sampled, inside the "
+                 "engine (the client's adds the HTTP side).", s.first_token_seconds)):
+            lines.append(f"# HELP xlstm_kit_{name} {help}")
+            lines.append(f"# TYPE xlstm_kit_{name} summary")
+            lines.append(f"xlstm_kit_{name}_sum {total:.6f}")
+            lines.append(f"xlstm_kit_{name}_count {s.first_tokens}")
         metric("queue_length", "gauge", "Requests waiting for a slot.", [("", e.queued)])
         metric("running_requests", "gauge", "Requests in a slot (reading their prompt or decoding).",
                [("", e.running)])

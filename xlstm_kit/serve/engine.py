@@ -143,6 +143,7 @@ class Request:
         self._pieces: list[str] = []
         self._new: list[int] = []
         self._generator: torch.Generator | None = None
+        self._submitted = self._admitted = 0.0  # time.perf_counter() at submit and at admission
 
     def __repr__(self) -> str:
         return f"Request({self.id}, prompt {len(self.prompt)} tokens, {self.finish_reason or 'running'})"
@@ -160,6 +161,14 @@ class Stats:
     cache_hits: int = 0
     cache_misses: int = 0
     cache_tokens: int = 0
+    # seconds summed over the requests that got a first token (the count is `first_tokens`):
+    # waiting for a slot (submitted -> admitted), reading the prompt (admitted -> first token
+    # sampled), and both together, so that a client's time to first token can be split into
+    # the server's share and the HTTP side's
+    first_tokens: int = 0
+    queue_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    first_token_seconds: float = 0.0
 
 
 def _to_host(ids: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
@@ -251,6 +260,9 @@ class Engine:
             if self._queued + len(requests) > self.max_queue + max(0, self.max_batch - self.running):
                 raise EngineBusy(f"{self._queued} requests are waiting for one of {self.max_batch} slots")
             self._queued += len(requests)
+            now = time.perf_counter()
+            for r in requests:
+                r._submitted = now
             self._incoming.extend(requests)
             self._cv.notify()
 
@@ -381,6 +393,7 @@ class Engine:
             r = self.waiting.popleft()
             with self._cv:
                 self._queued -= 1
+            r._admitted = time.perf_counter()
             self.stats.prompt_tokens += len(r.prompt)
             p = r.params
             r._row = TextRow(self.tokenizer, p.stop, r._pieces.append)
@@ -454,6 +467,11 @@ class Engine:
             self._fail([r], XLSTMKitError("the model's logits for the prompt are not finite (NaN or inf)"), updates)
             return
         first = int(self._sample(r._logits[None], [r])[0])
+        now, s = time.perf_counter(), self.stats
+        s.first_tokens += 1
+        s.queue_seconds += r._admitted - r._submitted
+        s.prefill_seconds += now - r._admitted
+        s.first_token_seconds += now - r._submitted
         row = len(self.decoding)
         _copy_into([type(s)(*(x[row:row + 1] for x in s)) for s in self.slots], state)
         self._release_row(r)
