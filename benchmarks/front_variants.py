@@ -38,11 +38,6 @@ VARIANTS = {  # H100 numbers of each: docs/kernels.md ("The paper mLSTM layer's 
     "bwd_r128": dict(bwd_maxnreg=128),
     "fwd_r96": dict(maxnreg=96),
     "fwd_uncapped": dict(maxnreg=0),
-    "conv_in_dx": dict(conv_grads_in_dx=True),  # the conv's gradients in the second pass
-    "conv_in_dx_bwd_r168": dict(conv_grads_in_dx=True, bwd_maxnreg=168),
-    # batch 1: the forward runs T / bt programs (64 at 2048 steps), too few for the GPU
-    "bt16": dict(bt=16),
-    "bt16_conv_in_dx": dict(bt=16, conv_grads_in_dx=True),
 }
 
 

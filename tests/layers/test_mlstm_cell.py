@@ -129,34 +129,28 @@ def compile_front():
                 compiled = triton.compile(ASTSource(fn=kern._front_fwd, signature=sig, constexprs=consts),
                                           target=GPUTarget("cuda", 90, 32))
                 assert compiled.asm["cubin"]
+            sig = {n: act for n in ("x_ptr", "wq_ptr", "wk_ptr", "wgc_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dg_ptr",
+                                    "dxe_ptr")}
             f32 = "*fp32"
-            for conv_grads in (False, True):  # in the first pass or in the second
-                sig = {n: act for n in ("x_ptr", "wq_ptr", "wk_ptr", "wgc_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
-                                        "dg_ptr", "dxe_ptr")}
-                sig.update(p_ptr="*i32" if has_pos else act, cw_ptr=f32, cb_ptr=f32, d_ptr=f32, wpart_ptr=f32,
-                           gpart_ptr=f32, cpart_ptr=f32, T="i32", C="i32", G2="i32", NT="i32", NR="i32")
-                consts = dict(K=4, d=4, HAS_POS=has_pos, HAS_DXE=True, BT=32, BC=32, BG=16, PREC=prec,
-                              CONV_GRADS=not conv_grads)
-                sig.update({k: "constexpr" for k in consts})
-                assert triton.compile(ASTSource(fn=kern._front_bwd_pre, signature=sig, constexprs=consts),
-                                      target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-                sig = {n: act for n in ("wv_ptr", "wgm_ptr", "dv_ptr", "dg_ptr", "dx_ptr", "x_ptr")}
-                sig.update(d_ptr=f32, p_ptr="*i32" if has_pos else act, cw_ptr=f32, cpart_ptr=f32, T="i32",
-                           C="i32", G2="i32")
-                consts = dict(K=4, d=4, HAS_POS=has_pos, BT=64, BC=64, BG=16, PREC=prec, CONV_GRADS=conv_grads)
-                sig.update({k: "constexpr" for k in consts})
-                assert triton.compile(ASTSource(fn=kern._front_bwd_dx, signature=sig, constexprs=consts),
-                                      target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+            sig.update(p_ptr="*i32" if has_pos else act, cw_ptr=f32, cb_ptr=f32, d_ptr=f32, wpart_ptr=f32,
+                       gpart_ptr=f32, cpart_ptr=f32, T="i32", C="i32", G2="i32", NT="i32", NR="i32")
+            consts = dict(K=4, d=4, HAS_POS=has_pos, HAS_DXE=True, BT=32, BC=32, BG=16, PREC=prec)
+            sig.update({k: "constexpr" for k in consts})
+            assert triton.compile(ASTSource(fn=kern._front_bwd_pre, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+            sig = {n: act for n in ("wv_ptr", "wgm_ptr", "dv_ptr", "dg_ptr", "dx_ptr")}
+            sig.update(d_ptr=f32, p_ptr="*i32" if has_pos else act, cw_ptr=f32, T="i32", C="i32", G2="i32")
+            consts = dict(K=4, d=4, HAS_POS=has_pos, BT=64, BC=64, BG=16, PREC=prec)
+            sig.update({k: "constexpr" for k in consts})
+            assert triton.compile(ASTSource(fn=kern._front_bwd_dx, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 
 
-@pytest.mark.parametrize("T,packed,taps,extra,conv_in_dx", [
-    (70, False, 4, True, False), (40, True, 4, False, False), (37, False, 2, True, False),
-    (70, False, 4, True, True), (40, True, 4, False, True), (37, False, 2, True, True)])
-def test_front_backward_kernel_matches_the_pytorch_pieces(T, packed, taps, extra, conv_in_dx):
+@pytest.mark.parametrize("T,packed,taps,extra", [(70, False, 4, True), (40, True, 4, False), (37, False, 2, True)])
+def test_front_backward_kernel_matches_the_pytorch_pieces(T, packed, taps, extra):
     """The fused front backward (float32) against the PyTorch pieces' backward: every gradient,
     with and without the gradient x_conv gets from its other readers, packed documents, a
-    2-tap conv, a partial channel tile (C = 84) and T not a multiple of the step tile; the
-    conv's gradients summed in the first pass or in the second."""
+    2-tap conv, a partial channel tile (C = 84) and T not a multiple of the step tile."""
     from xlstm_kit.layers.mlstm_cell import front_backward
     from xlstm_kit.ops.blocks import mlstm_front
 
@@ -179,8 +173,8 @@ def test_front_backward_kernel_matches_the_pytorch_pieces(T, packed, taps, extra
         x_conv = torch.cat([front_forward_conv(x[:, :13], cw, cb), front_forward_conv(x[:, 13:], cw, cb)], 1)
     want = front_backward(dq.view(-1, C), dk.view(-1, C), dv.view(-1, C), dg, dxe if extra else None, x, x_conv,
                           cw, cb, wq, wk, wv, wc, wm, 1, None, pos)
-    key = mlstm_front.FrontKernelConfig(conv_grads_in_dx=conv_in_dx).key()
-    got = mlstm_front.mlstm_front_bwd(dq, dk, dv, dg, dxe if extra else None, x, pos, cw, cb, wq, wk, wv, wc, wm, key)
+    got = mlstm_front.mlstm_front_bwd(dq, dk, dv, dg, dxe if extra else None, x, pos, cw, cb, wq, wk, wv, wc, wm,
+                                      mlstm_front.front_config_key())
     for n, a, w in zip(["dx", "dconv_w", "dconv_b", "dwq", "dwk", "dwv", "dw_conv", "dw_m", "db"], got, want):
         assert a.shape == w.shape and w.abs().sum() > 0, n
         assert rel_err(a.double(), w.double()) < 2e-6, n

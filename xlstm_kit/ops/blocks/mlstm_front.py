@@ -59,9 +59,6 @@ class FrontKernelConfig(KernelConfig):
     dx_warps: int = 8
     maxnreg: int = 128
     bwd_maxnreg: int = 0
-    # the conv's weight and bias gradients summed in the second backward pass (from the shifted
-    # gradient rows it reads anyway) instead of the first, whose register use they double
-    conv_grads_in_dx: bool = False
 
 
 def supports(op: str, *, dtype: torch.dtype, block_size: int = 4, taps: int = 4, **_) -> str | None:
@@ -170,13 +167,12 @@ def _(x, pos, conv_w, conv_b, wq, wk, wv, w_conv, w_m, b, gates, config):
 def _front_bwd_pre(x_ptr, p_ptr, cw_ptr, cb_ptr, wq_ptr, wk_ptr, wgc_ptr, dq_ptr, dk_ptr, dv_ptr, dg_ptr, dxe_ptr,
                    d_ptr, wpart_ptr, gpart_ptr, cpart_ptr, T, C, G2, NT, NR,
                    K: tl.constexpr, d: tl.constexpr, HAS_POS: tl.constexpr, HAS_DXE: tl.constexpr,
-                   BT: tl.constexpr, BC: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr,
-                   CONV_GRADS: tl.constexpr):
+                   BT: tl.constexpr, BC: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr):
     """For one channel tile and the step tiles pid, pid + P, ... (over all batch rows): the
     gradient of the conv's pre-activation d [B, T, C] (float32 scratch for _front_bwd_dx), and
     this program's sums of the weight gradients: the three maps' dense [BC, BC] products
-    (block diagonals kept), the gate weights' [BG, BC] (x_conv's and x's parts) and, with
-    CONV_GRADS, the conv's taps and bias."""
+    (block diagonals kept), the gate weights' [BG, BC] (x_conv's and x's parts) and the conv's
+    taps and bias."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
     P = tl.num_programs(1)
@@ -228,16 +224,15 @@ def _front_bwd_pre(x_ptr, p_ptr, cw_ptr, cb_ptr, wq_ptr, wk_ptr, wgc_ptr, dq_ptr
         acc_v = tl.dot(tl.trans(xt), dv, acc_v, input_precision=PREC)
         acc_gc = tl.dot(tl.trans(dg), xc, acc_gc, input_precision=PREC)
         acc_gm = tl.dot(tl.trans(dg), xt, acc_gm, input_precision=PREC)
-        if CONV_GRADS:
-            acc_b += tl.sum(dpre, 0)
-            # tap j reads x[t - (K-1-j)]
-            acc_w3 += tl.sum(dpre * _tap(xb, rows, c, cmask, T, C, 0, pos, HAS_POS), 0)
-            if K > 1:
-                acc_w2 += tl.sum(dpre * _tap(xb, rows, c, cmask, T, C, 1, pos, HAS_POS), 0)
-            if K > 2:
-                acc_w1 += tl.sum(dpre * _tap(xb, rows, c, cmask, T, C, 2, pos, HAS_POS), 0)
-            if K > 3:
-                acc_w0 += tl.sum(dpre * _tap(xb, rows, c, cmask, T, C, 3, pos, HAS_POS), 0)
+        acc_b += tl.sum(dpre, 0)
+        # tap j reads x[t - (K-1-j)]
+        acc_w3 += tl.sum(dpre * _tap(xb, rows, c, cmask, T, C, 0, pos, HAS_POS), 0)
+        if K > 1:
+            acc_w2 += tl.sum(dpre * _tap(xb, rows, c, cmask, T, C, 1, pos, HAS_POS), 0)
+        if K > 2:
+            acc_w1 += tl.sum(dpre * _tap(xb, rows, c, cmask, T, C, 2, pos, HAS_POS), 0)
+        if K > 3:
+            acc_w0 += tl.sum(dpre * _tap(xb, rows, c, cmask, T, C, 3, pos, HAS_POS), 0)
     # the maps' weight gradients: dense[i, o] of channel c0 + i -> c0 + o, on the d x d diagonal blocks
     i = tl.arange(0, BC)[:, None]
     o = tl.arange(0, BC)[None, :]
@@ -253,13 +248,12 @@ def _front_bwd_pre(x_ptr, p_ptr, cw_ptr, cb_ptr, wq_ptr, wk_ptr, wgc_ptr, dq_ptr
     gbase = gpart_ptr + pid_r.to(tl.int64) * (2 * G2 * C)
     tl.store(gbase + gcols[:, None] * C + c[None, :], acc_gc, mask=gm2)
     tl.store(gbase + G2 * C + gcols[:, None] * C + c[None, :], acc_gm, mask=gm2)
-    if CONV_GRADS:
-        cbase = cpart_ptr + pid_r.to(tl.int64) * (5 * C)
-        tl.store(cbase + c, acc_b, mask=cmask)
-        tl.store(cbase + C + c, acc_w0, mask=cmask)
-        tl.store(cbase + 2 * C + c, acc_w1, mask=cmask)
-        tl.store(cbase + 3 * C + c, acc_w2, mask=cmask)
-        tl.store(cbase + 4 * C + c, acc_w3, mask=cmask)
+    cbase = cpart_ptr + pid_r.to(tl.int64) * (5 * C)
+    tl.store(cbase + c, acc_b, mask=cmask)
+    tl.store(cbase + C + c, acc_w0, mask=cmask)
+    tl.store(cbase + 2 * C + c, acc_w1, mask=cmask)
+    tl.store(cbase + 3 * C + c, acc_w2, mask=cmask)
+    tl.store(cbase + 4 * C + c, acc_w3, mask=cmask)
 
 
 @triton.jit
@@ -273,15 +267,11 @@ def _tap(xb, rows, c, cmask, T, C, shift, pos, HAS_POS: tl.constexpr):
 
 
 @triton.jit
-def _front_bwd_dx(d_ptr, p_ptr, cw_ptr, wv_ptr, wgm_ptr, dv_ptr, dg_ptr, dx_ptr, x_ptr, cpart_ptr, T, C, G2,
+def _front_bwd_dx(d_ptr, p_ptr, cw_ptr, wv_ptr, wgm_ptr, dv_ptr, dg_ptr, dx_ptr, T, C, G2,
                   K: tl.constexpr, d: tl.constexpr, HAS_POS: tl.constexpr,
-                  BT: tl.constexpr, BC: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr,
-                  CONV_GRADS: tl.constexpr):
+                  BT: tl.constexpr, BC: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr):
     """dx = the transposed conv of d (Σ_s d[t + s] w[K-1-s], within a document) + the v map's
-    and the gates' parts (dv W_vᵀ + dg w_m). CONV_GRADS: also this program's sums of the conv's
-    gradients, δw[K-1-s] = Σ_t d[t + s] x[t] from the same shifted rows of d (zero across a
-    document's start) and δb = Σ_t d[t], into its row of cpart [programs, 5, C] (the bias,
-    then the taps 3, 2, 1, 0 steps back)."""
+    and the gates' parts (dv W_vᵀ + dg w_m)."""
     bi = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     c0 = tl.program_id(1) * BC
@@ -290,10 +280,6 @@ def _front_bwd_dx(d_ptr, p_ptr, cw_ptr, wv_ptr, wgm_ptr, dv_ptr, dg_ptr, dx_ptr,
     rmask = rows < T
     m = rmask[:, None] & cmask[None, :]
     db = d_ptr + bi * T * C
-    off = bi * T * C + rows[:, None] * C + c[None, :]
-    if CONV_GRADS:
-        xt = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
-        cbase = cpart_ptr + ((bi * tl.num_programs(0) + tl.program_id(0)) * 5 * C) + c
     acc = tl.zeros((BT, BC), dtype=tl.float32)
     for s in tl.static_range(K):
         r = rows + s
@@ -303,10 +289,7 @@ def _front_bwd_dx(d_ptr, p_ptr, cw_ptr, wv_ptr, wgm_ptr, dv_ptr, dg_ptr, dx_ptr,
         dd = tl.load(db + r[:, None] * C + c[None, :], mask=rok[:, None] & cmask[None, :], other=0.0)
         wj = tl.load(cw_ptr + c * K + (K - 1 - s), mask=cmask, other=0.0).to(tl.float32)
         acc += dd * wj[None, :]
-        if CONV_GRADS:
-            if s == 0:
-                tl.store(cbase, tl.sum(dd, 0), mask=cmask)
-            tl.store(cbase + (4 - s) * C, tl.sum(dd * xt, 0), mask=cmask)
+    off = bi * T * C + rows[:, None] * C + c[None, :]
     dv = tl.load(dv_ptr + off, mask=m, other=0.0)
     acc = tl.dot(dv, _block_diag(wv_ptr, c0, C, d, BC, True), acc, input_precision=PREC)
     gcols = tl.arange(0, BG)
@@ -337,10 +320,7 @@ def mlstm_front_bwd(dq: Tensor, dk: Tensor, dv: Tensor, dg: Tensor, dx_conv: Opt
     alloc = torch.empty if x.numel() else torch.zeros
     wpart = alloc(P, 3, C // d, d, d, **f32)
     gpart = alloc(P, 2, G2, C, **f32)
-    dx_rows = triton.cdiv(T, cfg.dx_bt)
-    cpart = alloc(B * dx_rows if cfg.conv_grads_in_dx else P, 5, C, **f32)
-    if cfg.conv_grads_in_dx and K < 4:  # the taps the kernel does not write (more than K-1 back)
-        cpart[:, 1:5 - K].zero_()
+    cpart = alloc(P, 5, C, **f32)
     dx = torch.empty_like(x)
     if x.numel():
         dpre = torch.empty(B, T, C, **f32)
@@ -349,12 +329,11 @@ def mlstm_front_bwd(dq: Tensor, dk: Tensor, dv: Tensor, dg: Tensor, dx_conv: Opt
         _front_bwd_pre[(triton.cdiv(C, cfg.bc), P)](
             x, p, conv_w, conv_b, wq, wk, w_conv, dq, dk, dv, dg, x if dx_conv is None else dx_conv, dpre,
             wpart, gpart, cpart, T, C, G2, NT, B * NT, K=K, d=d, HAS_POS=pos is not None,
-            HAS_DXE=dx_conv is not None, BT=cfg.bt, BC=cfg.bc, BG=BG, PREC=_prec(x),
-            CONV_GRADS=not cfg.conv_grads_in_dx, num_warps=cfg.bwd_warps, maxnreg=cfg.bwd_maxnreg or None)
-        _front_bwd_dx[(dx_rows, triton.cdiv(C, cfg.dx_bc), B)](
-            dpre, p, conv_w, wv, w_m, dv, dg, dx, x, cpart, T, C, G2, K=K, d=d, HAS_POS=pos is not None,
-            BT=cfg.dx_bt, BC=cfg.dx_bc, BG=BG, PREC=_prec(x), CONV_GRADS=cfg.conv_grads_in_dx,
-            num_warps=cfg.dx_warps)
+            HAS_DXE=dx_conv is not None, BT=cfg.bt, BC=cfg.bc, BG=BG, PREC=_prec(x), num_warps=cfg.bwd_warps,
+            maxnreg=cfg.bwd_maxnreg or None)
+        _front_bwd_dx[(triton.cdiv(T, cfg.dx_bt), triton.cdiv(C, cfg.dx_bc), B)](
+            dpre, p, conv_w, wv, w_m, dv, dg, dx, T, C, G2, K=K, d=d, HAS_POS=pos is not None,
+            BT=cfg.dx_bt, BC=cfg.dx_bc, BG=BG, PREC=_prec(x), num_warps=cfg.dx_warps)
     w = wpart.sum(0)
     g = gpart.sum(0)
     cs = cpart.sum(0)  # the bias, then the taps of 3, 2, 1, 0 steps back: taps K-4..K-1 (the last K are real)
