@@ -21,6 +21,9 @@ def test_quick_run_end_to_end(tmp_path):
     for r in load:
         assert r["short"] == 0 and r["tokens"] > 0 and r["tok_s"] > 0
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 <= r["itl_p50_ms"] <= r["itl_p99_ms"]
+        # the server's own split of the first token's time adds up, and is part of the client's
+        assert abs(r["srv_queue_ms"] + r["srv_read_ms"] - r["srv_ttft_ms"]) < 1e-3 and r["srv_read_ms"] > 0
+        assert r["srv_ttft_ms"] < r["ttft_p99_ms"]
     gen = next(r for r in rows if r["case"] == "generate")
     assert gen["batch"] == 4 and gen["tokens"] == load[1]["tokens"] and gen["tok_s"] > 0
     prefix = {(r["cache"], r["concurrency"]): r for r in rows if r["case"] == "prefix"}
