@@ -38,3 +38,15 @@ def test_quick_run_end_to_end(tmp_path):
     assert next(r for r in rows if r["case"] == "server")["prompt_read_graphs"] == 0
     assert "Prompt reads: eager (no CUDA graphs)." in md
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # the temporary model folder is gone
+
+
+def test_prompt_pieces_quick_times_every_bucket_and_length(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prompt_pieces.py"), "--quick", "--out",
+                          str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "prompt_pieces.jsonl").read_text().splitlines()]
+    assert {(r["batch"], r["length"]) for r in rows} == {(b, L) for b in (1, 2) for L in (1, 2, 4, 8)}
+    assert all(r["ms"] > 0 and not r["graph"] for r in rows)
+    md = (tmp_path / "prompt_pieces.md").read_text()
+    assert "| batch | 1 | 2 | 4 | 8 |" in md and "(eager)" in md
