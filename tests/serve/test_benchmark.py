@@ -10,12 +10,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_quick_run_end_to_end(tmp_path):
+def quick_rows(script: str, tmp_path) -> list[dict]:
+    """benchmarks/<script>.py --quick on the CPU, writing into tmp_path; its jsonl rows."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_speed.py"), "--quick", "--out",
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--quick", "--out",
                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "serve_speed.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp_path / f"{script}.jsonl").read_text().splitlines()]
+
+
+def test_quick_run_end_to_end(tmp_path):
+    rows = quick_rows("serve_speed", tmp_path)
     load = [r for r in rows if r["case"] == "load"]
     assert [r["concurrency"] for r in load] == [1, 4]
     for r in load:
@@ -41,11 +46,7 @@ def test_quick_run_end_to_end(tmp_path):
 
 
 def test_prompt_pieces_quick_times_every_bucket_and_length(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prompt_pieces.py"), "--quick", "--out",
-                          str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "prompt_pieces.jsonl").read_text().splitlines()]
+    rows = quick_rows("prompt_pieces", tmp_path)
     assert {(r["batch"], r["length"]) for r in rows} == {(b, L) for b in (1, 2) for L in (1, 2, 4, 8)}
     assert all(r["ms"] > 0 and not r["graph"] for r in rows)
     md = (tmp_path / "prompt_pieces.md").read_text()

@@ -11,7 +11,8 @@ from torch._dynamo.utils import counters
 
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.io.tokenizers import ByteTokenizer
-from xlstm_kit.serve.engine import Engine, EngineBusy, EngineClosed, Request, SamplingParams
+from xlstm_kit.serve.engine import Engine, EngineBusy, EngineClosed
+from xlstm_kit.serve.request import Request, SamplingParams
 from xlstm_kit.serve.slots import _buckets
 from xlstm_kit.serve.prefix_cache import PrefixCache
 

@@ -4,7 +4,8 @@ Starlette app (`app`), chat templates (`chat`) and the uvicorn runner (`server`)
 
 `engine` and `prefix_cache` need only torch; the HTTP modules need the `serve` extra
 (`pip install 'xlstm-kit[serve]'`) and are imported by `xlstm-kit serve` when it runs."""
-from .engine import Engine, EngineBusy, EngineClosed, Request, SamplingParams, Update
+from .engine import Engine, EngineBusy, EngineClosed
+from .request import Request, SamplingParams, Update
 from .prefix_cache import PrefixCache
 
 __all__ = ["Engine", "EngineBusy", "EngineClosed", "Request", "SamplingParams", "Update", "PrefixCache"]

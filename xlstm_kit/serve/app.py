@@ -26,7 +26,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from .engine import CANCELLED, ERROR, FINISH_REASONS, SHUTDOWN, Engine, EngineBusy, EngineClosed, Request, Update
+from .engine import Engine, EngineBusy, EngineClosed
+from .request import CANCELLED, ERROR, FINISH_REASONS, SHUTDOWN, Request, Update
 from .protocol import APIError, Limits, Parsed, bad, error_body, new_id, now, parse_chat, parse_completion
 
 MAX_BODY_BYTES = 32 << 20

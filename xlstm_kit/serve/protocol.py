@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .engine import SamplingParams
+from .request import SamplingParams
 
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256
