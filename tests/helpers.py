@@ -119,6 +119,26 @@ def in_child(call, seconds: float = 30) -> tuple[str, str, bool] | None:
     return receive.recv()
 
 
+def destroy_together() -> None:
+    """``destroy_process_group()`` in a worker of ``spawn_ranks``, every rank entering it and
+    leaving (towards its process's exit) together, through the rendezvous store: gloo aborted
+    a rank (SIGABRT, "terminate called without an active exception") whose peer tore down its
+    connections, or exited, while it was still in a collective's tail or its own teardown."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store, world = _get_default_store(), dist.get_world_size()
+
+    def all_here(key: str) -> None:
+        if store.add(key, 1) == world:
+            store.set(f"{key}/all", b"1")
+        store.wait([f"{key}/all"])
+
+    all_here("teardown/enter")
+    dist.destroy_process_group()
+    all_here("teardown/leave")
+
+
 def spawn_ranks(worker, world: int, *args) -> None:
     """``torch.multiprocessing.spawn(worker, (world, port, *args), world)`` as torchrun runs its
     workers: the rendezvous store is served by this process, not by rank 0, so a rank that

@@ -11,7 +11,7 @@ from xlstm_kit import training as T
 from xlstm_kit.io.checkpoint import MANIFEST_FILE, RUN_LOCK_FILE
 from xlstm_kit.training.data import load_data
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
-from tests.helpers import spawn_ranks
+from tests.helpers import destroy_together, spawn_ranks
 
 TEXT = (
     "KING:\nNow is the winter of our discontent\nMade glorious summer by this sun of York;\n\n"
@@ -67,7 +67,7 @@ def _worker(rank: int, world: int, port: int, corpus: str, cache: str, out: str,
         else:
             assert not events, "only rank 0 may report progress"
     finally:
-        dist.destroy_process_group()
+        destroy_together()
 
 
 def test_ddp_two_cpu_processes_match_single_process(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from xlstm_kit import training as T
 from xlstm_kit.errors import XLSTMKitError
 from xlstm_kit.io.loading import load_model
 from xlstm_kit.training.data import load_data
-from tests.helpers import spawn_ranks
+from tests.helpers import destroy_together, spawn_ranks
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 80
 CLI_SMALL = ["--batch-size", "2", "--seq-len", "16", "--eval-batches", "1", "--no-progress", "--threads", "1"]
@@ -200,7 +200,7 @@ def _lib_worker(rank, world, port, job):
             return
         torch.save({"losses": res.losses, "weights": _gathered(model)}, f"{job['result']}.{rank}")
     finally:
-        dist.destroy_process_group()
+        destroy_together()
 
 
 def _lib(tmp_path, tag, meta_rank, model, config):
@@ -267,7 +267,7 @@ def _buffers_worker(rank, world, port, result):
         torch.save({"buffers": {n: b.clone() for n, b in model.named_buffers()}, "weights": _gathered(model)},
                    f"{result}.{rank}")
     finally:
-        dist.destroy_process_group()
+        destroy_together()
 
 
 def test_buffers_of_both_kinds_come_from_rank0(tmp_path):
@@ -325,7 +325,7 @@ def _shard_worker(rank, world, port, job):
             return
         torch.save({"buffers": {n: b.clone() for n, b in model.named_buffers()}}, f"{job['result']}.{rank}")
     finally:
-        dist.destroy_process_group()
+        destroy_together()
 
 
 def _shard(tmp_path, tag, meta_ranks, weights_from):

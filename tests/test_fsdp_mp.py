@@ -20,7 +20,7 @@ from xlstm_kit import training as T
 from xlstm_kit.cli import app
 from xlstm_kit.io.checkpoint import CHECKPOINTS_DIR, is_sharded
 from xlstm_kit.training.data import load_data
-from tests.helpers import spawn_ranks
+from tests.helpers import destroy_together, spawn_ranks
 
 TEXT = (
     "KING:\nNow is the winter of our discontent\nMade glorious summer by this sun of York;\n\n"
@@ -94,7 +94,7 @@ def _worker(rank, world, port, job):
             torch.save({"params": full, "losses": res.losses, "val": [m.loss for _, m in res.evals],
                         "graphs": counters["stats"]["unique_graphs"]}, job["result"])
     finally:
-        dist.destroy_process_group()
+        destroy_together()
 
 
 def _spawn(tmp_path, out, opts, world=2, tag="r", **job):
