@@ -86,6 +86,35 @@ def test_the_first_token_goes_out_before_the_decode_step(model):
     assert steps_at_first == {lone.id: 0}
 
 
+def test_requests_that_arrive_together_get_their_first_tokens_in_the_same_pass(model):
+    # each prompt gets its own chunk per pass and they are read together: with one chunk for
+    # the whole pass the fourth request's first token would wait three passes (three steps)
+    steps_at_first: dict[int, int] = {}
+
+    def deliver(updates):
+        for u in updates:
+            if u.token_ids:
+                steps_at_first.setdefault(u.request.id, engine.stats.decode_steps)
+
+    ps = prompts([16, 11, 16, 5], seed=3)
+    reqs = [Request(p, SamplingParams(max_tokens=3, temperature=0), stream=True) for p in ps]
+    engine = Engine(model, ByteTokenizer(), max_batch=4, prefill_chunk=16, prefix_cache_bytes=0, deliver=deliver)
+    engine.start()
+    reads = []
+    real_read = engine.reader.read
+    engine.reader.read = lambda rows, tokens: reads.append(len(rows)) or real_read(rows, tokens)
+    try:
+        engine.submit(reqs)
+        for r in reqs:
+            assert r.done.wait(60)
+    finally:
+        engine.close()
+        engine.join(30)
+    assert [r.output for r in reqs] == [alone(model, p, 3) for p in ps]
+    assert steps_at_first == {r.id: 0 for r in reqs}
+    assert reads == [4]
+
+
 def test_a_steps_tokens_are_taken_after_their_copy_to_the_host(model, monkeypatch):
     # on CUDA each step's tokens are copied to the host behind the step and taken once that
     # copy (not the next step) is done; here the copy and its event are stand-ins

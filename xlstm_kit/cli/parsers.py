@@ -214,7 +214,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     sv.add_argument("--prefix-cache-mb", type=nonneg_int, default=1024, metavar="MB",
                     help="memory for cached prefix states, on the model's device (0: no cache)")
     sv.add_argument("--prefill-chunk", type=positive_int, default=512, metavar="N",
-                    help="prompt tokens read between two decode steps")
+                    help="tokens of each prompt read between two decode steps")
     sv.add_argument("--shutdown-grace", type=nonneg_float, default=30.0, metavar="S",
                     help="seconds the running requests get after SIGTERM before they are ended")
     sv.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda ... (default: cuda if available)")

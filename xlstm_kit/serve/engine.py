@@ -10,7 +10,7 @@ gathers or scatters states.
 
 One thread runs the loop; each pass is a token boundary:
 1. cancelled requests leave; waiting requests take free slots (first come, first served);
-2. prompts are read, at most `prefill_chunk` tokens per pass in all, so that a long prompt is
+2. prompts are read, at most `prefill_chunk` tokens of each per pass, so that a long prompt is
    read in pieces between decode steps and the running streams keep flowing. Each request
    being read owns a row of the prompt reader's state rows (`prefill.py`), and all the prompt
    tokens of a pass are read together in pieces of power-of-two lengths, CUDA graphs on a
@@ -56,8 +56,8 @@ from .request import CANCELLED, ERROR, LENGTH, SHUTDOWN, STOP, Request, Sampling
 from .slots import SlotStep, _copy_into
 
 # Requests whose prompts are read at once at most: each holds a state row of the prompt reader
-# (two rows with the graphs' inputs; an xlstm-7b state is ~134 MB), and a pass reads at most
-# `prefill_chunk` tokens anyway
+# (two rows with the graphs' inputs; an xlstm-7b state is ~134 MB); this also bounds a pass's
+# read to READ_ROWS * prefill_chunk tokens
 READ_ROWS = 16
 
 
@@ -88,7 +88,7 @@ class Engine:
 
     max_batch: state slots (requests decoding or reading their prompt at once); max_queue:
     requests that may wait for a slot (submit raises EngineBusy beyond); prefill_chunk: prompt
-    tokens read per pass; prefix_cache_bytes: the prefix-state cache's bound (0: off);
+    tokens of each request read per pass; prefix_cache_bytes: the prefix-state cache's bound (0: off);
     cuda_graph: None = on CUDA; deliver(updates), called from the engine's thread after each
     pass, receives the Updates of that pass.
     """
@@ -314,16 +314,16 @@ class Engine:
         r._logits = entry.logits
 
     def _prefill(self, updates: list[Update]) -> None:
-        """Read up to `prefill_chunk` prompt tokens in all, in one read of the prompt reader per
-        round: a request stops at its cache boundary (the state there is stored), and goes on
-        in the next round while the pass's budget lasts."""
-        budget = self.prefill_chunk
-        while budget > 0:
+        """Advance every request being read by up to `prefill_chunk` of its prompt tokens, all of
+        them in one read of the prompt reader per round: a request stops at its cache boundary
+        (the state there is stored) and goes on in the next round within its chunk. Requests that
+        arrive together are read together and get their first tokens in the same pass; with one
+        budget for the whole pass the last of them would wait a pass per request before it."""
+        quota = {id(r): self.prefill_chunk for r in self.prefilling}
+        while True:
             items: list[tuple[Request, int]] = []
             for r in self.prefilling:
-                if budget <= 0:
-                    break
-                if r._pos == len(r.prompt):
+                if quota[id(r)] <= 0 or r._pos == len(r.prompt):
                     continue
                 if self.cache.enabled:  # a request read just before may have stored a longer prefix
                     entry = self.cache.lookup(r.prompt)
@@ -331,11 +331,11 @@ class Engine:
                         self._start_from(r, entry)
                         if r._pos == len(r.prompt):
                             continue
-                end = min(len(r.prompt), r._pos + budget)
+                end = min(len(r.prompt), r._pos + quota[id(r)])
                 if r._boundary is not None and r._pos < r._boundary:
                     end = min(end, r._boundary)
                 items.append((r, end))
-                budget -= end - r._pos
+                quota[id(r)] -= end - r._pos
             if not items:
                 break
             try:
