@@ -402,6 +402,30 @@ def _split(r: dict) -> str:
     return f"{_f(r.get('srv_queue_ms'), 2)} / {_f(r.get('srv_read_ms'), 2)}"
 
 
+def targets(rows: list[dict]) -> list[str]:
+    """The benchmark's three targets as measured: the server's throughput as a share of
+    `model.generate` (>= 80 % at concurrency 32), the time to first token's p99 at concurrency 8
+    (or the largest level up to 8) over a lone request's p50 (<= 2x), and how many times lower
+    the prefix runs' TTFT p50 is with the cache than without (>= 5x)."""
+    load = {r["concurrency"]: r for r in rows if r["case"] == "load"}
+    out = []
+    gen = next((r for r in rows if r["case"] == "generate"), None)
+    if gen and gen["concurrency"] in load:
+        out.append(f"throughput at concurrency {gen['concurrency']}: "
+                   f"{load[gen['concurrency']]['tok_s'] / gen['tok_s']:.0%} of `model.generate` (target >= 80 %)")
+    busy = max((c for c in load if 1 < c <= 8), default=None)
+    if 1 in load and busy is not None:
+        out.append(f"TTFT p99 at concurrency {busy}: {load[busy]['ttft_p99_ms'] / load[1]['ttft_p50_ms']:.1f}x "
+                   f"a lone request's p50 (target <= 2x)")
+    prefix = {(r["cache"], r["concurrency"]): r for r in rows if r["case"] == "prefix"}
+    for c in sorted({c for _, c in prefix}):
+        if (True, c) in prefix and (False, c) in prefix:
+            out.append(f"prefix cache at concurrency {c}: TTFT p50 "
+                       f"{prefix[False, c]['ttft_p50_ms'] / prefix[True, c]['ttft_p50_ms']:.1f}x lower with it "
+                       f"(target >= 5x)")
+    return out
+
+
 def report(rows: list[dict], meta: dict) -> str:
     lines = [f"# serve_speed: {meta['model']} on {meta['device']}, {meta['dtype']}"
              f"{', compiled' if meta['compile'] else ''} ({meta['date']})", "",
@@ -432,6 +456,9 @@ def report(rows: list[dict], meta: dict) -> str:
         for r in prefix:
             lines.append(f"| {'on' if r['cache'] else 'off'} | {r['concurrency']} | {_f(r['ttft_p50_ms'])} | "
                          f"{_f(r['ttft_p99_ms'])} | {_f(r['tok_s'])} | {_split(r)} |")
+    measured = targets(rows)
+    if measured:
+        lines += ["", "Targets:", "", *(f"- {t}" for t in measured)]
     reads = [r for r in rows if r["case"] == "prefill"]
     if reads:
         lens = sorted({r["length"] for r in reads})

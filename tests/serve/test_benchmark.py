@@ -39,6 +39,12 @@ def test_quick_run_end_to_end(tmp_path):
     md = (tmp_path / "serve_speed.md").read_text()
     assert "| 4 | 8 |" in md and "| on | 1 |" in md and "| off | 8 |" in md and "model.generate" in md
     assert "| eager |" in md and "| compiled |" in md
+    share = load[1]["tok_s"] / gen["tok_s"]
+    ratio = load[1]["ttft_p99_ms"] / load[0]["ttft_p50_ms"]
+    gain = prefix[False, 8]["ttft_p50_ms"] / prefix[True, 8]["ttft_p50_ms"]
+    assert f"- throughput at concurrency 4: {share:.0%} of `model.generate`" in md
+    assert f"- TTFT p99 at concurrency 4: {ratio:.1f}x a lone request's p50" in md
+    assert f"- prefix cache at concurrency 8: TTFT p50 {gain:.1f}x lower with it" in md
     # the CPU server reads prompts eagerly; the table says so
     assert next(r for r in rows if r["case"] == "server")["prompt_read_graphs"] == 0
     assert "Prompt reads: eager (no CUDA graphs)." in md
