@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", default="16,512", help="MIN,MAX prompt tokens")
     ap.add_argument("--output-len", default="64,256", help="MIN,MAX output tokens")
     ap.add_argument("--system-len", type=int, default=1000, help="shared system prompt of the prefix runs")
-    ap.add_argument("--prefix-requests", type=int, default=32, help="requests of each prefix run")
+    ap.add_argument("--prefix-requests", type=int, default=32, help="requests of each prefix run (0: no prefix runs)")
     ap.add_argument("--max-batch", type=int, default=None, help="server slots (default: the largest level)")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="the server's prompt tokens per pass (default: the server's own)")
@@ -344,15 +344,18 @@ def main(argv=None) -> int:
             record({"case": "server", "prompt_read_graphs": server_metric(server.url, "prompt_read_graphs")})
             for c in levels:
                 record({"case": "load", "concurrency": c, **split_load(server.url, per_level[c], c, args.clients)})
-            prefix_runs(server, cache=True)
+            if args.prefix_requests:
+                prefix_runs(server, cache=True)
         finally:
             server.stop()
-        server = Server(folder, [*common, "--max-batch", str(args.max_batch or max(levels)), "--prefix-cache-mb", "0"])
-        try:
-            warm_up(server.url, min(vocab, 50257), warm_lengths, args.seed + 2000)
-            prefix_runs(server, cache=False)
-        finally:
-            server.stop()
+        if args.prefix_requests:
+            server = Server(folder, [*common, "--max-batch", str(args.max_batch or max(levels)),
+                                     "--prefix-cache-mb", "0"])
+            try:
+                warm_up(server.url, min(vocab, 50257), warm_lengths, args.seed + 2000)
+                prefix_runs(server, cache=False)
+            finally:
+                server.stop()
         ref_level = max([c for c in levels if c <= 32] or levels[:1])
         record({"case": "generate", "concurrency": ref_level,
                 **generate_baseline(folder, per_level[ref_level], ref_level, device, dtype, args.compile)})
