@@ -2,7 +2,9 @@
 power-of-two lengths L, each (batch bucket b, L) one CUDA graph (`xlstm_kit/serve/prefill.py`),
 so a prompt's time to its first token is about the sum of its pieces. This times one replay per
 (b, L) and counts the kernels of a piece, to tell a fixed cost per piece (kernels that take
-microseconds whatever their work) from a cost per token.
+microseconds whatever their work) from a cost per token; beside them, the server's decode step
+(one token, the fused step, a graph per bucket) per batch, which could read a prompt's shortest
+pieces instead.
 
     python3 benchmarks/prompt_pieces.py [--model 125M] [--max-batch 8] [--max-piece 512] [--out DIR]
 
@@ -63,6 +65,7 @@ def main(argv=None) -> int:
 
     from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
     from xlstm_kit.serve.prefill import PromptReader
+    from xlstm_kit.serve.slots import SlotStep
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -92,11 +95,20 @@ def main(argv=None) -> int:
                              "kernels": _kernels(fn, device) if L in (1, reader.lengths[0]) else None,
                              "graph": bool(reader.graphs)})
                 print(json.dumps(rows[-1]), flush=True)
+        tokens = torch.as_tensor(rng.integers(0, cfg.vocab_size, (args.max_batch,)), device=device)
+        step = SlotStep(model, model.init_state(args.max_batch, device=device), tokens)
+        for b in buckets:
+            fn = lambda: step(b)  # noqa: E731
+            fn()
+            ms = _time(fn, device, args.reps)
+            rows.append({"batch": b, "length": "step", "ms": ms, "us_per_token": 1e3 * ms / b,
+                         "kernels": _kernels(fn, device), "graph": bool(step.graphs)})
+            print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    lengths = sorted({r["length"] for r in rows})
+    lengths = sorted({r["length"] for r in rows if r["length"] != "step"}) + ["step"]
     lines = [f"# prompt_pieces: {'tiny' if args.quick else args.model} on {name} ({time.strftime('%Y-%m-%d')})", "",
              f"One piece of a prompt read, median ms ({'CUDA graph replays' if rows[0]['graph'] else 'eager'}); "
-             "rows: batch, columns: piece length.", "",
+             "rows: batch, columns: piece length; `step`: the decode step (one token).", "",
              "| batch | " + " | ".join(str(L) for L in lengths) + " |", "| --- |" + " --- |" * len(lengths)]
     for b in sorted({r["batch"] for r in rows}):
         by = {r["length"]: r["ms"] for r in rows if r["batch"] == b}
