@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=8, help="the reader's rows (batch buckets up to it)")
     ap.add_argument("--max-piece", type=int, default=512, help="the longest piece")
     ap.add_argument("--reps", type=int, default=20, help="timed replays per (batch, length)")
+    ap.add_argument("--step-below", type=int, default=8,
+                    help="also time pieces of up to this many tokens read as decode steps (0: no)")
     ap.add_argument("--quick", action="store_true", help="a tiny model, few shapes (the tests)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for prompt_pieces.{jsonl,md}")
     args = ap.parse_args(argv)
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     if args.quick:
         cfg = XLSTMConfig(vocab_size=256, d_model=64, n_blocks=2, n_heads=2, slstm_at=[1])
-        args.max_batch, args.max_piece, args.reps = 2, 8, 3
+        args.max_batch, args.max_piece, args.reps, args.step_below = 2, 8, 3, 2
     else:
         cfg = XLSTMConfig.from_name(args.model)
     with device:
@@ -95,6 +97,21 @@ def main(argv=None) -> int:
                              "kernels": _kernels(fn, device) if L in (1, reader.lengths[0]) else None,
                              "graph": bool(reader.graphs)})
                 print(json.dumps(rows[-1]), flush=True)
+        if args.step_below:
+            reader = PromptReader(model, args.max_batch, args.step_below, device, pieces=True,
+                                  step_below=args.step_below)
+            reader.capture()
+            for b in buckets:
+                idx = torch.arange(b, device=device)
+                for L in reader.lengths:
+                    ids = torch.as_tensor(rng.integers(0, cfg.vocab_size, (b, L)), device=device)
+                    fn = lambda: reader._run(L, idx, ids)  # noqa: E731
+                    fn()
+                    ms = _time(fn, device, args.reps)
+                    rows.append({"batch": b, "length": f"{L} as steps", "ms": ms, "us_per_token": 1e3 * ms / (b * L),
+                                 "kernels": _kernels(fn, device) if L == reader.lengths[0] else None,
+                                 "graph": bool(reader.graphs)})
+                    print(json.dumps(rows[-1]), flush=True)
         tokens = torch.as_tensor(rng.integers(0, cfg.vocab_size, (args.max_batch,)), device=device)
         step = SlotStep(model, model.init_state(args.max_batch, device=device), tokens)
         for b in buckets:
@@ -105,14 +122,17 @@ def main(argv=None) -> int:
                          "kernels": _kernels(fn, device), "graph": bool(step.graphs)})
             print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    lengths = sorted({r["length"] for r in rows if r["length"] != "step"}) + ["step"]
+    lengths = (sorted({r["length"] for r in rows if isinstance(r["length"], int)})
+               + sorted({r["length"] for r in rows if isinstance(r["length"], str) and r["length"] != "step"},
+                        key=lambda x: int(x.split()[0])) + ["step"])
     lines = [f"# prompt_pieces: {'tiny' if args.quick else args.model} on {name} ({time.strftime('%Y-%m-%d')})", "",
              f"One piece of a prompt read, median ms ({'CUDA graph replays' if rows[0]['graph'] else 'eager'}); "
-             "rows: batch, columns: piece length; `step`: the decode step (one token).", "",
+             "rows: batch, columns: piece length (`L as steps`: read as L decode steps in one graph); "
+             "`step`: the decode step (one token) over the engine's slots.", "",
              "| batch | " + " | ".join(str(L) for L in lengths) + " |", "| --- |" + " --- |" * len(lengths)]
     for b in sorted({r["batch"] for r in rows}):
         by = {r["length"]: r["ms"] for r in rows if r["batch"] == b}
-        lines.append(f"| {b} | " + " | ".join(f"{by[L]:.2f}" for L in lengths) + " |")
+        lines.append(f"| {b} | " + " | ".join(f"{by[L]:.2f}" if L in by else "–" for L in lengths) + " |")
     counted = [r for r in rows if r["kernels"] is not None]
     if counted:
         lines += ["", "Kernels per piece: " + ", ".join(f"{r['kernels']} at (batch {r['batch']}, L {r['length']})"

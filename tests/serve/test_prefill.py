@@ -23,12 +23,16 @@ def flat(state):
     return torch.cat([x.reshape(x.shape[0], -1) for s in state for x in s], 1)
 
 
-@pytest.mark.parametrize("pieces", [True, False])
+@pytest.mark.parametrize("pieces, step_below", [(True, 0), (True, 4), (False, 0)])
 @torch.no_grad()
-def test_reads_equal_one_read_from_each_rows_state(pieces):
-    """In pieces (as the graphs read) or at once (one packed call, the reads without graphs)."""
+def test_reads_equal_one_read_from_each_rows_state(pieces, step_below):
+    """In pieces (as the graphs read; the shortest as decode steps) or at once (one packed
+    call, the reads without graphs)."""
     m = model64()
-    reader = PromptReader(m, 6, 16, "cpu", pieces=pieces)
+    reader = PromptReader(m, 6, 16, "cpu", pieces=pieces, step_below=step_below)
+    steps = []
+    real_step = m.step
+    m.step = lambda *a, **k: steps.append(1) or real_step(*a, **k)
     rng = np.random.default_rng(0)
     lengths = [37, 5, 16, 1, 64, 23]
     toks = [rng.integers(0, 256, n) for n in lengths]
@@ -44,6 +48,7 @@ def test_reads_equal_one_read_from_each_rows_state(pieces):
     # 37 = 16+16+4+1, 5 = 4+1, 16, 1, 64 = 4 x 16: L=16 four times (64's pieces, with 37's two
     # and 16's one alongside), L=4 once (37's and 5's), L=1 once (37's, 5's and 1)
     assert reader.replays == (6 if pieces else 1)
+    assert len(steps) == (4 + 1 if step_below else 0)  # the L=4 piece as 4 steps, L=1 as one
     for j, t in enumerate(toks[:5]):
         out, state = m(torch.as_tensor(t)[None], state=inits[j], return_state=True)
         torch.testing.assert_close(logits[j], out[0, -1], rtol=0, atol=1e-12)
@@ -53,10 +58,12 @@ def test_reads_equal_one_read_from_each_rows_state(pieces):
     assert torch.equal(reader.work[5], before5)
 
 
+@pytest.mark.parametrize("step_below", [0, 2])
 @torch.no_grad()
-def test_a_piece_longer_than_the_longest_repeats_and_lengths_round_down():
+def test_a_piece_longer_than_the_longest_repeats_and_lengths_round_down(step_below):
+    # one row: its state's views are contiguous, which the steps must not update in place
     m = model64()
-    reader = PromptReader(m, 2, 24, "cpu", pieces=True)  # pieces of 16, 8, 4, 2, 1
+    reader = PromptReader(m, 2, 24, "cpu", pieces=True, step_below=step_below)  # pieces of 16, 8, 4, 2, 1
     assert reader.lengths == [16, 8, 4, 2, 1]
     t = np.random.default_rng(1).integers(0, 256, 50)  # 16 x 3 + 2
     reader.load(0, None)
@@ -68,12 +75,13 @@ def test_a_piece_longer_than_the_longest_repeats_and_lengths_round_down():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("step_below", [0, 4])
 @torch.no_grad()
-def test_cuda_graphs_read_as_the_eager_pieces():
+def test_cuda_graphs_read_as_the_eager_pieces(step_below):
     torch.manual_seed(0)
     cfg = XLSTMConfig(vocab_size=256, d_model=128, n_blocks=4, n_heads=2, slstm_at=[1])
     m = XLSTMLanguageModel(cfg).cuda().eval()
-    graphs = PromptReader(m, 4, 64, "cuda")
+    graphs = PromptReader(m, 4, 64, "cuda", step_below=step_below)
     graphs.capture()
     assert len(graphs.graphs) == len(graphs.buckets) * len(graphs.lengths)
     eager = PromptReader(m, 4, 64, "cuda", cuda_graph=False)

@@ -42,11 +42,13 @@ class PromptReader:
     model: an xlstm_kit language model in eval mode; max_batch: rows (requests read at once at
     most); max_piece: the longest piece (rounded down to a power of two); cuda_graph: record
     the pieces as CUDA graphs (None: on CUDA); pieces: read in pieces even without graphs
-    (None: with graphs only; the tests' way to run the pieces on the CPU).
+    (None: with graphs only; the tests' way to run the pieces on the CPU); step_below: pieces of
+    at most this many tokens are read as that many one-token decode steps (`model.step`, the
+    fused step: far fewer kernels than a forward over the sequence), in one graph.
     """
 
     def __init__(self, model, max_batch: int, max_piece: int, device, cuda_graph: bool | None = None,
-                 pieces: bool | None = None):
+                 pieces: bool | None = None, step_below: int = 0):
         self.model, self.device = model, torch.device(device)
         template = model.init_state(1, device="meta")
         self.kinds = [(type(s), [tuple(x.shape[1:]) for x in s]) for s in template]
@@ -65,6 +67,7 @@ class PromptReader:
         self.use_graphs = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.buckets = _buckets(max_batch) if self.use_graphs else []
         self.pieces = self.use_graphs if pieces is None else pieces
+        self.step_below = step_below
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.replays = 0  # graph replays or eager pieces, for tests and metrics
 
@@ -105,6 +108,13 @@ class PromptReader:
     # ------------------------------------------------------------------ one piece
     def _piece(self, n: int, ids: torch.Tensor) -> torch.Tensor:
         """Read ids [n, L] from input rows 0..n-1, in place; logits of the last position [n, V]."""
+        if ids.shape[1] <= self.step_below:
+            # copies (a view that is contiguous already would not be one): the steps update them
+            state = [type(s)(*(x.clone() for x in s)) for s in self.unpack(self.inputs[:n])]
+            for t in range(ids.shape[1]):
+                last, state = self.model.step(ids[:, t], state, inplace=True, check=False)
+            self._pack(state, self.inputs[:n])
+            return last
         out, new = self.model(ids, state=self._inputs(n), return_state=True, logits_to_keep=1)
         self._pack(new, self.inputs[:n])
         return out[:, -1]
