@@ -1,6 +1,6 @@
 """DistributedDataParallel training on CPU (gloo, 2 processes) equals one process with the same
-global batch: the same parameters after a few AdamW steps (float32, tolerance 1e-5), and only
-rank 0 writes files."""
+global batch: the same parameters after a few AdamW steps (float32, tolerance 1e-5; gradient
+accumulation and clipping on), and only rank 0 writes files."""
 import os
 
 import pytest
@@ -30,8 +30,11 @@ def _model(compiled: bool = False):
 def _config(**kw):
     # eps=1e-6 keeps Adam from amplifying the rounding noise of the sLSTM input-gate bias, whose
     # gradient is mathematically zero (see TrainConfig.eps); every other parameter is a real test.
+    # Two micro-steps (DDP syncs the last one only) and a clip of 0.5 (every step is clipped, at
+    # gradient norms near 3: the total norm of the synced gradients).
     return T.TrainConfig(steps=3, batch_size=4, seq_len=16, lr=3e-3, min_lr=3e-4, warmup_steps=1, eps=1e-6,
-                         eval_interval=3, eval_batches=2, checkpoint_interval=0, seed=2, **kw)
+                         grad_accum=2, grad_clip=0.5, eval_interval=3, eval_batches=2, checkpoint_interval=0,
+                         seed=2, **kw)
 
 
 def _aot_eager_compile():

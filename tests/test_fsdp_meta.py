@@ -252,31 +252,10 @@ class _WithBuffers(torch.nn.Module):
         self.register_buffer("stats", torch.randn(4))
 
 
-def _buffers_worker(rank, world, port, result):
-    import torch.distributed as dist
-
-    from xlstm_kit.training.distributed import shard_model
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        torch.manual_seed(11)
-        with torch.device("meta") if rank == 1 else torch.device("cpu"):
-            model = _WithBuffers()
-        shard_model(model, T.DistInfo(rank=rank, world_size=world), torch.device("cpu"), "fp32")
-        torch.save({"buffers": {n: b.clone() for n, b in model.named_buffers()}, "weights": _gathered(model)},
-                   f"{result}.{rank}")
-    finally:
-        destroy_together()
-
-
-def test_buffers_of_both_kinds_come_from_rank0(tmp_path):
-    result = str(tmp_path / "buf.pt")
-    spawn_ranks(_buffers_worker, 2, result)
+def test_buffers_of_both_kinds_come_from_rank0(sharded):
     torch.manual_seed(11)
     ref = _WithBuffers()
-    for r in range(2):
-        got = torch.load(f"{result}.{r}", weights_only=False)
+    for r, got in enumerate(sharded["rank0"]):
         assert sorted(got["buffers"]) == ["blocks.0.table", "stats"]
         for n, b in ref.named_buffers():
             assert torch.equal(got["buffers"][n], b), (r, n)
@@ -306,6 +285,14 @@ def test_lora_fine_tuning_with_a_meta_rank_equals_one_process(tmp_path, corpus):
         assert torch.equal(ranks[1]["weights"][k], v), k
 
 
+SHARD_CASES = {  # name: (ranks that build on meta, each rank's weights_from)
+    "rank0": ({1}, ["rank0", "rank0"]),
+    "allmeta": ({0, 1}, ["checkpoint", "checkpoint"]),
+    "rank0full": ({1}, ["checkpoint", "checkpoint"]),
+    "disagree": ({1}, ["rank0", "checkpoint"]),
+}
+
+
 def _shard_worker(rank, world, port, job):
     import torch.distributed as dist
 
@@ -314,38 +301,46 @@ def _shard_worker(rank, world, port, job):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        torch.manual_seed(11)
-        with torch.device("meta") if rank in job["meta_ranks"] else torch.device("cpu"):
-            model = _WithBuffers()
-        try:
-            shard_model(model, T.DistInfo(rank=rank, world_size=world), torch.device("cpu"), "fp32",
-                        weights_from=job["weights_from"][rank])
-        except XLSTMKitError as e:
-            torch.save({"error": str(e)}, f"{job['result']}.{rank}")
-            return
-        torch.save({"buffers": {n: b.clone() for n, b in model.named_buffers()}}, f"{job['result']}.{rank}")
+        results = {}
+        for name, (meta_ranks, weights_from) in SHARD_CASES.items():  # a fresh model each, one process group
+            torch.manual_seed(11)
+            with torch.device("meta") if rank in meta_ranks else torch.device("cpu"):
+                model = _WithBuffers()
+            try:
+                shard_model(model, T.DistInfo(rank=rank, world_size=world), torch.device("cpu"), "fp32",
+                            weights_from=weights_from[rank])
+            except XLSTMKitError as e:
+                results[name] = {"error": str(e)}
+                continue
+            results[name] = {"buffers": {n: b.clone() for n, b in model.named_buffers()}}
+            if set(weights_from) == {"rank0"}:
+                results[name]["weights"] = _gathered(model)
+        torch.save(results, f"{job['result']}.{rank}")
     finally:
         destroy_together()
 
 
-def _shard(tmp_path, tag, meta_ranks, weights_from):
-    job = dict(result=str(tmp_path / f"{tag}.pt"), meta_ranks=meta_ranks, weights_from=weights_from)
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """Each rank's result of every case of SHARD_CASES, all from one 2-process run (starting
+    the processes costs more than the cases)."""
+    job = dict(result=str(tmp_path_factory.mktemp("shard") / "shard.pt"))
     spawn_ranks(_shard_worker, 2, job)
-    return [torch.load(f"{job['result']}.{r}", weights_only=False) for r in range(2)]
+    ranks = [torch.load(f"{job['result']}.{r}", weights_only=False) for r in range(2)]
+    return {name: [r[name] for r in ranks] for name in SHARD_CASES}
 
 
-def test_weights_from_checkpoint_and_non_persistent_buffers(tmp_path):
+def test_weights_from_checkpoint_and_non_persistent_buffers(sharded):
     # every rank on meta: nobody holds the buffers a checkpoint lacks; both refuse in one line
-    for r in _shard(tmp_path, "allmeta", {0, 1}, ["checkpoint", "checkpoint"]):
+    for r in sharded["allmeta"]:
         assert "non-persistent buffers" in r["error"] and "\n" not in r["error"]
     # rank 0 built with them: rank 1's non-persistent buffer is rank 0's, not to_empty's garbage
-    ranks = _shard(tmp_path, "rank0full", {1}, ["checkpoint", "checkpoint"])
     torch.manual_seed(11)
     table = _WithBuffers().blocks[0].table
-    for r in ranks:
+    for r in sharded["rank0full"]:
         assert torch.equal(r["buffers"]["blocks.0.table"], table)
     # ranks that disagree would hang in a broadcast only some join: refused on both
-    for r in _shard(tmp_path, "disagree", {1}, ["rank0", "checkpoint"]):
+    for r in sharded["disagree"]:
         assert "disagree on where the weights come from" in r["error"] and "\n" not in r["error"]
 
 

@@ -361,7 +361,7 @@ def test_dplr_reads_and_writes_the_callers_layout(dtype):
     # the inputs' dtypes; autograd keeps the caller's q, k, v, a, b themselves, and no other
     # saved tensor is in their dtype (no chunk-layout copy of them); float16 activations with a
     # float32 gk and h0 as the mixed case
-    B, T, H, K, V, L = 2, 37, 3, 32, 16, 16
+    B, T, H, K, V, L = 2, 21, 3, 32, 16, 16
     xs, s0 = make_inputs(B, T, H, K, V, -3.0)
     xs = [x.to(dtype) for x in xs[:5]] + [xs[5]]
     do, dsT = torch.randn(B, T, H, V, device=DEV), torch.randn(B, H, K, V, device=DEV)
@@ -389,7 +389,7 @@ def test_kda_reads_and_writes_the_callers_layout(dtype):
     # steps ≥ T of the last chunk), two K-tiles of the key gradient, strided inputs and δO (a
     # [B, H, T, D] buffer seen as [B, T, H, D]) equal to the same values contiguous, and both
     # against the float64 recurrence; float16 q, k, v, β with float32 g and h0 as the mixed case
-    B, T, H, K, V, L = 2, 37, 3, 32, 16, 16
+    B, T, H, K, V, L = 2, 21, 3, 32, 16, 16
     q = torch.randn(B, T, H, K, device=DEV).to(dtype)
     k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(dtype)
     v = torch.randn(B, T, H, V, device=DEV).to(dtype)
