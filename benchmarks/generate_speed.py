@@ -273,6 +273,11 @@ def copy_rate() -> float:
 def child(job: str, quick: bool, kinds: list[str] | None = None) -> None:
     import torch
 
+    if quick and not torch.cuda.is_available():
+        # a smoke run, often beside other busy processes (the test suite's): a second thread made
+        # each of the tiny models' many small ops wait for it at a barrier (on 2 cores with the
+        # other one busy: 100 s for l13b and tf125 instead of 16), as serve_speed's --threads 1
+        torch.set_num_threads(1)
     rate = copy_rate()
     generate, prefill, wbytes, sbytes, label = build(job, quick)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -300,6 +305,9 @@ def child(job: str, quick: bool, kinds: list[str] | None = None) -> None:
                  or (c[0] == "unfuse" and "decode" in kinds)]
     if quick:
         cases = [(k, min(b, 2), min(t, 64)) for k, b, t in cases]
+    # --quick is a smoke run of every case (a CPU's milliseconds of a tiny model mean nothing):
+    # one timed call after the warm-up, where up to 5 filled about 3 s per run of a decode row
+    reps, decode_reps = (1, 1) if quick else (3, None)
     for kind, B, T in cases:
         if kind in ("compile", "unfuse"):
             getattr(generate, kind)()
@@ -311,14 +319,14 @@ def child(job: str, quick: bool, kinds: list[str] | None = None) -> None:
                 if kind.startswith("profile"):
                     row.update(kernels=_profile(generate, prefill, p, kind == "profile decode"))
                 elif kind == "prefill":
-                    s = _time(lambda: prefill(p))
+                    s = _time(lambda: prefill(p), reps)
                     row.update(ms=s * 1e3, tok_s=B * T / s)
                 elif kind == "ttft":
-                    s = _time(lambda: generate(p, 1))
+                    s = _time(lambda: generate(p, 1), reps)
                     row.update(ms=s * 1e3)
                 else:  # "decode", "decode compiled"
-                    a = _time(lambda: generate(p, n0), reps=None)
-                    b = _time(lambda: generate(p, n0 + extra), reps=None)
+                    a = _time(lambda: generate(p, n0), decode_reps)
+                    b = _time(lambda: generate(p, n0 + extra), decode_reps)
                     step = (b - a) / extra
                     floor = (wbytes + B * sbytes(T + n0)) / rate
                     row.update(step_ms=step * 1e3, tok_s=B / step, floor_tok_s=B / floor, of_floor=floor / step)

@@ -181,6 +181,11 @@ def child(job: str, opts: dict) -> None:
     device = torch.device("cpu" if quick else "cuda")
     if not quick and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (run with --quick on a CPU)")
+    if quick:
+        # a CPU smoke run, often beside other busy processes (the test suite's): a second thread
+        # made the small ops wait for it at barriers (on 2 cores with the other one busy:
+        # tests/bench/test_lora_7b.py took 29 s CPU, 17 s with one thread)
+        torch.set_num_threads(1)
     cuda = device.type == "cuda"
     _, kernels, batch, _ = JOBS[job]
     B, T = (QUICK_BATCH[batch], 64) if quick else (batch, SEQ)

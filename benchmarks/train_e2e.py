@@ -535,6 +535,13 @@ def child_ops(name: str, kind: str, opts: dict) -> None:
 
 
 def child_main(name: str, opts: dict) -> None:
+    if opts["quick"]:
+        import torch
+
+        # a CPU smoke run, often beside other busy processes (the test suite's): a second thread
+        # made the tiny models' small ops wait for it at barriers (on 2 cores with the other one
+        # busy: tests/bench/test_train_e2e.py's jobs took 25 s CPU, 10 s with one thread)
+        torch.set_num_threads(1)
     kind, st, _ = dict((n, (k, s, lim)) for n, k, s, lim in job_list(name, "off"))[name]
     st = dict(st, **opts.get("settings", {}))
     if kind == "model":

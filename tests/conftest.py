@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -5,6 +7,20 @@ import torch
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles as it would in a process of its own. Dynamo remembers, per function,
+    the shapes it compiled it for: a test compiling a block that an earlier test of the same
+    worker had compiled at other shapes traced it again with symbolic shapes (automatic dynamic
+    shapes), e.g. the large family's checkpointing-and-compile test took 16 s instead of 5 after
+    the FSDP export test; and a function's recompile limit could be reached, after which it runs
+    eagerly. Dynamo itself is not imported here (2-3 s) for tests that do not use it."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
     yield
 
 
