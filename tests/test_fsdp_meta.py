@@ -149,8 +149,12 @@ def test_init_from_a_huggingface_folder_sharded_from_rank0(tmp_path, corpus):
 def test_fsdp_training_and_resume_through_the_command_line_with_meta_ranks(tmp_path, corpus):
     """Rank 1 built on meta trains to one process's losses; a resume, where every rank (0
     included) builds on meta and reads its shards from the sharded checkpoint, continues them
-    and starts from exactly the weights saved."""
+    and starts from exactly the weights saved. Only a sharded checkpoint puts rank 0 on meta: a
+    resume from one with model.safetensors (the one-process run's here, as a DDP run's) keeps
+    rank 0 building the whole model."""
     from xlstm_kit.cli import app
+    from xlstm_kit.io.sharded import resumes_from_shards
+    from xlstm_kit.training.distributed import builds_on_meta
     from xlstm_kit.training.plots import read_metrics
 
     common = ["--preset", "tiny", "--seed", "4", "--lr", "3e-3", "--checkpoint-interval", "2", "--eval-interval", "0"]
@@ -161,6 +165,13 @@ def test_fsdp_training_and_resume_through_the_command_line_with_meta_ranks(tmp_p
     ref = {row["step"]: row["loss"] for row in read_metrics(tmp_path / "one" / "metrics.jsonl", 4) if "loss" in row}
     first = _cli(tmp_path, "two", ["--steps", "2", *common], setup_only=False)
     assert first[1]["meta"] is True and first[0]["meta"] is False
+    assert resumes_from_shards(tmp_path / "two") is True
+    assert resumes_from_shards(tmp_path / "one") is False and resumes_from_shards(tmp_path / "nothing") is False
+    rank0, rank1 = T.DistInfo(rank=0, world_size=2), T.DistInfo(rank=1, world_size=2)
+    assert builds_on_meta(rank0, "fsdp", sharded_resume=True) and builds_on_meta(rank1, "fsdp", sharded_resume=True)
+    assert not builds_on_meta(rank0, "fsdp", sharded_resume=False) and builds_on_meta(rank1, "fsdp")
+    assert not builds_on_meta(rank0, "ddp", sharded_resume=True)
+    assert not builds_on_meta(T.DistInfo(), "fsdp", sharded_resume=True)  # one process: nothing to shard over
     resumed = _cli(tmp_path, "two", ["--resume", "--steps", "4"], setup_only=False)
     for r in resumed:  # no rank read or built the whole model
         assert r["meta"] is True and r["materialized"] == 0
@@ -342,23 +353,3 @@ def test_weights_from_checkpoint_and_non_persistent_buffers(sharded):
     # ranks that disagree would hang in a broadcast only some join: refused on both
     for r in sharded["disagree"]:
         assert "disagree on where the weights come from" in r["error"] and "\n" not in r["error"]
-
-
-def test_only_a_sharded_checkpoint_lets_rank0_build_on_meta(tmp_path, corpus):
-    """A resume from a checkpoint with model.safetensors (a DDP run's) keeps rank 0 building the
-    whole model; one from shards puts every rank on meta."""
-    from xlstm_kit.cli import app
-    from xlstm_kit.io.sharded import resumes_from_shards
-    from xlstm_kit.training.distributed import builds_on_meta
-
-    assert app.main(["train", "--data", str(corpus), "--out", str(tmp_path / "ddp"), "--device", "cpu",
-                     "--preset", "tiny", "--steps", "1", *CLI_SMALL]) == 0
-    assert resumes_from_shards(tmp_path / "ddp") is False
-    assert resumes_from_shards(tmp_path / "nothing") is False
-    _cli(tmp_path, "fsdp", ["--preset", "tiny", "--steps", "1"], setup_only=False)
-    assert resumes_from_shards(tmp_path / "fsdp") is True
-    rank0, rank1 = T.DistInfo(rank=0, world_size=2), T.DistInfo(rank=1, world_size=2)
-    assert builds_on_meta(rank0, "fsdp", sharded_resume=True) and builds_on_meta(rank1, "fsdp", sharded_resume=True)
-    assert not builds_on_meta(rank0, "fsdp", sharded_resume=False) and builds_on_meta(rank1, "fsdp")
-    assert not builds_on_meta(rank0, "ddp", sharded_resume=True)
-    assert not builds_on_meta(T.DistInfo(), "fsdp", sharded_resume=True)  # one process: nothing to shard over
