@@ -1,10 +1,11 @@
-"""What one piece of a server's prompt read costs: the engine reads prompts in pieces of
-power-of-two lengths L, each (batch bucket b, L) one CUDA graph (`xlstm_kit/serve/prefill.py`),
-so a prompt's time to its first token is about the sum of its pieces. This times one replay per
+"""What one piece of a server's prompt read costs: the engine reads each request's next tokens
+(up to --max-piece) in one piece, its rows padded to the shortest power-of-two length L >= 16
+that holds them, each (batch bucket b, L) one CUDA graph (`xlstm_kit/serve/prefill.py`), so a
+prompt's time to its first token is about the sum of its pieces. This times one replay per
 (b, L) and counts the kernels of a piece, to tell a fixed cost per piece (kernels that take
-microseconds whatever their work) from a cost per token; beside them, the server's decode step
-(one token, the fused step, a graph per bucket) per batch, which could read a prompt's shortest
-pieces instead.
+microseconds whatever their work) from a cost per token; beside them, reads of a few tokens as
+decode steps in one graph (`L as steps`), and the server's decode step (one token, the fused
+step, a graph per bucket) per batch.
 
     python3 benchmarks/prompt_pieces.py [--model 125M] [--max-batch 8] [--max-piece 512] [--out DIR]
 
@@ -82,36 +83,27 @@ def main(argv=None) -> int:
     rows = []
     with torch.no_grad():
         # on the CPU the pieces run eagerly, as the engine's tests run them
-        reader = PromptReader(model, args.max_batch, args.max_piece, device, pieces=True)
+        reader = PromptReader(model, args.max_batch, args.max_piece, device, pieces=True, step_below=args.step_below)
+        if not reader.padded:
+            raise SystemExit(f"{args.model}: its blocks do not read padded rows; this benchmark times padded pieces")
         reader.capture()
         buckets = reader.buckets or [b for b in (1, 2, 4, 8, 16, 32) if b <= args.max_batch]
         rng = np.random.default_rng(0)
         for b in buckets:
             idx = torch.arange(b, device=device)
-            for L in reader.lengths:
+            # a padded piece costs the same whatever its rows' lengths: timed full
+            shapes = [(L, L, True) for L in reader.lengths] + [(L, f"{L} as steps", False) for L in reader.step_lengths]
+            for L, label, padded in shapes:
                 ids = torch.as_tensor(rng.integers(0, cfg.vocab_size, (b, L)), device=device)
-                fn = lambda: reader._run(L, idx, ids)  # noqa: E731
+                lens = torch.full((b,), L, device=device) if padded else None
+                fn = lambda: reader._run(L, idx, ids, lens)  # noqa: E731
                 fn()
                 ms = _time(fn, device, args.reps)
-                rows.append({"batch": b, "length": L, "ms": ms, "us_per_token": 1e3 * ms / (b * L),
-                             "kernels": _kernels(fn, device) if L in (1, reader.lengths[0]) else None,
+                count = L in (reader.lengths[0], reader.lengths[-1]) if padded else L == reader.step_lengths[-1]
+                rows.append({"batch": b, "length": label, "ms": ms, "us_per_token": 1e3 * ms / (b * L),
+                             "kernels": _kernels(fn, device) if count else None,
                              "graph": bool(reader.graphs)})
                 print(json.dumps(rows[-1]), flush=True)
-        if args.step_below:
-            reader = PromptReader(model, args.max_batch, args.step_below, device, pieces=True,
-                                  step_below=args.step_below)
-            reader.capture()
-            for b in buckets:
-                idx = torch.arange(b, device=device)
-                for L in reader.lengths:
-                    ids = torch.as_tensor(rng.integers(0, cfg.vocab_size, (b, L)), device=device)
-                    fn = lambda: reader._run(L, idx, ids)  # noqa: E731
-                    fn()
-                    ms = _time(fn, device, args.reps)
-                    rows.append({"batch": b, "length": f"{L} as steps", "ms": ms, "us_per_token": 1e3 * ms / (b * L),
-                                 "kernels": _kernels(fn, device) if L == reader.lengths[0] else None,
-                                 "graph": bool(reader.graphs)})
-                    print(json.dumps(rows[-1]), flush=True)
         tokens = torch.as_tensor(rng.integers(0, cfg.vocab_size, (args.max_batch,)), device=device)
         step = SlotStep(model, model.init_state(args.max_batch, device=device), tokens)
         for b in buckets:

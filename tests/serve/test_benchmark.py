@@ -54,7 +54,7 @@ def test_quick_run_end_to_end(tmp_path):
 def test_prompt_pieces_quick_times_every_bucket_and_length(tmp_path):
     rows = quick_rows("prompt_pieces", tmp_path)
     assert {(r["batch"], r["length"]) for r in rows} == {
-        (b, L) for b in (1, 2) for L in (1, 2, 4, 8, "1 as steps", "2 as steps", "step")}
+        (b, L) for b in (1, 2) for L in (8, "1 as steps", "2 as steps", "step")}
     assert all(r["ms"] > 0 and not r["graph"] for r in rows)
     md = (tmp_path / "prompt_pieces.md").read_text()
-    assert "| batch | 1 | 2 | 4 | 8 | 1 as steps | 2 as steps | step |" in md and "(eager)" in md
+    assert "| batch | 8 | 1 as steps | 2 as steps | step |" in md and "(eager)" in md

@@ -25,7 +25,7 @@ from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
 from .common import small_init_, state_dtype, wang_init_
-from .fused import _head_norm_fwd_torch, gated_head_norm, head_norm, swiglu
+from .fused import _head_norm_fwd_torch, gated_head_norm, gates_off_past, head_norm, swiglu
 from .lora import lora_weight
 from .mlstm import MLSTMState
 
@@ -182,12 +182,15 @@ class LargeMLSTMLayer(nn.Module):
         return self.out_proj(torch.sigmoid(o) * norm(h).to(o.dtype))
 
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
+                cu_seqlens: torch.Tensor | None = None, lengths: torch.Tensor | None = None):
         """cu_seqlens: packed sequences in x [1, T, d] (see `mlstm_chunkwise`); the state then
-        has one row per sequence."""
+        has one row per sequence. lengths [B]: row b's steps from lengths[b] on are padding
+        that leaves the state as it was (their outputs mean nothing)."""
         B, T, _ = x.shape
         H = self.n_heads
         q, k, v, o, i, f = self._inputs(x)
+        if lengths is not None:  # after the soft cap, which would bound the no-op's gates
+            i, f = gates_off_past(i, f, lengths)
         h, cell = mlstm_chunkwise(
             q.view(B, T, H, -1), k.view(B, T, H, -1), v.view(B, T, H, -1), i, f,
             initial_state=None if state is None else (state.C, state.n, state.m),
@@ -276,9 +279,11 @@ class LargeBlock(nn.Module):
     # only the mLSTM mixes time steps here (no convolution): packed sequences go to the op
     supports_cu_seqlens = True
 
+    supports_lengths = True
+
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
-        out = self.mlstm_layer(self.norm_mlstm(x), state, return_state, cu_seqlens)
+                cu_seqlens: torch.Tensor | None = None, lengths: torch.Tensor | None = None):
+        out = self.mlstm_layer(self.norm_mlstm(x), state, return_state, cu_seqlens, lengths)
         y, state = out if return_state else (out, None)
         x = x + y
         x = x + self.ffn(self.norm_ffn(x))

@@ -20,8 +20,8 @@ from .lora import lora_weight
 from .mlstm_cell import mlstm_cell
 from .common import (PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, _packed_blocks, _packed_bmm,
                      headwise_weight_grad, small_init_, state_dtype, wang_init_)
-from .fused import (activation_dtype, conv_inputs, conv_recompute, conv_silu, conv_state, conv_state_varlen,
-                    doc_positions, mlstm_output, norm_up, _tail_fwd_torch)
+from .fused import (activation_dtype, conv_inputs, conv_recompute, conv_silu, conv_state, conv_state_at,
+                    conv_state_varlen, doc_positions, gates_off_past, mlstm_output, norm_up, _tail_fwd_torch)
 
 
 class _ConvReadersFn(torch.autograd.Function):
@@ -213,11 +213,14 @@ class MLSTMLayer(nn.Module):
                           backend=self.backend, pos=pos, cu_seqlens=cu_seqlens)
 
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
-                *, norm: nn.LayerNorm | None = None, cu_seqlens: torch.Tensor | None = None):
+                *, norm: nn.LayerNorm | None = None, cu_seqlens: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None):
         """`norm`: a bias-free LayerNorm that x passes through first, fused with the
         up-projection (the block's pre-norm; its normalised output is not kept for backward).
         `cu_seqlens` [N+1]: documents packed in x [1, T, d], each from the zero state (state
-        None); the convolution masks its taps at the boundaries, the returned state has N rows."""
+        None); the convolution masks its taps at the boundaries, the returned state has N rows.
+        `lengths` [B]: row b's steps from lengths[b] on are padding: they leave the state as it
+        was (the returned state is the one after lengths[b] steps; their outputs mean nothing)."""
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
         if norm is None:
@@ -227,11 +230,13 @@ class MLSTMLayer(nn.Module):
         conv_in = None if state is None else state.conv
         pos = None if cu_seqlens is None else doc_positions(cu_seqlens, T)
         conv = conv_inputs(x_m, conv_in, self.conv.weight, self.conv.bias, self.backend, pos)
-        if state is None and not return_state and self._cell_on_kernels(x_m):
+        if state is None and not return_state and lengths is None and self._cell_on_kernels(x_m):
             h, x_conv = self._cell(conv[0], pos, cu_seqlens)
             return self._output(h, x_conv, z, conv)
         x_conv = conv_silu(x_m, conv_in, self.conv.weight, self.conv.bias, backend=self.backend, pos=pos)
         q, k, v, i, f = self._qkv_gates(x_m, x_conv, conv)
+        if lengths is not None:
+            i, f = gates_off_past(i, f, lengths)
         h, cell_state = mlstm_chunkwise(
             q.view(B, T, H, D), k.view(B, T, H, D), v.view(B, T, H, D), i, f,
             initial_state=None if state is None else (state.C, state.n, state.m),
@@ -244,8 +249,13 @@ class MLSTMLayer(nn.Module):
         y = self._output(h, x_conv, z, conv)
         if not return_state:
             return y
-        new_conv = (conv_state(x_m, conv_in, self.conv.kernel_size) if cu_seqlens is None
-                    else conv_state_varlen(x_m, cu_seqlens, self.conv.kernel_size)).to(state_dtype(x_m.dtype))
+        if lengths is not None:
+            new_conv = conv_state_at(x_m, conv_in, self.conv.kernel_size, lengths)
+        elif cu_seqlens is not None:
+            new_conv = conv_state_varlen(x_m, cu_seqlens, self.conv.kernel_size)
+        else:
+            new_conv = conv_state(x_m, conv_in, self.conv.kernel_size)
+        new_conv = new_conv.to(state_dtype(x_m.dtype))
         return y, MLSTMState(new_conv, *cell_state)
 
     def step(self, x: torch.Tensor, state: MLSTMState, inplace: bool = False):
@@ -284,9 +294,12 @@ class MLSTMBlock(PreNormResidual):
     def __init__(self, d_model: int, inner_dim: int, n_heads: int, **layer_kwargs):
         super().__init__(d_model, MLSTMLayer(d_model, inner_dim, n_heads, **layer_kwargs))
 
+    supports_lengths = True
+
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
-        out = self.layer(x, state, return_state, norm=self.norm, cu_seqlens=cu_seqlens)  # the norm fused with the up-projection
+                cu_seqlens: torch.Tensor | None = None, lengths: torch.Tensor | None = None):
+        out = self.layer(x, state, return_state, norm=self.norm, cu_seqlens=cu_seqlens,
+                         lengths=lengths)  # the norm fused with the up-projection
         if not return_state:
             return x + out
         return x + out[0], out[1]

@@ -17,7 +17,8 @@ from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.slstm import slstm_recurrent, slstm_step
 
 from .common import CausalConv1d, GatedFeedForward, MultiHeadNorm, small_init_, state_dtype
-from .fused import activation_dtype, conv_state, conv_state_varlen, doc_positions, head_norm
+from .fused import (activation_dtype, conv_state, conv_state_at, conv_state_varlen, doc_positions, gates_off_past,
+                    head_norm)
 from .fused_slstm import slstm_gates
 from .lora import lora_weight
 from ..errors import XLSTMKitError
@@ -146,13 +147,20 @@ class SLSTMLayer(nn.Module):
         return head_norm(h, self.out_norm.weight, self.out_norm.eps, self.backend).flatten(-2)
 
     def forward(self, x: torch.Tensor, state: SLSTMState | None = None, return_state: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
+                cu_seqlens: torch.Tensor | None = None, lengths: torch.Tensor | None = None):
         """`cu_seqlens` [N+1]: documents packed in x [1, T, d], each from the zero state (state
-        None); the returned state has N rows."""
+        None); the returned state has N rows. `lengths` [B]: row b's steps from lengths[b] on
+        are padding: they leave the state as it was (the returned state is the one after
+        lengths[b] steps; their outputs mean nothing)."""
         x = x.to(activation_dtype(x))
         conv_in = None if state is None else state.conv
         pos = None if cu_seqlens is None else doc_positions(cu_seqlens, x.shape[1])
         gates = self._gates(x, conv_in, pos)  # [B, T, 4, H, D]
+        if lengths is not None:
+            # c, n and m stand still past lengths[b]; h (o c / n) does not, its state is taken
+            # from the output at the last real step below
+            i, f = gates_off_past(gates[:, :, 0], gates[:, :, 1], lengths)
+            gates = torch.cat([i[:, :, None], f[:, :, None], gates[:, :, 2:]], dim=2)
         h, cell_state = slstm_recurrent(
             gates, self.recurrent, self.bias,
             initial_state=None if state is None else (state.h, state.c, state.n, state.m),
@@ -162,8 +170,14 @@ class SLSTMLayer(nn.Module):
         y = self._norm(h)
         if not return_state:
             return y
-        new_conv = self._conv_state(x, conv_in, cu_seqlens).to(state_dtype(x.dtype))
-        return y, SLSTMState(new_conv, *cell_state)
+        if lengths is not None:
+            last = (lengths.to(h.device, torch.long) - 1).view(-1, 1, 1, 1).expand(-1, 1, *h.shape[2:])
+            cell_state = (h.gather(1, last)[:, 0].to(cell_state[0].dtype), *cell_state[1:])
+            new_conv = (x.new_zeros(x.shape[0], 0, x.shape[2]) if self.conv is None
+                        else conv_state_at(x, conv_in, self.conv.kernel_size, lengths))
+        else:
+            new_conv = self._conv_state(x, conv_in, cu_seqlens)
+        return y, SLSTMState(new_conv.to(state_dtype(x.dtype)), *cell_state)
 
     def _gates(self, x: torch.Tensor, conv_in: torch.Tensor | None, pos: torch.Tensor | None = None) -> torch.Tensor:
         """Gate pre-activations [B, T, 4, H, D]; `pos`: each step's position in its document (packed x)."""
@@ -234,9 +248,11 @@ class SLSTMBlock(nn.Module):
     supports_cu_seqlens = True
     cu_seqlens_needs_zero_state = True  # the convolution's per-document state is not read in
 
+    supports_lengths = True
+
     def forward(self, x: torch.Tensor, state: SLSTMState | None = None, return_state: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
-        out = self.layer(self.norm(x), state, return_state=return_state, cu_seqlens=cu_seqlens)
+                cu_seqlens: torch.Tensor | None = None, lengths: torch.Tensor | None = None):
+        out = self.layer(self.norm(x), state, return_state=return_state, cu_seqlens=cu_seqlens, lengths=lengths)
         y, state = out if return_state else (out, None)
         x = x + y
         x = x + self.ffn(x, norm=self.ffn_norm)  # the norm fused with the up-projection

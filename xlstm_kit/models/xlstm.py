@@ -235,6 +235,27 @@ class XLSTMLanguageModel(nn.Module):
         _check_positive_int("batch", batch)
         return [block.init_state(batch, device=device) for block in self.blocks]
 
+    @property
+    def supports_lengths(self) -> bool:
+        """Whether every block reads padded rows (`forward(..., lengths=)`); DPLR blocks do not."""
+        return all(getattr(b, "supports_lengths", False) for b in self.blocks)
+
+    def _check_lengths(self, lengths, batch: int, T: int, bounds) -> None:
+        if bounds is not None:
+            raise XLSTMKitError("lengths and cu_seqlens cannot be combined")
+        if not self.supports_lengths:
+            kinds = sorted({type(b).__name__ for b in self.blocks if not getattr(b, "supports_lengths", False)})
+            raise XLSTMKitError(f"lengths (padded rows) are not supported by {', '.join(kinds)}")
+        if (not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,) or lengths.dtype.is_floating_point
+                or lengths.dtype == torch.bool or lengths.is_complex()):
+            got = f"{lengths.dtype} {list(lengths.shape)}" if isinstance(lengths, torch.Tensor) else type(lengths).__name__
+            raise XLSTMKitError(f"lengths must be an integer tensor of shape [{batch}], got {got}")
+        if lengths.is_cuda and torch.cuda.is_current_stream_capturing():
+            return  # a graph being recorded cannot read values; the reader checks them on the host
+        lo, hi = int(lengths.min()), int(lengths.max())
+        if lo < 1 or hi > T:
+            raise XLSTMKitError(f"lengths must lie in [1, {T}] (the tokens' length), got values in [{lo}, {hi}]")
+
     def _check_state(self, state, batch: int, packed: bool = False) -> None:
         if not isinstance(state, (list, tuple)) or len(state) != len(self.blocks):
             raise XLSTMKitError(
@@ -273,7 +294,8 @@ class XLSTMLanguageModel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, state: ModelState | None = None, return_state: bool = False,
-                *, cu_seqlens: torch.Tensor | None = None, logits_to_keep: "int | torch.Tensor" = 0):
+                *, cu_seqlens: torch.Tensor | None = None, logits_to_keep: "int | torch.Tensor" = 0,
+                lengths: torch.Tensor | None = None):
         """tokens [B, T] (T >= 1) -> logits [B, T, vocab] (float in the parameters' dtype),
         or (logits, state) with return_state=True. `state` continues from an earlier call.
 
@@ -285,12 +307,20 @@ class XLSTMLanguageModel(nn.Module):
         cu_seqlens: None, or int32/int64 [N+1] (0 = cu[0] < ... < cu[N] = T) with tokens [1, T]:
         N documents packed in one row, each read as if alone (every block's state, the causal
         convolutions' included, resets at each boundary). `state` then has N rows (one per
-        document; None: zeros) and so has the returned state."""
+        document; None: zeros) and so has the returned state.
+
+        lengths: None, or an integer tensor [B] with 1 <= lengths[b] <= T: row b is its first
+        lengths[b] tokens, the rest padding that leaves every block's state as it was (rows of
+        different lengths in one batch of fixed shape: a server's prompt reads). The returned
+        state is the state after lengths[b] tokens; logits past them mean nothing (keep
+        `lengths - 1` with a [B, 1] logits_to_keep). No host sync when CUDA graphs record the call."""
         self._check_tokens(tokens, 2, "tokens")
         B, T = tokens.shape
         if T < 1 or B < 1:
             raise XLSTMKitError(f"tokens must have shape [B, T] with B, T >= 1, got {list(tokens.shape)}")
         bounds = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, tokens.device)
+        if lengths is not None:
+            self._check_lengths(lengths, B, T, bounds)
         if state is not None:
             self._check_state(state, B if bounds is None else len(bounds) - 1, packed=bounds is not None)
         x = self.embedding(tokens if tokens.dtype in (torch.int32, torch.int64) else tokens.long())
@@ -314,7 +344,9 @@ class XLSTMLanguageModel(nn.Module):
                         return _recompute(blk, x_, s_, return_state=rs, use_reentrant=False, **kw)
                     return blk(x_, s_, return_state=rs, **kw)
 
-                if bounds is None:
+                if lengths is not None:
+                    out = call(block, x, s, return_state, lengths=lengths)
+                elif bounds is None:
                     out = call(block, x, s, return_state)
                 else:
                     out = block_varlen(block, x, s, return_state, bounds, cu_seqlens, call)

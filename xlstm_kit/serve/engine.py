@@ -226,7 +226,7 @@ class Engine:
         kernels, 2.4-10 s at `125M` on an H100, so none is left for a request to wait on), or,
         on CUDA without graphs or with model.compile_prefill, its eager reads run once."""
         reader = PromptReader(self.model, min(self.max_batch, READ_ROWS), self.prefill_chunk, self.device,
-                              self.cuda_graph)
+                              self.cuda_graph, step_below=2)
         try:
             reader.capture()
         except Exception as e:  # prompts are still read, eagerly

@@ -1,19 +1,26 @@
-"""Prompt reads for the engine: pieces of power-of-two lengths, recorded as CUDA graphs.
+"""Prompt reads for the engine: pieces of a few fixed lengths, recorded as CUDA graphs.
 
 Eagerly, one read of the `125M` model is bound by the host: about a thousand kernel launches
 through Python, ~40 ms on an H100 whatever the prompt's length (34 ms under `compile_prefill`),
-for ~4 ms of GPU work. A recurrent model reads a prompt in pieces, each continuing from the
-state the one before left, so every read here is made of pieces of L = 2^k tokens (L up to
-`max_piece`), and each (batch bucket b, L) is one CUDA graph: a read of 777 tokens is four
-replays (512, 256, 8, 1).
+for ~4 ms of GPU work. Replayed as a CUDA graph a piece still costs about the same up to 64
+tokens (3.3 ms at `125M`, 13 ms at `xlstm-7b` on an H100; `benchmarks/prompt_pieces.py`), so a
+read should be as few pieces as it can.
+
+A recurrent model reads a prompt in pieces, each continuing from the state the one before left.
+Every (batch bucket b, length L) is one CUDA graph. Models whose blocks take padded rows
+(`model.supports_lengths`: the mLSTM, sLSTM and large blocks) read each request's next tokens,
+up to `max_piece` of them, in one piece of the shortest length L >= the longest of them (powers
+of two from 16): shorter rows are padded, and the padding leaves their states as they were
+(`lengths=` of the model's forward). Other models (DPLR blocks) read in pieces of exact
+power-of-two lengths, a read of 777 tokens being four replays (512, 256, 8, 1). Either way,
+reads of at most `step_below` tokens, all of one length, are that many fused decode steps in one
+graph (a decode step is ~6x cheaper than a piece at `125M`).
 
 Each request being read owns a row of `work`, the model's state packed flat ([max_batch, W]
-floats): a request's read starts where its row stands. One `read` takes any set of requests
-and tokens: at each length L, from the longest down, every request with at least L tokens
-left reads its next L of them, so each request's pieces come in order; the rows of those
-requests are gathered into the graph's input rows (one `index_select`), the graph runs and the
-rows are put back (one `index_copy_`). Rows of a bucket past the requests' are stale states
-computing nothing anyone reads.
+floats): a request's read starts where its row stands. The rows of a piece's requests are
+gathered into the graph's input rows (one `index_select`), the graph runs and the rows are put
+back (one `index_copy_`). Rows of a bucket past the requests' are stale states computing
+nothing anyone reads.
 
 Without CUDA graphs (the CPU, or a model whose forward cannot be recorded) a read is one
 eager call: the requests' rows gathered, their tokens packed into one row (`cu_seqlens`, each
@@ -42,9 +49,10 @@ class PromptReader:
     model: an xlstm_kit language model in eval mode; max_batch: rows (requests read at once at
     most); max_piece: the longest piece (rounded down to a power of two); cuda_graph: record
     the pieces as CUDA graphs (None: on CUDA); pieces: read in pieces even without graphs
-    (None: with graphs only; the tests' way to run the pieces on the CPU); step_below: pieces of
-    at most this many tokens are read as that many one-token decode steps (`model.step`, the
-    fused step: far fewer kernels than a forward over the sequence), in one graph.
+    (None: with graphs only; the tests' way to run the pieces on the CPU); step_below: reads of
+    at most this many tokens (all of the same length) are that many one-token decode steps
+    (`model.step`, the fused step: far fewer kernels than a forward over the sequence), in one
+    graph.
     """
 
     def __init__(self, model, max_batch: int, max_piece: int, device, cuda_graph: bool | None = None,
@@ -59,16 +67,16 @@ class PromptReader:
         dtype = dtypes.pop()
         self.work = torch.zeros(max_batch, self.width, dtype=dtype, device=self.device)
         self.inputs = torch.zeros(max_batch, self.width, dtype=dtype, device=self.device)
-        self.lengths = []
-        L = _pow2_below(max(1, max_piece))
-        while L >= 1:
-            self.lengths.append(L)
-            L //= 2
+        # padded rows: lengths below 16 cost what 16 costs (one chunk of the kernels either way)
+        self.padded = bool(getattr(model, "supports_lengths", False))
+        top = _pow2_below(max(1, max_piece))
+        self.lengths = [top >> k for k in range(top.bit_length()) if (top >> k) >= (min(16, top) if self.padded else 1)]
+        self.step_lengths = list(range(1, min(step_below, top) + 1)) if self.padded else []
         self.use_graphs = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.buckets = _buckets(max_batch) if self.use_graphs else []
         self.pieces = self.use_graphs if pieces is None else pieces
         self.step_below = step_below
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple] = {}  # (bucket, L, as steps) -> (graph, ids, lengths, logits)
         self.replays = 0  # graph replays or eager pieces, for tests and metrics
 
     # ------------------------------------------------------------------ the state, packed flat
@@ -106,18 +114,31 @@ class PromptReader:
             self._pack(state, self.work[row:row + 1])
 
     # ------------------------------------------------------------------ one piece
-    def _piece(self, n: int, ids: torch.Tensor) -> torch.Tensor:
-        """Read ids [n, L] from input rows 0..n-1, in place; logits of the last position [n, V]."""
-        if ids.shape[1] <= self.step_below:
+    def _steps(self, L: int) -> bool:
+        """Whether pieces of exactly L tokens are read as L decode steps."""
+        return L <= self.step_below and (not self.padded or L in self.step_lengths)
+
+    def _piece(self, n: int, ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Read ids [n, L] from input rows 0..n-1, in place; logits of the last position [n, V].
+        lengths [n] (padded rows): row j reads only its first lengths[j] tokens."""
+        if lengths is None and self._steps(ids.shape[1]):
             # copies (a view that is contiguous already would not be one): the steps update them
             state = [type(s)(*(x.clone() for x in s)) for s in self.unpack(self.inputs[:n])]
             for t in range(ids.shape[1]):
                 last, state = self.model.step(ids[:, t], state, inplace=True, check=False)
             self._pack(state, self.inputs[:n])
             return last
-        out, new = self.model(ids, state=self._inputs(n), return_state=True, logits_to_keep=1)
+        if lengths is None:
+            out, new = self.model(ids, state=self._inputs(n), return_state=True, logits_to_keep=1)
+        else:
+            out, new = self.model(ids, state=self._inputs(n), return_state=True, lengths=lengths,
+                                  logits_to_keep=(lengths - 1)[:, None])
         self._pack(new, self.inputs[:n])
         return out[:, -1]
+
+    def _shapes(self) -> list[tuple[int, int, bool]]:
+        """(L, padded?) of every graph: the pieces, then the steps of the padded reads."""
+        return [(L, self.padded) for L in self.lengths] + [(L, False) for L in self.step_lengths]
 
     def capture(self) -> None:
         """Record one graph per (bucket, length); each shape runs twice first, on a side stream
@@ -125,21 +146,25 @@ class PromptReader:
         one memory pool: they replay one at a time and their outputs are read before the next."""
         if not self.use_graphs:
             return
-        ids = {(b, L): torch.zeros(b, L, dtype=torch.long, device=self.device)
-               for b in self.buckets for L in self.lengths}
+        bufs = {}
+        for b in self.buckets:
+            for L, padded in self._shapes():
+                ids = torch.zeros(b, L, dtype=torch.long, device=self.device)
+                lengths = torch.full((b,), L, dtype=torch.long, device=self.device) if padded else None
+                bufs[b, L, padded] = (ids, lengths)
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for (b, L), x in ids.items():
+            for (b, L, padded), (ids, lengths) in bufs.items():
                 for _ in range(2):
-                    self._piece(b, x)
+                    self._piece(b, ids, lengths)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
-        for (b, L), x in ids.items():
+        for (b, L, padded), (ids, lengths) in bufs.items():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._piece(b, x)
-            self.graphs[b, L] = (graph, x, logits)
+                logits = self._piece(b, ids, lengths)
+            self.graphs[b, L, padded] = (graph, ids, lengths, logits)
         self._check_graphs()
 
     def _check_graphs(self) -> None:
@@ -182,41 +207,71 @@ class PromptReader:
             return []
         if not self.pieces:
             return self._read_at_once(rows, tokens)
-        left = [len(t) for t in tokens]
-        pos = [0] * len(tokens)
         limit = self.buckets[-1] if self.buckets else max(1, len(tokens))
-        plan, host = [], []  # (L, requests, offset of their rows and ids in `host`)
-        size = 0
-        for L in self.lengths:
-            while True:
-                part = [j for j, n in enumerate(left) if n >= L]
-                if not part:
-                    break
-                for k in range(0, len(part), limit):
-                    group = part[k:k + limit]
-                    plan.append((L, group, size))
-                    host.append(np.asarray([rows[j] for j in group], dtype=np.int64))
-                    host.append(np.concatenate([tokens[j][pos[j]:pos[j] + L] for j in group]).astype(np.int64))
-                    size += len(group) * (L + 1)
-                    for j in group:
-                        pos[j] += L
-                        left[j] -= L
-        if not plan:
-            return []
-        # every row index and token of the read in one copy to the device, which the pieces
-        # then slice: a copy per piece from pageable memory would wait for the device each time
+        plan = self._plan_padded(tokens) if self.padded else self._plan_pow2(tokens)
+        # every row index, token and length of the read in one copy to the device, which the
+        # pieces then slice: a copy per piece from pageable memory would wait for the device
+        host, pieces, size = [], [], 0
+        for L, padded, part in plan:
+            for k in range(0, len(part), limit):
+                group = part[k:k + limit]  # (request, start, count)
+                n = len(group)
+                host.append(np.asarray([rows[j] for j, _, _ in group], dtype=np.int64))
+                ids = np.zeros((n, L), dtype=np.int64)
+                for r, (j, start, count) in enumerate(group):
+                    ids[r, :count] = tokens[j][start:start + count]
+                host.append(ids.reshape(-1))
+                if padded:
+                    host.append(np.asarray([count for _, _, count in group], dtype=np.int64))
+                pieces.append((L, padded, [j for j, _, _ in group], size))
+                size += n * (L + 1 + padded)
         flat = torch.from_numpy(np.concatenate(host))
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
         else:
             flat = flat.to(self.device)
         logits: list = [None] * len(tokens)
-        for L, group, off in plan:
+        for L, padded, group, off in pieces:
             n = len(group)
-            last = self._run(L, flat[off:off + n], flat[off + n:off + n * (L + 1)].view(n, L))
+            ids = flat[off + n:off + n * (L + 1)].view(n, L)
+            lengths = flat[off + n * (L + 1):off + n * (L + 2)] if padded else None
+            last = self._run(L, flat[off:off + n], ids, lengths)
             for i, j in enumerate(group):
                 logits[j] = last[i]  # the last piece of a request is the last to write here
         return logits
+
+    def _plan_padded(self, tokens) -> list:
+        """Pieces (L, padded, [(request, start, count)]): every request with tokens left reads
+        its next min(left, longest length) of them, in one piece of the shortest length that
+        holds the longest of those (or as decode steps where all are the same few)."""
+        plan, pos = [], [0] * len(tokens)
+        while True:
+            part = [(j, pos[j], min(len(t) - pos[j], self.lengths[0])) for j, t in enumerate(tokens) if pos[j] < len(t)]
+            if not part:
+                return plan
+            counts = {c for _, _, c in part}
+            if len(counts) == 1 and self._steps(next(iter(counts))):
+                plan.append((counts.pop(), False, part))
+            else:
+                longest = max(counts)
+                plan.append((min(L for L in self.lengths if L >= longest), True, part))
+            for j, _, c in part:
+                pos[j] += c
+
+    def _plan_pow2(self, tokens) -> list:
+        """Pieces (L, padded=False, [(request, start, L)]): at each power-of-two length L, from
+        the longest down, every request with at least L tokens left reads its next L, so each
+        request's pieces come in order."""
+        plan, pos = [], [0] * len(tokens)
+        for L in self.lengths:
+            while True:
+                part = [(j, pos[j], L) for j, t in enumerate(tokens) if len(t) - pos[j] >= L]
+                if not part:
+                    break
+                plan.append((L, False, part))
+                for j, _, _ in part:
+                    pos[j] += L
+        return plan
 
     def _read_at_once(self, rows: Sequence[int], tokens: Sequence[np.ndarray]) -> list[torch.Tensor]:
         n = len(rows)
@@ -236,18 +291,21 @@ class PromptReader:
         self.work.index_copy_(0, idx, self.inputs[:n])
         return list(last)
 
-    def _run(self, L: int, idx: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """One piece: ids [n, L] read from the work rows idx [n]; their last logits [n, V]."""
+    def _run(self, L: int, idx: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """One piece: ids [n, L] read from the work rows idx [n] (padded rows: their first
+        lengths[j] tokens); their last logits [n, V]."""
         n = idx.shape[0]
         torch.index_select(self.work, 0, idx, out=self.inputs[:n])
         self.replays += 1
         if self.graphs:
             b = next(b for b in self.buckets if b >= n)
-            graph, x, out = self.graphs[b, L]
+            graph, x, lens, out = self.graphs[b, L, lengths is not None]
             x[:n].copy_(ids)
+            if lengths is not None:
+                lens[:n].copy_(lengths)
             graph.replay()
             last = out[:n].clone()
         else:
-            last = self._piece(n, ids)
+            last = self._piece(n, ids, lengths)
         self.work.index_copy_(0, idx, self.inputs[:n])
         return last
