@@ -113,3 +113,19 @@ def test_the_kernels_take_the_no_op_gates(name):
         want, want_state = m(tokens[b:b + 1, :n].to(dev), return_state=True)
         torch.testing.assert_close(logits[b, 0], want[0, -1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(flat(state)[b], flat(want_state)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_large_block_reads_the_same_with_and_without_autograd():
+    """Without autograd the large block maps its input with one GEMM per weight (no
+    concatenated copy), and its feed-forward unfused at few tokens: the same outputs."""
+    m = model_for("large")
+    block = m.blocks[0]
+    g = torch.Generator().manual_seed(4)
+    for T in (3, 40):  # the feed-forward's unfused path up to d_model (32) tokens
+        x = torch.randn(2, T, 32, generator=g, dtype=torch.float64)
+        with torch.no_grad():
+            y0, s0 = block(x, return_state=True)
+        y1, s1 = block(x, return_state=True)
+        assert y1.requires_grad and not y0.requires_grad
+        torch.testing.assert_close(y0, y1, rtol=0, atol=1e-12)
+        torch.testing.assert_close(flat([s0]), flat([s1]), rtol=0, atol=1e-12)

@@ -188,7 +188,10 @@ class LargeMLSTMLayer(nn.Module):
         that leaves the state as it was (their outputs mean nothing)."""
         B, T, _ = x.shape
         H = self.n_heads
-        q, k, v, o, i, f = self._inputs(x)
+        # without autograd (prompt reads, generation) one GEMM per map: the concatenated weight
+        # is a copy of all six per call (200 MB of traffic per block at xlstm-7b, twice what the
+        # GEMMs read); training keeps the one GEMM, whose backward sums no partial gradients of x
+        q, k, v, o, i, f = self._inputs(x, one_matmul=torch.is_grad_enabled())
         if lengths is not None:  # after the soft cap, which would bound the no-op's gates
             i, f = gates_off_past(i, f, lengths)
         h, cell = mlstm_chunkwise(
@@ -246,6 +249,10 @@ class SwiGLU(nn.Module):
         return self.proj_down(F.silu(self.proj_up_gate(x)) * self.proj_up(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and x.shape[:-1].numel() <= self.d_model:
+            # few tokens without autograd (prompt reads): copying both up weights into one
+            # moves more bytes than the unfused SiLU-and-product on the two outputs
+            return self.step(x)
         w = torch.cat([lora_weight(self.proj_up_gate), lora_weight(self.proj_up)])
         b = None if self.proj_up.bias is None else torch.cat([self.proj_up_gate.bias, self.proj_up.bias])
         return self.proj_down(swiglu(F.linear(x, w, b), self.backend))
