@@ -44,6 +44,9 @@ def test_quick_run_end_to_end(tmp_path):
     gain = prefix[False, 8]["ttft_p50_ms"] / prefix[True, 8]["ttft_p50_ms"]
     assert f"- throughput at concurrency 4: {share:.0%} of `model.generate`" in md
     assert f"- TTFT p99 at concurrency 4: {ratio:.1f}x a lone request's p50" in md
+    later = load[1]["ttft_p99_later_ms"]
+    assert 0 < later <= load[1]["ttft_p99_ms"]  # p99 over the requests after the first wave
+    assert f"; {later / load[0]['ttft_p50_ms']:.1f}x without the first 4, which arrive together" in md
     assert f"- prefix cache at concurrency 8: TTFT p50 {gain:.1f}x lower with it" in md
     # the CPU server reads prompts eagerly; the table says so
     assert next(r for r in rows if r["case"] == "server")["prompt_read_graphs"] == 0
