@@ -331,3 +331,28 @@ def test_requests_wait_for_a_prompt_readers_row(model, monkeypatch):
     reqs = run(engine, ps)
     assert max(seen) == 2 and len(engine._free_rows) == 2
     assert [r.output for r in reqs] == [alone(model, p) for p in ps]
+
+
+def test_prompts_read_in_padded_pieces_as_on_a_gpu_give_the_tokens_of_generate_alone(model, monkeypatch):
+    """On a GPU the engine's reader reads padded pieces (its CUDA graphs' shapes); on the CPU it
+    reads at once. Forced into pieces here: chunked prompts, several requests per read, prefix
+    cache hits and boundaries, and reads of 1-2 tokens as decode steps."""
+    import xlstm_kit.serve.engine as eng
+
+    real, made = eng.PromptReader, []
+
+    def pieces_reader(*a, **k):
+        made.append(real(*a, pieces=True, **k))
+        return made[-1]
+
+    monkeypatch.setattr(eng, "PromptReader", pieces_reader)
+    shared = prompts([40], seed=5)[0]
+    ps = prompts([1, 40, 7, 23, 2, 60], seed=6) + prompts([4, 1, 13], seed=7, prefix=shared)
+    ps += [ps[-1] + [7], ps[-1] + [7, 8]]  # cached up to their last one or two tokens
+    engine = Engine(model, ByteTokenizer(), max_batch=4, prefill_chunk=16, prefix_cache_bytes=1 << 22,
+                    prefix_min_tokens=16)
+    got = [r.output for r in run(engine, ps)]
+    reader = made[-1]
+    assert reader.padded and reader.step_lengths == [1, 2] and reader.replays > 0
+    assert engine.stats.cache_hits >= 3
+    assert got == [alone(model, p) for p in ps]
