@@ -67,16 +67,19 @@ class PromptReader:
         dtype = dtypes.pop()
         self.work = torch.zeros(max_batch, self.width, dtype=dtype, device=self.device)
         self.inputs = torch.zeros(max_batch, self.width, dtype=dtype, device=self.device)
-        # padded rows: lengths below 16 cost what 16 costs (one chunk of the kernels either way)
         self.padded = bool(getattr(model, "supports_lengths", False))
         top = _pow2_below(max(1, max_piece))
-        self.lengths = [top >> k for k in range(top.bit_length()) if (top >> k) >= (min(16, top) if self.padded else 1)]
+        # padded pieces start at 16 tokens: a shorter one costs what 16 cost (one chunk of the
+        # kernels either way); exact pieces need every power of two
+        shortest = min(16, top) if self.padded else 1
+        self.lengths = [top >> k for k in range(top.bit_length()) if top >> k >= shortest]
         self.step_lengths = list(range(1, min(step_below, top) + 1)) if self.padded else []
         self.use_graphs = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.buckets = _buckets(max_batch) if self.use_graphs else []
         self.pieces = self.use_graphs if pieces is None else pieces
         self.step_below = step_below
-        self.graphs: dict[tuple[int, int, bool], tuple] = {}  # (bucket, L, as steps) -> (graph, ids, lengths, logits)
+        # (bucket, L, padded) -> (graph, ids, lengths or None, logits); padded=False: exact pieces or steps
+        self.graphs: dict[tuple[int, int, bool], tuple] = {}
         self.replays = 0  # graph replays or eager pieces, for tests and metrics
 
     # ------------------------------------------------------------------ the state, packed flat
