@@ -45,6 +45,7 @@ import warnings
 from collections import deque
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import XLSTMKitError
@@ -113,6 +114,8 @@ class Engine:
         self.stats = Stats()
         self.slots = model.init_state(max_batch, device=self.device)
         self.slot_bytes = state_bytes(self.slots) // max_batch
+        # whether a state at a prefix boundary can be stored (with float32 logits at most)
+        self._boundary_fits = self.cache.enabled and self.slot_bytes + 4 * self.vocab <= prefix_cache_bytes
         self.tokens = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.generator = torch.Generator(device=self.device)
         self.generator.seed()
@@ -322,7 +325,7 @@ class Engine:
         quota = {id(r): self.prefill_chunk for r in self.prefilling}
         while True:
             items: list[tuple[Request, int]] = []
-            for r in self.prefilling:
+            for k, r in enumerate(self.prefilling):
                 if quota[id(r)] <= 0 or r._pos == len(r.prompt):
                     continue
                 if self.cache.enabled:  # a request read just before may have stored a longer prefix
@@ -331,6 +334,8 @@ class Engine:
                         self._start_from(r, entry)
                         if r._pos == len(r.prompt):
                             continue
+                if self._leader(r, self.prefilling[:k]) is not None:
+                    continue
                 end = min(len(r.prompt), r._pos + quota[id(r)])
                 if r._boundary is not None and r._pos < r._boundary:
                     end = min(end, r._boundary)
@@ -351,6 +356,18 @@ class Engine:
         for r in [r for r in self.prefilling if r._pos == len(r.prompt)]:
             self.prefilling.remove(r)
             self._start_decoding(r, updates)
+
+    def _leader(self, r: Request, earlier: list[Request]) -> Request | None:
+        """An earlier request still reading toward a cache boundary that r's prompt shares (a
+        system prompt of requests that arrived together): r waits and then starts from the
+        state stored there, so the shared tokens are read once, not once per request."""
+        if r._boundary is None or not self._boundary_fits:
+            return None
+        for o in earlier:
+            b = o._boundary
+            if b is not None and r._pos < b <= len(r.prompt) and o._pos < b and np.array_equal(o.prompt[:b], r.prompt[:b]):
+                return o
+        return None
 
     def _start_decoding(self, r: Request, updates: list[Update]) -> None:
         if r.cached_tokens:
