@@ -359,9 +359,9 @@ def test_prompts_read_in_padded_pieces_as_on_a_gpu_give_the_tokens_of_generate_a
 
 
 def test_requests_that_arrive_together_read_their_shared_prefix_once(model):
-    """Six requests with one 70-token system prompt, submitted together: the first has no
-    boundary (nothing to share with yet), the second finds it and stores the state there, the
-    other four wait for that state instead of reading the same 70 tokens alongside."""
+    """Six requests with one 70-token system prompt, submitted together: the second finds the
+    boundary it shares with the first, which then stores its state there; the other five wait
+    for that state instead of reading the same 70 tokens alongside."""
     shared = prompts([70], seed=8)[0]
     questions = [3, 9, 1, 13, 5, 6]
     ps = prompts(questions, seed=9, prefix=shared)
@@ -370,8 +370,8 @@ def test_requests_that_arrive_together_read_their_shared_prefix_once(model):
     got = [r.output for r in run(engine, ps)]
     assert got == [alone(model, p) for p in ps]
     s = engine.stats
-    assert s.prefill_tokens == 2 * 70 + sum(questions)
-    assert s.cache_hits == 4 and s.cache_tokens == 4 * 70
+    assert s.prefill_tokens == 70 + sum(questions)
+    assert s.cache_hits == 5 and s.cache_tokens == 5 * 70
     # a cache too small for one state: nobody waits for a state that cannot be kept
     small = Engine(model, ByteTokenizer(), max_batch=8, prefill_chunk=32, prefix_cache_bytes=1024,
                    prefix_min_tokens=16)

@@ -309,6 +309,14 @@ class Engine:
             if entry is not None:
                 self._start_from(r, entry)
             r._boundary = self.cache.boundary(r.prompt, r._pos)
+            if r._boundary is not None and self._boundary_fits:
+                # an earlier request still short of the shared part stores its state there
+                # (it had no prompt to share with when it came), and r waits for that state
+                for o in self.prefilling:
+                    if (o._boundary is None and o._pos < r._boundary <= len(o.prompt)
+                            and np.array_equal(o.prompt[:r._boundary], r.prompt[:r._boundary])):
+                        o._boundary = r._boundary
+                        break
             self.prefilling.append(r)
 
     def _start_from(self, r: Request, entry) -> None:
