@@ -25,7 +25,8 @@ from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.mlstm import mlstm_chunkwise, mlstm_step
 
 from .common import small_init_, state_dtype, wang_init_
-from .fused import _head_norm_fwd_torch, gated_head_norm, gates_off_past, head_norm, swiglu
+from .fused import _head_norm_fwd_torch, gated_head_norm, head_norm, swiglu
+from .padding import gates_off_past
 from .lora import lora_weight
 from .mlstm import MLSTMState
 

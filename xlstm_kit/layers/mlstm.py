@@ -20,8 +20,9 @@ from .lora import lora_weight
 from .mlstm_cell import mlstm_cell
 from .common import (PreNormResidual, CausalConv1d, HeadwiseLinear, MultiHeadNorm, _packed_blocks, _packed_bmm,
                      headwise_weight_grad, small_init_, state_dtype, wang_init_)
-from .fused import (activation_dtype, conv_inputs, conv_recompute, conv_silu, conv_state, conv_state_at,
-                    conv_state_varlen, doc_positions, gates_off_past, mlstm_output, norm_up, _tail_fwd_torch)
+from .fused import (activation_dtype, conv_inputs, conv_recompute, conv_silu, conv_state,
+                    conv_state_varlen, doc_positions, mlstm_output, norm_up, _tail_fwd_torch)
+from .padding import conv_state_at, gates_off_past
 
 
 class _ConvReadersFn(torch.autograd.Function):

@@ -17,9 +17,9 @@ from xlstm_kit.ops.backend import BackendUnavailableError, choose_backend
 from xlstm_kit.ops.slstm import slstm_recurrent, slstm_step
 
 from .common import CausalConv1d, GatedFeedForward, MultiHeadNorm, small_init_, state_dtype
-from .fused import (activation_dtype, conv_state, conv_state_at, conv_state_varlen, doc_positions, gates_off_past,
-                    head_norm)
+from .fused import activation_dtype, conv_state, conv_state_varlen, doc_positions, head_norm
 from .fused_slstm import slstm_gates
+from .padding import conv_state_at, gates_off_past
 from .lora import lora_weight
 from ..errors import XLSTMKitError
 

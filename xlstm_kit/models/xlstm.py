@@ -252,7 +252,7 @@ class XLSTMLanguageModel(nn.Module):
             raise XLSTMKitError(f"lengths must be an integer tensor of shape [{batch}], got {got}")
         if lengths.is_cuda and torch.cuda.is_current_stream_capturing():
             return  # a graph being recorded cannot read values; the reader checks them on the host
-        lo, hi = int(lengths.min()), int(lengths.max())
+        lo, hi = torch.stack(torch.aminmax(lengths)).tolist()  # one host sync
         if lo < 1 or hi > T:
             raise XLSTMKitError(f"lengths must lie in [1, {T}] (the tokens' length), got values in [{lo}, {hi}]")
 

@@ -60,6 +60,10 @@ from .slots import SlotStep, _copy_into
 # (two rows with the graphs' inputs; an xlstm-7b state is ~134 MB); this also bounds a pass's
 # read to READ_ROWS * prefill_chunk tokens
 READ_ROWS = 16
+# reads of at most this many tokens (all of one length) run as fused decode steps: on an H100,
+# 1 or 2 steps beat a prompt piece at every batch up to 8, 4 steps lose at batch 8
+# (benchmarks/prompt_pieces.py)
+READ_STEPS_BELOW = 2
 
 
 class EngineBusy(XLSTMKitError):
@@ -229,7 +233,7 @@ class Engine:
         kernels, 2.4-10 s at `125M` on an H100, so none is left for a request to wait on), or,
         on CUDA without graphs or with model.compile_prefill, its eager reads run once."""
         reader = PromptReader(self.model, min(self.max_batch, READ_ROWS), self.prefill_chunk, self.device,
-                              self.cuda_graph, step_below=2)
+                              self.cuda_graph, step_below=READ_STEPS_BELOW)
         try:
             reader.capture()
         except Exception as e:  # prompts are still read, eagerly
@@ -342,7 +346,7 @@ class Engine:
                         self._start_from(r, entry)
                         if r._pos == len(r.prompt):
                             continue
-                if self._leader(r, self.prefilling[:k]) is not None:
+                if self._waits_for_shared_prefix(r, self.prefilling[:k]):
                     continue
                 end = min(len(r.prompt), r._pos + quota[id(r)])
                 if r._boundary is not None and r._pos < r._boundary:
@@ -365,17 +369,14 @@ class Engine:
             self.prefilling.remove(r)
             self._start_decoding(r, updates)
 
-    def _leader(self, r: Request, earlier: list[Request]) -> Request | None:
-        """An earlier request still reading toward a cache boundary that r's prompt shares (a
-        system prompt of requests that arrived together): r waits and then starts from the
-        state stored there, so the shared tokens are read once, not once per request."""
+    def _waits_for_shared_prefix(self, r: Request, earlier: list[Request]) -> bool:
+        """Whether an earlier request is still reading toward a cache boundary that r's prompt
+        shares (a system prompt of requests that arrived together): r waits and then starts from
+        the state stored there, so the shared tokens are read once, not once per request."""
         if r._boundary is None or not self._boundary_fits:
-            return None
-        for o in earlier:
-            b = o._boundary
-            if b is not None and r._pos < b <= len(r.prompt) and o._pos < b and np.array_equal(o.prompt[:b], r.prompt[:b]):
-                return o
-        return None
+            return False
+        return any(o._boundary is not None and r._pos < o._boundary <= len(r.prompt) and o._pos < o._boundary
+                   and np.array_equal(o.prompt[:o._boundary], r.prompt[:o._boundary]) for o in earlier)
 
     def _start_decoding(self, r: Request, updates: list[Update]) -> None:
         if r.cached_tokens:

@@ -117,14 +117,10 @@ class PromptReader:
             self._pack(state, self.work[row:row + 1])
 
     # ------------------------------------------------------------------ one piece
-    def _steps(self, L: int) -> bool:
-        """Whether pieces of exactly L tokens are read as L decode steps."""
-        return L <= self.step_below and (not self.padded or L in self.step_lengths)
-
     def _piece(self, n: int, ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Read ids [n, L] from input rows 0..n-1, in place; logits of the last position [n, V].
         lengths [n] (padded rows): row j reads only its first lengths[j] tokens."""
-        if lengths is None and self._steps(ids.shape[1]):
+        if lengths is None and ids.shape[1] <= self.step_below:
             # copies (a view that is contiguous already would not be one): the steps update them
             state = [type(s)(*(x.clone() for x in s)) for s in self.unpack(self.inputs[:n])]
             for t in range(ids.shape[1]):
@@ -253,7 +249,7 @@ class PromptReader:
             if not part:
                 return plan
             counts = {c for _, _, c in part}
-            if len(counts) == 1 and self._steps(next(iter(counts))):
+            if len(counts) == 1 and next(iter(counts)) <= self.step_below:
                 plan.append((counts.pop(), False, part))
             else:
                 longest = max(counts)
