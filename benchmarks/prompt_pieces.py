@@ -7,7 +7,7 @@ microseconds whatever their work) from a cost per token; beside them, reads of a
 decode steps in one graph (`L as steps`), and the server's decode step (one token, the fused
 step, a graph per bucket) per batch.
 
-    python3 benchmarks/prompt_pieces.py [--model 125M] [--max-batch 8] [--max-piece 512] [--out DIR]
+    python3 benchmarks/prompt_pieces.py [--model 125M] [--max-batch 8] [--max-piece 512] [--compile] [--out DIR]
 
 A preset's random weights, bf16 on CUDA (float32 on the CPU, where pieces run eagerly: --quick
 takes a tiny model). Writes prompt_pieces.{jsonl,md} and prints the table.
@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="timed replays per (batch, length)")
     ap.add_argument("--step-below", type=int, default=8,
                     help="also time pieces of up to this many tokens read as decode steps (0: no)")
+    ap.add_argument("--compile", action="store_true",
+                    help="as `xlstm-kit serve --compile`: model.compile_prefill() and compile_step() before recording")
     ap.add_argument("--quick", action="store_true", help="a tiny model, few shapes (the tests)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for prompt_pieces.{jsonl,md}")
     args = ap.parse_args(argv)
@@ -80,6 +82,9 @@ def main(argv=None) -> int:
     with device:
         model = XLSTMLanguageModel(cfg)
     model = (model.to(torch.bfloat16) if device.type == "cuda" else model).eval()
+    if args.compile:
+        model.compile_step()
+        model.compile_prefill()
     rows = []
     with torch.no_grad():
         # on the CPU the pieces run eagerly, as the engine's tests run them
@@ -117,7 +122,7 @@ def main(argv=None) -> int:
     lengths = (sorted({r["length"] for r in rows if isinstance(r["length"], int)})
                + sorted({r["length"] for r in rows if isinstance(r["length"], str) and r["length"] != "step"},
                         key=lambda x: int(x.split()[0])) + ["step"])
-    lines = [f"# prompt_pieces: {'tiny' if args.quick else args.model} on {name} ({time.strftime('%Y-%m-%d')})", "",
+    lines = [f"# prompt_pieces: {'tiny' if args.quick else args.model}{', compiled' if args.compile else ''} on {name} ({time.strftime('%Y-%m-%d')})", "",
              f"One piece of a prompt read, median ms ({'CUDA graph replays' if rows[0]['graph'] else 'eager'}); "
              "rows: batch, columns: piece length (`L as steps`: read as L decode steps in one graph); "
              "`step`: the decode step (one token) over the engine's slots.", "",
