@@ -3,8 +3,8 @@
 Eagerly, one read of the `125M` model is bound by the host: about a thousand kernel launches
 through Python, ~40 ms on an H100 whatever the prompt's length (34 ms under `compile_prefill`),
 for ~4 ms of GPU work. Replayed as a CUDA graph a piece still costs about the same up to 64
-tokens (3.3 ms at `125M`, 13 ms at `xlstm-7b` on an H100; `benchmarks/prompt_pieces.py`), so a
-read should be as few pieces as it can.
+tokens (2.7-3.0 ms at `125M` compiled, 13 ms at `xlstm-7b` on an H100;
+`benchmarks/prompt_pieces.py`), so a read should be as few pieces as it can.
 
 A recurrent model reads a prompt in pieces, each continuing from the state the one before left.
 Every (batch bucket b, length L) is one CUDA graph. Models whose blocks take padded rows
