@@ -32,3 +32,17 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `interpret` run Triton kernels on CPU tensors, which only the interpreter
+    does: without TRITON_INTERPRET=1 (a GPU machine) they are skipped, and the `gpu` tests of
+    the same modules run."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    skip = pytest.mark.skip(reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1 (on a GPU: -m gpu)")
+    for item in items:
+        if item.get_closest_marker("interpret") and not item.get_closest_marker("gpu"):
+            item.add_marker(skip)

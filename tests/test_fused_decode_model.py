@@ -1,7 +1,6 @@
 """A whole model's one-token steps on the fused block kernels (ops/blocks/decode.py and
 slstm_decode.py) against its PyTorch steps in float64, under the Triton interpreter on CPU."""
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -9,10 +8,8 @@ import torch
 from xlstm_kit import XLSTMConfig, XLSTMLanguageModel
 from xlstm_kit.ops.blocks import decode, large_decode, slstm_decode
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None
-    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton"),
+              pytest.mark.interpret]
 
 
 FAMILIES = {

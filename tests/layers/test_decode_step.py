@@ -11,7 +11,7 @@ from xlstm_kit.layers.mlstm import MLSTMBlock, MLSTMState
 
 from .decode_common import FALLBACKS, check_fallback, needs_kernels, rel_err, steps_after_prefill_error
 
-pytestmark = needs_kernels
+pytestmark = [needs_kernels, pytest.mark.interpret]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -12,7 +12,7 @@ from xlstm_kit.layers.mlstm import MLSTMState
 
 from .decode_common import FALLBACKS, check_fallback, needs_kernels, rel_err, steps_after_prefill_error
 
-pytestmark = needs_kernels
+pytestmark = [needs_kernels, pytest.mark.interpret]
 
 
 def _block(d, H, qk, v, ffn, backend="triton"):

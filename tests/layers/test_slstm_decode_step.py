@@ -11,7 +11,7 @@ from xlstm_kit.layers.slstm import SLSTMBlock, SLSTMState
 
 from .decode_common import FALLBACKS, check_fallback, needs_kernels, rel_err, steps_after_prefill_error
 
-pytestmark = needs_kernels
+pytestmark = [needs_kernels, pytest.mark.interpret]
 
 
 def _block(d, H, ffn, conv=4, backend="triton"):
