@@ -86,10 +86,14 @@ class Server:
             started.set()
 
         threading.Thread(target=drain, daemon=True).start()
-        if not started.wait(START_TIMEOUT_S) or self.proc.poll() is not None:
+        # the drain thread also sets `started` when the server's stderr closes (it exited), which
+        # can come before poll() sees the exit: the address line is what tells a start
+        ready = started.wait(START_TIMEOUT_S)
+        line = next((x for x in self.log if " on http://" in x), None)
+        if not ready or line is None or self.proc.poll() is not None:
             self.proc.kill()
             raise RuntimeError("the server did not start:\n" + "".join(self.log[-30:]))
-        self.url = re.search(r"(http://\S+)", next(x for x in self.log if " on http://" in x))[1]
+        self.url = re.search(r"(http://\S+)", line)[1]
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

@@ -61,3 +61,18 @@ def test_prompt_pieces_quick_times_every_bucket_and_length(tmp_path):
     assert all(r["ms"] > 0 and not r["graph"] for r in rows)
     md = (tmp_path / "prompt_pieces.md").read_text()
     assert "| batch | 8 | 1 as steps | 2 as steps | step |" in md and "(eager)" in md
+
+
+def test_a_server_that_fails_to_start_is_reported_with_its_error(tmp_path):
+    """A server that exits at start (here: no model in the folder) is a RuntimeError carrying the
+    server's own message, whenever the exit is seen."""
+    import pytest
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import serve_speed
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    with pytest.raises(RuntimeError, match="the server did not start") as err:
+        serve_speed.Server(str(tmp_path / "missing"), ["--device", "cpu"])
+    assert "missing" in str(err.value)
