@@ -66,6 +66,18 @@ class MLSTMState(NamedTuple):
     m: torch.Tensor  # [B, H]            stabiliser
 
 
+class ReadMaps(NamedTuple):
+    """The weights a read without gradients derives from an mLSTM layer's parameters (see
+    `MLSTMLayer.read_maps`)."""
+
+    wq: torch.Tensor  # [P, c, c]  q's head blocks packed as _HeadwiseLinearFn packs them
+    wk: torch.Tensor  # [P, c, c]
+    wv: torch.Tensor  # [P, c, c]
+    w_conv: torch.Tensor  # [2H, inner]  the gate maps folded through q, k (see _gate_weights)
+    w_m: torch.Tensor  # [2H, inner]   ... and through v
+    b: torch.Tensor  # [2H]
+
+
 class MLSTMLayer(nn.Module):
     """The mLSTM layer of the pre up-projection block (without its LayerNorm and residual).
 
@@ -109,6 +121,7 @@ class MLSTMLayer(nn.Module):
         self.skip = nn.Parameter(torch.ones(inner_dim))
         self.down_proj = nn.Linear(inner_dim, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        self._read_maps: tuple | None = None  # (key, ReadMaps) of read_maps
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -167,21 +180,57 @@ class MLSTMLayer(nn.Module):
                 b = b + wg @ proj.bias.to(dtype)
         return w_conv, w_m, b
 
-    def _qkv_gates(self, x_m: torch.Tensor, x_conv: torch.Tensor, conv):
+    def read_maps(self, dtype: torch.dtype) -> ReadMaps | None:
+        """The weights derived from the parameters for a read without gradients, in `dtype`,
+        kept while those parameters are unchanged (the same storage at the same version: an
+        optimizer step, `load_state_dict` or `.to()` makes new ones). Derived afresh on every
+        forward they are ~18 small kernels per block, a third of the kernels of a `125M` prompt
+        piece (`benchmarks/results/2026-12-07-h100-prompt-pieces-padded.md`). None when adapters
+        wrap the gates: whether those are active is no tensor's version."""
+        if not (type(self.igate) is nn.Linear and type(self.fgate) is nn.Linear):
+            return None
+        sources = [t for t in (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.q_proj.bias,
+                               self.k_proj.bias, self.v_proj.bias, self.igate.weight, self.igate.bias,
+                               self.fgate.weight, self.fgate.bias) if t is not None]
+        key = (dtype, *((t.data_ptr(), t._version) for t in sources))
+        kept = getattr(self, "_read_maps", None)  # (absent from layers unpickled from before it)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        with torch.no_grad():
+            g = self.q_proj.pack
+            blocks = [_packed_blocks(p.weight.to(dtype), g) for p in (self.q_proj, self.k_proj, self.v_proj)]
+            maps = ReadMaps(*blocks, *self._gate_weights(dtype))
+        # made while a CUDA graph records, they live in its memory pool: that graph's alone
+        if not (maps.b.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._read_maps = (key, maps)
+        return maps
+
+    def _qkv_gates(self, x_m: torch.Tensor, x_conv: torch.Tensor, conv, maps: ReadMaps | None = None):
         """q, k, v [..., inner] and the gate pre-activations i, f [..., n_heads]; `conv` are
-        x_conv's `conv_inputs` (the readers of x_conv recompute it in their backward)."""
-        dtype = x_m.dtype
-        w_conv, w_m, b = self._gate_weights(dtype)
-        q, k, gates = _ConvReadersFn.apply(
-            x_conv.reshape(-1, self.inner_dim), self.q_proj.weight.to(dtype), self.k_proj.weight.to(dtype),
-            w_conv, b, self.q_proj.pack, *conv)
-        gates = torch.addmm(gates, x_m.reshape(-1, self.inner_dim), w_m.t())
+        x_conv's `conv_inputs` (the readers of x_conv recompute it in their backward). `maps`:
+        read_maps (no gradients), else the weights are derived here."""
+        dtype, C = x_m.dtype, self.inner_dim
         lead = x_m.shape[:-1]
+        if maps is not None and maps.b.dtype == dtype:
+            xc = x_conv.reshape(-1, C)
+            q, k = _packed_bmm(xc, maps.wq), _packed_bmm(xc, maps.wk)
+            gates = torch.addmm(maps.b, xc, maps.w_conv.t())
+            v = _packed_bmm(x_m.reshape(-1, C).contiguous(), maps.wv).view(*lead, C)
+            if self.v_proj.bias is not None:
+                v = v + self.v_proj.bias
+            w_m = maps.w_m
+        else:
+            w_conv, w_m, b = self._gate_weights(dtype)
+            q, k, gates = _ConvReadersFn.apply(
+                x_conv.reshape(-1, C), self.q_proj.weight.to(dtype), self.k_proj.weight.to(dtype),
+                w_conv, b, self.q_proj.pack, *conv)
+            v = self.v_proj(x_m)
+        gates = torch.addmm(gates, x_m.reshape(-1, C), w_m.t())
         q, k = q.view(*lead, -1), k.view(*lead, -1)
         if self.q_proj.bias is not None:
             q, k = q + self.q_proj.bias, k + self.k_proj.bias
         i, f = gates.view(*lead, 2 * self.n_heads).chunk(2, dim=-1)
-        return q, k, self.v_proj(x_m), i, f
+        return q, k, v, i, f
 
     def _output(self, h: torch.Tensor, x_conv: torch.Tensor, z: torch.Tensor, conv) -> torch.Tensor:
         """h [..., H, D], x_conv and z [..., inner] -> down((norm(h) + skip * x_conv) * SiLU(z))."""
@@ -215,13 +264,15 @@ class MLSTMLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
                 *, norm: nn.LayerNorm | None = None, cu_seqlens: torch.Tensor | None = None,
-                lengths: torch.Tensor | None = None):
+                lengths: torch.Tensor | None = None, maps: ReadMaps | None = None):
         """`norm`: a bias-free LayerNorm that x passes through first, fused with the
         up-projection (the block's pre-norm; its normalised output is not kept for backward).
         `cu_seqlens` [N+1]: documents packed in x [1, T, d], each from the zero state (state
         None); the convolution masks its taps at the boundaries, the returned state has N rows.
         `lengths` [B]: row b's steps from lengths[b] on are padding: they leave the state as it
-        was (the returned state is the one after lengths[b] steps; their outputs mean nothing)."""
+        was (the returned state is the one after lengths[b] steps; their outputs mean nothing).
+        `maps`: `read_maps(...)` for a read without gradients (taken here where none are given
+        and nothing is being compiled: under torch.compile the caller passes them in)."""
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
         if norm is None:
@@ -235,7 +286,9 @@ class MLSTMLayer(nn.Module):
             h, x_conv = self._cell(conv[0], pos, cu_seqlens)
             return self._output(h, x_conv, z, conv)
         x_conv = conv_silu(x_m, conv_in, self.conv.weight, self.conv.bias, backend=self.backend, pos=pos)
-        q, k, v, i, f = self._qkv_gates(x_m, x_conv, conv)
+        if maps is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            maps = self.read_maps(x_m.dtype)
+        q, k, v, i, f = self._qkv_gates(x_m, x_conv, conv, maps if not torch.is_grad_enabled() else None)
         if lengths is not None:
             i, f = gates_off_past(i, f, lengths)
         h, cell_state = mlstm_chunkwise(
@@ -298,9 +351,10 @@ class MLSTMBlock(PreNormResidual):
     supports_lengths = True
 
     def forward(self, x: torch.Tensor, state: MLSTMState | None = None, return_state: bool = False,
-                cu_seqlens: torch.Tensor | None = None, lengths: torch.Tensor | None = None):
+                cu_seqlens: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+                maps: ReadMaps | None = None):
         out = self.layer(x, state, return_state, norm=self.norm, cu_seqlens=cu_seqlens,
-                         lengths=lengths)  # the norm fused with the up-projection
+                         lengths=lengths, maps=maps)  # the norm fused with the up-projection
         if not return_state:
             return x + out
         return x + out[0], out[1]

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint as _recompute
 from ..errors import XLSTMKitError
 from ..layers.common import small_init_
 from ..layers.dplr import DPLRBlock, DPLRState
+from ..layers.fused import activation_dtype
 from ..layers.large import LargeBlock, RMSNorm, at_least_float32, soft_cap
 from ..layers.mlstm import MLSTMBlock, MLSTMState
 from ..layers.slstm import SLSTMBlock, SLSTMState
@@ -332,6 +333,10 @@ class XLSTMLanguageModel(nn.Module):
             blocks, head = self._compiled_prefill
         else:
             blocks, head = self.blocks, self._head
+        # the mLSTM blocks' derived weights, kept between reads, go into compiled prefill blocks
+        # as inputs (a compiled region cannot tell whether kept ones are still current)
+        pass_maps = (self._compiled_prefill is not None and blocks is self._compiled_prefill[0]
+                     and not torch.compiler.is_compiling())
         new_state = []
         # the layers' ops take the boundaries read above (one host sync per call, not per layer)
         with contextlib.nullcontext() if bounds is None else cu_seqlens_read_once(cu_seqlens, bounds):
@@ -344,10 +349,13 @@ class XLSTMLanguageModel(nn.Module):
                         return _recompute(blk, x_, s_, return_state=rs, use_reentrant=False, **kw)
                     return blk(x_, s_, return_state=rs, **kw)
 
+                kw = {}
+                if pass_maps and isinstance(self.blocks[t], MLSTMBlock):
+                    kw["maps"] = self.blocks[t].layer.read_maps(activation_dtype(x))
                 if lengths is not None:
-                    out = call(block, x, s, return_state, lengths=lengths)
+                    out = call(block, x, s, return_state, lengths=lengths, **kw)
                 elif bounds is None:
-                    out = call(block, x, s, return_state)
+                    out = call(block, x, s, return_state, **kw)
                 else:
                     out = block_varlen(block, x, s, return_state, bounds, cu_seqlens, call)
                 if return_state:
