@@ -64,17 +64,25 @@ def test_batched_chunked_prefill_equals_generate_alone(model):
     assert engine.stats.prefill_tokens == sum(map(len, ps))
 
 
+class FirstTokenSteps:
+    """An engine's deliver= callback: per request, the decode steps taken when its first token
+    went out (set .engine before the first update)."""
+
+    def __init__(self):
+        self.engine, self.at = None, {}
+
+    def __call__(self, updates):
+        for u in updates:
+            if u.token_ids:
+                self.at.setdefault(u.request.id, self.engine.stats.decode_steps)
+
+
 def test_the_first_token_goes_out_before_the_decode_step(model):
     # a request's first token comes from its prompt's logits: its update is sent in the pass
     # that read the prompt, before that pass's step (which on the CPU computes before it returns)
-    steps_at_first: dict[int, int] = {}
+    deliver = FirstTokenSteps()
 
-    def deliver(updates):
-        for u in updates:
-            if u.token_ids:
-                steps_at_first.setdefault(u.request.id, engine.stats.decode_steps)
-
-    engine = Engine(model, ByteTokenizer(), prefix_cache_bytes=0, deliver=deliver).start()
+    engine = deliver.engine = Engine(model, ByteTokenizer(), prefix_cache_bytes=0, deliver=deliver).start()
     lone = Request(prompts([5])[0], SamplingParams(max_tokens=4, temperature=0), stream=True)
     try:
         engine.submit([lone])
@@ -83,22 +91,18 @@ def test_the_first_token_goes_out_before_the_decode_step(model):
         engine.close()
         engine.join(30)
     assert lone.output == alone(model, prompts([5])[0], 4)
-    assert steps_at_first == {lone.id: 0}
+    assert deliver.at == {lone.id: 0}
 
 
 def test_requests_that_arrive_together_get_their_first_tokens_in_the_same_pass(model):
     # each prompt gets its own chunk per pass and they are read together: with one chunk for
     # the whole pass the fourth request's first token would wait three passes (three steps)
-    steps_at_first: dict[int, int] = {}
-
-    def deliver(updates):
-        for u in updates:
-            if u.token_ids:
-                steps_at_first.setdefault(u.request.id, engine.stats.decode_steps)
+    deliver = FirstTokenSteps()
 
     ps = prompts([16, 11, 16, 5], seed=3)
     reqs = [Request(p, SamplingParams(max_tokens=3, temperature=0), stream=True) for p in ps]
-    engine = Engine(model, ByteTokenizer(), max_batch=4, prefill_chunk=16, prefix_cache_bytes=0, deliver=deliver)
+    engine = deliver.engine = Engine(model, ByteTokenizer(), max_batch=4, prefill_chunk=16, prefix_cache_bytes=0,
+                                     deliver=deliver)
     engine.start()
     reads = []
     real_read = engine.reader.read
@@ -111,7 +115,7 @@ def test_requests_that_arrive_together_get_their_first_tokens_in_the_same_pass(m
         engine.close()
         engine.join(30)
     assert [r.output for r in reqs] == [alone(model, p, 3) for p in ps]
-    assert steps_at_first == {r.id: 0 for r in reqs}
+    assert deliver.at == {r.id: 0 for r in reqs}
     assert reads == [4]
 
 
