@@ -14,9 +14,10 @@ gets a few requests not measured (warm_up):
   requests (at least 16) with prompt and output lengths drawn uniformly from --prompt-len and
   --output-len (seeded: the same requests every run), greedy, end token ignored (every request
   runs its full length), streamed; c of them in flight at any time from --clients client
-  processes, each with its connections open before the first one is sent. Per level: output tokens/s over the wall time, time to first token (TTFT: from
-  sending the request to the first event that carries a token) p50/p99, inter-token latency
-  (ITL: gaps between streamed tokens) p50/p99.
+  processes, each with its connections open before the first one is sent. Per level: output
+  tokens/s over the wall time, time to first token (TTFT: from sending the request to the first
+  event that carries a token) p50/p99, inter-token latency (ITL: gaps between streamed tokens)
+  p50/p99.
 - generate: the same requests of the c = 32 level (or the largest level below) through
   `model.generate` in this process, in batches of c (each batch runs to its longest output; only
   the requested tokens count), after the server is stopped: the target is the server at
