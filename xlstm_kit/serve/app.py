@@ -406,7 +406,7 @@ class App:
                  "engine (the client's adds the HTTP side).", s.first_token_seconds)):
             lines.append(f"# HELP xlstm_kit_{name} {help}")
             lines.append(f"# TYPE xlstm_kit_{name} summary")
-            lines.append(f"xlstm_kit_{name}_sum {total:.6f}")
+            lines.append(f"xlstm_kit_{name}_sum {total!r}")  # all digits: readers subtract two scrapes
             lines.append(f"xlstm_kit_{name}_count {s.first_tokens}")
         metric("queue_length", "gauge", "Requests waiting for a slot.", [("", e.queued)])
         metric("running_requests", "gauge", "Requests in a slot (reading their prompt or decoding).",
