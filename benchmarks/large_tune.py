@@ -4,12 +4,14 @@
    candidate of `gemv_config`'s parameters (programs per row, tile size, warps, minimum rows),
    timed as a replayed CUDA graph of the step; µs per block step and the rate at which it
    streams the block's weights and state, next to the copy rate measured in the same call;
-2. prefill: one block's no-grad forward at 32 x 2048 tokens as the model runs it, a profile of
+2. batch: the step at batch 1-32, fused (at 2-16 a block of 16 rows a program, under each
+   candidate of `matmul_config`) against the compiled PyTorch step, both CUDA-graph replays;
+3. prefill: one block's no-grad forward at 32 x 2048 tokens as the model runs it, a profile of
    its kernels (where the time between the GEMMs goes), and the forward at mLSTM chunk
    lengths 128 and 256 as an A/B (the default is 64; six separate input GEMMs instead of the
    one fused GEMM lost twice, 52.4 and 53.4 ms against 49.0 and 45.8: docs/kernels.md, "Decode kernels").
 
-    PYTHONPATH=. python benchmarks/large_tune.py --out $OUT [--sizes 7b,1.3b] [--quick]
+    PYTHONPATH=. python benchmarks/large_tune.py --out $OUT [--sizes 7b,1.3b] [--parts decode,batch,prefill] [--quick]
 
 Writes $OUT/large_tune.jsonl (a line per measurement, as they come) and $OUT/large_tune.md.
 """
@@ -89,6 +91,54 @@ def decode(out: str, size: str, quick: bool, rate: float) -> None:
         large_decode.gemv_config = default
 
 
+# (block_n, tile, num_warps) of `matmul_config` for a block of batch rows; the first is the default
+BATCH_CANDIDATES = [(32, 2048, 8), (16, 2048, 4), (32, 4096, 8), (64, 4096, 8), (16, 1024, 4), (64, 2048, 8)]
+
+
+def batches(out: str, size: str, quick: bool, rate: float, sizes=(1, 2, 4, 8, 16, 32)) -> None:
+    """The block's step at each batch: the fused step (batch 1: the GEMV kernels; 2-16: blocks
+    of 16 rows under each `matmul_config` candidate) against the compiled PyTorch step that the
+    model takes where the fused one refuses, both replayed as CUDA graphs; µs per block step and
+    the share of the copy rate at which it moves the block's weights and states."""
+    blk = block(size, quick)
+    layer = blk.mlstm_layer
+    H, K, V = layer.n_heads, layer.qk_dim // layer.n_heads, layer.v_dim // layer.n_heads
+    wbytes = sum(p.numel() * p.element_size() for p in blk.parameters())
+
+    def torch_step(x, st):
+        y, st = layer.step(blk.norm_mlstm(x), st)
+        x = x + y
+        return x + blk.ffn.step(blk.norm_ffn(x)), st
+
+    compiled = torch.compile(torch_step)
+    default = large_decode.matmul_config
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for B in sizes:
+        st = MLSTMState(torch.zeros(B, 0, 0, device="cuda"), torch.randn(B, H, K, V, device="cuda", generator=g),
+                        torch.rand(B, H, K, device="cuda", generator=g) + 1, torch.zeros(B, H, device="cuda"))
+        x = torch.randn(B, layer.d_model, device="cuda", dtype=torch.bfloat16, generator=g)
+        nbytes = wbytes + 2 * st.C.numel() * 4
+        variants = [("compiled PyTorch", None, lambda: compiled(x, st))]
+        variants += [("fused", None, lambda: blk.fused_step(x, st))] if B == 1 else \
+            [("fused", c, lambda: blk.fused_step(x, st)) for c in BATCH_CANDIDATES]
+        with torch.no_grad():
+            ref = compiled(x, st)[0].float()
+            for name, cand, fn in variants:
+                row = dict(part="batch", size=size, batch=B, step=name,
+                           config=None if cand is None else dict(zip(("block_n", "tile", "num_warps"), cand)))
+                if cand is not None:
+                    large_decode.matmul_config = lambda r, k, a=cand: default(r, k, *a)  # noqa: E731
+                try:
+                    row["max_abs_vs_compiled"] = (fn()[0].float() - ref).abs().max().item()
+                    us = 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100)
+                    row.update(us=us, of_copy_rate=nbytes / us * 1e6 / rate)
+                except Exception as e:  # noqa: BLE001 - reported in the row
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                finally:
+                    large_decode.matmul_config = default
+                emit(out, row)
+
+
 def prefill(out: str, size: str, quick: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -132,6 +182,14 @@ def render(rows: list[dict], rate: float) -> str:
         if r["part"] == "decode" and "us" in r:
             out.append(f"| {r['size']} | {r['programs']} | {r['tile']} | {r['num_warps']} | {r['min_rows']} | "
                        f"{r['us']:.1f} | {r['tb_s']:.2f} | {100 * r['of_copy_rate']:.0f} % |")
+    out += ["", "| size | batch | step | block_n, tile, warps | µs/block step | of copy rate | max abs vs compiled |",
+            "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["part"] == "batch":
+            cfg = "" if r["config"] is None else ", ".join(str(v) for v in r["config"].values())
+            out.append(f"| {r['size']} | {r['batch']} | {r['step']} | {cfg} | " + (
+                f"{r['error']} | | |" if "error" in r else
+                f"{r['us']:.1f} | {100 * r['of_copy_rate']:.0f} % | {r['max_abs_vs_compiled']:.3g} |"))
     out += ["", "| size | prefill variant | ms / block | tokens/s (one block) | max abs vs as is |", "|---|---|---|---|---|"]
     out += [f"| {r['size']} | {r['variant']} | {r['error']} | | |" if "error" in r else f"| {r['size']} | {r['variant']} | {r['ms']:.2f} | {r['tok_s']:,.0f} | {r.get('max_abs_vs_as_is', 0):.3g} |" for r in rows
             if r["part"] == "prefill"]
@@ -146,7 +204,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sizes", default="7b,1.3b")
-    ap.add_argument("--parts", default="decode,prefill")
+    ap.add_argument("--parts", default="decode,batch,prefill")
     ap.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -156,6 +214,8 @@ def main() -> int:
     for size in a.sizes.split(","):
         if "decode" in a.parts:
             decode(a.out, size, a.quick, rate)
+        if "batch" in a.parts:
+            batches(a.out, size, a.quick, rate)
         if "prefill" in a.parts and size == "7b":
             prefill(a.out, size, a.quick)
         torch.cuda.empty_cache()

@@ -40,7 +40,7 @@ def test_model_steps_on_the_fused_blocks_equal_the_float64_steps(monkeypatch, fa
         monkeypatch.setattr(mod, name, lambda *a, fn=fn, name=name, **k: calls.append(name) or fn(*a, **k))
     if compiled:
         fused.compile_step(backend="aot_eager")
-    B = 1 if family == "large" else 2   # the large step is fused at batch 1 only
+    B = 2
     prompt = torch.randint(0, 64, (B, 6))
     with torch.no_grad():
         _, st = ref(prompt, return_state=True)

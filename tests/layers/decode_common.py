@@ -37,14 +37,16 @@ def steps_after_prefill_error(blk, layer, state_cls, d: int) -> float:
     return rel_err(torch.stack(ys, 1), full[:, 7:])
 
 
-def check_fallback(why: str, make_block, add_bias, make_state, d: int, step_in_float64: bool = True) -> None:
+def check_fallback(why: str, make_block, add_bias, make_state, d: int, step_in_float64: bool = True,
+                   max_batch: int = 8) -> None:
     """A call the fused step refuses (`why` of FALLBACKS) takes the block's PyTorch step.
     make_block(backend) -> block; add_bias(block) gives it a projection bias; make_state(block, B).
-    step_in_float64: the PyTorch step of a block forced to "triton" runs in float64 too."""
+    step_in_float64: the PyTorch step of a block forced to "triton" runs in float64 too.
+    max_batch: the largest batch the fused step takes."""
     blk = make_block("torch" if why == "torch" else "triton")
     if why == "bias":
         add_bias(blk)
-    B = 9 if why == "batch" else 1
+    B = max_batch + 1 if why == "batch" else 1
     st = make_state(blk, B)
     x = torch.randn(B, d)
     if why == "float64":

@@ -125,8 +125,8 @@ def sm90():
         "ffn_up": (sd._ffn_up_kernel, {"x_ptr": bf, "nw_ptr": bf, "lnw_ptr": bf, "w_ptr": bf,
                                        "hn_eps": "fp32", "ln_eps": "fp32"},
                    {"DM": 768, "H": 4, "D": 192, "DMP": 1024, "F": 1024, "BN": 4}),
-        "down": (sd._out_kernel, {"w_ptr": bf, "out_ptr": bf, "eps": "fp32"},
-                 {"N": 768, "K": 1024, "HD": 1024, "HDP": 1, "NORM": False,
+        "down": (sd._out_kernel, {"w_ptr": bf, "out_ptr": bf, "eps": "fp32", "n_b": "i32"},
+                 {"N": 768, "K": 1024, "HD": 1024, "HDP": 1, "NORM": False, "BB": 1, "EXACT": False,
                   "BN": sd.gemv_config(768, 1024).block_n, "BK": sd.gemv_config(768, 1024).block_k}),
     }
     for name, (fn, sig, consts) in cases.items():
