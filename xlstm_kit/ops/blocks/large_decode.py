@@ -83,7 +83,9 @@ def batch_rows(batch: int) -> int:
 
 def matmul_config(rows: int, k: int, block_n: int = 32, tile: int = 2048, num_warps: int = 8) -> GemvConfig:
     """The launch of one weight pass for a block of batch rows (`batch_rows` > 1): `block_n`
-    weight rows per program, [block_n, block_k] weight tiles of `tile` elements."""
+    weight rows per program, [block_n, block_k] weight tiles of `tile` elements. The defaults:
+    of the candidates in benchmarks/large_tune.py, the one whose sm_90 build has no spills at 16
+    rows (108-139 registers); not yet timed against the others."""
     return GemvConfig(block_n, min(tile // block_n, max(16, triton.next_power_of_2(k))), num_warps)
 
 
@@ -109,8 +111,8 @@ def _rms_matvec(x_row, nw_ptr, w_ptr, rows, n_rows, eps, D: tl.constexpr, BN: tl
 @triton.jit
 def _dot_rows(a, w, acc, EXACT: tl.constexpr):
     """acc [BB, BN] + a [BB, BK] (float32) @ w[BN, BK]ᵀ on the tensor cores. Half-precision
-    weights: a as two parts of w's dtype (a = hi + lo, ~16 bits kept, where the PyTorch step's
-    GEMM sees a rounded to 8); EXACT (float32 weights): one IEEE product."""
+    weights: a as two parts of w's dtype (a = hi + lo, twice the dtype's mantissa, where the
+    PyTorch step's GEMM sees a rounded to the dtype); EXACT (float32 weights): one IEEE product."""
     wt = tl.trans(w)
     if EXACT:
         return tl.dot(a, wt, acc, input_precision="ieee")
