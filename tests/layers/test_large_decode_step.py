@@ -129,12 +129,13 @@ def test_unsupported_calls_take_the_pytorch_step(why):
                    max_batch=16)
 
 
-def test_fused_step_is_one_custom_op_under_compile():
+@pytest.mark.parametrize("B", [1, 3])   # the GEMV kernels; a block of batch rows
+def test_fused_step_is_one_custom_op_under_compile(B):
     from xlstm_kit.ops.blocks.large_decode import large_block_step_op
 
     blk = _block(32, 2, 32, 64, 96)
-    st = _state(blk, 1)
-    x = torch.randn(1, 32)
+    st = _state(blk, B)
+    x = torch.randn(B, 32)
     layer, ffn = blk.mlstm_layer, blk.ffn
     args = (x, blk.norm_mlstm.weight, layer.q.weight, layer.k.weight, layer.v.weight, layer.ogate_preact.weight,
             layer.igate_preact.weight, layer.fgate_preact.weight, layer.igate_preact.bias, layer.fgate_preact.bias,
