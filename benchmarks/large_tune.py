@@ -60,14 +60,18 @@ def block(size: str, quick: bool) -> LargeBlock:
     return blk.to("cuda", torch.bfloat16).eval()
 
 
+def step_inputs(blk: LargeBlock, B: int, g: torch.Generator) -> tuple[torch.Tensor, MLSTMState]:
+    """A random token input x [B, d_model] (bf16) and a random state of the block at batch B."""
+    layer = blk.mlstm_layer
+    H, K, V = layer.n_heads, layer.qk_dim // layer.n_heads, layer.v_dim // layer.n_heads
+    st = MLSTMState(torch.zeros(B, 0, 0, device="cuda"), torch.randn(B, H, K, V, device="cuda", generator=g),
+                    torch.rand(B, H, K, device="cuda", generator=g) + 1, torch.zeros(B, H, device="cuda"))
+    return torch.randn(B, layer.d_model, device="cuda", dtype=torch.bfloat16, generator=g), st
+
+
 def decode(out: str, size: str, quick: bool, rate: float) -> None:
     blk = block(size, quick)
-    H, K, V = blk.mlstm_layer.n_heads, blk.mlstm_layer.qk_dim // blk.mlstm_layer.n_heads, \
-        blk.mlstm_layer.v_dim // blk.mlstm_layer.n_heads
-    g = torch.Generator(device="cuda").manual_seed(1)
-    st = MLSTMState(torch.zeros(1, 0, 0, device="cuda"), torch.randn(1, H, K, V, device="cuda", generator=g),
-                    torch.rand(1, H, K, device="cuda", generator=g) + 1, torch.zeros(1, H, device="cuda"))
-    x = torch.randn(1, blk.mlstm_layer.d_model, device="cuda", dtype=torch.bfloat16, generator=g)
+    x, st = step_inputs(blk, 1, torch.Generator(device="cuda").manual_seed(1))
     nbytes = sum(p.numel() * p.element_size() for p in blk.parameters()) + 2 * st.C.numel() * 4
     default = large_decode.gemv_config
     ref = None
@@ -102,7 +106,6 @@ def batches(out: str, size: str, quick: bool, rate: float, sizes=(1, 2, 4, 8, 16
     the share of the copy rate at which it moves the block's weights and states."""
     blk = block(size, quick)
     layer = blk.mlstm_layer
-    H, K, V = layer.n_heads, layer.qk_dim // layer.n_heads, layer.v_dim // layer.n_heads
     wbytes = sum(p.numel() * p.element_size() for p in blk.parameters())
 
     def torch_step(x, st):
@@ -114,9 +117,7 @@ def batches(out: str, size: str, quick: bool, rate: float, sizes=(1, 2, 4, 8, 16
     default = large_decode.matmul_config
     g = torch.Generator(device="cuda").manual_seed(2)
     for B in sizes:
-        st = MLSTMState(torch.zeros(B, 0, 0, device="cuda"), torch.randn(B, H, K, V, device="cuda", generator=g),
-                        torch.rand(B, H, K, device="cuda", generator=g) + 1, torch.zeros(B, H, device="cuda"))
-        x = torch.randn(B, layer.d_model, device="cuda", dtype=torch.bfloat16, generator=g)
+        x, st = step_inputs(blk, B, g)
         nbytes = wbytes + 2 * st.C.numel() * 4
         variants = [("compiled PyTorch", None, lambda: compiled(x, st))]
         variants += [("fused", None, lambda: blk.fused_step(x, st))] if B == 1 else \
